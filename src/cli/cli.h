@@ -1,0 +1,39 @@
+/* bakron CLI — shared declarations. Each command lives in its own file and
+ * returns a bk_status; only main() turns it into an exit code. */
+#ifndef BK_CLI_H
+#define BK_CLI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bakron/bakron.h"
+
+typedef bk_status (*bk_cmd_fn)(int argc, char **argv);
+
+/* Commands (argv[0] is the command name). */
+bk_status bk_cmd_inspect(int argc, char **argv);
+bk_status bk_cmd_solve(int argc, char **argv);
+bk_status bk_cmd_bench(int argc, char **argv);
+
+/* --- helpers (cli_util.c) --- */
+
+/* Usage error with a message (exit 1). */
+#if defined(__GNUC__)
+__attribute__((format(printf, 1, 2)))
+#endif
+bk_status cli_usage_error(const char *fmt, ...);
+
+/* Parse numbers; on failure return BK_ERR_USAGE naming the option. */
+bk_status cli_parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out);
+bk_status cli_parse_int(const char *opt, const char *s, int lo, int hi, int *out);
+bk_status cli_parse_double(const char *opt, const char *s, double lo, double hi, double *out);
+
+/* Split "FILE:TENSOR" (split at the last ':' that follows the file name's
+ * extension, else the last ':'). */
+bk_status cli_split_tensor_ref(const char *opt, const char *arg, char *file, size_t file_cap,
+                               char *tensor, size_t tensor_cap);
+
+/* 1 if argv contains -h / --help (before any "--"). */
+int cli_wants_help(int argc, char **argv);
+
+#endif /* BK_CLI_H */

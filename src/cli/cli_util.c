@@ -1,0 +1,84 @@
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+bk_status cli_usage_error(const char *fmt, ...)
+{
+    char buf[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    return bk_error(BK_ERR_USAGE, "%s", buf);
+}
+
+bk_status cli_parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end != '\0' || v < lo || v > hi)
+        return cli_usage_error("%s: expected an integer in [%lld, %lld], got '%s'", opt,
+                               (long long)lo, (long long)hi, s);
+    *out = (int64_t)v;
+    return BK_OK;
+}
+
+bk_status cli_parse_int(const char *opt, const char *s, int lo, int hi, int *out)
+{
+    int64_t v;
+    bk_status st = cli_parse_i64(opt, s, lo, hi, &v);
+    if (st == BK_OK)
+        *out = (int)v;
+    return st;
+}
+
+bk_status cli_parse_double(const char *opt, const char *s, double lo, double hi, double *out)
+{
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end != '\0' || !isfinite(v) || v < lo || v > hi)
+        return cli_usage_error("%s: expected a number in [%g, %g], got '%s'", opt, lo, hi, s);
+    *out = v;
+    return BK_OK;
+}
+
+bk_status cli_split_tensor_ref(const char *opt, const char *arg, char *file, size_t file_cap,
+                               char *tensor, size_t tensor_cap)
+{
+    const char *sep = NULL;
+    static const char *exts[] = {".safetensors.zst:", ".safetensors:"};
+    for (size_t i = 0; i < sizeof exts / sizeof exts[0] && !sep; i++) {
+        const char *p = strstr(arg, exts[i]);
+        if (p)
+            sep = p + strlen(exts[i]) - 1;
+    }
+    if (!sep)
+        sep = strrchr(arg, ':');
+    if (!sep || sep == arg || sep[1] == '\0')
+        return cli_usage_error("%s: expected FILE.safetensors:TENSOR, got '%s'", opt, arg);
+    size_t lf = (size_t)(sep - arg);
+    if (lf + 1 > file_cap || strlen(sep + 1) + 1 > tensor_cap)
+        return cli_usage_error("%s: argument too long", opt);
+    memcpy(file, arg, lf);
+    file[lf] = '\0';
+    strcpy(tensor, sep + 1);
+    return BK_OK;
+}
+
+int cli_wants_help(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--"))
+            break;
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help"))
+            return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,68 @@
+/* bakron — command-line entry point. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+typedef struct command {
+    const char *name;
+    bk_cmd_fn fn;
+    const char *summary;
+} command;
+
+static const command commands[] = {
+    {"inspect", bk_cmd_inspect, "describe a checkpoint: architecture, sizes, dtypes, tensors"},
+    {"solve", bk_cmd_solve, "quantize one weight matrix under given Hessian factors"},
+    {"bench", bk_cmd_bench, "time the solvers on random problems"},
+};
+
+static void print_help(FILE *f)
+{
+    fprintf(f,
+            "bakron %s — GPTQ-style adaptive rounding under Kronecker-factored Hessians\n"
+            "\n"
+            "usage: bakron COMMAND [options]\n"
+            "       bakron COMMAND --help\n"
+            "       bakron --version\n"
+            "\n"
+            "commands:\n",
+            bk_version());
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        fprintf(f, "  %-18s %s\n", commands[i].name, commands[i].summary);
+    fprintf(f, "\n"
+               "exit codes: 0 ok, 1 usage error, 2 bad input, 3 runtime or device error.\n"
+               "Errors are printed to stderr as one line naming the file/tensor and the rule.\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        print_help(stderr);
+        return 1;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {
+        print_help(stdout);
+        return 0;
+    }
+    if (!strcmp(cmd, "--version") || !strcmp(cmd, "-V") || !strcmp(cmd, "version")) {
+        printf("bakron %s (CUDA backend: %s)\n", bk_version(),
+               bk_cuda_compiled() ? "compiled" : "not compiled");
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+        if (!strcmp(cmd, commands[i].name)) {
+            bk_clear_error();
+            bk_status st = commands[i].fn(argc - 1, argv + 1);
+            if (st != BK_OK) {
+                const char *msg = bk_last_error();
+                fprintf(stderr, "bakron %s: error: %s\n", cmd, msg[0] ? msg : bk_status_name(st));
+                if (st == BK_ERR_USAGE)
+                    fprintf(stderr, "(see 'bakron %s --help')\n", cmd);
+            }
+            return bk_status_exit_code(st);
+        }
+    }
+    fprintf(stderr, "bakron: error: unknown command '%s' (see 'bakron --help')\n", cmd);
+    return 1;
+}

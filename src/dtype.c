@@ -1,0 +1,3 @@
+/* dtype.c — to be implemented (see include/bakron/). */
+#include "bakron/status.h"
+typedef int bk_dtype_placeholder;

@@ -1,0 +1,3 @@
+/* quant.c — to be implemented (see include/bakron/). */
+#include "bakron/status.h"
+typedef int bk_quant_placeholder;

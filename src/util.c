@@ -1,0 +1,341 @@
+#include "util.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+double bk_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void *bk_alloc(size_t n, size_t size)
+{
+    size_t bytes;
+    if (__builtin_mul_overflow(n, size, &bytes))
+        return NULL;
+    if (bytes == 0)
+        bytes = 1;
+    /* round up to the alignment, as aligned_alloc requires */
+    if (bytes > SIZE_MAX - 63)
+        return NULL;
+    bytes = (bytes + 63) & ~(size_t)63;
+    return aligned_alloc(64, bytes);
+}
+
+void *bk_calloc(size_t n, size_t size)
+{
+    void *p = bk_alloc(n, size);
+    if (p)
+        memset(p, 0, n * size > 0 ? n * size : 1);
+    return p;
+}
+
+bk_status bk_read_file(const char *path, size_t max_bytes, char **buf, size_t *len)
+{
+    *buf = NULL;
+    if (len)
+        *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return bk_error(BK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+        fclose(f);
+        return bk_error(BK_ERR_IO, "%s: not a regular file", path);
+    }
+    if ((uint64_t)st.st_size > max_bytes) {
+        fclose(f);
+        return bk_error(BK_ERR_IO, "%s: file too large (%lld bytes, limit %zu)", path,
+                        (long long)st.st_size, max_bytes);
+    }
+    size_t n = (size_t)st.st_size;
+    char *b = malloc(n + 1);
+    if (!b) {
+        fclose(f);
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory reading %zu bytes", path, n);
+    }
+    if (n && fread(b, 1, n, f) != n) {
+        free(b);
+        fclose(f);
+        return bk_error(BK_ERR_IO, "%s: read failed", path);
+    }
+    fclose(f);
+    b[n] = '\0';
+    *buf = b;
+    if (len)
+        *len = n;
+    return BK_OK;
+}
+
+bk_status bk_path_join(char *dst, size_t cap, const char *a, const char *b)
+{
+    size_t la = strlen(a);
+    int n;
+    if (la == 0)
+        n = snprintf(dst, cap, "%s", b);
+    else if (a[la - 1] == '/')
+        n = snprintf(dst, cap, "%s%s", a, b);
+    else
+        n = snprintf(dst, cap, "%s/%s", a, b);
+    if (n < 0 || (size_t)n >= cap)
+        return bk_error(BK_ERR_INVALID_ARG, "path too long: %s/%s", a, b);
+    return BK_OK;
+}
+
+int bk_is_dir(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+int bk_is_file(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+int bk_ends_with(const char *name, const char *suffix)
+{
+    size_t ln = strlen(name), ls = strlen(suffix);
+    return ln >= ls && memcmp(name + ln - ls, suffix, ls) == 0;
+}
+
+bk_status bk_mkdir_p(const char *path)
+{
+    char tmp[4096];
+    size_t len = strlen(path);
+    if (len == 0 || len >= sizeof tmp)
+        return bk_error(BK_ERR_INVALID_ARG, "bad directory path '%s'", path);
+    memcpy(tmp, path, len + 1);
+    for (char *p = tmp + 1; *p; p++) {
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(tmp, 0777) != 0 && errno != EEXIST)
+                return bk_error(BK_ERR_WRITE, "%s: cannot create directory: %s", tmp,
+                                strerror(errno));
+            *p = '/';
+        }
+    }
+    if (mkdir(tmp, 0777) != 0 && errno != EEXIST)
+        return bk_error(BK_ERR_WRITE, "%s: cannot create directory: %s", tmp, strerror(errno));
+    if (!bk_is_dir(tmp))
+        return bk_error(BK_ERR_WRITE, "%s: exists and is not a directory", tmp);
+    return BK_OK;
+}
+
+void bk_remove_tree(const char *path)
+{
+    struct stat st;
+    if (lstat(path, &st) != 0)
+        return;
+    if (S_ISDIR(st.st_mode)) {
+        DIR *d = opendir(path);
+        if (d) {
+            struct dirent *e;
+            while ((e = readdir(d)) != NULL) {
+                if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+                    continue;
+                char sub[4096];
+                if (bk_path_join(sub, sizeof sub, path, e->d_name) == BK_OK)
+                    bk_remove_tree(sub);
+            }
+            closedir(d);
+        }
+        rmdir(path);
+    } else {
+        unlink(path);
+    }
+}
+
+static int dir_is_empty(const char *path)
+{
+    DIR *d = opendir(path);
+    if (!d)
+        return 1;
+    struct dirent *e;
+    int empty = 1;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            empty = 0;
+            break;
+        }
+    }
+    closedir(d);
+    return empty;
+}
+
+bk_status bk_outdir_begin(const char *final_path, char *tmp, size_t cap)
+{
+    size_t len = strlen(final_path);
+    while (len > 1 && final_path[len - 1] == '/')
+        len--;
+    int n = snprintf(tmp, cap, "%.*s.tmp-%ld", (int)len, final_path, (long)getpid());
+    if (n < 0 || (size_t)n >= cap)
+        return bk_error(BK_ERR_INVALID_ARG, "output path too long: %s", final_path);
+    bk_remove_tree(tmp);
+    return bk_mkdir_p(tmp);
+}
+
+bk_status bk_outdir_commit(const char *tmp, const char *final_path, int overwrite)
+{
+    /* fsync the files in tmp, then the directory itself */
+    DIR *d = opendir(tmp);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            char sub[4096];
+            if (e->d_name[0] == '.' || bk_path_join(sub, sizeof sub, tmp, e->d_name) != BK_OK)
+                continue;
+            int fd = open(sub, O_RDONLY);
+            if (fd >= 0) {
+                fsync(fd);
+                close(fd);
+            }
+        }
+        closedir(d);
+    }
+    int dfd = open(tmp, O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    if (bk_is_dir(final_path)) {
+        if (!dir_is_empty(final_path) && !overwrite)
+            return bk_error(BK_ERR_WRITE,
+                            "%s: output folder exists and is not empty (use --overwrite)",
+                            final_path);
+        bk_remove_tree(final_path);
+    } else if (bk_is_file(final_path)) {
+        return bk_error(BK_ERR_WRITE, "%s: exists and is a file", final_path);
+    }
+    if (rename(tmp, final_path) != 0)
+        return bk_error(BK_ERR_WRITE, "%s: cannot rename %s into place: %s", final_path, tmp,
+                        strerror(errno));
+    return BK_OK;
+}
+
+bk_status bk_write_file_atomic(const char *path, const void *data, size_t len)
+{
+    char tmp[4096];
+    int n = snprintf(tmp, sizeof tmp, "%s.tmp.XXXXXX", path);
+    if (n < 0 || (size_t)n >= sizeof tmp)
+        return bk_error(BK_ERR_INVALID_ARG, "path too long: %s", path);
+    int fd = mkstemp(tmp);
+    if (fd < 0)
+        return bk_error(BK_ERR_WRITE, "%s: cannot create temporary file: %s", path,
+                        strerror(errno));
+    const char *p = data;
+    size_t left = len;
+    while (left > 0) {
+        ssize_t w = write(fd, p, left);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            int e = errno;
+            close(fd);
+            unlink(tmp);
+            return bk_error(BK_ERR_WRITE, "%s: write failed: %s", path, strerror(e));
+        }
+        p += w;
+        left -= (size_t)w;
+    }
+    if (fsync(fd) != 0) {
+        int e = errno;
+        close(fd);
+        unlink(tmp);
+        return bk_error(BK_ERR_WRITE, "%s: fsync failed: %s", path, strerror(e));
+    }
+    fchmod(fd, 0644);
+    if (close(fd) != 0) {
+        unlink(tmp);
+        return bk_error(BK_ERR_WRITE, "%s: close failed", path);
+    }
+    if (rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        return bk_error(BK_ERR_WRITE, "%s: rename failed: %s", path, strerror(e));
+    }
+    return BK_OK;
+}
+
+bk_status bk_copy_file(const char *src, const char *dst)
+{
+    FILE *in = fopen(src, "rb");
+    if (!in)
+        return bk_error(BK_ERR_IO, "%s: cannot open: %s", src, strerror(errno));
+    FILE *out = fopen(dst, "wb");
+    if (!out) {
+        fclose(in);
+        return bk_error(BK_ERR_WRITE, "%s: cannot create: %s", dst, strerror(errno));
+    }
+    char buf[1 << 16];
+    size_t r;
+    bk_status st = BK_OK;
+    while ((r = fread(buf, 1, sizeof buf, in)) > 0) {
+        if (fwrite(buf, 1, r, out) != r) {
+            st = bk_error(BK_ERR_WRITE, "%s: write failed", dst);
+            break;
+        }
+    }
+    if (ferror(in))
+        st = bk_error(BK_ERR_IO, "%s: read failed", src);
+    fclose(in);
+    if (fclose(out) != 0 && st == BK_OK)
+        st = bk_error(BK_ERR_WRITE, "%s: write failed", dst);
+    if (st != BK_OK)
+        unlink(dst);
+    return st;
+}
+
+static inline uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+void bk_rng_seed(bk_rng *r, uint64_t seed)
+{
+    /* splitmix64 to fill the state */
+    for (int i = 0; i < 4; i++) {
+        uint64_t z = (seed += 0x9e3779b97f4a7c15ULL);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        r->s[i] = z ^ (z >> 31);
+    }
+}
+
+uint64_t bk_rng_next(bk_rng *r)
+{
+    uint64_t *s = r->s;
+    uint64_t result = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+double bk_rng_uniform(bk_rng *r)
+{
+    return (double)(bk_rng_next(r) >> 11) * 0x1.0p-53;
+}
+
+double bk_rng_normal(bk_rng *r)
+{
+    double u1 = bk_rng_uniform(r), u2 = bk_rng_uniform(r);
+    if (u1 < 1e-300)
+        u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}

@@ -1,0 +1,71 @@
+/* Internal helpers shared by the library and the CLI (not public API). */
+#ifndef BK_UTIL_H
+#define BK_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bakron/status.h"
+
+/* Monotonic wall clock in seconds. */
+double bk_now(void);
+
+/* Overflow-checked arithmetic: return 1 on overflow, else store and return 0. */
+static inline int bk_mul_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    return __builtin_mul_overflow(a, b, out);
+}
+static inline int bk_add_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    return __builtin_add_overflow(a, b, out);
+}
+
+/* malloc of n * size bytes, NULL on overflow or failure. 64-byte aligned;
+ * release with free(). */
+void *bk_alloc(size_t n, size_t size);
+/* Same, zero-filled. */
+void *bk_calloc(size_t n, size_t size);
+
+/* Read a whole (small) file into a NUL-terminated buffer (caller frees).
+ * Refuses files larger than max_bytes. */
+bk_status bk_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
+
+/* dst = a "/" b (a may be "" or end in '/'). BK_ERR_INVALID_ARG if too long. */
+bk_status bk_path_join(char *dst, size_t cap, const char *a, const char *b);
+/* 1 if path is an existing directory / regular file. */
+int bk_is_dir(const char *path);
+int bk_is_file(const char *path);
+/* Does name end with suffix? */
+int bk_ends_with(const char *name, const char *suffix);
+
+/* mkdir -p. */
+bk_status bk_mkdir_p(const char *path);
+/* rm -rf (best effort; used to clean temporary output folders). */
+void bk_remove_tree(const char *path);
+
+/* Output folders are built under a temporary sibling name and renamed into
+ * place at the end, so no half-written folder ever carries the final name.
+ * bk_outdir_begin creates "<final>.tmp-<pid>" (removing a stale one) and
+ * writes its path into tmp. bk_outdir_commit fsyncs and renames it to final
+ * (refusing to replace an existing non-empty folder unless overwrite). */
+bk_status bk_outdir_begin(const char *final_path, char *tmp, size_t cap);
+bk_status bk_outdir_commit(const char *tmp, const char *final_path, int overwrite);
+
+/* Write a whole buffer to path atomically (temp file + fsync + rename). */
+bk_status bk_write_file_atomic(const char *path, const void *data, size_t len);
+
+/* Copy a file (used for tokenizer files). */
+bk_status bk_copy_file(const char *src, const char *dst);
+
+/* Deterministic PRNG (xoshiro256**), for benchmarks and tests. */
+typedef struct bk_rng {
+    uint64_t s[4];
+} bk_rng;
+void bk_rng_seed(bk_rng *r, uint64_t seed);
+uint64_t bk_rng_next(bk_rng *r);
+/* Uniform in [0, 1). */
+double bk_rng_uniform(bk_rng *r);
+/* Standard normal. */
+double bk_rng_normal(bk_rng *r);
+
+#endif /* BK_UTIL_H */

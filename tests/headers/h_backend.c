@@ -1,0 +1,7 @@
+/* backend.h must compile on its own. */
+#include "bakron/backend.h"
+
+int main(void)
+{
+    return 0;
+}

@@ -1,0 +1,7 @@
+/* status.h must compile on its own. */
+#include "bakron/status.h"
+
+int main(void)
+{
+    return 0;
+}
