@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/common.sh
 
-bk_install_deps clang
+bk_install_deps
 bk_cuda_path
 
 jobs=$(nproc 2>/dev/null || echo 2)
