@@ -3,6 +3,8 @@
 #define BAKRON_BAKRON_H
 
 #include "bakron/backend.h"
+#include "bakron/forward.h"
+#include "bakron/hessian.h"
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
 #include "bakron/solver.h"

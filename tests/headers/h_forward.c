@@ -1,0 +1,7 @@
+/* forward.h must compile on its own. */
+#include "bakron/forward.h"
+
+int main(void)
+{
+    return 0;
+}
