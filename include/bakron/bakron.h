@@ -6,6 +6,7 @@
 #include "bakron/forward.h"
 #include "bakron/hessian.h"
 #include "bakron/model.h"
+#include "bakron/pipeline.h"
 #include "bakron/safetensors.h"
 #include "bakron/solver.h"
 #include "bakron/status.h"

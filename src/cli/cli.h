@@ -14,6 +14,8 @@ typedef bk_status (*bk_cmd_fn)(int argc, char **argv);
 bk_status bk_cmd_inspect(int argc, char **argv);
 bk_status bk_cmd_solve(int argc, char **argv);
 bk_status bk_cmd_bench(int argc, char **argv);
+bk_status bk_cmd_quantize(int argc, char **argv);
+bk_status bk_cmd_dump(int argc, char **argv);
 
 /* --- helpers (cli_util.c) --- */
 

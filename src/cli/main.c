@@ -11,6 +11,8 @@ typedef struct command {
 } command;
 
 static const command commands[] = {
+    {"quantize", bk_cmd_quantize, "quantize a checkpoint layer by layer (GPTQ / BaKron)"},
+    {"dump-activations", bk_cmd_dump, "write the calibration inputs of every linear module"},
     {"inspect", bk_cmd_inspect, "describe a checkpoint: architecture, sizes, dtypes, tensors"},
     {"solve", bk_cmd_solve, "quantize one weight matrix under given Hessian factors"},
     {"bench", bk_cmd_bench, "time the solvers on random problems"},

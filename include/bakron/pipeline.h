@@ -1,0 +1,112 @@
+/* bakron — the whole-model jobs: quantize a checkpoint layer by layer, and
+ * dump calibration activations (docs/activations.md).
+ */
+#ifndef BAKRON_PIPELINE_H
+#define BAKRON_PIPELINE_H
+
+#include <stdint.h>
+
+#include "bakron/backend.h"
+#include "bakron/hessian.h"
+#include "bakron/solver.h"
+#include "bakron/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum bk_export_format {
+    BK_EXPORT_NATIVE = 0,   /* codes + scales (docs/formats.md "bakron native") */
+    BK_EXPORT_DEQUANTIZED,  /* ordinary checkpoint, dequantized weights in the original dtype */
+    BK_EXPORT_GPTQ          /* GPTQ v1 packed int32 (transformers / vLLM "gptq") */
+} bk_export_format;
+
+const char *bk_export_name(bk_export_format f);
+bk_status bk_export_from_name(const char *name, bk_export_format *out);
+
+/* Progress events, delivered to the callback as they happen. */
+typedef enum bk_event_kind {
+    BK_EV_START = 0,   /* job parameters known */
+    BK_EV_LAYER_BEGIN,
+    BK_EV_MODULE_DONE, /* one linear module quantized */
+    BK_EV_LAYER_DONE,
+    BK_EV_WRITE,       /* output being written */
+    BK_EV_DONE
+} bk_event_kind;
+
+typedef struct bk_event {
+    bk_event_kind kind;
+    int layer, n_layers;         /* current layer, total layers to process */
+    const char *module;          /* "self_attn.q_proj" (MODULE_DONE) */
+    int64_t rows, cols;          /* module shape */
+    double loss, loss_gptq;      /* proxy losses of the module (MODULE_DONE) */
+    double damp_a, damp_b;
+    double elapsed_s, eta_s;
+    double t_forward, t_hessian, t_factor, t_solve, t_io; /* cumulative stage times */
+    const char *message;         /* free text (START / WRITE / DONE) */
+} bk_event;
+
+typedef void (*bk_event_fn)(void *user, const bk_event *ev);
+
+typedef struct bk_quantize_opts {
+    const char *model_dir;
+    const char *calib_path;       /* token ids (.safetensors with input_ids), or NULL */
+    const char *activations_dir;  /* pre-dumped activations, or NULL */
+    const char *out_dir;
+    bk_hessian_kind hessian;
+    bk_solve_opts solve;          /* algorithm, precision, quantizer, damping */
+    int64_t samples;              /* 0 = all sequences */
+    int64_t seqlen;               /* 0 = as in the file */
+    int layer_begin, layer_end;   /* quantize layers [begin, end); end <= 0 = all */
+    int sequential;               /* 1 (default): each module sees the quantized ones before it */
+    int hessian_fp64;             /* accumulate Hessians in double */
+    int64_t batch;                /* micro-batch (sequences), 0 = automatic */
+    bk_export_format export_format;
+    uint64_t max_shard_bytes;     /* 0 = 5 GB */
+    int overwrite;                /* replace a non-empty OUT_DIR */
+    bk_backend_kind backend;
+    const char *config_path;      /* preset that was applied (recorded in the report) */
+    bk_event_fn on_event;
+    void *user;
+} bk_quantize_opts;
+
+void bk_quantize_opts_default(bk_quantize_opts *o);
+
+/* Quantize a model. The output folder is built under a temporary name and
+ * renamed into place only when complete; on any failure (or interruption,
+ * see bk_request_stop) nothing is left under OUT_DIR. */
+bk_status bk_quantize(const bk_quantize_opts *o);
+
+typedef struct bk_dump_opts {
+    const char *model_dir;
+    const char *calib_path;
+    const char *out_dir;
+    int64_t samples, seqlen, batch;
+    int zstd;                     /* write layer.NNNN.safetensors.zst */
+    int zstd_level;
+    bk_dtype dtype;               /* F32 (default), BF16 or F16 */
+    int overwrite;
+    bk_event_fn on_event;
+    void *user;
+} bk_dump_opts;
+
+void bk_dump_opts_default(bk_dump_opts *o);
+
+/* Full-precision forward over the calibration tokens, writing the inputs of
+ * every linear module per layer (docs/activations.md). */
+bk_status bk_dump_activations(const bk_dump_opts *o);
+
+/* Ask a running job to stop at the next module boundary (async-signal-safe);
+ * the job then returns BK_ERR_INTERRUPTED and removes its temporary output. */
+void bk_request_stop(void);
+
+/* Read calibration token ids: an I32/I64 tensor `input_ids` [sequences,
+ * seqlen] in a safetensors file. samples/seqlen > 0 take the first N
+ * sequences / T tokens. Checks 0 <= id < vocab. *tokens is malloc'd. */
+bk_status bk_load_tokens(const char *path, int64_t vocab, int64_t samples, int64_t seqlen,
+                         int32_t **tokens, int64_t *S, int64_t *T);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* BAKRON_PIPELINE_H */

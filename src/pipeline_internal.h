@@ -1,0 +1,53 @@
+/* Internal pieces of the quantization job (src/pipeline*.c, src/activations.c). */
+#ifndef BK_PIPELINE_INTERNAL_H
+#define BK_PIPELINE_INTERNAL_H
+
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "bakron/backend.h"
+#include "bakron/model.h"
+#include "bakron/pipeline.h"
+#include "bakron/safetensors.h"
+#include "bakron/solver.h"
+
+int bk__stop_requested(void);
+
+/* "model.layers.N.<module>.weight" -> layer, module. */
+int bk__parse_linear_name(const char *name, int *layer, bk_module *mod);
+
+/* Export (src/pipeline_export.c). */
+bk_status bk__check_export(const bk_quantize_opts *o, const bk_model_config *cfg);
+bk_status bk__declare_quantized(bk_st_stream *s, const bk_quantize_opts *o,
+                                const bk_model_config *cfg, const char *weight_name,
+                                bk_module mod);
+bk_status bk__write_module(bk_st_stream *s, const bk_quantize_opts *o, const bk_model_config *cfg,
+                           const bk_model *model, int layer, bk_module mod,
+                           const bk_solve_result *r);
+cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config *cfg, int64_t S,
+                               int64_t T, int layer_begin, int layer_end);
+bk_status bk__copy_aux_files(const char *model_dir, const char *out_dir);
+int64_t bk__auto_batch(const bk_model_config *cfg, int64_t T);
+/* RTN without calibration data: quantize one layer's modules. */
+bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
+                        const bk_quantize_opts *o, const bk_model_config *cfg, int layer,
+                        cJSON *report, int64_t *params);
+
+/* Activation dumps (src/activations.c). */
+typedef struct bk_act_reader bk_act_reader;
+typedef struct bk_act_layer {
+    bk_st_file *file;
+    const bk_tensor_info *t[4]; /* attn_in, o_in, mlp_in, down_in */
+} bk_act_layer;
+
+bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samples,
+                       bk_act_reader **out, int64_t *S, int64_t *T);
+void bk__act_close(bk_act_reader *r);
+bk_status bk__act_layer_open(bk_act_reader *r, int layer, bk_act_layer *al);
+void bk__act_layer_close(bk_act_layer *al);
+/* Rows [r0, r0+nr) of tensor `name` ("attn_in", ...) as F32 into dst [nr, width]. */
+bk_status bk__act_rows(const bk_act_layer *al, const char *name, int64_t r0, int64_t nr,
+                       int64_t width, float *dst);
+
+#endif
