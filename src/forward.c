@@ -1,3 +1,932 @@
-/* forward.c — to be implemented (see include/bakron/forward.h). */
+/* Native forward pass of decoder-only Llama / Mistral / Qwen2 / Qwen3 models
+ * on the CPU: F32 compute, every projection and the per-head attention
+ * products through cblas_sgemm, everything else plain loops.
+ *
+ * The arithmetic follows transformers' float32 path step by step (docs/forward.md):
+ *   RMSNorm   y = w * (x * rsqrt(mean(x^2) + eps))
+ *   attention q/k/v = x W^T (+b); Qwen3: RMSNorm of every head of q and k
+ *             (q_norm / k_norm, before RoPE); RoPE (rope.c); scores = q k^T
+ *             / sqrt(head_dim), causal, softmax with max subtraction; o = P v;
+ *             query head h reads kv head h / (heads / kv_heads)
+ *   MLP       down_in = silu(x Wg^T) * (x Wu^T), silu(z) = z / (1 + exp(-z))
+ *   residual  h = h + (module output), the module output formed first.
+ */
 #include "bakron/forward.h"
-typedef int bk_forward_placeholder;
+
+#include <cblas.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rope.h"
+#include "util.h"
+
+struct bk_fwd {
+    bk_model_config cfg;
+    int64_t max_seqs, T, max_rows;
+    int64_t hidden, nh, nkv, hd, inter, qdim, kvdim;
+    float eps;
+    bk_rope rope;
+    float *q, *k, *v;   /* [rows, qdim], [rows, kvdim] x 2 */
+    float *o;           /* [rows, qdim] */
+    float *x;           /* [rows, hidden] normalized input */
+    float *tmp;         /* [rows, hidden] module output before the residual add */
+    float *gate, *up;   /* [rows, intermediate] */
+    float *down;        /* [rows, intermediate] */
+    float *scores;      /* [T, T] */
+};
+
+/* Largest dimension handed to BLAS (its integers are 32-bit). */
+#define BK_BLAS_MAX ((int64_t)INT_MAX)
+
+/* Logits are formed in blocks of at most this many floats. */
+#define BK_LOGIT_BLOCK ((int64_t)1 << 24)
+/* Rows of the LM head converted to F32 at a time: at most this many floats. */
+#define BK_HEAD_BLOCK ((int64_t)1 << 22)
+
+static float *alloc_f32(int64_t a, int64_t b)
+{
+    uint64_t n;
+    if (a < 0 || b < 0 || bk_mul_u64((uint64_t)a, (uint64_t)b, &n) || n > SIZE_MAX / 4)
+        return NULL;
+    return bk_alloc(n ? (size_t)n : 1, sizeof(float));
+}
+
+/* ------------------------------------------------------------ kernels */
+
+/* Y[N, out] = X[N, in] W[out, in]^T (+ b) */
+static void linear(const float *X, int64_t N, int64_t in, const float *W, int64_t out,
+                   const float *b, float *Y)
+{
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)out, (blasint)in,
+                1.0f, X, (blasint)in, W, (blasint)in, 0.0f, Y, (blasint)out);
+    if (b) {
+        for (int64_t r = 0; r < N; r++) {
+            float *y = Y + r * out;
+            for (int64_t j = 0; j < out; j++)
+                y[j] += b[j];
+        }
+    }
+}
+
+/* y = w * (x * rsqrt(mean(x^2) + eps)) over rows of n; y may equal x. */
+static void rmsnorm_rows(const float *x, int64_t rows, int64_t n, const float *w, float eps,
+                         float *y)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        double ss = 0.0;
+        for (int64_t i = 0; i < n; i++)
+            ss += (double)xr[i] * (double)xr[i];
+        float var = (float)(ss / (double)n);
+        float inv = 1.0f / sqrtf(var + eps);
+        for (int64_t i = 0; i < n; i++)
+            yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+static void add_into(float *h, const float *d, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        h[i] += d[i];
+}
+
+/* Causal softmax of the rows of sc [T, T] in place (entries j > i set to 0). */
+static void causal_softmax(float *sc, int64_t T)
+{
+    for (int64_t i = 0; i < T; i++) {
+        float *row = sc + i * T;
+        float mx = row[0];
+        for (int64_t j = 1; j <= i; j++)
+            mx = row[j] > mx ? row[j] : mx;
+        double sum = 0.0;
+        for (int64_t j = 0; j <= i; j++) {
+            float e = expf(row[j] - mx);
+            row[j] = e;
+            sum += (double)e;
+        }
+        float fs = (float)sum;
+        for (int64_t j = 0; j <= i; j++)
+            row[j] = row[j] / fs;
+        for (int64_t j = i + 1; j < T; j++)
+            row[j] = 0.0f;
+    }
+}
+
+/* --------------------------------------------------------- the context */
+
+void bk_fwd_free(bk_fwd *f)
+{
+    if (!f)
+        return;
+    bk_rope_free(&f->rope);
+    free(f->q);
+    free(f->k);
+    free(f->v);
+    free(f->o);
+    free(f->x);
+    free(f->tmp);
+    free(f->gate);
+    free(f->up);
+    free(f->down);
+    free(f->scores);
+    free(f);
+}
+
+static bk_status check_config(const bk_model_config *c)
+{
+    if (c->hidden <= 0 || c->intermediate <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
+        c->head_dim <= 0 || c->vocab <= 0 || c->n_layers <= 0)
+        return bk_error(BK_ERR_CONFIG,
+                        "forward: sizes must be positive (hidden %lld, intermediate %lld, heads "
+                        "%lld, kv heads %lld, head_dim %lld, vocab %lld, layers %lld)",
+                        (long long)c->hidden, (long long)c->intermediate, (long long)c->n_heads,
+                        (long long)c->n_kv_heads, (long long)c->head_dim, (long long)c->vocab,
+                        (long long)c->n_layers);
+    if (c->n_heads % c->n_kv_heads != 0)
+        return bk_error(BK_ERR_CONFIG,
+                        "forward: num_attention_heads %lld is not a multiple of "
+                        "num_key_value_heads %lld",
+                        (long long)c->n_heads, (long long)c->n_kv_heads);
+    if (c->head_dim % 2 != 0)
+        return bk_error(BK_ERR_CONFIG, "forward: head_dim %lld must be even for RoPE",
+                        (long long)c->head_dim);
+    if (c->hidden > BK_BLAS_MAX || c->intermediate > BK_BLAS_MAX || c->vocab > BK_BLAS_MAX ||
+        c->n_heads * c->head_dim > BK_BLAS_MAX)
+        return bk_error(BK_ERR_UNSUPPORTED, "forward: a dimension exceeds %lld",
+                        (long long)BK_BLAS_MAX);
+    if (!(c->rms_eps >= 0) || !isfinite(c->rms_eps))
+        return bk_error(BK_ERR_CONFIG, "forward: rms_norm_eps must be a finite number >= 0 (got %g)",
+                        c->rms_eps);
+    if (c->hidden_act[0] && strcmp(c->hidden_act, "silu") != 0 &&
+        strcmp(c->hidden_act, "swish") != 0)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "forward: hidden_act '%s' is not supported (only silu)", c->hidden_act);
+    return BK_OK;
+}
+
+bk_status bk_fwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t seqlen,
+                        bk_fwd **out)
+{
+    *out = NULL;
+    if (!cfg)
+        return bk_error(BK_ERR_INVALID_ARG, "forward: NULL config");
+    if (max_seqs < 1 || seqlen < 1)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "forward: need at least 1 sequence of at least 1 token (got %lld x %lld)",
+                        (long long)max_seqs, (long long)seqlen);
+    bk_status st = check_config(cfg);
+    if (st != BK_OK)
+        return st;
+    uint64_t rows;
+    if (bk_mul_u64((uint64_t)max_seqs, (uint64_t)seqlen, &rows) || rows > (uint64_t)BK_BLAS_MAX)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "forward: micro-batch of %lld sequences x %lld tokens is too large "
+                        "(at most %lld rows)",
+                        (long long)max_seqs, (long long)seqlen, (long long)BK_BLAS_MAX);
+    bk_fwd *f = calloc(1, sizeof *f);
+    if (!f)
+        return bk_error(BK_ERR_NOMEM, "forward: out of memory");
+    f->cfg = *cfg;
+    f->max_seqs = max_seqs;
+    f->T = seqlen;
+    f->max_rows = (int64_t)rows;
+    f->hidden = cfg->hidden;
+    f->nh = cfg->n_heads;
+    f->nkv = cfg->n_kv_heads;
+    f->hd = cfg->head_dim;
+    f->inter = cfg->intermediate;
+    f->qdim = f->nh * f->hd;
+    f->kvdim = f->nkv * f->hd;
+    f->eps = (float)cfg->rms_eps;
+    st = bk_rope_init(&f->rope, cfg, seqlen);
+    if (st != BK_OK) {
+        free(f);
+        return bk_error_prefix(st, "forward");
+    }
+    int64_t R = f->max_rows;
+    f->q = alloc_f32(R, f->qdim);
+    f->k = alloc_f32(R, f->kvdim);
+    f->v = alloc_f32(R, f->kvdim);
+    f->o = alloc_f32(R, f->qdim);
+    f->x = alloc_f32(R, f->hidden);
+    f->tmp = alloc_f32(R, f->hidden);
+    f->gate = alloc_f32(R, f->inter);
+    f->up = alloc_f32(R, f->inter);
+    f->down = alloc_f32(R, f->inter);
+    f->scores = alloc_f32(seqlen, seqlen);
+    if (!f->q || !f->k || !f->v || !f->o || !f->x || !f->tmp || !f->gate || !f->up ||
+        !f->down || !f->scores) {
+        bk_fwd_free(f);
+        return bk_error(BK_ERR_NOMEM,
+                        "forward: out of memory for buffers of %lld sequences x %lld tokens",
+                        (long long)max_seqs, (long long)seqlen);
+    }
+    *out = f;
+    return BK_OK;
+}
+
+static bk_status check_batch(const bk_fwd *f, int64_t S, const char *what)
+{
+    if (!f)
+        return bk_error(BK_ERR_INVALID_ARG, "forward %s: NULL context", what);
+    if (S < 1 || S > f->max_seqs)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "forward %s: %lld sequences, the context holds 1..%lld", what,
+                        (long long)S, (long long)f->max_seqs);
+    return BK_OK;
+}
+
+static bk_status check_lw(const bk_layer_weights *lw, const char *what)
+{
+    if (!lw)
+        return bk_error(BK_ERR_INVALID_ARG, "forward %s: NULL layer weights", what);
+    return BK_OK;
+}
+
+/* ------------------------------------------------------- layer weights */
+
+static void fmt_layer_name(char *buf, size_t cap, int layer, const char *suffix)
+{
+    if (layer >= 0)
+        snprintf(buf, cap, "model.layers.%d.%s", layer, suffix);
+    else
+        snprintf(buf, cap, "%s", suffix);
+}
+
+static const char *fmt_shape(const bk_tensor_info *t, char *buf, size_t cap)
+{
+    size_t k = 0;
+    k += (size_t)snprintf(buf + k, cap - k, "[");
+    for (int i = 0; i < t->ndim && k < cap; i++)
+        k += (size_t)snprintf(buf + k, cap - k, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+    if (k < cap)
+        snprintf(buf + k, cap - k, "]");
+    return buf;
+}
+
+static bk_status check_finite(const float *a, uint64_t n, const char *name)
+{
+    for (uint64_t i = 0; i < n; i++)
+        if (!isfinite(a[i]))
+            return bk_error(BK_ERR_NONFINITE, "%s: element %llu is %s (weights must be finite)",
+                            name, (unsigned long long)i, isnan(a[i]) ? "NaN" : "Inf");
+    return BK_OK;
+}
+
+/* A 1-D tensor of n elements as F32 (finite). */
+static bk_status load_vec(const bk_model *m, int layer, const char *suffix, int64_t n,
+                          float **out)
+{
+    *out = NULL;
+    char name[256];
+    const bk_tensor_info *t = bk_model_find(m, layer, suffix);
+    if (!t) {
+        fmt_layer_name(name, sizeof name, layer, suffix);
+        return bk_error(BK_ERR_MISSING_TENSOR, "%s: missing (the config implies it)", name);
+    }
+    const char *tn = t->name ? t->name : suffix;
+    char sb[128];
+    if (t->ndim != 1 || t->shape[0] != n)
+        return bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld], got %s", tn, (long long)n,
+                        fmt_shape(t, sb, sizeof sb));
+    float *v = alloc_f32(n, 1);
+    if (!v)
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory", tn);
+    bk_status st = bk_tensor_to_f32(t, v);
+    if (st == BK_OK)
+        st = check_finite(v, (uint64_t)n, tn);
+    if (st != BK_OK) {
+        free(v);
+        return st;
+    }
+    *out = v;
+    return BK_OK;
+}
+
+static int module_has_bias(const bk_model_config *c, bk_module mod)
+{
+    switch (mod) {
+    case BK_MOD_Q:
+    case BK_MOD_K:
+    case BK_MOD_V: return c->qkv_bias;
+    case BK_MOD_O: return c->o_bias;
+    default: return c->mlp_bias;
+    }
+}
+
+void bk_layer_weights_free(bk_layer_weights *lw)
+{
+    if (!lw)
+        return;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        free(lw->w[i]);
+        free(lw->b[i]);
+        lw->w[i] = lw->b[i] = NULL;
+    }
+    free(lw->attn_norm);
+    free(lw->mlp_norm);
+    free(lw->q_norm);
+    free(lw->k_norm);
+    lw->attn_norm = lw->mlp_norm = lw->q_norm = lw->k_norm = NULL;
+}
+
+bk_status bk_layer_weights_load(const bk_model *m, int layer, bk_layer_weights *lw)
+{
+    if (!lw)
+        return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL output");
+    memset(lw, 0, sizeof *lw);
+    lw->layer = layer;
+    if (!m)
+        return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL model");
+    const bk_model_config *c = bk_model_get_config(m);
+    if (layer < 0 || layer >= c->n_layers)
+        return bk_error(BK_ERR_INVALID_ARG, "layer weights: layer %d outside [0, %lld)", layer,
+                        (long long)c->n_layers);
+    bk_status st = BK_OK;
+    char name[256], suffix[128];
+    for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        snprintf(suffix, sizeof suffix, "%s.weight", bk_module_name((bk_module)i));
+        fmt_layer_name(name, sizeof name, layer, suffix);
+        lw->w[i] = alloc_f32(o, in);
+        if (!lw->w[i]) {
+            st = bk_error(BK_ERR_NOMEM, "%s: out of memory for [%lld, %lld]", name, (long long)o,
+                          (long long)in);
+            break;
+        }
+        st = bk_model_linear_f32(m, layer, (bk_module)i, lw->w[i]);
+        if (st == BK_OK)
+            st = check_finite(lw->w[i], (uint64_t)(o * in), name);
+        if (st == BK_OK && module_has_bias(c, (bk_module)i)) {
+            snprintf(suffix, sizeof suffix, "%s.bias", bk_module_name((bk_module)i));
+            st = load_vec(m, layer, suffix, o, &lw->b[i]);
+        }
+    }
+    if (st == BK_OK)
+        st = load_vec(m, layer, "input_layernorm.weight", c->hidden, &lw->attn_norm);
+    if (st == BK_OK)
+        st = load_vec(m, layer, "post_attention_layernorm.weight", c->hidden, &lw->mlp_norm);
+    if (st == BK_OK && c->qk_norm) {
+        st = load_vec(m, layer, "self_attn.q_norm.weight", c->head_dim, &lw->q_norm);
+        if (st == BK_OK)
+            st = load_vec(m, layer, "self_attn.k_norm.weight", c->head_dim, &lw->k_norm);
+    }
+    if (st != BK_OK)
+        bk_layer_weights_free(lw);
+    return st;
+}
+
+/* ------------------------------------------------------------- stages */
+
+static bk_status check_tokens(const bk_fwd *f, const int32_t *tokens, int64_t S)
+{
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t t = 0; t < f->T; t++) {
+            int32_t id = tokens[s * f->T + t];
+            if (id < 0 || (int64_t)id >= f->cfg.vocab)
+                return bk_error(BK_ERR_CALIB,
+                                "input_ids: sequence %lld position %lld: token id %d is outside "
+                                "the vocabulary [0, %lld)",
+                                (long long)s, (long long)t, (int)id, (long long)f->cfg.vocab);
+        }
+    return BK_OK;
+}
+
+/* A 2-D [rows, cols] tensor of the model (layer < 0: top level). */
+static bk_status find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
+                             const bk_tensor_info **out)
+{
+    const bk_tensor_info *t = bk_model_find(m, -1, suffix);
+    *out = NULL;
+    if (!t)
+        return bk_error(BK_ERR_MISSING_TENSOR, "model.%s: missing", suffix);
+    const char *tn = t->name ? t->name : suffix;
+    char sb[128];
+    if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)
+        return bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld, %lld], got %s", tn,
+                        (long long)rows, (long long)cols, fmt_shape(t, sb, sizeof sb));
+    if (!bk_dtype_is_numeric(t->dtype) || bk_dtype_bits(t->dtype) % 8 != 0)
+        return bk_error(BK_ERR_DTYPE, "%s: dtype %s cannot be converted to F32", tn,
+                        bk_dtype_name(t->dtype));
+    *out = t;
+    return BK_OK;
+}
+
+/* Rows [r0, r1) of a 2-D tensor as F32. */
+static bk_status matrix_rows_f32(const bk_tensor_info *t, int64_t r0, int64_t r1, float *dst)
+{
+    size_t es = bk_dtype_bits(t->dtype) / 8;
+    size_t cols = (size_t)t->shape[1];
+    const unsigned char *src = (const unsigned char *)t->data + (size_t)r0 * cols * es;
+    bk_status st = bk_convert(src, t->dtype, dst, BK_DT_F32, (size_t)(r1 - r0) * cols);
+    if (st != BK_OK)
+        return bk_error_prefix(st, t->name ? t->name : "tensor");
+    return BK_OK;
+}
+
+static bk_status check_model_matches(const bk_fwd *f, const bk_model *m, const char *what)
+{
+    if (!m)
+        return bk_error(BK_ERR_INVALID_ARG, "forward %s: NULL model", what);
+    const bk_model_config *c = bk_model_get_config(m);
+    if (c->hidden != f->hidden || c->vocab != f->cfg.vocab)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "forward %s: model (hidden %lld, vocab %lld) does not match the context "
+                        "(hidden %lld, vocab %lld)",
+                        what, (long long)c->hidden, (long long)c->vocab, (long long)f->hidden,
+                        (long long)f->cfg.vocab);
+    return BK_OK;
+}
+
+bk_status bk_fwd_embed(bk_fwd *f, const bk_model *m, const int32_t *tokens, int64_t S, float *h)
+{
+    bk_status st = check_batch(f, S, "embed");
+    if (st == BK_OK)
+        st = check_model_matches(f, m, "embed");
+    if (st == BK_OK)
+        st = check_tokens(f, tokens, S);
+    const bk_tensor_info *t = NULL;
+    if (st == BK_OK)
+        st = find_matrix(m, "embed_tokens.weight", f->cfg.vocab, f->hidden, &t);
+    if (st != BK_OK)
+        return st;
+    int64_t N = S * f->T;
+    for (int64_t n = 0; n < N; n++) {
+        st = matrix_rows_f32(t, tokens[n], (int64_t)tokens[n] + 1, h + n * f->hidden);
+        if (st != BK_OK)
+            return st;
+    }
+    return BK_OK;
+}
+
+bk_status bk_fwd_attn_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
+                         float *x)
+{
+    bk_status st = check_batch(f, S, "attn_in");
+    if (st == BK_OK)
+        st = check_lw(lw, "attn_in");
+    if (st == BK_OK && !lw->attn_norm)
+        st = bk_error(BK_ERR_INVALID_ARG, "forward attn_in: layer %d has no input_layernorm",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    rmsnorm_rows(h, S * f->T, f->hidden, lw->attn_norm, f->eps, x);
+    return BK_OK;
+}
+
+bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
+                           float *o_in, float *q_rot, float *k_rot, float *v)
+{
+    bk_status st = check_batch(f, S, "attention");
+    if (st == BK_OK)
+        st = check_lw(lw, "attention");
+    if (st == BK_OK && (!lw->w[BK_MOD_Q] || !lw->w[BK_MOD_K] || !lw->w[BK_MOD_V]))
+        st = bk_error(BK_ERR_INVALID_ARG, "forward attention: layer %d lacks q/k/v weights",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    const int64_t T = f->T, N = S * T, hd = f->hd, qd = f->qdim, kd = f->kvdim;
+    linear(x, N, f->hidden, lw->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], f->q);
+    linear(x, N, f->hidden, lw->w[BK_MOD_K], kd, lw->b[BK_MOD_K], f->k);
+    linear(x, N, f->hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v);
+    if (lw->q_norm)
+        rmsnorm_rows(f->q, N * f->nh, hd, lw->q_norm, f->eps, f->q);
+    if (lw->k_norm)
+        rmsnorm_rows(f->k, N * f->nkv, hd, lw->k_norm, f->eps, f->k);
+    for (int64_t n = 0; n < N; n++) {
+        int64_t pos = n % T;
+        bk_rope_apply(&f->rope, f->q + n * qd, f->nh, pos, +1);
+        bk_rope_apply(&f->rope, f->k + n * kd, f->nkv, pos, +1);
+    }
+    if (q_rot)
+        memcpy(q_rot, f->q, (size_t)(N * qd) * sizeof(float));
+    if (k_rot)
+        memcpy(k_rot, f->k, (size_t)(N * kd) * sizeof(float));
+    if (v)
+        memcpy(v, f->v, (size_t)(N * kd) * sizeof(float));
+
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    const int64_t rep = f->nh / f->nkv;
+    float *sc = f->scores;
+    for (int64_t s = 0; s < S; s++) {
+        const float *qs = f->q + s * T * qd;
+        const float *ks = f->k + s * T * kd;
+        const float *vs = f->v + s * T * kd;
+        float *os = o_in + s * T * qd;
+        for (int64_t hh = 0; hh < f->nh; hh++) {
+            int64_t g = hh / rep;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)T, (blasint)T,
+                        (blasint)hd, scale, qs + hh * hd, (blasint)qd, ks + g * hd, (blasint)kd,
+                        0.0f, sc, (blasint)T);
+            causal_softmax(sc, T);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)T, (blasint)hd,
+                        (blasint)T, 1.0f, sc, (blasint)T, vs + g * hd, (blasint)kd, 0.0f,
+                        os + hh * hd, (blasint)qd);
+        }
+    }
+    return BK_OK;
+}
+
+bk_status bk_fwd_attn_out(bk_fwd *f, const bk_layer_weights *lw, const float *o_in, int64_t S,
+                          float *h)
+{
+    bk_status st = check_batch(f, S, "attn_out");
+    if (st == BK_OK)
+        st = check_lw(lw, "attn_out");
+    if (st == BK_OK && !lw->w[BK_MOD_O])
+        st = bk_error(BK_ERR_INVALID_ARG, "forward attn_out: layer %d lacks o_proj", lw->layer);
+    if (st != BK_OK)
+        return st;
+    int64_t N = S * f->T;
+    linear(o_in, N, f->qdim, lw->w[BK_MOD_O], f->hidden, lw->b[BK_MOD_O], f->tmp);
+    add_into(h, f->tmp, N * f->hidden);
+    return BK_OK;
+}
+
+bk_status bk_fwd_mlp_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
+                        float *x)
+{
+    bk_status st = check_batch(f, S, "mlp_in");
+    if (st == BK_OK)
+        st = check_lw(lw, "mlp_in");
+    if (st == BK_OK && !lw->mlp_norm)
+        st = bk_error(BK_ERR_INVALID_ARG,
+                      "forward mlp_in: layer %d has no post_attention_layernorm", lw->layer);
+    if (st != BK_OK)
+        return st;
+    rmsnorm_rows(h, S * f->T, f->hidden, lw->mlp_norm, f->eps, x);
+    return BK_OK;
+}
+
+bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
+                            float *down_in, float *gate_pre, float *up_pre)
+{
+    bk_status st = check_batch(f, S, "mlp_hidden");
+    if (st == BK_OK)
+        st = check_lw(lw, "mlp_hidden");
+    if (st == BK_OK && (!lw->w[BK_MOD_GATE] || !lw->w[BK_MOD_UP]))
+        st = bk_error(BK_ERR_INVALID_ARG, "forward mlp_hidden: layer %d lacks gate/up_proj",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    int64_t N = S * f->T, ni = f->inter;
+    float *g = gate_pre ? gate_pre : f->gate;
+    float *u = up_pre ? up_pre : f->up;
+    linear(x, N, f->hidden, lw->w[BK_MOD_GATE], ni, lw->b[BK_MOD_GATE], g);
+    linear(x, N, f->hidden, lw->w[BK_MOD_UP], ni, lw->b[BK_MOD_UP], u);
+    for (int64_t i = 0; i < N * ni; i++) {
+        float z = g[i];
+        down_in[i] = (z / (1.0f + expf(-z))) * u[i];
+    }
+    return BK_OK;
+}
+
+bk_status bk_fwd_mlp_out(bk_fwd *f, const bk_layer_weights *lw, const float *down_in, int64_t S,
+                         float *h)
+{
+    bk_status st = check_batch(f, S, "mlp_out");
+    if (st == BK_OK)
+        st = check_lw(lw, "mlp_out");
+    if (st == BK_OK && !lw->w[BK_MOD_DOWN])
+        st = bk_error(BK_ERR_INVALID_ARG, "forward mlp_out: layer %d lacks down_proj",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    int64_t N = S * f->T;
+    linear(down_in, N, f->inter, lw->w[BK_MOD_DOWN], f->hidden, lw->b[BK_MOD_DOWN], f->tmp);
+    add_into(h, f->tmp, N * f->hidden);
+    return BK_OK;
+}
+
+bk_status bk_fwd_layer(bk_fwd *f, const bk_layer_weights *lw, int64_t S, float *h,
+                       const bk_layer_taps *taps)
+{
+    static const bk_layer_taps none = {0};
+    if (!taps)
+        taps = &none;
+    float *x = taps->attn_in ? taps->attn_in : f ? f->x : NULL;
+    bk_status st = bk_fwd_attn_in(f, lw, h, S, x);
+    if (st != BK_OK)
+        return st;
+    float *o = taps->o_in ? taps->o_in : f->o;
+    st = bk_fwd_attention(f, lw, x, S, o, taps->q_rot, taps->k_rot, NULL);
+    if (st == BK_OK)
+        st = bk_fwd_attn_out(f, lw, o, S, h);
+    float *x2 = taps->mlp_in ? taps->mlp_in : f->x;
+    if (st == BK_OK)
+        st = bk_fwd_mlp_in(f, lw, h, S, x2);
+    float *d = taps->down_in ? taps->down_in : f->down;
+    if (st == BK_OK)
+        st = bk_fwd_mlp_hidden(f, lw, x2, S, d, NULL, NULL);
+    if (st == BK_OK)
+        st = bk_fwd_mlp_out(f, lw, d, S, h);
+    if (st != BK_OK) {
+        char pre[64];
+        snprintf(pre, sizeof pre, "layer %d", lw ? lw->layer : -1);
+        return bk_error_prefix(st, pre);
+    }
+    return BK_OK;
+}
+
+/* ------------------------------------------------------------- the head */
+
+typedef struct head_ctx {
+    const bk_tensor_info *w; /* [vocab, hidden] */
+    float *norm;             /* final norm weight [hidden] */
+} head_ctx;
+
+static bk_status head_open(const bk_fwd *f, const bk_model *m, head_ctx *hc)
+{
+    hc->w = NULL;
+    hc->norm = NULL;
+    const char *which = f->cfg.tie_embeddings ? "embed_tokens.weight" : "lm_head.weight";
+    bk_status st = find_matrix(m, which, f->cfg.vocab, f->hidden, &hc->w);
+    if (st == BK_OK)
+        st = load_vec(m, -1, "norm.weight", f->hidden, &hc->norm);
+    return st;
+}
+
+/* Vocabulary rows per block so that [rows, vc] logits and [vc, hidden]
+ * weights each stay within their block size. */
+static int64_t vocab_block(const bk_fwd *f, int64_t rows)
+{
+    int64_t a = BK_LOGIT_BLOCK / (rows > 0 ? rows : 1);
+    int64_t b = BK_HEAD_BLOCK / f->hidden;
+    int64_t vc = a < b ? a : b;
+    if (vc < 64)
+        vc = 64;
+    if (vc > f->cfg.vocab)
+        vc = f->cfg.vocab;
+    return vc;
+}
+
+bk_status bk_fwd_logits(bk_fwd *f, const bk_model *m, const float *h, int64_t S, float *logits)
+{
+    bk_status st = check_batch(f, S, "logits");
+    if (st == BK_OK)
+        st = check_model_matches(f, m, "logits");
+    if (st != BK_OK)
+        return st;
+    head_ctx hc;
+    st = head_open(f, m, &hc);
+    int64_t N = S * f->T, V = f->cfg.vocab;
+    int64_t vc = vocab_block(f, 0);
+    float *wb = NULL;
+    if (st == BK_OK) {
+        wb = alloc_f32(vc, f->hidden);
+        if (!wb)
+            st = bk_error(BK_ERR_NOMEM, "forward logits: out of memory");
+    }
+    if (st == BK_OK) {
+        rmsnorm_rows(h, N, f->hidden, hc.norm, f->eps, f->x);
+        for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += vc) {
+            int64_t n = V - v0 < vc ? V - v0 : vc;
+            st = matrix_rows_f32(hc.w, v0, v0 + n, wb);
+            if (st != BK_OK)
+                break;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
+                        (blasint)f->hidden, 1.0f, f->x, (blasint)f->hidden, wb,
+                        (blasint)f->hidden, 0.0f, logits + v0, (blasint)V);
+        }
+    }
+    free(wb);
+    free(hc.norm);
+    return st;
+}
+
+bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t *tokens,
+                     int64_t S, double *nll_sum, int64_t *count)
+{
+    bk_status st = check_batch(f, S, "nll");
+    if (st == BK_OK)
+        st = check_model_matches(f, m, "nll");
+    if (st == BK_OK)
+        st = check_tokens(f, tokens, S);
+    if (st != BK_OK)
+        return st;
+    const int64_t T = f->T, N = S * T, V = f->cfg.vocab;
+    if (T < 2)
+        return BK_OK; /* nothing to predict */
+    head_ctx hc;
+    float *wb = NULL, *lg = NULL, *mx = NULL, *tgt = NULL;
+    double *se = NULL;
+    st = head_open(f, m, &hc);
+    int64_t vc = vocab_block(f, N);
+    if (st == BK_OK) {
+        wb = alloc_f32(vc, f->hidden);
+        lg = alloc_f32(N, vc);
+        mx = alloc_f32(N, 1);
+        tgt = alloc_f32(N, 1);
+        se = bk_calloc((size_t)N, sizeof(double));
+        if (!wb || !lg || !mx || !tgt || !se)
+            st = bk_error(BK_ERR_NOMEM, "forward nll: out of memory for %lld rows",
+                          (long long)N);
+    }
+    if (st == BK_OK) {
+        rmsnorm_rows(h, N, f->hidden, hc.norm, f->eps, f->x);
+        for (int64_t r = 0; r < N; r++) {
+            mx[r] = -INFINITY;
+            tgt[r] = NAN;
+        }
+        /* online log-sum-exp over vocabulary blocks */
+        for (int64_t v0 = 0; v0 < V; v0 += vc) {
+            int64_t n = V - v0 < vc ? V - v0 : vc;
+            st = matrix_rows_f32(hc.w, v0, v0 + n, wb);
+            if (st != BK_OK)
+                break;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
+                        (blasint)f->hidden, 1.0f, f->x, (blasint)f->hidden, wb,
+                        (blasint)f->hidden, 0.0f, lg, (blasint)n);
+            for (int64_t r = 0; r < N; r++) {
+                int64_t t = r % T;
+                if (t == T - 1)
+                    continue;
+                const float *row = lg + r * n;
+                float cm = row[0];
+                for (int64_t j = 1; j < n; j++)
+                    cm = row[j] > cm ? row[j] : cm;
+                if (cm > mx[r]) {
+                    if (se[r] > 0.0)
+                        se[r] *= exp((double)mx[r] - (double)cm);
+                    mx[r] = cm;
+                }
+                double acc = 0.0;
+                float m0 = mx[r];
+                for (int64_t j = 0; j < n; j++)
+                    acc += (double)expf(row[j] - m0);
+                se[r] += acc;
+                int64_t y = tokens[r + 1];
+                if (y >= v0 && y < v0 + n)
+                    tgt[r] = row[y - v0];
+            }
+        }
+    }
+    if (st == BK_OK) {
+        double sum = 0.0;
+        for (int64_t r = 0; r < N; r++) {
+            int64_t t = r % T;
+            if (t == T - 1)
+                continue;
+            double l = log(se[r]) + (double)mx[r] - (double)tgt[r];
+            if (!isfinite(l)) {
+                st = bk_error(BK_ERR_NONFINITE,
+                              "forward nll: non-finite logits at sequence %lld position %lld "
+                              "(the model produced NaN/Inf)",
+                              (long long)(r / T), (long long)t);
+                break;
+            }
+            sum += l;
+        }
+        if (st == BK_OK) {
+            *nll_sum += sum;
+            *count += S * (T - 1);
+        }
+    }
+    free(wb);
+    free(lg);
+    free(mx);
+    free(tgt);
+    free(se);
+    free(hc.norm);
+    return st;
+}
+
+/* ---------------------------------------------------------- whole model */
+
+static bk_status check_sequences(const bk_model_config *c, const int32_t *tokens, int64_t S,
+                                 int64_t T, int64_t min_T)
+{
+    if (!tokens || S < 1)
+        return bk_error(BK_ERR_CALIB, "input_ids: need at least one sequence (got %lld)",
+                        (long long)S);
+    if (T < min_T)
+        return bk_error(BK_ERR_CALIB,
+                        "input_ids: sequence length %lld is too short (need at least %lld tokens)",
+                        (long long)T, (long long)min_T);
+    if (c->max_positions > 0 && T > c->max_positions)
+        return bk_error(BK_ERR_CALIB,
+                        "input_ids: sequence length %lld exceeds max_position_embeddings %lld",
+                        (long long)T, (long long)c->max_positions);
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t t = 0; t < T; t++) {
+            int32_t id = tokens[s * T + t];
+            if (id < 0 || (int64_t)id >= c->vocab)
+                return bk_error(BK_ERR_CALIB,
+                                "input_ids: sequence %lld position %lld: token id %d is outside "
+                                "the vocabulary [0, %lld)",
+                                (long long)s, (long long)t, (int)id, (long long)c->vocab);
+        }
+    return BK_OK;
+}
+
+/* Sequences per micro-batch when the caller leaves it to us: the activation
+ * buffers of one micro-batch stay around 256 MiB. */
+static int64_t auto_batch(const bk_model_config *c, int64_t S, int64_t T)
+{
+    double per_row = 4.0 * (double)(2 * c->n_heads * c->head_dim + 2 * c->n_kv_heads * c->head_dim +
+                                    2 * c->hidden + 3 * c->intermediate);
+    double per_seq = per_row * (double)T;
+    int64_t b = (int64_t)((256.0 * 1024 * 1024) / per_seq);
+    if (b < 1)
+        b = 1;
+    if (b > S)
+        b = S;
+    return b;
+}
+
+/* Run the embedding and every layer over all S sequences, micro-batch by
+ * micro-batch, one layer's weights resident at a time. */
+static bk_status run_layers(const bk_model *m, bk_fwd *f, const int32_t *tokens, int64_t S,
+                            int64_t T, int64_t B, float *H)
+{
+    const bk_model_config *c = bk_model_get_config(m);
+    const int64_t rows_h = T * c->hidden;
+    bk_status st = BK_OK;
+    for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
+        int64_t nb = S - s0 < B ? S - s0 : B;
+        st = bk_fwd_embed(f, m, tokens + s0 * T, nb, H + s0 * rows_h);
+    }
+    for (int layer = 0; layer < c->n_layers && st == BK_OK; layer++) {
+        bk_layer_weights lw;
+        st = bk_layer_weights_load(m, layer, &lw);
+        if (st != BK_OK)
+            break;
+        for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
+            int64_t nb = S - s0 < B ? S - s0 : B;
+            st = bk_fwd_layer(f, &lw, nb, H + s0 * rows_h, NULL);
+        }
+        bk_layer_weights_free(&lw);
+    }
+    return st;
+}
+
+bk_status bk_model_nll(const bk_model *m, const int32_t *tokens, int64_t S, int64_t T,
+                       int64_t batch, double *nll_sum, int64_t *count)
+{
+    if (!m || !nll_sum || !count)
+        return bk_error(BK_ERR_INVALID_ARG, "model nll: NULL argument");
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_status st = check_sequences(c, tokens, S, T, 2);
+    if (st != BK_OK)
+        return st;
+    if (batch < 0)
+        return bk_error(BK_ERR_INVALID_ARG, "model nll: batch %lld must be >= 0",
+                        (long long)batch);
+    int64_t B = batch > 0 ? (batch < S ? batch : S) : auto_batch(c, S, T);
+    bk_fwd *f = NULL;
+    float *H = NULL;
+    st = bk_fwd_create(c, B, T, &f);
+    if (st == BK_OK) {
+        H = alloc_f32(S * T, c->hidden);
+        if (!H)
+            st = bk_error(BK_ERR_NOMEM,
+                          "model nll: out of memory for the hidden states of %lld x %lld tokens",
+                          (long long)S, (long long)T);
+    }
+    if (st == BK_OK)
+        st = run_layers(m, f, tokens, S, T, B, H);
+    double sum = 0.0;
+    int64_t cnt = 0;
+    for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
+        int64_t nb = S - s0 < B ? S - s0 : B;
+        st = bk_fwd_nll(f, m, H + s0 * T * c->hidden, tokens + s0 * T, nb, &sum, &cnt);
+    }
+    if (st == BK_OK) {
+        *nll_sum += sum;
+        *count += cnt;
+    }
+    free(H);
+    bk_fwd_free(f);
+    return st;
+}
+
+bk_status bk_model_logits(const bk_model *m, const int32_t *tokens, int64_t S, int64_t T,
+                          float *logits)
+{
+    if (!m || !logits)
+        return bk_error(BK_ERR_INVALID_ARG, "model logits: NULL argument");
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_status st = check_sequences(c, tokens, S, T, 1);
+    if (st != BK_OK)
+        return st;
+    bk_fwd *f = NULL;
+    float *H = NULL;
+    st = bk_fwd_create(c, S, T, &f);
+    if (st == BK_OK) {
+        H = alloc_f32(S * T, c->hidden);
+        if (!H)
+            st = bk_error(BK_ERR_NOMEM, "model logits: out of memory");
+    }
+    if (st == BK_OK)
+        st = run_layers(m, f, tokens, S, T, S, H);
+    if (st == BK_OK)
+        st = bk_fwd_logits(f, m, H, S, logits);
+    free(H);
+    bk_fwd_free(f);
+    return st;
+}

@@ -5,6 +5,24 @@
 
 #include "util.h"
 
+/* The tables are computed the way transformers computes them in float32
+ * (modeling_rope_utils + LlamaRotaryEmbedding.forward), so that cos/sin agree
+ * with the reference to the last bit or so:
+ *   inv_freq_i = 1 / theta^(f32(2i) / d)                       (float32)
+ *   linear:      inv_freq_i / factor                           (float32)
+ *   llama3:      wavelen = (1 / inv_freq) * f32(2 pi); low/high/medium
+ *                bands as in Llama 3.1, all in float32
+ *   angle(t, i) = f32(t) * inv_freq_i rounded to float32; cos/sin of that.
+ * Only the elementary functions (pow, cos, sin) are evaluated in double and
+ * rounded once, which is at least as accurate as torch's float kernels. */
+
+static float f32_inv_freq_default(double theta, int64_t i, int64_t d)
+{
+    float e = (float)(2 * i) / (float)d;
+    float p = (float)pow((double)(float)theta, (double)e);
+    return 1.0f / p;
+}
+
 bk_status bk_rope_init(bk_rope *r, const bk_model_config *cfg, int64_t max_pos)
 {
     r->head_dim = cfg->head_dim;
@@ -12,42 +30,70 @@ bk_status bk_rope_init(bk_rope *r, const bk_model_config *cfg, int64_t max_pos)
     r->inv_freq = NULL;
     r->cos = r->sin = NULL;
     int64_t d = cfg->head_dim, h = d / 2;
-    if (d <= 0 || d % 2 != 0 || max_pos <= 0)
+    if (d <= 0 || d % 2 != 0)
         return bk_error(BK_ERR_INVALID_ARG, "rope: head_dim %lld must be even and positive",
                         (long long)d);
+    if (max_pos <= 0)
+        return bk_error(BK_ERR_INVALID_ARG, "rope: number of positions %lld must be positive",
+                        (long long)max_pos);
+    if (!(cfg->rope_theta > 0) || !isfinite(cfg->rope_theta))
+        return bk_error(BK_ERR_CONFIG, "rope: rope_theta must be a positive number (got %g)",
+                        cfg->rope_theta);
+    if (cfg->rope_type == BK_ROPE_LINEAR || cfg->rope_type == BK_ROPE_LLAMA3) {
+        if (!(cfg->rope_factor > 0) || !isfinite(cfg->rope_factor))
+            return bk_error(BK_ERR_CONFIG, "rope: scaling factor must be positive (got %g)",
+                            cfg->rope_factor);
+    }
+    if (cfg->rope_type == BK_ROPE_LLAMA3) {
+        if (!(cfg->rope_high_freq_factor > cfg->rope_low_freq_factor) ||
+            !(cfg->rope_low_freq_factor > 0) || cfg->rope_original_max_positions <= 0)
+            return bk_error(BK_ERR_CONFIG,
+                            "rope: llama3 scaling needs 0 < low_freq_factor < high_freq_factor "
+                            "and original_max_position_embeddings > 0 (got %g, %g, %lld)",
+                            cfg->rope_low_freq_factor, cfg->rope_high_freq_factor,
+                            (long long)cfg->rope_original_max_positions);
+    }
+    uint64_t cells;
+    if (bk_mul_u64((uint64_t)max_pos, (uint64_t)h, &cells) || cells > SIZE_MAX / sizeof(float))
+        return bk_error(BK_ERR_INVALID_ARG, "rope: table for %lld positions overflows",
+                        (long long)max_pos);
     r->inv_freq = malloc((size_t)h * sizeof(double));
-    r->cos = bk_alloc((size_t)(max_pos * h), sizeof(float));
-    r->sin = bk_alloc((size_t)(max_pos * h), sizeof(float));
+    r->cos = bk_alloc((size_t)cells, sizeof(float));
+    r->sin = bk_alloc((size_t)cells, sizeof(float));
     if (!r->inv_freq || !r->cos || !r->sin) {
         bk_rope_free(r);
         return bk_error(BK_ERR_NOMEM, "rope: out of memory for %lld positions",
                         (long long)max_pos);
     }
+    const float two_pi = (float)(2.0 * M_PI);
     for (int64_t i = 0; i < h; i++) {
-        double w = pow(cfg->rope_theta, -(double)(2 * i) / (double)d);
+        float w = f32_inv_freq_default(cfg->rope_theta, i, d);
         if (cfg->rope_type == BK_ROPE_LINEAR) {
-            w /= cfg->rope_factor;
+            w = w / (float)cfg->rope_factor;
         } else if (cfg->rope_type == BK_ROPE_LLAMA3) {
+            float factor = (float)cfg->rope_factor;
+            float lo = (float)cfg->rope_low_freq_factor;
             double orig = (double)cfg->rope_original_max_positions;
-            double lo = cfg->rope_low_freq_factor, hi = cfg->rope_high_freq_factor;
-            double low_wl = orig / lo, high_wl = orig / hi;
-            double wl = 2.0 * M_PI / w;
-            if (wl < high_wl) {
-                /* high frequency: unchanged */
-            } else if (wl > low_wl) {
-                w /= cfg->rope_factor;
-            } else {
-                double smooth = (orig / wl - lo) / (hi - lo);
-                w = (1.0 - smooth) * w / cfg->rope_factor + smooth * w;
+            /* the band limits are Python floats, compared with a float32
+             * tensor: torch casts them to float32 */
+            float low_wl = (float)(orig / cfg->rope_low_freq_factor);
+            float high_wl = (float)(orig / cfg->rope_high_freq_factor);
+            float wl = (1.0f / w) * two_pi; /* scalar / tensor = reciprocal * scalar */
+            float scaled = wl > low_wl ? w / factor : w;
+            if (!(wl < high_wl) && !(wl > low_wl)) {
+                float smooth = ((1.0f / wl) * (float)orig - lo) /
+                               (float)(cfg->rope_high_freq_factor - cfg->rope_low_freq_factor);
+                scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
             }
+            w = scaled;
         }
-        r->inv_freq[i] = w;
+        r->inv_freq[i] = (double)w;
     }
     for (int64_t t = 0; t < max_pos; t++) {
         for (int64_t i = 0; i < h; i++) {
-            double a = (double)t * r->inv_freq[i];
-            r->cos[t * h + i] = (float)cos(a);
-            r->sin[t * h + i] = (float)sin(a);
+            float a = (float)t * (float)r->inv_freq[i];
+            r->cos[t * h + i] = (float)cos((double)a);
+            r->sin[t * h + i] = (float)sin((double)a);
         }
     }
     return BK_OK;

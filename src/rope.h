@@ -2,7 +2,9 @@
  * ("rotate_half"): for head_dim d and i < d/2,
  *   y[i]       = x[i] cos(t w_i) - x[i+d/2] sin(t w_i)
  *   y[i+d/2]   = x[i+d/2] cos(t w_i) + x[i] sin(t w_i)
- * with w_i = theta^(-2i/d), modified by linear or llama3 scaling. */
+ * with w_i = theta^(-2i/d), modified by linear or llama3 scaling.
+ * The tables are computed in float32 exactly as transformers does (see
+ * rope.c), so cos/sin agree with the reference to about one ulp. */
 #ifndef BK_ROPE_H
 #define BK_ROPE_H
 
@@ -13,7 +15,7 @@
 typedef struct bk_rope {
     int64_t head_dim;
     int64_t max_pos;   /* tables cover positions 0..max_pos-1 */
-    double *inv_freq;  /* [head_dim/2] */
+    double *inv_freq;  /* [head_dim/2] (float32 values, widened) */
     float *cos, *sin;  /* [max_pos, head_dim/2] */
 } bk_rope;
 
