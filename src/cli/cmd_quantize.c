@@ -414,6 +414,7 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     if (preset && (st = apply_preset(&q, preset)) != BK_OK)
         goto done;
     q.o.config_path = preset;
+    q.have_levels = q.have_bits = 0; /* the command line may switch the preset's alphabet */
     /* pass 2: the command line */
     optind = 1;
     opterr = 0;
