@@ -1,3 +1,1129 @@
-/* model.c — to be implemented (see include/bakron/). */
-#include "bakron/status.h"
-typedef int bk_model_placeholder;
+/* model.c — config.json parsing and checkpoint cross-checks for decoder-only
+ * Llama / Mistral / Qwen2 / Qwen3 models (include/bakron/model.h).
+ *
+ * The defaults, accepted keys and the rules are documented in
+ * docs/formats.md, section "config.json". Integers are read from cJSON's
+ * valuedouble and must be whole numbers (cJSON's valueint saturates).
+ */
+#include "bakron/model.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+#define CONFIG_MAX_BYTES ((size_t)64 << 20)
+#define JSON_MAX_WHOLE 9007199254740992.0 /* 2^53 */
+
+/* Sane upper bounds for sizes read from config.json. */
+#define MAX_LAYERS ((int64_t)1 << 16)
+#define MAX_HIDDEN ((int64_t)1 << 20)
+#define MAX_INTERMEDIATE ((int64_t)1 << 22)
+#define MAX_HEADS ((int64_t)1 << 16)
+#define MAX_HEAD_DIM ((int64_t)1 << 16)
+#define MAX_ATTN_WIDTH ((int64_t)1 << 22) /* heads * head_dim */
+#define MAX_VOCAB ((int64_t)1 << 26)
+#define MAX_POSITIONS ((int64_t)1 << 40)
+
+/* ------------------------------------------------------------ per-arch facts */
+
+/* What transformers does when a key is absent (configuration_{llama,mistral,
+ * qwen2,qwen3}.py) and which structural keys each model class reads. */
+typedef struct arch_info {
+    const char *model_type;
+    bk_arch arch;
+    int64_t kv_heads;     /* default num_key_value_heads; -1: = num_attention_heads */
+    int64_t head_dim;     /* default head_dim; -1: hidden_size / num_attention_heads */
+    int64_t max_pos;      /* default max_position_embeddings */
+    int64_t bos, eos;     /* default bos/eos token ids (-1: none) */
+    int qkv_bias_fixed;   /* Qwen2: q/k/v always have biases, o never */
+    int reads_attn_bias;  /* the model class honours attention_bias (q/k/v/o) */
+    int reads_mlp_bias;   /* the model class honours mlp_bias */
+    int qk_norm;          /* Qwen3: q_norm / k_norm */
+} arch_info;
+
+static const arch_info arch_table[] = {
+    {"llama", BK_ARCH_LLAMA, -1, -1, 2048, 1, 2, 0, 1, 1, 0},
+    {"mistral", BK_ARCH_MISTRAL, 8, -1, 4096 * 32, 1, 2, 0, 0, 0, 0},
+    {"qwen2", BK_ARCH_QWEN2, 32, -1, 32768, -1, -1, 1, 0, 0, 0},
+    {"qwen3", BK_ARCH_QWEN3, 32, 128, 32768, -1, -1, 0, 1, 0, 1},
+};
+#define N_ARCH (sizeof arch_table / sizeof arch_table[0])
+#define SUPPORTED_TYPES "llama, mistral, qwen2, qwen3"
+
+static const char *json_type_name(const cJSON *v)
+{
+    if (!v)
+        return "absent";
+    if (cJSON_IsNull(v))
+        return "null";
+    if (cJSON_IsBool(v))
+        return "a boolean";
+    if (cJSON_IsNumber(v))
+        return "a number";
+    if (cJSON_IsString(v))
+        return "a string";
+    if (cJSON_IsArray(v))
+        return "an array";
+    if (cJSON_IsObject(v))
+        return "an object";
+    return "an invalid value";
+}
+
+/* Present and not null. */
+static const cJSON *get(const cJSON *obj, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    return (v && !cJSON_IsNull(v)) ? v : NULL;
+}
+
+static bk_status check_duplicate_keys(const char *label, const cJSON *obj, const char *where)
+{
+    for (const cJSON *a = obj->child; a; a = a->next)
+        for (const cJSON *b = a->next; b; b = b->next)
+            if (a->string && b->string && !strcmp(a->string, b->string))
+                return bk_error(BK_ERR_CONFIG, "%s: key '%s%s' appears more than once", label,
+                                where, a->string);
+    return BK_OK;
+}
+
+/* A whole number in [lo, hi] from a JSON number. `key` names it in messages. */
+static bk_status json_i64(const char *label, const char *key, const cJSON *v, int64_t lo,
+                          int64_t hi, int64_t *out)
+{
+    if (!cJSON_IsNumber(v))
+        return bk_error(BK_ERR_CONFIG, "%s: %s must be an integer (got %s)", label, key,
+                        json_type_name(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d != floor(d))
+        return bk_error(BK_ERR_CONFIG, "%s: %s must be a whole number (got %.17g)", label, key,
+                        d);
+    if (d < (double)lo || d > (double)hi)
+        return bk_error(BK_ERR_CONFIG, "%s: %s = %.17g is out of range (expected %lld..%lld)",
+                        label, key, d, (long long)lo, (long long)hi);
+    *out = (int64_t)d;
+    return BK_OK;
+}
+
+/* A finite number; `positive` requires > 0. */
+static bk_status json_num(const char *label, const char *key, const cJSON *v, int positive,
+                          double *out)
+{
+    if (!cJSON_IsNumber(v))
+        return bk_error(BK_ERR_CONFIG, "%s: %s must be a number (got %s)", label, key,
+                        json_type_name(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || (positive && !(d > 0)))
+        return bk_error(BK_ERR_CONFIG, "%s: %s must be a finite%s number (got %g)", label, key,
+                        positive ? " positive" : "", d);
+    *out = d;
+    return BK_OK;
+}
+
+static bk_status json_bool(const char *label, const char *key, const cJSON *v, int *out)
+{
+    if (!cJSON_IsBool(v))
+        return bk_error(BK_ERR_CONFIG, "%s: %s must be true or false (got %s)", label, key,
+                        json_type_name(v));
+    *out = cJSON_IsTrue(v) ? 1 : 0;
+    return BK_OK;
+}
+
+/* Optional integer: absent or null keeps *out. */
+static bk_status opt_i64(const char *label, const cJSON *root, const char *key, int64_t lo,
+                         int64_t hi, int64_t *out)
+{
+    const cJSON *v = get(root, key);
+    return v ? json_i64(label, key, v, lo, hi, out) : BK_OK;
+}
+
+static bk_status opt_bool(const char *label, const cJSON *root, const char *key, int *out)
+{
+    const cJSON *v = get(root, key);
+    return v ? json_bool(label, key, v, out) : BK_OK;
+}
+
+/* bos_token_id / eos_token_id: an integer, a list of integers (the first is
+ * kept) or null. */
+static bk_status token_id(const char *label, const cJSON *root, const char *key, int64_t *out)
+{
+    const cJSON *v = get(root, key);
+    if (!v)
+        return BK_OK;
+    if (cJSON_IsArray(v)) {
+        char k[64];
+        int i = 0;
+        int64_t first = -1;
+        for (const cJSON *e = v->child; e; e = e->next, i++) {
+            int64_t x = 0;
+            snprintf(k, sizeof k, "%s[%d]", key, i);
+            bk_status st = json_i64(label, k, e, 0, (int64_t)JSON_MAX_WHOLE, &x);
+            if (st != BK_OK)
+                return st;
+            if (i == 0)
+                first = x;
+        }
+        *out = first;
+        return BK_OK;
+    }
+    return json_i64(label, key, v, 0, (int64_t)JSON_MAX_WHOLE, out);
+}
+
+static bk_status parse_dtype(const char *label, const cJSON *root, bk_dtype *out)
+{
+    static const struct {
+        const char *name;
+        bk_dtype dt;
+    } names[] = {
+        {"float32", BK_DT_F32}, {"float", BK_DT_F32},   {"float16", BK_DT_F16},
+        {"half", BK_DT_F16},    {"bfloat16", BK_DT_BF16}, {"float64", BK_DT_F64},
+        {"double", BK_DT_F64},
+    };
+    const char *key = "dtype";
+    const cJSON *v = get(root, "dtype"); /* transformers 5.x */
+    if (!v) {
+        key = "torch_dtype"; /* transformers 4.x */
+        v = get(root, "torch_dtype");
+    }
+    *out = BK_DT_F32; /* what transformers assumes when the key is absent */
+    if (!v)
+        return BK_OK;
+    if (!cJSON_IsString(v))
+        return bk_error(BK_ERR_CONFIG, "%s: %s must be a string (got %s)", label, key,
+                        json_type_name(v));
+    const char *s = v->valuestring;
+    if (!strncmp(s, "torch.", 6))
+        s += 6;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(s, names[i].name)) {
+            *out = names[i].dt;
+            return BK_OK;
+        }
+    return bk_error(BK_ERR_UNSUPPORTED,
+                    "%s: %s '%.40s' is not supported (supported: float32, float16, bfloat16, "
+                    "float64)",
+                    label, key, v->valuestring);
+}
+
+/* RoPE: transformers 4.x (`rope_theta` + `rope_scaling` with `type` or
+ * `rope_type`) and 5.x (`rope_parameters` holding everything). Like
+ * transformers, a non-empty rope_scaling wins over rope_parameters. */
+static bk_status parse_rope(const char *label, const cJSON *root, bk_model_config *c)
+{
+    bk_status st;
+    const char *where = "rope_scaling";
+    const cJSON *rp = get(root, "rope_scaling");
+    if (!rp || (cJSON_IsObject(rp) && !rp->child)) {
+        where = "rope_parameters";
+        rp = get(root, "rope_parameters");
+    }
+    if (rp && !cJSON_IsObject(rp))
+        return bk_error(BK_ERR_CONFIG, "%s: %s must be an object (got %s)", label, where,
+                        json_type_name(rp));
+    char key[96];
+    snprintf(key, sizeof key, "%s.", where);
+    if (rp && (st = check_duplicate_keys(label, rp, key)) != BK_OK)
+        return st;
+
+#define RKEY(k) (snprintf(key, sizeof key, "%s.%s", where, (k)), key)
+
+    /* rope_theta: inside the dict, else top level, else 10000 */
+    c->rope_theta = 10000.0;
+    const cJSON *th = rp ? get(rp, "rope_theta") : NULL;
+    if (th) {
+        if ((st = json_num(label, RKEY("rope_theta"), th, 1, &c->rope_theta)) != BK_OK)
+            return st;
+    } else if ((th = get(root, "rope_theta")) != NULL) {
+        if ((st = json_num(label, "rope_theta", th, 1, &c->rope_theta)) != BK_OK)
+            return st;
+    }
+
+    /* partial rotary embeddings change the RoPE of every model class */
+    const cJSON *prf = rp ? get(rp, "partial_rotary_factor") : NULL;
+    const char *prf_key = prf ? RKEY("partial_rotary_factor") : "partial_rotary_factor";
+    if (!prf)
+        prf = get(root, "partial_rotary_factor");
+    if (prf) {
+        double f = 1.0;
+        if ((st = json_num(label, prf_key, prf, 1, &f)) != BK_OK)
+            return st;
+        if (f != 1.0)
+            return bk_error(BK_ERR_UNSUPPORTED,
+                            "%s: %s = %g is not supported (only full rotary embeddings, 1.0)",
+                            label, prf_key, f);
+    }
+
+    c->rope_type = BK_ROPE_DEFAULT;
+    c->rope_factor = 1.0;
+    c->rope_low_freq_factor = 0.0;
+    c->rope_high_freq_factor = 0.0;
+    c->rope_original_max_positions = 0;
+    if (!rp)
+        return BK_OK;
+
+    for (const cJSON *e = rp->child; e; e = e->next)
+        if (cJSON_IsObject(e))
+            return bk_error(BK_ERR_UNSUPPORTED,
+                            "%s: %s.%s: per-layer-type RoPE parameters are not supported", label,
+                            where, e->string ? e->string : "?");
+
+    const cJSON *ty = get(rp, "rope_type");
+    const char *tykey = "rope_type";
+    if (!ty) {
+        ty = get(rp, "type");
+        tykey = "type";
+    }
+    const char *type = "default";
+    if (ty) {
+        if (!cJSON_IsString(ty))
+            return bk_error(BK_ERR_CONFIG, "%s: %s must be a string (got %s)", label,
+                            RKEY(tykey), json_type_name(ty));
+        type = ty->valuestring;
+    }
+
+    if (!strcmp(type, "default"))
+        return BK_OK;
+    if (!strcmp(type, "linear")) {
+        const cJSON *f = get(rp, "factor");
+        if (!f)
+            return bk_error(BK_ERR_CONFIG, "%s: %s is missing 'factor' (required for rope_type "
+                            "linear)", label, where);
+        if ((st = json_num(label, RKEY("factor"), f, 1, &c->rope_factor)) != BK_OK)
+            return st;
+        c->rope_type = BK_ROPE_LINEAR;
+        return BK_OK;
+    }
+    if (!strcmp(type, "llama3")) {
+        static const char *const req[] = {"factor", "low_freq_factor", "high_freq_factor"};
+        char missing[128] = "";
+        for (size_t i = 0; i < 3; i++)
+            if (!get(rp, req[i])) {
+                size_t l = strlen(missing);
+                snprintf(missing + l, sizeof missing - l, "%s%s", l ? ", " : "", req[i]);
+            }
+        if (missing[0])
+            return bk_error(BK_ERR_CONFIG, "%s: %s is missing %s (required for rope_type llama3)",
+                            label, where, missing);
+        if ((st = json_num(label, RKEY("factor"), get(rp, "factor"), 1, &c->rope_factor)) != BK_OK)
+            return st;
+        if ((st = json_num(label, RKEY("low_freq_factor"), get(rp, "low_freq_factor"), 1,
+                           &c->rope_low_freq_factor)) != BK_OK)
+            return st;
+        if ((st = json_num(label, RKEY("high_freq_factor"), get(rp, "high_freq_factor"), 1,
+                           &c->rope_high_freq_factor)) != BK_OK)
+            return st;
+        if (!(c->rope_high_freq_factor > c->rope_low_freq_factor))
+            return bk_error(BK_ERR_CONFIG,
+                            "%s: %s: high_freq_factor (%g) must be greater than low_freq_factor "
+                            "(%g)",
+                            label, where, c->rope_high_freq_factor, c->rope_low_freq_factor);
+        /* original_max_position_embeddings: in the dict, else top level,
+         * else max_position_embeddings (transformers 5.x standardization) */
+        const cJSON *om = get(rp, "original_max_position_embeddings");
+        const char *omkey = om ? RKEY("original_max_position_embeddings") :
+                                 "original_max_position_embeddings";
+        if (!om)
+            om = get(root, "original_max_position_embeddings");
+        c->rope_original_max_positions = c->max_positions;
+        if (om && (st = json_i64(label, omkey, om, 1, MAX_POSITIONS,
+                                 &c->rope_original_max_positions)) != BK_OK)
+            return st;
+        c->rope_type = BK_ROPE_LLAMA3;
+        return BK_OK;
+    }
+    return bk_error(BK_ERR_UNSUPPORTED,
+                    "%s: %s.%s '%.40s' is not supported (supported: default, linear, llama3)",
+                    label, where, tykey, type);
+#undef RKEY
+}
+
+static bk_status parse_config(const char *json, size_t len, const char *label,
+                              bk_model_config *c, int *quantized)
+{
+    bk_status st = BK_OK;
+    memset(c, 0, sizeof *c);
+    if (quantized)
+        *quantized = 0;
+    if (!label)
+        label = "config.json";
+    if (!json)
+        return bk_error(BK_ERR_INVALID_ARG, "%s: no text to parse", label);
+
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(json, len, &end, 0);
+    if (!root) {
+        size_t off = (end && end >= json && end <= json + len) ? (size_t)(end - json) : len;
+        return bk_error(BK_ERR_CONFIG, "%s: not valid JSON (error near byte %zu of %zu)", label,
+                        off, len);
+    }
+    /* cJSON stops after the first value: anything but whitespace after it is
+     * an error */
+    for (const char *p = end; p && p < json + len; p++)
+        if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
+            cJSON_Delete(root);
+            return bk_error(BK_ERR_CONFIG,
+                            "%s: not valid JSON (unexpected content after the top-level value at "
+                            "byte %zu of %zu)",
+                            label, (size_t)(p - json), len);
+        }
+    if (!cJSON_IsObject(root)) {
+        st = bk_error(BK_ERR_CONFIG, "%s: the top level must be a JSON object (got %s)", label,
+                      json_type_name(root));
+        goto done;
+    }
+    if ((st = check_duplicate_keys(label, root, "")) != BK_OK)
+        goto done;
+
+    /* model_type first: an unsupported model is reported as such */
+    const arch_info *ai = NULL;
+    const cJSON *mt = get(root, "model_type");
+    if (mt) {
+        if (!cJSON_IsString(mt)) {
+            st = bk_error(BK_ERR_CONFIG, "%s: model_type must be a string (got %s)", label,
+                          json_type_name(mt));
+            goto done;
+        }
+        for (size_t i = 0; i < N_ARCH; i++)
+            if (!strcmp(mt->valuestring, arch_table[i].model_type))
+                ai = &arch_table[i];
+        if (!ai) {
+            st = bk_error(BK_ERR_UNSUPPORTED,
+                          "%s: model_type '%.40s' is not supported (supported: " SUPPORTED_TYPES
+                          ")",
+                          label, mt->valuestring);
+            goto done;
+        }
+    }
+
+    /* every missing required field at once */
+    static const char *const required[] = {"model_type",          "num_hidden_layers",
+                                           "hidden_size",         "intermediate_size",
+                                           "num_attention_heads", "vocab_size"};
+    char missing[256] = "";
+    int n_missing = 0;
+    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+        if (!get(root, required[i])) {
+            size_t l = strlen(missing);
+            snprintf(missing + l, sizeof missing - l, "%s%s", l ? ", " : "", required[i]);
+            n_missing++;
+        }
+    if (n_missing) {
+        st = bk_error(BK_ERR_CONFIG, "%s: missing required field%s: %s", label,
+                      n_missing > 1 ? "s" : "", missing);
+        goto done;
+    }
+
+    c->arch = ai->arch;
+    snprintf(c->model_type, sizeof c->model_type, "%s", ai->model_type);
+
+    if ((st = json_i64(label, "num_hidden_layers", get(root, "num_hidden_layers"), 1, MAX_LAYERS,
+                       &c->n_layers)) != BK_OK ||
+        (st = json_i64(label, "hidden_size", get(root, "hidden_size"), 1, MAX_HIDDEN,
+                       &c->hidden)) != BK_OK ||
+        (st = json_i64(label, "intermediate_size", get(root, "intermediate_size"), 1,
+                       MAX_INTERMEDIATE, &c->intermediate)) != BK_OK ||
+        (st = json_i64(label, "num_attention_heads", get(root, "num_attention_heads"), 1,
+                       MAX_HEADS, &c->n_heads)) != BK_OK ||
+        (st = json_i64(label, "vocab_size", get(root, "vocab_size"), 1, MAX_VOCAB, &c->vocab)) !=
+            BK_OK)
+        goto done;
+
+    /* num_key_value_heads */
+    int kv_given = get(root, "num_key_value_heads") != NULL;
+    c->n_kv_heads = ai->kv_heads > 0 ? ai->kv_heads : c->n_heads;
+    if ((st = opt_i64(label, root, "num_key_value_heads", 1, MAX_HEADS, &c->n_kv_heads)) != BK_OK)
+        goto done;
+    if (c->n_kv_heads > c->n_heads || c->n_heads % c->n_kv_heads != 0) {
+        st = bk_error(BK_ERR_CONFIG,
+                      "%s: num_attention_heads (%lld) must be a multiple of num_key_value_heads "
+                      "(%lld%s)",
+                      label, (long long)c->n_heads, (long long)c->n_kv_heads,
+                      kv_given ? "" : ", the default for this model_type");
+        goto done;
+    }
+
+    /* head_dim */
+    if (get(root, "head_dim")) {
+        if ((st = opt_i64(label, root, "head_dim", 1, MAX_HEAD_DIM, &c->head_dim)) != BK_OK)
+            goto done;
+    } else if (ai->head_dim > 0) {
+        c->head_dim = ai->head_dim;
+    } else {
+        if (c->hidden % c->n_heads != 0) {
+            st = bk_error(BK_ERR_CONFIG,
+                          "%s: hidden_size (%lld) must be a multiple of num_attention_heads "
+                          "(%lld) when head_dim is not given",
+                          label, (long long)c->hidden, (long long)c->n_heads);
+            goto done;
+        }
+        c->head_dim = c->hidden / c->n_heads;
+    }
+    if (c->head_dim % 2 != 0) {
+        st = bk_error(BK_ERR_CONFIG, "%s: head_dim (%lld) must be even (rotary embeddings rotate "
+                      "pairs)", label, (long long)c->head_dim);
+        goto done;
+    }
+    if (c->n_heads * c->head_dim > MAX_ATTN_WIDTH) {
+        st = bk_error(BK_ERR_CONFIG,
+                      "%s: num_attention_heads x head_dim = %lld x %lld is out of range (at most "
+                      "%lld)",
+                      label, (long long)c->n_heads, (long long)c->head_dim,
+                      (long long)MAX_ATTN_WIDTH);
+        goto done;
+    }
+
+    c->max_positions = ai->max_pos;
+    if ((st = opt_i64(label, root, "max_position_embeddings", 1, MAX_POSITIONS,
+                      &c->max_positions)) != BK_OK)
+        goto done;
+
+    c->rms_eps = 1e-6;
+    const cJSON *eps = get(root, "rms_norm_eps");
+    if (eps) {
+        if ((st = json_num(label, "rms_norm_eps", eps, 1, &c->rms_eps)) != BK_OK)
+            goto done;
+        if (c->rms_eps >= 1.0) {
+            st = bk_error(BK_ERR_CONFIG, "%s: rms_norm_eps = %g is out of range (expected 0 < "
+                          "eps < 1)", label, c->rms_eps);
+            goto done;
+        }
+    }
+
+    if ((st = parse_rope(label, root, c)) != BK_OK)
+        goto done;
+
+    /* structure */
+    c->tie_embeddings = 0; /* all four configuration classes default to false */
+    if ((st = opt_bool(label, root, "tie_word_embeddings", &c->tie_embeddings)) != BK_OK)
+        goto done;
+    if (ai->qkv_bias_fixed) {
+        c->qkv_bias = 1;
+        c->o_bias = 0;
+    }
+    if (ai->reads_attn_bias) {
+        int ab = 0;
+        if ((st = opt_bool(label, root, "attention_bias", &ab)) != BK_OK)
+            goto done;
+        c->qkv_bias = c->o_bias = ab;
+    }
+    if (ai->reads_mlp_bias && (st = opt_bool(label, root, "mlp_bias", &c->mlp_bias)) != BK_OK)
+        goto done;
+    c->qk_norm = ai->qk_norm;
+
+    snprintf(c->hidden_act, sizeof c->hidden_act, "silu");
+    const cJSON *act = get(root, "hidden_act");
+    if (act) {
+        if (!cJSON_IsString(act)) {
+            st = bk_error(BK_ERR_CONFIG, "%s: hidden_act must be a string (got %s)", label,
+                          json_type_name(act));
+            goto done;
+        }
+        if (strcmp(act->valuestring, "silu") != 0) {
+            st = bk_error(BK_ERR_UNSUPPORTED,
+                          "%s: hidden_act '%.40s' is not supported (only silu)", label,
+                          act->valuestring);
+            goto done;
+        }
+    }
+
+    if ((st = parse_dtype(label, root, &c->dtype)) != BK_OK)
+        goto done;
+
+    c->bos_token_id = ai->bos;
+    c->eos_token_id = ai->eos;
+    if ((st = token_id(label, root, "bos_token_id", &c->bos_token_id)) != BK_OK ||
+        (st = token_id(label, root, "eos_token_id", &c->eos_token_id)) != BK_OK)
+        goto done;
+
+    /* already-quantized checkpoints */
+    const cJSON *qc = get(root, "quantization_config");
+    if (qc) {
+        if (!cJSON_IsObject(qc)) {
+            st = bk_error(BK_ERR_CONFIG, "%s: quantization_config must be an object (got %s)",
+                          label, json_type_name(qc));
+            goto done;
+        }
+        const cJSON *qm = get(qc, "quant_method");
+        if (!qm) {
+            st = bk_error(BK_ERR_CONFIG, "%s: quantization_config has no quant_method", label);
+            goto done;
+        }
+        if (!cJSON_IsString(qm)) {
+            st = bk_error(BK_ERR_CONFIG,
+                          "%s: quantization_config.quant_method must be a string (got %s)",
+                          label, json_type_name(qm));
+            goto done;
+        }
+        if (strcmp(qm->valuestring, "bakron") != 0) {
+            st = bk_error(BK_ERR_UNSUPPORTED,
+                          "%s: quantization_config.quant_method '%.40s': the checkpoint is "
+                          "already quantized (only unquantized checkpoints and bakron native "
+                          "exports are supported)",
+                          label, qm->valuestring);
+            goto done;
+        }
+        if (quantized)
+            *quantized = 1;
+    }
+
+done:
+    cJSON_Delete(root);
+    if (st != BK_OK)
+        memset(c, 0, sizeof *c);
+    return st;
+}
+
+bk_status bk_model_config_parse(const char *json, size_t len, const char *label,
+                                bk_model_config *cfg)
+{
+    if (!cfg)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_model_config_parse: cfg is NULL");
+    return parse_config(json, len, label, cfg, NULL);
+}
+
+static bk_status load_config(const char *path, bk_model_config *cfg, int *quantized)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    bk_status st = bk_read_file(path, CONFIG_MAX_BYTES, &buf, &len);
+    if (st != BK_OK)
+        return st;
+    st = parse_config(buf, len, path, cfg, quantized);
+    free(buf);
+    return st;
+}
+
+bk_status bk_model_config_load(const char *path, bk_model_config *cfg)
+{
+    if (!path || !cfg)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_model_config_load: NULL argument");
+    return load_config(path, cfg, NULL);
+}
+
+/* ---------------------------------------------------------------- modules */
+
+static const char *const module_names[BK_MOD_COUNT] = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj",
+};
+
+const char *bk_module_name(bk_module m)
+{
+    return ((unsigned)m < BK_MOD_COUNT) ? module_names[m] : "?";
+}
+
+void bk_module_shape(const bk_model_config *cfg, bk_module m, int64_t *out_features,
+                     int64_t *in_features)
+{
+    int64_t o = 0, i = 0;
+    int64_t qd = cfg->n_heads * cfg->head_dim, kvd = cfg->n_kv_heads * cfg->head_dim;
+    switch (m) {
+    case BK_MOD_Q: o = qd; i = cfg->hidden; break;
+    case BK_MOD_K:
+    case BK_MOD_V: o = kvd; i = cfg->hidden; break;
+    case BK_MOD_O: o = cfg->hidden; i = qd; break;
+    case BK_MOD_GATE:
+    case BK_MOD_UP: o = cfg->intermediate; i = cfg->hidden; break;
+    case BK_MOD_DOWN: o = cfg->hidden; i = cfg->intermediate; break;
+    default: break;
+    }
+    if (out_features)
+        *out_features = o;
+    if (in_features)
+        *in_features = i;
+}
+
+/* ------------------------------------------------- tensors a config implies */
+
+enum slot {
+    SL_IN_NORM = 0, SL_POST_NORM,
+    SL_Q, SL_K, SL_V, SL_O,
+    SL_Q_B, SL_K_B, SL_V_B, SL_O_B,
+    SL_Q_NORM, SL_K_NORM,
+    SL_GATE, SL_UP, SL_DOWN,
+    SL_GATE_B, SL_UP_B, SL_DOWN_B,
+    SL_COUNT
+};
+
+static const char *const slot_suffix[SL_COUNT] = {
+    "input_layernorm.weight",  "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_proj.bias",   "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias",   "self_attn.o_proj.bias",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",    "mlp.gate_proj.bias",
+    "mlp.up_proj.bias",        "mlp.down_proj.bias",
+};
+
+/* linear module of a weight slot, -1 otherwise */
+static int slot_module(int s)
+{
+    switch (s) {
+    case SL_Q: return BK_MOD_Q;
+    case SL_K: return BK_MOD_K;
+    case SL_V: return BK_MOD_V;
+    case SL_O: return BK_MOD_O;
+    case SL_GATE: return BK_MOD_GATE;
+    case SL_UP: return BK_MOD_UP;
+    case SL_DOWN: return BK_MOD_DOWN;
+    default: return -1;
+    }
+}
+
+static int slot_present(const bk_model_config *c, int s)
+{
+    switch (s) {
+    case SL_Q_B: case SL_K_B: case SL_V_B: return c->qkv_bias;
+    case SL_O_B: return c->o_bias;
+    case SL_Q_NORM: case SL_K_NORM: return c->qk_norm;
+    case SL_GATE_B: case SL_UP_B: case SL_DOWN_B: return c->mlp_bias;
+    default: return 1;
+    }
+}
+
+typedef struct tspec {
+    char name[160];
+    int ndim;
+    int64_t shape[2];
+    char why[200]; /* which config values imply the shape */
+} tspec;
+
+static void why_heads(char *b, size_t cap, const char *what, int64_t heads, int64_t hd)
+{
+    snprintf(b, cap, "%s=%lld x head_dim=%lld", what, (long long)heads, (long long)hd);
+}
+
+/* The shape explanation of a module's output / input width. */
+static void dim_why(const bk_model_config *c, int which, char *b, size_t cap)
+{
+    switch (which) {
+    case 0: snprintf(b, cap, "hidden_size=%lld", (long long)c->hidden); break;
+    case 1: why_heads(b, cap, "num_attention_heads", c->n_heads, c->head_dim); break;
+    case 2: why_heads(b, cap, "num_key_value_heads", c->n_kv_heads, c->head_dim); break;
+    case 3: snprintf(b, cap, "intermediate_size=%lld", (long long)c->intermediate); break;
+    default: b[0] = '\0';
+    }
+}
+
+static void layer_spec(const bk_model_config *c, int64_t layer, int s, tspec *t)
+{
+    snprintf(t->name, sizeof t->name, "model.layers.%lld.%s", (long long)layer, slot_suffix[s]);
+    /* dimension kinds: 0 hidden, 1 q width, 2 kv width, 3 intermediate */
+    static const signed char out_kind[SL_COUNT] = {0, 0, 1, 2, 2, 0, 1, 2, 2, 0, -1, -1,
+                                                   3, 3, 0, 3, 3, 0};
+    static const signed char in_kind[SL_COUNT] = {-1, -1, 0, 0, 0, 1, -1, -1, -1, -1, -1, -1,
+                                                  0,  0,  3, -1, -1, -1};
+    int64_t dims[4] = {c->hidden, c->n_heads * c->head_dim, c->n_kv_heads * c->head_dim,
+                       c->intermediate};
+    char a[96], b[96];
+    if (s == SL_Q_NORM || s == SL_K_NORM) {
+        t->ndim = 1;
+        t->shape[0] = c->head_dim;
+        snprintf(t->why, sizeof t->why, "head_dim=%lld", (long long)c->head_dim);
+        return;
+    }
+    dim_why(c, out_kind[s], a, sizeof a);
+    t->shape[0] = dims[out_kind[s]];
+    if (in_kind[s] < 0) {
+        t->ndim = 1;
+        snprintf(t->why, sizeof t->why, "%s", a);
+    } else {
+        t->ndim = 2;
+        t->shape[1] = dims[in_kind[s]];
+        dim_why(c, in_kind[s], b, sizeof b);
+        snprintf(t->why, sizeof t->why, "%s, %s", a, b);
+    }
+}
+
+enum { GL_EMBED = 0, GL_NORM, GL_LM_HEAD, GL_COUNT };
+
+static int global_spec(const bk_model_config *c, int g, tspec *t)
+{
+    switch (g) {
+    case GL_EMBED:
+    case GL_LM_HEAD:
+        if (g == GL_LM_HEAD && c->tie_embeddings)
+            return 0;
+        snprintf(t->name, sizeof t->name, "%s",
+                 g == GL_EMBED ? "model.embed_tokens.weight" : "lm_head.weight");
+        t->ndim = 2;
+        t->shape[0] = c->vocab;
+        t->shape[1] = c->hidden;
+        snprintf(t->why, sizeof t->why, "vocab_size=%lld, hidden_size=%lld", (long long)c->vocab,
+                 (long long)c->hidden);
+        return 1;
+    case GL_NORM:
+        snprintf(t->name, sizeof t->name, "model.norm.weight");
+        t->ndim = 1;
+        t->shape[0] = c->hidden;
+        snprintf(t->why, sizeof t->why, "hidden_size=%lld", (long long)c->hidden);
+        return 1;
+    default: return 0;
+    }
+}
+
+static uint64_t sat_add(uint64_t a, uint64_t b)
+{
+    uint64_t r;
+    return bk_add_u64(a, b, &r) ? UINT64_MAX : r;
+}
+
+static uint64_t spec_numel(const tspec *t)
+{
+    uint64_t n = (uint64_t)t->shape[0];
+    if (t->ndim == 2 && bk_mul_u64(n, (uint64_t)t->shape[1], &n))
+        return UINT64_MAX;
+    return n;
+}
+
+uint64_t bk_model_config_param_count(const bk_model_config *cfg)
+{
+    if (!cfg)
+        return 0;
+    tspec t;
+    uint64_t per_layer = 0, total = 0;
+    for (int s = 0; s < SL_COUNT; s++)
+        if (slot_present(cfg, s)) {
+            layer_spec(cfg, 0, s, &t);
+            per_layer = sat_add(per_layer, spec_numel(&t));
+        }
+    if (bk_mul_u64(per_layer, (uint64_t)(cfg->n_layers > 0 ? cfg->n_layers : 0), &total))
+        return UINT64_MAX;
+    for (int g = 0; g < GL_COUNT; g++)
+        if (global_spec(cfg, g, &t))
+            total = sat_add(total, spec_numel(&t));
+    return total;
+}
+
+/* ------------------------------------------------------------------ a model */
+
+struct bk_model {
+    char *dir;
+    bk_model_config cfg;
+    bk_st_set *set;
+    int quantized;
+};
+
+static int is_float_dtype(bk_dtype dt)
+{
+    return dt == BK_DT_F16 || dt == BK_DT_BF16 || dt == BK_DT_F32 || dt == BK_DT_F64;
+}
+
+static void fmt_shape(char *b, size_t cap, int ndim, const int64_t *shape)
+{
+    size_t l = 0;
+    l += (size_t)snprintf(b + l, cap - l, "[");
+    for (int i = 0; i < ndim && l < cap; i++)
+        l += (size_t)snprintf(b + l, cap - l, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (l < cap)
+        snprintf(b + l, cap - l, "]");
+}
+
+/* Compare one present tensor with its spec. */
+static bk_status check_tensor(const bk_tensor_info *ti, const tspec *t)
+{
+    int ok = ti->ndim == t->ndim;
+    for (int i = 0; ok && i < t->ndim; i++)
+        ok = ti->shape[i] == t->shape[i];
+    if (!ok) {
+        char got[128], want[64];
+        fmt_shape(got, sizeof got, ti->ndim, ti->shape);
+        fmt_shape(want, sizeof want, t->ndim, t->shape);
+        return bk_error(BK_ERR_SHAPE, "%s: tensor %s: shape %s, config implies %s (from %s)",
+                        ti->file, ti->name, got, want, t->why);
+    }
+    if (!is_float_dtype(ti->dtype))
+        return bk_error(BK_ERR_DTYPE,
+                        "%s: tensor %s: dtype %s, expected a floating-point dtype (F16, BF16, "
+                        "F32, F64)",
+                        ti->file, ti->name, bk_dtype_name(ti->dtype));
+    return BK_OK;
+}
+
+typedef struct missing_list {
+    size_t count;
+    char text[640];
+    int lm_head;
+} missing_list;
+
+static void missing_add(missing_list *ml, const char *name)
+{
+    if (ml->count < 5) {
+        size_t l = strlen(ml->text);
+        snprintf(ml->text + l, sizeof ml->text - l, "%s%s", l ? ", " : "", name);
+    }
+    if (!strcmp(name, "lm_head.weight"))
+        ml->lm_head = 1;
+    ml->count++;
+}
+
+/* Names of the form model.layers.N.REST with canonical decimal N. */
+static int parse_layer_name(const char *name, int64_t *layer, const char **rest)
+{
+    static const char pre[] = "model.layers.";
+    if (strncmp(name, pre, sizeof pre - 1) != 0)
+        return 0;
+    const char *p = name + sizeof pre - 1;
+    int64_t n = 0;
+    int digits = 0;
+    while (*p >= '0' && *p <= '9') {
+        if (digits >= 12)
+            return 0;
+        n = n * 10 + (*p - '0');
+        p++;
+        digits++;
+    }
+    if (digits == 0 || *p != '.' || (digits > 1 && p[-digits] == '0'))
+        return 0;
+    *layer = n;
+    *rest = p + 1;
+    return 1;
+}
+
+static int harmless_extra(const char *name)
+{
+    return bk_ends_with(name, "rotary_emb.inv_freq");
+}
+
+static const char *unexpected_reason(const bk_model_config *c, const char *rest)
+{
+    static _Thread_local char buf[160];
+    if (strstr(rest, "_proj.bias")) {
+        if (!strncmp(rest, "mlp.", 4))
+            return "the config has mlp_bias=false";
+        if (!strncmp(rest, "self_attn.o_proj", 16) && c->arch == BK_ARCH_QWEN2)
+            return "qwen2 has no o_proj bias";
+        return "the config implies no attention biases";
+    }
+    if (strstr(rest, "q_norm") || strstr(rest, "k_norm"))
+        return "only qwen3 has q_norm/k_norm";
+    snprintf(buf, sizeof buf, "not a tensor of a %s decoder layer", c->model_type);
+    return buf;
+}
+
+static bk_status cross_check(const bk_model *m)
+{
+    const bk_model_config *c = &m->cfg;
+    const bk_st_set *set = m->set;
+    missing_list ml;
+    memset(&ml, 0, sizeof ml);
+    bk_status first = BK_OK;
+    char first_msg[1024] = "";
+    tspec t;
+
+#define CHECK_ONE()                                                                        \
+    do {                                                                                   \
+        const bk_tensor_info *ti = bk_st_set_find(set, t.name);                            \
+        if (!ti) {                                                                         \
+            missing_add(&ml, t.name);                                                      \
+        } else if (first == BK_OK) {                                                       \
+            bk_status cs = check_tensor(ti, &t);                                           \
+            if (cs != BK_OK) {                                                             \
+                first = cs;                                                                \
+                snprintf(first_msg, sizeof first_msg, "%s", bk_last_error());              \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+    if (global_spec(c, GL_EMBED, &t))
+        CHECK_ONE();
+    for (int64_t l = 0; l < c->n_layers; l++)
+        for (int s = 0; s < SL_COUNT; s++) {
+            if (!slot_present(c, s))
+                continue;
+            if (m->quantized && slot_module(s) >= 0)
+                continue; /* stored as codes + scales: checked by the native reader */
+            layer_spec(c, l, s, &t);
+            CHECK_ONE();
+        }
+    for (int g = GL_NORM; g < GL_COUNT; g++)
+        if (global_spec(c, g, &t))
+            CHECK_ONE();
+#undef CHECK_ONE
+
+    if (ml.count) {
+        char more[48] = "";
+        if (ml.count > 5)
+            snprintf(more, sizeof more, " and %zu more", ml.count - 5);
+        return bk_error(BK_ERR_MISSING_TENSOR, "%s: %zu tensor%s the config implies %s missing: "
+                        "%s%s%s",
+                        m->dir, ml.count, ml.count > 1 ? "s" : "", ml.count > 1 ? "are" : "is",
+                        ml.text, more,
+                        ml.lm_head ? " (config.json has tie_word_embeddings=false)" : "");
+    }
+    if (first != BK_OK)
+        return bk_error(first, "%s", first_msg);
+
+    /* unexpected tensors */
+    size_t n = bk_st_set_count(set);
+    for (size_t i = 0; i < n; i++) {
+        const bk_tensor_info *ti = bk_st_set_tensor(set, i);
+        const char *name = ti->name, *rest = NULL;
+        int64_t layer;
+        if (harmless_extra(name))
+            continue;
+        if (parse_layer_name(name, &layer, &rest)) {
+            if (layer >= c->n_layers)
+                return bk_error(BK_ERR_UNEXPECTED_TENSOR,
+                                "%s: tensor %s: layer %lld does not exist (config.json has "
+                                "num_hidden_layers=%lld)",
+                                ti->file, name, (long long)layer, (long long)c->n_layers);
+            int known = 0;
+            for (int s = 0; s < SL_COUNT && !known; s++) {
+                if (!slot_present(c, s))
+                    continue;
+                if (m->quantized && slot_module(s) >= 0) {
+                    const char *mn = module_names[slot_module(s)];
+                    size_t lm = strlen(mn);
+                    known = !strncmp(rest, mn, lm) && rest[lm] == '.';
+                } else {
+                    known = !strcmp(rest, slot_suffix[s]);
+                }
+            }
+            if (!known)
+                return bk_error(BK_ERR_UNEXPECTED_TENSOR, "%s: unexpected tensor %s (%s)",
+                                ti->file, name, unexpected_reason(c, rest));
+            continue;
+        }
+        if (!strcmp(name, "lm_head.weight") && c->tie_embeddings)
+            return bk_error(BK_ERR_UNEXPECTED_TENSOR,
+                            "%s: unexpected tensor lm_head.weight: config.json has "
+                            "tie_word_embeddings=true (the LM head is the embedding matrix)",
+                            ti->file);
+        if (!strcmp(name, "model.embed_tokens.weight") || !strcmp(name, "model.norm.weight") ||
+            !strcmp(name, "lm_head.weight"))
+            continue;
+        if (!strncmp(name, "model.layers.", 13) ||
+            (ti->ndim == 2 && bk_ends_with(name, ".weight")))
+            return bk_error(BK_ERR_UNEXPECTED_TENSOR,
+                            "%s: unexpected tensor %s (looks like a weight that a %s model "
+                            "does not have)",
+                            ti->file, name, c->model_type);
+    }
+    return BK_OK;
+}
+
+bk_status bk_model_open(const char *dir, bk_model **out)
+{
+    if (!out)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_model_open: out is NULL");
+    *out = NULL;
+    if (!dir || !dir[0])
+        return bk_error(BK_ERR_INVALID_ARG, "bk_model_open: no folder given");
+    if (!bk_is_dir(dir))
+        return bk_error(BK_ERR_IO, "%s: not a model folder (expected a directory holding "
+                        "config.json and safetensors)", dir);
+
+    bk_status st;
+    char path[4096];
+    bk_model *m = calloc(1, sizeof *m);
+    if (!m)
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory", dir);
+    size_t ld = strlen(dir);
+    while (ld > 1 && dir[ld - 1] == '/')
+        ld--;
+    m->dir = malloc(ld + 1);
+    if (!m->dir) {
+        st = bk_error(BK_ERR_NOMEM, "%s: out of memory", dir);
+        goto fail;
+    }
+    memcpy(m->dir, dir, ld);
+    m->dir[ld] = '\0';
+
+    if ((st = bk_path_join(path, sizeof path, m->dir, "config.json")) != BK_OK)
+        goto fail;
+    if (!bk_is_file(path)) {
+        st = bk_error(BK_ERR_IO, "%s: no config.json in the model folder", m->dir);
+        goto fail;
+    }
+    if ((st = load_config(path, &m->cfg, &m->quantized)) != BK_OK)
+        goto fail;
+    if ((st = bk_st_set_open(m->dir, &m->set)) != BK_OK)
+        goto fail;
+    if ((st = cross_check(m)) != BK_OK)
+        goto fail;
+    *out = m;
+    return BK_OK;
+fail:
+    bk_model_close(m);
+    return st;
+}
+
+void bk_model_close(bk_model *m)
+{
+    if (!m)
+        return;
+    if (m->set)
+        bk_st_set_close(m->set);
+    free(m->dir);
+    free(m);
+}
+
+const bk_model_config *bk_model_get_config(const bk_model *m)
+{
+    return m ? &m->cfg : NULL;
+}
+
+const bk_st_set *bk_model_tensors(const bk_model *m)
+{
+    return m ? m->set : NULL;
+}
+
+const char *bk_model_dir(const bk_model *m)
+{
+    return m ? m->dir : NULL;
+}
+
+int bk_model_is_quantized(const bk_model *m)
+{
+    return m ? m->quantized : 0;
+}
+
+const bk_tensor_info *bk_model_find(const bk_model *m, int layer, const char *suffix)
+{
+    if (!m || !suffix)
+        return NULL;
+    char name[512];
+    int n;
+    if (layer >= 0) {
+        n = snprintf(name, sizeof name, "model.layers.%d.%s", layer, suffix);
+        return (n > 0 && (size_t)n < sizeof name) ? bk_st_set_find(m->set, name) : NULL;
+    }
+    n = snprintf(name, sizeof name, "model.%s", suffix);
+    const bk_tensor_info *t = (n > 0 && (size_t)n < sizeof name) ? bk_st_set_find(m->set, name)
+                                                                  : NULL;
+    return t ? t : bk_st_set_find(m->set, suffix);
+}
+
+bk_status bk_model_linear_f32(const bk_model *m, int layer, bk_module mod, float *dst)
+{
+    if (!m || !dst)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_model_linear_f32: NULL argument");
+    if (layer < 0 || layer >= m->cfg.n_layers)
+        return bk_error(BK_ERR_INVALID_ARG, "%s: layer %d out of range (num_hidden_layers=%lld)",
+                        m->dir, layer, (long long)m->cfg.n_layers);
+    if ((unsigned)mod >= BK_MOD_COUNT)
+        return bk_error(BK_ERR_INVALID_ARG, "%s: invalid module %d", m->dir, (int)mod);
+    if (m->quantized)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "%s: layer %d %s: reading native quantized (bakron) weights is not yet "
+                        "supported",
+                        m->dir, layer, module_names[mod]);
+    char suffix[64];
+    snprintf(suffix, sizeof suffix, "%s.weight", module_names[mod]);
+    const bk_tensor_info *t = bk_model_find(m, layer, suffix);
+    if (!t)
+        return bk_error(BK_ERR_MISSING_TENSOR, "%s: tensor model.layers.%d.%s is missing",
+                        m->dir, layer, suffix);
+    int64_t o, i;
+    bk_module_shape(&m->cfg, mod, &o, &i);
+    if (t->ndim != 2 || t->shape[0] != o || t->shape[1] != i)
+        return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected shape [%lld, %lld]", t->file,
+                        t->name, (long long)o, (long long)i);
+    return bk_tensor_to_f32(t, dst);
+}
