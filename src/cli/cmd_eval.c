@@ -1,0 +1,166 @@
+/* bakron eval: perplexity with the native forward pass. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "bakron/forward.h"
+#include "bakron/model.h"
+#include "bakron/pipeline.h"
+#include "cli.h"
+#include "util.h"
+
+static const char *eval_usage =
+    "usage: bakron eval MODEL_OR_OUT_DIR --tokens FILE [--samples N] [--batch B] [--json]\n"
+    "\n"
+    "Perplexity of a model (a Hugging Face checkpoint folder, or an output folder of\n"
+    "`bakron quantize`) computed with the native forward pass (F32):\n"
+    "  ppl = exp(mean next-token negative log-likelihood over positions 1..T-1\n"
+    "            of every sequence)\n"
+    "\n"
+    "options:\n"
+    "  --tokens FILE   safetensors with an I32 or I64 tensor input_ids [sequences, seqlen]\n"
+    "  --samples N     use the first N sequences (default: all)\n"
+    "  --batch B       sequences per micro-batch (default: automatic)\n"
+    "  --json          print one JSON object on stdout instead of text\n";
+
+/* "--name value" or "--name=value"; returns 1 when argv[*i] is that option
+ * (advancing *i over its value), 0 otherwise, -1 on a missing value. */
+static int opt_value(int argc, char **argv, int *i, const char *name, const char **val)
+{
+    const char *a = argv[*i];
+    size_t n = strlen(name);
+    if (strncmp(a, name, n) != 0)
+        return 0;
+    if (a[n] == '=') {
+        *val = a + n + 1;
+        return 1;
+    }
+    if (a[n] != '\0')
+        return 0;
+    if (*i + 1 >= argc)
+        return -1;
+    *val = argv[++*i];
+    return 1;
+}
+
+bk_status bk_cmd_eval(int argc, char **argv)
+{
+    if (cli_wants_help(argc, argv)) {
+        fputs(eval_usage, stdout);
+        return BK_OK;
+    }
+    const char *model_dir = NULL, *tokens_path = NULL;
+    int64_t samples = 0, batch = 0;
+    int json = 0;
+    bk_status st = BK_OK;
+    for (int i = 1; i < argc; i++) {
+        const char *v = NULL;
+        int r;
+        if (!strcmp(argv[i], "--json")) {
+            json = 1;
+        } else if ((r = opt_value(argc, argv, &i, "--tokens", &v)) != 0) {
+            if (r < 0)
+                return cli_usage_error("--tokens needs a FILE");
+            tokens_path = v;
+        } else if ((r = opt_value(argc, argv, &i, "--samples", &v)) != 0) {
+            if (r < 0)
+                return cli_usage_error("--samples needs a number");
+            if ((st = cli_parse_i64("--samples", v, 1, INT64_MAX, &samples)) != BK_OK)
+                return st;
+        } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
+            if (r < 0)
+                return cli_usage_error("--batch needs a number");
+            if ((st = cli_parse_i64("--batch", v, 1, INT64_MAX, &batch)) != BK_OK)
+                return st;
+        } else if (!strcmp(argv[i], "--")) {
+            if (i + 1 < argc && !model_dir)
+                model_dir = argv[++i];
+            if (i + 1 < argc)
+                return cli_usage_error("unexpected argument '%s'", argv[i + 1]);
+            break;
+        } else if (argv[i][0] == '-' && argv[i][1] != '\0') {
+            return cli_usage_error("unknown option '%s'", argv[i]);
+        } else if (!model_dir) {
+            model_dir = argv[i];
+        } else {
+            return cli_usage_error("unexpected argument '%s' (one model folder only)", argv[i]);
+        }
+    }
+    if (!model_dir)
+        return cli_usage_error("MODEL_OR_OUT_DIR is required");
+    if (!tokens_path)
+        return cli_usage_error("--tokens FILE is required");
+
+    bk_model *m = NULL;
+    int32_t *ids = NULL;
+    int64_t S = 0, T = 0;
+    double nll_sum = 0.0;
+    int64_t count = 0;
+    cJSON *j = NULL;
+    st = bk_model_open(model_dir, &m);
+    if (st != BK_OK)
+        goto done;
+    const bk_model_config *cfg = bk_model_get_config(m);
+    st = bk_load_tokens(tokens_path, cfg->vocab, samples, 0, &ids, &S, &T);
+    if (st != BK_OK)
+        goto done;
+    if (cfg->max_positions > 0 && T > cfg->max_positions) {
+        st = bk_error(BK_ERR_CALIB,
+                      "%s: sequence length %lld exceeds max_position_embeddings %lld of %s",
+                      tokens_path, (long long)T, (long long)cfg->max_positions, model_dir);
+        goto done;
+    }
+    double t0 = bk_now();
+    st = bk_model_nll(m, ids, S, T, batch, &nll_sum, &count);
+    double secs = bk_now() - t0;
+    if (st != BK_OK) {
+        char pre[1200];
+        snprintf(pre, sizeof pre, "%s on %s", model_dir, tokens_path);
+        bk_error_prefix(st, pre);
+        goto done;
+    }
+    double nll = nll_sum / (double)count;
+    double ppl = exp(nll);
+    if (json) {
+        j = cJSON_CreateObject();
+        if (!j || !cJSON_AddStringToObject(j, "model", model_dir) ||
+            !cJSON_AddBoolToObject(j, "quantized", bk_model_is_quantized(m) ? 1 : 0) ||
+            !cJSON_AddStringToObject(j, "tokens_file", tokens_path) ||
+            !cJSON_AddNumberToObject(j, "sequences", (double)S) ||
+            !cJSON_AddNumberToObject(j, "seqlen", (double)T) ||
+            !cJSON_AddNumberToObject(j, "tokens", (double)count) ||
+            !cJSON_AddNumberToObject(j, "nll", nll) ||
+            !cJSON_AddNumberToObject(j, "nll_sum", nll_sum) ||
+            !cJSON_AddNumberToObject(j, "perplexity", ppl) ||
+            !cJSON_AddNumberToObject(j, "seconds", secs)) {
+            st = bk_error(BK_ERR_NOMEM, "eval: out of memory building the JSON output");
+            goto done;
+        }
+        char *txt = cJSON_PrintUnformatted(j);
+        if (!txt) {
+            st = bk_error(BK_ERR_NOMEM, "eval: out of memory printing the JSON output");
+            goto done;
+        }
+        printf("%s\n", txt);
+        free(txt);
+    } else {
+        printf("model       %s%s\n", model_dir, bk_model_is_quantized(m) ? " (quantized)" : "");
+        printf("tokens      %s: %lld sequences x %lld tokens\n", tokens_path, (long long)S,
+               (long long)T);
+        printf("perplexity  %.4f\n", ppl);
+        printf("mean NLL    %.6f nats/token over %lld predicted tokens\n", nll,
+               (long long)count);
+        printf("time        %.2f s (%.0f tokens/s)\n", secs,
+               secs > 0 ? (double)(S * T) / secs : 0.0);
+    }
+    if (fflush(stdout) != 0)
+        st = bk_error(BK_ERR_WRITE, "eval: cannot write to stdout");
+done:
+    cJSON_Delete(j);
+    free(ids);
+    bk_model_close(m);
+    return st;
+}
