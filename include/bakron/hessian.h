@@ -62,6 +62,16 @@ bk_status bk_hess_add_down(bk_hess_acc *a, const float *down_in, int64_t S);
 bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module mod,
                           const float **A, const float **B);
 
+/* Shampoo kinds, two-sided modules: continue the power iteration of
+ * appendix A.2. The next pass accumulates A = E[tr(bᵀ B0 b) a aᵀ] and
+ * B = E[(aᵀ A0 a) b bᵀ] instead of the step from the identity. A0 [n, n],
+ * B0 [m, m] are symmetric PSD (NULL = identity; n, m must be the module's
+ * [in], [out]); they are copied. Call after bk_hess_acc_reset and before the
+ * layer's first add of that module; reset clears them. Feeding the previous
+ * pass's factors (rescaled) converges to the best Kronecker approximation. */
+bk_status bk_hess_set_start(bk_hess_acc *a, bk_module mod, const float *A0, int64_t n,
+                            const float *B0, int64_t m);
+
 #ifdef __cplusplus
 }
 #endif
