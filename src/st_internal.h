@@ -1,0 +1,43 @@
+/* Internal helpers shared by the safetensors reader and writers (not public API). */
+#ifndef BK_ST_INTERNAL_H
+#define BK_ST_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bakron/safetensors.h"
+
+/* Largest header the reader accepts (FORMATS.md rule 2). */
+#define BK_ST_MAX_HEADER 100000000ull
+/* Largest integer accepted in a shape or an offset: 2^53 (exact in a JSON double). */
+#define BK_ST_MAX_JSON_INT 9007199254740992.0
+/* Largest decompressed image bk_st_open_zst will build (64 GiB). */
+#define BK_ST_ZST_MAX_BYTES (64ull << 30)
+
+/* Offset of the first invalid UTF-8 sequence in s[0..n), or n if it is valid
+ * (rejects overlong forms, surrogates and code points above U+10FFFF). */
+size_t bk_utf8_invalid_at(const unsigned char *s, size_t n);
+
+/* Element count and byte size of a tensor (rules 8 and 9). Returns BK_OK, or
+ * BK_ERR_ST_OVERFLOW / BK_ERR_ST_SUBBYTE without setting a message. */
+bk_status bk_st_tensor_size(bk_dtype dt, int ndim, const int64_t *shape, uint64_t *numel,
+                            uint64_t *nbytes);
+
+/* Growable byte buffer for building headers and index files. */
+typedef struct bk_strbuf {
+    char *p;
+    size_t len, cap;
+    int oom;
+} bk_strbuf;
+void bk_sb_put(bk_strbuf *b, const void *s, size_t n);
+void bk_sb_puts(bk_strbuf *b, const char *s);
+void bk_sb_printf(bk_strbuf *b, const char *fmt, ...)
+#if defined(__GNUC__) || defined(__clang__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* Append s as a JSON string literal (quotes and escapes by cJSON). */
+void bk_sb_json_string(bk_strbuf *b, const char *s);
+void bk_sb_free(bk_strbuf *b);
+
+#endif /* BK_ST_INTERNAL_H */
