@@ -747,6 +747,8 @@ static void test_rope_matters(void **state)
                             Bs[(j * h + i) * m + j * h + i2] += (double)k[i] * (double)k[i2] / P;
                 }
     double e = rel_err_fd(B, Bs, m * m);
+    if (getenv("BK_TEST_VERBOSE"))
+        print_message("exact vs simplified q output factor: relative difference %.3f\n", e);
     if (!(e > 0.05))
         fail_msg("exact and simplified q factors agree to %.3e: the example does not test RoPE",
                  e);
