@@ -1,3 +1,61 @@
-/* solver_ref.c — to be implemented (see include/bakron/). */
-#include "bakron/status.h"
-typedef int bk_solver_ref_placeholder;
+/* The CPU reference solvers: solver_tmpl.h instantiated for float and double. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+#include <lapacke.h>
+
+#include "solver_impl.h"
+#include "util.h"
+
+#define BK_CAT_(a, b) a##b
+#define BK_CAT(a, b) BK_CAT_(a, b)
+
+/* Defaults measured on the 2-core development machine (docs/BENCHMARKS.md). */
+bk_bakron_tuning bk_bakron_tune = {
+    .leaf_width = 8,
+    .min_block = 16,
+    .max_block = 256,
+    .block_div = 4,
+};
+
+#define REAL float
+#define SUF _f
+#define Q_APPLY bk_q_apply_f
+#define GEMM cblas_sgemm
+#define GER cblas_sger
+#define AXPY cblas_saxpy
+#define TRMM cblas_strmm
+#define POTRF LAPACKE_spotrf
+#define POTRI LAPACKE_spotri
+#include "solver_tmpl.h"
+#undef REAL
+#undef SUF
+#undef Q_APPLY
+#undef GEMM
+#undef GER
+#undef AXPY
+#undef TRMM
+#undef POTRF
+#undef POTRI
+
+#define REAL double
+#define SUF _d
+#define Q_APPLY bk_q_apply_d
+#define GEMM cblas_dgemm
+#define GER cblas_dger
+#define AXPY cblas_daxpy
+#define TRMM cblas_dtrmm
+#define POTRF LAPACKE_dpotrf
+#define POTRI LAPACKE_dpotri
+#include "solver_tmpl.h"
+#undef REAL
+#undef SUF
+#undef Q_APPLY
+#undef GEMM
+#undef GER
+#undef AXPY
+#undef TRMM
+#undef POTRF
+#undef POTRI
