@@ -331,7 +331,10 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     st = bk_outdir_begin(o->out_dir, tmp, sizeof tmp);
     if (st != BK_OK)
         goto done;
-    st = bk_fwd_embed(fwd, model, tokens, S, h);
+    for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
+        int64_t sb = S - s0 < B ? S - s0 : B;
+        st = bk_fwd_embed(fwd, model, tokens + s0 * T, sb, h + s0 * T * c->hidden);
+    }
     if (st != BK_OK)
         goto done;
 

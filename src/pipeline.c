@@ -839,10 +839,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
 
     if (j->tokens) {
         double t = bk_now();
-        st = bk_fwd_embed(j->fwd, j->model, j->tokens, j->S, j->h);
+        MB_LOOP(j, s0, sb) {
+            st = bk_fwd_embed(j->fwd, j->model, j->tokens + s0 * j->T, sb,
+                              j->h + s0 * j->T * j->cfg->hidden);
+            if (st != BK_OK)
+                goto fail;
+        }
         j->t_forward += bk_now() - t;
-        if (st != BK_OK)
-            goto fail;
         for (int l = 0; l < j->layer_end; l++) {
             st = layer_tokens(j, l);
             if (st != BK_OK)

@@ -31,7 +31,7 @@ bk_status cli_parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, 
 
 bk_status cli_parse_int(const char *opt, const char *s, int lo, int hi, int *out)
 {
-    int64_t v;
+    int64_t v = 0;
     bk_status st = cli_parse_i64(opt, s, lo, hi, &v);
     if (st == BK_OK)
         *out = (int)v;
