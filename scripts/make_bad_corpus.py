@@ -107,6 +107,8 @@ def bad_files():
     t["r05_dtype_torch_name.safetensors"] = image(hjson({"a": entry("float32", [2], 0, 8)}), F32x2)
     # more dimensions than bakron's BK_MAX_DIMS (8)
     t["limit_nine_dims.safetensors"] = image(hjson({"a": entry("F32", [1] * 9, 0, 4)}), b"\0" * 4)
+    # a NUL character in a name (valid JSON, but not representable in C strings)
+    t["limit_nul_in_name.safetensors"] = image('{"a\\u0000b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\x01")
     # rule 7: layout
     two = struct.pack("<4f", 1, 2, 3, 4)
     t["r07_overlap.safetensors"] = image(hjson({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}), two[:12])
@@ -150,6 +152,7 @@ def seeds():
     s["ok_opaque_dtypes.safetensors"] = good([("f8", "F8_E4M3", [4], b"\x38\x40\xb8\xc0"), ("f4", "F4", [4], b"\x12\x34"), ("f6", "F6_E3M2", [4], b"\x01\x02\x03"), ("c", "C64", [1], b"\0" * 8), ("e8", "F8_E8M0", [1], b"\x7f")])
     s["ok_unicode_names.safetensors"] = good([("модель.вес", "F32", [1], b"\0\0\x80\x3f"), ("名前", "U8", [1], b"\x01")], {"note": "ünïcödé ✓", "format": "pt"})
     s["ok_escaped_names.safetensors"] = image('{"a\\"b\\\\c\\u00e9":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\x05")
+    s["ok_escaped_backslash_u0000.safetensors"] = image('{"a\\\\u0000":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\x01")
     s["ok_offsets_out_of_order.safetensors"] = image(hjson({"b": entry("F32", [1], 4, 8), "a": entry("F32", [1], 0, 4)}), struct.pack("<2f", 1, 2))
     s["ok_shape_2p53_zero.safetensors"] = image('{"a":{"dtype":"U8","shape":[9007199254740992,0],"data_offsets":[0,0]}}')
     s["ok_eight_dims.safetensors"] = image(hjson({"a": entry("I16", [1, 2, 1, 2, 1, 1, 1, 1], 0, 8)}), b"\1\0\2\0\3\0\4\0")

@@ -212,28 +212,36 @@ static void merge_sort(size_t *idx, size_t *tmp, size_t n, const raw_tensor *bas
     memcpy(idx, tmp, n * sizeof *idx);
 }
 
-/* Lexical JSON check cJSON does not make: raw control characters are not allowed
- * inside strings, and outside them only as whitespace (TAB, LF, CR). */
-static size_t json_control_char_at(const unsigned char *s, size_t n, int *in_string)
+/* Lexical checks cJSON does not make: raw control characters are not allowed
+ * inside strings, and outside them only as whitespace (TAB, LF, CR). Also finds
+ * the escape \u0000, which cJSON would silently cut a string at (a name with a
+ * NUL in it cannot be represented in bakron's C strings).
+ * Returns the offset of the first problem (or n) and its kind in *kind:
+ * 1 control character in a string, 2 outside strings, 3 \u0000. */
+static size_t json_lexical_problem_at(const unsigned char *s, size_t n, int *kind)
 {
     int in_str = 0, esc = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned c = s[i];
         if (in_str) {
-            if (esc)
+            if (esc) {
                 esc = 0;
-            else if (c == '\\')
+                if (c == 'u' && n - i > 4 && !memcmp(s + i + 1, "0000", 4)) {
+                    *kind = 3;
+                    return i - 1;
+                }
+            } else if (c == '\\') {
                 esc = 1;
-            else if (c == '"')
+            } else if (c == '"') {
                 in_str = 0;
-            else if (c < 0x20) {
-                *in_string = 1;
+            } else if (c < 0x20) {
+                *kind = 1;
                 return i;
             }
         } else if (c == '"') {
             in_str = 1;
         } else if (c < 0x20 && c != '\t' && c != '\n' && c != '\r') {
-            *in_string = 0;
+            *kind = 2;
             return i;
         }
     }
@@ -409,13 +417,18 @@ static bk_status validate(bk_st_file *f)
                         "%s: header is not valid UTF-8 (got byte 0x%02x at header offset %zu)",
                         label, h[bad], bad);
     /* rule 5: JSON */
-    int in_string = 0;
-    bad = json_control_char_at(h, (size_t)n, &in_string);
+    int kind = 0;
+    bad = json_lexical_problem_at(h, (size_t)n, &kind);
+    if (bad < n && kind == 3)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "%s: header string contains the escape \\u0000 at header offset %zu "
+                        "(names and metadata with NUL characters are not supported)",
+                        label, bad);
     if (bad < n)
         return bk_error(BK_ERR_ST_JSON,
                         "%s: header is not valid JSON (got raw control character 0x%02x %s at "
                         "header offset %zu)",
-                        label, h[bad], in_string ? "inside a string" : "between tokens", bad);
+                        label, h[bad], kind == 1 ? "inside a string" : "between tokens", bad);
     hdr = malloc((size_t)n + 1);
     if (!hdr)
         return bk_error(BK_ERR_NOMEM, "%s: out of memory for a %llu-byte header", label,

@@ -260,6 +260,7 @@ static const bad_case bad_files[] = {
     {"r05_dtype_lowercase.safetensors", BK_ERR_ST_DTYPE},
     {"r05_dtype_torch_name.safetensors", BK_ERR_ST_DTYPE},
     {"limit_nine_dims.safetensors", BK_ERR_UNSUPPORTED},
+    {"limit_nul_in_name.safetensors", BK_ERR_UNSUPPORTED},
     {"r07_overlap.safetensors", BK_ERR_ST_LAYOUT},
     {"r07_hole.safetensors", BK_ERR_ST_LAYOUT},
     {"r07_first_not_zero.safetensors", BK_ERR_ST_LAYOUT},
@@ -523,6 +524,10 @@ static void test_valid_edge_cases(void **state)
 
     f = open_seed("ok_escaped_names.safetensors");
     assert_non_null(bk_st_find(f, "a\"b\\c\xc3\xa9"));
+    bk_st_close(f);
+
+    f = open_seed("ok_escaped_backslash_u0000.safetensors");
+    assert_non_null(bk_st_find(f, "a\\u0000"));
     bk_st_close(f);
 
     f = open_seed("ok_unicode_names.safetensors");

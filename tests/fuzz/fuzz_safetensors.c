@@ -20,9 +20,7 @@ static void check(int ok)
         abort();
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+static void run_image(const uint8_t *data, size_t size)
 {
     bk_st_file *f = NULL;
     bk_status st = bk_st_open_memory(data, size, 0, "fuzz-input", &f);
@@ -30,7 +28,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         check(f == NULL);
         check(bk_last_error()[0] != '\0');
         check(strchr(bk_last_error(), '\n') == NULL);
-        return 0;
+        return;
     }
     const unsigned char *lo = data, *hi = data + size;
     uint64_t sum = 0;
@@ -66,5 +64,28 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         check(k && v && bk_st_meta_find(f, k) == v);
     }
     bk_st_close(f);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    /* the input as a whole file */
+    run_image(data, size);
+    /* and as "HEADER \0 DATA" with a correct length prefix, so that mutations reach
+     * the JSON and layout checks without having to guess the 8-byte length */
+    const uint8_t *nul = memchr(data, 0, size);
+    size_t hl = nul ? (size_t)(nul - data) : size;
+    size_t dl = nul ? size - hl - 1 : 0;
+    uint8_t *img = malloc(8 + hl + dl);
+    if (!img)
+        return 0;
+    for (int i = 0; i < 8; i++)
+        img[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+    memcpy(img + 8, data, hl);
+    if (dl)
+        memcpy(img + 8 + hl, nul + 1, dl);
+    run_image(img, 8 + hl + dl);
+    free(img);
     return 0;
 }
