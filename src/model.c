@@ -80,14 +80,34 @@ static const cJSON *get(const cJSON *obj, const char *key)
     return (v && !cJSON_IsNull(v)) ? v : NULL;
 }
 
+static int cmp_str_ptr(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* JSON readers disagree on which of two equal keys wins: refuse them
+ * (sorting keeps this O(n log n) on hostile input). */
 static bk_status check_duplicate_keys(const char *label, const cJSON *obj, const char *where)
 {
+    size_t n = 0;
     for (const cJSON *a = obj->child; a; a = a->next)
-        for (const cJSON *b = a->next; b; b = b->next)
-            if (a->string && b->string && !strcmp(a->string, b->string))
-                return bk_error(BK_ERR_CONFIG, "%s: key '%s%s' appears more than once", label,
-                                where, a->string);
-    return BK_OK;
+        n++;
+    if (n < 2)
+        return BK_OK;
+    const char **keys = malloc(n * sizeof *keys);
+    if (!keys)
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory checking %zu keys", label, n);
+    size_t k = 0;
+    for (const cJSON *a = obj->child; a; a = a->next)
+        keys[k++] = a->string ? a->string : "";
+    qsort(keys, n, sizeof *keys, cmp_str_ptr);
+    bk_status st = BK_OK;
+    for (size_t i = 1; i < n && st == BK_OK; i++)
+        if (!strcmp(keys[i - 1], keys[i]))
+            st = bk_error(BK_ERR_CONFIG, "%s: key '%s%.64s' appears more than once", label,
+                          where, keys[i]);
+    free(keys);
+    return st;
 }
 
 /* A whole number in [lo, hi] from a JSON number. `key` names it in messages. */
