@@ -1,50 +1,112 @@
-/* CUDA backend — the bk_backend_ops table. Operations not yet implemented
- * on the GPU report BK_ERR_UNSUPPORTED naming the operation. */
+/* CUDA backend — the bk_backend_ops table and the device context. */
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
-#include "common.cuh"
+#include "cuda_internal.cuh"
 #include "backend_impl.h"
 
 extern "C" bk_status bk_cuda_describe_device(int dev, char *buf, size_t cap);
 
-namespace {
-
-struct cuda_ctx {
-    int device;
-    cublasHandle_t cublas;
-    cusolverDnHandle_t cusolver;
-    cudaStream_t stream;
-};
-
-bk_status cuda_solve(void *vctx, const bk_solve_problem *p, const bk_solve_opts *o,
-                     bk_solve_result *r)
+void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
 {
-    (void)vctx;
-    (void)p;
-    (void)o;
-    (void)r;
-    return bk_error(BK_ERR_UNSUPPORTED, "backend cuda: solve is not implemented yet");
-}
-
-void cuda_destroy(void *vctx)
-{
-    cuda_ctx *c = static_cast<cuda_ctx *>(vctx);
     if (!c)
         return;
+    if (c->ev_start)
+        cudaEventDestroy(c->ev_start);
+    if (c->ev_stop)
+        cudaEventDestroy(c->ev_stop);
     if (c->cusolver)
         cusolverDnDestroy(c->cusolver);
     if (c->cublas)
         cublasDestroy(c->cublas);
     if (c->stream)
         cudaStreamDestroy(c->stream);
+    cudaGetLastError();
     free(c);
+}
+
+/* Knobs read from the environment (docs/DEVICE.md):
+ *   BK_CUDA_TILE       BaKron tile size, 32 or 64 (default 64)
+ *   BK_CUDA_MEM_LIMIT  refuse device allocations beyond this many bytes
+ *                      (tests the out-of-memory path without filling the GPU)
+ *   BK_CUDA_FACTOR_FP64=1  damping + Cholesky in fp64 also for fp32 solves
+ *                      (the CPU factors in the solve precision) */
+static bk_status read_env(bk_cuda_ctx *c)
+{
+    const char *t = getenv("BK_CUDA_TILE");
+    c->tile = 64;
+    if (t && *t) {
+        if (!strcmp(t, "32"))
+            c->tile = 32;
+        else if (strcmp(t, "64"))
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "BK_CUDA_TILE: expected 32 or 64 (got '%s')", t);
+    }
+    const char *f = getenv("BK_CUDA_FACTOR_FP64");
+    c->factor_fp64 = f && !strcmp(f, "1");
+    const char *l = getenv("BK_CUDA_MEM_LIMIT");
+    c->mem_limit = 0;
+    if (l && *l) {
+        char *end = NULL;
+        unsigned long long v = strtoull(l, &end, 10);
+        if (end == l || *end)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "BK_CUDA_MEM_LIMIT: expected a number of bytes (got '%s')", l);
+        c->mem_limit = (size_t)v;
+    }
+    return BK_OK;
+}
+
+bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out)
+{
+    *out = NULL;
+    bk_cuda_ctx *c = static_cast<bk_cuda_ctx *>(calloc(1, sizeof(bk_cuda_ctx)));
+    if (!c)
+        return bk_error(BK_ERR_NOMEM, "out of memory creating the CUDA backend");
+    bk_status st = read_env(c);
+    if (st != BK_OK)
+        goto fail;
+    c->device = device;
+    BK_CUDA_GOTO(cudaSetDevice(c->device), st, fail);
+    BK_CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), st, fail);
+    BK_CUDA_GOTO(cudaEventCreate(&c->ev_start), st, fail);
+    BK_CUDA_GOTO(cudaEventCreate(&c->ev_stop), st, fail);
+    BK_CUBLAS_GOTO(cublasCreate(&c->cublas), st, fail);
+    BK_CUBLAS_GOTO(cublasSetStream(c->cublas, c->stream), st, fail);
+    /* default math: fp32 GEMMs stay IEEE fp32 (no TF32) */
+    BK_CUBLAS_GOTO(cublasSetMathMode(c->cublas, CUBLAS_DEFAULT_MATH), st, fail);
+    BK_CUSOLVER_GOTO(cusolverDnCreate(&c->cusolver), st, fail);
+    BK_CUSOLVER_GOTO(cusolverDnSetStream(c->cusolver, c->stream), st, fail);
+    *out = c;
+    return BK_OK;
+fail:
+    bk_cuda_ctx_destroy(c);
+    return st;
+}
+
+namespace {
+
+bk_status cuda_solve(void *vctx, const bk_solve_problem *p, const bk_solve_opts *o,
+                     bk_solve_result *r)
+{
+    return bk_cuda_solve(static_cast<bk_cuda_ctx *>(vctx), p, o, r);
+}
+
+size_t cuda_peak(void *vctx)
+{
+    return static_cast<bk_cuda_ctx *>(vctx)->mem_peak;
+}
+
+void cuda_destroy(void *vctx)
+{
+    bk_cuda_ctx_destroy(static_cast<bk_cuda_ctx *>(vctx));
 }
 
 const bk_backend_ops cuda_ops = {
     "cuda",
     cuda_solve,
-    nullptr,
+    cuda_peak,
     cuda_destroy,
 };
 
@@ -52,24 +114,16 @@ const bk_backend_ops cuda_ops = {
 
 extern "C" bk_status bk_cuda_backend_init(bk_backend *b)
 {
-    cuda_ctx *c = static_cast<cuda_ctx *>(calloc(1, sizeof(cuda_ctx)));
-    if (!c)
-        return bk_error(BK_ERR_NOMEM, "out of memory creating the CUDA backend");
-    bk_status st = BK_OK;
-    c->device = 0;
-    BK_CUDA_GOTO(cudaSetDevice(c->device), st, fail);
-    BK_CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), st, fail);
-    BK_CUBLAS_GOTO(cublasCreate(&c->cublas), st, fail);
-    BK_CUBLAS_GOTO(cublasSetStream(c->cublas, c->stream), st, fail);
-    BK_CUSOLVER_GOTO(cusolverDnCreate(&c->cusolver), st, fail);
-    BK_CUSOLVER_GOTO(cusolverDnSetStream(c->cusolver, c->stream), st, fail);
-    st = bk_cuda_describe_device(c->device, b->device, sizeof b->device);
+    bk_cuda_ctx *c = NULL;
+    bk_status st = bk_cuda_ctx_create(0, &c);
     if (st != BK_OK)
-        goto fail;
+        return st;
+    st = bk_cuda_describe_device(c->device, b->device, sizeof b->device);
+    if (st != BK_OK) {
+        bk_cuda_ctx_destroy(c);
+        return st;
+    }
     b->ops = &cuda_ops;
     b->ctx = c;
     return BK_OK;
-fail:
-    cuda_destroy(c);
-    return st;
 }

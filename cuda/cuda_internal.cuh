@@ -1,0 +1,170 @@
+/* CUDA backend — internal interfaces shared by the .cu files of cuda/ (not
+ * public API).
+ *
+ * Layout conventions on the device: every matrix is row-major with an
+ * explicit leading dimension; the solver workspaces are padded to a multiple
+ * of BK_CUDA_PAD in both dimensions and the padding is zero. L_A / L_B are the
+ * normalized (unit-diagonal) lower Cholesky factors of the damped inverses,
+ * with a zero strict upper triangle.
+ */
+#ifndef BK_CUDA_INTERNAL_CUH
+#define BK_CUDA_INTERNAL_CUH
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common.cuh"
+#include "bakron/solver.h"
+
+#define BK_CUDA_PAD 128
+
+/* ------------------------------------------------------------ the context */
+
+typedef struct bk_cuda_ctx {
+    int device;
+    cublasHandle_t cublas;
+    cusolverDnHandle_t cusolver;
+    cudaStream_t stream;
+    cudaEvent_t ev_start, ev_stop; /* the algorithms record these around their core */
+    size_t mem_current;   /* bytes held through bk_dev_alloc */
+    size_t mem_peak;      /* high-water mark of mem_current (plus library workspaces) */
+    size_t mem_limit;     /* 0 = none; else refuse allocations beyond it (BK_CUDA_MEM_LIMIT) */
+    int tile;             /* BaKron tile size: 32 or 64 (BK_CUDA_TILE, default 64) */
+    int factor_fp64;      /* BK_CUDA_FACTOR_FP64=1: factor in fp64 also for fp32 solves */
+    int skip_push;        /* timing experiments only (BK_CUDA_SKIP_PUSH=1): wrong results */
+} bk_cuda_ctx;
+
+bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out);
+void bk_cuda_ctx_destroy(bk_cuda_ctx *c);
+
+/* Tracked device allocation (zero-filled). Failure: BK_ERR_DEVICE_OOM naming
+ * `what` and the size. *p is NULL on failure. */
+bk_status bk_dev_alloc(bk_cuda_ctx *c, void **p, size_t bytes, const char *what);
+void bk_dev_free(bk_cuda_ctx *c, void *p);
+/* Count library workspace (cuSOLVER buffers) towards the peak. */
+void bk_dev_note_transient(bk_cuda_ctx *c, size_t bytes);
+
+static inline int64_t bk_round_up(int64_t x, int64_t to)
+{
+    return (x + to - 1) / to * to;
+}
+
+/* ------------------------------------------------------------- quantizer */
+
+/* What the kernels need to round one entry (p, q) with the rule of
+ * src/quant.h: s = scale[p * groups + q / group], z = zero[...] (uniform),
+ * the scales/zeros being the fitted F32 values in the solve's type. */
+typedef struct bk_dquant {
+    int kind;            /* bk_qkind */
+    int qmin, qmax;      /* code range (unused for BK_Q_INTEGER) */
+    int64_t group;       /* columns per group (>= 1) */
+    int64_t groups;      /* groups per row */
+    const void *scale;   /* [m, groups] device, the solve's real type */
+    const void *zero;    /* [m, groups] device or NULL */
+} bk_dquant;
+
+/* ------------------------------------------------------- the core solvers */
+
+/* One problem on the device, in the solve's real type R (float or double).
+ * W: [mpad, ldw] holds W0 on entry; its contents are undefined on return.
+ * LA: [npad, ldla]; LB: [mpad, ldlb] or NULL (identity).
+ * codes: [m, n] int16 device output. counts: device counters (added to). */
+typedef struct bk_core_args {
+    int64_t m, n;
+    int64_t mpad, npad;
+    void *W;
+    int64_t ldw;
+    const void *LA;
+    int64_t ldla;
+    const void *LB;
+    int64_t ldlb;
+    bk_dquant q;
+    int16_t *codes;
+    unsigned long long *counts; /* device [3]: clamped, integer overflow, non-finite */
+    int gptq_block;
+    /* GPTQ with refit_groups: called at each group start with the group's
+     * fully updated columns on the device (W + j0, row stride ldw); it must
+     * refit group g and upload the new scales/zeros into q.scale / q.zero. */
+    bk_status (*refit)(void *ctx, int64_t g, const void *dW, int64_t ldw);
+    void *refit_ctx;
+} bk_core_args;
+
+/* Run one algorithm; `ms` receives the time of the core measured with CUDA
+ * events on the context's stream: each algorithm allocates its workspace
+ * first, then records c->ev_start, runs, and records c->ev_stop.
+ * BK_ERR_UNSUPPORTED (with the sizes) when an algorithm is refused for the
+ * size. */
+bk_status bk_cuda_core(bk_cuda_ctx *c, bk_algorithm alg, bk_precision prec,
+                       const bk_core_args *a, float *ms);
+
+bk_status bk_cuda_bakron_f32(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_bakron_f64(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_gptq_f32(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_gptq_f64(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_antidiag_f32(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_antidiag_f64(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_naive_f32(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_naive_f64(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_recursive_f32(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_recursive_f64(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_rtn_f32(bk_cuda_ctx *c, const bk_core_args *a);
+bk_status bk_cuda_rtn_f64(bk_cuda_ctx *c, const bk_core_args *a);
+
+/* Size limits of the small-size algorithms (m * n). */
+#define BK_CUDA_NAIVE_MAX_MN ((int64_t)128 * 128)
+
+/* Row-major GEMM through cuBLAS: C[M,N] = alpha op(A) op(B) + beta C, where
+ * op(A) is [M,K] (A stored [M,K] when !ta, [K,M] when ta), op(B) is [K,N]. */
+bk_status bk_rm_gemm(cublasHandle_t h, int ta, int tb, int64_t M, int64_t N, int64_t K,
+                     double alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
+                     double beta, float *C, int64_t ldc);
+bk_status bk_rm_gemm(cublasHandle_t h, int ta, int tb, int64_t M, int64_t N, int64_t K,
+                     double alpha, const double *A, int64_t lda, const double *B, int64_t ldb,
+                     double beta, double *C, int64_t ldc);
+
+/* --------------------------------------------------------------- factors */
+
+/* One side of the Kronecker product on the device (solver.c's `side`). */
+typedef struct bk_dside {
+    int64_t k, kpad;
+    int identity;   /* B absent */
+    void *dL;       /* solve type [kpad, kpad]: normalized unit lower factor, zero elsewhere */
+    double *dtil;   /* [k, k] the damped factor X~ (statistics), or NULL */
+    double *rdiag;  /* host [k]: RevCholesky(X~)_jj = 1 / diag of the unnormalized factor */
+    double damp;    /* relative damping used */
+    int retries;    /* escalations */
+} bk_dside;
+
+void bk_dside_free(bk_cuda_ctx *c, bk_dside *s);
+
+/* From the symmetrized host matrix Xd [k, k] (double, zero diagonals already
+ * replaced by 1, `mean` its mean diagonal): damp, factor the inverse on the
+ * device, escalate as the CPU does (damp 0 -> 1e-2, else x10, at most
+ * max_damp_retries times). The factorization runs in the solve precision,
+ * or in fp64 when fp64_factor (then converted). BK_ERR_NOT_PD naming label
+ * and the failed step when no damping works. */
+bk_status bk_dside_from_matrix(bk_cuda_ctx *c, bk_dside *s, const double *Xd, int64_t k,
+                               int64_t kpad, double mean, const char *label,
+                               const bk_solve_opts *o, int fp64_factor, int keep_til);
+
+/* From a precomputed host factor L (validated: lower triangular, positive
+ * diagonal; L L^T = X~^-1), normalized on the host as the CPU does; X~ for
+ * the statistics by inverting L on the device. */
+bk_status bk_dside_from_factor(bk_cuda_ctx *c, bk_dside *s, const double *Lh, int64_t k,
+                               int64_t kpad, const char *label, bk_precision prec,
+                               int keep_til);
+
+/* ------------------------------------------------------------ statistics */
+
+/* loss_one = tr(E A~ E^T), loss_two = tr(E^T B~ E A~) with E = Wq - W0 (all
+ * device double, row-major; Bd NULL = identity). */
+bk_status bk_cuda_losses(bk_cuda_ctx *c, int64_t m, int64_t n, const double *dWq,
+                         const double *dW0, const double *dAd, const double *dBd,
+                         double *loss_one, double *loss_two);
+
+/* ------------------------------------------------------------- the solve */
+
+bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
+                        bk_solve_result *r);
+
+#endif /* BK_CUDA_INTERNAL_CUH */

@@ -1,0 +1,399 @@
+/* CUDA backend — damping and the normalized Cholesky factor of the inverse
+ * (cuSOLVER), with the CPU's escalation rules (src/solver.c,
+ * side_from_matrix / side_from_factor; docs/solver.md).
+ *
+ * Row-major lower = column-major upper: potrf('U'), potri('U'), potrf('U')
+ * on the row-major buffer give L (row-major lower) with L L^T = X^-1, the
+ * same three steps as bk_factor_inverse on the CPU.
+ */
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda_internal.cuh"
+
+namespace {
+
+/* ------------------------------------------------------ cuSOLVER overloads */
+
+cusolverStatus_t potrf_bs(cusolverDnHandle_t h, int n, float *A, int lda, int *lw)
+{
+    return cusolverDnSpotrf_bufferSize(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, lw);
+}
+cusolverStatus_t potrf_bs(cusolverDnHandle_t h, int n, double *A, int lda, int *lw)
+{
+    return cusolverDnDpotrf_bufferSize(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, lw);
+}
+cusolverStatus_t potri_bs(cusolverDnHandle_t h, int n, float *A, int lda, int *lw)
+{
+    return cusolverDnSpotri_bufferSize(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, lw);
+}
+cusolverStatus_t potri_bs(cusolverDnHandle_t h, int n, double *A, int lda, int *lw)
+{
+    return cusolverDnDpotri_bufferSize(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, lw);
+}
+cusolverStatus_t potrf(cusolverDnHandle_t h, int n, float *A, int lda, float *w, int lw, int *info)
+{
+    return cusolverDnSpotrf(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, w, lw, info);
+}
+cusolverStatus_t potrf(cusolverDnHandle_t h, int n, double *A, int lda, double *w, int lw,
+                       int *info)
+{
+    return cusolverDnDpotrf(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, w, lw, info);
+}
+cusolverStatus_t potri(cusolverDnHandle_t h, int n, float *A, int lda, float *w, int lw, int *info)
+{
+    return cusolverDnSpotri(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, w, lw, info);
+}
+cusolverStatus_t potri(cusolverDnHandle_t h, int n, double *A, int lda, double *w, int lw,
+                       int *info)
+{
+    return cusolverDnDpotri(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, w, lw, info);
+}
+
+/* ----------------------------------------------------------------- kernels */
+
+/* X[i][j] = (R)Xd[i][j] off the diagonal, (R)(Xd[j][j] + add) on it (the
+ * CPU's rounding order), zero in the padding. */
+template <typename R>
+__global__ void k_fill(R *X, int64_t ld, const double *Xd, int64_t k, int64_t kpad, double add)
+{
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= kpad * kpad)
+        return;
+    const int64_t i = idx / kpad, j = idx % kpad;
+    R v = R(0);
+    if (i < k && j < k)
+        v = i == j ? (R)(Xd[i * k + j] + add) : (R)Xd[i * k + j];
+    X[i * ld + j] = v;
+}
+
+template <typename R> __global__ void k_get_diag(const R *X, int64_t ld, int64_t k, R *d)
+{
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < k)
+        d[j] = X[j * ld + j];
+}
+
+/* row-major: below the diagonal X[i][j] /= d[j], above 0, diagonal 1 */
+template <typename R> __global__ void k_normalize(R *X, int64_t ld, int64_t k, const R *d)
+{
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= k * k)
+        return;
+    const int64_t i = idx / k, j = idx % k;
+    R *x = &X[i * ld + j];
+    if (j < i)
+        *x = *x / d[j];
+    else if (j > i)
+        *x = R(0);
+    else
+        *x = R(1);
+}
+
+template <typename S, typename D>
+__global__ void k_convert(D *dst, const S *src, int64_t count)
+{
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < count)
+        dst[idx] = (D)src[idx];
+}
+
+__global__ void k_add_diag(double *X, int64_t k, double add)
+{
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < k)
+        X[j * k + j] += add;
+}
+
+inline unsigned blocks(int64_t n)
+{
+    return (unsigned)((n + 255) / 256);
+}
+
+/* bk_factor_inverse on the device, in place on the leading k x k block of X
+ * (row stride ld): *step = 0 on success, else the failed step (1 Cholesky,
+ * 2 inverse, 3 Cholesky of the inverse or a non-positive diagonal). diag
+ * (host, k) receives the unnormalized diagonal. */
+template <typename R>
+bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *diag, int *step)
+{
+    bk_status st = BK_OK;
+    int lw1 = 0, lw2 = 0, info = 0;
+    R *work = NULL, *d = NULL, *dh = NULL;
+    int *dinfo = NULL;
+    *step = 0;
+    BK_CUSOLVER_CHECK(potrf_bs(c->cusolver, (int)k, X, (int)ld, &lw1));
+    BK_CUSOLVER_CHECK(potri_bs(c->cusolver, (int)k, X, (int)ld, &lw2));
+    const int lw = lw1 > lw2 ? lw1 : lw2;
+    st = bk_dev_alloc(c, (void **)&work, sizeof(R) * (size_t)(lw > 0 ? lw : 1),
+                      "factor: cuSOLVER workspace");
+    if (st == BK_OK)
+        st = bk_dev_alloc(c, (void **)&dinfo, sizeof(int), "factor: info");
+    if (st == BK_OK)
+        st = bk_dev_alloc(c, (void **)&d, sizeof(R) * (size_t)k, "factor: diagonal");
+    if (st != BK_OK)
+        goto done;
+    for (int s = 1; s <= 3; s++) {
+        if (s == 2)
+            BK_CUSOLVER_GOTO(potri(c->cusolver, (int)k, X, (int)ld, work, lw, dinfo), st, done);
+        else
+            BK_CUSOLVER_GOTO(potrf(c->cusolver, (int)k, X, (int)ld, work, lw, dinfo), st, done);
+        BK_CUDA_GOTO(cudaMemcpyAsync(&info, dinfo, sizeof info, cudaMemcpyDeviceToHost,
+                                     c->stream),
+                     st, done);
+        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+        if (info < 0) {
+            st = bk_error(BK_ERR_DEVICE, "cuSOLVER: argument %d of the factorization step %d "
+                          "is invalid", -info, s);
+            goto done;
+        }
+        if (info > 0) {
+            *step = s;
+            goto done;
+        }
+    }
+    k_get_diag<R><<<blocks(k), 256, 0, c->stream>>>(X, ld, k, d);
+    BK_CUDA_GOTO(cudaGetLastError(), st, done);
+    dh = static_cast<R *>(malloc(sizeof(R) * (size_t)k));
+    if (!dh) {
+        st = bk_error(BK_ERR_NOMEM, "factor: out of host memory");
+        goto done;
+    }
+    BK_CUDA_GOTO(cudaMemcpyAsync(dh, d, sizeof(R) * (size_t)k, cudaMemcpyDeviceToHost, c->stream),
+                 st, done);
+    BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+    for (int64_t j = 0; j < k; j++) {
+        diag[j] = (double)dh[j];
+        if (!(dh[j] > R(0))) {
+            *step = 3;
+            goto done;
+        }
+    }
+    k_normalize<R><<<blocks(k * k), 256, 0, c->stream>>>(X, ld, k, d);
+    BK_CUDA_GOTO(cudaGetLastError(), st, done);
+    BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+done:
+    free(dh);
+    bk_dev_free(c, d);
+    bk_dev_free(c, dinfo);
+    bk_dev_free(c, work);
+    return st;
+}
+
+const char *const factor_step[] = {"", "the Cholesky factorization of the damped matrix",
+                                   "its inverse", "the Cholesky factorization of its inverse"};
+
+template <typename R>
+bk_status from_matrix(bk_cuda_ctx *c, bk_dside *s, const double *Xd, int64_t k, int64_t kpad,
+                      double mean, const char *label, const bk_solve_opts *o, int keep_til,
+                      R **out_L)
+{
+    bk_status st = BK_OK;
+    R *L = NULL;
+    double *dXd = NULL;
+    const size_t kk = (size_t)k * (size_t)k;
+    st = bk_dev_alloc(c, (void **)&dXd, sizeof(double) * kk, "factor: damped matrix");
+    if (st == BK_OK)
+        st = bk_dev_alloc(c, (void **)&L, sizeof(R) * (size_t)kpad * (size_t)kpad,
+                          "factor: Cholesky factor");
+    if (st != BK_OK)
+        goto fail;
+    BK_CUDA_GOTO(cudaMemcpyAsync(dXd, Xd, sizeof(double) * kk, cudaMemcpyHostToDevice, c->stream),
+                 st, fail);
+    {
+        double delta = o->damp, add = 0.0;
+        int step = 0, attempt;
+        for (attempt = 0;; attempt++) {
+            add = delta * mean;
+            k_fill<R><<<blocks(kpad * kpad), 256, 0, c->stream>>>(L, kpad, dXd, k, kpad, add);
+            BK_CUDA_GOTO(cudaGetLastError(), st, fail);
+            st = factor_inverse<R>(c, L, k, kpad, s->rdiag, &step);
+            if (st != BK_OK)
+                goto fail;
+            if (step == 0)
+                break;
+            if (attempt >= o->max_damp_retries) {
+                st = bk_error(BK_ERR_NOT_PD,
+                              "%s: not positive definite even with relative damping %g (%d "
+                              "escalation%s): %s failed",
+                              label, delta, attempt, attempt == 1 ? "" : "s", factor_step[step]);
+                goto fail;
+            }
+            delta = delta == 0.0 ? 1e-2 : delta * 10.0;
+        }
+        s->damp = delta;
+        s->retries = attempt;
+        for (int64_t j = 0; j < k; j++)
+            s->rdiag[j] = 1.0 / s->rdiag[j];
+        if (keep_til) {
+            k_add_diag<<<blocks(k), 256, 0, c->stream>>>(dXd, k, add);
+            BK_CUDA_GOTO(cudaGetLastError(), st, fail);
+            s->dtil = dXd;
+            dXd = NULL;
+        }
+    }
+    bk_dev_free(c, dXd);
+    *out_L = L;
+    return BK_OK;
+fail:
+    bk_dev_free(c, dXd);
+    bk_dev_free(c, L);
+    return st;
+}
+
+} // namespace
+
+void bk_dside_free(bk_cuda_ctx *c, bk_dside *s)
+{
+    if (!s)
+        return;
+    bk_dev_free(c, s->dL);
+    bk_dev_free(c, s->dtil);
+    free(s->rdiag);
+    memset(s, 0, sizeof *s);
+}
+
+bk_status bk_dside_from_matrix(bk_cuda_ctx *c, bk_dside *s, const double *Xd, int64_t k,
+                               int64_t kpad, double mean, const char *label,
+                               const bk_solve_opts *o, int fp64_factor, int keep_til)
+{
+    memset(s, 0, sizeof *s);
+    s->k = k;
+    s->kpad = kpad;
+    s->rdiag = static_cast<double *>(malloc(sizeof(double) * (size_t)k));
+    if (!s->rdiag)
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] factor", label,
+                        (long long)k, (long long)k);
+    bk_status st;
+    if (o->precision == BK_PREC_FP64) {
+        double *L = NULL;
+        st = from_matrix<double>(c, s, Xd, k, kpad, mean, label, o, keep_til, &L);
+        s->dL = L;
+    } else if (!fp64_factor) {
+        float *L = NULL;
+        st = from_matrix<float>(c, s, Xd, k, kpad, mean, label, o, keep_til, &L);
+        s->dL = L;
+    } else {
+        double *Ld = NULL;
+        float *L = NULL;
+        st = from_matrix<double>(c, s, Xd, k, kpad, mean, label, o, keep_til, &Ld);
+        if (st == BK_OK)
+            st = bk_dev_alloc(c, (void **)&L, sizeof(float) * (size_t)kpad * (size_t)kpad,
+                              "factor: Cholesky factor (fp32)");
+        if (st == BK_OK) {
+            k_convert<double, float><<<blocks(kpad * kpad), 256, 0, c->stream>>>(L, Ld,
+                                                                                 kpad * kpad);
+            st = bk_cuda_status(cudaGetLastError(), "k_convert", __FILE__, __LINE__);
+        }
+        if (st == BK_OK)
+            st = bk_cuda_status(cudaStreamSynchronize(c->stream), "factor", __FILE__, __LINE__);
+        bk_dev_free(c, Ld);
+        s->dL = L;
+    }
+    if (st != BK_OK)
+        bk_dside_free(c, s);
+    return st;
+}
+
+bk_status bk_dside_from_factor(bk_cuda_ctx *c, bk_dside *s, const double *Lh, int64_t k,
+                               int64_t kpad, const char *label, bk_precision prec, int keep_til)
+{
+    memset(s, 0, sizeof *s);
+    s->k = k;
+    s->kpad = kpad;
+    const size_t kk = (size_t)k * (size_t)k;
+    const size_t rsz = prec == BK_PREC_FP64 ? sizeof(double) : sizeof(float);
+    void *Ln = NULL;
+    double *dT = NULL;
+    int *dinfo = NULL;
+    void *work = NULL;
+    bk_status st = BK_OK;
+    s->rdiag = static_cast<double *>(malloc(sizeof(double) * (size_t)k));
+    Ln = calloc((size_t)kpad * (size_t)kpad, rsz);
+    if (!s->rdiag || !Ln) {
+        st = bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] factor", label,
+                      (long long)k, (long long)k);
+        goto fail;
+    }
+    /* normalization on the host, as side_from_factor */
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t j = 0; j <= i; j++) {
+            double v = j == i ? 1.0 : Lh[i * k + j] / Lh[j * k + j];
+            if (prec == BK_PREC_FP64)
+                static_cast<double *>(Ln)[i * kpad + j] = v;
+            else
+                static_cast<float *>(Ln)[i * kpad + j] = (float)v;
+        }
+    for (int64_t j = 0; j < k; j++)
+        s->rdiag[j] = 1.0 / Lh[j * k + j];
+    st = bk_dev_alloc(c, &s->dL, rsz * (size_t)kpad * (size_t)kpad, "factor: Cholesky factor");
+    if (st != BK_OK)
+        goto fail;
+    BK_CUDA_GOTO(cudaMemcpyAsync(s->dL, Ln, rsz * (size_t)kpad * (size_t)kpad,
+                                 cudaMemcpyHostToDevice, c->stream),
+                 st, fail);
+    if (keep_til) {
+        /* X~ = (L L^T)^-1 = L^-T L^-1: trtri on the column-major upper view
+         * (= L^T) gives L^-T, i.e. the row-major L^-1; then one GEMM. */
+        size_t wd = 0, wh = 0;
+        int info = 0;
+        void *hwork = NULL;
+        st = bk_dev_alloc(c, (void **)&dT, sizeof(double) * kk, "factor: inverse factor");
+        if (st == BK_OK)
+            st = bk_dev_alloc(c, (void **)&s->dtil, sizeof(double) * kk, "factor: X~");
+        if (st == BK_OK)
+            st = bk_dev_alloc(c, (void **)&dinfo, sizeof(int), "factor: info");
+        if (st != BK_OK)
+            goto fail;
+        BK_CUDA_GOTO(cudaMemcpyAsync(dT, Lh, sizeof(double) * kk, cudaMemcpyHostToDevice,
+                                     c->stream),
+                     st, fail);
+        st = bk_cusolver_status(cusolverDnXtrtri_bufferSize(c->cusolver, CUBLAS_FILL_MODE_UPPER,
+                                                            CUBLAS_DIAG_NON_UNIT, k, CUDA_R_64F,
+                                                            dT, k, &wd, &wh),
+                                "cusolverDnXtrtri_bufferSize", __FILE__, __LINE__);
+        if (st == BK_OK)
+            st = bk_dev_alloc(c, &work, wd > 0 ? wd : 1, "factor: trtri workspace");
+        if (st == BK_OK && wh > 0) {
+            hwork = malloc(wh);
+            if (!hwork)
+                st = bk_error(BK_ERR_NOMEM, "factor: out of host memory");
+        }
+        if (st == BK_OK)
+            st = bk_cusolver_status(cusolverDnXtrtri(c->cusolver, CUBLAS_FILL_MODE_UPPER,
+                                                     CUBLAS_DIAG_NON_UNIT, k, CUDA_R_64F, dT, k,
+                                                     work, wd, hwork, wh, dinfo),
+                                    "cusolverDnXtrtri", __FILE__, __LINE__);
+        if (st == BK_OK)
+            st = bk_cuda_status(cudaMemcpyAsync(&info, dinfo, sizeof info, cudaMemcpyDeviceToHost,
+                                                c->stream),
+                                "trtri info", __FILE__, __LINE__);
+        if (st == BK_OK)
+            st = bk_cuda_status(cudaStreamSynchronize(c->stream), "trtri", __FILE__, __LINE__);
+        free(hwork);
+        if (st != BK_OK)
+            goto fail;
+        if (info != 0) {
+            st = bk_error(BK_ERR_NOT_PD, "%s: the precomputed factor cannot be inverted", label);
+            goto fail;
+        }
+        /* dT (row-major) = L^-1, lower; X~ = (L^-1)^T L^-1 */
+        st = bk_rm_gemm(c->cublas, 1, 0, k, k, k, 1.0, dT, k, dT, k, 0.0, s->dtil, k);
+        if (st != BK_OK)
+            goto fail;
+    }
+    BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
+    free(Ln);
+    bk_dev_free(c, work);
+    bk_dev_free(c, dinfo);
+    bk_dev_free(c, dT);
+    return BK_OK;
+fail:
+    free(Ln);
+    bk_dev_free(c, work);
+    bk_dev_free(c, dinfo);
+    bk_dev_free(c, dT);
+    bk_dside_free(c, s);
+    return st;
+}

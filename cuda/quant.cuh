@@ -1,0 +1,108 @@
+/* CUDA backend — rounding one entry on the device, the same arithmetic as
+ * the CPU rule (src/quant.h, BK_Q_DEFINE_APPLY): scales and zeros are the
+ * fitted F32 values converted to the solve's type, the division is an IEEE
+ * division in that type, ties go to even, out-of-range codes are clamped,
+ * and the products are not contracted into FMAs. */
+#ifndef BK_CUDA_QUANT_CUH
+#define BK_CUDA_QUANT_CUH
+
+#include "cuda_internal.cuh"
+
+/* Products that the compiler must not contract into an FMA (the CPU
+ * reference computes them as a separate rounding step). */
+__device__ __forceinline__ float bk_mul_rn(float a, float b)
+{
+    return __fmul_rn(a, b);
+}
+__device__ __forceinline__ double bk_mul_rn(double a, double b)
+{
+    return __dmul_rn(a, b);
+}
+
+template <typename R> struct bk_dq {
+    int kind;
+    R qmin, qmax;
+    int64_t group, groups;
+    const R *scale;
+    const R *zero;
+
+    __host__ static bk_dq make(const bk_dquant &q)
+    {
+        bk_dq d;
+        d.kind = q.kind;
+        d.qmin = (R)q.qmin;
+        d.qmax = (R)q.qmax;
+        d.group = q.group > 0 ? q.group : 1;
+        d.groups = q.groups > 0 ? q.groups : 1;
+        d.scale = static_cast<const R *>(q.scale);
+        d.zero = static_cast<const R *>(q.zero);
+        return d;
+    }
+
+    /* Round w at (p, q) exactly as bk_q_apply_f / bk_q_apply_d (src/quant.h):
+     * the code, the value it stands for; cnt[0] clamped, cnt[1] integer
+     * overflow, cnt[2] non-finite inputs are counted by the caller. */
+    __device__ __forceinline__ R round(R x, int64_t p, int64_t q, int16_t *code, int *cnt) const
+    {
+        if (!(x - x == R(0)))
+            cnt[2]++;
+        if (kind == BK_Q_INTEGER) {
+            const R c = rint(x);
+            if (!(c >= R(-32767) && c <= R(32767))) {
+                cnt[1]++;
+                *code = 0;
+                return c;
+            }
+            *code = (int16_t)c;
+            return c;
+        }
+        const int64_t gi = p * groups + q / group;
+        const R s = scale[gi];
+        R c = rint(x / s);
+        if (kind == BK_Q_UNIFORM) {
+            const R z = zero[gi];
+            c += z;
+            if (!(c >= R(0))) {
+                c = R(0);
+                cnt[0]++;
+            } else if (c > qmax) {
+                c = qmax;
+                cnt[0]++;
+            }
+            *code = (int16_t)c;
+            return bk_mul_rn(s, c - z);
+        }
+        if (!(c >= qmin)) {
+            c = qmin;
+            cnt[0]++;
+        } else if (c > qmax) {
+            c = qmax;
+            cnt[0]++;
+        }
+        *code = (int16_t)c;
+        return bk_mul_rn(c, s);
+    }
+};
+
+/* Add a thread's counters to the device counters. The warp form must be
+ * reached by all 32 lanes of the warp. */
+__device__ __forceinline__ void bk_counts_add(unsigned long long *dst, const int *cnt)
+{
+    for (int t = 0; t < 3; t++)
+        if (cnt[t])
+            atomicAdd(&dst[t], (unsigned long long)cnt[t]);
+}
+
+__device__ __forceinline__ void bk_counts_add_warp(unsigned long long *dst, const int *cnt)
+{
+    for (int t = 0; t < 3; t++) {
+        int v = cnt[t];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+            v += __shfl_xor_sync(0xffffffffu, v, off);
+        if ((threadIdx.x & 31) == 0 && v)
+            atomicAdd(&dst[t], (unsigned long long)v);
+    }
+}
+
+#endif /* BK_CUDA_QUANT_CUH */
