@@ -108,6 +108,16 @@ run inspect "$BK_TEST_DATA/models/tiny-qwen2/model.safetensors" --json
 python3 -m json.tool "$tmp/out" >/dev/null 2>&1 || fail "$label: output is not valid JSON"
 json_check "d['kind'] == 'file' and 'config' not in d and d['files'][0]['metadata'] == {'format': 'pt'}"
 
+label="inspect folder without config.json"
+mkdir "$tmp/ckpt"
+cp "$BK_TEST_DATA/models/tiny-qwen3/model.safetensors" "$tmp/ckpt/"
+run inspect "$tmp/ckpt"
+[ "$rc" -eq 0 ] || fail "$label: exit $rc: $(cat "$tmp/err")"
+expect_line ": checkpoint folder$"
+expect_line "^  tensors +36$"
+expect_line "^  parameters +348000 "
+expect_line "^  model\.layers\.2\.self_attn\.k_norm\.weight +F32 +\[32\] +128$"
+
 label="inspect index.json"
 run inspect "$BK_TEST_DATA/models/tiny-llama3/model.safetensors.index.json"
 [ "$rc" -eq 0 ] || fail "$label: exit $rc: $(cat "$tmp/err")"
