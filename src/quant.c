@@ -7,6 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cblas.h>
+#include <pthread.h>
+
 #include "util.h"
 
 bk_status bk_alphabet_init(bk_alphabet *a, const bk_quant_spec *spec, int64_t m, int64_t n)
@@ -87,7 +90,10 @@ void bk_alphabet_free(bk_alphabet *a)
 
 /* ------------------------------------------------------------------ levels */
 
-double bk_q_levels_objective(const double *x, int64_t len, int levels, double scale)
+/* The objectives stop early once the running sum exceeds `limit` (every term
+ * is >= 0, so such a candidate cannot win the strict comparison); the sum
+ * of a candidate that can win is always complete and in the same order. */
+static double levels_obj(const double *x, int64_t len, int levels, double scale, double limit)
 {
     double err = 0.0;
     for (int64_t j = 0; j < len; j++) {
@@ -96,9 +102,17 @@ double bk_q_levels_objective(const double *x, int64_t len, int levels, double sc
             c = -levels;
         else if (c > levels)
             c = levels;
-        err += pow(fabs(c * scale - x[j]), BK_Q_NORM);
+        const double e = c * scale - x[j];
+        err += e * e;
+        if (err > limit)
+            break;
     }
     return err;
+}
+
+double bk_q_levels_objective(const double *x, int64_t len, int levels, double scale)
+{
+    return levels_obj(x, len, levels, scale, INFINITY);
 }
 
 bk_status bk_q_fit_levels(const double *x, int64_t len, int levels, int mse, float *scale)
@@ -121,7 +135,7 @@ bk_status bk_q_fit_levels(const double *x, int64_t len, int levels, int mse, flo
             float s = (float)(p * amax / levels);
             if (!(s > 0.0f))
                 continue;
-            double e = bk_q_levels_objective(x, len, levels, (double)s);
+            double e = levels_obj(x, len, levels, (double)s, best);
             if (e < best) { /* strict: ties keep the larger scale (p closer to 1) */
                 best = e;
                 best_s = s;
@@ -134,8 +148,8 @@ bk_status bk_q_fit_levels(const double *x, int64_t len, int levels, int mse, flo
 
 /* ----------------------------------------------------------------- uniform */
 
-double bk_q_uniform_objective(const double *x, int64_t len, int maxq, double scale,
-                              double zero)
+static double uniform_obj(const double *x, int64_t len, int maxq, double scale, double zero,
+                          double limit)
 {
     double err = 0.0;
     for (int64_t j = 0; j < len; j++) {
@@ -144,9 +158,17 @@ double bk_q_uniform_objective(const double *x, int64_t len, int maxq, double sca
             q = 0;
         else if (q > maxq)
             q = maxq;
-        err += pow(fabs(scale * (q - zero) - x[j]), BK_Q_NORM);
+        err += pow(fabs(scale * (q - zero) - x[j]), BK_Q_UNIFORM_NORM);
+        if (err > limit)
+            break;
     }
     return err;
+}
+
+double bk_q_uniform_objective(const double *x, int64_t len, int maxq, double scale,
+                              double zero)
+{
+    return uniform_obj(x, len, maxq, scale, zero, INFINITY);
 }
 
 bk_status bk_q_fit_uniform(const double *x, int64_t len, int bits, int asym, int mse,
@@ -184,7 +206,7 @@ bk_status bk_q_fit_uniform(const double *x, int64_t len, int bits, int asym, int
             if (!(s1 > 0.0f))
                 continue;
             double z1 = sym ? z : rint(-xmin1 / (double)s1);
-            double e = bk_q_uniform_objective(x, len, maxq, (double)s1, z1);
+            double e = uniform_obj(x, len, maxq, (double)s1, z1, best);
             if (e < best) {
                 best = e;
                 s = s1;
@@ -223,17 +245,77 @@ static bk_status fit_cell(bk_alphabet *a, int64_t i, int64_t g, const double *x,
     return BK_OK;
 }
 
+/* Rows are independent: split them over the BLAS thread count (the fit is
+ * the only plain loop of a solve that costs O(mn * grid)). A worker only
+ * records the first row that failed; its message is regenerated on the
+ * calling thread (messages are thread-local). */
+typedef struct fit_job {
+    bk_alphabet *a;
+    int64_t g, len, r0, r1, ldx;
+    const double *X;
+    int64_t bad_row; /* -1 when all rows fitted */
+} fit_job;
+
+static void *fit_rows(void *arg)
+{
+    fit_job *j = arg;
+    j->bad_row = -1;
+    for (int64_t i = j->r0; i < j->r1; i++)
+        if (fit_cell(j->a, i, j->g, j->X + i * j->ldx, j->len) != BK_OK) {
+            j->bad_row = i;
+            break;
+        }
+    return NULL;
+}
+
+#define BK_FIT_MAX_THREADS 64
+
 bk_status bk_alphabet_fit_group(bk_alphabet *a, int64_t g, const double *X, int64_t ldx)
 {
     if (g < 0 || g >= a->groups)
         return bk_error(BK_ERR_INTERNAL, "alphabet: group %lld out of range", (long long)g);
     const int64_t j0 = g * a->group;
     const int64_t len = (a->n - j0 < a->group) ? a->n - j0 : a->group;
-    for (int64_t i = 0; i < a->m; i++) {
-        bk_status st = fit_cell(a, i, g, X + i * ldx, len);
-        if (st != BK_OK)
-            return st;
+    int threads = openblas_get_num_threads();
+    if (a->spec.kind == BK_Q_INTEGER || !a->spec.mse || a->m * len < 65536)
+        threads = 1;
+    if (threads > BK_FIT_MAX_THREADS)
+        threads = BK_FIT_MAX_THREADS;
+    if (threads > a->m)
+        threads = (int)a->m;
+    if (threads < 1)
+        threads = 1;
+    fit_job jobs[BK_FIT_MAX_THREADS];
+    pthread_t tid[BK_FIT_MAX_THREADS];
+    int started[BK_FIT_MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++) {
+        fit_job *j = &jobs[t];
+        j->a = a;
+        j->g = g;
+        j->len = len;
+        j->ldx = ldx;
+        j->X = X;
+        j->r0 = a->m * t / threads;
+        j->r1 = a->m * (t + 1) / threads;
+        j->bad_row = -1;
+        if (t > 0)
+            started[t] = pthread_create(&tid[t], NULL, fit_rows, j) == 0;
     }
+    fit_rows(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else
+            fit_rows(&jobs[t]); /* could not start a thread: do it here */
+    }
+    for (int t = 0; t < threads; t++)
+        if (jobs[t].bad_row >= 0) {
+            const int64_t i = jobs[t].bad_row;
+            bk_status st = fit_cell(a, i, g, X + i * ldx, len);
+            return st != BK_OK ? st
+                               : bk_error(BK_ERR_INTERNAL, "alphabet: row %lld fit is not "
+                                          "deterministic", (long long)i);
+        }
     return BK_OK;
 }
 

@@ -19,14 +19,15 @@
 #include "bakron/solver.h"
 #include "bakron/status.h"
 
-/* GPTQ reference constants for the uniform MSE search. */
+/* GPTQ reference constants for the uniform MSE search: p = 1 - i/100,
+ * i = 0..79, objective sum |q(x) - x|^2.4. */
 #define BK_Q_UNIFORM_GRID 100
 #define BK_Q_UNIFORM_MAXSHRINK_STEPS 80 /* int(maxshrink 0.8 * grid 100) */
-/* Levels MSE search: p = 1 - i/100, i = 0..50 (shrink by up to a factor 2). */
+#define BK_Q_UNIFORM_NORM 2.4
+/* Levels MSE search: p = 1 - i/100, i = 0..50 (shrink by up to a factor 2),
+ * objective: the plain squared error sum (q(x) - x)^2 (docs/solver.md). */
 #define BK_Q_LEVELS_GRID 100
 #define BK_Q_LEVELS_STEPS 51
-/* Norm of the MSE objective (both families): sum |q(x) - x|^2.4. */
-#define BK_Q_NORM 2.4
 /* Largest |code| the int16 result can hold (integer alphabet). */
 #define BK_Q_INT16_MAX 32767
 
@@ -64,8 +65,8 @@ bk_status bk_q_fit_levels(const double *x, int64_t len, int levels, int mse, flo
 bk_status bk_q_fit_uniform(const double *x, int64_t len, int bits, int asym, int mse,
                            float *scale, float *zero);
 
-/* The MSE-search objective: sum_j |q(x_j) - x_j|^2.4 for a given scale/zero
- * (levels: zero ignored). Double precision. */
+/* The MSE-search objectives for a given scale (and zero), in double:
+ * levels sum_j (q(x_j) - x_j)^2, uniform sum_j |q(x_j) - x_j|^2.4. */
 double bk_q_levels_objective(const double *x, int64_t len, int levels, double scale);
 double bk_q_uniform_objective(const double *x, int64_t len, int maxq, double scale,
                               double zero);

@@ -39,4 +39,20 @@ bk_status cli_split_tensor_ref(const char *opt, const char *arg, char *file, siz
 /* 1 if argv contains -h / --help (before any "--"). */
 int cli_wants_help(int argc, char **argv);
 
+/* --- solver options shared by `solve` and `bench` (cmd_solve.c) --- */
+typedef struct cli_solver_args {
+    bk_solve_opts opts;
+    bk_backend_kind backend;
+    int have_levels, have_bits, have_group, have_asym;
+} cli_solver_args;
+void cli_solver_args_init(cli_solver_args *a);
+/* If `name` (a long option without "--") is a solver option, apply its
+ * value `arg` and set *handled = 1; usage errors name the option. */
+bk_status cli_solver_option(cli_solver_args *a, const char *name, const char *arg, int *handled);
+/* Cross-option checks after parsing (--levels vs --bits, --group needs --bits). */
+bk_status cli_solver_args_check(const cli_solver_args *a);
+/* "levels=3 mse", "uniform bits=4 group=128 asym" ... */
+void cli_quant_describe(const bk_quant_spec *q, char *buf, size_t cap);
+extern const char cli_solver_options_help[];
+
 #endif /* BK_CLI_H */
