@@ -827,12 +827,135 @@ struct bk_model {
     bk_model_config cfg;
     bk_st_set *set;
     int quantized;
+    int64_t q_group; /* native quantized: input columns per scale group, 0 = one per row */
 };
 
 static int is_float_dtype(bk_dtype dt)
 {
     return dt == BK_DT_F16 || dt == BK_DT_BF16 || dt == BK_DT_F32 || dt == BK_DT_F64;
 }
+
+/* ------------------------------------------- native quantized (bakron) layout */
+
+/* quantization_config of a native export: format "native", format_version 1,
+ * group_size -1 (per row) or > 0. */
+static bk_status read_native_qconfig(const char *path, int64_t *group)
+{
+    char *text = NULL;
+    size_t len = 0;
+    bk_status st = bk_read_file(path, 64u << 20, &text, &len);
+    if (st != BK_OK)
+        return st;
+    cJSON *root = cJSON_ParseWithLength(text, len);
+    free(text);
+    const cJSON *qc = root ? cJSON_GetObjectItemCaseSensitive(root, "quantization_config") : NULL;
+    const cJSON *fmt = qc ? cJSON_GetObjectItemCaseSensitive(qc, "format") : NULL;
+    const cJSON *ver = qc ? cJSON_GetObjectItemCaseSensitive(qc, "format_version") : NULL;
+    const cJSON *gs = qc ? cJSON_GetObjectItemCaseSensitive(qc, "group_size") : NULL;
+    if (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, "native") != 0 || !cJSON_IsNumber(ver) ||
+        ver->valuedouble != 1.0) {
+        st = bk_error(BK_ERR_UNSUPPORTED,
+                      "%s: quantization_config: only bakron \"format\": \"native\" with "
+                      "\"format_version\": 1 can be read",
+                      path);
+    } else if (!cJSON_IsNumber(gs) || floor(gs->valuedouble) != gs->valuedouble ||
+               !(gs->valuedouble == -1.0 || (gs->valuedouble >= 1 && gs->valuedouble <= 1e9))) {
+        st = bk_error(BK_ERR_CONFIG,
+                      "%s: quantization_config.group_size must be -1 or a positive integer", path);
+    } else {
+        *group = gs->valuedouble < 0 ? 0 : (int64_t)gs->valuedouble;
+    }
+    cJSON_Delete(root);
+    return st;
+}
+
+static const bk_tensor_info *find_mod(const bk_model *m, int64_t l, int mod, const char *what)
+{
+    char name[256];
+    snprintf(name, sizeof name, "model.layers.%lld.%s.%s", (long long)l, module_names[mod], what);
+    return bk_st_set_find(m->set, name);
+}
+
+static int64_t q_groups(const bk_model *m, int64_t in)
+{
+    return m->q_group > 0 ? (in + m->q_group - 1) / m->q_group : 1;
+}
+
+/* A linear module of a native export: either an ordinary P.weight (layers
+ * left unquantized) or P.qweight (I8 centered codes, or U8 codes with
+ * P.qzeros) [out, in] + P.scales [out, groups]. */
+static bk_status check_native_module(const bk_model *m, int64_t l, int mod, int *has_weight)
+{
+    int64_t o, in;
+    bk_module_shape(&m->cfg, (bk_module)mod, &o, &in);
+    *has_weight = find_mod(m, l, mod, "weight") != NULL;
+    if (*has_weight)
+        return BK_OK; /* checked as an ordinary weight */
+    const bk_tensor_info *q = find_mod(m, l, mod, "qweight");
+    const bk_tensor_info *sc = find_mod(m, l, mod, "scales");
+    const bk_tensor_info *z = find_mod(m, l, mod, "qzeros");
+    char pre[200];
+    snprintf(pre, sizeof pre, "model.layers.%lld.%s", (long long)l, module_names[mod]);
+    if (!q || !sc)
+        return bk_error(BK_ERR_MISSING_TENSOR,
+                        "%s: %s: neither %s.weight nor %s.qweight + %s.scales is present", m->dir,
+                        pre, pre, pre, pre);
+    int64_t g = q_groups(m, in);
+    if (q->ndim != 2 || q->shape[0] != o || q->shape[1] != in ||
+        (q->dtype != BK_DT_I8 && q->dtype != BK_DT_U8))
+        return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected I8 or U8 [%lld, %lld] codes", q->file,
+                        q->name, (long long)o, (long long)in);
+    if (sc->ndim != 2 || sc->shape[0] != o || sc->shape[1] != g || !is_float_dtype(sc->dtype))
+        return bk_error(BK_ERR_SHAPE,
+                        "%s: tensor %s: expected float [%lld, %lld] scales (group_size %lld)",
+                        sc->file, sc->name, (long long)o, (long long)g, (long long)m->q_group);
+    if (q->dtype == BK_DT_U8) {
+        if (!z)
+            return bk_error(BK_ERR_MISSING_TENSOR, "%s: %s.qzeros is missing (U8 codes are asymmetric)",
+                            m->dir, pre);
+        if (z->ndim != 2 || z->shape[0] != o || z->shape[1] != g || !is_float_dtype(z->dtype))
+            return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected float [%lld, %lld] zeros",
+                            z->file, z->name, (long long)o, (long long)g);
+    } else if (z) {
+        return bk_error(BK_ERR_UNEXPECTED_TENSOR,
+                        "%s: unexpected tensor %s (I8 codes are symmetric: no zero points)", z->file,
+                        z->name);
+    }
+    return BK_OK;
+}
+
+static bk_status native_linear_f32(const bk_model *m, int layer, int mod, float *dst)
+{
+    int64_t o, in;
+    bk_module_shape(&m->cfg, (bk_module)mod, &o, &in);
+    const bk_tensor_info *q = find_mod(m, layer, mod, "qweight");
+    const bk_tensor_info *sc = find_mod(m, layer, mod, "scales");
+    const bk_tensor_info *z = find_mod(m, layer, mod, "qzeros");
+    int64_t g = q_groups(m, in), gs = m->q_group > 0 ? m->q_group : in;
+    float *s = malloc((size_t)(o * g) * sizeof(float));
+    float *zz = z ? malloc((size_t)(o * g) * sizeof(float)) : NULL;
+    bk_status st = BK_OK;
+    if (!s || (z && !zz)) {
+        st = bk_error(BK_ERR_NOMEM, "%s: out of memory", q->name);
+        goto done;
+    }
+    if ((st = bk_tensor_to_f32(sc, s)) != BK_OK || (z && (st = bk_tensor_to_f32(z, zz)) != BK_OK))
+        goto done;
+    const int8_t *ci = q->data;
+    const uint8_t *cu = q->data;
+    for (int64_t i = 0; i < o; i++) {
+        for (int64_t j = 0; j < in; j++) {
+            int64_t k = i * g + j / gs;
+            float c = q->dtype == BK_DT_I8 ? (float)ci[i * in + j] : (float)cu[i * in + j] - zz[k];
+            dst[i * in + j] = c * s[k];
+        }
+    }
+done:
+    free(s);
+    free(zz);
+    return st;
+}
+
 
 static void fmt_shape(char *b, size_t cap, int ndim, const int64_t *shape)
 {
@@ -956,8 +1079,18 @@ static bk_status cross_check(const bk_model *m)
         for (int s = 0; s < SL_COUNT; s++) {
             if (!slot_present(c, s))
                 continue;
-            if (m->quantized && slot_module(s) >= 0)
-                continue; /* stored as codes + scales: checked by the native reader */
+            if (m->quantized && slot_module(s) >= 0) {
+                int has_weight = 0;
+                if (first == BK_OK) {
+                    bk_status qs = check_native_module(m, l, slot_module(s), &has_weight);
+                    if (qs != BK_OK) {
+                        first = qs;
+                        snprintf(first_msg, sizeof first_msg, "%s", bk_last_error());
+                    }
+                }
+                if (!has_weight)
+                    continue; /* codes + scales */
+            }
             layer_spec(c, l, s, &t);
             CHECK_ONE();
         }
@@ -1000,7 +1133,9 @@ static bk_status cross_check(const bk_model *m)
                 if (m->quantized && slot_module(s) >= 0) {
                     const char *mn = module_names[slot_module(s)];
                     size_t lm = strlen(mn);
-                    known = !strncmp(rest, mn, lm) && rest[lm] == '.';
+                    known = !strncmp(rest, mn, lm) && rest[lm] == '.' &&
+                            (!strcmp(rest + lm, ".weight") || !strcmp(rest + lm, ".qweight") ||
+                             !strcmp(rest + lm, ".scales") || !strcmp(rest + lm, ".qzeros"));
                 } else {
                     known = !strcmp(rest, slot_suffix[s]);
                 }
@@ -1062,6 +1197,8 @@ bk_status bk_model_open(const char *dir, bk_model **out)
         goto fail;
     }
     if ((st = load_config(path, &m->cfg, &m->quantized)) != BK_OK)
+        goto fail;
+    if (m->quantized && (st = read_native_qconfig(path, &m->q_group)) != BK_OK)
         goto fail;
     if ((st = bk_st_set_open(m->dir, &m->set)) != BK_OK)
         goto fail;
@@ -1129,11 +1266,8 @@ bk_status bk_model_linear_f32(const bk_model *m, int layer, bk_module mod, float
                         m->dir, layer, (long long)m->cfg.n_layers);
     if ((unsigned)mod >= BK_MOD_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "%s: invalid module %d", m->dir, (int)mod);
-    if (m->quantized)
-        return bk_error(BK_ERR_UNSUPPORTED,
-                        "%s: layer %d %s: reading native quantized (bakron) weights is not yet "
-                        "supported",
-                        m->dir, layer, module_names[mod]);
+    if (m->quantized && !find_mod(m, layer, mod, "weight"))
+        return native_linear_f32(m, layer, mod, dst);
     char suffix[64];
     snprintf(suffix, sizeof suffix, "%s.weight", module_names[mod]);
     const bk_tensor_info *t = bk_model_find(m, layer, suffix);
