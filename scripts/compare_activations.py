@@ -3,6 +3,13 @@
 `bakron dump-activations` and one from scripts/dump_activations.py. Prints
 the worst relative error max|a-b| / max|b| per tensor; exits 1 if any exceeds
 --tol."""
+import os as _os
+import sys as _sys
+
+# scripts/tokenize.py would shadow the standard library's tokenize module
+_HERE = _os.path.dirname(_os.path.abspath(__file__))
+_sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _HERE]
+
 import argparse
 import json
 import os

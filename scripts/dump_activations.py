@@ -7,6 +7,13 @@ same thing.
 
     scripts/dump_activations.py MODEL_DIR --calib calib.safetensors --out acts/ [--dtype F32]
 """
+import os as _os
+import sys as _sys
+
+# scripts/tokenize.py would shadow the standard library's tokenize module
+_HERE = _os.path.dirname(_os.path.abspath(__file__))
+_sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _HERE]
+
 import argparse
 import json
 import os

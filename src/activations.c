@@ -183,6 +183,18 @@ bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samp
         goto fail;
     }
     cJSON_Delete(j);
+    j = NULL;
+    /* check every layer file's tensors now (cheap for plain files: only the
+     * headers are read), so a bad dump fails before any work is done; a
+     * compressed dump is checked on its first layer here, the others when
+     * they are reached */
+    for (int64_t l = 0; l < (r->zstd ? 1 : layers); l++) {
+        bk_act_layer al;
+        st = bk__act_layer_open(r, (int)l, &al);
+        bk__act_layer_close(&al);
+        if (st != BK_OK)
+            goto fail;
+    }
     *out = r;
     *S = r->S;
     *T = r->T;

@@ -406,9 +406,9 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     const char *preset = NULL;
     int c;
     /* pass 1: the preset */
-    optind = 1;
+    optind = 0; /* GNU getopt: full re-initialization */
     opterr = 0;
-    while ((c = getopt_long(argc, argv, "+", quantize_opts, NULL)) != -1)
+    while ((c = getopt_long(argc, argv, "-", quantize_opts, NULL)) != -1)
         if (c == O_CONFIG)
             preset = optarg;
     if (preset && (st = apply_preset(&q, preset)) != BK_OK)
@@ -416,17 +416,16 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     q.o.config_path = preset;
     q.have_levels = q.have_bits = 0; /* the command line may switch the preset's alphabet */
     /* pass 2: the command line */
-    optind = 1;
+    optind = 0;
     opterr = 0;
     const char *model = NULL;
-    while (optind < argc) {
-        c = getopt_long(argc, argv, "", quantize_opts, NULL);
-        if (c == -1) {
+    while ((c = getopt_long(argc, argv, "-", quantize_opts, NULL)) != -1) {
+        if (c == 1) { /* a non-option argument, in order */
             if (model) {
-                st = cli_usage_error("unexpected argument '%s'", argv[optind]);
+                st = cli_usage_error("unexpected argument '%s'", optarg);
                 goto done;
             }
-            model = argv[optind++];
+            model = optarg;
             continue;
         }
         if (c == '?' || c == ':') {
@@ -501,14 +500,13 @@ bk_status bk_cmd_dump(int argc, char **argv)
     int json = 0, c;
     bk_status st;
     const char *model = NULL;
-    optind = 1;
+    optind = 0;
     opterr = 0;
-    while (optind < argc) {
-        c = getopt_long(argc, argv, "", opts, NULL);
-        if (c == -1) {
+    while ((c = getopt_long(argc, argv, "-", opts, NULL)) != -1) {
+        if (c == 1) {
             if (model)
-                return cli_usage_error("unexpected argument '%s'", argv[optind]);
-            model = argv[optind++];
+                return cli_usage_error("unexpected argument '%s'", optarg);
+            model = optarg;
             continue;
         }
         switch (c) {

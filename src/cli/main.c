@@ -59,9 +59,11 @@ int main(int argc, char **argv)
             bk_status st = commands[i].fn(argc - 1, argv + 1);
             if (st != BK_OK) {
                 const char *msg = bk_last_error();
-                fprintf(stderr, "bakron %s: error: %s\n", cmd, msg[0] ? msg : bk_status_name(st));
                 if (st == BK_ERR_USAGE)
-                    fprintf(stderr, "(see 'bakron %s --help')\n", cmd);
+                    fprintf(stderr, "bakron %s: error: %s (see 'bakron %s --help')\n", cmd,
+                            msg[0] ? msg : bk_status_name(st), cmd);
+                else
+                    fprintf(stderr, "bakron %s: error: %s\n", cmd, msg[0] ? msg : bk_status_name(st));
             }
             return bk_status_exit_code(st);
         }

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# End-to-end quantization of the bundled kerneldocs-1.6m model on the CPU:
+#  - perplexity ordering FP < gptq < rtn (2.81 bits, the paper's setting);
+#  - every native output re-evaluates to the perplexity of the same job
+#    exported as an ordinary dequantized checkpoint;
+#  - activation dumps: dump-activations -> quantize --activations;
+#  - bad inputs exit 2 with one line; an interrupted run leaves no folder.
+set -u
+B=${BK_BAKRON:?}
+SRC=${BK_SOURCE_ROOT:?}
+M=$SRC/examples/kerneldocs-1.6m
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fail=0
+die() { echo "FAIL: $*"; fail=1; }
+
+# Calibration: 32 of the 128 calibration windows keep the test fast.
+CAL="--calib $M/calib.safetensors --samples 32"
+EV="--tokens $M/eval.safetensors --samples 32"
+
+ppl() { # folder -> perplexity (from --json)
+    "$B" eval "$1" $EV --json 2>"$W/eval.err" | python3 -c 'import json,sys; print(json.load(sys.stdin)["perplexity"])'
+}
+
+fp=$(ppl "$M") || die "eval FP"
+echo "FP perplexity: $fp"
+
+declare -A P
+for h in rtn gptq mlplocal-kfac fullylocal-shampoo; do
+    for ex in native dequantized; do
+        out="$W/q-$h-$ex"
+        if ! "$B" quantize "$M" $CAL --hessian "$h" --levels 3 --export "$ex" --out "$out" \
+             --json >"$W/log-$h-$ex.json" 2>"$W/err-$h-$ex"; then
+            die "quantize $h $ex: $(cat "$W/err-$h-$ex")"
+            continue
+        fi
+        [ -f "$out/report.json" ] || die "$h $ex: no report.json"
+        [ -f "$out/config.json" ] || die "$h $ex: no config.json"
+        P[$h-$ex]=$(ppl "$out") || die "eval $h $ex: $(cat "$W/eval.err")"
+        echo "$h $ex perplexity: ${P[$h-$ex]}"
+    done
+    # the same job exported both ways evaluates the same (dequantized weights
+    # are rounded to the model's BF16, hence the tolerance)
+    python3 - "${P[$h-native]:-nan}" "${P[$h-dequantized]:-nan}" "$h" <<'EOF' || fail=1
+import math, sys
+a, b, h = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+ok = math.isfinite(a) and math.isfinite(b) and abs(a - b) <= 2e-3 * b
+print(f"{h}: native {a:.5f} vs dequantized {b:.5f}: {'ok' if ok else 'MISMATCH'}")
+sys.exit(0 if ok else 1)
+EOF
+done
+
+python3 - "$fp" "${P[gptq-native]:-nan}" "${P[rtn-native]:-nan}" <<'EOF' || fail=1
+import math, sys
+fp, g, r = map(float, sys.argv[1:4])
+ok = math.isfinite(g) and math.isfinite(r) and fp < g < r
+print(f"ordering FP {fp:.4f} < gptq {g:.4f} < rtn {r:.4f}: {'ok' if ok else 'VIOLATED'}")
+sys.exit(0 if ok else 1)
+EOF
+
+# native quantized folders carry codes + scales, not weights
+python3 - "$W/q-gptq-native/model.safetensors" <<'EOF' || fail=1
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    h = json.loads(f.read(n))
+q = h["model.layers.0.mlp.up_proj.qweight"]; s = h["model.layers.0.mlp.up_proj.scales"]
+ok = q["dtype"] == "I8" and q["shape"] == [512, 192] and s["shape"] == [512, 1] \
+     and "model.layers.0.mlp.up_proj.weight" not in h and "lm_head.weight" not in h
+print("native layout:", "ok" if ok else "WRONG")
+sys.exit(0 if ok else 1)
+EOF
+
+# activation dumps -> quantize
+if "$B" dump-activations "$M" $CAL --out "$W/acts" --zstd 2>"$W/err-dump"; then
+    [ -f "$W/acts/manifest.json" ] || die "no manifest"
+    [ -f "$W/acts/layer.0003.safetensors.zst" ] || die "no zstd layer file"
+    if "$B" quantize "$M" --activations "$W/acts" --hessian mlplocal-kfac --out "$W/q-acts" \
+        2>"$W/err-qa"; then
+        pa=$(ppl "$W/q-acts") && echo "from activations (full-precision inputs): $pa"
+        python3 -c "import sys; a,f,r=map(float,sys.argv[1:]); sys.exit(0 if f < a < r else 1)" \
+            "$pa" "$fp" "${P[rtn-native]:-1e9}" || die "activations run perplexity $pa out of range"
+    else
+        die "quantize --activations: $(cat "$W/err-qa")"
+    fi
+else
+    die "dump-activations: $(cat "$W/err-dump")"
+fi
+
+# bad inputs: exit 2, exactly one line on stderr, no output folder
+expect_bad() { # name, then the command
+    local name=$1; shift
+    "$@" >/dev/null 2>"$W/bad.err"
+    local rc=$? lines
+    lines=$(wc -l <"$W/bad.err")
+    if [ $rc -ne 2 ] || [ "$lines" -ne 1 ]; then
+        die "$name: exit $rc, $lines stderr lines: $(cat "$W/bad.err")"
+    else
+        echo "$name: exit 2: $(cat "$W/bad.err")"
+    fi
+}
+python3 - "$W" <<'EOF'
+import json, os, struct, sys
+w = sys.argv[1]
+def save(path, name, dtype, shape, data):
+    hdr = {name: {"dtype": dtype, "shape": shape, "data_offsets": [0, len(data)]},
+           "__metadata__": {"format": "pt"}}
+    hb = json.dumps(hdr).encode(); hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)) + hb + data)
+save(f"{w}/oov.safetensors", "input_ids", "I32", [2, 4], struct.pack("<8i", 1, 2, 3, 4, 5, 300, 7, 8))
+save(f"{w}/short.safetensors", "input_ids", "I32", [2, 1], struct.pack("<2i", 1, 2))
+save(f"{w}/float.safetensors", "input_ids", "F32", [1, 4], struct.pack("<4f", 1, 2, 3, 4))
+EOF
+expect_bad "tokens out of vocabulary" "$B" quantize "$M" --calib "$W/oov.safetensors" --hessian gptq --out "$W/bad1"
+expect_bad "too-short sequences" "$B" quantize "$M" --calib "$W/short.safetensors" --hessian gptq --out "$W/bad2"
+expect_bad "float token ids" "$B" quantize "$M" --calib "$W/float.safetensors" --hessian gptq --out "$W/bad3"
+if [ -d "$W/acts" ]; then
+    cp -r "$W/acts" "$W/acts-missing"; rm "$W/acts-missing/layer.0002.safetensors.zst"
+    expect_bad "missing layer file" "$B" quantize "$M" --activations "$W/acts-missing" --hessian gptq --out "$W/bad4"
+    cp -r "$W/acts" "$W/acts-layers"
+    sed -i 's/"layers":\t4/"layers":\t3/; s/"layers": 4/"layers": 3/' "$W/acts-layers/manifest.json"
+    expect_bad "layer count mismatch" "$B" quantize "$M" --activations "$W/acts-layers" --hessian gptq --out "$W/bad5"
+    cp -r "$W/acts" "$W/acts-hidden"
+    sed -i 's/"hidden_size":\t192/"hidden_size":\t128/; s/"hidden_size": 192/"hidden_size": 128/' "$W/acts-hidden/manifest.json"
+    expect_bad "shape mismatch" "$B" quantize "$M" --activations "$W/acts-hidden" --hessian gptq --out "$W/bad6"
+    cp -r "$W/acts" "$W/acts-dtype"
+    sed -i 's/"dtype":\t"F32"/"dtype":\t"BF16"/; s/"dtype": "F32"/"dtype": "BF16"/' "$W/acts-dtype/manifest.json"
+    expect_bad "dtype mismatch" "$B" quantize "$M" --activations "$W/acts-dtype" --hessian gptq --out "$W/bad7"
+fi
+for d in bad1 bad2 bad3 bad4 bad5 bad6 bad7; do
+    [ -e "$W/$d" ] && die "$d: an output folder was left behind"
+    ls -d "$W/$d".tmp-* >/dev/null 2>&1 && die "$d: a temporary folder was left behind"
+done
+
+# interruption: SIGINT during the run -> exit 3, no output folder, no temporary folder
+"$B" quantize "$M" $CAL --hessian mlplocal-kfac --out "$W/intr" 2>"$W/intr.err" &
+pid=$!
+for _ in $(seq 1 100); do
+    ls -d "$W/intr".tmp-* >/dev/null 2>&1 && break
+    sleep 0.05
+done
+kill -INT $pid
+wait $pid
+rc=$?
+[ $rc -eq 3 ] || die "interrupted run: exit $rc (expected 3): $(tail -1 "$W/intr.err")"
+[ -e "$W/intr" ] && die "interrupted run left $W/intr"
+ls -d "$W/intr".tmp-* >/dev/null 2>&1 && die "interrupted run left a temporary folder"
+echo "interrupted run: exit $rc, nothing left behind"
+
+exit $fail
