@@ -46,6 +46,7 @@ typedef struct bk_bakron_tuning {
     int min_block;  /* row block of the band updates: clamp(width / div, min, max) */
     int max_block;
     int block_div;
+    int chunk;      /* column chunk of the two band GEMMs (0: none) */
 } bk_bakron_tuning;
 extern bk_bakron_tuning bk_bakron_tune;
 

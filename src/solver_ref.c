@@ -17,7 +17,8 @@ bk_bakron_tuning bk_bakron_tune = {
     .leaf_width = 8,
     .min_block = 16,
     .max_block = 256,
-    .block_div = 4,
+    .block_div = 8,
+    .chunk = 128,
 };
 
 #define REAL float

@@ -283,6 +283,7 @@ static void F(bk_push)(F(bk_ctx) *x, int64_t k0, int64_t kmid, int64_t k1)
         b = bk_bakron_tune.min_block;
     if (b > x->bmax)
         b = x->bmax;
+    const int64_t chunk = bk_bakron_tune.chunk > 0 ? bk_bakron_tune.chunk : n;
     const int64_t plo = kmid - (n - 1) > 0 ? kmid - (n - 1) : 0;
     const int64_t phi = k1 - 1 < m - 1 ? k1 - 1 : m - 1;
     for (int64_t p0 = plo; p0 <= phi; p0 += b) {
@@ -304,7 +305,7 @@ static void F(bk_push)(F(bk_ctx) *x, int64_t k0, int64_t kmid, int64_t k1)
         const int64_t Qhi = Jhi;
         if (Qlo > Qhi)
             continue;
-        const int64_t nj = Jhi - Jlo + 1, ni = Ihi - Ilo + 1, nq = Qhi - Qlo + 1;
+        const int64_t nj = Jhi - Jlo + 1, nq = Qhi - Qlo + 1;
         REAL *M = x->M, *OUT = x->OUT;
         if (LB) {
             /* Ebar[I, J] = E on anti-diagonals k0 .. kmid-1, zero elsewhere */
@@ -317,8 +318,22 @@ static void F(bk_push)(F(bk_ctx) *x, int64_t k0, int64_t kmid, int64_t k1)
                 if (a <= e)
                     memcpy(row + (a - Jlo), x->Err + i * n + a, (size_t)(e - a + 1) * sizeof(REAL));
             }
-            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)pb, (int)nj, (int)ni, (REAL)1,
-                 LB + p0 * m + Ilo, (int)m, Eb, (int)nj, (REAL)0, M, (int)nj);
+            /* by column chunks of M: chunk [ja, jb] only needs the rows of E
+             * with k0 - jb <= i <= kmid-1 - ja (the band is a parallelogram) */
+            for (int64_t ja = Jlo; ja <= Jhi; ja += chunk) {
+                const int64_t jb = ja + chunk - 1 < Jhi ? ja + chunk - 1 : Jhi;
+                const int64_t ia = k0 - jb > Ilo ? k0 - jb : Ilo;
+                const int64_t ib = kmid - 1 - ja < Ihi ? kmid - 1 - ja : Ihi;
+                if (ia > ib) {
+                    for (int64_t p = 0; p < pb; p++)
+                        memset(M + p * nj + (ja - Jlo), 0, (size_t)(jb - ja + 1) * sizeof(REAL));
+                    continue;
+                }
+                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)pb, (int)(jb - ja + 1),
+                     (int)(ib - ia + 1), (REAL)1, LB + p0 * m + ia, (int)m,
+                     Eb + (ia - Ilo) * nj + (ja - Jlo), (int)nj, (REAL)0, M + (ja - Jlo),
+                     (int)nj);
+            }
         } else {
             /* identity: M[p, J] = Ebar[p, J] */
             for (int64_t p = p0; p < p1; p++) {
@@ -332,8 +347,15 @@ static void F(bk_push)(F(bk_ctx) *x, int64_t k0, int64_t kmid, int64_t k1)
                     memcpy(row + (a - Jlo), x->Err + p * n + a, (size_t)(e - a + 1) * sizeof(REAL));
             }
         }
-        GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)pb, (int)nq, (int)nj, (REAL)1, M,
-             (int)nj, LA + Qlo * n + Jlo, (int)n, (REAL)0, OUT, (int)nq);
+        /* by chunks of target columns: chunk [qa, qb] only needs j <= qb
+         * (L_A is lower triangular) */
+        for (int64_t qa = Qlo; qa <= Qhi; qa += chunk) {
+            const int64_t qb = qa + chunk - 1 < Qhi ? qa + chunk - 1 : Qhi;
+            const int64_t je = qb < Jhi ? qb : Jhi;
+            GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)pb, (int)(qb - qa + 1),
+                 (int)(je - Jlo + 1), (REAL)1, M, (int)nj, LA + qa * n + Jlo, (int)n, (REAL)0,
+                 OUT + (qa - Qlo), (int)nq);
+        }
         for (int64_t p = p0; p < p1; p++) {
             const int64_t a = kmid - p > Qlo ? kmid - p : Qlo;
             const int64_t e = k1 - 1 - p < Qhi ? k1 - 1 - p : Qhi;

@@ -171,7 +171,8 @@ static void test_thm32_bakron_tunings(void **state)
     (void)state;
     const bk_bakron_tuning saved = bk_bakron_tune;
     const bk_bakron_tuning tunings[] = {
-        {1, 1, 1, 1}, {1, 1, 256, 1}, {2, 3, 7, 2}, {5, 16, 64, 8}, {64, 16, 256, 4}};
+        {1, 1, 1, 1, 1}, {1, 1, 256, 1, 0}, {2, 3, 7, 2, 3}, {5, 16, 64, 8, 16},
+        {64, 16, 256, 4, 64}, {8, 16, 256, 4, 0}};
     for (size_t t = 0; t < sizeof tunings / sizeof tunings[0]; t++) {
         for (size_t s = 0; s < NSHAPES; s++) {
             for (int with_b = 0; with_b < 2; with_b++) {
