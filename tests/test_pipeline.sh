@@ -71,6 +71,48 @@ print("native layout:", "ok" if ok else "WRONG")
 sys.exit(0 if ok else 1)
 EOF
 
+# GPTQ v1 export: unpack with an independent reader and compare with the native codes
+if "$B" quantize "$M" $CAL --hessian gptq --levels 3 --export gptq --out "$W/q-gptq-gptq" \
+     2>"$W/err-gg"; then
+    python3 - "$W/q-gptq-native/model.safetensors" "$W/q-gptq-gptq" <<'EOF' || fail=1
+import array, json, struct, sys
+def read(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        h = json.loads(f.read(n))
+        return h, f.read()
+def tensor(h, data, name):
+    t = h[name]; a, b = t["data_offsets"]; return t, data[a:b]
+nh, nd = read(sys.argv[1])
+gh, gd = read(sys.argv[2] + "/model.safetensors")
+cfg = json.load(open(sys.argv[2] + "/config.json"))["quantization_config"]
+assert cfg["quant_method"] == "gptq" and cfg["bits"] == 3 and cfg["sym"] is True, cfg
+bad = 0
+for pre in ["model.layers.0.self_attn.k_proj", "model.layers.1.mlp.up_proj", "model.layers.3.mlp.down_proj"]:
+    nt, nb = tensor(nh, nd, pre + ".qweight"); out, inn = nt["shape"]
+    codes = array.array("b", nb)
+    qt, qb = tensor(gh, gd, pre + ".qweight")
+    assert qt["dtype"] == "I32" and qt["shape"] == [inn * 3 // 32, out], qt
+    words = array.array("I", qb)
+    zt, zb = tensor(gh, gd, pre + ".qzeros"); z = array.array("I", zb)
+    zero = (z[0] & 7) + 1
+    st, sb = tensor(gh, gd, pre + ".scales")
+    assert st["dtype"] == "F16" and st["shape"] == [1, out], st
+    for i in range(out):
+        bits = 0; nbits = 0; k = 0
+        for row in range(inn * 3 // 32):
+            bits |= words[row * out + i] << nbits; nbits += 32
+            while nbits >= 3:
+                q = bits & 7; bits >>= 3; nbits -= 3
+                if q - zero != codes[i * inn + k]: bad += 1
+                k += 1
+print("gptq export vs native codes:", "ok" if bad == 0 else f"{bad} MISMATCHES")
+sys.exit(1 if bad else 0)
+EOF
+else
+    die "quantize --export gptq: $(cat "$W/err-gg")"
+fi
+
 # activation dumps -> quantize
 if "$B" dump-activations "$M" $CAL --out "$W/acts" --zstd 2>"$W/err-dump"; then
     [ -f "$W/acts/manifest.json" ] || die "no manifest"
