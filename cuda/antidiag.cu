@@ -26,6 +26,7 @@ template <typename R> struct AArgs {
     int64_t ldg;
     bk_dq<R> q;
     int16_t *codes;
+    float *weight;
     unsigned long long *counts;
 };
 
@@ -40,6 +41,7 @@ template <typename R> __global__ void k_ad_round(AArgs<R> a, int64_t k, int64_t 
     int cnt[3] = {0, 0, 0};
     const R v = a.q.round(wt, i, j, &code, cnt);
     a.codes[i * a.n + j] = code;
+    a.weight[i * a.n + j] = (float)v;
     a.delta[t] = v - wt;
     bk_counts_add(a.counts, cnt);
 }
@@ -83,6 +85,7 @@ template <typename R> bk_status antidiag(bk_cuda_ctx *c, const bk_core_args *a)
     g.ldg = dmax;
     g.q = bk_dq<R>::make(a->q);
     g.codes = a->codes;
+    g.weight = a->weight;
     g.counts = a->counts;
     st = bk_dev_alloc(c, (void **)&g.delta, sizeof(R) * (size_t)dmax, "antidiag: errors");
     if (st == BK_OK)

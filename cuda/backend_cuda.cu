@@ -31,7 +31,9 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
  *   BK_CUDA_MEM_LIMIT  refuse device allocations beyond this many bytes
  *                      (tests the out-of-memory path without filling the GPU)
  *   BK_CUDA_FACTOR_FP64=1  damping + Cholesky in fp64 also for fp32 solves
- *                      (the CPU factors in the solve precision) */
+ *                      (the CPU factors in the solve precision)
+ *   BK_CUDA_PUSH_GROUP BaKron: far pushes every N tile anti-diagonals
+ *                      (default 4; 0 = every push eager) */
 static bk_status read_env(bk_cuda_ctx *c)
 {
     const char *t = getenv("BK_CUDA_TILE");
@@ -42,6 +44,16 @@ static bk_status read_env(bk_cuda_ctx *c)
         else if (strcmp(t, "64"))
             return bk_error(BK_ERR_INVALID_ARG,
                             "BK_CUDA_TILE: expected 32 or 64 (got '%s')", t);
+    }
+    const char *g = getenv("BK_CUDA_PUSH_GROUP");
+    c->push_group = 4;
+    if (g && *g) {
+        char *end = NULL;
+        long v = strtol(g, &end, 10);
+        if (end == g || *end || v < 0 || v > 64)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "BK_CUDA_PUSH_GROUP: expected an integer in [0, 64] (got '%s')", g);
+        c->push_group = (int)v;
     }
     const char *f = getenv("BK_CUDA_FACTOR_FP64");
     c->factor_fp64 = f && !strcmp(f, "1");

@@ -49,6 +49,7 @@ template <typename R> struct TileArgs {
     int64_t ldlb;
     bk_dq<R> q;
     int16_t *codes;
+    float *weight;
     unsigned long long *counts;
 };
 
@@ -129,6 +130,7 @@ __global__ void __launch_bounds__(SolveCfg<R, T>::NW * 32)
                 const R v = a.q.round(wt, gp, gq, &code, cnt);
                 e = v - wt;
                 a.codes[gp * a.n + gq] = code;
+                a.weight[gp * a.n + gq] = (float)v;
             }
         }
 #pragma unroll
@@ -213,9 +215,13 @@ template <typename R, int T> struct PushCfg {
 };
 
 /* C[r][a] += sum_c A[r][c] Bt[a][c] for one (tile, target) pair. Thread
- * (ty, tx) owns rows ty + 16 i and columns tx + 16 j. */
+ * (ty, tx) owns rows ty + 16 i and columns tx + 16 j. The eager ("near")
+ * pushes of the tiles of diagonal K: right targets J < Jt <= Kf - I, down
+ * targets I < It <= Kf - J, i.e. the tiles solved up to the next flush Kf
+ * (every target when the pushes are eager). */
 template <typename R, int T>
-__global__ void __launch_bounds__(256) k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT)
+__global__ void __launch_bounds__(256)
+    k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf)
 {
     using P = PushCfg<R, T>;
     constexpr int TM = P::TM, VE = P::VE, S = P::S;
@@ -224,7 +230,8 @@ __global__ void __launch_bounds__(256) k_push(TileArgs<R> a, int K, int i_lo, in
     R *As = reinterpret_cast<R *>(smem_raw);
     R *Bs = As + T * S;
     const int I = i_lo + (int)blockIdx.y, J = K - I;
-    const int nright = NT - 1 - J;
+    const int nright = min(NT - 1, Kf - I) - J;
+    const int ndown = min(MT - 1, Kf - J) - I;
     const int t = (int)blockIdx.x;
     const R *Ap, *Bp;
     int64_t lda, ldb, ldc;
@@ -239,7 +246,7 @@ __global__ void __launch_bounds__(256) k_push(TileArgs<R> a, int K, int i_lo, in
         ldc = a.ldr;
     } else {
         const int It = I + 1 + (t - nright);
-        if (!a.LB || It >= MT)
+        if (!a.LB || t - nright >= ndown)
             return; /* whole block */
         Ap = a.LB + (int64_t)It * T * a.ldlb + (int64_t)I * T;
         lda = a.ldlb;
@@ -291,9 +298,227 @@ __global__ void __launch_bounds__(256) k_push(TileArgs<R> a, int K, int i_lo, in
         }
 }
 
+/* ------------------------------------------------------- tile solve, v2 */
+
+/* The default tile solve. Warp (ab, bb) owns the 32 rows 32 ab + lane and
+ * the WC = 16 columns 16 bb .. 16 bb + 15 of the tile; lane p keeps its row's
+ * 16 accumulators skewed: register slot s holds column q with
+ * (p + q) mod 16 = s. On entry anti-diagonal k every active entry of every
+ * lane is therefore in the same slot, k mod 16 (a compile-time index once the
+ * k loop is unrolled by 16): one rounding pass per warp, no gathers. The
+ * newest error of each row and the newest completed R of each column go
+ * through double-buffered shared arrays (one barrier per anti-diagonal).
+ * E and R^ (transposed) are written to global memory as they are produced. */
+template <typename R, int T> struct Solve2Cfg {
+    static constexpr int WC = 16;
+    static constexpr int NWC = T / WC;
+    static constexpr int NW = (T / 32) * NWC; /* 8 warps for T = 64, 2 for T = 32 */
+    static constexpr int LS = T + 1;
+    static constexpr size_t smem = sizeof(R) * (size_t)(2 * T * LS + 2 * T * T + 4 * T);
+};
+
+template <typename R, int T>
+__global__ void __launch_bounds__(Solve2Cfg<R, T>::NW * 32)
+    k_tile_solve2(TileArgs<R> a, int K, int i_lo)
+{
+    using C = Solve2Cfg<R, T>;
+    constexpr int WC = C::WC, NWC = C::NWC, NW = C::NW, LS = C::LS;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    R *LAs = reinterpret_cast<R *>(smem_raw); /* [T][LS] */
+    R *LBs = LAs + T * LS;                    /* [T][LS] */
+    R *Sc = LBs + T * LS;                     /* [T][T] scale of each entry */
+    R *Zc = Sc + T * T;                       /* [T][T] zero point of each entry */
+    R *Erow = Zc + T * T;                     /* [2][T] newest error of each row */
+    R *Rcol = Erow + 2 * T;                   /* [2][T] newest completed R of each column */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ab = warp / NWC, bb = warp % NWC;
+    const int I = i_lo + (int)blockIdx.x, J = K - I;
+    const int64_t r0 = (int64_t)I * T, c0 = (int64_t)J * T;
+    const int p = 32 * ab + lane, qlo = WC * bb;
+    const int64_t gp = r0 + p;
+    const bool rowin = gp < a.m;
+
+    for (int idx = tid; idx < T * T; idx += NW * 32) {
+        const int r = idx / T, cc = idx % T;
+        LAs[r * LS + cc] = a.LA[(c0 + r) * a.ldla + c0 + cc];
+        LBs[r * LS + cc] = a.LB ? a.LB[(r0 + r) * a.ldlb + r0 + cc] : (r == cc ? R(1) : R(0));
+        R sc = R(1), z = R(0);
+        const int64_t gr = r0 + r, gc = c0 + cc;
+        if (a.q.kind != BK_Q_INTEGER && gr < a.m && gc < a.n) {
+            const int64_t gi = gr * a.q.groups + gc / a.q.group;
+            sc = a.q.scale[gi];
+            if (a.q.zero)
+                z = a.q.zero[gi];
+        }
+        Sc[idx] = sc;
+        Zc[idx] = z;
+    }
+    int qs[WC];
+    R x[WC], y[WC];
+#pragma unroll
+    for (int s = 0; s < WC; s++) {
+        qs[s] = qlo + ((s - lane) & (WC - 1));
+        x[s] = a.Rp[gp * a.ldr + c0 + qs[s]];
+        y[s] = a.W[gp * a.ldw + c0 + qs[s]];
+    }
+    int cnt[3] = {0, 0, 0};
+    __syncthreads();
+
+    for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
+#pragma unroll
+        for (int u = 0; u < WC; u++) {
+            const int k = k0 + u;
+            if (k >= 2 * T - 1)
+                break;
+            R *Er = Erow + (u & 1) * T;
+            R *Rc = Rcol + (u & 1) * T;
+            /* A. the active entry (p, k - p), when this warp owns its column:
+             *    it sits in slot u */
+            const int q = k - p;
+            if (q >= qlo && q < qlo + WC) {
+                const R wt = y[u] + x[u];
+                R e = R(0);
+                const int64_t gq = c0 + q;
+                if (rowin && gq < a.n) {
+                    int16_t code;
+                    const R v = a.q.round_sz(wt, Sc[p * T + q], Zc[p * T + q], &code, cnt);
+                    e = v - wt;
+                    a.codes[gp * a.n + gq] = code;
+                    a.weight[gp * a.n + gq] = (float)v;
+                }
+                x[u] += e; /* L_A[q,q] = 1: now R[p,q] */
+                Er[p] = e;
+                Rc[q] = x[u];
+                a.W[gp * a.ldw + gq] = e;
+                a.Rp[(r0 + q) * a.ldr + c0 + p] = x[u];
+            }
+            __syncthreads();
+            /* B. the terms of anti-diagonal k for every later entry:
+             *    X[p,q] += E[p,k-p] L_A[q,k-p] (k-p < q),
+             *    Y[p,q] += L_B[p,k-q] R[k-q,q] (k-q < p). */
+            const int jj = k - p;
+            if (jj >= 0 && jj < T - 1) {
+                const R er = Er[p];
+#pragma unroll
+                for (int s = 0; s < WC; s++)
+                    if (jj < qs[s])
+                        x[s] += er * LAs[qs[s] * LS + jj];
+            }
+            if (a.LB) {
+#pragma unroll
+                for (int s = 0; s < WC; s++) {
+                    const int ii = k - qs[s];
+                    if (ii >= 0 && ii < p)
+                        y[s] += LBs[p * LS + ii] * Rc[qs[s]];
+                }
+            }
+        }
+    }
+    bk_counts_add_warp(a.counts, cnt);
+}
+
+/* ------------------------------------------------------------- far push */
+
+/* The lazy half of the pushes (push_group G > 0): at a flush diagonal Kf the
+ * errors of the last G tile anti-diagonals reach every tile beyond them in
+ * one product with inner dimension up to G T:
+ *   line x < MT (row I):      Rp[I, Jt] += sum_{J in run} E[I,J] L_A[Jt,J]^T
+ *   line x >= MT (column J):  W[It, J]  += sum_{I in run} L_B[It,I] R^[I,J]
+ * with the run = the tiles of the line on diagonals Kf-G+1 .. Kf and the
+ * targets those after it (solved after Kf). blockIdx.y is the absolute
+ * target index, so neighbouring CTAs share L_A / L_B blocks in L2. */
+template <typename R, int T>
+__global__ void __launch_bounds__(256) k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT)
+{
+    using P = PushCfg<R, T>;
+    constexpr int TM = P::TM, VE = P::VE, S = P::S, VPR = T / VE;
+    using V = typename Vec16<R>::type;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    R *As = reinterpret_cast<R *>(smem_raw);
+    R *Bs = As + T * S;
+    const int line = (int)blockIdx.x, tgt = (int)blockIdx.y;
+    int lo, hi;
+    R *Cp;
+    int64_t ldc;
+    const bool right = line < MT;
+    if (right) {
+        const int I = line;
+        hi = min(NT - 1, Kf - I);
+        lo = max(0, Kf - G + 1 - I);
+        if (hi < lo || tgt <= hi || tgt >= NT)
+            return;
+        Cp = a.Rp + (int64_t)I * T * a.ldr + (int64_t)tgt * T;
+        ldc = a.ldr;
+    } else {
+        const int J = line - MT;
+        hi = min(MT - 1, Kf - J);
+        lo = max(0, Kf - G + 1 - J);
+        if (!a.LB || hi < lo || tgt <= hi || tgt >= MT)
+            return;
+        Cp = a.W + (int64_t)tgt * T * a.ldw + (int64_t)J * T;
+        ldc = a.ldw;
+    }
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    R acc[TM][TM];
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TM; j++)
+            acc[i][j] = R(0);
+    for (int src = lo; src <= hi; src++) {
+        const R *Ap, *Bp;
+        int64_t lda, ldb;
+        if (right) { /* A = E[I, src], Bt = L_A[tgt, src] */
+            Ap = a.W + (int64_t)line * T * a.ldw + (int64_t)src * T;
+            lda = a.ldw;
+            Bp = a.LA + (int64_t)tgt * T * a.ldla + (int64_t)src * T;
+            ldb = a.ldla;
+        } else { /* A = L_B[tgt, src], Bt = R^[src, J] (stored transposed) */
+            Ap = a.LB + (int64_t)tgt * T * a.ldlb + (int64_t)src * T;
+            lda = a.ldlb;
+            Bp = a.Rp + (int64_t)src * T * a.ldr + (int64_t)(line - MT) * T;
+            ldb = a.ldr;
+        }
+        for (int idx = tid; idx < T * VPR; idx += 256) {
+            const int r = idx / VPR, cv = (idx % VPR) * VE;
+            *reinterpret_cast<V *>(&As[r * S + cv]) =
+                *reinterpret_cast<const V *>(&Ap[(int64_t)r * lda + cv]);
+            *reinterpret_cast<V *>(&Bs[r * S + cv]) =
+                *reinterpret_cast<const V *>(&Bp[(int64_t)r * ldb + cv]);
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int c = 0; c < T; c += VE) {
+            R av[TM][VE], bv[TM][VE];
+#pragma unroll
+            for (int i = 0; i < TM; i++)
+                *reinterpret_cast<V *>(av[i]) =
+                    *reinterpret_cast<const V *>(&As[(ty + 16 * i) * S + c]);
+#pragma unroll
+            for (int j = 0; j < TM; j++)
+                *reinterpret_cast<V *>(bv[j]) =
+                    *reinterpret_cast<const V *>(&Bs[(tx + 16 * j) * S + c]);
+#pragma unroll
+            for (int uu = 0; uu < VE; uu++)
+#pragma unroll
+                for (int i = 0; i < TM; i++)
+#pragma unroll
+                    for (int j = 0; j < TM; j++)
+                        acc[i][j] += av[i][uu] * bv[j][uu];
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TM; j++)
+            Cp[(int64_t)(ty + 16 * i) * ldc + tx + 16 * j] += acc[i][j];
+}
+
 template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
 {
     using SC = SolveCfg<R, T>;
+    using S2 = Solve2Cfg<R, T>;
     using PC = PushCfg<R, T>;
     if (a->mpad % T || a->npad % T)
         return bk_error(BK_ERR_INTERNAL, "bakron: padded size %lldx%lld is not a multiple of %d",
@@ -311,24 +536,47 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
     ta.ldlb = a->ldlb;
     ta.q = bk_dq<R>::make(a->q);
     ta.codes = a->codes;
+    ta.weight = a->weight;
     ta.counts = a->counts;
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SC::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve2<R, T>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S2::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)PC::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
+    const int G = c->push_group > 0 ? c->push_group : 0;
+    const int never = MT + NT + 1; /* eager: no flush, every target is near */
     BK_CUDA_CHECK(cudaEventRecord(c->ev_start, c->stream));
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
-        k_tile_solve<R, T><<<ntiles, SC::NW * 32, SC::smem, c->stream>>>(ta, K, i_lo);
+        if (c->solve_v1)
+            k_tile_solve<R, T><<<ntiles, SC::NW * 32, SC::smem, c->stream>>>(ta, K, i_lo);
+        else
+            k_tile_solve2<R, T><<<ntiles, S2::NW * 32, S2::smem, c->stream>>>(ta, K, i_lo);
         BK_CUDA_CHECK(cudaGetLastError());
         if (c->skip_push)
             continue;
-        const int nright_max = NT - 1 - (K - i_hi);
-        const int nx = ta.LB ? (NT + MT - 2 - K) : nright_max;
+        const int Kf = G ? (K / G) * G + G - 1 : never;
+        int nx = 0;
+        for (int I = i_lo; I <= i_hi; I++) {
+            const int J = K - I;
+            int t = std::min(NT - 1, Kf - I) - J;
+            if (ta.LB)
+                t += std::min(MT - 1, Kf - J) - I;
+            nx = std::max(nx, t);
+        }
         if (nx > 0) {
-            k_push<R, T><<<dim3(nx, ntiles), 256, PC::smem, c->stream>>>(ta, K, i_lo, MT, NT);
+            k_push<R, T><<<dim3(nx, ntiles), 256, PC::smem, c->stream>>>(ta, K, i_lo, MT, NT, Kf);
+            BK_CUDA_CHECK(cudaGetLastError());
+        }
+        if (G && K == Kf && K < MT + NT - 2) {
+            const int lines = MT + (ta.LB ? NT : 0), targets = std::max(MT, NT);
+            k_push_far<R, T><<<dim3(lines, targets), 256, PC::smem, c->stream>>>(ta, Kf, G, MT,
+                                                                                 NT);
             BK_CUDA_CHECK(cudaGetLastError());
         }
     }

@@ -31,7 +31,10 @@ typedef struct bk_cuda_ctx {
     size_t mem_limit;     /* 0 = none; else refuse allocations beyond it (BK_CUDA_MEM_LIMIT) */
     int tile;             /* BaKron tile size: 32 or 64 (BK_CUDA_TILE, default 64) */
     int factor_fp64;      /* BK_CUDA_FACTOR_FP64=1: factor in fp64 also for fp32 solves */
-    int skip_push;        /* timing experiments only (BK_CUDA_SKIP_PUSH=1): wrong results */
+    int push_group;       /* BaKron lazy pushes: far updates every this many tile
+                             anti-diagonals (BK_CUDA_PUSH_GROUP, default 4; 0 = eager) */
+    int solve_v1;         /* dev comparison: the first tile-solve kernel */
+    int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
 } bk_cuda_ctx;
 
 bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out);
@@ -68,7 +71,7 @@ typedef struct bk_dquant {
 /* One problem on the device, in the solve's real type R (float or double).
  * W: [mpad, ldw] holds W0 on entry; its contents are undefined on return.
  * LA: [npad, ldla]; LB: [mpad, ldlb] or NULL (identity).
- * codes: [m, n] int16 device output. counts: device counters (added to). */
+ * codes, weight: [m, n] device outputs. counts: device counters (added to). */
 typedef struct bk_core_args {
     int64_t m, n;
     int64_t mpad, npad;
@@ -80,6 +83,7 @@ typedef struct bk_core_args {
     int64_t ldlb;
     bk_dquant q;
     int16_t *codes;
+    float *weight;              /* [m, n] device: the value each code stands for (F32) */
     unsigned long long *counts; /* device [3]: clamped, integer overflow, non-finite */
     int gptq_block;
     /* GPTQ with refit_groups: called at each group start with the group's

@@ -33,6 +33,7 @@ template <typename R> struct GArgs {
     R *Eb; /* [mpad, GB] errors of the current block */
     bk_dq<R> q;
     int16_t *codes;
+    float *weight;
     unsigned long long *counts;
 };
 
@@ -85,6 +86,7 @@ __global__ void __launch_bounds__(GWARPS * 32) k_gptq_block(GArgs<R> a, int64_t 
                     e = v - wt;
                     if (lane == j0) {
                         a.codes[p * a.n + b0 + j] = code;
+                        a.weight[p * a.n + b0 + j] = (float)v;
                         a.Eb[p * GB + j] = e;
                         cnt[0] += lc[0];
                         cnt[1] += lc[1];
@@ -117,6 +119,7 @@ template <typename R> bk_status gptq(bk_cuda_ctx *c, const bk_core_args *a)
     g.Eb = Eb;
     g.q = bk_dq<R>::make(a->q);
     g.codes = a->codes;
+    g.weight = a->weight;
     g.counts = a->counts;
     const size_t smem = sizeof(R) * (size_t)GB * gstride<R>();
     const int rows_per_cta = GWARPS * GRW;

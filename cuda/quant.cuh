@@ -82,6 +82,45 @@ template <typename R> struct bk_dq {
         *code = (int16_t)c;
         return bk_mul_rn(c, s);
     }
+
+    /* The same rule with the entry's scale s and zero z already at hand. */
+    __device__ __forceinline__ R round_sz(R x, R s, R z, int16_t *code, int *cnt) const
+    {
+        if (!(x - x == R(0)))
+            cnt[2]++;
+        if (kind == BK_Q_INTEGER) {
+            const R c = rint(x);
+            if (!(c >= R(-32767) && c <= R(32767))) {
+                cnt[1]++;
+                *code = 0;
+                return c;
+            }
+            *code = (int16_t)c;
+            return c;
+        }
+        R c = rint(x / s);
+        if (kind == BK_Q_UNIFORM) {
+            c += z;
+            if (!(c >= R(0))) {
+                c = R(0);
+                cnt[0]++;
+            } else if (c > qmax) {
+                c = qmax;
+                cnt[0]++;
+            }
+            *code = (int16_t)c;
+            return bk_mul_rn(s, c - z);
+        }
+        if (!(c >= qmin)) {
+            c = qmin;
+            cnt[0]++;
+        } else if (c > qmax) {
+            c = qmax;
+            cnt[0]++;
+        }
+        *code = (int16_t)c;
+        return bk_mul_rn(c, s);
+    }
 };
 
 /* Add a thread's counters to the device counters. The warp form must be

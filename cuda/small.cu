@@ -28,6 +28,7 @@ template <typename R> struct NArgs {
     int64_t ldlb;
     bk_dq<R> q;
     int16_t *codes;
+    float *weight;
     unsigned long long *counts;
 };
 
@@ -48,6 +49,7 @@ __global__ void __launch_bounds__(1024)
                 const R v = a.q.round(wt, i, j, &code, cnt);
                 const R e = v - wt;
                 a.codes[i * a.n + j] = code;
+                a.weight[i * a.n + j] = (float)v;
                 if (a.E)
                     a.E[i * a.lde + j] = e;
                 e_sh = e;
@@ -74,8 +76,9 @@ template <typename R> __global__ void k_rtn(NArgs<R> a)
     const int64_t i = idx / a.n, j = idx % a.n;
     int16_t code;
     int cnt[3] = {0, 0, 0};
-    a.q.round(a.W[i * a.ldw + j], i, j, &code, cnt);
+    const R v = a.q.round(a.W[i * a.ldw + j], i, j, &code, cnt);
     a.codes[idx] = code;
+    a.weight[idx] = (float)v;
     bk_counts_add(a.counts, cnt);
 }
 
@@ -94,6 +97,7 @@ template <typename R> NArgs<R> make_args(const bk_core_args *a)
     g.ldlb = a->ldlb;
     g.q = bk_dq<R>::make(a->q);
     g.codes = a->codes;
+    g.weight = a->weight;
     g.counts = a->counts;
     return g;
 }

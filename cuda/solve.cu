@@ -300,29 +300,6 @@ done:
     return st;
 }
 
-/* The value a code stands for, exactly as the CPU rule computes it, as F32. */
-template <typename T> void weight_from_codes(const bk_alphabet *al, const int16_t *codes,
-                                             float *weight)
-{
-    const int64_t m = al->m, n = al->n;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++) {
-            const T c = (T)codes[i * n + j];
-            T v;
-            if (al->spec.kind == BK_Q_INTEGER) {
-                v = c;
-            } else {
-                const int64_t gi = i * al->groups + j / al->group;
-                const T s = (T)al->scale[gi];
-                if (al->spec.kind == BK_Q_UNIFORM)
-                    v = s * (c - (T)al->zero[gi]);
-                else
-                    v = c * s;
-            }
-            weight[i * n + j] = (float)v;
-        }
-}
-
 } // namespace
 
 bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
@@ -361,6 +338,7 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
     double *Wd = NULL, *Xh = NULL;
     void *dW = NULL, *dscale = NULL, *dzero = NULL;
     int16_t *dcodes = NULL;
+    float *dweight = NULL;
     unsigned long long *dcounts = NULL, counts[3] = {0, 0, 0};
     double *dWq = NULL, *dW0 = NULL;
     double mean = 0.0, t0, t1, t2, t3;
@@ -424,6 +402,8 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
     if (st == BK_OK)
         st = bk_dev_alloc(c, (void **)&dcodes, sizeof(int16_t) * mn, "the codes");
     if (st == BK_OK)
+        st = bk_dev_alloc(c, (void **)&dweight, sizeof(float) * mn, "the dequantized weights");
+    if (st == BK_OK)
         st = bk_dev_alloc(c, (void **)&dcounts, sizeof counts, "the counters");
     if (st == BK_OK)
         st = bk_dev_alloc(c, &dscale, rsz * (size_t)m * (size_t)alpha.groups, "the scales");
@@ -457,6 +437,7 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
     a.q.scale = dscale;
     a.q.zero = dzero;
     a.codes = dcodes;
+    a.weight = dweight;
     a.counts = dcounts;
     a.gptq_block = o->gptq_block;
     if (o->algorithm == BK_ALG_GPTQ && o->quant.refit_groups) {
@@ -475,6 +456,11 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
         goto fail;
     }
     BK_CUDA_GOTO(cudaMemcpyAsync(r->codes, dcodes, sizeof(int16_t) * mn, cudaMemcpyDeviceToHost,
+                                 c->stream),
+                 st, fail);
+    /* the kernels store the value each code stands for as the CPU rule
+     * computes it (a -0 included), so it is copied, not recomputed */
+    BK_CUDA_GOTO(cudaMemcpyAsync(r->weight, dweight, sizeof(float) * mn, cudaMemcpyDeviceToHost,
                                  c->stream),
                  st, fail);
     BK_CUDA_GOTO(cudaMemcpyAsync(counts, dcounts, sizeof counts, cudaMemcpyDeviceToHost,
@@ -505,10 +491,6 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
                       lw, (long long)counts[1], BK_Q_INT16_MAX);
         goto fail;
     }
-    if (prec == BK_PREC_FP64)
-        weight_from_codes<double>(&alpha, r->codes, r->weight);
-    else
-        weight_from_codes<float>(&alpha, r->codes, r->weight);
 
     if (stats) {
         double *Wq = Wd; /* reuse: staged as double, then Wd again */
@@ -573,6 +555,7 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
     bk_dev_free(c, dscale);
     bk_dev_free(c, dzero);
     bk_dev_free(c, dcodes);
+    bk_dev_free(c, dweight);
     bk_dev_free(c, dcounts);
     free(Wd);
     return BK_OK;
@@ -589,6 +572,7 @@ fail:
     bk_dev_free(c, dscale);
     bk_dev_free(c, dzero);
     bk_dev_free(c, dcodes);
+    bk_dev_free(c, dweight);
     bk_dev_free(c, dcounts);
     free(Wd);
     free(Xh);

@@ -203,26 +203,41 @@ static void test_fp64_all_algorithms(void **state)
         }
 }
 
-/* the tile size is a run-time choice: both give the CPU's codes */
-static void test_fp64_tile32(void **state)
+/* the tile size and the push schedule are run-time choices (environment,
+ * docs/DEVICE.md): every combination gives the CPU's codes */
+static void test_fp64_tile_and_push_variants(void **state)
 {
     (void)state;
-    setenv("BK_CUDA_TILE", "32", 1);
-    bk_backend *b = NULL;
-    assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_OK);
-    unsetenv("BK_CUDA_TILE");
-    bk_backend *keep = g_gpu;
-    g_gpu = b;
-    for (size_t s = 0; s < NSHAPES; s++) {
-        pcase c = make_case(shapes[s][0], shapes[s][1], 500 + s, 1, 0.1);
-        bk_solve_opts o;
-        bk_solve_opts_default(&o);
-        o.precision = BK_PREC_FP64;
-        parity_fp64(&c, &o, 0, "fp64 T=32");
-        pcase_free(&c);
+    const char *const cfg[][2] = {{"32", "4"}, {"64", "0"}, {"64", "1"}, {"32", "3"}, {"64", "7"}};
+    for (size_t v = 0; v < sizeof cfg / sizeof cfg[0]; v++) {
+        setenv("BK_CUDA_TILE", cfg[v][0], 1);
+        setenv("BK_CUDA_PUSH_GROUP", cfg[v][1], 1);
+        bk_backend *b = NULL;
+        assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_OK);
+        unsetenv("BK_CUDA_TILE");
+        unsetenv("BK_CUDA_PUSH_GROUP");
+        bk_backend *keep = g_gpu;
+        g_gpu = b;
+        char what[64];
+        snprintf(what, sizeof what, "fp64 T=%s G=%s", cfg[v][0], cfg[v][1]);
+        for (size_t s = 0; s < NSHAPES; s++)
+            for (int with_b = 0; with_b <= 1; with_b++) {
+                pcase c = make_case(shapes[s][0], shapes[s][1], 500 + s, with_b, 0.1);
+                bk_solve_opts o;
+                bk_solve_opts_default(&o);
+                o.precision = BK_PREC_FP64;
+                parity_fp64(&c, &o, 0, what);
+                pcase_free(&c);
+            }
+        g_gpu = keep;
+        bk_backend_destroy(b);
     }
-    g_gpu = keep;
-    bk_backend_destroy(b);
+    /* a bad value is refused, naming the variable */
+    setenv("BK_CUDA_PUSH_GROUP", "x", 1);
+    bk_backend *b = NULL;
+    assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_ERR_INVALID_ARG);
+    assert_non_null(strstr(bk_last_error(), "BK_CUDA_PUSH_GROUP"));
+    unsetenv("BK_CUDA_PUSH_GROUP");
 }
 
 /* integer alphabet (scale 1) with large weights: many clamps-free codes */
@@ -598,7 +613,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_oom),
         cmocka_unit_test(test_peak_memory),
         cmocka_unit_test(test_fp64_all_algorithms),
-        cmocka_unit_test(test_fp64_tile32),
+        cmocka_unit_test(test_fp64_tile_and_push_variants),
         cmocka_unit_test(test_fp64_integer),
         cmocka_unit_test(test_fp64_factors_refit_dead),
         cmocka_unit_test(test_fp32_small),

@@ -108,6 +108,7 @@ struct DevProblem {
     bk_precision prec;
     void *W0 = nullptr, *W = nullptr, *LA = nullptr, *LB = nullptr, *scale = nullptr;
     int16_t *codes = nullptr;
+    float *weight = nullptr;
     unsigned long long *counts = nullptr;
 };
 
@@ -141,6 +142,7 @@ static void alloc_problem(bk_cuda_ctx *c, DevProblem &P, int64_t m, int64_t n, b
     CK(bk_dev_alloc(c, &P.LB, r * P.mpad * P.mpad, "LB"));
     CK(bk_dev_alloc(c, &P.scale, r * m, "scale"));
     CK(bk_dev_alloc(c, (void **)&P.codes, 2 * m * n, "codes"));
+    CK(bk_dev_alloc(c, (void **)&P.weight, 4 * m * n, "weight"));
     CK(bk_dev_alloc(c, (void **)&P.counts, 3 * 8, "counts"));
     if (prec == BK_PREC_FP64)
         gen<double>(c, P, 1234);
@@ -156,6 +158,7 @@ static void free_problem(bk_cuda_ctx *c, DevProblem &P)
     bk_dev_free(c, P.LB);
     bk_dev_free(c, P.scale);
     bk_dev_free(c, P.codes);
+    bk_dev_free(c, P.weight);
     bk_dev_free(c, P.counts);
 }
 
@@ -185,6 +188,7 @@ static bk_status run_once(bk_cuda_ctx *c, DevProblem &P, bk_algorithm alg, float
     a.q.groups = 1;
     a.q.scale = P.scale;
     a.codes = P.codes;
+    a.weight = P.weight;
     a.counts = P.counts;
     a.gptq_block = 128;
     return bk_cuda_core(c, alg, P.prec, &a, ms);
@@ -254,16 +258,21 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip;
+                int tile, skip, group, v1;
             };
-            std::vector<V> vs = {{"", 64, 0}};
+            std::vector<V> vs = {{"", 64, 0, 4, 0}};
             if (alg == BK_ALG_BAKRON && variants) {
-                vs.push_back({"-T32", 32, 0});
-                vs.push_back({"-solveonly", 64, 1});
+                vs.push_back({"-G0", 64, 0, 0, 0});
+                vs.push_back({"-G8", 64, 0, 8, 0});
+                vs.push_back({"-T32", 32, 0, 4, 0});
+                vs.push_back({"-v1solve", 64, 0, 4, 1});
+                vs.push_back({"-solveonly", 64, 1, 4, 0});
             }
             for (auto &v : vs) {
                 c->tile = v.tile;
                 c->skip_push = v.skip;
+                c->push_group = v.group;
+                c->solve_v1 = v.v1;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -291,6 +300,8 @@ static int cmd_bench(int argc, char **argv)
             }
             c->tile = 64;
             c->skip_push = 0;
+            c->push_group = 4;
+            c->solve_v1 = 0;
         }
         free_problem(c, P);
     }
@@ -425,6 +436,7 @@ static std::vector<int16_t> gpu_codes(bk_cuda_ctx *c, const HostCase &h, bk_algo
     }
     void *dW, *dLA, *dLB = nullptr, *dsc, *dzr = nullptr;
     int16_t *dcodes;
+    float *dweight;
     unsigned long long *dcnt;
     CK(bk_dev_alloc(c, &dW, W.size() * sizeof(R), "W"));
     CK(bk_dev_alloc(c, &dLA, LA.size() * sizeof(R), "LA"));
@@ -434,6 +446,7 @@ static std::vector<int16_t> gpu_codes(bk_cuda_ctx *c, const HostCase &h, bk_algo
     if (!zr.empty())
         CK(bk_dev_alloc(c, &dzr, zr.size() * sizeof(R), "zero"));
     CK(bk_dev_alloc(c, (void **)&dcodes, 2 * m * n, "codes"));
+    CK(bk_dev_alloc(c, (void **)&dweight, 4 * m * n, "weight"));
     CK(bk_dev_alloc(c, (void **)&dcnt, 24, "counts"));
     CU(cudaMemcpy(dW, W.data(), W.size() * sizeof(R), cudaMemcpyHostToDevice));
     CU(cudaMemcpy(dLA, LA.data(), LA.size() * sizeof(R), cudaMemcpyHostToDevice));
@@ -463,6 +476,7 @@ static std::vector<int16_t> gpu_codes(bk_cuda_ctx *c, const HostCase &h, bk_algo
     a.q.scale = dsc;
     a.q.zero = dzr;
     a.codes = dcodes;
+    a.weight = dweight;
     a.counts = dcnt;
     a.gptq_block = 128;
     float ms;
@@ -475,6 +489,7 @@ static std::vector<int16_t> gpu_codes(bk_cuda_ctx *c, const HostCase &h, bk_algo
     bk_dev_free(c, dsc);
     bk_dev_free(c, dzr);
     bk_dev_free(c, dcodes);
+    bk_dev_free(c, dweight);
     bk_dev_free(c, dcnt);
     return codes;
 }
@@ -491,7 +506,11 @@ static int cmd_validate(int argc, char **argv)
     const bk_algorithm algs[] = {BK_ALG_BAKRON, BK_ALG_GPTQ, BK_ALG_ANTIDIAG,
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
-    for (int tile : {64, 32})
+    struct Cfg {
+        int tile, group, v1;
+    };
+    const Cfg cfgs[] = {{64, 4, 0}, {64, 0, 0}, {64, 1, 0}, {64, 3, 1}, {32, 4, 0}, {32, 2, 0}};
+    for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 2; qi++)
             for (auto &sh : shapes) {
                 HostCase h = make_case(sh.first, sh.second, 1, 77 + sh.first * 1000 + sh.second);
@@ -510,9 +529,12 @@ static int cmd_validate(int argc, char **argv)
                 bk_alphabet al;
                 CK(bk_alphabet_init(&al, &spec, h.m, h.n));
                 CK(bk_alphabet_fit(&al, h.W.data(), h.n));
-                c->tile = tile;
+                c->tile = cf.tile;
+                c->push_group = cf.group;
+                c->solve_v1 = cf.v1;
+                const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
-                    if (tile == 32 && alg != BK_ALG_BAKRON)
+                    if (!first && alg != BK_ALG_BAKRON)
                         continue;
                     if (alg == BK_ALG_NAIVE && h.m * h.n > BK_CUDA_NAIVE_MAX_MN)
                         continue;
@@ -523,8 +545,8 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), tile, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d q%d %4lldx%-4lld %s: ERROR %s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
                             bad++;
                             continue;
@@ -538,8 +560,8 @@ static int cmd_validate(int argc, char **argv)
                         const int fail = p64 ? same != g.size() : pct < 99.0;
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), tile, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", pct,
                                    fail ? "  <-- FAIL" : "");
                     }
