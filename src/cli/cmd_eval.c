@@ -14,6 +14,7 @@
 
 static const char *eval_usage =
     "usage: bakron eval MODEL_OR_OUT_DIR --tokens FILE [--samples N] [--batch B] [--json]\n"
+    "                   [--logits-out FILE.safetensors]\n"
     "\n"
     "Perplexity of a model (a Hugging Face checkpoint folder, or an output folder of\n"
     "`bakron quantize`) computed with the native forward pass (F32):\n"
@@ -24,7 +25,10 @@ static const char *eval_usage =
     "  --tokens FILE   safetensors with an I32 or I64 tensor input_ids [sequences, seqlen]\n"
     "  --samples N     use the first N sequences (default: all)\n"
     "  --batch B       sequences per micro-batch (default: automatic)\n"
-    "  --json          print one JSON object on stdout instead of text\n";
+    "  --json          print one JSON object on stdout instead of text\n"
+    "  --logits-out F  also write the F32 logits [sequences*seqlen, vocab] of the\n"
+    "                  evaluated sequences to the safetensors file F (tensor \"logits\",\n"
+    "                  row s*seqlen+t); holds them all in memory: small inputs only\n";
 
 /* "--name value" or "--name=value"; returns 1 when argv[*i] is that option
  * (advancing *i over its value), 0 otherwise, -1 on a missing value. */
@@ -46,13 +50,48 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
     return 1;
 }
 
+/* --logits-out: logits of all evaluated sequences, one micro-batch. */
+static bk_status write_logits(const bk_model *m, const int32_t *ids, int64_t S, int64_t T,
+                              const char *path)
+{
+    const bk_model_config *cfg = bk_model_get_config(m);
+    uint64_t rows = 0, n = 0;
+    if (bk_mul_u64((uint64_t)S, (uint64_t)T, &rows) ||
+        bk_mul_u64(rows, (uint64_t)cfg->vocab, &n) || n > SIZE_MAX / sizeof(float))
+        return bk_error(BK_ERR_NOMEM, "--logits-out %s: %lld x %lld tokens x %lld vocabulary "
+                        "logits do not fit in memory (use --samples)", path, (long long)S,
+                        (long long)T, (long long)cfg->vocab);
+    float *logits = bk_alloc((size_t)n, sizeof(float));
+    if (!logits)
+        return bk_error(BK_ERR_NOMEM, "--logits-out %s: cannot allocate %.2f GiB of logits "
+                        "for %lld sequences (use --samples)", path,
+                        (double)n * sizeof(float) / (1024.0 * 1024.0 * 1024.0), (long long)S);
+    bk_st_writer *w = NULL;
+    int64_t shape[2] = {(int64_t)rows, cfg->vocab};
+    bk_status st = bk_model_logits(m, ids, S, T, logits);
+    if (st == BK_OK)
+        st = bk_st_writer_create(&w);
+    if (st == BK_OK)
+        st = bk_st_writer_add(w, "logits", BK_DT_F32, 2, shape, logits, 0);
+    if (st == BK_OK)
+        st = bk_st_writer_save(w, path);
+    if (st != BK_OK) {
+        char pre[1100];
+        snprintf(pre, sizeof pre, "--logits-out %s", path);
+        bk_error_prefix(st, pre);
+    }
+    bk_st_writer_free(w);
+    free(logits);
+    return st;
+}
+
 bk_status bk_cmd_eval(int argc, char **argv)
 {
     if (cli_wants_help(argc, argv)) {
         fputs(eval_usage, stdout);
         return BK_OK;
     }
-    const char *model_dir = NULL, *tokens_path = NULL;
+    const char *model_dir = NULL, *tokens_path = NULL, *logits_out = NULL;
     int64_t samples = 0, batch = 0;
     int json = 0;
     bk_status st = BK_OK;
@@ -65,6 +104,10 @@ bk_status bk_cmd_eval(int argc, char **argv)
             if (r < 0)
                 return cli_usage_error("--tokens needs a FILE");
             tokens_path = v;
+        } else if ((r = opt_value(argc, argv, &i, "--logits-out", &v)) != 0) {
+            if (r < 0 || !v[0])
+                return cli_usage_error("--logits-out needs a FILE");
+            logits_out = v;
         } else if ((r = opt_value(argc, argv, &i, "--samples", &v)) != 0) {
             if (r < 0)
                 return cli_usage_error("--samples needs a number");
@@ -122,6 +165,8 @@ bk_status bk_cmd_eval(int argc, char **argv)
         bk_error_prefix(st, pre);
         goto done;
     }
+    if (logits_out && (st = write_logits(m, ids, S, T, logits_out)) != BK_OK)
+        goto done;
     double nll = nll_sum / (double)count;
     double ppl = exp(nll);
     if (json) {
