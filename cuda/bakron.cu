@@ -53,148 +53,6 @@ template <typename R> struct TileArgs {
     unsigned long long *counts;
 };
 
-constexpr unsigned FULL = 0xffffffffu;
-
-/* ------------------------------------------------------------ tile solve */
-
-template <typename R, int T> struct SolveCfg {
-    static constexpr int NW = T == 64 ? 16 : 8; /* warps */
-    static constexpr int RPT = T / NW;          /* rows per thread (4) */
-    static constexpr int CPT = T / 32;          /* columns per thread */
-    static constexpr int LS = T + 1;            /* padded stride (row access by lane) */
-    static constexpr size_t smem = sizeof(R) * (size_t)(3 * T * LS + T * T);
-};
-
-template <typename R, int T>
-__global__ void __launch_bounds__(SolveCfg<R, T>::NW * 32)
-    k_tile_solve(TileArgs<R> a, int K, int i_lo)
-{
-    using C = SolveCfg<R, T>;
-    constexpr int NW = C::NW, RPT = C::RPT, CPT = C::CPT, LS = C::LS;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    R *LAs = reinterpret_cast<R *>(smem_raw); /* [T][LS] diagonal block of L_A */
-    R *LBs = LAs + T * LS;                    /* [T][LS] diagonal block of L_B */
-    R *Es = LBs + T * LS;                     /* [T][LS] errors */
-    R *Rs = Es + T * LS;                      /* [T][T] completed R (stride T: the
-                                                 anti-diagonal reads hit distinct banks) */
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int I = i_lo + (int)blockIdx.x, J = K - I;
-    const int64_t r0 = (int64_t)I * T, c0 = (int64_t)J * T;
-
-    for (int idx = tid; idx < T * T; idx += NW * 32) {
-        const int r = idx / T, cc = idx % T;
-        LAs[r * LS + cc] = a.LA[(c0 + r) * a.ldla + c0 + cc];
-        LBs[r * LS + cc] = a.LB ? a.LB[(r0 + r) * a.ldlb + r0 + cc] : (r == cc ? R(1) : R(0));
-    }
-    /* entry (p, q) of this thread: p = warp + NW * i, q = lane + 32 * j */
-    R x[RPT][CPT], y[RPT][CPT];
-#pragma unroll
-    for (int i = 0; i < RPT; i++) {
-        const int64_t gp = r0 + warp + NW * i;
-#pragma unroll
-        for (int j = 0; j < CPT; j++) {
-            const int64_t gq = c0 + lane + 32 * j;
-            y[i][j] = a.W[gp * a.ldw + gq];
-            x[i][j] = a.Rp[gp * a.ldr + gq];
-        }
-    }
-    int cnt[3] = {0, 0, 0};
-    __syncthreads();
-
-    for (int k = 0; k < 2 * T - 1; k++) {
-        /* 1. Round the entries of anti-diagonal k. Each warp owns RPT rows,
-         *    hence at most RPT active entries: gather their values into
-         *    lanes 0..RPT-1, round there in one pass, scatter back. */
-        R wt = R(0);
-#pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            const int q = k - (warp + NW * i);
-            if (q >= 0 && q < T) { /* warp-uniform */
-                /* selects, not a run-time index: keeps x, y in registers */
-                const int js = q >> 5;
-                R cand = y[i][0] + x[i][0];
-#pragma unroll
-                for (int j = 1; j < CPT; j++)
-                    cand = js == j ? y[i][j] + x[i][j] : cand;
-                const R v = __shfl_sync(FULL, cand, q & 31);
-                if (lane == i)
-                    wt = v;
-            }
-        }
-        R e = R(0);
-        if (lane < RPT) {
-            const int p = warp + NW * lane, q = k - p;
-            const int64_t gp = r0 + p, gq = c0 + q;
-            if (q >= 0 && q < T && gp < a.m && gq < a.n) {
-                int16_t code;
-                const R v = a.q.round(wt, gp, gq, &code, cnt);
-                e = v - wt;
-                a.codes[gp * a.n + gq] = code;
-                a.weight[gp * a.n + gq] = (float)v;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            const int p = warp + NW * i, q = k - p;
-            if (q >= 0 && q < T) {
-                const R ei = __shfl_sync(FULL, e, i);
-                if (lane == (q & 31)) {
-                    const int js = q >> 5;
-                    R xr = R(0);
-#pragma unroll
-                    for (int j = 0; j < CPT; j++) {
-                        const R nx = x[i][j] + ei; /* L_A[q,q] = 1: R[p,q] */
-                        x[i][j] = js == j ? nx : x[i][j];
-                        xr = js == j ? nx : xr;
-                    }
-                    Rs[p * T + q] = xr;
-                    Es[p * LS + q] = ei;
-                }
-            }
-        }
-        __syncthreads();
-        /* 2. Every later entry takes its terms from anti-diagonal k:
-         *    X[p,q] += E[p,k-p] L_A[q,k-p]  (k-p < q),
-         *    Y[p,q] += L_B[p,k-q] R[k-q,q]  (k-q < p).
-         *    Anti-diagonal k+1 is written next, so no second barrier. */
-#pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            const int p = warp + NW * i, jj = k - p;
-            if (jj >= 0 && jj < T - 1) {
-                const R ep = Es[p * LS + jj];
-#pragma unroll
-                for (int j = 0; j < CPT; j++) {
-                    const int q = lane + 32 * j;
-                    if (jj < q)
-                        x[i][j] += ep * LAs[q * LS + jj];
-                }
-            }
-        }
-        if (a.LB) {
-#pragma unroll
-            for (int j = 0; j < CPT; j++) {
-                const int q = lane + 32 * j, ii = k - q;
-                if (ii >= 0 && ii < T - 1) {
-                    const R rq = Rs[ii * T + q];
-#pragma unroll
-                    for (int i = 0; i < RPT; i++) {
-                        const int p = warp + NW * i;
-                        if (ii < p)
-                            y[i][j] += LBs[p * LS + ii] * rq;
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
-    /* E replaces the W tile; R^ (transposed) replaces the Rp tile. */
-    for (int idx = tid; idx < T * T; idx += NW * 32) {
-        const int r = idx / T, cc = idx % T;
-        a.W[(r0 + r) * a.ldw + c0 + cc] = Es[r * LS + cc];
-        a.Rp[(r0 + r) * a.ldr + c0 + cc] = Rs[cc * T + r];
-    }
-    bk_counts_add_warp(a.counts, cnt);
-}
 
 /* ------------------------------------------------------------------ push */
 
@@ -207,7 +65,10 @@ template <> struct Vec16<double> {
 };
 
 template <typename R, int T> struct PushCfg {
-    static constexpr int TM = T / 16;                  /* outputs per thread per dim */
+    static constexpr int TH = sizeof(R) == 4 ? 8 : 16; /* threads per dimension */
+    static constexpr int NTH = TH * TH;                /* 64 (fp32) or 256 (fp64) */
+    static constexpr int TM = T / TH;                  /* outputs per thread per dim:
+                                                          8 x 8 in fp32 (FFMA-bound) */
     static constexpr int VE = 16 / (int)sizeof(R);     /* elements per 16-byte vector */
     static constexpr int S = T + VE;                   /* stride: 16-byte aligned rows,
                                                           rows 16 B apart in banks */
@@ -215,16 +76,16 @@ template <typename R, int T> struct PushCfg {
 };
 
 /* C[r][a] += sum_c A[r][c] Bt[a][c] for one (tile, target) pair. Thread
- * (ty, tx) owns rows ty + 16 i and columns tx + 16 j. The eager ("near")
+ * (ty, tx) owns rows ty + TH i and columns tx + TH j. The eager ("near")
  * pushes of the tiles of diagonal K: right targets J < Jt <= Kf - I, down
  * targets I < It <= Kf - J, i.e. the tiles solved up to the next flush Kf
  * (every target when the pushes are eager). */
 template <typename R, int T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf)
 {
     using P = PushCfg<R, T>;
-    constexpr int TM = P::TM, VE = P::VE, S = P::S;
+    constexpr int TM = P::TM, VE = P::VE, S = P::S, TH = P::TH, NTH = P::NTH;
     using V = typename Vec16<R>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     R *As = reinterpret_cast<R *>(smem_raw);
@@ -257,7 +118,7 @@ __global__ void __launch_bounds__(256)
     }
     const int tid = threadIdx.x;
     constexpr int VPR = T / VE; /* vectors per row */
-    for (int idx = tid; idx < T * VPR; idx += 256) {
+    for (int idx = tid; idx < T * VPR; idx += NTH) {
         const int r = idx / VPR, cv = (idx % VPR) * VE;
         *reinterpret_cast<V *>(&As[r * S + cv]) =
             *reinterpret_cast<const V *>(&Ap[(int64_t)r * lda + cv]);
@@ -265,7 +126,7 @@ __global__ void __launch_bounds__(256)
             *reinterpret_cast<const V *>(&Bp[(int64_t)r * ldb + cv]);
     }
     __syncthreads();
-    const int tx = tid & 15, ty = tid >> 4;
+    const int tx = tid % TH, ty = tid / TH;
     R acc[TM][TM];
 #pragma unroll
     for (int i = 0; i < TM; i++)
@@ -277,10 +138,10 @@ __global__ void __launch_bounds__(256)
         R av[TM][VE], bv[TM][VE];
 #pragma unroll
         for (int i = 0; i < TM; i++)
-            *reinterpret_cast<V *>(av[i]) = *reinterpret_cast<const V *>(&As[(ty + 16 * i) * S + c]);
+            *reinterpret_cast<V *>(av[i]) = *reinterpret_cast<const V *>(&As[(ty + TH * i) * S + c]);
 #pragma unroll
         for (int j = 0; j < TM; j++)
-            *reinterpret_cast<V *>(bv[j]) = *reinterpret_cast<const V *>(&Bs[(tx + 16 * j) * S + c]);
+            *reinterpret_cast<V *>(bv[j]) = *reinterpret_cast<const V *>(&Bs[(tx + TH * j) * S + c]);
 #pragma unroll
         for (int u = 0; u < VE; u++)
 #pragma unroll
@@ -293,14 +154,14 @@ __global__ void __launch_bounds__(256)
     for (int i = 0; i < TM; i++)
 #pragma unroll
         for (int j = 0; j < TM; j++) {
-            R *cp = &Cp[(int64_t)(ty + 16 * i) * ldc + tx + 16 * j];
+            R *cp = &Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j];
             *cp += acc[i][j];
         }
 }
 
 /* ------------------------------------------------------- tile solve, v2 */
 
-/* The default tile solve. Warp (ab, bb) owns the 32 rows 32 ab + lane and
+/* The previous tile solve (dev comparison, bk-cuda-dev --variants). Warp (ab, bb) owns the 32 rows 32 ab + lane and
  * the WC = 16 columns 16 bb .. 16 bb + 15 of the tile; lane p keeps its row's
  * 16 accumulators skewed: register slot s holds column q with
  * (p + q) mod 16 = s. On entry anti-diagonal k every active entry of every
@@ -417,6 +278,136 @@ __global__ void __launch_bounds__(Solve2Cfg<R, T>::NW * 32)
     bk_counts_add_warp(a.counts, cnt);
 }
 
+/* ------------------------------------------------------- tile solve, v3 */
+
+/* v2 with a shorter critical path per entry anti-diagonal: the scale and
+ * zero of each slot in registers; the diagonals of the L_A / L_B blocks
+ * zeroed in shared memory and L_B's rows padded with zeros on both sides, so
+ * that the terms need no predicates (a zero factor stands for "not yet" or
+ * "not this one"); the L_A / L_B factors of a step are loaded before its
+ * barrier, so only the newest error / R of the step are read after it. */
+template <typename R, int T> struct Solve3Cfg {
+    static constexpr int WC = 16;
+    static constexpr int NWC = T / WC;
+    static constexpr int NW = (T / 32) * NWC;
+    static constexpr int LS = T + 1;     /* L_A rows */
+    static constexpr int LBS = 3 * T + 1; /* L_B rows: T zeros | T values | T zeros */
+    static constexpr size_t smem = sizeof(R) * (size_t)(T * LS + T * LBS + 4 * T);
+};
+
+template <typename R, int T>
+__global__ void __launch_bounds__(Solve3Cfg<R, T>::NW * 32)
+    k_tile_solve3(TileArgs<R> a, int K, int i_lo)
+{
+    using C = Solve3Cfg<R, T>;
+    constexpr int WC = C::WC, NWC = C::NWC, NW = C::NW, LS = C::LS, LBS = C::LBS;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    R *LAs = reinterpret_cast<R *>(smem_raw); /* [T][LS], strict lower part only */
+    R *LBs = LAs + T * LS;                    /* [T][LBS], strict lower part at offset T */
+    R *Erow = LBs + T * LBS;                  /* [2][T] */
+    R *Rcol = Erow + 2 * T;                   /* [2][T] */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ab = warp / NWC, bb = warp % NWC;
+    const int I = i_lo + (int)blockIdx.x, J = K - I;
+    const int64_t r0 = (int64_t)I * T, c0 = (int64_t)J * T;
+    const int p = 32 * ab + lane, qlo = WC * bb;
+    const int64_t gp = r0 + p;
+    const bool rowin = gp < a.m;
+    const bool hasb = a.LB != nullptr;
+
+    for (int idx = tid; idx < T * T; idx += NW * 32) {
+        const int r = idx / T, cc = idx % T;
+        LAs[r * LS + cc] = cc < r ? a.LA[(c0 + r) * a.ldla + c0 + cc] : R(0);
+    }
+    if (hasb)
+        for (int idx = tid; idx < T * 3 * T; idx += NW * 32) {
+            const int r = idx / (3 * T), cc = idx % (3 * T) - T;
+            LBs[r * LBS + T + cc] =
+                (cc >= 0 && cc < r) ? a.LB[(r0 + r) * a.ldlb + r0 + cc] : R(0);
+        }
+    for (int idx = tid; idx < 4 * T; idx += NW * 32)
+        Erow[idx] = R(0);
+    int qs[WC], qa[WC];
+    R x[WC], y[WC], sc[WC], zc[WC];
+#pragma unroll
+    for (int s = 0; s < WC; s++) {
+        qs[s] = qlo + ((s - lane) & (WC - 1));
+        qa[s] = qs[s] * LS;
+        x[s] = a.Rp[gp * a.ldr + c0 + qs[s]];
+        y[s] = a.W[gp * a.ldw + c0 + qs[s]];
+        const int64_t gq = c0 + qs[s];
+        sc[s] = R(1);
+        zc[s] = R(0);
+        if (a.q.kind != BK_Q_INTEGER && rowin && gq < a.n) {
+            const int64_t gi = gp * a.q.groups + gq / a.q.group;
+            sc[s] = a.q.scale[gi];
+            if (a.q.zero)
+                zc[s] = a.q.zero[gi];
+        }
+    }
+    int cnt[3] = {0, 0, 0};
+    __syncthreads();
+
+    for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
+#pragma unroll
+        for (int u = 0; u < WC; u++) {
+            const int k = k0 + u;
+            if (k >= 2 * T - 1)
+                break;
+            R *Er = Erow + (u & 1) * T;
+            R *Rc = Rcol + (u & 1) * T;
+            const int jj = k - p;
+            const bool xon = jj >= 0 && jj < T - 1;
+            /* factors of this step, loaded ahead of the barrier */
+            R la[WC], lb[WC];
+            if (xon) {
+#pragma unroll
+                for (int s = 0; s < WC; s++)
+                    la[s] = LAs[qa[s] + jj];
+            }
+            if (hasb) {
+                const R *lbr = LBs + p * LBS + T + k;
+#pragma unroll
+                for (int s = 0; s < WC; s++)
+                    lb[s] = lbr[-qs[s]];
+            }
+            /* A. the active entry (p, k - p) sits in slot u */
+            const int q = jj;
+            if (q >= qlo && q < qlo + WC) {
+                const R wt = y[u] + x[u];
+                R e = R(0);
+                const int64_t gq = c0 + q;
+                if (rowin && gq < a.n) {
+                    int16_t code;
+                    const R v = a.q.round_sz(wt, sc[u], zc[u], &code, cnt);
+                    e = v - wt;
+                    a.codes[gp * a.n + gq] = code;
+                    a.weight[gp * a.n + gq] = (float)v;
+                }
+                x[u] += e;
+                Er[p] = e;
+                Rc[q] = x[u];
+                a.W[gp * a.ldw + gq] = e;
+                a.Rp[(r0 + q) * a.ldr + c0 + p] = x[u];
+            }
+            __syncthreads();
+            /* B. X[p,q] += E[p,k-p] L_A[q,k-p], Y[p,q] += L_B[p,k-q] R[k-q,q] */
+            if (xon) {
+                const R er = Er[p];
+#pragma unroll
+                for (int s = 0; s < WC; s++)
+                    x[s] += er * la[s];
+            }
+            if (hasb) {
+#pragma unroll
+                for (int s = 0; s < WC; s++)
+                    y[s] += lb[s] * Rc[qs[s]];
+            }
+        }
+    }
+    bk_counts_add_warp(a.counts, cnt);
+}
+
 /* ------------------------------------------------------------- far push */
 
 /* The lazy half of the pushes (push_group G > 0): at a flush diagonal Kf the
@@ -428,10 +419,11 @@ __global__ void __launch_bounds__(Solve2Cfg<R, T>::NW * 32)
  * targets those after it (solved after Kf). blockIdx.y is the absolute
  * target index, so neighbouring CTAs share L_A / L_B blocks in L2. */
 template <typename R, int T>
-__global__ void __launch_bounds__(256) k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT)
+__global__ void __launch_bounds__(PushCfg<R, T>::NTH)
+    k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT)
 {
     using P = PushCfg<R, T>;
-    constexpr int TM = P::TM, VE = P::VE, S = P::S, VPR = T / VE;
+    constexpr int TM = P::TM, VE = P::VE, S = P::S, VPR = T / VE, TH = P::TH, NTH = P::NTH;
     using V = typename Vec16<R>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     R *As = reinterpret_cast<R *>(smem_raw);
@@ -458,7 +450,7 @@ __global__ void __launch_bounds__(256) k_push_far(TileArgs<R> a, int Kf, int G, 
         Cp = a.W + (int64_t)tgt * T * a.ldw + (int64_t)J * T;
         ldc = a.ldw;
     }
-    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int tid = threadIdx.x, tx = tid % TH, ty = tid / TH;
     R acc[TM][TM];
 #pragma unroll
     for (int i = 0; i < TM; i++)
@@ -479,7 +471,7 @@ __global__ void __launch_bounds__(256) k_push_far(TileArgs<R> a, int Kf, int G, 
             Bp = a.Rp + (int64_t)src * T * a.ldr + (int64_t)(line - MT) * T;
             ldb = a.ldr;
         }
-        for (int idx = tid; idx < T * VPR; idx += 256) {
+        for (int idx = tid; idx < T * VPR; idx += NTH) {
             const int r = idx / VPR, cv = (idx % VPR) * VE;
             *reinterpret_cast<V *>(&As[r * S + cv]) =
                 *reinterpret_cast<const V *>(&Ap[(int64_t)r * lda + cv]);
@@ -493,11 +485,11 @@ __global__ void __launch_bounds__(256) k_push_far(TileArgs<R> a, int Kf, int G, 
 #pragma unroll
             for (int i = 0; i < TM; i++)
                 *reinterpret_cast<V *>(av[i]) =
-                    *reinterpret_cast<const V *>(&As[(ty + 16 * i) * S + c]);
+                    *reinterpret_cast<const V *>(&As[(ty + TH * i) * S + c]);
 #pragma unroll
             for (int j = 0; j < TM; j++)
                 *reinterpret_cast<V *>(bv[j]) =
-                    *reinterpret_cast<const V *>(&Bs[(tx + 16 * j) * S + c]);
+                    *reinterpret_cast<const V *>(&Bs[(tx + TH * j) * S + c]);
 #pragma unroll
             for (int uu = 0; uu < VE; uu++)
 #pragma unroll
@@ -512,13 +504,13 @@ __global__ void __launch_bounds__(256) k_push_far(TileArgs<R> a, int Kf, int G, 
     for (int i = 0; i < TM; i++)
 #pragma unroll
         for (int j = 0; j < TM; j++)
-            Cp[(int64_t)(ty + 16 * i) * ldc + tx + 16 * j] += acc[i][j];
+            Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j] += acc[i][j];
 }
 
 template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
 {
-    using SC = SolveCfg<R, T>;
     using S2 = Solve2Cfg<R, T>;
+    using S3 = Solve3Cfg<R, T>;
     using PC = PushCfg<R, T>;
     if (a->mpad % T || a->npad % T)
         return bk_error(BK_ERR_INTERNAL, "bakron: padded size %lldx%lld is not a multiple of %d",
@@ -538,8 +530,8 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
     ta.codes = a->codes;
     ta.weight = a->weight;
     ta.counts = a->counts;
-    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve<R, T>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SC::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S3::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve2<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S2::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -553,10 +545,10 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
-        if (c->solve_v1)
-            k_tile_solve<R, T><<<ntiles, SC::NW * 32, SC::smem, c->stream>>>(ta, K, i_lo);
-        else
+        if (c->solve_v2)
             k_tile_solve2<R, T><<<ntiles, S2::NW * 32, S2::smem, c->stream>>>(ta, K, i_lo);
+        else
+            k_tile_solve3<R, T><<<ntiles, S3::NW * 32, S3::smem, c->stream>>>(ta, K, i_lo);
         BK_CUDA_CHECK(cudaGetLastError());
         if (c->skip_push)
             continue;
@@ -570,13 +562,14 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
             nx = std::max(nx, t);
         }
         if (nx > 0) {
-            k_push<R, T><<<dim3(nx, ntiles), 256, PC::smem, c->stream>>>(ta, K, i_lo, MT, NT, Kf);
+            k_push<R, T><<<dim3(nx, ntiles), PC::NTH, PC::smem, c->stream>>>(ta, K, i_lo, MT, NT,
+                                                                            Kf);
             BK_CUDA_CHECK(cudaGetLastError());
         }
         if (G && K == Kf && K < MT + NT - 2) {
             const int lines = MT + (ta.LB ? NT : 0), targets = std::max(MT, NT);
-            k_push_far<R, T><<<dim3(lines, targets), 256, PC::smem, c->stream>>>(ta, Kf, G, MT,
-                                                                                 NT);
+            k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->stream>>>(ta, Kf, G,
+                                                                                     MT, NT);
             BK_CUDA_CHECK(cudaGetLastError());
         }
     }

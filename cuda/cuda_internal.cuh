@@ -33,7 +33,7 @@ typedef struct bk_cuda_ctx {
     int factor_fp64;      /* BK_CUDA_FACTOR_FP64=1: factor in fp64 also for fp32 solves */
     int push_group;       /* BaKron lazy pushes: far updates every this many tile
                              anti-diagonals (BK_CUDA_PUSH_GROUP, default 4; 0 = eager) */
-    int solve_v1;         /* dev comparison: the first tile-solve kernel */
+    int solve_v2;         /* dev comparison: the previous tile-solve kernel */
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
 } bk_cuda_ctx;
 

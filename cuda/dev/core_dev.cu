@@ -265,14 +265,14 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-G0", 64, 0, 0, 0});
                 vs.push_back({"-G8", 64, 0, 8, 0});
                 vs.push_back({"-T32", 32, 0, 4, 0});
-                vs.push_back({"-v1solve", 64, 0, 4, 1});
+                vs.push_back({"-v2solve", 64, 0, 4, 1});
                 vs.push_back({"-solveonly", 64, 1, 4, 0});
             }
             for (auto &v : vs) {
                 c->tile = v.tile;
                 c->skip_push = v.skip;
                 c->push_group = v.group;
-                c->solve_v1 = v.v1;
+                c->solve_v2 = v.v1;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -301,7 +301,7 @@ static int cmd_bench(int argc, char **argv)
             c->tile = 64;
             c->skip_push = 0;
             c->push_group = 4;
-            c->solve_v1 = 0;
+            c->solve_v2 = 0;
         }
         free_problem(c, P);
     }
@@ -531,7 +531,7 @@ static int cmd_validate(int argc, char **argv)
                 CK(bk_alphabet_fit(&al, h.W.data(), h.n));
                 c->tile = cf.tile;
                 c->push_group = cf.group;
-                c->solve_v1 = cf.v1;
+                c->solve_v2 = cf.v1;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
