@@ -280,19 +280,25 @@ __global__ void __launch_bounds__(Solve2Cfg<R, T>::NW * 32)
 
 /* ------------------------------------------------------- tile solve, v3 */
 
-/* v2 with a shorter critical path per entry anti-diagonal: the scale and
- * zero of each slot in registers; the diagonals of the L_A / L_B blocks
- * zeroed in shared memory and L_B's rows padded with zeros on both sides, so
- * that the terms need no predicates (a zero factor stands for "not yet" or
- * "not this one"); the L_A / L_B factors of a step are loaded before its
- * barrier, so only the newest error / R of the step are read after it. */
+/* v2 with a shorter path per entry anti-diagonal: the scale and zero of
+ * each slot in registers; the diagonals of the L_A / L_B blocks zeroed in
+ * shared memory and L_B's rows padded with zeros on both sides, so that the
+ * terms need no predicates (a zero factor stands for "not yet" or "not this
+ * one"); the factors of a step are loaded before its barrier. Above all,
+ * every global access is a coalesced tile copy: the accumulators come in and
+ * the codes, weights, E and R^ go out through shared memory (v2 stored four
+ * scattered words per active lane and step, ~1000 L1 transactions per step
+ * and SM: that, not the arithmetic, bounded it). */
 template <typename R, int T> struct Solve3Cfg {
     static constexpr int WC = 16;
     static constexpr int NWC = T / WC;
     static constexpr int NW = (T / 32) * NWC;
     static constexpr int LS = T + 1;     /* L_A rows */
     static constexpr int LBS = 3 * T + 1; /* L_B rows: T zeros | T values | T zeros */
-    static constexpr size_t smem = sizeof(R) * (size_t)(T * LS + T * LBS + 4 * T);
+    /* LA, LB, E [p][q], R^T [q][p], weight (F32) [p][q], codes (int16) [p][q],
+     * the two newest-value buffers */
+    static constexpr size_t smem = sizeof(R) * (size_t)(T * LS + T * LBS + 2 * T * T + 4 * T) +
+                                   sizeof(float) * T * T + sizeof(int16_t) * T * T;
 };
 
 template <typename R, int T>
@@ -306,6 +312,10 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T>::NW * 32)
     R *LBs = LAs + T * LS;                    /* [T][LBS], strict lower part at offset T */
     R *Erow = LBs + T * LBS;                  /* [2][T] */
     R *Rcol = Erow + 2 * T;                   /* [2][T] */
+    R *Es = Rcol + 2 * T;                     /* [T][T] E by rows; first W in */
+    R *Rt = Es + T * T;                       /* [T][T] R^ by columns; first Rp in */
+    float *Ws = reinterpret_cast<float *>(Rt + T * T);  /* [T][T] weights */
+    int16_t *Cs = reinterpret_cast<int16_t *>(Ws + T * T); /* [T][T] codes */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ab = warp / NWC, bb = warp % NWC;
     const int I = i_lo + (int)blockIdx.x, J = K - I;
@@ -327,14 +337,20 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T>::NW * 32)
         }
     for (int idx = tid; idx < 4 * T; idx += NW * 32)
         Erow[idx] = R(0);
+    for (int idx = tid; idx < T * T; idx += NW * 32) { /* coalesced tile loads */
+        const int r = idx / T, cc = idx % T;
+        Es[idx] = a.W[(r0 + r) * a.ldw + c0 + cc];
+        Rt[idx] = a.Rp[(r0 + r) * a.ldr + c0 + cc];
+    }
+    __syncthreads();
     int qs[WC], qa[WC];
     R x[WC], y[WC], sc[WC], zc[WC];
 #pragma unroll
     for (int s = 0; s < WC; s++) {
         qs[s] = qlo + ((s - lane) & (WC - 1));
         qa[s] = qs[s] * LS;
-        x[s] = a.Rp[gp * a.ldr + c0 + qs[s]];
-        y[s] = a.W[gp * a.ldw + c0 + qs[s]];
+        x[s] = Rt[p * T + qs[s]];
+        y[s] = Es[p * T + qs[s]];
         const int64_t gq = c0 + qs[s];
         sc[s] = R(1);
         zc[s] = R(0);
@@ -376,19 +392,19 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T>::NW * 32)
             if (q >= qlo && q < qlo + WC) {
                 const R wt = y[u] + x[u];
                 R e = R(0);
-                const int64_t gq = c0 + q;
-                if (rowin && gq < a.n) {
-                    int16_t code;
-                    const R v = a.q.round_sz(wt, sc[u], zc[u], &code, cnt);
+                int16_t code = 0;
+                R v = R(0);
+                if (rowin && c0 + q < a.n) {
+                    v = a.q.round_sz(wt, sc[u], zc[u], &code, cnt);
                     e = v - wt;
-                    a.codes[gp * a.n + gq] = code;
-                    a.weight[gp * a.n + gq] = (float)v;
                 }
                 x[u] += e;
                 Er[p] = e;
                 Rc[q] = x[u];
-                a.W[gp * a.ldw + gq] = e;
-                a.Rp[(r0 + q) * a.ldr + c0 + p] = x[u];
+                Es[p * T + q] = e;    /* stride T-1 along the lanes: no conflicts */
+                Rt[q * T + p] = x[u]; /* stride 1-T */
+                Ws[p * T + q] = (float)v;
+                Cs[p * T + q] = code;
             }
             __syncthreads();
             /* B. X[p,q] += E[p,k-p] L_A[q,k-p], Y[p,q] += L_B[p,k-q] R[k-q,q] */
@@ -403,6 +419,18 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T>::NW * 32)
                 for (int s = 0; s < WC; s++)
                     y[s] += lb[s] * Rc[qs[s]];
             }
+        }
+    }
+    __syncthreads();
+    /* coalesced tile stores: E over the W tile, R^ transposed over the Rp
+     * tile (what the pushes read), codes and weights inside the matrix */
+    for (int idx = tid; idx < T * T; idx += NW * 32) {
+        const int r = idx / T, cc = idx % T;
+        a.W[(r0 + r) * a.ldw + c0 + cc] = Es[idx];
+        a.Rp[(r0 + r) * a.ldr + c0 + cc] = Rt[idx];
+        if (r0 + r < a.m && c0 + cc < a.n) {
+            a.codes[(r0 + r) * a.n + c0 + cc] = Cs[idx];
+            a.weight[(r0 + r) * a.n + c0 + cc] = Ws[idx];
         }
     }
     bk_counts_add_warp(a.counts, cnt);
