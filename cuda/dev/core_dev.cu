@@ -7,7 +7,8 @@
  *                                 device-generated problems; SHAPES like
  *                                 1024x1024,4096x4096 (default: the issue's)
  *     --algs bakron,gptq,antidiag  --reps N  --antidiag-max N (m*n limit)
- *     --variants                   also bakron T=32 and tile-solve-only
+ *     --variants                   also the bakron variants (push group, tile, solve)
+ *     --only LABEL                 only the measurement LABEL (e.g. bakron-solveonly)
  *
  * Output: a table on stdout and one JSON object per measurement on stderr
  * prefixed with "JSON ". Not part of the library; built with the CUDA
@@ -210,6 +211,7 @@ static int cmd_bench(int argc, char **argv)
         {2048, 8192}, {14336, 4096}, {4096, 14336}};
     std::vector<std::string> algs = {"bakron", "gptq", "antidiag"};
     int reps = 3, variants = 0;
+    std::string only;
     int64_t antidiag_max = (int64_t)2048 * 2048;
     for (int i = 0; i < argc; i++) {
         std::string s = argv[i];
@@ -219,6 +221,8 @@ static int cmd_bench(int argc, char **argv)
             antidiag_max = atoll(argv[++i]);
         else if (s == "--variants")
             variants = 1;
+        else if (s == "--only" && i + 1 < argc)
+            only = argv[++i];
         else if (s == "--algs" && i + 1 < argc) {
             algs.clear();
             std::string l = argv[++i];
@@ -269,6 +273,8 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-solveonly", 64, 1, 4, 0});
             }
             for (auto &v : vs) {
+                if (!only.empty() && only != an + v.name)
+                    continue;
                 c->tile = v.tile;
                 c->skip_push = v.skip;
                 c->push_group = v.group;
