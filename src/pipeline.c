@@ -306,6 +306,31 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     return BK_OK;
 }
 
+/* Feed one micro-batch of every module's inputs to the accumulators (the
+ * plain E[xx^T] one gets no queries/keys). */
+static bk_status add_all_modules(job *j, const bk_layer_weights *orig, const float *attn_in,
+                                 const float *o_in, const float *mlp_in, const float *down_in,
+                                 int fully, int64_t sb)
+{
+    double t = bk_now();
+    bk_status st = BK_OK;
+    for (int k = 0; k < 2 && st == BK_OK; k++) {
+        bk_hess_acc *a = k ? j->acc_gptq : j->acc;
+        if (!a)
+            continue;
+        st = bk_hess_add_attn(a, orig, attn_in, (fully && !k) ? j->q_rot : NULL,
+                              (fully && !k) ? j->k_rot : NULL, sb);
+        if (st == BK_OK)
+            st = bk_hess_add_o(a, o_in, sb);
+        if (st == BK_OK)
+            st = bk_hess_add_mlp(a, orig, mlp_in, sb);
+        if (st == BK_OK)
+            st = bk_hess_add_down(a, down_in, sb);
+    }
+    j->t_hessian += bk_now() - t;
+    return st;
+}
+
 /* ------------------------------------------------- one layer, token calibration */
 
 #define MB_LOOP(j, s0, sb)                                                          \
@@ -361,21 +386,7 @@ static bk_status layer_tokens(job *j, int l)
             j->t_forward += bk_now() - t;
             if (st != BK_OK)
                 break;
-            t = bk_now();
-            for (int k = 0; k < 2 && st == BK_OK; k++) {
-                bk_hess_acc *a = k ? j->acc_gptq : j->acc;
-                if (!a)
-                    continue;
-                st = bk_hess_add_attn(a, &orig, j->x, fully ? j->q_rot : NULL,
-                                      fully ? j->k_rot : NULL, sb);
-                if (st == BK_OK)
-                    st = bk_hess_add_o(a, j->o_in, sb);
-                if (st == BK_OK)
-                    st = bk_hess_add_mlp(a, &orig, mlp_in, sb);
-                if (st == BK_OK)
-                    st = bk_hess_add_down(a, j->down, sb);
-            }
-            j->t_hessian += bk_now() - t;
+            st = add_all_modules(j, &orig, j->x, j->o_in, mlp_in, j->down, fully, sb);
             if (st != BK_OK)
                 break;
         }
@@ -564,21 +575,7 @@ static bk_status layer_acts(job *j, int l)
             if (st != BK_OK)
                 break;
         }
-        t = bk_now();
-        for (int k = 0; k < 2 && st == BK_OK; k++) {
-            bk_hess_acc *a = k ? j->acc_gptq : j->acc;
-            if (!a)
-                continue;
-            st = bk_hess_add_attn(a, &orig, j->x, (fully && !k) ? j->q_rot : NULL,
-                                  (fully && !k) ? j->k_rot : NULL, sb);
-            if (st == BK_OK)
-                st = bk_hess_add_o(a, j->o_in, sb);
-            if (st == BK_OK)
-                st = bk_hess_add_mlp(a, &orig, mlp_in, sb);
-            if (st == BK_OK)
-                st = bk_hess_add_down(a, j->down, sb);
-        }
-        j->t_hessian += bk_now() - t;
+        st = add_all_modules(j, &orig, j->x, j->o_in, mlp_in, j->down, fully, sb);
         if (st != BK_OK)
             break;
     }

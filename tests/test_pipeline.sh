@@ -71,6 +71,15 @@ print("native layout:", "ok" if ok else "WRONG")
 sys.exit(0 if ok else 1)
 EOF
 
+# --no-sequential (full-precision inputs everywhere) with a fully-local Hessian
+if "$B" quantize "$M" $CAL --hessian fullylocal-kfac --no-sequential --out "$W/q-nonseq" 2>"$W/err-ns"; then
+    pn=$(ppl "$W/q-nonseq") && echo "fullylocal-kfac --no-sequential: $pn"
+    python3 -c "import sys; a,f,r=map(float,sys.argv[1:]); sys.exit(0 if f < a < r else 1)" \
+        "$pn" "$fp" "${P[rtn-native]:-1e9}" || die "--no-sequential perplexity $pn out of range"
+else
+    die "quantize --no-sequential: $(cat "$W/err-ns")"
+fi
+
 # GPTQ v1 export: unpack with an independent reader and compare with the native codes
 if "$B" quantize "$M" $CAL --hessian gptq --levels 3 --export gptq --out "$W/q-gptq-gptq" \
      2>"$W/err-gg"; then
