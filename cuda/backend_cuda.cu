@@ -33,7 +33,8 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
  *   BK_CUDA_FACTOR_FP64=1  damping + Cholesky in fp64 also for fp32 solves
  *                      (the CPU factors in the solve precision)
  *   BK_CUDA_PUSH_GROUP BaKron: far pushes every N tile anti-diagonals
- *                      (default 4; 0 = every push eager) */
+ *                      (default 4; 0 = every push eager)
+ *   BK_CUDA_SOLVE_WC   BaKron tile solve: columns per warp, 8 or 16 (default 8) */
 static bk_status read_env(bk_cuda_ctx *c)
 {
     const char *t = getenv("BK_CUDA_TILE");
@@ -54,6 +55,15 @@ static bk_status read_env(bk_cuda_ctx *c)
             return bk_error(BK_ERR_INVALID_ARG,
                             "BK_CUDA_PUSH_GROUP: expected an integer in [0, 64] (got '%s')", g);
         c->push_group = (int)v;
+    }
+    const char *w = getenv("BK_CUDA_SOLVE_WC");
+    c->solve_wc = 8;
+    if (w && *w) {
+        if (!strcmp(w, "16"))
+            c->solve_wc = 16;
+        else if (strcmp(w, "8"))
+            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_SOLVE_WC: expected 8 or 16 (got '%s')",
+                            w);
     }
     const char *f = getenv("BK_CUDA_FACTOR_FP64");
     c->factor_fp64 = f && !strcmp(f, "1");

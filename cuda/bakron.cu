@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(Solve2Cfg<R, T>::NW * 32)
  * the codes, weights, E and R^ go out through shared memory (v2 stored four
  * scattered words per active lane and step, ~1000 L1 transactions per step
  * and SM: that, not the arithmetic, bounded it). */
-template <typename R, int T> struct Solve3Cfg {
-    static constexpr int WC = 16;
+template <typename R, int T, int WC_> struct Solve3Cfg {
+    static constexpr int WC = WC_; /* columns (register slots) per warp: 8 or 16 */
     static constexpr int NWC = T / WC;
     static constexpr int NW = (T / 32) * NWC;
     static constexpr int LS = T + 1;     /* L_A rows */
@@ -301,11 +301,11 @@ template <typename R, int T> struct Solve3Cfg {
                                    sizeof(float) * T * T + sizeof(int16_t) * T * T;
 };
 
-template <typename R, int T>
-__global__ void __launch_bounds__(Solve3Cfg<R, T>::NW * 32)
+template <typename R, int T, int WC_>
+__global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     k_tile_solve3(TileArgs<R> a, int K, int i_lo)
 {
-    using C = Solve3Cfg<R, T>;
+    using C = Solve3Cfg<R, T, WC_>;
     constexpr int WC = C::WC, NWC = C::NWC, NW = C::NW, LS = C::LS, LBS = C::LBS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     R *LAs = reinterpret_cast<R *>(smem_raw); /* [T][LS], strict lower part only */
@@ -549,7 +549,8 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
 template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
 {
     using S2 = Solve2Cfg<R, T>;
-    using S3 = Solve3Cfg<R, T>;
+    using S3 = Solve3Cfg<R, T, 16>;
+    using S8 = Solve3Cfg<R, T, 8>;
     using PC = PushCfg<R, T>;
     if (a->mpad % T || a->npad % T)
         return bk_error(BK_ERR_INTERNAL, "bakron: padded size %lldx%lld is not a multiple of %d",
@@ -569,8 +570,10 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
     ta.codes = a->codes;
     ta.weight = a->weight;
     ta.counts = a->counts;
-    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T>,
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S3::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 8>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S8::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve2<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S2::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -586,8 +589,10 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
         const int ntiles = i_hi - i_lo + 1;
         if (c->solve_v2)
             k_tile_solve2<R, T><<<ntiles, S2::NW * 32, S2::smem, c->stream>>>(ta, K, i_lo);
+        else if (c->solve_wc == 16)
+            k_tile_solve3<R, T, 16><<<ntiles, S3::NW * 32, S3::smem, c->stream>>>(ta, K, i_lo);
         else
-            k_tile_solve3<R, T><<<ntiles, S3::NW * 32, S3::smem, c->stream>>>(ta, K, i_lo);
+            k_tile_solve3<R, T, 8><<<ntiles, S8::NW * 32, S8::smem, c->stream>>>(ta, K, i_lo);
         BK_CUDA_CHECK(cudaGetLastError());
         if (c->skip_push)
             continue;

@@ -208,18 +208,21 @@ static void test_fp64_all_algorithms(void **state)
 static void test_fp64_tile_and_push_variants(void **state)
 {
     (void)state;
-    const char *const cfg[][2] = {{"32", "4"}, {"64", "0"}, {"64", "1"}, {"32", "3"}, {"64", "7"}};
+    const char *const cfg[][3] = {{"32", "4", "8"}, {"64", "0", "16"}, {"64", "1", "8"},
+                                  {"32", "3", "16"}, {"64", "7", "16"}, {"64", "2", "8"}};
     for (size_t v = 0; v < sizeof cfg / sizeof cfg[0]; v++) {
         setenv("BK_CUDA_TILE", cfg[v][0], 1);
         setenv("BK_CUDA_PUSH_GROUP", cfg[v][1], 1);
+        setenv("BK_CUDA_SOLVE_WC", cfg[v][2], 1);
         bk_backend *b = NULL;
         assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_OK);
         unsetenv("BK_CUDA_TILE");
         unsetenv("BK_CUDA_PUSH_GROUP");
+        unsetenv("BK_CUDA_SOLVE_WC");
         bk_backend *keep = g_gpu;
         g_gpu = b;
         char what[64];
-        snprintf(what, sizeof what, "fp64 T=%s G=%s", cfg[v][0], cfg[v][1]);
+        snprintf(what, sizeof what, "fp64 T=%s G=%s WC=%s", cfg[v][0], cfg[v][1], cfg[v][2]);
         for (size_t s = 0; s < NSHAPES; s++)
             for (int with_b = 0; with_b <= 1; with_b++) {
                 pcase c = make_case(shapes[s][0], shapes[s][1], 500 + s, with_b, 0.1);

@@ -262,15 +262,17 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1;
+                int tile, skip, group, v1, wc;
             };
-            std::vector<V> vs = {{"", 64, 0, 4, 0}};
+            std::vector<V> vs = {{"", 64, 0, 4, 0, 8}};
             if (alg == BK_ALG_BAKRON && variants) {
-                vs.push_back({"-G0", 64, 0, 0, 0});
-                vs.push_back({"-G8", 64, 0, 8, 0});
-                vs.push_back({"-T32", 32, 0, 4, 0});
-                vs.push_back({"-v2solve", 64, 0, 4, 1});
-                vs.push_back({"-solveonly", 64, 1, 4, 0});
+                vs.push_back({"-G2", 64, 0, 2, 0, 8});
+                vs.push_back({"-G8", 64, 0, 8, 0, 8});
+                vs.push_back({"-T32", 32, 0, 4, 0, 8});
+                vs.push_back({"-wc16", 64, 0, 4, 0, 16});
+                vs.push_back({"-v2solve", 64, 0, 4, 1, 8});
+                vs.push_back({"-solveonly", 64, 1, 4, 0, 8});
+                vs.push_back({"-solveonly-wc16", 64, 1, 4, 0, 16});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only != an + v.name)
@@ -278,6 +280,7 @@ static int cmd_bench(int argc, char **argv)
                 c->tile = v.tile;
                 c->skip_push = v.skip;
                 c->push_group = v.group;
+                c->solve_wc = v.wc;
                 c->solve_v2 = v.v1;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
@@ -308,6 +311,7 @@ static int cmd_bench(int argc, char **argv)
             c->skip_push = 0;
             c->push_group = 4;
             c->solve_v2 = 0;
+            c->solve_wc = 8;
         }
         free_problem(c, P);
     }
@@ -513,9 +517,10 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1;
+        int tile, group, v1, wc;
     };
-    const Cfg cfgs[] = {{64, 4, 0}, {64, 0, 0}, {64, 1, 0}, {64, 3, 1}, {32, 4, 0}, {32, 2, 0}};
+    const Cfg cfgs[] = {{64, 4, 0, 8},  {64, 0, 0, 8},  {64, 1, 0, 16}, {64, 3, 1, 8},
+                        {32, 4, 0, 8},  {32, 2, 0, 16}, {64, 2, 0, 16}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 2; qi++)
             for (auto &sh : shapes) {
@@ -538,6 +543,7 @@ static int cmd_validate(int argc, char **argv)
                 c->tile = cf.tile;
                 c->push_group = cf.group;
                 c->solve_v2 = cf.v1;
+                c->solve_wc = cf.wc;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
