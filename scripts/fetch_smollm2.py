@@ -448,6 +448,7 @@ def main():
             }, f, indent=2)
             f.write("\n")
         for n in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, n), 0o644)
             with open(os.path.join(tmp, n), "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)
