@@ -34,7 +34,8 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
  *                      (the CPU factors in the solve precision)
  *   BK_CUDA_PUSH_GROUP BaKron: far pushes every N tile anti-diagonals
  *                      (default 4; 0 = every push eager)
- *   BK_CUDA_SOLVE_WC   BaKron tile solve: columns per warp, 8 or 16 (default 8) */
+ *   BK_CUDA_SOLVE_WC   BaKron tile solve: columns per warp, 16 (8 warps per 64-tile,
+ *                      the default) or 8 (16 warps) */
 static bk_status read_env(bk_cuda_ctx *c)
 {
     const char *t = getenv("BK_CUDA_TILE");
@@ -57,11 +58,11 @@ static bk_status read_env(bk_cuda_ctx *c)
         c->push_group = (int)v;
     }
     const char *w = getenv("BK_CUDA_SOLVE_WC");
-    c->solve_wc = 8;
+    c->solve_wc = 16;
     if (w && *w) {
-        if (!strcmp(w, "16"))
-            c->solve_wc = 16;
-        else if (strcmp(w, "8"))
+        if (!strcmp(w, "8"))
+            c->solve_wc = 8;
+        else if (strcmp(w, "16"))
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_SOLVE_WC: expected 8 or 16 (got '%s')",
                             w);
     }

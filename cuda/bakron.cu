@@ -364,72 +364,64 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     int cnt[3] = {0, 0, 0};
     __syncthreads();
 
-    /* The step loop is not unrolled: unrolled by 16 (a compile-time active
-     * slot) the kernel was ~90 KB of code and each step refetched ~5 KB of
-     * it, which bounded v2. The active slot is picked by a select chain. */
-#pragma unroll 1
-    for (int k = 0; k < 2 * T - 1; k++) {
-        const int u = k & (WC - 1);
-        R *Er = Erow + (k & 1) * T;
-        R *Rc = Rcol + (k & 1) * T;
-        const int jj = k - p;
-        const bool xon = jj >= 0 && jj < T - 1;
-        /* factors of this step, loaded ahead of the barrier */
-        R la[WC], lb[WC];
-        if (xon) {
+    /* The step loop is unrolled by WC so that the active slot u is a
+     * compile-time register index (a rolled loop with a select chain was
+     * 1.5-2x slower on the H200). */
+    for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
 #pragma unroll
-            for (int s = 0; s < WC; s++)
-                la[s] = LAs[qa[s] + jj];
-        }
-        if (hasb) {
-            const R *lbr = LBs + p * LBS + T + k;
+        for (int u = 0; u < WC; u++) {
+            const int k = k0 + u;
+            if (k >= 2 * T - 1)
+                break;
+            R *Er = Erow + (u & 1) * T;
+            R *Rc = Rcol + (u & 1) * T;
+            const int jj = k - p;
+            const bool xon = jj >= 0 && jj < T - 1;
+            /* factors of this step, loaded ahead of the barrier */
+            R la[WC], lb[WC];
+            if (xon) {
 #pragma unroll
-            for (int s = 0; s < WC; s++)
-                lb[s] = lbr[-qs[s]];
-        }
-        /* A. the active entry (p, k - p) sits in slot u */
-        const int q = jj;
-        if (q >= qlo && q < qlo + WC) {
-            R xs = x[0], ys = y[0], ss = sc[0], zs = zc[0];
-#pragma unroll
-            for (int s = 1; s < WC; s++) {
-                const bool hit = s == u;
-                xs = hit ? x[s] : xs;
-                ys = hit ? y[s] : ys;
-                ss = hit ? sc[s] : ss;
-                zs = hit ? zc[s] : zs;
+                for (int s = 0; s < WC; s++)
+                    la[s] = LAs[qa[s] + jj];
             }
-            const R wt = ys + xs;
-            R e = R(0), v = R(0);
-            int16_t code = 0;
-            if (rowin && c0 + q < a.n) {
-                v = a.q.round_sz(wt, ss, zs, &code, cnt);
-                e = v - wt;
+            if (hasb) {
+                const R *lbr = LBs + p * LBS + T + k;
+#pragma unroll
+                for (int s = 0; s < WC; s++)
+                    lb[s] = lbr[-qs[s]];
             }
-            const R xn = xs + e; /* L_A[q,q] = 1: R[p,q] */
+            /* A. the active entry (p, k - p) sits in slot u */
+            const int q = jj;
+            if (q >= qlo && q < qlo + WC) {
+                const R wt = y[u] + x[u];
+                R e = R(0);
+                int16_t code = 0;
+                R v = R(0);
+                if (rowin && c0 + q < a.n) {
+                    v = a.q.round_sz(wt, sc[u], zc[u], &code, cnt);
+                    e = v - wt;
+                }
+                x[u] += e;
+                Er[p] = e;
+                Rc[q] = x[u];
+                Es[p * T + q] = e;    /* stride T-1 along the lanes: no conflicts */
+                Rt[q * T + p] = x[u]; /* stride 1-T */
+                Ws[p * T + q] = (float)v;
+                Cs[p * T + q] = code;
+            }
+            __syncthreads();
+            /* B. X[p,q] += E[p,k-p] L_A[q,k-p], Y[p,q] += L_B[p,k-q] R[k-q,q] */
+            if (xon) {
+                const R er = Er[p];
 #pragma unroll
-            for (int s = 0; s < WC; s++)
-                x[s] = s == u ? xn : x[s];
-            Er[p] = e;
-            Rc[q] = xn;
-            Es[p * T + q] = e;  /* stride T-1 along the lanes: no conflicts */
-            Rt[q * T + p] = xn; /* stride 1-T */
-            Ws[p * T + q] = (float)v;
-            Cs[p * T + q] = code;
-        }
-        __syncthreads();
-        /* B. X[p,q] += E[p,k-p] L_A[q,k-p], Y[p,q] += L_B[p,k-q] R[k-q,q]
-         *    (zero factors on and above the diagonals) */
-        if (xon) {
-            const R er = Er[p];
+                for (int s = 0; s < WC; s++)
+                    x[s] += er * la[s];
+            }
+            if (hasb) {
 #pragma unroll
-            for (int s = 0; s < WC; s++)
-                x[s] += er * la[s];
-        }
-        if (hasb) {
-#pragma unroll
-            for (int s = 0; s < WC; s++)
-                y[s] += lb[s] * Rc[qs[s]];
+                for (int s = 0; s < WC; s++)
+                    y[s] += lb[s] * Rc[qs[s]];
+            }
         }
     }
     __syncthreads();

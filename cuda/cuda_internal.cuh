@@ -34,8 +34,8 @@ typedef struct bk_cuda_ctx {
     int push_group;       /* BaKron lazy pushes: far updates every this many tile
                              anti-diagonals (BK_CUDA_PUSH_GROUP, default 4; 0 = eager) */
     int solve_v2;         /* dev comparison: the previous tile-solve kernel */
-    int solve_wc;         /* tile solve: columns per warp, 8 (16 warps per 64-tile) or 16
-                             (8 warps) (BK_CUDA_SOLVE_WC, default 8) */
+    int solve_wc;         /* tile solve: columns per warp, 16 (8 warps per 64-tile) or 8
+                             (16 warps) (BK_CUDA_SOLVE_WC, default 16) */
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
 } bk_cuda_ctx;
 

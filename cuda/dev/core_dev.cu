@@ -264,15 +264,15 @@ static int cmd_bench(int argc, char **argv)
                 const char *name;
                 int tile, skip, group, v1, wc;
             };
-            std::vector<V> vs = {{"", 64, 0, 4, 0, 8}};
+            std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
-                vs.push_back({"-G2", 64, 0, 2, 0, 8});
-                vs.push_back({"-G8", 64, 0, 8, 0, 8});
-                vs.push_back({"-T32", 32, 0, 4, 0, 8});
-                vs.push_back({"-wc16", 64, 0, 4, 0, 16});
-                vs.push_back({"-v2solve", 64, 0, 4, 1, 8});
-                vs.push_back({"-solveonly", 64, 1, 4, 0, 8});
-                vs.push_back({"-solveonly-wc16", 64, 1, 4, 0, 16});
+                vs.push_back({"-G0", 64, 0, 0, 0, 16});
+                vs.push_back({"-G8", 64, 0, 8, 0, 16});
+                vs.push_back({"-T32", 32, 0, 4, 0, 16});
+                vs.push_back({"-wc8", 64, 0, 4, 0, 8});
+                vs.push_back({"-v2solve", 64, 0, 4, 1, 16});
+                vs.push_back({"-solveonly", 64, 1, 4, 0, 16});
+                vs.push_back({"-solveonly-wc8", 64, 1, 4, 0, 8});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only != an + v.name)
@@ -311,7 +311,7 @@ static int cmd_bench(int argc, char **argv)
             c->skip_push = 0;
             c->push_group = 4;
             c->solve_v2 = 0;
-            c->solve_wc = 8;
+            c->solve_wc = 16;
         }
         free_problem(c, P);
     }
@@ -519,8 +519,8 @@ static int cmd_validate(int argc, char **argv)
     struct Cfg {
         int tile, group, v1, wc;
     };
-    const Cfg cfgs[] = {{64, 4, 0, 8},  {64, 0, 0, 8},  {64, 1, 0, 16}, {64, 3, 1, 8},
-                        {32, 4, 0, 8},  {32, 2, 0, 16}, {64, 2, 0, 16}};
+    const Cfg cfgs[] = {{64, 4, 0, 16}, {64, 0, 0, 8},  {64, 1, 0, 16}, {64, 3, 1, 16},
+                        {32, 4, 0, 8},  {32, 2, 0, 16}, {64, 2, 0, 8}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 2; qi++)
             for (auto &sh : shapes) {
