@@ -80,6 +80,24 @@ else
     die "quantize --no-sequential: $(cat "$W/err-ns")"
 fi
 
+# --layers 1:3 quantizes layers 1 and 2 only; the others keep their weights
+if "$B" quantize "$M" $CAL --hessian gptq --layers 1:3 --out "$W/q-layers" 2>"$W/err-ly"; then
+    python3 - "$W/q-layers/model.safetensors" <<'EOF' || fail=1
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    h = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+ok = all((f"model.layers.{l}.mlp.up_proj.qweight" in h) == (l in (1, 2)) and
+         (f"model.layers.{l}.mlp.up_proj.weight" in h) == (l not in (1, 2)) for l in range(4))
+print("--layers 1:3 layout:", "ok" if ok else "WRONG")
+sys.exit(0 if ok else 1)
+EOF
+    pl=$(ppl "$W/q-layers") && echo "--layers 1:3: $pl"
+    python3 -c "import sys; a,f,g=map(float,sys.argv[1:]); sys.exit(0 if f < a < g else 1)" \
+        "$pl" "$fp" "${P[gptq-native]:-1e9}" || die "--layers perplexity $pl not between FP and all-layer gptq"
+else
+    die "quantize --layers: $(cat "$W/err-ly")"
+fi
+
 # GPTQ v1 export: unpack with an independent reader and compare with the native codes
 if "$B" quantize "$M" $CAL --hessian gptq --levels 3 --export gptq --out "$W/q-gptq-gptq" \
      2>"$W/err-gg"; then
