@@ -121,6 +121,12 @@ size_t cuda_peak(void *vctx)
     return static_cast<bk_cuda_ctx *>(vctx)->mem_peak;
 }
 
+void cuda_reset_peak(void *vctx)
+{
+    bk_cuda_ctx *c = static_cast<bk_cuda_ctx *>(vctx);
+    c->mem_peak = c->mem_current;
+}
+
 void cuda_destroy(void *vctx)
 {
     bk_cuda_ctx_destroy(static_cast<bk_cuda_ctx *>(vctx));
@@ -130,6 +136,7 @@ const bk_backend_ops cuda_ops = {
     "cuda",
     cuda_solve,
     cuda_peak,
+    cuda_reset_peak,
     cuda_destroy,
 };
 

@@ -99,3 +99,9 @@ size_t bk_backend_peak_memory(const bk_backend *b)
 {
     return b->ops->peak_memory ? b->ops->peak_memory(b->ctx) : 0;
 }
+
+void bk_backend_reset_peak_memory(bk_backend *b)
+{
+    if (b->ops->reset_peak_memory)
+        b->ops->reset_peak_memory(b->ctx);
+}

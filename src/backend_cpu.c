@@ -23,6 +23,7 @@ static const bk_backend_ops cpu_ops = {
     .name = "cpu",
     .solve = cpu_solve,
     .peak_memory = NULL,
+    .reset_peak_memory = NULL,
     .destroy = cpu_destroy,
 };
 

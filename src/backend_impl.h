@@ -13,6 +13,8 @@ typedef struct bk_backend_ops {
                        bk_solve_result *r);
     /* Optional (NULL: 0). */
     size_t (*peak_memory)(void *ctx);
+    /* Optional: restart the high-water mark at the current usage. */
+    void (*reset_peak_memory)(void *ctx);
     /* Required. */
     void (*destroy)(void *ctx);
 } bk_backend_ops;

@@ -42,7 +42,8 @@ static const char *env_or(const char *name, const char *dflt)
 
 static void path2(char *buf, size_t cap, const char *a, const char *b)
 {
-    snprintf(buf, cap, "%s/%s", a, b);
+    int n = snprintf(buf, cap, "%s/%s", a, b);
+    assert_true(n > 0 && (size_t)n < cap);
 }
 
 /* max|a - b| / max|b| */

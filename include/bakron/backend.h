@@ -41,6 +41,8 @@ bk_status bk_backend_solve(bk_backend *b, const bk_solve_problem *p, const bk_so
 
 /* Peak device memory (bytes) used since creation; 0 on the CPU backend. */
 size_t bk_backend_peak_memory(const bk_backend *b);
+/* Restart the peak at the memory in use now (to measure one operation). */
+void bk_backend_reset_peak_memory(bk_backend *b);
 
 /* Whether the CUDA backend was compiled in. */
 int bk_cuda_compiled(void);

@@ -68,7 +68,7 @@ typedef struct row {
     int64_t m, n;
     bk_algorithm alg;
     int skipped;
-    double median, min, factor, gflops, loss2, loss1, diff;
+    double median, min, factor, gflops, loss2, loss1, diff, peak_bytes;
     int have_diff;
 } row;
 
@@ -220,6 +220,7 @@ static bk_status run_shape(bk_backend *be, const cli_solver_args *a, const bk_al
         if (algs[i] != BK_ALG_GPTQ)
             o.quant.refit_groups = 0;
         double factor = INFINITY;
+        bk_backend_reset_peak_memory(be);
         for (int rep = 0; rep < repeat; rep++) {
             o.compute_stats = rep == 0;
             bk_solve_result r;
@@ -257,6 +258,7 @@ static bk_status run_shape(bk_backend *be, const cli_solver_args *a, const bk_al
                                 : 0.5 * (times[repeat / 2 - 1] + times[repeat / 2]);
         rw->min = times[0];
         rw->factor = factor;
+        rw->peak_bytes = (double)bk_backend_peak_memory(be);
         rw->gflops = model_flops(algs[i], m, n) / rw->median * 1e-9;
         if (!json) {
             fprintf(stderr, "  %lldx%lld %s: %.4f s\n", (long long)m, (long long)n,
@@ -275,8 +277,8 @@ done:
 static void print_table(const row *rows, int count, const char *head)
 {
     printf("%s", head);
-    printf("%-11s %-10s %10s %10s %10s %9s %10s %14s\n", "shape", "algorithm", "median_s",
-           "min_s", "factor_s", "GFLOP/s", "diff_vs_bk", "loss_two_sided");
+    printf("%-11s %-10s %10s %10s %10s %9s %10s %14s %9s\n", "shape", "algorithm", "median_s",
+           "min_s", "factor_s", "GFLOP/s", "diff_vs_bk", "loss_two_sided", "peak_MiB");
     for (int i = 0; i < count; i++) {
         const row *r = &rows[i];
         char shape[48];
@@ -289,8 +291,9 @@ static void print_table(const row *rows, int count, const char *head)
         char diff[32] = "-";
         if (r->have_diff)
             snprintf(diff, sizeof diff, "%.4f%%", 100.0 * r->diff);
-        printf("%-11s %-10s %10.4f %10.4f %10.4f %9.2f %10s %14.6g\n", shape,
-               bk_algorithm_name(r->alg), r->median, r->min, r->factor, r->gflops, diff, r->loss2);
+        printf("%-11s %-10s %10.4f %10.4f %10.4f %9.2f %10s %14.6g %9.1f\n", shape,
+               bk_algorithm_name(r->alg), r->median, r->min, r->factor, r->gflops, diff, r->loss2,
+               r->peak_bytes / 1048576.0);
     }
 }
 
@@ -331,6 +334,7 @@ static bk_status print_json(const row *rows, int count, const cli_solver_args *a
         oom |= !cJSON_AddNumberToObject(e, "median_s", r->median);
         oom |= !cJSON_AddNumberToObject(e, "min_s", r->min);
         oom |= !cJSON_AddNumberToObject(e, "factor_s", r->factor);
+        oom |= !cJSON_AddNumberToObject(e, "peak_device_bytes", r->peak_bytes);
         oom |= !cJSON_AddNumberToObject(e, "gflops", r->gflops);
         oom |= !(r->have_diff ? cJSON_AddNumberToObject(e, "code_diff_vs_bakron", r->diff)
                               : cJSON_AddNullToObject(e, "code_diff_vs_bakron"));
