@@ -7,8 +7,7 @@
  *   the core algorithm on the device (timed with CUDA events: time_solve_s),
  *   the statistics in double on the device (stats.cu) and the bound.
  *
- * The validation helpers repeat solver.c's static ones (they are not
- * exported); keep them in step with it.
+ * Validation is solver.c's own (src/solver_check.h).
  */
 #include <cmath>
 #include <climits>
@@ -22,6 +21,7 @@ extern "C" {
 #include "quant.h"
 #include "util.h"
 }
+#include "solver_check.h"
 
 namespace {
 
@@ -31,70 +31,6 @@ inline double in_at(const void *p, bk_dtype dt, size_t idx)
 {
     return dt == BK_DT_F64 ? static_cast<const double *>(p)[idx]
                            : (double)static_cast<const float *>(p)[idx];
-}
-
-bk_status check_finite(const void *p, bk_dtype dt, int64_t rows, int64_t cols, const char *label)
-{
-    const size_t total = (size_t)rows * (size_t)cols;
-    for (size_t t = 0; t < total; t++) {
-        double v = in_at(p, dt, t);
-        if (!std::isfinite(v))
-            return bk_error(BK_ERR_NONFINITE, "%s: non-finite value (%g) at [%lld, %lld]", label,
-                            v, (long long)(t / (size_t)cols), (long long)(t % (size_t)cols));
-    }
-    return BK_OK;
-}
-
-bk_status check_opts(const bk_solve_opts *o)
-{
-    if ((int)o->algorithm < 0 || o->algorithm >= BK_ALG_COUNT)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: unknown algorithm %d", (int)o->algorithm);
-    if (o->precision != BK_PREC_FP32 && o->precision != BK_PREC_FP64)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: unknown precision %d", (int)o->precision);
-    if (!std::isfinite(o->damp) || o->damp < 0)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: damping must be a finite number >= 0 (got %g)",
-                        o->damp);
-    if (o->max_damp_retries < 0 || o->max_damp_retries > 30)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: max_damp_retries must be in [0, 30] (got %d)",
-                        o->max_damp_retries);
-    if (o->gptq_block < 1)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: gptq_block must be >= 1 (got %d)",
-                        o->gptq_block);
-    if (o->quant.refit_groups && o->algorithm != BK_ALG_GPTQ)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "solve: refit_groups works only with the gptq algorithm (got %s); the "
-                        "two-sided solvers use static groups",
-                        bk_algorithm_name(o->algorithm));
-    return BK_OK;
-}
-
-bk_status check_problem(const bk_solve_problem *p, const char *lw, const char *la, const char *lb)
-{
-    if (p->m <= 0 || p->n <= 0)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "%s: empty weight matrix [%lld, %lld] (both dimensions must be >= 1)", lw,
-                        (long long)p->m, (long long)p->n);
-    if (p->m > INT_MAX || p->n > INT_MAX)
-        return bk_error(BK_ERR_INVALID_ARG, "%s: [%lld, %lld] is too large (each dimension must "
-                        "be < 2^31)", lw, (long long)p->m, (long long)p->n);
-    uint64_t cells;
-    if (bk_mul_u64((uint64_t)p->m, (uint64_t)p->n, &cells) ||
-        bk_mul_u64(cells, sizeof(double), &cells) || cells > (uint64_t)SIZE_MAX / 4)
-        return bk_error(BK_ERR_INVALID_ARG, "%s: [%lld, %lld] is too large", lw, (long long)p->m,
-                        (long long)p->n);
-    if (p->dtype != BK_DT_F32 && p->dtype != BK_DT_F64)
-        return bk_error(BK_ERR_DTYPE, "%s: dtype %s is not supported by the solver (F32 or F64)",
-                        lw, bk_dtype_name(p->dtype));
-    if (!p->W)
-        return bk_error(BK_ERR_INVALID_ARG, "%s: no weight matrix given", lw);
-    if (!p->A && !p->LA)
-        return bk_error(BK_ERR_INVALID_ARG, "%s: give the input-side factor A or its Cholesky "
-                        "factor LA", la);
-    if (p->A && p->LA)
-        return bk_error(BK_ERR_INVALID_ARG, "%s: give either A or LA, not both", la);
-    if (p->B && p->LB)
-        return bk_error(BK_ERR_INVALID_ARG, "%s: give either B or LB, not both", lb);
-    return BK_OK;
 }
 
 /* side_from_matrix's host part: symmetry check, mirrored lower triangle,
@@ -312,11 +248,13 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
     const char *lw = p->label_w ? p->label_w : "W";
     const char *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
     const char *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
-    bk_status st = check_opts(o);
+    bk_status st = bk_solve_check_opts(o);
     if (st == BK_OK)
-        st = check_problem(p, lw, la, lb);
+        st = bk_solve_check_problem(p, o, lw, la, lb);
     if (st != BK_OK)
         return st;
+    if (!p->A && !p->LA) /* rtn without a Hessian: nothing for the GPU to do */
+        return bk_solve(p, o, r);
     const int64_t m = p->m, n = p->n;
     const size_t mn = (size_t)m * (size_t)n;
     const bk_dtype dt = p->dtype;
@@ -324,11 +262,12 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
     const size_t rsz = prec == BK_PREC_FP64 ? sizeof(double) : sizeof(float);
     const int64_t mpad = bk_round_up(m, BK_CUDA_PAD), npad = bk_round_up(n, BK_CUDA_PAD);
 
-    if ((st = check_finite(p->W, dt, m, n, lw)) != BK_OK)
+    if ((st = bk_solve_check_finite(p->W, dt, m, n, lw)) != BK_OK)
         return st;
-    if ((st = check_finite(p->A ? p->A : p->LA, dt, n, n, la)) != BK_OK)
+    if ((st = bk_solve_check_finite(p->A ? p->A : p->LA, dt, n, n, la)) != BK_OK)
         return st;
-    if ((p->B || p->LB) && (st = check_finite(p->B ? p->B : p->LB, dt, m, m, lb)) != BK_OK)
+    if ((p->B || p->LB) &&
+        (st = bk_solve_check_finite(p->B ? p->B : p->LB, dt, m, m, lb)) != BK_OK)
         return st;
 
     bk_alphabet alpha;

@@ -12,6 +12,7 @@
 #include <lapacke.h>
 
 #include "quant.h"
+#include "solver_check.h"
 #include "solver_impl.h"
 #include "util.h"
 
@@ -79,7 +80,7 @@ static inline double in_at(const void *p, bk_dtype dt, size_t idx)
     return dt == BK_DT_F64 ? ((const double *)p)[idx] : (double)((const float *)p)[idx];
 }
 
-static bk_status check_finite(const void *p, bk_dtype dt, int64_t rows, int64_t cols,
+bk_status bk_solve_check_finite(const void *p, bk_dtype dt, int64_t rows, int64_t cols,
                               const char *label)
 {
     const size_t total = (size_t)rows * (size_t)cols;
@@ -369,7 +370,7 @@ done:
 
 /* ------------------------------------------------------------------- solve */
 
-static bk_status check_opts(const bk_solve_opts *o)
+bk_status bk_solve_check_opts(const bk_solve_opts *o)
 {
     if ((int)o->algorithm < 0 || o->algorithm >= BK_ALG_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "solve: unknown algorithm %d", (int)o->algorithm);
@@ -392,8 +393,8 @@ static bk_status check_opts(const bk_solve_opts *o)
     return BK_OK;
 }
 
-static bk_status check_problem(const bk_solve_problem *p, const char *lw, const char *la,
-                               const char *lb)
+bk_status bk_solve_check_problem(const bk_solve_problem *p, const bk_solve_opts *o, const char *lw,
+                                 const char *la, const char *lb)
 {
     if (p->m <= 0 || p->n <= 0)
         return bk_error(BK_ERR_INVALID_ARG,
@@ -412,7 +413,7 @@ static bk_status check_problem(const bk_solve_problem *p, const char *lw, const 
                         lw, bk_dtype_name(p->dtype));
     if (!p->W)
         return bk_error(BK_ERR_INVALID_ARG, "%s: no weight matrix given", lw);
-    if (!p->A && !p->LA)
+    if (!p->A && !p->LA && o->algorithm != BK_ALG_RTN)
         return bk_error(BK_ERR_INVALID_ARG, "%s: give the input-side factor A or its Cholesky "
                         "factor LA", la);
     if (p->A && p->LA)
@@ -437,9 +438,9 @@ bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_r
     const char *lw = p->label_w ? p->label_w : "W";
     const char *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
     const char *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
-    bk_status st = check_opts(o);
+    bk_status st = bk_solve_check_opts(o);
     if (st == BK_OK)
-        st = check_problem(p, lw, la, lb);
+        st = bk_solve_check_problem(p, o, lw, la, lb);
     if (st != BK_OK)
         return st;
     const int64_t m = p->m, n = p->n;
@@ -448,11 +449,13 @@ bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_r
     const bk_precision prec = o->precision;
     const size_t rsz = prec == BK_PREC_FP64 ? sizeof(double) : sizeof(float);
 
-    if ((st = check_finite(p->W, dt, m, n, lw)) != BK_OK)
+    if ((st = bk_solve_check_finite(p->W, dt, m, n, lw)) != BK_OK)
         return st;
-    if ((st = check_finite(p->A ? p->A : p->LA, dt, n, n, la)) != BK_OK)
+    if ((p->A || p->LA) &&
+        (st = bk_solve_check_finite(p->A ? p->A : p->LA, dt, n, n, la)) != BK_OK)
         return st;
-    if ((p->B || p->LB) && (st = check_finite(p->B ? p->B : p->LB, dt, m, m, lb)) != BK_OK)
+    if ((p->B || p->LB) &&
+        (st = bk_solve_check_finite(p->B ? p->B : p->LB, dt, m, m, lb)) != BK_OK)
         return st;
 
     bk_alphabet alpha;
@@ -478,11 +481,13 @@ bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_r
     for (size_t t = 0; t < mn; t++)
         Wd[t] = in_at(p->W, dt, t);
 
-    const int stats = o->compute_stats != 0;
+    const int stats = o->compute_stats != 0 && (p->A || p->LA);
     if (p->A)
         st = side_from_matrix(&sa, p->A, dt, n, la, 1, Wd, m, o, &dead, stats);
-    else
+    else if (p->LA)
         st = side_from_factor(&sa, p->LA, dt, n, la, prec, stats);
+    else
+        sa.identity = 1; /* rtn without a Hessian */
     if (st != BK_OK)
         goto fail;
     if (p->B)

@@ -71,6 +71,15 @@ print("native layout:", "ok" if ok else "WRONG")
 sys.exit(0 if ok else 1)
 EOF
 
+# rtn needs no calibration data, and gives the same model without it
+if "$B" quantize "$M" --hessian rtn --out "$W/q-rtn-nocal" 2>"$W/err-rn"; then
+    pr=$(ppl "$W/q-rtn-nocal")
+    [ "$pr" = "${P[rtn-native]:-x}" ] && echo "rtn without calibration: $pr (same)" \
+        || die "rtn without calibration: $pr != ${P[rtn-native]:-?}"
+else
+    die "quantize rtn without --calib: $(cat "$W/err-rn")"
+fi
+
 # --no-sequential (full-precision inputs everywhere) with a fully-local Hessian
 if "$B" quantize "$M" $CAL --hessian fullylocal-kfac --no-sequential --out "$W/q-nonseq" 2>"$W/err-ns"; then
     pn=$(ppl "$W/q-nonseq") && echo "fullylocal-kfac --no-sequential: $pn"
