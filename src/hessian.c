@@ -752,7 +752,7 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
                            const float *q_rot, const float *k_rot, int64_t S)
 {
     bk_status st;
-    int64_t N;
+    int64_t N = 0;
     if (!a)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     if ((st = check_layer(a, lw, "bk_hess_add_attn")) != BK_OK)
@@ -929,7 +929,7 @@ static bk_status add_plain(bk_hess_acc *a, gram *g, int grp, const float *x, int
                            int64_t width, const char *what)
 {
     bk_status st;
-    int64_t N;
+    int64_t N = 0;
     if (!a)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     if (!x)
@@ -999,7 +999,7 @@ bk_status bk_hess_add_mlp(bk_hess_acc *a, const bk_layer_weights *lw, const floa
                           int64_t S)
 {
     bk_status st;
-    int64_t N;
+    int64_t N = 0;
     if (!a)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     if ((st = check_layer(a, lw, "bk_hess_add_mlp")) != BK_OK)
