@@ -181,6 +181,12 @@ bk_status bk_fwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t se
     bk_status st = check_config(cfg);
     if (st != BK_OK)
         return st;
+    if (cfg->sliding_window > 0 && seqlen > cfg->sliding_window)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "forward: sequences of %lld tokens exceed the model's sliding window of "
+                        "%lld (sliding-window attention is not implemented; use --seqlen %lld)",
+                        (long long)seqlen, (long long)cfg->sliding_window,
+                        (long long)cfg->sliding_window);
     uint64_t rows;
     if (bk_mul_u64((uint64_t)max_seqs, (uint64_t)seqlen, &rows) || rows > (uint64_t)BK_BLAS_MAX)
         return bk_error(BK_ERR_INVALID_ARG,

@@ -516,6 +516,29 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
         goto done;
 
     /* structure */
+    /* sliding-window attention: Mistral's sliding_window (int or null); Qwen2
+     * applies it only with use_sliding_window=true, and then only to layers >=
+     * max_window_layers, which we do not implement */
+    c->sliding_window = 0;
+    if (c->arch == BK_ARCH_MISTRAL) {
+        const cJSON *sw = get(root, "sliding_window");
+        if (sw && !cJSON_IsNull(sw) &&
+            (st = json_i64(label, "sliding_window", sw, 1, INT64_C(1) << 40, &c->sliding_window)) !=
+                BK_OK)
+            goto done;
+    } else if (c->arch == BK_ARCH_QWEN2) {
+        int use_sw = 0;
+        if ((st = opt_bool(label, root, "use_sliding_window", &use_sw)) != BK_OK)
+            goto done;
+        if (use_sw) {
+            st = bk_error(BK_ERR_UNSUPPORTED,
+                          "%s: use_sliding_window=true (per-layer sliding-window attention) is not "
+                          "supported",
+                          label);
+            goto done;
+        }
+    }
+
     c->tie_embeddings = 0; /* all four configuration classes default to false */
     if ((st = opt_bool(label, root, "tie_word_embeddings", &c->tie_embeddings)) != BK_OK)
         goto done;

@@ -233,6 +233,20 @@ static void ref_attention(const bk_model_config *c, const bk_layer_weights *lw, 
 
 /* ============================================================ unit tests */
 
+static void test_sliding_window_refused(void **state)
+{
+    (void)state;
+    bk_model_config c = small_cfg();
+    c.sliding_window = 16;
+    bk_fwd *f = NULL;
+    assert_int_equal(bk_fwd_create(&c, 1, 16, &f), BK_OK);
+    bk_fwd_free(f);
+    f = NULL;
+    assert_int_equal(bk_fwd_create(&c, 1, 17, &f), BK_ERR_UNSUPPORTED);
+    assert_null(f);
+    assert_non_null(strstr(bk_last_error(), "sliding window"));
+}
+
 static void test_rmsnorm_hand(void **state)
 {
     (void)state;
@@ -1035,6 +1049,7 @@ int main(int argc, char **argv)
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm_hand),
+        cmocka_unit_test(test_sliding_window_refused),
         cmocka_unit_test(test_rope_hand),
         cmocka_unit_test(test_rope_llama3),
         cmocka_unit_test(test_attention_bruteforce),

@@ -854,6 +854,35 @@ static void test_bf16_copy_agrees(void **state)
     free(d16);
 }
 
+/* Sliding-window attention: Mistral's window is recorded (and the forward
+ * pass refuses longer sequences); Qwen2's per-layer variant is refused. */
+static void test_sliding_window(void **state)
+{
+    (void)state;
+    bk_model_config c;
+    const char *base = "{\"model_type\": \"%s\", \"num_hidden_layers\": 2, \"hidden_size\": 64, "
+                       "\"intermediate_size\": 128, \"num_attention_heads\": 4, "
+                       "\"num_key_value_heads\": 2, \"vocab_size\": 100%s}";
+    char json[512];
+    snprintf(json, sizeof json, base, "mistral", ", \"sliding_window\": 16");
+    assert_int_equal(bk_model_config_parse(json, strlen(json), "m.json", &c), BK_OK);
+    assert_int_equal(c.sliding_window, 16);
+    snprintf(json, sizeof json, base, "mistral", ", \"sliding_window\": null");
+    assert_int_equal(bk_model_config_parse(json, strlen(json), "m.json", &c), BK_OK);
+    assert_int_equal(c.sliding_window, 0);
+    snprintf(json, sizeof json, base, "mistral", ", \"sliding_window\": 0");
+    assert_int_equal(bk_model_config_parse(json, strlen(json), "m.json", &c), BK_ERR_CONFIG);
+    snprintf(json, sizeof json, base, "qwen2", ", \"use_sliding_window\": false, \"sliding_window\": 16");
+    assert_int_equal(bk_model_config_parse(json, strlen(json), "q.json", &c), BK_OK);
+    assert_int_equal(c.sliding_window, 0);
+    snprintf(json, sizeof json, base, "qwen2", ", \"use_sliding_window\": true, \"sliding_window\": 16");
+    assert_int_equal(bk_model_config_parse(json, strlen(json), "q.json", &c), BK_ERR_UNSUPPORTED);
+    assert_non_null(strstr(bk_last_error(), "use_sliding_window"));
+    snprintf(json, sizeof json, base, "llama", ", \"sliding_window\": 16");
+    assert_int_equal(bk_model_config_parse(json, strlen(json), "l.json", &c), BK_OK);
+    assert_int_equal(c.sliding_window, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -861,6 +890,7 @@ int main(void)
         cmocka_unit_test(test_open_real_models),
         cmocka_unit_test(test_modules),
         cmocka_unit_test(test_config_variants),
+        cmocka_unit_test(test_sliding_window),
         cmocka_unit_test(test_bad_configs),
         cmocka_unit_test(test_bad_models),
         cmocka_unit_test(test_micro_f32),

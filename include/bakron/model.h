@@ -56,6 +56,9 @@ typedef struct bk_model_config {
     bk_dtype dtype;         /* "torch_dtype"/"dtype" of the checkpoint (informational) */
     int64_t bos_token_id;   /* -1 when absent */
     int64_t eos_token_id;   /* -1 when absent */
+    int64_t sliding_window; /* Mistral-style sliding-window attention span, 0 = none
+                               (full causal attention). The forward pass refuses
+                               sequences longer than it. */
 } bk_model_config;
 
 /* Parse config.json text. `label` names the file in error messages.
