@@ -316,8 +316,11 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
         goto fail;
     if (p->B) {
         st = prepare_matrix(p->B, dt, m, lb, 0, NULL, 0, NULL, &Xh, &mean);
+        bk_solve_opts ob = *o; /* the output side may have its own damping */
+        if (o->separate_damp_b)
+            ob.damp = o->damp_b;
         if (st == BK_OK)
-            st = bk_dside_from_matrix(c, &sb, Xh, m, mpad, mean, lb, o, c->factor_fp64, stats);
+            st = bk_dside_from_matrix(c, &sb, Xh, m, mpad, mean, lb, &ob, c->factor_fp64, stats);
     } else if (p->LB) {
         st = prepare_factor(p->LB, dt, m, lb, &Xh);
         if (st == BK_OK)

@@ -314,6 +314,8 @@ cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config 
     cJSON_AddStringToObject(b, "algorithm", bk_algorithm_name(o->solve.algorithm));
     cJSON_AddStringToObject(b, "precision", o->solve.precision == BK_PREC_FP64 ? "fp64" : "fp32");
     cJSON_AddNumberToObject(b, "damp", o->solve.damp);
+    if (o->solve.separate_damp_b)
+        cJSON_AddNumberToObject(b, "damp_b", o->solve.damp_b);
     cJSON_AddBoolToObject(b, "sequential", o->sequential != 0);
     cJSON *cal = cJSON_AddObjectToObject(b, "calibration");
     if (o->calib_path)

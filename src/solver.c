@@ -379,6 +379,9 @@ bk_status bk_solve_check_opts(const bk_solve_opts *o)
     if (!isfinite(o->damp) || o->damp < 0)
         return bk_error(BK_ERR_INVALID_ARG, "solve: damping must be a finite number >= 0 (got %g)",
                         o->damp);
+    if (o->separate_damp_b && (!isfinite(o->damp_b) || o->damp_b < 0))
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "solve: damping of B must be a finite number >= 0 (got %g)", o->damp_b);
     if (o->max_damp_retries < 0 || o->max_damp_retries > 30)
         return bk_error(BK_ERR_INVALID_ARG, "solve: max_damp_retries must be in [0, 30] (got %d)",
                         o->max_damp_retries);
@@ -482,6 +485,9 @@ bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_r
         Wd[t] = in_at(p->W, dt, t);
 
     const int stats = o->compute_stats != 0 && (p->A || p->LA);
+    bk_solve_opts ob = *o; /* the output side may have its own damping */
+    if (o->separate_damp_b)
+        ob.damp = o->damp_b;
     if (p->A)
         st = side_from_matrix(&sa, p->A, dt, n, la, 1, Wd, m, o, &dead, stats);
     else if (p->LA)
@@ -491,7 +497,7 @@ bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_r
     if (st != BK_OK)
         goto fail;
     if (p->B)
-        st = side_from_matrix(&sb, p->B, dt, m, lb, 0, NULL, 0, o, NULL, stats);
+        st = side_from_matrix(&sb, p->B, dt, m, lb, 0, NULL, 0, &ob, NULL, stats);
     else if (p->LB)
         st = side_from_factor(&sb, p->LB, dt, m, lb, prec, stats);
     else

@@ -65,6 +65,8 @@ typedef struct bk_solve_opts {
     bk_precision precision;
     bk_quant_spec quant;
     double damp;            /* relative damping delta, default 0.5 */
+    int separate_damp_b;    /* 0 (default): B is damped with `damp` like A; 1: with damp_b */
+    double damp_b;          /* relative damping of the output-side factor B when separate */
     int max_damp_retries;   /* default 5 */
     int gptq_block;         /* GPTQ lazy batch size, default 128 */
     int compute_stats;      /* losses and bound (costs about one more solve); default 1 */

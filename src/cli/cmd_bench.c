@@ -56,6 +56,7 @@ static const struct option bench_opts[] = {
     {"asym", no_argument, NULL, B_SHARED},
     {"no-mse", no_argument, NULL, B_SHARED},
     {"damp", required_argument, NULL, B_SHARED},
+    {"damp-b", required_argument, NULL, B_SHARED},
     {"precision", required_argument, NULL, B_SHARED},
     {"gptq-block", required_argument, NULL, B_SHARED},
     {"backend", required_argument, NULL, B_SHARED},

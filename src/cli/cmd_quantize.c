@@ -36,6 +36,7 @@ static const char *quantize_usage =
     "  --algorithm A         bakron|antidiag|naive|recursive for two-sided modules (default bakron);\n"
     "                        one-sided modules always use gptq (same codes, faster)\n"
     "  --damp D              relative damping of each factor (default 0.5)\n"
+    "  --damp-b D            damp the output-side factors B with D instead (not the paper's setting)\n"
     "  --precision P         fp32|fp64 (default fp32)\n"
     "  --hessian-fp64        accumulate Hessians in double\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied)\n"
@@ -51,7 +52,7 @@ static const char *quantize_usage =
 enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
-    O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_HELP
+    O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_HELP
 };
 
 static const struct option quantize_opts[] = {
@@ -65,6 +66,7 @@ static const struct option quantize_opts[] = {
     {"asym", no_argument, NULL, O_ASYM},
     {"no-mse", no_argument, NULL, O_NOMSE},
     {"damp", required_argument, NULL, O_DAMP},
+    {"damp-b", required_argument, NULL, O_DAMPB},
     {"samples", required_argument, NULL, O_SAMPLES},
     {"seqlen", required_argument, NULL, O_SEQLEN},
     {"layers", required_argument, NULL, O_LAYERS},
@@ -161,6 +163,12 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         if ((st = cli_parse_double("--damp", arg, 0.0, 1e6, &dv)) != BK_OK)
             return st;
         o->solve.damp = dv;
+        break;
+    case O_DAMPB:
+        if ((st = cli_parse_double("--damp-b", arg, 0.0, 1e6, &dv)) != BK_OK)
+            return st;
+        o->solve.separate_damp_b = 1;
+        o->solve.damp_b = dv;
         break;
     case O_SAMPLES:
         if ((st = cli_parse_i64("--samples", arg, 1, (int64_t)1 << 40, &lv)) != BK_OK)

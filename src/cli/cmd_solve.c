@@ -21,6 +21,7 @@ const char cli_solver_options_help[] =
     "  --asym                with --bits: asymmetric (scale + zero point)\n"
     "  --no-mse              scales from the range only (no MSE grid search)\n"
     "  --damp D              relative damping delta: A + D*mean(diag A)*I (default 0.5)\n"
+    "  --damp-b D            damp the output-side factor B with D instead (default: as A)\n"
     "  --precision P         fp32 (default) or fp64\n"
     "  --gptq-block N        GPTQ lazy batch width (default 128)\n"
     "  --backend K           auto (default: CUDA when a GPU is usable), cpu or cuda\n";
@@ -70,6 +71,11 @@ bk_status cli_solver_option(cli_solver_args *a, const char *name, const char *ar
         if ((st = cli_parse_double("--damp", arg, 0.0, 1e6, &dv)) != BK_OK)
             return st;
         o->damp = dv;
+    } else if (!strcmp(name, "damp-b")) {
+        if ((st = cli_parse_double("--damp-b", arg, 0.0, 1e6, &dv)) != BK_OK)
+            return st;
+        o->separate_damp_b = 1;
+        o->damp_b = dv;
     } else if (!strcmp(name, "precision")) {
         if (!strcmp(arg, "fp32"))
             o->precision = BK_PREC_FP32;
@@ -169,6 +175,7 @@ static const struct option solve_opts[] = {
     {"refit-groups", no_argument, NULL, S_SHARED},
     {"no-mse", no_argument, NULL, S_SHARED},
     {"damp", required_argument, NULL, S_SHARED},
+    {"damp-b", required_argument, NULL, S_SHARED},
     {"precision", required_argument, NULL, S_SHARED},
     {"gptq-block", required_argument, NULL, S_SHARED},
     {"backend", required_argument, NULL, S_SHARED},
