@@ -78,8 +78,9 @@ static void write_model(const char *dir, const variant *v)
             }
             int64_t g = v->group > 0 ? (in + v->group - 1) / v->group : 1;
             uint8_t *codes = malloc((size_t)(o * in));
-            float *sc = malloc((size_t)(o * g) * sizeof(float));
-            float *zr = malloc((size_t)(o * g) * sizeof(float));
+            /* one spare group so the "scales_shape" breakage can declare [o, g + 1] */
+            float *sc = calloc((size_t)(o * (g + 1)), sizeof(float));
+            float *zr = calloc((size_t)(o * (g + 1)), sizeof(float));
             for (int64_t r = 0; r < o; r++) {
                 for (int64_t c = 0; c < in; c++) {
                     int q = v->asym ? code_asym(m, r, c) : code_sym(m, r, c);
