@@ -457,3 +457,44 @@ bk_status bk_tensor_to_f64(const bk_tensor_info *t, double *dst)
 {
     return tensor_to(t, dst, BK_DT_F64);
 }
+
+bk_status bk_tensor_check_finite(const bk_tensor_info *t)
+{
+    const unsigned char *p = t->data;
+    uint64_t bad = UINT64_MAX;
+    switch (t->dtype) {
+    case BK_DT_BF16:
+    case BK_DT_F16: {
+        const uint16_t mask = t->dtype == BK_DT_BF16 ? 0x7f80u : 0x7c00u;
+        for (uint64_t i = 0; i < t->numel && bad == UINT64_MAX; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            if ((h & mask) == mask)
+                bad = i;
+        }
+        break;
+    }
+    case BK_DT_F32:
+        for (uint64_t i = 0; i < t->numel && bad == UINT64_MAX; i++) {
+            uint32_t u;
+            memcpy(&u, p + 4 * i, 4);
+            if ((u & 0x7f800000u) == 0x7f800000u)
+                bad = i;
+        }
+        break;
+    case BK_DT_F64:
+        for (uint64_t i = 0; i < t->numel && bad == UINT64_MAX; i++) {
+            uint64_t u;
+            memcpy(&u, p + 8 * i, 8);
+            if ((u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull)
+                bad = i;
+        }
+        break;
+    default:
+        return BK_OK;
+    }
+    if (bad == UINT64_MAX)
+        return BK_OK;
+    return bk_error(BK_ERR_NONFINITE, "%s: tensor %s: element %llu is NaN or Inf (weights must be finite)",
+                    t->file ? t->file : "?", t->name, (unsigned long long)bad);
+}

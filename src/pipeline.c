@@ -12,6 +12,7 @@
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
 #include "bk_config.h"
+#include "pipeline_gpu.h"
 #include "pipeline_internal.h"
 #include "util.h"
 
@@ -25,6 +26,12 @@ void bk_request_stop(void)
 int bk__stop_requested(void)
 {
     return g_stop != 0;
+}
+
+int bk_gpu_pipeline_env(void)
+{
+    const char *e = getenv("BK_GPU_PIPELINE");
+    return e && !strcmp(e, "1");
 }
 
 const char *bk_export_name(bk_export_format f)
@@ -76,11 +83,18 @@ typedef struct job {
     int32_t *tokens;
     int64_t S, T, N, batch;
     bk_act_reader *acts;
-    /* buffers */
+    /* the stages on one micro-batch: CPU (below) or GPU (cuda/pipeline_cuda.cu) */
+    const bk_stage_ops *ops;
+    void *ops_ctx;
+    int fully;                          /* fully-local Hessian: FP queries/keys in stage 1 */
+    const bk_layer_weights *cur_orig;   /* the layer being processed (CPU stages) */
+    bk_layer_weights *cur_lw;
+    /* buffers (CPU stages) */
     float *h;      /* [N, hidden] residual stream */
     float *o_in;   /* [N, heads*head_dim] */
     float *x;      /* [B*T, max(hidden, ...)] micro-batch scratch */
     float *q_rot, *k_rot, *down;
+    float *mlp_in; /* [B*T, hidden] (--no-sequential) */
     /* report */
     cJSON *report_modules;
     double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
@@ -200,20 +214,10 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     snprintf(label, sizeof label, "model.layers.%d.%s", layer, bk_module_name(mod));
 
     double t = bk_now();
-    if (j->acc) {
-        st = bk_hess_factors(j->acc, orig, mod, &fa, &fb);
-        if (st != BK_OK)
-            return bk_error_prefix(st, label);
-    }
-    if (j->acc_gptq) {
-        const float *dummy = NULL;
-        st = bk_hess_factors(j->acc_gptq, orig, mod, &fa_gptq, &dummy);
-        if (st != BK_OK)
-            return bk_error_prefix(st, label);
-    } else {
-        fa_gptq = fa;
-    }
+    st = j->ops->factors(j->ops_ctx, mod, &fa, &fb, &fa_gptq);
     j->t_hessian += bk_now() - t;
+    if (st != BK_OK)
+        return bk_error_prefix(st, label);
     (void)A;
     (void)B;
 
@@ -264,6 +268,11 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
 
     /* the quantized weight replaces the working copy for what follows */
     memcpy(lw->w[mod], r.weight, (size_t)(m * n) * sizeof(float));
+    st = j->ops->weight_updated(j->ops_ctx, mod, r.weight);
+    if (st != BK_OK) {
+        bk_solve_result_free(&r);
+        return bk_error_prefix(st, label);
+    }
 
     t = bk_now();
     st = bk__write_module(j->out, j->o, j->cfg, j->model, layer, mod, &r);
@@ -310,7 +319,7 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
  * plain E[xx^T] one gets no queries/keys). */
 static bk_status add_all_modules(job *j, const bk_layer_weights *orig, const float *attn_in,
                                  const float *o_in, const float *mlp_in, const float *down_in,
-                                 int fully, int64_t sb)
+                                 int fully, int64_t sb, double *t_hessian)
 {
     double t = bk_now();
     bk_status st = BK_OK;
@@ -327,8 +336,212 @@ static bk_status add_all_modules(job *j, const bk_layer_weights *orig, const flo
         if (st == BK_OK)
             st = bk_hess_add_down(a, down_in, sb);
     }
-    j->t_hessian += bk_now() - t;
+    *t_hessian += bk_now() - t;
     return st;
+}
+
+/* ------------------------------------------------- the CPU stages (bk_stage_ops) */
+
+static bk_status cpu_embed(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb)
+{
+    job *j = ctx;
+    return bk_fwd_embed(j->fwd, j->model, tokens + s0 * j->T, sb,
+                        j->h + s0 * j->T * j->cfg->hidden);
+}
+
+static bk_status cpu_layer_begin(void *ctx, const bk_layer_weights *orig,
+                                 const bk_layer_weights *lw, int hessians)
+{
+    job *j = ctx;
+    j->cur_orig = orig;
+    j->cur_lw = (bk_layer_weights *)lw;
+    if (hessians) {
+        if (j->acc)
+            bk_hess_acc_reset(j->acc);
+        if (j->acc_gptq)
+            bk_hess_acc_reset(j->acc_gptq);
+    }
+    return BK_OK;
+}
+
+static bk_status cpu_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_forward,
+                         double *t_hessian)
+{
+    job *j = ctx;
+    const bk_layer_weights *orig = j->cur_orig, *lw = j->cur_lw;
+    const int64_t T = j->T, hid = j->cfg->hidden, qd = j->cfg->n_heads * j->cfg->head_dim;
+    float *hb = j->h + s0 * T * hid;
+    float *ob = j->o_in + s0 * T * qd;
+    const int fully = j->fully;
+    bk_status st = BK_OK;
+    double t = bk_now();
+    switch (stage) {
+    case BK_STAGE_QKV:
+        /* q, k, v from attn_in (and, fully-local, the FP queries/keys) */
+        st = bk_fwd_attn_in(j->fwd, orig, hb, sb, j->x);
+        if (st == BK_OK && fully)
+            st = bk_fwd_attention(j->fwd, orig, j->x, sb, ob, j->q_rot, j->k_rot, NULL);
+        *t_forward += bk_now() - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        if (j->acc)
+            st = bk_hess_add_attn(j->acc, orig, j->x, fully ? j->q_rot : NULL,
+                                  fully ? j->k_rot : NULL, sb);
+        if (st == BK_OK && j->acc_gptq)
+            st = bk_hess_add_attn(j->acc_gptq, orig, j->x, NULL, NULL, sb);
+        *t_hessian += bk_now() - t;
+        return st;
+    case BK_STAGE_O:
+        /* o_proj sees the quantized q/k/v */
+        st = bk_fwd_attn_in(j->fwd, lw, hb, sb, j->x);
+        if (st == BK_OK)
+            st = bk_fwd_attention(j->fwd, lw, j->x, sb, ob, NULL, NULL, NULL);
+        *t_forward += bk_now() - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        if (j->acc)
+            st = bk_hess_add_o(j->acc, ob, sb);
+        if (st == BK_OK && j->acc_gptq)
+            st = bk_hess_add_o(j->acc_gptq, ob, sb);
+        *t_hessian += bk_now() - t;
+        return st;
+    case BK_STAGE_MLP:
+        /* residual with the quantized o_proj; gate/up from mlp_in */
+        st = bk_fwd_attn_out(j->fwd, lw, ob, sb, hb);
+        if (st == BK_OK)
+            st = bk_fwd_mlp_in(j->fwd, lw, hb, sb, j->x);
+        *t_forward += bk_now() - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        if (j->acc)
+            st = bk_hess_add_mlp(j->acc, orig, j->x, sb);
+        if (st == BK_OK && j->acc_gptq)
+            st = bk_hess_add_mlp(j->acc_gptq, orig, j->x, sb);
+        *t_hessian += bk_now() - t;
+        return st;
+    case BK_STAGE_DOWN:
+        /* down_proj sees the quantized gate/up */
+        st = bk_fwd_mlp_in(j->fwd, lw, hb, sb, j->x);
+        if (st == BK_OK)
+            st = bk_fwd_mlp_hidden(j->fwd, lw, j->x, sb, j->down, NULL, NULL);
+        *t_forward += bk_now() - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        if (j->acc)
+            st = bk_hess_add_down(j->acc, j->down, sb);
+        if (st == BK_OK && j->acc_gptq)
+            st = bk_hess_add_down(j->acc_gptq, j->down, sb);
+        *t_hessian += bk_now() - t;
+        return st;
+    case BK_STAGE_OUT:
+        /* the layer's output with every module quantized */
+        st = bk_fwd_mlp_in(j->fwd, lw, hb, sb, j->x);
+        if (st == BK_OK)
+            st = bk_fwd_mlp_hidden(j->fwd, lw, j->x, sb, j->down, NULL, NULL);
+        if (st == BK_OK)
+            st = bk_fwd_mlp_out(j->fwd, lw, j->down, sb, hb);
+        *t_forward += bk_now() - t;
+        return st;
+    case BK_STAGE_FULL:
+        st = bk_fwd_layer(j->fwd, orig, sb, hb, NULL);
+        *t_forward += bk_now() - t;
+        return st;
+    case BK_STAGE_TAPS: {
+        /* full-precision inputs for every module: one pass with taps */
+        bk_layer_taps taps = {.attn_in = j->x, .o_in = j->o_in, .mlp_in = j->mlp_in,
+                              .down_in = j->down, .q_rot = fully ? j->q_rot : NULL,
+                              .k_rot = fully ? j->k_rot : NULL};
+        st = bk_fwd_layer(j->fwd, orig, sb, hb, &taps);
+        *t_forward += bk_now() - t;
+        if (st != BK_OK)
+            return st;
+        return add_all_modules(j, orig, j->x, j->o_in, j->mlp_in, j->down, fully, sb,
+                               t_hessian);
+    }
+    }
+    return bk_error(BK_ERR_INTERNAL, "pipeline: unknown stage %d", (int)stage);
+}
+
+static bk_status cpu_factors(void *ctx, bk_module mod, const float **A, const float **B,
+                             const float **A_plain)
+{
+    job *j = ctx;
+    bk_status st;
+    *A = *B = *A_plain = NULL;
+    if (j->acc && (st = bk_hess_factors(j->acc, j->cur_orig, mod, A, B)) != BK_OK)
+        return st;
+    if (j->acc_gptq) {
+        const float *dummy = NULL;
+        return bk_hess_factors(j->acc_gptq, j->cur_orig, mod, A_plain, &dummy);
+    }
+    *A_plain = *A;
+    return BK_OK;
+}
+
+static bk_status cpu_weight_updated(void *ctx, bk_module mod, const float *w)
+{
+    (void)ctx; /* the driver updated the working copy the CPU stages read */
+    (void)mod;
+    (void)w;
+    return BK_OK;
+}
+
+static void cpu_layer_end(void *ctx)
+{
+    job *j = ctx;
+    j->cur_orig = NULL;
+    j->cur_lw = NULL;
+}
+
+static void cpu_destroy(void *ctx)
+{
+    (void)ctx; /* the job owns the CPU state */
+}
+
+static const bk_stage_ops cpu_stage_ops = {
+    "cpu", cpu_embed, cpu_layer_begin, cpu_run, cpu_factors, cpu_weight_updated,
+    cpu_layer_end, cpu_destroy,
+};
+
+/* dst = a deep copy of src (the working copy starts as the original). */
+static bk_status layer_weights_copy(const bk_model_config *c, const bk_layer_weights *src,
+                                    bk_layer_weights *dst)
+{
+    memset(dst, 0, sizeof *dst);
+    dst->layer = src->layer;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        if (src->w[i]) {
+            if (!(dst->w[i] = bk_alloc((size_t)(o * in), sizeof(float))))
+                goto nomem;
+            memcpy(dst->w[i], src->w[i], (size_t)(o * in) * sizeof(float));
+        }
+        if (src->b[i]) {
+            if (!(dst->b[i] = bk_alloc((size_t)o, sizeof(float))))
+                goto nomem;
+            memcpy(dst->b[i], src->b[i], (size_t)o * sizeof(float));
+        }
+    }
+    const float *sv[4] = {src->attn_norm, src->mlp_norm, src->q_norm, src->k_norm};
+    float **dv[4] = {&dst->attn_norm, &dst->mlp_norm, &dst->q_norm, &dst->k_norm};
+    const int64_t len[4] = {c->hidden, c->hidden, c->head_dim, c->head_dim};
+    for (int i = 0; i < 4; i++) {
+        if (!sv[i])
+            continue;
+        if (!(*dv[i] = bk_alloc((size_t)len[i], sizeof(float))))
+            goto nomem;
+        memcpy(*dv[i], sv[i], (size_t)len[i] * sizeof(float));
+    }
+    return BK_OK;
+nomem:
+    bk_layer_weights_free(dst);
+    return bk_error(BK_ERR_NOMEM, "layer %d: out of memory for the working copy of the weights",
+                    src->layer);
 }
 
 /* ------------------------------------------------- one layer, token calibration */
@@ -337,176 +550,76 @@ static bk_status add_all_modules(job *j, const bk_layer_weights *orig, const flo
     for (int64_t s0 = 0, sb = 0; s0 < (j)->S && ((sb = ((j)->S - s0 < (j)->batch ? (j)->S - s0 : (j)->batch)), 1); \
          s0 += sb)
 
+/* One stage over every micro-batch. */
+static bk_status run_stage(job *j, bk_stage stage)
+{
+    MB_LOOP(j, s0, sb) {
+        bk_status st = j->ops->run(j->ops_ctx, stage, s0, sb, &j->t_forward, &j->t_hessian);
+        if (st != BK_OK)
+            return st;
+    }
+    return BK_OK;
+}
+
 static bk_status layer_tokens(job *j, int l)
 {
-    const bk_model_config *c = j->cfg;
-    const int64_t T = j->T, hid = c->hidden, qd = c->n_heads * c->head_dim;
     bk_layer_weights orig, lw;
     memset(&orig, 0, sizeof orig);
     memset(&lw, 0, sizeof lw);
+    int begun = 0;
     double t = bk_now();
     bk_status st = bk_layer_weights_load(j->model, l, &orig);
     if (st == BK_OK)
-        st = bk_layer_weights_load(j->model, l, &lw);
+        st = layer_weights_copy(j->cfg, &orig, &lw);
     j->t_io += bk_now() - t;
     if (st != BK_OK)
         goto done;
+    const int quantize = layer_in_range(j, l);
+    if (quantize)
+        emit(j, BK_EV_LAYER_BEGIN, l, NULL, NULL);
+    t = bk_now();
+    st = j->ops->layer_begin(j->ops_ctx, &orig, &lw, quantize);
+    j->t_io += bk_now() - t;
+    if (st != BK_OK)
+        goto done;
+    begun = 1;
 
-    if (!layer_in_range(j, l)) {
-        t = bk_now();
-        MB_LOOP(j, s0, sb) {
-            st = bk_fwd_layer(j->fwd, &orig, sb, j->h + s0 * T * hid, NULL);
-            if (st != BK_OK)
-                goto done;
-        }
-        j->t_forward += bk_now() - t;
+    if (!quantize) {
+        st = run_stage(j, BK_STAGE_FULL);
         goto done;
     }
-    emit(j, BK_EV_LAYER_BEGIN, l, NULL, NULL);
-    if (j->acc)
-        bk_hess_acc_reset(j->acc);
-    if (j->acc_gptq)
-        bk_hess_acc_reset(j->acc_gptq);
-    int fully = j->o->hessian == BK_HESS_FULLYLOCAL_KFAC || j->o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
-
     if (!j->o->sequential) {
-        /* full-precision inputs for every module: one pass with taps */
-        float *mlp_in = bk_alloc((size_t)(j->batch * T * hid), sizeof(float));
-        if (!mlp_in) {
-            st = bk_error(BK_ERR_NOMEM, "out of memory for activations");
-            goto done;
-        }
-        MB_LOOP(j, s0, sb) {
-            float *hb = j->h + s0 * T * hid;
-            bk_layer_taps taps = {.attn_in = j->x, .o_in = j->o_in, .mlp_in = mlp_in,
-                                  .down_in = j->down, .q_rot = fully ? j->q_rot : NULL,
-                                  .k_rot = fully ? j->k_rot : NULL};
-            t = bk_now();
-            st = bk_fwd_layer(j->fwd, &orig, sb, hb, &taps);
-            j->t_forward += bk_now() - t;
-            if (st != BK_OK)
-                break;
-            st = add_all_modules(j, &orig, j->x, j->o_in, mlp_in, j->down, fully, sb);
-            if (st != BK_OK)
-                break;
-        }
-        free(mlp_in);
-        if (st != BK_OK)
+        if ((st = run_stage(j, BK_STAGE_TAPS)) != BK_OK)
             goto done;
         for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++)
             st = solve_module(j, l, (bk_module)m, &lw, &orig);
         goto done;
     }
-
-    /* stage 1: q, k, v from attn_in (and, fully-local, the FP queries/keys) */
-    MB_LOOP(j, s0, sb) {
-        const float *hb = j->h + s0 * T * hid;
-        t = bk_now();
-        st = bk_fwd_attn_in(j->fwd, &orig, hb, sb, j->x);
-        if (st == BK_OK && fully)
-            st = bk_fwd_attention(j->fwd, &orig, j->x, sb, j->o_in + s0 * T * qd, j->q_rot,
-                                  j->k_rot, NULL);
-        j->t_forward += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-        t = bk_now();
-        if (j->acc)
-            st = bk_hess_add_attn(j->acc, &orig, j->x, fully ? j->q_rot : NULL,
-                                  fully ? j->k_rot : NULL, sb);
-        if (st == BK_OK && j->acc_gptq)
-            st = bk_hess_add_attn(j->acc_gptq, &orig, j->x, NULL, NULL, sb);
-        j->t_hessian += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-    }
+    /* stage 1: q, k, v from attn_in */
+    if ((st = run_stage(j, BK_STAGE_QKV)) != BK_OK)
+        goto done;
     for (int m = BK_MOD_Q; m <= BK_MOD_V; m++)
         if ((st = solve_module(j, l, (bk_module)m, &lw, &orig)) != BK_OK)
             goto done;
-
     /* stage 2: o_proj sees the quantized q/k/v */
-    MB_LOOP(j, s0, sb) {
-        const float *hb = j->h + s0 * T * hid;
-        float *ob = j->o_in + s0 * T * qd;
-        t = bk_now();
-        st = bk_fwd_attn_in(j->fwd, &lw, hb, sb, j->x);
-        if (st == BK_OK)
-            st = bk_fwd_attention(j->fwd, &lw, j->x, sb, ob, NULL, NULL, NULL);
-        j->t_forward += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-        t = bk_now();
-        if (j->acc)
-            st = bk_hess_add_o(j->acc, ob, sb);
-        if (st == BK_OK && j->acc_gptq)
-            st = bk_hess_add_o(j->acc_gptq, ob, sb);
-        j->t_hessian += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-    }
-    if ((st = solve_module(j, l, BK_MOD_O, &lw, &orig)) != BK_OK)
+    if ((st = run_stage(j, BK_STAGE_O)) != BK_OK ||
+        (st = solve_module(j, l, BK_MOD_O, &lw, &orig)) != BK_OK)
         goto done;
-
     /* stage 3: residual with the quantized o_proj; gate/up from mlp_in */
-    MB_LOOP(j, s0, sb) {
-        float *hb = j->h + s0 * T * hid;
-        t = bk_now();
-        st = bk_fwd_attn_out(j->fwd, &lw, j->o_in + s0 * T * qd, sb, hb);
-        if (st == BK_OK)
-            st = bk_fwd_mlp_in(j->fwd, &lw, hb, sb, j->x);
-        j->t_forward += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-        t = bk_now();
-        if (j->acc)
-            st = bk_hess_add_mlp(j->acc, &orig, j->x, sb);
-        if (st == BK_OK && j->acc_gptq)
-            st = bk_hess_add_mlp(j->acc_gptq, &orig, j->x, sb);
-        j->t_hessian += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-    }
-    if ((st = solve_module(j, l, BK_MOD_GATE, &lw, &orig)) != BK_OK)
+    if ((st = run_stage(j, BK_STAGE_MLP)) != BK_OK ||
+        (st = solve_module(j, l, BK_MOD_GATE, &lw, &orig)) != BK_OK ||
+        (st = solve_module(j, l, BK_MOD_UP, &lw, &orig)) != BK_OK)
         goto done;
-    if ((st = solve_module(j, l, BK_MOD_UP, &lw, &orig)) != BK_OK)
-        goto done;
-
     /* stage 4: down_proj sees the quantized gate/up */
-    MB_LOOP(j, s0, sb) {
-        const float *hb = j->h + s0 * T * hid;
-        t = bk_now();
-        st = bk_fwd_mlp_in(j->fwd, &lw, hb, sb, j->x);
-        if (st == BK_OK)
-            st = bk_fwd_mlp_hidden(j->fwd, &lw, j->x, sb, j->down, NULL, NULL);
-        j->t_forward += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-        t = bk_now();
-        if (j->acc)
-            st = bk_hess_add_down(j->acc, j->down, sb);
-        if (st == BK_OK && j->acc_gptq)
-            st = bk_hess_add_down(j->acc_gptq, j->down, sb);
-        j->t_hessian += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-    }
-    if ((st = solve_module(j, l, BK_MOD_DOWN, &lw, &orig)) != BK_OK)
+    if ((st = run_stage(j, BK_STAGE_DOWN)) != BK_OK ||
+        (st = solve_module(j, l, BK_MOD_DOWN, &lw, &orig)) != BK_OK)
         goto done;
-
     /* stage 5: the layer's output with every module quantized */
-    MB_LOOP(j, s0, sb) {
-        float *hb = j->h + s0 * T * hid;
-        t = bk_now();
-        st = bk_fwd_mlp_in(j->fwd, &lw, hb, sb, j->x);
-        if (st == BK_OK)
-            st = bk_fwd_mlp_hidden(j->fwd, &lw, j->x, sb, j->down, NULL, NULL);
-        if (st == BK_OK)
-            st = bk_fwd_mlp_out(j->fwd, &lw, j->down, sb, hb);
-        j->t_forward += bk_now() - t;
-        if (st != BK_OK)
-            goto done;
-    }
+    st = run_stage(j, BK_STAGE_OUT);
 
 done:
+    if (begun)
+        j->ops->layer_end(j->ops_ctx);
     bk_layer_weights_free(&orig);
     bk_layer_weights_free(&lw);
     if (st == BK_OK && layer_in_range(j, l))
@@ -534,13 +647,11 @@ static bk_status layer_acts(job *j, int l)
     if (st == BK_OK)
         st = bk__act_layer_open(j->acts, l, &al);
     j->t_io += bk_now() - t;
+    if (st == BK_OK)
+        st = j->ops->layer_begin(j->ops_ctx, &orig, &lw, 1); /* resets the accumulators */
     if (st != BK_OK)
         goto done;
-    if (j->acc)
-        bk_hess_acc_reset(j->acc);
-    if (j->acc_gptq)
-        bk_hess_acc_reset(j->acc_gptq);
-    int fully = j->o->hessian == BK_HESS_FULLYLOCAL_KFAC || j->o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
+    int fully = j->fully;
     const int64_t T = j->T, hid = c->hidden, qd = c->n_heads * c->head_dim,
                   inter = c->intermediate;
     float *mlp_in = bk_alloc((size_t)(j->batch * T * hid), sizeof(float));
@@ -575,7 +686,8 @@ static bk_status layer_acts(job *j, int l)
             if (st != BK_OK)
                 break;
         }
-        st = add_all_modules(j, &orig, j->x, j->o_in, mlp_in, j->down, fully, sb);
+        st = add_all_modules(j, &orig, j->x, j->o_in, mlp_in, j->down, fully, sb,
+                             &j->t_hessian);
         if (st != BK_OK)
             break;
     }
@@ -585,6 +697,7 @@ static bk_status layer_acts(job *j, int l)
     for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++)
         st = solve_module(j, l, (bk_module)m, &lw, &orig);
 done:
+    j->ops->layer_end(j->ops_ctx);
     bk__act_layer_close(&al);
     bk_layer_weights_free(&orig);
     bk_layer_weights_free(&lw);
@@ -655,6 +768,9 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddStringToObject(rep, "model", o->model_dir);
     cJSON_AddStringToObject(rep, "backend", bk_backend_name(j->backend));
     cJSON_AddStringToObject(rep, "device", bk_backend_device(j->backend));
+    cJSON_AddStringToObject(rep, "stages", j->ops ? j->ops->name : "cpu");
+    cJSON_AddNumberToObject(rep, "batch", (double)j->batch);
+    cJSON_AddNumberToObject(rep, "peak_device_bytes", (double)bk_backend_peak_memory(j->backend));
     cJSON_AddItemToObject(rep, "quantization",
                           bk__quantization_config(o, j->cfg, j->S, j->T, j->layer_begin, j->layer_end));
     cJSON *times = cJSON_AddObjectToObject(rep, "times_s");
@@ -696,7 +812,10 @@ static bk_status job_buffers(job *j)
     j->q_rot = bk_alloc((size_t)(B * T * qd), sizeof(float));
     j->k_rot = bk_alloc((size_t)(B * T * kd), sizeof(float));
     j->down = bk_alloc((size_t)(B * T * c->intermediate), sizeof(float));
-    if ((j->tokens && !j->h) || !j->o_in || !j->x || !j->q_rot || !j->k_rot || !j->down)
+    if (!j->o->sequential)
+        j->mlp_in = bk_alloc((size_t)(B * T * c->hidden), sizeof(float));
+    if ((j->tokens && !j->h) || !j->o_in || !j->x || !j->q_rot || !j->k_rot || !j->down ||
+        (!j->o->sequential && !j->mlp_in))
         return bk_error(BK_ERR_NOMEM, "out of memory for calibration states (%lld tokens)",
                         (long long)j->N);
     return BK_OK;
@@ -711,6 +830,9 @@ static void job_free(job *j)
     free(j->q_rot);
     free(j->k_rot);
     free(j->down);
+    free(j->mlp_in);
+    if (j->ops)
+        j->ops->destroy(j->ops_ctx);
     bk__act_close(j->acts);
     if (j->acc)
         bk_hess_acc_free(j->acc);
@@ -762,6 +884,16 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     st = bk__check_export(o, j->cfg);
     if (st != BK_OK)
         goto fail;
+    /* fail fast: every tensor of the checkpoint must be finite before any work */
+    {
+        const bk_st_set *in = bk_model_tensors(j->model);
+        double t = bk_now();
+        for (size_t i = 0; i < bk_st_set_count(in) && st == BK_OK; i++)
+            st = bk_tensor_check_finite(bk_st_set_tensor(in, i));
+        j->t_io += bk_now() - t;
+        if (st != BK_OK)
+            goto fail;
+    }
 
     /* calibration */
     if (o->calib_path) {
@@ -792,7 +924,45 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     st = bk_backend_create(o->backend, &j->backend);
     if (st != BK_OK)
         goto fail;
-    if (j->S > 0) {
+    j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
+    j->ops = &cpu_stage_ops;
+    j->ops_ctx = j;
+    if (j->S > 0 && (o->gpu_pipeline || bk_gpu_pipeline_env())) {
+        /* forward + Hessians on the GPU (opt-in, docs/DEVICE.md) */
+        if (!j->tokens) {
+            st = bk_error(BK_ERR_INVALID_ARG,
+                          "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) "
+                          "needs token calibration (--calib), not --activations");
+            goto fail;
+        }
+#if BK_HAVE_CUDA
+        if (strcmp(bk_backend_name(j->backend), "cuda") != 0) {
+            st = bk_error(BK_ERR_NO_DEVICE,
+                          "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) needs "
+                          "the CUDA backend (--backend cuda or auto with a GPU; backend is %s)",
+                          bk_backend_name(j->backend));
+            goto fail;
+        }
+        bk_hessian_kind hk = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian;
+        int shampoo = o->hessian == BK_HESS_MLPLOCAL_SHAMPOO ||
+                      o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
+        const bk_stage_ops *gops = NULL;
+        void *gctx = NULL;
+        int64_t gb = o->batch > 0 ? j->batch : 0;
+        st = bk_gpu_stages_create(j->backend, j->model, hk, o->hessian_fp64, shampoo, j->fully,
+                                  j->S, j->T, &gb, &gops, &gctx);
+        if (st != BK_OK)
+            goto fail;
+        j->ops = gops;
+        j->ops_ctx = gctx;
+        j->batch = gb;
+#else
+        st = bk_error(BK_ERR_NO_DEVICE,
+                      "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) needs a "
+                      "build with the CUDA backend");
+        goto fail;
+#endif
+    } else if (j->S > 0) {
         st = bk_fwd_create(j->cfg, j->batch, j->T, &j->fwd);
         if (st != BK_OK)
             goto fail;
@@ -837,8 +1007,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     if (j->tokens) {
         double t = bk_now();
         MB_LOOP(j, s0, sb) {
-            st = bk_fwd_embed(j->fwd, j->model, j->tokens + s0 * j->T, sb,
-                              j->h + s0 * j->T * j->cfg->hidden);
+            st = j->ops->embed(j->ops_ctx, j->tokens, s0, sb);
             if (st != BK_OK)
                 goto fail;
         }

@@ -206,7 +206,20 @@ if [ -d "$W/acts" ]; then
     sed -i 's/"dtype":\t"F32"/"dtype":\t"BF16"/; s/"dtype": "F32"/"dtype": "BF16"/' "$W/acts-dtype/manifest.json"
     expect_bad "dtype mismatch" "$B" quantize "$M" --activations "$W/acts-dtype" --hessian gptq --out "$W/bad7"
 fi
-for d in bad1 bad2 bad3 bad4 bad5 bad6 bad7; do
+# a NaN in a weight: refused before any work
+cp -r "$M" "$W/nanmodel"; chmod -R u+w "$W/nanmodel"
+python3 - "$W/nanmodel/model.safetensors" <<'EOF'
+import json, struct, sys
+b = bytearray(open(sys.argv[1], "rb").read())
+n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+off = 8 + n + h["model.layers.2.mlp.up_proj.weight"]["data_offsets"][0] + 2 * 100
+b[off:off + 2] = b"\xc0\x7f"  # BF16 NaN
+open(sys.argv[1], "wb").write(b)
+EOF
+expect_bad "NaN weight" "$B" quantize "$W/nanmodel" $CAL --hessian gptq --out "$W/bad8"
+grep -q "up_proj" "$W/bad.err" || die "NaN weight: message does not name the tensor"
+
+for d in bad1 bad2 bad3 bad4 bad5 bad6 bad7 bad8; do
     [ -e "$W/$d" ] && die "$d: an output folder was left behind"
     ls -d "$W/$d".tmp-* >/dev/null 2>&1 && die "$d: a temporary folder was left behind"
 done

@@ -84,6 +84,10 @@ typedef struct bk_tensor_info {
 /* Copy a numeric tensor into a float / double buffer of numel elements.
  * Opaque dtypes -> BK_ERR_DTYPE naming the tensor. */
 bk_status bk_tensor_to_f32(const bk_tensor_info *t, float *dst);
+/* BK_ERR_NONFINITE naming the tensor and the first element that is NaN or
+ * Inf (floating-point dtypes F16/BF16/F32/F64; others pass). Reads the bits
+ * in place: no conversion, no allocation. */
+bk_status bk_tensor_check_finite(const bk_tensor_info *t);
 bk_status bk_tensor_to_f64(const bk_tensor_info *t, double *dst);
 
 /* ------------------------------------------------------ one .safetensors file */
