@@ -219,7 +219,16 @@ EOF
 expect_bad "NaN weight" "$B" quantize "$W/nanmodel" $CAL --hessian gptq --out "$W/bad8"
 grep -q "up_proj" "$W/bad.err" || die "NaN weight: message does not name the tensor"
 
-for d in bad1 bad2 bad3 bad4 bad5 bad6 bad7 bad8; do
+# no room for the output (a file-size limit stands in for a full disk): exit 3, one line
+(trap '' XFSZ; ulimit -f 200; "$B" quantize "$M" $CAL --hessian gptq --out "$W/bad9" 2>"$W/full.err" >/dev/null)
+rc=$?
+if [ $rc -ne 3 ] || [ "$(grep -c 'error' "$W/full.err")" -ne 1 ]; then
+    die "output too large for the disk: exit $rc: $(cat "$W/full.err")"
+else
+    echo "output too large for the disk: exit 3: $(grep error "$W/full.err")"
+fi
+
+for d in bad1 bad2 bad3 bad4 bad5 bad6 bad7 bad8 bad9; do
     [ -e "$W/$d" ] && die "$d: an output folder was left behind"
     ls -d "$W/$d".tmp-* >/dev/null 2>&1 && die "$d: a temporary folder was left behind"
 done
