@@ -502,9 +502,15 @@ static void cpu_destroy(void *ctx)
     (void)ctx; /* the job owns the CPU state */
 }
 
+static const char *cpu_describe(void *ctx)
+{
+    (void)ctx;
+    return "";
+}
+
 static const bk_stage_ops cpu_stage_ops = {
     "cpu", cpu_embed, cpu_layer_begin, cpu_run, cpu_factors, cpu_weight_updated,
-    cpu_layer_end, cpu_destroy,
+    cpu_layer_end, cpu_destroy, cpu_describe,
 };
 
 /* dst = a deep copy of src (the working copy starts as the original). */
@@ -769,6 +775,8 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddStringToObject(rep, "backend", bk_backend_name(j->backend));
     cJSON_AddStringToObject(rep, "device", bk_backend_device(j->backend));
     cJSON_AddStringToObject(rep, "stages", j->ops ? j->ops->name : "cpu");
+    if (j->ops && j->ops->describe(j->ops_ctx)[0])
+        cJSON_AddStringToObject(rep, "stages_detail", j->ops->describe(j->ops_ctx));
     cJSON_AddNumberToObject(rep, "batch", (double)j->batch);
     cJSON_AddNumberToObject(rep, "peak_device_bytes", (double)bk_backend_peak_memory(j->backend));
     cJSON_AddItemToObject(rep, "quantization",
@@ -997,10 +1005,11 @@ bk_status bk_quantize(const bk_quantize_opts *o)
 
     {
         char msg[512];
-        snprintf(msg, sizeof msg, "%s: %lld layers, hessian %s, %s, calibration %lld x %lld, backend %s",
+        const char *sd = j->ops ? j->ops->describe(j->ops_ctx) : "";
+        snprintf(msg, sizeof msg, "%s: %lld layers, hessian %s, %s, calibration %lld x %lld, backend %s%s%s",
                  o->model_dir, (long long)j->cfg->n_layers, bk_hessian_name(o->hessian),
                  bk_algorithm_name(o->solve.algorithm), (long long)j->S, (long long)j->T,
-                 bk_backend_device(j->backend));
+                 bk_backend_device(j->backend), sd[0] ? "; " : "", sd);
         emit(j, BK_EV_START, j->layer_begin, NULL, msg);
     }
 

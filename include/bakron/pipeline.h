@@ -68,6 +68,8 @@ typedef struct bk_quantize_opts {
     const char *config_path;      /* preset that was applied (recorded in the report) */
     bk_event_fn on_event;
     void *user;
+    int gpu_pipeline;             /* 1: forward pass and Hessians on the GPU as well (needs the
+                                     CUDA backend and --calib; opt-in, docs/DEVICE.md) */
 } bk_quantize_opts;
 
 void bk_quantize_opts_default(bk_quantize_opts *o);

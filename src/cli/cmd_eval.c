@@ -9,12 +9,14 @@
 #include "bakron/forward.h"
 #include "bakron/model.h"
 #include "bakron/pipeline.h"
+#include "bk_config.h"
 #include "cli.h"
+#include "pipeline_gpu.h"
 #include "util.h"
 
 static const char *eval_usage =
     "usage: bakron eval MODEL_OR_OUT_DIR --tokens FILE [--samples N] [--batch B] [--json]\n"
-    "                   [--logits-out FILE.safetensors]\n"
+    "                   [--logits-out FILE.safetensors] [--backend auto|cpu|cuda]\n"
     "\n"
     "Perplexity of a model (a Hugging Face checkpoint folder, or an output folder of\n"
     "`bakron quantize`) computed with the native forward pass (F32):\n"
@@ -25,6 +27,8 @@ static const char *eval_usage =
     "  --tokens FILE   safetensors with an I32 or I64 tensor input_ids [sequences, seqlen]\n"
     "  --samples N     use the first N sequences (default: all)\n"
     "  --batch B       sequences per micro-batch (default: automatic)\n"
+    "  --backend B     cpu, cuda (the forward pass on the GPU, F32; docs/DEVICE.md) or auto\n"
+    "                  (default; the CPU until the GPU forward pass is validated on a GPU)\n"
     "  --json          print one JSON object on stdout instead of text\n"
     "  --logits-out F  also write the F32 logits [sequences*seqlen, vocab] of the\n"
     "                  evaluated sequences to the safetensors file F (tensor \"logits\",\n"
@@ -51,8 +55,8 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
 }
 
 /* --logits-out: logits of all evaluated sequences, one micro-batch. */
-static bk_status write_logits(const bk_model *m, const int32_t *ids, int64_t S, int64_t T,
-                              const char *path)
+static bk_status write_logits(const bk_model *m, bk_backend *gpu, const int32_t *ids, int64_t S,
+                              int64_t T, const char *path)
 {
     const bk_model_config *cfg = bk_model_get_config(m);
     uint64_t rows = 0, n = 0;
@@ -68,7 +72,15 @@ static bk_status write_logits(const bk_model *m, const int32_t *ids, int64_t S, 
                         (double)n * sizeof(float) / (1024.0 * 1024.0 * 1024.0), (long long)S);
     bk_st_writer *w = NULL;
     int64_t shape[2] = {(int64_t)rows, cfg->vocab};
-    bk_status st = bk_model_logits(m, ids, S, T, logits);
+    bk_status st;
+#if BK_HAVE_CUDA
+    if (gpu)
+        st = bk_cuda_model_logits(gpu, m, ids, S, T, logits);
+    else
+#else
+    (void)gpu;
+#endif
+        st = bk_model_logits(m, ids, S, T, logits);
     if (st == BK_OK)
         st = bk_st_writer_create(&w);
     if (st == BK_OK)
@@ -94,6 +106,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
     const char *model_dir = NULL, *tokens_path = NULL, *logits_out = NULL;
     int64_t samples = 0, batch = 0;
     int json = 0;
+    bk_backend_kind bkind = BK_BACKEND_AUTO;
     bk_status st = BK_OK;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
@@ -113,6 +126,9 @@ bk_status bk_cmd_eval(int argc, char **argv)
                 return cli_usage_error("--samples needs a number");
             if ((st = cli_parse_i64("--samples", v, 1, INT64_MAX, &samples)) != BK_OK)
                 return st;
+        } else if ((r = opt_value(argc, argv, &i, "--backend", &v)) != 0) {
+            if (r < 0 || bk_backend_kind_from_name(v, &bkind) != BK_OK)
+                return cli_usage_error("--backend: expected auto, cpu or cuda");
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
             if (r < 0)
                 return cli_usage_error("--batch needs a number");
@@ -138,6 +154,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         return cli_usage_error("--tokens FILE is required");
 
     bk_model *m = NULL;
+    bk_backend *gpu = NULL;
     int32_t *ids = NULL;
     int64_t S = 0, T = 0;
     double nll_sum = 0.0;
@@ -156,8 +173,18 @@ bk_status bk_cmd_eval(int argc, char **argv)
                       tokens_path, (long long)T, (long long)cfg->max_positions, model_dir);
         goto done;
     }
+    if (bkind == BK_BACKEND_CUDA) {
+        /* only an explicit --backend cuda puts the forward pass on the GPU */
+        if ((st = bk_backend_create(BK_BACKEND_CUDA, &gpu)) != BK_OK)
+            goto done;
+    }
     double t0 = bk_now();
-    st = bk_model_nll(m, ids, S, T, batch, &nll_sum, &count);
+#if BK_HAVE_CUDA
+    if (gpu)
+        st = bk_cuda_model_nll(gpu, m, ids, S, T, batch, &nll_sum, &count);
+    else
+#endif
+        st = bk_model_nll(m, ids, S, T, batch, &nll_sum, &count);
     double secs = bk_now() - t0;
     if (st != BK_OK) {
         char pre[1200];
@@ -165,7 +192,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         bk_error_prefix(st, pre);
         goto done;
     }
-    if (logits_out && (st = write_logits(m, ids, S, T, logits_out)) != BK_OK)
+    if (logits_out && (st = write_logits(m, gpu, ids, S, T, logits_out)) != BK_OK)
         goto done;
     double nll = nll_sum / (double)count;
     double ppl = exp(nll);
@@ -180,6 +207,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
             !cJSON_AddNumberToObject(j, "nll", nll) ||
             !cJSON_AddNumberToObject(j, "nll_sum", nll_sum) ||
             !cJSON_AddNumberToObject(j, "perplexity", ppl) ||
+            !cJSON_AddStringToObject(j, "backend", gpu ? "cuda" : "cpu") ||
             !cJSON_AddNumberToObject(j, "seconds", secs)) {
             st = bk_error(BK_ERR_NOMEM, "eval: out of memory building the JSON output");
             goto done;
@@ -205,6 +233,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         st = bk_error(BK_ERR_WRITE, "eval: cannot write to stdout");
 done:
     cJSON_Delete(j);
+    bk_backend_destroy(gpu);
     free(ids);
     bk_model_close(m);
     return st;

@@ -40,7 +40,10 @@ static const char *quantize_usage =
     "  --precision P         fp32|fp64 (default fp32)\n"
     "  --hessian-fp64        accumulate Hessians in double\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied)\n"
-    "  --backend B           auto|cpu|cuda (default auto)\n"
+    "  --backend B           auto|cpu|cuda (default auto): where the solves run\n"
+    "  --gpu-pipeline        also run the forward pass and the Hessians on the GPU (needs the\n"
+    "                        CUDA backend and --calib; or BK_GPU_PIPELINE=1). Opt-in: without\n"
+    "                        it only the solves use the GPU (docs/DEVICE.md)\n"
     "output:\n"
     "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
@@ -52,7 +55,8 @@ static const char *quantize_usage =
 enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
-    O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_HELP
+    O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_HELP,
+    O_GPUPIPE
 };
 
 static const struct option quantize_opts[] = {
@@ -81,6 +85,7 @@ static const struct option quantize_opts[] = {
     {"backend", required_argument, NULL, O_BACKEND},
     {"max-shard-size", required_argument, NULL, O_SHARD},
     {"overwrite", no_argument, NULL, O_OVERWRITE},
+    {"gpu-pipeline", no_argument, NULL, O_GPUPIPE},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -212,6 +217,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         o->max_shard_bytes = (uint64_t)dv;
         break;
     case O_OVERWRITE: o->overwrite = 1; break;
+    case O_GPUPIPE: o->gpu_pipeline = 1; break;
     default: return cli_usage_error("unknown option");
     }
     return BK_OK;
@@ -254,7 +260,7 @@ static bk_status apply_preset(qargs *q, const char *path)
             if (cJSON_IsTrue(it))
                 st = apply(q, opt->val, NULL);
             else if (opt->val == O_NOMSE || opt->val == O_NOSEQ || opt->val == O_ASYM ||
-                     opt->val == O_HFP64 || opt->val == O_OVERWRITE)
+                     opt->val == O_HFP64 || opt->val == O_OVERWRITE || opt->val == O_GPUPIPE)
                 st = BK_OK; /* false = the default */
         } else {
             char buf[64];

@@ -1,0 +1,1369 @@
+/* CUDA backend — the native forward pass on the GPU, src/forward.c step for
+ * step in F32 (docs/forward.md, docs/DEVICE.md "Pipeline on the GPU"):
+ *   projections    cuBLAS SGEMM (IEEE F32: the context's math mode is the
+ *                  default, no TF32), then the bias;
+ *   RMSNorm        one warp per row, sum of squares in double, then the same
+ *                  float steps as the CPU;
+ *   RoPE           src/rope.c's tables, uploaded once; the products and sums
+ *                  rounded one by one (no FMA contraction), as the CPU;
+ *   attention      queries/keys/values rearranged head-major, scores of one
+ *                  kv group's query heads at once with strided-batched SGEMMs
+ *                  (Q_g [rep*T, hd] K_g^T), causal softmax (max subtraction,
+ *                  double sum) one warp per row, P V with another batched
+ *                  SGEMM; the score buffer is bounded (chunks of (sequence, kv
+ *                  group) pairs, or of query rows when one pair is larger);
+ *   MLP, residual  silu(z) = z / (1 + exp(-z)), module output formed first,
+ *                  then added;
+ *   head, NLL      final norm, LM head converted to F32 on the device once,
+ *                  vocabulary blocks as the CPU, online log-sum-exp per row,
+ *                  the final sum on the host in row order.
+ */
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "backend_impl.h"
+#include "fwd_internal.cuh"
+
+extern "C" {
+#include "rope.h"
+#include "util.h"
+}
+
+namespace {
+
+/* Logits are formed in blocks of at most this many floats, the head rows
+ * as the CPU (src/forward.c): the same vocabulary blocks. */
+const int64_t LOGIT_BLOCK = (int64_t)1 << 24;
+const int64_t HEAD_BLOCK = (int64_t)1 << 22;
+/* Attention scores: at most this many floats at a time (256 MiB). */
+const int64_t SCORE_FLOATS = (int64_t)1 << 26;
+
+/* ---------------------------------------------------------------- kernels */
+
+__global__ void k_bias_rows(float *Y, int64_t rows, int64_t cols, const float *b)
+{
+    const int64_t n = rows * cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        Y[i] = __fadd_rn(Y[i], b[i % cols]);
+}
+
+/* h += (t + b): the module output first (bias included), then the residual. */
+__global__ void k_residual(float *h, const float *t, const float *b, int64_t rows, int64_t cols)
+{
+    const int64_t n = rows * cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float v = t[i];
+        if (b)
+            v = __fadd_rn(v, b[i % cols]);
+        h[i] = __fadd_rn(h[i], v);
+    }
+}
+
+/* One warp per row: y = w * (x * (1 / sqrt(mean(x^2) + eps))). */
+__global__ void k_rmsnorm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
+                          float *y)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const float *xr = x + row * n;
+    float *yr = y + row * n;
+    double ss = 0.0;
+    for (int64_t i = lane; i < n; i += 32) {
+        double v = xr[i];
+        ss = __dadd_rn(ss, __dmul_rn(v, v));
+    }
+    for (int o = 16; o; o >>= 1)
+        ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float var = (float)(ss / (double)n);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+    for (int64_t i = lane; i < n; i += 32)
+        yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
+}
+
+/* src token-major [N, heads*hd] -> dst head-major [S, heads, T, hd], rotated
+ * by RoPE at position n % T when rotate (rotate_half pairs (i, i + hd/2));
+ * rot (optional) receives the same values token-major. */
+__global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t heads, int64_t hd,
+                             const float *cs, const float *sn, int rotate, float *dst, float *rot)
+{
+    const int64_t h2 = hd / 2, total = N * heads * h2;
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = idx % h2, r = idx / h2;
+        const int64_t head = r % heads, n = r / heads;
+        const int64_t pos = n % T, s = n / T;
+        const float *v = src + n * heads * hd + head * hd;
+        float a = v[i], b = v[i + h2];
+        float ya = a, yb = b;
+        if (rotate) {
+            const float c = cs[pos * h2 + i], sv = sn[pos * h2 + i];
+            ya = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sv));
+            yb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sv));
+        }
+        float *d = dst + ((s * heads + head) * T + pos) * hd;
+        d[i] = ya;
+        d[i + h2] = yb;
+        if (rot) {
+            float *q = rot + n * heads * hd + head * hd;
+            q[i] = ya;
+            q[i + h2] = yb;
+        }
+    }
+}
+
+/* head-major [S, heads, T, hd] -> token-major [S*T, heads*hd] */
+__global__ void k_heads_to_tok(const float *oh, int64_t S, int64_t heads, int64_t T, int64_t hd,
+                               float *o)
+{
+    const int64_t w = heads * hd, total = S * T * w;
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t c = idx % w, n = idx / w;
+        const int64_t head = c / hd, i = c % hd, s = n / T, t = n % T;
+        o[idx] = oh[((s * heads + head) * T + t) * hd + i];
+    }
+}
+
+/* Causal softmax of rows of sc [nrows, T] (one warp per row). Row r is query
+ * row (r0 + r % rc) of its (sequence, group) pair, i.e. position
+ * (r0 + r % rc) % T: entries j <= t are normalized, the others set to 0. */
+__global__ void k_causal_softmax(float *sc, int64_t nrows, int64_t T, int64_t rc, int64_t r0)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= nrows)
+        return;
+    float *x = sc + row * T;
+    const int64_t t = (r0 + row % rc) % T;
+    float mx = x[0];
+    for (int64_t j = 1 + lane; j <= t; j += 32)
+        mx = x[j] > mx ? x[j] : mx;
+    for (int o = 16; o; o >>= 1) {
+        float other = __shfl_xor_sync(0xffffffffu, mx, o);
+        mx = other > mx ? other : mx;
+    }
+    double sum = 0.0;
+    for (int64_t j = lane; j <= t; j += 32) {
+        float e = expf(__fsub_rn(x[j], mx));
+        x[j] = e;
+        sum += (double)e;
+    }
+    for (int o = 16; o; o >>= 1)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float fs = (float)sum;
+    for (int64_t j = lane; j < T; j += 32)
+        x[j] = j <= t ? __fdiv_rn(x[j], fs) : 0.0f;
+}
+
+__global__ void k_swiglu(const float *g, const float *u, float *d, int64_t n)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const float z = g[i];
+        d[i] = __fmul_rn(__fdiv_rn(z, __fadd_rn(1.0f, expf(-z))), u[i]);
+    }
+}
+
+__device__ __forceinline__ float load_as_f32(const void *p, int dt, int64_t i)
+{
+    if (dt == BK_DT_BF16) {
+        unsigned int bits = (unsigned int)static_cast<const unsigned short *>(p)[i] << 16;
+        return __uint_as_float(bits);
+    }
+    if (dt == BK_DT_F16)
+        return __half2float(static_cast<const __half *>(p)[i]);
+    return static_cast<const float *>(p)[i];
+}
+
+/* h[n, :] = table[tok[n], :] as F32 */
+__global__ void k_embed(const void *table, int dt, const int32_t *tok, int64_t N, int64_t hidden,
+                        float *h)
+{
+    const int64_t total = N * hidden;
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t n = idx / hidden, c = idx % hidden;
+        h[idx] = load_as_f32(table, dt, (int64_t)tok[n] * hidden + c);
+    }
+}
+
+__global__ void k_to_f32(const void *src, int dt, int64_t n, float *dst)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = load_as_f32(src, dt, i);
+}
+
+/* Online log-sum-exp over one vocabulary block lg [N, n] (columns v0..v0+n),
+ * one warp per row, as src/forward.c's bk_fwd_nll. */
+__global__ void k_lse_block(const float *lg, int64_t N, int64_t n, int64_t T, int64_t v0,
+                            const int32_t *tok, float *mx, double *se, float *tgt)
+{
+    const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (r >= N || r % T == T - 1)
+        return;
+    const float *row = lg + r * n;
+    float cm = row[0];
+    for (int64_t j = 1 + lane; j < n; j += 32)
+        cm = row[j] > cm ? row[j] : cm;
+    for (int o = 16; o; o >>= 1) {
+        float other = __shfl_xor_sync(0xffffffffu, cm, o);
+        cm = other > cm ? other : cm;
+    }
+    const float old = mx[r];
+    double s = se[r];
+    float m0 = old;
+    if (cm > old) {
+        if (s > 0.0)
+            s *= exp((double)old - (double)cm);
+        m0 = cm;
+    }
+    double acc = 0.0;
+    for (int64_t j = lane; j < n; j += 32)
+        acc += (double)expf(__fsub_rn(row[j], m0));
+    for (int o = 16; o; o >>= 1)
+        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) {
+        mx[r] = m0;
+        se[r] = s + acc;
+        const int64_t y = tok[r + 1];
+        if (y >= v0 && y < v0 + n)
+            tgt[r] = row[y - v0];
+    }
+}
+
+__global__ void k_lse_init(float *mx, double *se, float *tgt, int64_t N)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        mx[i] = -INFINITY;
+        se[i] = 0.0;
+        tgt[i] = NAN;
+    }
+}
+
+/* flag[0] = smallest flat index of a non-finite entry (ULLONG_MAX: none). */
+__global__ void k_first_nonfinite(const float *d, int64_t n, unsigned long long *flag)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        if (!isfinite(d[i]))
+            atomicMin(flag, (unsigned long long)i);
+}
+
+/* --------------------------------------------------------------- helpers */
+
+/* Row-major strided-batched GEMM (as bk_rm_gemm, see mem.cu). */
+bk_status rm_gemm_batched(cublasHandle_t h, int ta, int tb, int64_t M, int64_t N, int64_t K,
+                          float alpha, const float *A, int64_t lda, int64_t sA, const float *B,
+                          int64_t ldb, int64_t sB, float beta, float *C, int64_t ldc, int64_t sC,
+                          int64_t batch)
+{
+    if (M <= 0 || N <= 0 || batch <= 0)
+        return BK_OK;
+    BK_CUBLAS_CHECK(cublasSgemmStridedBatched_64(
+        h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B,
+        ldb, sB, A, lda, sA, &beta, C, ldc, sC, batch));
+    return BK_OK;
+}
+
+bk_status g_alloc_f32(bk_gfwd *f, float **p, int64_t a, int64_t b, const char *what)
+{
+    uint64_t n, bytes;
+    *p = NULL;
+    if (a < 0 || b < 0 || bk_mul_u64((uint64_t)a, (uint64_t)b, &n) || bk_mul_u64(n, 4, &bytes) ||
+        bytes > (uint64_t)SIZE_MAX / 2)
+        return bk_error(BK_ERR_DEVICE_OOM, "CUDA: %s: %lld x %lld floats overflow", what,
+                        (long long)a, (long long)b);
+    void *q = NULL;
+    bk_status st = bk_dev_alloc(f->c, &q, bytes ? (size_t)bytes : 4, what);
+    *p = static_cast<float *>(q);
+    return st;
+}
+
+bk_status check_batch(const bk_gfwd *f, int64_t S, const char *what)
+{
+    if (!f)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward %s: NULL context", what);
+    if (S < 1 || S > f->max_seqs)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward %s: %lld sequences, the context holds 1..%lld",
+                        what, (long long)S, (long long)f->max_seqs);
+    return BK_OK;
+}
+
+bk_status check_tokens(const bk_gfwd *f, const int32_t *tokens, int64_t S)
+{
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t t = 0; t < f->T; t++) {
+            int32_t id = tokens[s * f->T + t];
+            if (id < 0 || (int64_t)id >= f->cfg.vocab)
+                return bk_error(BK_ERR_CALIB,
+                                "input_ids: sequence %lld position %lld: token id %d is outside "
+                                "the vocabulary [0, %lld)",
+                                (long long)s, (long long)t, (int)id, (long long)f->cfg.vocab);
+        }
+    return BK_OK;
+}
+
+bk_status check_model_matches(const bk_gfwd *f, const bk_model *m, const char *what)
+{
+    if (!m)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward %s: NULL model", what);
+    const bk_model_config *c = bk_model_get_config(m);
+    if (c->hidden != f->hidden || c->vocab != f->cfg.vocab)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "GPU forward %s: model (hidden %lld, vocab %lld) does not match the "
+                        "context (hidden %lld, vocab %lld)",
+                        what, (long long)c->hidden, (long long)c->vocab, (long long)f->hidden,
+                        (long long)f->cfg.vocab);
+    return BK_OK;
+}
+
+/* A [rows, cols] tensor of the model (top level) with a dtype the device
+ * converts (F32, BF16, F16) or, for other numeric dtypes, the host does. */
+bk_status find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
+                      const bk_tensor_info **out)
+{
+    const bk_tensor_info *t = bk_model_find(m, -1, suffix);
+    *out = NULL;
+    if (!t)
+        return bk_error(BK_ERR_MISSING_TENSOR, "model.%s: missing", suffix);
+    const char *tn = t->name ? t->name : suffix;
+    if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)
+        return bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld, %lld]", tn, (long long)rows,
+                        (long long)cols);
+    if (!bk_dtype_is_numeric(t->dtype) || bk_dtype_bits(t->dtype) % 8 != 0)
+        return bk_error(BK_ERR_DTYPE, "%s: dtype %s cannot be converted to F32", tn,
+                        bk_dtype_name(t->dtype));
+    *out = t;
+    return BK_OK;
+}
+
+int device_dtype(bk_dtype dt)
+{
+    return dt == BK_DT_F32 || dt == BK_DT_BF16 || dt == BK_DT_F16;
+}
+
+/* Rows [r0, r1) of a 2-D tensor as F32 into device dst: raw bytes uploaded
+ * and converted on the device (F32/BF16/F16), else converted on the host;
+ * in chunks of at most 64 MiB. */
+bk_status upload_rows_f32(bk_gfwd *f, const bk_tensor_info *t, int64_t r0, int64_t r1, float *dst)
+{
+    const size_t es = bk_dtype_bits(t->dtype) / 8;
+    const int64_t cols = t->shape[1];
+    const int64_t per = ((int64_t)64 << 20) / (int64_t)(cols * 4) > 0
+                            ? ((int64_t)64 << 20) / (int64_t)(cols * 4)
+                            : 1;
+    const int64_t chunk = per < r1 - r0 ? per : r1 - r0;
+    bk_status st = BK_OK;
+    void *dev = NULL, *host = NULL;
+    const int on_dev = device_dtype(t->dtype);
+    if (on_dev)
+        st = bk_dev_alloc(f->c, &dev, (size_t)(chunk * cols) * es, "tensor staging");
+    else if (!(host = bk_alloc((size_t)(chunk * cols), sizeof(float))))
+        st = bk_error(BK_ERR_NOMEM, "%s: out of host memory converting rows", t->name);
+    for (int64_t a = r0; a < r1 && st == BK_OK; a += chunk) {
+        const int64_t nr = r1 - a < chunk ? r1 - a : chunk;
+        const unsigned char *src = static_cast<const unsigned char *>(t->data) + (size_t)a * cols * es;
+        float *d = dst + (a - r0) * cols;
+        if (on_dev) {
+            st = bk_cuda_status(cudaMemcpyAsync(dev, src, (size_t)(nr * cols) * es,
+                                                cudaMemcpyHostToDevice, f->c->stream),
+                                "upload tensor rows", __FILE__, __LINE__);
+            if (st != BK_OK)
+                break;
+            k_to_f32<<<bk_grid(nr * cols), 256, 0, f->c->stream>>>(dev, (int)t->dtype, nr * cols, d);
+            st = BK_LAUNCHED("k_to_f32");
+            if (st == BK_OK)
+                st = bk_cuda_status(cudaStreamSynchronize(f->c->stream), "convert tensor rows",
+                                    __FILE__, __LINE__);
+        } else {
+            st = bk_convert(src, t->dtype, host, BK_DT_F32, (size_t)(nr * cols));
+            if (st != BK_OK) {
+                bk_error_prefix(st, t->name ? t->name : "tensor");
+                break;
+            }
+            st = bk_cuda_status(cudaMemcpy(d, host, (size_t)(nr * cols) * 4, cudaMemcpyHostToDevice),
+                                "upload tensor rows", __FILE__, __LINE__);
+        }
+    }
+    bk_dev_free(f->c, dev);
+    free(host);
+    return st;
+}
+
+/* A 1-D tensor of n elements as host F32, finite (as src/forward.c). */
+bk_status load_vec(const bk_model *m, const char *suffix, int64_t n, float **out)
+{
+    *out = NULL;
+    const bk_tensor_info *t = bk_model_find(m, -1, suffix);
+    if (!t)
+        return bk_error(BK_ERR_MISSING_TENSOR, "%s: missing (the config implies it)", suffix);
+    const char *tn = t->name ? t->name : suffix;
+    if (t->ndim != 1 || t->shape[0] != n)
+        return bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld]", tn, (long long)n);
+    float *v = static_cast<float *>(bk_alloc((size_t)n, sizeof(float)));
+    if (!v)
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory", tn);
+    bk_status st = bk_tensor_to_f32(t, v);
+    for (int64_t i = 0; st == BK_OK && i < n; i++)
+        if (!std::isfinite(v[i]))
+            st = bk_error(BK_ERR_NONFINITE, "%s: element %lld is %s (weights must be finite)", tn,
+                          (long long)i, std::isnan(v[i]) ? "NaN" : "Inf");
+    if (st != BK_OK) {
+        free(v);
+        return st;
+    }
+    *out = v;
+    return BK_OK;
+}
+
+/* Final norm weight and the whole LM head as F32 on the device (once). */
+bk_status head_load(bk_gfwd *f, const bk_model *m)
+{
+    if (f->head_w)
+        return BK_OK;
+    const bk_tensor_info *t = NULL;
+    const char *which = f->cfg.tie_embeddings ? "embed_tokens.weight" : "lm_head.weight";
+    bk_status st = find_matrix(m, which, f->cfg.vocab, f->hidden, &t);
+    float *norm = NULL;
+    if (st == BK_OK)
+        st = load_vec(m, "norm.weight", f->hidden, &norm);
+    if (st == BK_OK)
+        st = g_alloc_f32(f, &f->head_norm, f->hidden, 1, "final norm");
+    if (st == BK_OK)
+        st = bk_cuda_status(cudaMemcpy(f->head_norm, norm, (size_t)f->hidden * 4,
+                                       cudaMemcpyHostToDevice),
+                            "upload final norm", __FILE__, __LINE__);
+    free(norm);
+    if (st == BK_OK)
+        st = g_alloc_f32(f, &f->head_w, f->cfg.vocab, f->hidden, "LM head (F32)");
+    if (st == BK_OK)
+        st = upload_rows_f32(f, t, 0, f->cfg.vocab, f->head_w);
+    if (st != BK_OK) {
+        bk_dev_free(f->c, f->head_w);
+        bk_dev_free(f->c, f->head_norm);
+        f->head_w = f->head_norm = NULL;
+    }
+    return st;
+}
+
+/* Vocabulary rows per block, as src/forward.c's vocab_block. */
+int64_t vocab_block(const bk_gfwd *f, int64_t rows)
+{
+    int64_t a = LOGIT_BLOCK / (rows > 0 ? rows : 1);
+    int64_t b = HEAD_BLOCK / f->hidden;
+    int64_t vc = a < b ? a : b;
+    if (vc < 64)
+        vc = 64;
+    if (vc > f->cfg.vocab)
+        vc = f->cfg.vocab;
+    return vc;
+}
+
+bk_status upload_tokens(bk_gfwd *f, const int32_t *tokens, int64_t N)
+{
+    return bk_cuda_status(cudaMemcpy(f->tok, tokens, (size_t)N * sizeof(int32_t),
+                                     cudaMemcpyHostToDevice),
+                          "upload token ids", __FILE__, __LINE__);
+}
+
+bk_status need_lw(const bk_glayer *lw, const char *what)
+{
+    if (!lw)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward %s: NULL layer weights", what);
+    return BK_OK;
+}
+
+} // namespace
+
+/* ------------------------------------------------------- shared helpers */
+
+bk_status bk_g_linear(bk_gfwd *f, const float *X, int64_t N, int64_t in, const float *W,
+                      int64_t out, const float *b, float *Y)
+{
+    bk_status st = bk_rm_gemm(f->c->cublas, 0, 1, N, out, in, 1.0, X, in, W, in, 0.0, Y, out);
+    if (st != BK_OK || !b)
+        return st;
+    k_bias_rows<<<bk_grid(N * out), 256, 0, f->c->stream>>>(Y, N, out, b);
+    return BK_LAUNCHED("k_bias_rows");
+}
+
+bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, const float *w,
+                       float *y)
+{
+    if (rows <= 0)
+        return BK_OK;
+    const int64_t blocks = (rows + 7) / 8;
+    if (blocks > INT32_MAX)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward: %lld rows are too many for RMSNorm",
+                        (long long)rows);
+    k_rmsnorm<<<(unsigned)blocks, 256, 0, f->c->stream>>>(x, rows, n, w, f->eps, y);
+    return BK_LAUNCHED("k_rmsnorm");
+}
+
+bk_status bk_g_first_nonfinite(bk_gfwd *f, const float *d, int64_t rows, int64_t cols,
+                               int *found, int64_t *row, int64_t *col, float *val)
+{
+    *found = 0;
+    const unsigned long long none = ~0ull;
+    BK_CUDA_CHECK(cudaMemcpyAsync(f->flag, &none, sizeof none, cudaMemcpyHostToDevice,
+                                  f->c->stream));
+    const int64_t n = rows * cols;
+    if (n > 0) {
+        k_first_nonfinite<<<bk_grid(n), 256, 0, f->c->stream>>>(d, n, f->flag);
+        bk_status st = BK_LAUNCHED("k_first_nonfinite");
+        if (st != BK_OK)
+            return st;
+    }
+    unsigned long long at = none;
+    BK_CUDA_CHECK(cudaMemcpyAsync(&at, f->flag, sizeof at, cudaMemcpyDeviceToHost, f->c->stream));
+    BK_CUDA_CHECK(cudaStreamSynchronize(f->c->stream));
+    if (at == none)
+        return BK_OK;
+    float v = 0;
+    BK_CUDA_CHECK(cudaMemcpy(&v, d + at, sizeof v, cudaMemcpyDeviceToHost));
+    *found = 1;
+    *row = (int64_t)(at / (unsigned long long)cols);
+    *col = (int64_t)(at % (unsigned long long)cols);
+    *val = v;
+    return BK_OK;
+}
+
+/* ------------------------------------------------------------ the context */
+
+extern "C" void bk_gfwd_free(bk_gfwd *f)
+{
+    if (!f)
+        return;
+    bk_cuda_ctx *c = f->c;
+    float *bufs[] = {f->cos, f->sin, f->q,    f->k,   f->v,    f->qh,      f->kh,
+                     f->vh,  f->oh,  f->o,    f->x,   f->tmp,  f->gate,    f->up,
+                     f->down, f->scores, f->head_w, f->head_norm, f->lse_mx, f->lse_tgt};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        bk_dev_free(c, bufs[i]);
+    bk_dev_free(c, f->lse_se);
+    bk_dev_free(c, f->tok);
+    bk_dev_free(c, f->flag);
+    bk_dev_free(c, f->emb);
+    free(f);
+}
+
+extern "C" int64_t bk_gfwd_max_seqs(const bk_gfwd *f)
+{
+    return f ? f->max_seqs : 0;
+}
+
+extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, int64_t max_seqs,
+                                    int64_t seqlen, bk_gfwd **out)
+{
+    *out = NULL;
+    if (!b || !cfg)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward: NULL backend or config");
+    if (b->kind != BK_BACKEND_CUDA || strcmp(b->ops->name, "cuda") != 0)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward: needs the CUDA backend (got %s)",
+                        b->ops->name);
+    /* The CPU forward's own checks of the configuration, sizes, RoPE and
+     * sliding window: one source of truth (its buffers of one sequence are
+     * allocated, never touched, and freed). */
+    bk_fwd *probe = NULL;
+    bk_status st = bk_fwd_create(cfg, 1, seqlen, &probe);
+    if (st != BK_OK)
+        return st;
+    bk_fwd_free(probe);
+    uint64_t rows;
+    if (max_seqs < 1 || bk_mul_u64((uint64_t)max_seqs, (uint64_t)seqlen, &rows) ||
+        rows > (uint64_t)INT32_MAX)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "GPU forward: micro-batch of %lld sequences x %lld tokens is not "
+                        "supported (1 to %d rows)",
+                        (long long)max_seqs, (long long)seqlen, INT32_MAX);
+    bk_gfwd *f = static_cast<bk_gfwd *>(calloc(1, sizeof(bk_gfwd)));
+    if (!f)
+        return bk_error(BK_ERR_NOMEM, "GPU forward: out of memory");
+    f->c = static_cast<bk_cuda_ctx *>(b->ctx);
+    f->cfg = *cfg;
+    f->max_seqs = max_seqs;
+    f->T = seqlen;
+    f->max_rows = (int64_t)rows;
+    f->hidden = cfg->hidden;
+    f->nh = cfg->n_heads;
+    f->nkv = cfg->n_kv_heads;
+    f->hd = cfg->head_dim;
+    f->inter = cfg->intermediate;
+    f->qdim = f->nh * f->hd;
+    f->kvdim = f->nkv * f->hd;
+    f->rep = f->nh / f->nkv;
+    f->eps = (float)cfg->rms_eps;
+    bk_rope rope;
+    memset(&rope, 0, sizeof rope);
+    st = bk_rope_init(&rope, cfg, seqlen);
+    if (st != BK_OK) {
+        free(f);
+        return bk_error_prefix(st, "GPU forward");
+    }
+    const int64_t R = f->max_rows, h2 = f->hd / 2;
+    if ((st = g_alloc_f32(f, &f->cos, seqlen, h2, "RoPE cos")) == BK_OK &&
+        (st = g_alloc_f32(f, &f->sin, seqlen, h2, "RoPE sin")) == BK_OK) {
+        st = bk_cuda_status(cudaMemcpy(f->cos, rope.cos, (size_t)(seqlen * h2) * 4,
+                                       cudaMemcpyHostToDevice),
+                            "upload RoPE tables", __FILE__, __LINE__);
+        if (st == BK_OK)
+            st = bk_cuda_status(cudaMemcpy(f->sin, rope.sin, (size_t)(seqlen * h2) * 4,
+                                           cudaMemcpyHostToDevice),
+                                "upload RoPE tables", __FILE__, __LINE__);
+    }
+    bk_rope_free(&rope);
+    /* score buffer: at least one row of T, at most SCORE_FLOATS unless one
+     * (sequence, group) pair of rows is smaller */
+    int64_t pair = f->rep * seqlen * seqlen;
+    f->score_floats = pair * max_seqs * f->nkv;
+    if (f->score_floats > SCORE_FLOATS)
+        f->score_floats = SCORE_FLOATS > seqlen ? SCORE_FLOATS / seqlen * seqlen : seqlen;
+    struct {
+        float **p;
+        int64_t w;
+        const char *what;
+    } bufs[] = {
+        {&f->q, f->qdim, "queries"},       {&f->k, f->kvdim, "keys"},
+        {&f->v, f->kvdim, "values"},       {&f->qh, f->qdim, "queries (head-major)"},
+        {&f->kh, f->kvdim, "keys (head-major)"}, {&f->vh, f->kvdim, "values (head-major)"},
+        {&f->oh, f->qdim, "attention output (head-major)"}, {&f->o, f->qdim, "attention output"},
+        {&f->x, f->hidden > f->qdim ? f->hidden : f->qdim, "normalized input"},
+        {&f->tmp, f->hidden, "module output"}, {&f->gate, f->inter, "gate projection"},
+        {&f->up, f->inter, "up projection"},   {&f->down, f->inter, "down_proj input"},
+        {&f->lse_mx, 1, "log-sum-exp state"},  {&f->lse_tgt, 1, "log-sum-exp state"},
+    };
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
+        st = g_alloc_f32(f, bufs[i].p, R, bufs[i].w, bufs[i].what);
+    if (st == BK_OK)
+        st = g_alloc_f32(f, &f->scores, f->score_floats, 1, "attention scores");
+    void *p = NULL;
+    if (st == BK_OK && (st = bk_dev_alloc(f->c, &p, (size_t)R * sizeof(double), "log-sum-exp")) == BK_OK)
+        f->lse_se = static_cast<double *>(p);
+    if (st == BK_OK && (st = bk_dev_alloc(f->c, &p, (size_t)R * sizeof(int32_t), "token ids")) == BK_OK)
+        f->tok = static_cast<int32_t *>(p);
+    if (st == BK_OK && (st = bk_dev_alloc(f->c, &p, 2 * sizeof(unsigned long long), "flags")) == BK_OK)
+        f->flag = static_cast<unsigned long long *>(p);
+    if (st != BK_OK) {
+        bk_gfwd_free(f);
+        return bk_error_prefix(st, "GPU forward");
+    }
+    *out = f;
+    return BK_OK;
+}
+
+/* ------------------------------------------------------- device memory */
+
+extern "C" bk_status bk_gpu_alloc(bk_gfwd *f, void **p, size_t bytes, const char *what)
+{
+    return bk_dev_alloc(f->c, p, bytes, what);
+}
+
+extern "C" void bk_gpu_free(bk_gfwd *f, void *p)
+{
+    if (f)
+        bk_dev_free(f->c, p);
+}
+
+extern "C" bk_status bk_gpu_upload(bk_gfwd *f, void *dst, const void *src, size_t bytes)
+{
+    if (!bytes)
+        return BK_OK;
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, f->c->stream));
+    BK_CUDA_CHECK(cudaStreamSynchronize(f->c->stream));
+    return BK_OK;
+}
+
+extern "C" bk_status bk_gpu_download(bk_gfwd *f, void *dst, const void *src, size_t bytes)
+{
+    if (!bytes)
+        return BK_OK;
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, f->c->stream));
+    BK_CUDA_CHECK(cudaStreamSynchronize(f->c->stream));
+    return BK_OK;
+}
+
+extern "C" bk_status bk_gpu_copy(bk_gfwd *f, void *dst, const void *src, size_t bytes)
+{
+    if (!bytes)
+        return BK_OK;
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, f->c->stream));
+    return BK_OK;
+}
+
+extern "C" bk_status bk_gpu_sync(bk_gfwd *f)
+{
+    BK_CUDA_CHECK(cudaStreamSynchronize(f->c->stream));
+    return BK_OK;
+}
+
+extern "C" bk_status bk_gpu_mem_info(bk_gfwd *f, size_t *free_bytes, size_t *total_bytes)
+{
+    (void)f;
+    BK_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+    return BK_OK;
+}
+
+/* ------------------------------------------------------- layer weights */
+
+extern "C" void bk_glayer_free(bk_gfwd *f, bk_glayer *g)
+{
+    if (!g)
+        return;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        bk_dev_free(f->c, g->w[i]);
+        bk_dev_free(f->c, g->b[i]);
+    }
+    bk_dev_free(f->c, g->attn_norm);
+    bk_dev_free(f->c, g->mlp_norm);
+    bk_dev_free(f->c, g->q_norm);
+    bk_dev_free(f->c, g->k_norm);
+    free(g);
+}
+
+extern "C" int bk_glayer_index(const bk_glayer *g)
+{
+    return g ? g->layer : -1;
+}
+
+namespace {
+
+/* dst = a device copy of n floats from host (src_host) or device (src_dev). */
+bk_status dup_f32(bk_gfwd *f, float **dst, const float *src, int64_t n, int from_host,
+                  const char *what)
+{
+    *dst = NULL;
+    if (!src)
+        return BK_OK;
+    bk_status st = g_alloc_f32(f, dst, n, 1, what);
+    if (st != BK_OK)
+        return st;
+    return bk_cuda_status(cudaMemcpyAsync(*dst, src, (size_t)n * 4,
+                                          from_host ? cudaMemcpyHostToDevice
+                                                    : cudaMemcpyDeviceToDevice,
+                                          f->c->stream),
+                          what, __FILE__, __LINE__);
+}
+
+struct layer_src {
+    int layer;
+    const float *w[BK_MOD_COUNT], *b[BK_MOD_COUNT];
+    const float *attn_norm, *mlp_norm, *q_norm, *k_norm;
+};
+
+bk_status glayer_make(bk_gfwd *f, const layer_src *s, int from_host, bk_glayer **out)
+{
+    *out = NULL;
+    bk_glayer *g = static_cast<bk_glayer *>(calloc(1, sizeof(bk_glayer)));
+    if (!g)
+        return bk_error(BK_ERR_NOMEM, "GPU forward: out of memory");
+    g->layer = s->layer;
+    bk_status st = BK_OK;
+    for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
+        int64_t o, in;
+        bk_module_shape(&f->cfg, (bk_module)i, &o, &in);
+        st = dup_f32(f, &g->w[i], s->w[i], o * in, from_host, bk_module_name((bk_module)i));
+        if (st == BK_OK)
+            st = dup_f32(f, &g->b[i], s->b[i], o, from_host, "bias");
+    }
+    if (st == BK_OK)
+        st = dup_f32(f, &g->attn_norm, s->attn_norm, f->hidden, from_host, "input_layernorm");
+    if (st == BK_OK)
+        st = dup_f32(f, &g->mlp_norm, s->mlp_norm, f->hidden, from_host,
+                     "post_attention_layernorm");
+    if (st == BK_OK)
+        st = dup_f32(f, &g->q_norm, s->q_norm, f->hd, from_host, "q_norm");
+    if (st == BK_OK)
+        st = dup_f32(f, &g->k_norm, s->k_norm, f->hd, from_host, "k_norm");
+    if (st == BK_OK)
+        st = bk_cuda_status(cudaStreamSynchronize(f->c->stream), "upload layer weights",
+                            __FILE__, __LINE__);
+    if (st != BK_OK) {
+        bk_glayer_free(f, g);
+        char pre[64];
+        snprintf(pre, sizeof pre, "layer %d", s->layer);
+        return bk_error_prefix(st, pre);
+    }
+    *out = g;
+    return BK_OK;
+}
+
+} // namespace
+
+extern "C" bk_status bk_glayer_upload(bk_gfwd *f, const bk_layer_weights *lw, bk_glayer **out)
+{
+    *out = NULL;
+    if (!f || !lw)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward: NULL layer weights");
+    layer_src s;
+    s.layer = lw->layer;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        s.w[i] = lw->w[i];
+        s.b[i] = lw->b[i];
+    }
+    s.attn_norm = lw->attn_norm;
+    s.mlp_norm = lw->mlp_norm;
+    s.q_norm = lw->q_norm;
+    s.k_norm = lw->k_norm;
+    return glayer_make(f, &s, 1, out);
+}
+
+extern "C" bk_status bk_glayer_clone(bk_gfwd *f, const bk_glayer *src, bk_glayer **out)
+{
+    *out = NULL;
+    if (!f || !src)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward: NULL layer weights");
+    layer_src s;
+    s.layer = src->layer;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        s.w[i] = src->w[i];
+        s.b[i] = src->b[i];
+    }
+    s.attn_norm = src->attn_norm;
+    s.mlp_norm = src->mlp_norm;
+    s.q_norm = src->q_norm;
+    s.k_norm = src->k_norm;
+    return glayer_make(f, &s, 0, out);
+}
+
+extern "C" bk_status bk_glayer_set(bk_gfwd *f, bk_glayer *g, bk_module mod, const float *w)
+{
+    if (!f || !g || !w || (unsigned)mod >= BK_MOD_COUNT || !g->w[mod])
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward: bad arguments replacing a weight");
+    int64_t o, in;
+    bk_module_shape(&f->cfg, mod, &o, &in);
+    return bk_gpu_upload(f, g->w[mod], w, (size_t)(o * in) * sizeof(float));
+}
+
+/* --------------------------------------------------------------- stages */
+
+extern "C" bk_status bk_gfwd_embed(bk_gfwd *f, const bk_model *m, const int32_t *tokens,
+                                   int64_t S, float *d_h)
+{
+    bk_status st = check_batch(f, S, "embed");
+    if (st == BK_OK)
+        st = check_model_matches(f, m, "embed");
+    if (st == BK_OK)
+        st = check_tokens(f, tokens, S);
+    const bk_tensor_info *t = NULL;
+    if (st == BK_OK)
+        st = find_matrix(m, "embed_tokens.weight", f->cfg.vocab, f->hidden, &t);
+    if (st != BK_OK)
+        return st;
+    const int64_t N = S * f->T;
+    if (!device_dtype(t->dtype)) {
+        /* other numeric dtypes: rows converted on the host */
+        float *host = static_cast<float *>(bk_alloc((size_t)(N * f->hidden), sizeof(float)));
+        if (!host)
+            return bk_error(BK_ERR_NOMEM, "GPU forward embed: out of host memory");
+        const size_t es = bk_dtype_bits(t->dtype) / 8;
+        for (int64_t n = 0; n < N && st == BK_OK; n++)
+            st = bk_convert(static_cast<const unsigned char *>(t->data) +
+                                (size_t)tokens[n] * (size_t)f->hidden * es,
+                            t->dtype, host + n * f->hidden, BK_DT_F32, (size_t)f->hidden);
+        if (st == BK_OK)
+            st = bk_gpu_upload(f, d_h, host, (size_t)(N * f->hidden) * sizeof(float));
+        else
+            bk_error_prefix(st, t->name ? t->name : "embed_tokens.weight");
+        free(host);
+        return st;
+    }
+    if (!f->emb) {
+        st = bk_dev_alloc(f->c, &f->emb, (size_t)t->nbytes, "embedding table");
+        if (st == BK_OK)
+            st = bk_gpu_upload(f, f->emb, t->data, (size_t)t->nbytes);
+        if (st != BK_OK) {
+            bk_dev_free(f->c, f->emb);
+            f->emb = NULL;
+            return st;
+        }
+        f->emb_dt = (int)t->dtype;
+    }
+    if ((st = upload_tokens(f, tokens, N)) != BK_OK)
+        return st;
+    k_embed<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(f->emb, f->emb_dt, f->tok, N,
+                                                              f->hidden, d_h);
+    return BK_LAUNCHED("k_embed");
+}
+
+extern "C" void bk_gfwd_embed_release(bk_gfwd *f)
+{
+    if (f && f->emb) {
+        bk_dev_free(f->c, f->emb);
+        f->emb = NULL;
+    }
+}
+
+extern "C" bk_status bk_gfwd_attn_in(bk_gfwd *f, const bk_glayer *lw, const float *d_h,
+                                     int64_t S, float *d_x)
+{
+    bk_status st = check_batch(f, S, "attn_in");
+    if (st == BK_OK)
+        st = need_lw(lw, "attn_in");
+    if (st == BK_OK && !lw->attn_norm)
+        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward attn_in: layer %d has no input_layernorm",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    return bk_g_rmsnorm(f, d_h, S * f->T, f->hidden, lw->attn_norm, d_x);
+}
+
+extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const float *d_x,
+                                       int64_t S, float *d_o, float *d_qrot, float *d_krot,
+                                       float *d_v)
+{
+    bk_status st = check_batch(f, S, "attention");
+    if (st == BK_OK)
+        st = need_lw(lw, "attention");
+    if (st == BK_OK && (!lw->w[BK_MOD_Q] || !lw->w[BK_MOD_K] || !lw->w[BK_MOD_V]))
+        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward attention: layer %d lacks q/k/v weights",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    const int64_t T = f->T, N = S * T, hd = f->hd, qd = f->qdim, kd = f->kvdim;
+    cudaStream_t sm = f->c->stream;
+    if ((st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], f->q)) ||
+        (st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_K], kd, lw->b[BK_MOD_K], f->k)) ||
+        (st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v)))
+        return st;
+    if (lw->q_norm && (st = bk_g_rmsnorm(f, f->q, N * f->nh, hd, lw->q_norm, f->q)) != BK_OK)
+        return st;
+    if (lw->k_norm && (st = bk_g_rmsnorm(f, f->k, N * f->nkv, hd, lw->k_norm, f->k)) != BK_OK)
+        return st;
+    k_rope_heads<<<bk_grid(N * f->nh * hd / 2), 256, 0, sm>>>(f->q, N, T, f->nh, hd, f->cos,
+                                                              f->sin, 1, f->qh, d_qrot);
+    if ((st = BK_LAUNCHED("k_rope_heads (queries)")) != BK_OK)
+        return st;
+    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->k, N, T, f->nkv, hd, f->cos,
+                                                               f->sin, 1, f->kh, d_krot);
+    if ((st = BK_LAUNCHED("k_rope_heads (keys)")) != BK_OK)
+        return st;
+    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->v, N, T, f->nkv, hd, f->cos,
+                                                               f->sin, 0, f->vh, d_v);
+    if ((st = BK_LAUNCHED("k_rope_heads (values)")) != BK_OK)
+        return st;
+
+    /* (sequence, kv group) pairs; a pair's query rows are its rep heads x T */
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    const int64_t pairs = S * f->nkv, RP = f->rep * T;
+    int64_t pb, rc;
+    if (RP * T <= f->score_floats) {
+        rc = RP;
+        pb = f->score_floats / (RP * T);
+        if (pb > pairs)
+            pb = pairs;
+    } else {
+        pb = 1;
+        rc = f->score_floats / T;
+    }
+    cublasHandle_t h = f->c->cublas;
+    for (int64_t b0 = 0; b0 < pairs; b0 += pb) {
+        const int64_t nb = pairs - b0 < pb ? pairs - b0 : pb;
+        for (int64_t r0 = 0; r0 < RP; r0 += rc) {
+            const int64_t nr = RP - r0 < rc ? RP - r0 : rc;
+            st = rm_gemm_batched(h, 0, 1, nr, T, hd, scale, f->qh + b0 * RP * hd + r0 * hd, hd,
+                                 RP * hd, f->kh + b0 * T * hd, hd, T * hd, 0.0f, f->scores, T,
+                                 nr * T, nb);
+            if (st != BK_OK)
+                return st;
+            const int64_t rows = nb * nr;
+            k_causal_softmax<<<(unsigned)((rows + 7) / 8), 256, 0, sm>>>(f->scores, rows, T, nr,
+                                                                         r0);
+            if ((st = BK_LAUNCHED("k_causal_softmax")) != BK_OK)
+                return st;
+            st = rm_gemm_batched(h, 0, 0, nr, hd, T, 1.0f, f->scores, T, nr * T,
+                                 f->vh + b0 * T * hd, hd, T * hd, 0.0f,
+                                 f->oh + b0 * RP * hd + r0 * hd, hd, RP * hd, nb);
+            if (st != BK_OK)
+                return st;
+        }
+    }
+    k_heads_to_tok<<<bk_grid(N * qd), 256, 0, sm>>>(f->oh, S, f->nh, T, hd, d_o);
+    return BK_LAUNCHED("k_heads_to_tok");
+}
+
+extern "C" bk_status bk_gfwd_attn_out(bk_gfwd *f, const bk_glayer *lw, const float *d_o,
+                                      int64_t S, float *d_h)
+{
+    bk_status st = check_batch(f, S, "attn_out");
+    if (st == BK_OK)
+        st = need_lw(lw, "attn_out");
+    if (st == BK_OK && !lw->w[BK_MOD_O])
+        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward attn_out: layer %d lacks o_proj",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    const int64_t N = S * f->T;
+    if ((st = bk_g_linear(f, d_o, N, f->qdim, lw->w[BK_MOD_O], f->hidden, NULL, f->tmp)) != BK_OK)
+        return st;
+    k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(d_h, f->tmp, lw->b[BK_MOD_O], N,
+                                                                 f->hidden);
+    return BK_LAUNCHED("k_residual");
+}
+
+extern "C" bk_status bk_gfwd_mlp_in(bk_gfwd *f, const bk_glayer *lw, const float *d_h,
+                                    int64_t S, float *d_x)
+{
+    bk_status st = check_batch(f, S, "mlp_in");
+    if (st == BK_OK)
+        st = need_lw(lw, "mlp_in");
+    if (st == BK_OK && !lw->mlp_norm)
+        st = bk_error(BK_ERR_INVALID_ARG,
+                      "GPU forward mlp_in: layer %d has no post_attention_layernorm", lw->layer);
+    if (st != BK_OK)
+        return st;
+    return bk_g_rmsnorm(f, d_h, S * f->T, f->hidden, lw->mlp_norm, d_x);
+}
+
+extern "C" bk_status bk_gfwd_mlp_hidden(bk_gfwd *f, const bk_glayer *lw, const float *d_x,
+                                        int64_t S, float *d_down, float *d_gate_pre,
+                                        float *d_up_pre)
+{
+    bk_status st = check_batch(f, S, "mlp_hidden");
+    if (st == BK_OK)
+        st = need_lw(lw, "mlp_hidden");
+    if (st == BK_OK && (!lw->w[BK_MOD_GATE] || !lw->w[BK_MOD_UP]))
+        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward mlp_hidden: layer %d lacks gate/up_proj",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    const int64_t N = S * f->T, ni = f->inter;
+    float *g = d_gate_pre ? d_gate_pre : f->gate;
+    float *u = d_up_pre ? d_up_pre : f->up;
+    if ((st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_GATE], ni, lw->b[BK_MOD_GATE], g)) ||
+        (st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_UP], ni, lw->b[BK_MOD_UP], u)))
+        return st;
+    k_swiglu<<<bk_grid(N * ni), 256, 0, f->c->stream>>>(g, u, d_down, N * ni);
+    return BK_LAUNCHED("k_swiglu");
+}
+
+extern "C" bk_status bk_gfwd_mlp_out(bk_gfwd *f, const bk_glayer *lw, const float *d_down,
+                                     int64_t S, float *d_h)
+{
+    bk_status st = check_batch(f, S, "mlp_out");
+    if (st == BK_OK)
+        st = need_lw(lw, "mlp_out");
+    if (st == BK_OK && !lw->w[BK_MOD_DOWN])
+        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward mlp_out: layer %d lacks down_proj",
+                      lw->layer);
+    if (st != BK_OK)
+        return st;
+    const int64_t N = S * f->T;
+    if ((st = bk_g_linear(f, d_down, N, f->inter, lw->w[BK_MOD_DOWN], f->hidden, NULL, f->tmp)) !=
+        BK_OK)
+        return st;
+    k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(d_h, f->tmp, lw->b[BK_MOD_DOWN],
+                                                                 N, f->hidden);
+    return BK_LAUNCHED("k_residual");
+}
+
+extern "C" bk_status bk_gfwd_layer(bk_gfwd *f, const bk_glayer *lw, int64_t S, float *d_h,
+                                   const bk_layer_taps *taps)
+{
+    static const bk_layer_taps none = {NULL, NULL, NULL, NULL, NULL, NULL};
+    if (!taps)
+        taps = &none;
+    bk_status st = check_batch(f, S, "layer");
+    if (st != BK_OK)
+        return st;
+    float *x = taps->attn_in ? taps->attn_in : f->x;
+    st = bk_gfwd_attn_in(f, lw, d_h, S, x);
+    float *o = taps->o_in ? taps->o_in : f->o;
+    if (st == BK_OK)
+        st = bk_gfwd_attention(f, lw, x, S, o, taps->q_rot, taps->k_rot, NULL);
+    if (st == BK_OK)
+        st = bk_gfwd_attn_out(f, lw, o, S, d_h);
+    float *x2 = taps->mlp_in ? taps->mlp_in : f->x;
+    if (st == BK_OK)
+        st = bk_gfwd_mlp_in(f, lw, d_h, S, x2);
+    float *d = taps->down_in ? taps->down_in : f->down;
+    if (st == BK_OK)
+        st = bk_gfwd_mlp_hidden(f, lw, x2, S, d, NULL, NULL);
+    if (st == BK_OK)
+        st = bk_gfwd_mlp_out(f, lw, d, S, d_h);
+    if (st != BK_OK) {
+        char pre[64];
+        snprintf(pre, sizeof pre, "layer %d", lw ? lw->layer : -1);
+        return bk_error_prefix(st, pre);
+    }
+    return BK_OK;
+}
+
+/* ---------------------------------------------------------------- the head */
+
+extern "C" bk_status bk_gfwd_logits(bk_gfwd *f, const bk_model *m, const float *d_h, int64_t S,
+                                    float *logits)
+{
+    bk_status st = check_batch(f, S, "logits");
+    if (st == BK_OK)
+        st = check_model_matches(f, m, "logits");
+    if (st == BK_OK)
+        st = head_load(f, m);
+    if (st != BK_OK)
+        return st;
+    const int64_t N = S * f->T, V = f->cfg.vocab;
+    /* logits of a vocabulary block go through the score buffer */
+    int64_t vc = vocab_block(f, 0);
+    if (N * vc > f->score_floats)
+        vc = f->score_floats / N > 0 ? f->score_floats / N : 1;
+    if ((st = bk_g_rmsnorm(f, d_h, N, f->hidden, f->head_norm, f->x)) != BK_OK)
+        return st;
+    for (int64_t v0 = 0; v0 < V; v0 += vc) {
+        const int64_t n = V - v0 < vc ? V - v0 : vc;
+        st = bk_rm_gemm(f->c->cublas, 0, 1, N, n, f->hidden, 1.0, f->x, f->hidden,
+                        f->head_w + v0 * f->hidden, f->hidden, 0.0, f->scores, n);
+        if (st != BK_OK)
+            return st;
+        BK_CUDA_CHECK(cudaMemcpy2DAsync(logits + v0, (size_t)V * 4, f->scores, (size_t)n * 4,
+                                        (size_t)n * 4, (size_t)N, cudaMemcpyDeviceToHost,
+                                        f->c->stream));
+        BK_CUDA_CHECK(cudaStreamSynchronize(f->c->stream));
+    }
+    return BK_OK;
+}
+
+extern "C" bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h,
+                                 const int32_t *tokens, int64_t S, double *nll_sum, int64_t *count)
+{
+    bk_status st = check_batch(f, S, "nll");
+    if (st == BK_OK)
+        st = check_model_matches(f, m, "nll");
+    if (st == BK_OK)
+        st = check_tokens(f, tokens, S);
+    if (st != BK_OK)
+        return st;
+    const int64_t T = f->T, N = S * T, V = f->cfg.vocab;
+    if (T < 2)
+        return BK_OK; /* nothing to predict */
+    if ((st = head_load(f, m)) != BK_OK || (st = upload_tokens(f, tokens, N)) != BK_OK)
+        return st;
+    int64_t vc = vocab_block(f, N);
+    if (N * vc > f->score_floats) /* the block goes through the score buffer */
+        vc = f->score_floats / N > 0 ? f->score_floats / N : 1;
+    cudaStream_t sm = f->c->stream;
+    if ((st = bk_g_rmsnorm(f, d_h, N, f->hidden, f->head_norm, f->x)) != BK_OK)
+        return st;
+    k_lse_init<<<bk_grid(N), 256, 0, sm>>>(f->lse_mx, f->lse_se, f->lse_tgt, N);
+    if ((st = BK_LAUNCHED("k_lse_init")) != BK_OK)
+        return st;
+    for (int64_t v0 = 0; v0 < V; v0 += vc) {
+        const int64_t n = V - v0 < vc ? V - v0 : vc;
+        st = bk_rm_gemm(f->c->cublas, 0, 1, N, n, f->hidden, 1.0, f->x, f->hidden,
+                        f->head_w + v0 * f->hidden, f->hidden, 0.0, f->scores, n);
+        if (st != BK_OK)
+            return st;
+        k_lse_block<<<(unsigned)((N + 7) / 8), 256, 0, sm>>>(f->scores, N, n, T, v0, f->tok,
+                                                             f->lse_mx, f->lse_se, f->lse_tgt);
+        if ((st = BK_LAUNCHED("k_lse_block")) != BK_OK)
+            return st;
+    }
+    float *mx = static_cast<float *>(bk_alloc((size_t)N, sizeof(float)));
+    float *tgt = static_cast<float *>(bk_alloc((size_t)N, sizeof(float)));
+    double *se = static_cast<double *>(bk_alloc((size_t)N, sizeof(double)));
+    if (!mx || !tgt || !se)
+        st = bk_error(BK_ERR_NOMEM, "GPU forward nll: out of memory for %lld rows", (long long)N);
+    if (st == BK_OK)
+        st = bk_gpu_download(f, mx, f->lse_mx, (size_t)N * sizeof(float));
+    if (st == BK_OK)
+        st = bk_gpu_download(f, tgt, f->lse_tgt, (size_t)N * sizeof(float));
+    if (st == BK_OK)
+        st = bk_gpu_download(f, se, f->lse_se, (size_t)N * sizeof(double));
+    if (st == BK_OK) {
+        double sum = 0.0;
+        for (int64_t r = 0; r < N; r++) {
+            const int64_t t = r % T;
+            if (t == T - 1)
+                continue;
+            double l = log(se[r]) + (double)mx[r] - (double)tgt[r];
+            if (!std::isfinite(l)) {
+                st = bk_error(BK_ERR_NONFINITE,
+                              "forward nll: non-finite logits at sequence %lld position %lld "
+                              "(the model produced NaN/Inf)",
+                              (long long)(r / T), (long long)t);
+                break;
+            }
+            sum += l;
+        }
+        if (st == BK_OK) {
+            *nll_sum += sum;
+            *count += S * (T - 1);
+        }
+    }
+    free(mx);
+    free(tgt);
+    free(se);
+    return st;
+}
+
+/* ------------------------------------------------------------ whole model */
+
+namespace {
+
+bk_status check_sequences(const bk_model_config *c, const int32_t *tokens, int64_t S, int64_t T,
+                          int64_t min_T)
+{
+    if (!tokens || S < 1)
+        return bk_error(BK_ERR_CALIB, "input_ids: need at least one sequence (got %lld)",
+                        (long long)S);
+    if (T < min_T)
+        return bk_error(BK_ERR_CALIB,
+                        "input_ids: sequence length %lld is too short (need at least %lld tokens)",
+                        (long long)T, (long long)min_T);
+    if (c->max_positions > 0 && T > c->max_positions)
+        return bk_error(BK_ERR_CALIB,
+                        "input_ids: sequence length %lld exceeds max_position_embeddings %lld",
+                        (long long)T, (long long)c->max_positions);
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t t = 0; t < T; t++) {
+            int32_t id = tokens[s * T + t];
+            if (id < 0 || (int64_t)id >= c->vocab)
+                return bk_error(BK_ERR_CALIB,
+                                "input_ids: sequence %lld position %lld: token id %d is outside "
+                                "the vocabulary [0, %lld)",
+                                (long long)s, (long long)t, (int)id, (long long)c->vocab);
+        }
+    return BK_OK;
+}
+
+/* Sequences per micro-batch on the GPU: scratch of one micro-batch around
+ * 2 GiB. */
+int64_t gpu_auto_batch(const bk_model_config *c, int64_t S, int64_t T)
+{
+    double per_row = 4.0 * (double)(4 * c->n_heads * c->head_dim + 4 * c->n_kv_heads * c->head_dim +
+                                    3 * c->hidden + 3 * c->intermediate);
+    int64_t b = (int64_t)((2048.0 * 1024 * 1024) / (per_row * (double)T));
+    if (b < 1)
+        b = 1;
+    if (b > S)
+        b = S;
+    return b;
+}
+
+/* Embedding and every layer over all S sequences on the device (H [S*T, hidden]). */
+bk_status run_layers(bk_gfwd *f, const bk_model *m, const int32_t *tokens, int64_t S, int64_t T,
+                     int64_t B, float *H)
+{
+    const bk_model_config *c = bk_model_get_config(m);
+    const int64_t rows_h = T * c->hidden;
+    bk_status st = BK_OK;
+    for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
+        int64_t nb = S - s0 < B ? S - s0 : B;
+        st = bk_gfwd_embed(f, m, tokens + s0 * T, nb, H + s0 * rows_h);
+    }
+    bk_gfwd_embed_release(f);
+    for (int layer = 0; layer < c->n_layers && st == BK_OK; layer++) {
+        bk_layer_weights lw;
+        st = bk_layer_weights_load(m, layer, &lw);
+        if (st != BK_OK)
+            break;
+        bk_glayer *g = NULL;
+        st = bk_glayer_upload(f, &lw, &g);
+        bk_layer_weights_free(&lw);
+        for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
+            int64_t nb = S - s0 < B ? S - s0 : B;
+            st = bk_gfwd_layer(f, g, nb, H + s0 * rows_h, NULL);
+        }
+        if (st == BK_OK)
+            st = bk_gpu_sync(f);
+        bk_glayer_free(f, g);
+    }
+    return st;
+}
+
+bk_status model_setup(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
+                      int64_t T, int64_t B, int64_t min_T, bk_gfwd **f, float **H)
+{
+    *f = NULL;
+    *H = NULL;
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_status st = check_sequences(c, tokens, S, T, min_T);
+    if (st == BK_OK)
+        st = bk_gfwd_create(b, c, B, T, f);
+    if (st == BK_OK) {
+        void *p = NULL;
+        uint64_t bytes;
+        if (bk_mul_u64((uint64_t)(S * T), (uint64_t)c->hidden * 4, &bytes))
+            st = bk_error(BK_ERR_INVALID_ARG, "GPU forward: %lld x %lld tokens overflow",
+                          (long long)S, (long long)T);
+        else
+            st = bk_dev_alloc((*f)->c, &p, (size_t)bytes, "hidden states of all sequences");
+        if (st == BK_ERR_DEVICE_OOM) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", bk_last_error());
+            st = bk_error(BK_ERR_DEVICE_OOM,
+                          "%s (evaluate fewer sequences with --samples, or use --backend cpu)", msg);
+        }
+        *H = static_cast<float *>(p);
+    }
+    if (st != BK_OK) {
+        bk_gfwd_free(*f);
+        *f = NULL;
+    }
+    return st;
+}
+
+} // namespace
+
+extern "C" bk_status bk_cuda_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                       int64_t S, int64_t T, int64_t batch, double *nll_sum,
+                                       int64_t *count)
+{
+    if (!b || !m || !nll_sum || !count)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU model nll: NULL argument");
+    if (batch < 0)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU model nll: batch %lld must be >= 0",
+                        (long long)batch);
+    const bk_model_config *c = bk_model_get_config(m);
+    int64_t B = batch > 0 ? (batch < S ? batch : S) : gpu_auto_batch(c, S, T);
+    if (B < 1)
+        B = 1;
+    bk_gfwd *f = NULL;
+    float *H = NULL;
+    bk_status st = model_setup(b, m, tokens, S, T, B, 2, &f, &H);
+    if (st != BK_OK)
+        return st;
+    st = run_layers(f, m, tokens, S, T, B, H);
+    double sum = 0.0;
+    int64_t cnt = 0;
+    for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
+        int64_t nb = S - s0 < B ? S - s0 : B;
+        st = bk_gfwd_nll(f, m, H + s0 * T * c->hidden, tokens + s0 * T, nb, &sum, &cnt);
+    }
+    if (st == BK_OK) {
+        *nll_sum += sum;
+        *count += cnt;
+    }
+    bk_dev_free(f->c, H);
+    bk_gfwd_free(f);
+    return st;
+}
+
+extern "C" bk_status bk_cuda_model_logits(bk_backend *b, const bk_model *m,
+                                          const int32_t *tokens, int64_t S, int64_t T,
+                                          float *logits)
+{
+    if (!b || !m || !logits)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU model logits: NULL argument");
+    bk_gfwd *f = NULL;
+    float *H = NULL;
+    bk_status st = model_setup(b, m, tokens, S, T, S, 1, &f, &H);
+    if (st != BK_OK)
+        return st;
+    st = run_layers(f, m, tokens, S, T, S, H);
+    if (st == BK_OK)
+        st = bk_gfwd_logits(f, m, H, S, logits);
+    bk_dev_free(f->c, H);
+    bk_gfwd_free(f);
+    return st;
+}

@@ -1,0 +1,73 @@
+/* CUDA backend — internals shared by the GPU forward pass (forward.cu), the
+ * GPU Hessians (hessian.cu) and the GPU stage table (pipeline_cuda.cu). The
+ * C interface is src/pipeline_gpu.h. */
+#ifndef BK_FWD_INTERNAL_CUH
+#define BK_FWD_INTERNAL_CUH
+
+#include <cstdint>
+
+#include "cuda_internal.cuh"
+#include "pipeline_gpu.h"
+
+/* One decoder layer's weights on the device (F32), as bk_layer_weights. */
+struct bk_glayer {
+    int layer;
+    float *w[BK_MOD_COUNT]; /* [out, in] */
+    float *b[BK_MOD_COUNT]; /* [out] or NULL */
+    float *attn_norm, *mlp_norm, *q_norm, *k_norm;
+};
+
+struct bk_gfwd {
+    bk_cuda_ctx *c;
+    bk_model_config cfg;
+    int64_t max_seqs, T, max_rows;
+    int64_t hidden, nh, nkv, hd, inter, qdim, kvdim, rep;
+    float eps;
+    float *cos, *sin;          /* [T, hd/2] (src/rope.c tables) */
+    /* micro-batch scratch, [max_rows, width] */
+    float *q, *k, *v;          /* projections, token-major */
+    float *qh, *kh, *vh, *oh;  /* head-major [S, heads, T, hd] */
+    float *o, *x, *tmp, *gate, *up, *down;
+    float *scores;             /* attention scores, score_floats floats */
+    int64_t score_floats;
+    int32_t *tok;              /* [max_rows] token ids of a micro-batch */
+    unsigned long long *flag;  /* [2] device scratch (finiteness checks) */
+    /* embedding table (raw dtype) while embedding */
+    void *emb;
+    int emb_dt;
+    /* final norm + LM head as F32 (NLL / logits) */
+    float *head_w, *head_norm;
+    float *lse_mx, *lse_tgt;   /* [max_rows] */
+    double *lse_se;            /* [max_rows] */
+};
+
+/* Grid size for a grid-stride loop over n items with 256 threads. */
+static inline unsigned bk_grid(int64_t n)
+{
+    int64_t b = (n + 255) / 256;
+    if (b < 1)
+        b = 1;
+    if (b > 1048576)
+        b = 1048576;
+    return (unsigned)b;
+}
+
+/* The status of the last launch, naming the kernel. */
+static inline bk_status bk_launch_status(const char *what, const char *file, int line)
+{
+    return bk_cuda_status(cudaGetLastError(), what, file, line);
+}
+#define BK_LAUNCHED(what) bk_launch_status(what, __FILE__, __LINE__)
+
+/* Y[N, out] = X[N, in] W[out, in]^T (+ b), F32 (no TF32). */
+bk_status bk_g_linear(bk_gfwd *f, const float *X, int64_t N, int64_t in, const float *W,
+                      int64_t out, const float *b, float *Y);
+/* y = w * (x * rsqrt(mean(x^2) + eps)) over rows of n (y may equal x). */
+bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, const float *w,
+                       float *y);
+/* The first non-finite entry of d [rows, cols] (row-major): *found = 0 when
+ * none, else its row, column and value. */
+bk_status bk_g_first_nonfinite(bk_gfwd *f, const float *d, int64_t rows, int64_t cols,
+                               int *found, int64_t *row, int64_t *col, float *val);
+
+#endif /* BK_FWD_INTERNAL_CUH */

@@ -1,0 +1,227 @@
+/* CUDA backend — the fully-local attention Hessian blocks (hessian.cu), one
+ * work item at a time. The items are __host__ __device__ so that the index
+ * arithmetic can also be run on the host (cuda/dev/hess_attn_check.cu
+ * compares them with src/hessian.c without a GPU).
+ *
+ * Notation (src/hessian.c, docs/hessians.md): h = head_dim, h2 = h/2; RoPE
+ * rotates the pairs (i, i + h2) by angle t·w_i; R_t is that rotation at
+ * position t; rot_sandwich(C) = R_tᵀ C R_t. A "quad" (p, q) is the 2x2 block
+ * of rows {p, p+h2} x columns {q, q+h2}: the entries one rotation mixes.
+ */
+#ifndef BK_HESS_ATTN_CUH
+#define BK_HESS_ATTN_CUH
+
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define BK_HD __host__ __device__
+#else
+#define BK_HD
+#endif
+
+/* One running Gram per (sequence, block): vectors vec[row, (blk*nv + i)*h ..]
+ * (i < nv) are added at each position, forward (prefix: q_proj, the keys of
+ * kv head blk) or backward (suffix: k_proj, the queries of its group). */
+struct quad_args {
+    const float *vec;
+    int64_t vstride;
+    int nv;
+    int64_t S, T, nb, h;
+    const float *cs, *sn; /* [T, h/2] RoPE tables */
+    const double *w;      /* [S*T] weight of each position, or NULL (all 1) */
+    int backward;
+    double *part;         /* [S, nb, h, h] */
+};
+
+/* o = R_tᵀ C R_t on the quad: C entries c00 = C[p][q], c01 = C[p][q+h2],
+ * c10 = C[p+h2][q], c11 = C[p+h2][q+h2]; (cp, sp) the cosine/sine of
+ * row pair p, (cq, sq) of column pair q. */
+BK_HD inline void rot_quad(double c00, double c01, double c10, double c11, double cp, double sp,
+                           double cq, double sq, double *o)
+{
+    /* tmp = C R_t (columns q, q+h2), then R_tᵀ tmp (rows p, p+h2) */
+    const double t00 = c00 * cq + c01 * sq;
+    const double t01 = c01 * cq - c00 * sq;
+    const double t10 = c10 * cq + c11 * sq;
+    const double t11 = c11 * cq - c10 * sq;
+    o[0] = t00 * cp + t10 * sp;
+    o[1] = t01 * cp + t11 * sp;
+    o[2] = t10 * cp - t00 * sp;
+    o[3] = t11 * cp - t01 * sp;
+}
+
+/* Item idx = ((s * nb + blk) * h2 + p) * h2 + q: the quad's running Gram over
+ * the positions, and Σ_t w_t R_tᵀ C_t R_t on the quad into part[s, blk]. */
+BK_HD inline void quad_item(const quad_args &a, int64_t idx)
+{
+    const int64_t h2 = a.h / 2, nq = h2 * h2;
+    const int64_t q = idx % h2, p = (idx / h2) % h2;
+    const int64_t blk = (idx / nq) % a.nb, s = idx / (nq * a.nb);
+    double c00 = 0, c01 = 0, c10 = 0, c11 = 0;
+    double a00 = 0, a01 = 0, a10 = 0, a11 = 0;
+    for (int64_t step = 0; step < a.T; step++) {
+        const int64_t t = a.backward ? a.T - 1 - step : step;
+        const float *row = a.vec + (s * a.T + t) * a.vstride + blk * a.nv * a.h;
+        for (int i = 0; i < a.nv; i++) {
+            const float *v = row + i * a.h;
+            const double vp = v[p], vP = v[p + h2], vq = v[q], vQ = v[q + h2];
+            c00 += vp * vq;
+            c01 += vp * vQ;
+            c10 += vP * vq;
+            c11 += vP * vQ;
+        }
+        double o[4];
+        rot_quad(c00, c01, c10, c11, a.cs[t * h2 + p], a.sn[t * h2 + p], a.cs[t * h2 + q],
+                 a.sn[t * h2 + q], o);
+        const double wt = a.w ? a.w[s * a.T + t] : 1.0;
+        a00 += wt * o[0];
+        a01 += wt * o[1];
+        a10 += wt * o[2];
+        a11 += wt * o[3];
+    }
+    double *d = a.part + (s * a.nb + blk) * a.h * a.h;
+    d[p * a.h + q] = a00;
+    d[p * a.h + q + h2] = a01;
+    d[(p + h2) * a.h + q] = a10;
+    d[(p + h2) * a.h + q + h2] = a11;
+}
+
+/* Shampoo A-weights without q/k norm for sequence s: wout[s*T + t] =
+ * mult · Σ_blk tr(C_t) (tr R_tᵀ C R_t = tr C, the running Σ |v|²); the CPU
+ * adds the trace of each of the mult identical blocks. */
+BK_HD inline void traces_item(const float *vec, int64_t vstride, int nv, int64_t T, int64_t nb,
+                              int64_t h, int backward, int mult, double *wout, int64_t s)
+{
+    for (int64_t t = 0; t < T; t++)
+        wout[s * T + t] = 0.0;
+    for (int64_t blk = 0; blk < nb; blk++) {
+        double run = 0.0;
+        for (int64_t step = 0; step < T; step++) {
+            const int64_t t = backward ? T - 1 - step : step;
+            const float *row = vec + (s * T + t) * vstride + blk * nv * h;
+            for (int64_t c = 0; c < nv * h; c++) {
+                const double v = row[c];
+                run += v * v;
+            }
+            for (int m = 0; m < mult; m++)
+                wout[s * T + t] += run;
+        }
+    }
+}
+
+/* ---- with q_norm / k_norm: one position t in five rounds ----
+ * nb blocks (kv heads) of running Grams C; nn normalized heads; head m
+ * belongs to block m / (nn / nb) and has the pre-norm vector
+ * z[row, m*h ..] and the norm weight gamma (src/hessian.c norm_sandwich). */
+struct qn_args {
+    const float *vec;
+    int64_t vstride;
+    int nv;
+    const float *z;
+    int64_t zstride;
+    const float *gamma; /* [h] */
+    int64_t S, T, nb, nn, h;
+    const float *cs, *sn;
+    double eps;
+    const double *w; /* [S*T] or NULL */
+    double *C, *M;   /* [S, nb, h, h] */
+    double *acc;     /* [S, nn, h, h] */
+    double *v;       /* [S, nn, h] */
+    double *sc;      /* [S, nn, 4]: rho2, beta, alpha */
+    double *tr;      /* [S, nn, T] or NULL */
+};
+
+/* 1. C[s, blk] += Σ_i vec_i vec_iᵀ (item = (s, blk, entry)) */
+BK_HD inline void qn_gram_item(const qn_args &a, int64_t t, int64_t idx)
+{
+    const int64_t hh = a.h * a.h;
+    const int64_t e = idx % hh, blk = (idx / hh) % a.nb, s = idx / (hh * a.nb);
+    const int64_t i = e / a.h, j = e % a.h;
+    const float *row = a.vec + (s * a.T + t) * a.vstride + blk * a.nv * a.h;
+    double c = a.C[idx];
+    for (int k = 0; k < a.nv; k++)
+        c += (double)row[k * a.h + i] * (double)row[k * a.h + j];
+    a.C[idx] = c;
+}
+
+/* 2. M = R_tᵀ C R_t (item = (s, blk, quad)) */
+BK_HD inline void qn_rot_item(const qn_args &a, int64_t t, int64_t idx)
+{
+    const int64_t h2 = a.h / 2, nq = h2 * h2;
+    const int64_t q = idx % h2, p = (idx / h2) % h2, sb = idx / nq;
+    const double *C = a.C + sb * a.h * a.h;
+    double *M = a.M + sb * a.h * a.h;
+    double o[4];
+    rot_quad(C[p * a.h + q], C[p * a.h + q + h2], C[(p + h2) * a.h + q],
+             C[(p + h2) * a.h + q + h2], a.cs[t * h2 + p], a.sn[t * h2 + p], a.cs[t * h2 + q],
+             a.sn[t * h2 + q], o);
+    M[p * a.h + q] = o[0];
+    M[p * a.h + q + h2] = o[1];
+    M[(p + h2) * a.h + q] = o[2];
+    M[(p + h2) * a.h + q + h2] = o[3];
+}
+
+/* 3. v[s, m, i] = Σ_j (γ_i M_ij γ_j) z_j (item = (s, m, i)) */
+BK_HD inline void qn_v_item(const qn_args &a, int64_t t, int64_t idx)
+{
+    const int64_t i = idx % a.h, m = (idx / a.h) % a.nn, s = idx / (a.h * a.nn);
+    const int64_t blk = m / (a.nn / a.nb);
+    const double *M = a.M + (s * a.nb + blk) * a.h * a.h;
+    const float *z = a.z + (s * a.T + t) * a.zstride + m * a.h;
+    double acc = 0.0;
+    for (int64_t j = 0; j < a.h; j++)
+        acc += ((double)a.gamma[i] * M[i * a.h + j] * (double)a.gamma[j]) * (double)z[j];
+    a.v[idx] = acc;
+}
+
+/* 4. rho2 = 1 / (mean(z²) + eps), beta = rho2 / h, alpha = zᵀ v, and the
+ * trace of the sandwiched block when wanted (item = (s, m)) */
+BK_HD inline void qn_scalars_item(const qn_args &a, int64_t t, int64_t idx)
+{
+    const int64_t m = idx % a.nn, s = idx / a.nn;
+    const int64_t blk = m / (a.nn / a.nb);
+    const float *z = a.z + (s * a.T + t) * a.zstride + m * a.h;
+    const double *v = a.v + idx * a.h;
+    double ms = 0.0, alpha = 0.0;
+    for (int64_t i = 0; i < a.h; i++) {
+        ms += (double)z[i] * (double)z[i];
+        alpha += (double)z[i] * v[i];
+    }
+    ms /= (double)a.h;
+    const double rho2 = 1.0 / (ms + a.eps), beta = rho2 / (double)a.h;
+    a.sc[idx * 4 + 0] = rho2;
+    a.sc[idx * 4 + 1] = beta;
+    a.sc[idx * 4 + 2] = alpha;
+    if (a.tr) {
+        const double *M = a.M + (s * a.nb + blk) * a.h * a.h;
+        double tr = 0.0;
+        for (int64_t i = 0; i < a.h; i++) {
+            const double zi = z[i], g = a.gamma[i];
+            const double out = g * M[i * a.h + i] * g;
+            const double val = out - beta * zi * v[i] - beta * v[i] * zi + beta * beta * alpha * zi * zi;
+            tr += rho2 * val;
+        }
+        a.tr[idx * a.T + t] = tr;
+    }
+}
+
+/* 5. acc[s, m] += w_t rho2 (γ_i M_ij γ_j - β z_i v_j - β v_i z_j + β² α z_i z_j)
+ * (item = (s, m, entry)) */
+BK_HD inline void qn_acc_item(const qn_args &a, int64_t t, int64_t idx)
+{
+    const int64_t hh = a.h * a.h;
+    const int64_t e = idx % hh, sm = idx / hh, m = sm % a.nn, s = sm / a.nn;
+    const int64_t i = e / a.h, j = e % a.h;
+    const int64_t blk = m / (a.nn / a.nb);
+    const double *M = a.M + (s * a.nb + blk) * hh;
+    const float *z = a.z + (s * a.T + t) * a.zstride + m * a.h;
+    const double *v = a.v + sm * a.h;
+    const double rho2 = a.sc[sm * 4 + 0], beta = a.sc[sm * 4 + 1], alpha = a.sc[sm * 4 + 2];
+    const double zi = z[i], zj = z[j];
+    const double out = (double)a.gamma[i] * M[i * a.h + j] * (double)a.gamma[j];
+    const double val = out - beta * zi * v[j] - beta * v[i] * zj + beta * beta * alpha * zi * zj;
+    const double wt = a.w ? a.w[s * a.T + t] : 1.0;
+    a.acc[idx] += wt * (rho2 * val);
+}
+
+#endif /* BK_HESS_ATTN_CUH */

@@ -1,0 +1,1144 @@
+/* CUDA backend — Kronecker-factored Hessians accumulated on the GPU with the
+ * formulas of src/hessian.c (docs/hessians.md; notation there):
+ *
+ *   Gram matrices Σ x xᵀ      cuBLAS SYRK into F32 (or F64 with fp64),
+ *                             weighted rows scaled by sqrt(w) first, as the CPU;
+ *   gate/up (MLP-local)       g = silu(z_g), f = silu'(z_g) z_u in double from
+ *                             the F32 projections; Shampoo weights in double;
+ *                             B = (Σ w v vᵀ / N) ⊙ DᵀD on the device;
+ *   q/k/v (fully-local)       per (sequence, kv head) and 2x2 entry block
+ *                             ("quad": rows i, i+h/2 x columns j, j+h/2, the
+ *                             pairs RoPE mixes), one thread runs the prefix
+ *                             (q) or suffix (k) Gram of that quad and its RoPE
+ *                             sandwich R_tᵀ C_t R_t over the positions, in
+ *                             double, exactly as rot_sandwich; with q_norm /
+ *                             k_norm (Qwen3) each position is one round of five
+ *                             small kernels (Gram update, sandwich, J-products,
+ *                             scalars, accumulation) on the whole blocks, as
+ *                             norm_sandwich; per-sequence partial sums are
+ *                             reduced in sequence order (deterministic);
+ *   v                         B_O = Σ_{j in κ} O_jᵀ O_j by SYRK from W_o.
+ *
+ * The small per-head blocks are finished on the host with the CPU's loops;
+ * A and the gate/up B are formed on the device and downloaded. One layer's
+ * accumulators are resident; bk_ghess_reset clears them.
+ */
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "fwd_internal.cuh"
+#include "hess_attn.cuh"
+
+extern "C" {
+#include "util.h"
+}
+
+namespace {
+
+enum { G_ATTN = 0, G_O, G_MLP, G_DOWN, G_COUNT };
+
+struct dgram {
+    int64_t n;
+    void *s; /* device [n, n]: row-major upper triangle valid (column-major lower) */
+};
+
+/* Rows per chunk when rows are scaled or converted before a SYRK: at most
+ * 64 Mi elements of scratch. */
+const int64_t SCRATCH_ELEMS = (int64_t)1 << 26;
+
+/* ------------------------------------------------------------- kernels */
+
+#define GRID_LOOP(i, n)                                                              \
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n);       \
+         i += (int64_t)gridDim.x * blockDim.x)
+
+/* y = sqrt(w_r) x (rounded to float), or x itself (w NULL). */
+__global__ void k_scale_rows_f(const float *X, int64_t rows, int64_t n, const double *w, float *y)
+{
+    GRID_LOOP(i, rows * n)
+    {
+        const int64_t r = i / n;
+        const double s = w ? sqrt(w[r]) : 1.0;
+        y[i] = (float)(s * (double)X[i]);
+    }
+}
+
+__global__ void k_scale_rows_d(const float *X, int64_t rows, int64_t n, const double *w, double *y)
+{
+    GRID_LOOP(i, rows * n)
+    {
+        const int64_t r = i / n;
+        const double s = w ? sqrt(w[r]) : 1.0;
+        y[i] = s * (double)X[i];
+    }
+}
+
+/* dst [n, n] = scale * G, both triangles (G: upper triangle row-major). */
+__global__ void k_gram_out(const void *G, int fp64, int64_t n, double scale, float *dst)
+{
+    GRID_LOOP(idx, n * n)
+    {
+        int64_t i = idx / n, j = idx % n;
+        const int64_t a = i < j ? i : j, b = i < j ? j : i;
+        const double g = fp64 ? static_cast<const double *>(G)[a * n + b]
+                              : (double)static_cast<const float *>(G)[a * n + b];
+        dst[idx] = (float)(scale * g);
+    }
+}
+
+/* gate/up B: dst = (DᵀD)_ij * G_ij / N (DtD: upper triangle row-major). */
+__global__ void k_mlp_b(const float *DtD, const void *G, int fp64, int64_t n, double N, float *dst)
+{
+    GRID_LOOP(idx, n * n)
+    {
+        int64_t i = idx / n, j = idx % n;
+        const int64_t a = i < j ? i : j, b = i < j ? j : i;
+        const double g = fp64 ? static_cast<const double *>(G)[a * n + b]
+                              : (double)static_cast<const float *>(G)[a * n + b];
+        dst[idx] = (float)((double)DtD[a * n + b] * g / N);
+    }
+}
+
+__device__ __forceinline__ double d_silu(double z)
+{
+    return z / (1.0 + exp(-z));
+}
+
+__device__ __forceinline__ double d_silu_prime(double z)
+{
+    const double s = 1.0 / (1.0 + exp(-z));
+    return s * (1.0 + z * (1.0 - s));
+}
+
+/* zg <- g = silu(zg), zu <- f = silu'(zg) zu (double, rounded to float). */
+__global__ void k_mlp_gf(float *zg, float *zu, int64_t n)
+{
+    GRID_LOOP(i, n)
+    {
+        const double z = zg[i];
+        zu[i] = (float)(d_silu_prime(z) * (double)zu[i]);
+        zg[i] = (float)d_silu(z);
+    }
+}
+
+/* out[r] = Σ_c X[r, c]^2 (times dcol2[c] when given), double; one warp per row. */
+__global__ void k_row_sq(const float *X, int64_t rows, int64_t n, const float *dcol2, double *out)
+{
+    const int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (r >= rows)
+        return;
+    const float *x = X + r * n;
+    double s = 0.0;
+    for (int64_t c = lane; c < n; c += 32) {
+        const double v = x[c];
+        s += dcol2 ? v * v * (double)dcol2[c] : v * v;
+    }
+    for (int o = 16; o; o >>= 1)
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0)
+        out[r] = s;
+}
+
+/* dcol2[i] = Σ_r W[r, i]^2 (W [d, NI]), double sum rounded to float. */
+__global__ void k_colsq(const float *W, int64_t d, int64_t ni, float *dcol2)
+{
+    GRID_LOOP(i, ni)
+    {
+        double s = 0.0;
+        for (int64_t r = 0; r < d; r++) {
+            const double v = W[r * ni + i];
+            s += v * v;
+        }
+        dcol2[i] = (float)s;
+    }
+}
+
+/* Rounding may leave tiny negative power-step weights: zero them. */
+__global__ void k_clamp(double *w, int64_t n)
+{
+    GRID_LOOP(i, n)
+    if (w[i] < 0.0)
+        w[i] = 0.0;
+}
+
+/* acc[b, e] += Σ_s part[s, b, e] in sequence order. */
+__global__ void k_sum_parts(const double *part, int64_t S, int64_t nb, int64_t hh, double *acc)
+{
+    GRID_LOOP(idx, nb * hh)
+    {
+        double s = acc[idx];
+        for (int64_t q = 0; q < S; q++)
+            s += part[q * nb * hh + idx];
+        acc[idx] = s;
+    }
+}
+
+/* ---- fully-local attention (items in hess_attn.cuh) ---- */
+
+__global__ void k_attn_quads(quad_args a)
+{
+    GRID_LOOP(idx, a.S * a.nb * (a.h / 2) * (a.h / 2))
+    quad_item(a, idx);
+}
+
+__global__ void k_attn_traces(const float *vec, int64_t vstride, int nv, int64_t S, int64_t T,
+                              int64_t nb, int64_t h, int backward, int mult, double *wout)
+{
+    GRID_LOOP(s, S)
+    traces_item(vec, vstride, nv, T, nb, h, backward, mult, wout, s);
+}
+
+__global__ void k_qn_gram(qn_args a, int64_t t)
+{
+    GRID_LOOP(idx, a.S * a.nb * a.h * a.h)
+    qn_gram_item(a, t, idx);
+}
+
+__global__ void k_qn_rot(qn_args a, int64_t t)
+{
+    GRID_LOOP(idx, a.S * a.nb * (a.h / 2) * (a.h / 2))
+    qn_rot_item(a, t, idx);
+}
+
+__global__ void k_qn_v(qn_args a, int64_t t)
+{
+    GRID_LOOP(idx, a.S * a.nn * a.h)
+    qn_v_item(a, t, idx);
+}
+
+__global__ void k_qn_scalars(qn_args a, int64_t t)
+{
+    GRID_LOOP(idx, a.S * a.nn)
+    qn_scalars_item(a, t, idx);
+}
+
+__global__ void k_qn_acc(qn_args a, int64_t t)
+{
+    GRID_LOOP(idx, a.S * a.nn * a.h * a.h)
+    qn_acc_item(a, t, idx);
+}
+
+/* wout[s*T + t] = Σ_m tr[s, m, t] in head order. */
+__global__ void k_trace_sum(const double *tr, int64_t S, int64_t nn, int64_t T, double *wout)
+{
+    GRID_LOOP(idx, S * T)
+    {
+        const int64_t t = idx % T, s = idx / T;
+        double acc = 0.0;
+        for (int64_t m = 0; m < nn; m++)
+            acc += tr[(s * nn + m) * T + t];
+        wout[idx] = acc;
+    }
+}
+
+/* bv[κ] += Σ_{j in κ} tmp_j (tmp_j = O_jᵀ O_j, upper triangle row-major). */
+__global__ void k_bv_sum(const float *tmp, int64_t H, int64_t r, int64_t h, double *bv)
+{
+    const int64_t hh = h * h, G = H / r;
+    GRID_LOOP(idx, G * hh)
+    {
+        const int64_t e = idx % hh, g = idx / hh;
+        const int64_t p = e / h, q = e % h;
+        const int64_t a = p < q ? p : q, b = p < q ? q : p;
+        double s = 0.0;
+        for (int64_t j = g * r; j < (g + 1) * r; j++)
+            s += (double)tmp[j * hh + a * h + b];
+        bv[idx] = s;
+    }
+}
+
+/* ---------------------------------------------------------- host helpers */
+
+double trace_h(const double *M, int64_t h)
+{
+    double s = 0;
+    for (int64_t i = 0; i < h; i++)
+        s += M[i * h + i];
+    return s;
+}
+
+/* dst [m, m] = scale · blockdiag of nb h×h blocks (symmetrized), as
+ * src/hessian.c's blocks_out. */
+void blocks_out(const double *blk, int64_t nb, int64_t h, double scale, float *dst)
+{
+    const int64_t m = nb * h;
+    memset(dst, 0, (size_t)(m * m) * sizeof(float));
+    for (int64_t b = 0; b < nb; b++) {
+        const double *s = blk + b * h * h;
+        for (int64_t i = 0; i < h; i++)
+            for (int64_t j = 0; j < h; j++) {
+                const double v = 0.5 * (s[i * h + j] + s[j * h + i]);
+                dst[(b * h + i) * m + b * h + j] = (float)(scale * v);
+            }
+    }
+}
+
+} // namespace
+
+/* ------------------------------------------------------------ the struct */
+
+struct bk_ghess {
+    bk_gfwd *f;
+    bk_cuda_ctx *c;
+    bk_model_config cfg;
+    bk_hessian_kind kind;
+    int fp64, mlp2, attn2, shampoo, qknorm, keep_plain;
+    int64_t T, d, inter, H, G, hd, r, qd, kvd, R;
+    int layer, broken;
+    int64_t count[G_COUNT];
+    int64_t n_pairs;
+    double v_wb;
+    dgram x_attn, x_o, x_mlp, x_down, a_q, a_k, a_gate, a_up, b_gate, b_up;
+    double *bq;      /* [nq, h, h], nq = H with q_norm else G (the group's block) */
+    double *bk;      /* [G, h, h] */
+    float *dcol2;    /* [NI] diag(DᵀD) of the layer (first add_mlp) */
+    int have_dcol2;
+    /* scratch */
+    void *scr;       /* scr_elems floats or doubles */
+    int64_t scr_elems;
+    double *w1, *w2, *w3; /* [R] row weights */
+    double *part;    /* [max_seqs, max(H, G), h, h] */
+    float *zq, *zk;  /* q/k norm: pre-norm projections [R, qd], [R, kvd] */
+    double *qC, *qM, *qv, *qsc, *qtr; /* q/k norm per-position state */
+    float *dev_out;  /* factor output staging on the device */
+    size_t dev_out_elems;
+    float *outA[BK_MOD_COUNT], *outB[BK_MOD_COUNT], *outP[BK_MOD_COUNT];
+};
+
+namespace {
+
+bk_status gram_init(bk_ghess *a, dgram *g, int64_t n)
+{
+    g->n = n;
+    return bk_dev_alloc(a->c, &g->s, (size_t)(n * n) * (a->fp64 ? 8 : 4), "Hessian accumulator");
+}
+
+void gram_zero(bk_ghess *a, dgram *g)
+{
+    if (g->s)
+        cudaMemsetAsync(g->s, 0, (size_t)(g->n * g->n) * (a->fp64 ? 8 : 4), a->c->stream);
+}
+
+/* g += Σ_r w_r x_r x_rᵀ over rows of X [rows, n] (device; w device or NULL). */
+bk_status gram_add(bk_ghess *a, dgram *g, const float *X, int64_t rows, const double *w)
+{
+    const int64_t n = g->n;
+    if (rows <= 0)
+        return BK_OK;
+    cublasHandle_t h = a->c->cublas;
+    if (!a->fp64 && !w) {
+        const float one = 1.0f;
+        BK_CUBLAS_CHECK(cublasSsyrk_64(h, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, rows, &one, X,
+                                       n, &one, static_cast<float *>(g->s), n));
+        return BK_OK;
+    }
+    int64_t ch = a->scr_elems / n;
+    if (ch < 1)
+        ch = 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += ch) {
+        const int64_t k = rows - r0 < ch ? rows - r0 : ch;
+        bk_status st;
+        if (a->fp64) {
+            double *y = static_cast<double *>(a->scr);
+            k_scale_rows_d<<<bk_grid(k * n), 256, 0, a->c->stream>>>(X + r0 * n, k, n,
+                                                                     w ? w + r0 : NULL, y);
+            if ((st = BK_LAUNCHED("k_scale_rows_d")) != BK_OK)
+                return st;
+            const double one = 1.0;
+            BK_CUBLAS_CHECK(cublasDsyrk_64(h, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, k, &one, y,
+                                           n, &one, static_cast<double *>(g->s), n));
+        } else {
+            float *y = static_cast<float *>(a->scr);
+            k_scale_rows_f<<<bk_grid(k * n), 256, 0, a->c->stream>>>(X + r0 * n, k, n,
+                                                                     w ? w + r0 : NULL, y);
+            if ((st = BK_LAUNCHED("k_scale_rows_f")) != BK_OK)
+                return st;
+            const float one = 1.0f;
+            BK_CUBLAS_CHECK(cublasSsyrk_64(h, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, k, &one, y,
+                                           n, &one, static_cast<float *>(g->s), n));
+        }
+    }
+    return BK_OK;
+}
+
+bk_status batch_rows(const bk_ghess *a, int64_t S, const char *what, int64_t *N)
+{
+    if (S <= 0 || S > a->f->max_seqs)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "GPU hessian: %s: %lld sequences, the context holds 1..%lld", what,
+                        (long long)S, (long long)a->f->max_seqs);
+    *N = S * a->T;
+    return BK_OK;
+}
+
+bk_status check_finite(bk_ghess *a, const float *x, int64_t rows, int64_t cols, int layer,
+                       const char *what)
+{
+    int found = 0;
+    int64_t r = 0, c = 0;
+    float v = 0;
+    bk_status st = bk_g_first_nonfinite(a->f, x, rows, cols, &found, &r, &c, &v);
+    if (st != BK_OK || !found)
+        return st;
+    char lab[64] = "";
+    if (layer >= 0)
+        snprintf(lab, sizeof lab, "layer %d ", layer);
+    return bk_error(BK_ERR_NONFINITE,
+                    "hessian: %s%s: non-finite value %g at row %lld, column %lld (activations "
+                    "must be finite)",
+                    lab, what, (double)v, (long long)r, (long long)c);
+}
+
+bk_status check_layer(bk_ghess *a, const bk_glayer *lw, const char *what)
+{
+    if (a->broken)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: an earlier add failed part-way and left the accumulator "
+                        "inconsistent (call bk_ghess_reset)",
+                        what);
+    if (!lw)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s: NULL layer weights", what);
+    if (a->layer >= 0 && lw->layer != a->layer)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: weights of layer %d given to an accumulator holding layer "
+                        "%d (call bk_ghess_reset between layers)",
+                        what, lw->layer, a->layer);
+    return BK_OK;
+}
+
+bk_status alloc_d(bk_ghess *a, double **p, int64_t n, const char *what)
+{
+    void *q = NULL;
+    bk_status st = bk_dev_alloc(a->c, &q, (size_t)(n > 0 ? n : 1) * sizeof(double), what);
+    *p = static_cast<double *>(q);
+    return st;
+}
+
+bk_status alloc_f(bk_ghess *a, float **p, int64_t n, const char *what)
+{
+    void *q = NULL;
+    bk_status st = bk_dev_alloc(a->c, &q, (size_t)(n > 0 ? n : 1) * sizeof(float), what);
+    *p = static_cast<float *>(q);
+    return st;
+}
+
+} // namespace
+
+/* --------------------------------------------------------- create / free */
+
+extern "C" void bk_ghess_free(bk_ghess *a)
+{
+    if (!a)
+        return;
+    bk_cuda_ctx *c = a->c;
+    dgram *gs[] = {&a->x_attn, &a->x_o, &a->x_mlp, &a->x_down, &a->a_q,
+                   &a->a_k,    &a->a_gate, &a->a_up, &a->b_gate, &a->b_up};
+    for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
+        bk_dev_free(c, gs[i]->s);
+    void *ds[] = {a->bq, a->bk, a->dcol2, a->scr, a->w1, a->w2, a->w3, a->part, a->zq, a->zk,
+                  a->qC, a->qM, a->qv, a->qsc, a->qtr, a->dev_out};
+    for (size_t i = 0; i < sizeof ds / sizeof ds[0]; i++)
+        bk_dev_free(c, ds[i]);
+    for (int m = 0; m < BK_MOD_COUNT; m++) {
+        free(a->outA[m]);
+        free(a->outB[m]);
+        free(a->outP[m]);
+    }
+    free(a);
+}
+
+extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64, int keep_plain,
+                                     bk_ghess **out)
+{
+    *out = NULL;
+    if (!f)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU hessian: NULL forward context");
+    if ((unsigned)kind >= BK_HESS_COUNT)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown Hessian kind %d", (int)kind);
+    /* the CPU accumulator's own checks of the configuration (one source of
+     * truth; its accumulators are allocated and freed) */
+    bk_hess_acc *probe = NULL;
+    bk_model_config small = f->cfg;
+    bk_status st = bk_hess_acc_create(&small, BK_HESS_RTN, 0, f->T, &probe);
+    if (st != BK_OK)
+        return st;
+    bk_hess_acc_free(probe);
+    const bk_model_config *cfg = &f->cfg;
+    const int mlp2 = kind == BK_HESS_MLPLOCAL_KFAC || kind == BK_HESS_MLPLOCAL_SHAMPOO ||
+                     kind == BK_HESS_FULLYLOCAL_KFAC || kind == BK_HESS_FULLYLOCAL_SHAMPOO;
+    if (mlp2 && cfg->hidden_act[0] && strcmp(cfg->hidden_act, "silu") != 0)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "hessian: %s: hidden_act '%s' is not supported (only silu)",
+                        bk_hessian_name(kind), cfg->hidden_act);
+    bk_ghess *a = static_cast<bk_ghess *>(calloc(1, sizeof(bk_ghess)));
+    if (!a)
+        return bk_error(BK_ERR_NOMEM, "GPU hessian: out of memory");
+    a->f = f;
+    a->c = f->c;
+    a->cfg = *cfg;
+    a->kind = kind;
+    a->fp64 = fp64 ? 1 : 0;
+    a->mlp2 = mlp2;
+    a->attn2 = kind == BK_HESS_FULLYLOCAL_KFAC || kind == BK_HESS_FULLYLOCAL_SHAMPOO;
+    a->shampoo = kind == BK_HESS_MLPLOCAL_SHAMPOO || kind == BK_HESS_FULLYLOCAL_SHAMPOO;
+    a->qknorm = cfg->qk_norm ? 1 : 0;
+    a->keep_plain = keep_plain ? 1 : 0;
+    a->T = f->T;
+    a->d = cfg->hidden;
+    a->inter = cfg->intermediate;
+    a->H = cfg->n_heads;
+    a->G = cfg->n_kv_heads;
+    a->hd = cfg->head_dim;
+    a->r = a->H / a->G;
+    a->qd = a->H * a->hd;
+    a->kvd = a->G * a->hd;
+    a->R = f->max_rows;
+    a->layer = -1;
+    if (kind == BK_HESS_RTN) {
+        *out = a;
+        return BK_OK;
+    }
+    const int64_t R = a->R, hh = a->hd * a->hd, S = f->max_seqs;
+    if ((st = gram_init(a, &a->x_attn, a->d)) || (st = gram_init(a, &a->x_o, a->qd)) ||
+        (st = gram_init(a, &a->x_down, a->inter)))
+        goto fail;
+    if ((!a->mlp2 || !a->shampoo || a->keep_plain) && (st = gram_init(a, &a->x_mlp, a->d)))
+        goto fail;
+    if (a->mlp2) {
+        if ((st = gram_init(a, &a->b_gate, a->inter)) || (st = gram_init(a, &a->b_up, a->inter)) ||
+            (st = alloc_f(a, &a->dcol2, a->inter, "diag(DᵀD)")))
+            goto fail;
+        if (a->shampoo &&
+            ((st = gram_init(a, &a->a_gate, a->d)) || (st = gram_init(a, &a->a_up, a->d))))
+            goto fail;
+    }
+    {
+        int64_t wmax = a->d > a->inter ? a->d : a->inter;
+        wmax = wmax > a->qd ? wmax : a->qd;
+        a->scr_elems = R * wmax < SCRATCH_ELEMS ? R * wmax : SCRATCH_ELEMS;
+    }
+    if ((st = bk_dev_alloc(a->c, &a->scr, (size_t)a->scr_elems * (a->fp64 ? 8 : 4),
+                           "Hessian scratch")) ||
+        (st = alloc_d(a, &a->w1, R, "row weights")) || (st = alloc_d(a, &a->w2, R, "row weights")) ||
+        (st = alloc_d(a, &a->w3, R, "row weights")))
+        goto fail;
+    if (a->attn2) {
+        const int64_t nq = a->qknorm ? a->H : a->G;
+        if ((st = alloc_d(a, &a->bq, nq * hh, "q_proj output blocks")) ||
+            (st = alloc_d(a, &a->bk, a->G * hh, "k_proj output blocks")) ||
+            (st = alloc_d(a, &a->part, S * (a->H > a->G ? a->H : a->G) * hh, "block partials")))
+            goto fail;
+        if (a->shampoo &&
+            ((st = gram_init(a, &a->a_q, a->d)) || (st = gram_init(a, &a->a_k, a->d))))
+            goto fail;
+        if (a->qknorm) {
+            if ((st = alloc_f(a, &a->zq, R * a->qd, "pre-norm queries")) ||
+                (st = alloc_f(a, &a->zk, R * a->kvd, "pre-norm keys")) ||
+                (st = alloc_d(a, &a->qC, S * a->G * hh, "running Grams")) ||
+                (st = alloc_d(a, &a->qM, S * a->G * hh, "sandwiched Grams")) ||
+                (st = alloc_d(a, &a->qv, S * a->H * a->hd, "norm products")) ||
+                (st = alloc_d(a, &a->qsc, S * a->H * 4, "norm scalars")) ||
+                (st = alloc_d(a, &a->qtr, S * a->H * a->T, "traces")))
+                goto fail;
+        }
+    }
+    bk_ghess_reset(a);
+    if ((st = bk_gpu_sync(f)) != BK_OK)
+        goto fail;
+    *out = a;
+    return BK_OK;
+fail:
+    bk_ghess_free(a);
+    return bk_error_prefix(st, "GPU hessian");
+}
+
+extern "C" void bk_ghess_reset(bk_ghess *a)
+{
+    if (!a)
+        return;
+    dgram *gs[] = {&a->x_attn, &a->x_o, &a->x_mlp, &a->x_down, &a->a_q,
+                   &a->a_k,    &a->a_gate, &a->a_up, &a->b_gate, &a->b_up};
+    for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
+        gram_zero(a, gs[i]);
+    const int64_t hh = a->hd * a->hd;
+    if (a->bq)
+        cudaMemsetAsync(a->bq, 0, (size_t)((a->qknorm ? a->H : a->G) * hh) * 8, a->c->stream);
+    if (a->bk)
+        cudaMemsetAsync(a->bk, 0, (size_t)(a->G * hh) * 8, a->c->stream);
+    cudaGetLastError();
+    a->have_dcol2 = 0;
+    a->broken = 0;
+    a->v_wb = 0;
+    a->n_pairs = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        a->count[g] = 0;
+    a->layer = -1;
+}
+
+/* ------------------------------------------------------------- the adds */
+
+namespace {
+
+/* The fully-local part of one micro-batch (q and k output blocks, Shampoo
+ * weights of q/k and the v B-weight), after x_attn was accumulated. */
+bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const float *Qr,
+                     const float *Kr, int64_t S)
+{
+    const int64_t T = a->T, N = S * T, h = a->hd, hh = h * h;
+    cudaStream_t sm = a->c->stream;
+    bk_status st;
+    /* B-side weights: |x_t|^2 (Shampoo, identity start) or 1 */
+    const double *sw = NULL;
+    if (a->shampoo) {
+        k_row_sq<<<(unsigned)((N + 7) / 8), 256, 0, sm>>>(X, N, a->d, NULL, a->w1);
+        if ((st = BK_LAUNCHED("k_row_sq")) != BK_OK)
+            return st;
+        sw = a->w1;
+        double *host = static_cast<double *>(bk_alloc((size_t)N, sizeof(double)));
+        if (!host)
+            return bk_error(BK_ERR_NOMEM, "GPU hessian: out of memory");
+        st = bk_gpu_download(a->f, host, a->w1, (size_t)N * sizeof(double));
+        for (int64_t i = 0; st == BK_OK && i < N; i++)
+            a->v_wb += host[i];
+        free(host);
+        if (st != BK_OK)
+            return st;
+    } else {
+        a->v_wb += (double)N;
+    }
+    const int64_t nq = a->qknorm ? a->H : a->G;
+    if (!a->qknorm) {
+        /* q_proj: prefix Grams of the keys; k_proj: suffix Grams of the group's queries */
+        for (int part = 0; part < 2; part++) {
+            quad_args q;
+            q.vec = part == 0 ? Kr : Qr;
+            q.vstride = part == 0 ? a->kvd : a->qd;
+            q.nv = part == 0 ? 1 : (int)a->r;
+            q.S = S;
+            q.T = T;
+            q.nb = a->G;
+            q.h = h;
+            q.cs = a->f->cos;
+            q.sn = a->f->sin;
+            q.w = sw;
+            q.backward = part;
+            q.part = a->part;
+            k_attn_quads<<<bk_grid(S * a->G * hh / 4), 256, 0, sm>>>(q);
+            if ((st = BK_LAUNCHED("k_attn_quads")) != BK_OK)
+                return st;
+            k_sum_parts<<<bk_grid(a->G * hh), 256, 0, sm>>>(a->part, S, a->G, hh,
+                                                            part == 0 ? a->bq : a->bk);
+            if ((st = BK_LAUNCHED("k_sum_parts")) != BK_OK)
+                return st;
+            if (a->shampoo) {
+                k_attn_traces<<<bk_grid(S), 256, 0, sm>>>(q.vec, q.vstride, q.nv, S, T, a->G, h,
+                                                          part, part == 0 ? (int)a->r : 1,
+                                                          part == 0 ? a->w2 : a->w3);
+                if ((st = BK_LAUNCHED("k_attn_traces")) != BK_OK)
+                    return st;
+            }
+        }
+    } else {
+        /* pre-norm projections z = x Wᵀ + b (as the CPU's project) */
+        if ((st = bk_g_linear(a->f, X, N, a->d, lw->w[BK_MOD_Q], a->qd, lw->b[BK_MOD_Q],
+                              a->zq)) != BK_OK ||
+            (st = bk_g_linear(a->f, X, N, a->d, lw->w[BK_MOD_K], a->kvd, lw->b[BK_MOD_K],
+                              a->zk)) != BK_OK)
+            return st;
+        for (int part = 0; part < 2; part++) {
+            qn_args q;
+            q.vec = part == 0 ? Kr : Qr;
+            q.vstride = part == 0 ? a->kvd : a->qd;
+            q.nv = part == 0 ? 1 : (int)a->r;
+            q.z = part == 0 ? a->zq : a->zk;
+            q.zstride = part == 0 ? a->qd : a->kvd;
+            q.gamma = part == 0 ? lw->q_norm : lw->k_norm;
+            q.S = S;
+            q.T = T;
+            q.nb = a->G;
+            q.nn = part == 0 ? a->H : a->G;
+            q.h = h;
+            q.cs = a->f->cos;
+            q.sn = a->f->sin;
+            q.eps = a->cfg.rms_eps;
+            q.w = sw;
+            q.C = a->qC;
+            q.M = a->qM;
+            q.acc = a->part;
+            q.v = a->qv;
+            q.sc = a->qsc;
+            q.tr = a->shampoo ? a->qtr : NULL;
+            cudaMemsetAsync(q.C, 0, (size_t)(S * a->G * hh) * 8, sm);
+            cudaMemsetAsync(q.acc, 0, (size_t)(S * q.nn * hh) * 8, sm);
+            if ((st = BK_LAUNCHED("memset")) != BK_OK)
+                return st;
+            for (int64_t step = 0; step < T; step++) {
+                const int64_t t = part == 0 ? step : T - 1 - step;
+                k_qn_gram<<<bk_grid(S * a->G * hh), 256, 0, sm>>>(q, t);
+                k_qn_rot<<<bk_grid(S * a->G * hh / 4), 256, 0, sm>>>(q, t);
+                k_qn_v<<<bk_grid(S * q.nn * h), 256, 0, sm>>>(q, t);
+                k_qn_scalars<<<bk_grid(S * q.nn), 256, 0, sm>>>(q, t);
+                k_qn_acc<<<bk_grid(S * q.nn * hh), 256, 0, sm>>>(q, t);
+                if ((st = BK_LAUNCHED("q/k-norm position kernels")) != BK_OK)
+                    return st;
+            }
+            k_sum_parts<<<bk_grid(q.nn * hh), 256, 0, sm>>>(a->part, S, q.nn, hh,
+                                                            part == 0 ? a->bq : a->bk);
+            if ((st = BK_LAUNCHED("k_sum_parts")) != BK_OK)
+                return st;
+            if (a->shampoo) {
+                k_trace_sum<<<bk_grid(S * T), 256, 0, sm>>>(a->qtr, S, q.nn, T,
+                                                             part == 0 ? a->w2 : a->w3);
+                if ((st = BK_LAUNCHED("k_trace_sum")) != BK_OK)
+                    return st;
+            }
+        }
+    }
+    (void)nq;
+    if (a->shampoo) {
+        k_clamp<<<bk_grid(N), 256, 0, sm>>>(a->w2, N);
+        k_clamp<<<bk_grid(N), 256, 0, sm>>>(a->w3, N);
+        if ((st = BK_LAUNCHED("k_clamp")) != BK_OK)
+            return st;
+        if ((st = gram_add(a, &a->a_q, X, N, a->w2)) != BK_OK ||
+            (st = gram_add(a, &a->a_k, X, N, a->w3)) != BK_OK)
+            return st;
+    }
+    return BK_OK;
+}
+
+} // namespace
+
+extern "C" bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *lw, const float *d_attn_in,
+                                       const float *d_qrot, const float *d_krot, int64_t S)
+{
+    if (!a)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
+    bk_status st;
+    int64_t N = 0;
+    if ((st = check_layer(a, lw, "bk_ghess_add_attn")) != BK_OK)
+        return st;
+    if (!d_attn_in)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: attn_in is NULL", lw->layer);
+    if ((st = batch_rows(a, S, "attn_in", &N)) != BK_OK)
+        return st;
+    if (a->attn2) {
+        if (!d_qrot || !d_krot)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "hessian: layer %d: %s needs the rotated queries and keys (q_rot "
+                            "and k_rot are required)",
+                            lw->layer, bk_hessian_name(a->kind));
+        if (!lw->w[BK_MOD_O])
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "hessian: layer %d: self_attn.o_proj weight missing (needed for the "
+                            "v_proj output factor)",
+                            lw->layer);
+        if (a->qknorm && (!lw->q_norm || !lw->k_norm || !lw->w[BK_MOD_Q] || !lw->w[BK_MOD_K]))
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "hessian: layer %d: q_norm/k_norm model needs self_attn.q_proj, "
+                            "k_proj, q_norm and k_norm weights",
+                            lw->layer);
+    }
+    if ((st = check_finite(a, d_attn_in, N, a->d, lw->layer, "attn_in")) != BK_OK)
+        return st;
+    if (a->attn2 && ((st = check_finite(a, d_qrot, N, a->qd, lw->layer, "q_rot")) != BK_OK ||
+                     (st = check_finite(a, d_krot, N, a->kvd, lw->layer, "k_rot")) != BK_OK))
+        return st;
+    a->layer = lw->layer;
+    if (a->kind == BK_HESS_RTN) {
+        a->count[G_ATTN] += N;
+        return BK_OK;
+    }
+    st = gram_add(a, &a->x_attn, d_attn_in, N, NULL);
+    if (st == BK_OK && a->attn2)
+        st = attn_local(a, lw, d_attn_in, d_qrot, d_krot, S);
+    if (st != BK_OK) {
+        a->broken = 1;
+        return st;
+    }
+    a->count[G_ATTN] += N;
+    if (a->attn2)
+        a->n_pairs += S * (a->T * (a->T + 1) / 2);
+    return BK_OK;
+}
+
+namespace {
+
+bk_status add_plain(bk_ghess *a, dgram *g, int grp, const float *x, int64_t S, int64_t width,
+                    const char *what)
+{
+    bk_status st;
+    int64_t N = 0;
+    if (!a)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
+    if (!x)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s is NULL", what);
+    if (a->broken)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: an earlier add failed part-way and left the accumulator "
+                        "inconsistent (call bk_ghess_reset)",
+                        what);
+    if ((st = batch_rows(a, S, what, &N)) != BK_OK)
+        return st;
+    if ((st = check_finite(a, x, N, width, a->layer, what)) != BK_OK)
+        return st;
+    if (a->kind != BK_HESS_RTN && (st = gram_add(a, g, x, N, NULL)) != BK_OK) {
+        a->broken = 1;
+        return st;
+    }
+    a->count[grp] += N;
+    return BK_OK;
+}
+
+} // namespace
+
+extern "C" bk_status bk_ghess_add_o(bk_ghess *a, const float *d_o_in, int64_t S)
+{
+    return add_plain(a, a ? &a->x_o : NULL, G_O, d_o_in, S, a ? a->qd : 0, "o_in");
+}
+
+extern "C" bk_status bk_ghess_add_down(bk_ghess *a, const float *d_down_in, int64_t S)
+{
+    return add_plain(a, a ? &a->x_down : NULL, G_DOWN, d_down_in, S, a ? a->inter : 0, "down_in");
+}
+
+extern "C" bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *lw, const float *d_mlp_in,
+                                      int64_t S)
+{
+    if (!a)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
+    bk_status st;
+    int64_t N = 0;
+    if ((st = check_layer(a, lw, "bk_ghess_add_mlp")) != BK_OK)
+        return st;
+    if (!d_mlp_in)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: mlp_in is NULL", lw->layer);
+    if ((st = batch_rows(a, S, "mlp_in", &N)) != BK_OK)
+        return st;
+    if (a->mlp2 && (!lw->w[BK_MOD_GATE] || !lw->w[BK_MOD_UP] || !lw->w[BK_MOD_DOWN]))
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: layer %d: %s needs the mlp.gate_proj, up_proj and down_proj "
+                        "weights",
+                        lw->layer, bk_hessian_name(a->kind));
+    if ((st = check_finite(a, d_mlp_in, N, a->d, lw->layer, "mlp_in")) != BK_OK)
+        return st;
+    a->layer = lw->layer;
+    if (a->kind == BK_HESS_RTN) {
+        a->count[G_MLP] += N;
+        return BK_OK;
+    }
+    const int64_t d = a->d, NI = a->inter;
+    cudaStream_t sm = a->c->stream;
+    if (!a->mlp2) {
+        st = gram_add(a, &a->x_mlp, d_mlp_in, N, NULL);
+        goto done;
+    }
+    if (!a->have_dcol2) {
+        k_colsq<<<bk_grid(NI), 256, 0, sm>>>(lw->w[BK_MOD_DOWN], d, NI, a->dcol2);
+        if ((st = BK_LAUNCHED("k_colsq")) != BK_OK)
+            goto done;
+        a->have_dcol2 = 1;
+    }
+    {
+        /* the forward context's gate/up scratch holds z_g, z_u (free between stages) */
+        float *zg = a->f->gate, *zu = a->f->up;
+        if ((st = bk_g_linear(a->f, d_mlp_in, N, d, lw->w[BK_MOD_GATE], NI, lw->b[BK_MOD_GATE],
+                              zg)) != BK_OK ||
+            (st = bk_g_linear(a->f, d_mlp_in, N, d, lw->w[BK_MOD_UP], NI, lw->b[BK_MOD_UP], zu)) !=
+                BK_OK)
+            goto done;
+        k_mlp_gf<<<bk_grid(N * NI), 256, 0, sm>>>(zg, zu, N * NI);
+        if ((st = BK_LAUNCHED("k_mlp_gf")) != BK_OK)
+            goto done;
+        if (!a->shampoo) {
+            if ((st = gram_add(a, &a->x_mlp, d_mlp_in, N, NULL)) != BK_OK ||
+                (st = gram_add(a, &a->b_up, zg, N, NULL)) != BK_OK)
+                goto done;
+            st = gram_add(a, &a->b_gate, zu, N, NULL);
+            goto done;
+        }
+        /* Shampoo: B-weights |x|^2; A-weights vᵀ diag(DᵀD) v (v = g for up, f for gate) */
+        k_row_sq<<<(unsigned)((N + 7) / 8), 256, 0, sm>>>(d_mlp_in, N, d, NULL, a->w1);
+        k_row_sq<<<(unsigned)((N + 7) / 8), 256, 0, sm>>>(zg, N, NI, a->dcol2, a->w2);
+        k_row_sq<<<(unsigned)((N + 7) / 8), 256, 0, sm>>>(zu, N, NI, a->dcol2, a->w3);
+        if ((st = BK_LAUNCHED("k_row_sq")) != BK_OK)
+            goto done;
+        if ((st = gram_add(a, &a->a_up, d_mlp_in, N, a->w2)) != BK_OK ||
+            (st = gram_add(a, &a->b_up, zg, N, a->w1)) != BK_OK ||
+            (st = gram_add(a, &a->a_gate, d_mlp_in, N, a->w3)) != BK_OK ||
+            (st = gram_add(a, &a->b_gate, zu, N, a->w1)) != BK_OK)
+            goto done;
+        if (a->keep_plain)
+            st = gram_add(a, &a->x_mlp, d_mlp_in, N, NULL);
+    }
+done:
+    if (st != BK_OK) {
+        a->broken = 1;
+        return st;
+    }
+    a->count[G_MLP] += N;
+    return BK_OK;
+}
+
+/* ------------------------------------------------------------- factors */
+
+namespace {
+
+float *host_buf(float **slot, int64_t n)
+{
+    if (!*slot)
+        *slot = static_cast<float *>(bk_alloc((size_t)(n * n), sizeof(float)));
+    return *slot;
+}
+
+bk_status dev_out(bk_ghess *a, int64_t n)
+{
+    const size_t need = (size_t)(n * n);
+    if (a->dev_out && a->dev_out_elems >= need)
+        return BK_OK;
+    bk_dev_free(a->c, a->dev_out);
+    a->dev_out = NULL;
+    a->dev_out_elems = 0;
+    bk_status st = alloc_f(a, &a->dev_out, (int64_t)need, "factor output");
+    if (st == BK_OK)
+        a->dev_out_elems = need;
+    return st;
+}
+
+/* host dst [n, n] = scale · G */
+bk_status gram_to_host(bk_ghess *a, const dgram *g, double scale, float *dst)
+{
+    bk_status st = dev_out(a, g->n);
+    if (st != BK_OK)
+        return st;
+    k_gram_out<<<bk_grid(g->n * g->n), 256, 0, a->c->stream>>>(g->s, a->fp64, g->n, scale,
+                                                               a->dev_out);
+    if ((st = BK_LAUNCHED("k_gram_out")) != BK_OK)
+        return st;
+    return bk_gpu_download(a->f, dst, a->dev_out, (size_t)(g->n * g->n) * sizeof(float));
+}
+
+bk_status blocks_to_host(bk_ghess *a, const double *dblk, int64_t nb, double **out)
+{
+    const int64_t hh = a->hd * a->hd;
+    double *h = static_cast<double *>(bk_alloc((size_t)(nb * hh), sizeof(double)));
+    if (!h)
+        return bk_error(BK_ERR_NOMEM, "GPU hessian: out of memory");
+    bk_status st = bk_gpu_download(a->f, h, dblk, (size_t)(nb * hh) * sizeof(double));
+    if (st != BK_OK) {
+        free(h);
+        return st;
+    }
+    *out = h;
+    return BK_OK;
+}
+
+/* B_O blocks Σ_{j in κ} O_jᵀ O_j of W_o [hidden, H*h] as host doubles [G, h, h]. */
+bk_status make_bv(bk_ghess *a, const float *wo, double **out)
+{
+    const int64_t h = a->hd, hh = h * h;
+    float *tmp = NULL;
+    double *dbv = NULL;
+    bk_status st = alloc_f(a, &tmp, a->H * hh, "v_proj blocks");
+    if (st == BK_OK)
+        st = alloc_d(a, &dbv, a->G * hh, "v_proj blocks");
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t j = 0; j < a->H && st == BK_OK; j++)
+        st = bk_cublas_status(cublasSsyrk_64(a->c->cublas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, h,
+                                             a->d, &one, wo + j * h, a->qd, &zero, tmp + j * hh, h),
+                              "cublasSsyrk (v_proj blocks)", __FILE__, __LINE__);
+    if (st == BK_OK) {
+        k_bv_sum<<<bk_grid(a->G * hh), 256, 0, a->c->stream>>>(tmp, a->H, a->r, h, dbv);
+        st = BK_LAUNCHED("k_bv_sum");
+    }
+    if (st == BK_OK)
+        st = blocks_to_host(a, dbv, a->G, out);
+    bk_dev_free(a->c, tmp);
+    bk_dev_free(a->c, dbv);
+    return st;
+}
+
+} // namespace
+
+extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_module mod,
+                                      const float **A, const float **B, const float **A_plain)
+{
+    if (!a || !A || !B)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL argument to bk_ghess_factors");
+    *A = NULL;
+    *B = NULL;
+    if (A_plain)
+        *A_plain = NULL;
+    if ((unsigned)mod >= BK_MOD_COUNT)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown module %d", (int)mod);
+    const char *mn = bk_module_name(mod);
+    if (a->broken)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: an earlier add failed part-way and left the accumulator "
+                        "inconsistent (call bk_ghess_reset)",
+                        mn);
+    if (a->kind == BK_HESS_RTN)
+        return BK_OK;
+    const int grp = mod <= BK_MOD_V ? G_ATTN : mod == BK_MOD_O ? G_O
+                                             : mod == BK_MOD_DOWN ? G_DOWN : G_MLP;
+    static const char *const add_names[G_COUNT] = {"bk_ghess_add_attn", "bk_ghess_add_o",
+                                                   "bk_ghess_add_mlp", "bk_ghess_add_down"};
+    if (a->count[grp] == 0)
+        return bk_error(BK_ERR_CALIB,
+                        "hessian: %s: no calibration samples were added for this layer (call "
+                        "%s first)",
+                        mn, add_names[grp]);
+    if (orig && orig->layer != a->layer)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: factors asked with the weights of layer %d, accumulated "
+                        "for layer %d",
+                        mn, orig->layer, a->layer);
+    int64_t m, n;
+    bk_module_shape(&a->cfg, mod, &m, &n);
+    float *fa = host_buf(&a->outA[mod], n);
+    if (!fa)
+        return bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for A [%lld, %lld]", mn,
+                        (long long)n, (long long)n);
+    const int two = bk_hessian_is_two_sided(a->kind, mod);
+    float *fb = NULL;
+    if (two && !(fb = host_buf(&a->outB[mod], m)))
+        return bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for B [%lld, %lld]", mn,
+                        (long long)m, (long long)m);
+    const double N = (double)a->count[grp], P = (double)a->n_pairs;
+    const int64_t h = a->hd, hh = h * h;
+    const dgram *plain = NULL; /* E[x xᵀ] when it differs from A */
+    double *blk = NULL;
+    bk_status st = BK_OK;
+    switch (mod) {
+    case BK_MOD_Q:
+    case BK_MOD_K:
+        if (!two) {
+            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa);
+            break;
+        }
+        if (a->shampoo) {
+            st = gram_to_host(a, mod == BK_MOD_Q ? &a->a_q : &a->a_k, 1.0 / P, fa);
+            plain = &a->x_attn;
+        } else {
+            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa);
+        }
+        if (st != BK_OK)
+            break;
+        if (mod == BK_MOD_K) {
+            if ((st = blocks_to_host(a, a->bk, a->G, &blk)) == BK_OK)
+                blocks_out(blk, a->G, h, 1.0 / P, fb);
+        } else if (a->qknorm) {
+            if ((st = blocks_to_host(a, a->bq, a->H, &blk)) == BK_OK)
+                blocks_out(blk, a->H, h, 1.0 / P, fb);
+        } else if ((st = blocks_to_host(a, a->bq, a->G, &blk)) == BK_OK) {
+            /* every head of a group has its group's block */
+            memset(fb, 0, (size_t)(m * m) * sizeof(float));
+            for (int64_t j = 0; j < a->H; j++) {
+                const double *s = blk + (j / a->r) * hh;
+                for (int64_t i = 0; i < h; i++)
+                    for (int64_t c = 0; c < h; c++)
+                        fb[(j * h + i) * m + j * h + c] =
+                            (float)(0.5 * (s[i * h + c] + s[c * h + i]) / P);
+            }
+        }
+        break;
+    case BK_MOD_V:
+        if (!two) {
+            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa);
+            break;
+        }
+        if (!orig || !orig->w[BK_MOD_O]) {
+            st = bk_error(BK_ERR_INVALID_ARG,
+                          "hessian: %s: the layer weights are needed (output factor from "
+                          "self_attn.o_proj)",
+                          mn);
+            break;
+        }
+        if ((st = make_bv(a, orig->w[BK_MOD_O], &blk)) != BK_OK)
+            break;
+        if (a->shampoo) {
+            double wa = 0;
+            for (int64_t b = 0; b < a->G; b++)
+                wa += trace_h(blk + b * hh, h);
+            st = gram_to_host(a, &a->x_attn, wa / N, fa);
+            blocks_out(blk, a->G, h, a->v_wb / N, fb);
+            plain = &a->x_attn;
+        } else {
+            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa);
+            blocks_out(blk, a->G, h, 1.0, fb);
+        }
+        break;
+    case BK_MOD_O:
+        st = gram_to_host(a, &a->x_o, 1.0 / N, fa);
+        break;
+    case BK_MOD_GATE:
+    case BK_MOD_UP: {
+        if (!two) {
+            st = gram_to_host(a, &a->x_mlp, 1.0 / N, fa);
+            break;
+        }
+        if (!orig || !orig->w[BK_MOD_DOWN]) {
+            st = bk_error(BK_ERR_INVALID_ARG,
+                          "hessian: %s: the layer weights are needed (output factor from "
+                          "mlp.down_proj)",
+                          mn);
+            break;
+        }
+        if (a->shampoo) {
+            st = gram_to_host(a, mod == BK_MOD_UP ? &a->a_up : &a->a_gate, 1.0 / N, fa);
+            plain = a->x_mlp.s ? &a->x_mlp : NULL;
+        } else {
+            st = gram_to_host(a, &a->x_mlp, 1.0 / N, fa);
+        }
+        if (st != BK_OK)
+            break;
+        /* B = (Σ w v vᵀ / N) ⊙ DᵀD; DᵀD by SYRK into the output staging, the
+         * product into the scratch (or a second staging when it is small) */
+        const int64_t NI = a->inter;
+        float *dtd = NULL;
+        if ((st = alloc_f(a, &dtd, NI * NI, "DᵀD")) != BK_OK)
+            break;
+        const float one = 1.0f, zero = 0.0f;
+        st = bk_cublas_status(cublasSsyrk_64(a->c->cublas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, NI,
+                                             a->d, &one, orig->w[BK_MOD_DOWN], NI, &zero, dtd, NI),
+                              "cublasSsyrk (DᵀD)", __FILE__, __LINE__);
+        if (st == BK_OK)
+            st = dev_out(a, NI);
+        if (st == BK_OK) {
+            const dgram *gb = mod == BK_MOD_UP ? &a->b_up : &a->b_gate;
+            k_mlp_b<<<bk_grid(NI * NI), 256, 0, a->c->stream>>>(dtd, gb->s, a->fp64, NI, N,
+                                                                a->dev_out);
+            st = BK_LAUNCHED("k_mlp_b");
+        }
+        if (st == BK_OK)
+            st = bk_gpu_download(a->f, fb, a->dev_out, (size_t)(NI * NI) * sizeof(float));
+        bk_dev_free(a->c, dtd);
+        break;
+    }
+    case BK_MOD_DOWN:
+        st = gram_to_host(a, &a->x_down, 1.0 / N, fa);
+        break;
+    default:
+        break;
+    }
+    free(blk);
+    if (st == BK_OK && A_plain) {
+        if (plain) {
+            float *fp = host_buf(&a->outP[mod], n);
+            if (!fp)
+                st = bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for E[x xᵀ]", mn);
+            else if ((st = gram_to_host(a, plain, 1.0 / N, fp)) == BK_OK)
+                *A_plain = fp;
+        } else {
+            *A_plain = fa;
+        }
+    }
+    if (st != BK_OK)
+        return bk_error_prefix(st, mn);
+    *A = fa;
+    *B = fb;
+    return BK_OK;
+}

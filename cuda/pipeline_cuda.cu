@@ -1,0 +1,474 @@
+/* CUDA backend — the quantization job's stages on the GPU (the bk_stage_ops
+ * table that src/pipeline.c drives; src/pipeline_gpu.h).
+ *
+ * Resident on the device: the residual stream h and the o_proj inputs of all
+ * calibration sequences (or, when they do not fit next to everything else,
+ * in pinned host memory with one micro-batch window on the device, chosen
+ * from cudaMemGetInfo), one layer's weights twice (original + working copy
+ * with the quantized modules), one layer's Hessian accumulators, and the
+ * micro-batch scratch. Each stage runs on one micro-batch; the stream is
+ * synchronized at the end of its forward part and of its Hessian part so
+ * that the stage times are real. The solves go through the backend's
+ * host-array entry (bk_backend_solve): the factors are downloaded.
+ */
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "backend_impl.h"
+#include "fwd_internal.cuh"
+
+extern "C" {
+#include "util.h"
+}
+
+namespace {
+
+struct gstages {
+    bk_backend *b;
+    const bk_model *m;
+    bk_model_config cfg;
+    bk_hessian_kind kind;
+    int fp64, keep_plain, fully;
+    int64_t S, T, B, hid, qd, kvd;
+    bk_gfwd *f;
+    bk_ghess *acc;
+    /* residual stream and o_proj inputs of all sequences */
+    int resident;
+    float *H, *O;     /* device [N, hid], [N, qd] (resident) */
+    float *Hh, *Oh;   /* pinned host (not resident) */
+    float *hwin, *owin; /* device windows [B*T, ...] (not resident) */
+    /* micro-batch buffers */
+    float *x, *qrot, *krot, *down, *mlp_in, *oscr;
+    bk_glayer *orig, *lw;
+    char desc[256];
+};
+
+double now_synced(gstages *g, bk_status *st)
+{
+    bk_status s = bk_gpu_sync(g->f);
+    if (*st == BK_OK)
+        *st = s;
+    return bk_now();
+}
+
+bk_status falloc(gstages *g, float **p, int64_t rows, int64_t cols, const char *what)
+{
+    void *q = NULL;
+    bk_status st = bk_gpu_alloc(g->f, &q, (size_t)(rows * cols) * sizeof(float), what);
+    *p = static_cast<float *>(q);
+    return st;
+}
+
+/* Micro-batch pointers into the residual stream / o_proj inputs. */
+bk_status get_h(gstages *g, int64_t s0, int64_t sb, float **out)
+{
+    const size_t off = (size_t)(s0 * g->T * g->hid);
+    if (g->resident) {
+        *out = g->H + off;
+        return BK_OK;
+    }
+    *out = g->hwin;
+    return bk_gpu_upload(g->f, g->hwin, g->Hh + off, (size_t)(sb * g->T * g->hid) * sizeof(float));
+}
+
+bk_status put_h(gstages *g, int64_t s0, int64_t sb)
+{
+    if (g->resident)
+        return BK_OK;
+    const size_t off = (size_t)(s0 * g->T * g->hid);
+    return bk_gpu_download(g->f, g->Hh + off, g->hwin, (size_t)(sb * g->T * g->hid) * sizeof(float));
+}
+
+bk_status get_o(gstages *g, int64_t s0, int64_t sb, int load, float **out)
+{
+    const size_t off = (size_t)(s0 * g->T * g->qd);
+    if (g->resident) {
+        *out = g->O + off;
+        return BK_OK;
+    }
+    *out = g->owin;
+    if (!load)
+        return BK_OK;
+    return bk_gpu_upload(g->f, g->owin, g->Oh + off, (size_t)(sb * g->T * g->qd) * sizeof(float));
+}
+
+bk_status put_o(gstages *g, int64_t s0, int64_t sb)
+{
+    if (g->resident)
+        return BK_OK;
+    const size_t off = (size_t)(s0 * g->T * g->qd);
+    return bk_gpu_download(g->f, g->Oh + off, g->owin, (size_t)(sb * g->T * g->qd) * sizeof(float));
+}
+
+/* ------------------------------------------------------------ the ops */
+
+bk_status g_embed(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    float *h = NULL;
+    bk_status st = get_h(g, s0, sb, &h);
+    if (st == BK_OK)
+        st = bk_gfwd_embed(g->f, g->m, tokens + s0 * g->T, sb, h);
+    if (st == BK_OK)
+        st = put_h(g, s0, sb);
+    if (st == BK_OK && s0 + sb >= g->S)
+        bk_gfwd_embed_release(g->f); /* the last micro-batch */
+    if (st == BK_OK)
+        st = bk_gpu_sync(g->f);
+    return st;
+}
+
+void g_layer_end(void *ctx)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    bk_glayer_free(g->f, g->orig);
+    bk_glayer_free(g->f, g->lw);
+    g->orig = g->lw = NULL;
+}
+
+bk_status g_layer_begin(void *ctx, const bk_layer_weights *orig, const bk_layer_weights *lw,
+                        int hessians)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    (void)lw; /* equal to orig now: copied on the device */
+    g_layer_end(ctx);
+    bk_status st = bk_glayer_upload(g->f, orig, &g->orig);
+    if (st == BK_OK && hessians) /* the working copy only where modules are quantized */
+        st = bk_glayer_clone(g->f, g->orig, &g->lw);
+    if (st == BK_OK && hessians)
+        bk_ghess_reset(g->acc);
+    if (st == BK_OK)
+        st = bk_gpu_sync(g->f);
+    if (st != BK_OK) {
+        g_layer_end(ctx);
+        if (st == BK_ERR_DEVICE_OOM)
+            bk_error_prefix(st, "GPU pipeline: the layer's weights do not fit (use a smaller "
+                                "--batch or drop --gpu-pipeline)");
+    }
+    return st;
+}
+
+bk_status g_adds(gstages *g, int64_t sb, const float *x, const float *o, const float *mlp_in,
+                 const float *down)
+{
+    bk_status st = bk_ghess_add_attn(g->acc, g->orig, x, g->fully ? g->qrot : NULL,
+                                     g->fully ? g->krot : NULL, sb);
+    if (st == BK_OK)
+        st = bk_ghess_add_o(g->acc, o, sb);
+    if (st == BK_OK)
+        st = bk_ghess_add_mlp(g->acc, g->orig, mlp_in, sb);
+    if (st == BK_OK)
+        st = bk_ghess_add_down(g->acc, down, sb);
+    return st;
+}
+
+bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_forward,
+                double *t_hessian)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    bk_gfwd *f = g->f;
+    if (!g->orig || (!g->lw && stage != BK_STAGE_FULL && stage != BK_STAGE_TAPS))
+        return bk_error(BK_ERR_INTERNAL, "GPU pipeline: stage without a layer");
+    float *h = NULL, *o = NULL;
+    double t = bk_now();
+    bk_status st = get_h(g, s0, sb, &h);
+    if (st != BK_OK)
+        return st;
+    switch (stage) {
+    case BK_STAGE_QKV:
+        st = bk_gfwd_attn_in(f, g->orig, h, sb, g->x);
+        if (st == BK_OK && g->fully)
+            st = bk_gfwd_attention(f, g->orig, g->x, sb, g->oscr, g->qrot, g->krot, NULL);
+        *t_forward += now_synced(g, &st) - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        st = bk_ghess_add_attn(g->acc, g->orig, g->x, g->fully ? g->qrot : NULL,
+                               g->fully ? g->krot : NULL, sb);
+        *t_hessian += now_synced(g, &st) - t;
+        return st;
+    case BK_STAGE_O:
+        st = bk_gfwd_attn_in(f, g->lw, h, sb, g->x);
+        if (st == BK_OK)
+            st = get_o(g, s0, sb, 0, &o);
+        if (st == BK_OK)
+            st = bk_gfwd_attention(f, g->lw, g->x, sb, o, NULL, NULL, NULL);
+        if (st == BK_OK)
+            st = put_o(g, s0, sb);
+        *t_forward += now_synced(g, &st) - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        st = bk_ghess_add_o(g->acc, o, sb);
+        *t_hessian += now_synced(g, &st) - t;
+        return st;
+    case BK_STAGE_MLP:
+        st = get_o(g, s0, sb, 1, &o);
+        if (st == BK_OK)
+            st = bk_gfwd_attn_out(f, g->lw, o, sb, h);
+        if (st == BK_OK)
+            st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
+        if (st == BK_OK)
+            st = put_h(g, s0, sb);
+        *t_forward += now_synced(g, &st) - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        st = bk_ghess_add_mlp(g->acc, g->orig, g->x, sb);
+        *t_hessian += now_synced(g, &st) - t;
+        return st;
+    case BK_STAGE_DOWN:
+        st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
+        if (st == BK_OK)
+            st = bk_gfwd_mlp_hidden(f, g->lw, g->x, sb, g->down, NULL, NULL);
+        *t_forward += now_synced(g, &st) - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        st = bk_ghess_add_down(g->acc, g->down, sb);
+        *t_hessian += now_synced(g, &st) - t;
+        return st;
+    case BK_STAGE_OUT:
+        st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
+        if (st == BK_OK)
+            st = bk_gfwd_mlp_hidden(f, g->lw, g->x, sb, g->down, NULL, NULL);
+        if (st == BK_OK)
+            st = bk_gfwd_mlp_out(f, g->lw, g->down, sb, h);
+        if (st == BK_OK)
+            st = put_h(g, s0, sb);
+        *t_forward += now_synced(g, &st) - t;
+        return st;
+    case BK_STAGE_FULL:
+        st = bk_gfwd_layer(f, g->orig, sb, h, NULL);
+        if (st == BK_OK)
+            st = put_h(g, s0, sb);
+        *t_forward += now_synced(g, &st) - t;
+        return st;
+    case BK_STAGE_TAPS: {
+        bk_layer_taps taps = {g->x, g->oscr, g->mlp_in, g->down, g->fully ? g->qrot : NULL,
+                              g->fully ? g->krot : NULL};
+        st = bk_gfwd_layer(f, g->orig, sb, h, &taps);
+        if (st == BK_OK)
+            st = put_h(g, s0, sb);
+        *t_forward += now_synced(g, &st) - t;
+        if (st != BK_OK)
+            return st;
+        t = bk_now();
+        st = g_adds(g, sb, g->x, g->oscr, g->mlp_in, g->down);
+        *t_hessian += now_synced(g, &st) - t;
+        return st;
+    }
+    }
+    return bk_error(BK_ERR_INTERNAL, "GPU pipeline: unknown stage %d", (int)stage);
+}
+
+bk_status g_factors(void *ctx, bk_module mod, const float **A, const float **B,
+                    const float **A_plain)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    bk_status st = bk_ghess_factors(g->acc, g->orig, mod, A, B, A_plain);
+    if (st == BK_ERR_DEVICE_OOM)
+        bk_error_prefix(st, "GPU pipeline: forming the factors (use a smaller --batch or drop "
+                            "--gpu-pipeline)");
+    return st;
+}
+
+bk_status g_weight_updated(void *ctx, bk_module mod, const float *w)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    if (!g->lw)
+        return bk_error(BK_ERR_INTERNAL, "GPU pipeline: weight update without a layer");
+    return bk_glayer_set(g->f, g->lw, mod, w);
+}
+
+/* Everything but the context itself. */
+void g_release(gstages *g)
+{
+    g_layer_end(g);
+    if (g->f) {
+        float *bufs[] = {g->H, g->O, g->hwin, g->owin, g->x, g->qrot, g->krot, g->down,
+                         g->mlp_in, g->oscr};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            bk_gpu_free(g->f, bufs[i]);
+    }
+    g->H = g->O = g->hwin = g->owin = g->x = g->qrot = g->krot = g->down = g->mlp_in = g->oscr =
+        NULL;
+    if (g->Hh)
+        cudaFreeHost(g->Hh);
+    if (g->Oh)
+        cudaFreeHost(g->Oh);
+    g->Hh = g->Oh = NULL;
+    bk_ghess_free(g->acc);
+    g->acc = NULL;
+    bk_gfwd_free(g->f);
+    g->f = NULL;
+    cudaGetLastError();
+}
+
+void g_destroy(void *ctx)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    if (!g)
+        return;
+    g_release(g);
+    free(g);
+}
+
+const char *g_describe(void *ctx)
+{
+    return static_cast<gstages *>(ctx)->desc;
+}
+
+const bk_stage_ops gpu_stage_ops = {
+    "cuda", g_embed, g_layer_begin, g_run, g_factors, g_weight_updated, g_layer_end, g_destroy,
+    g_describe,
+};
+
+/* Sequences per micro-batch: the forward scratch and stage buffers of one
+ * micro-batch around 2 GiB. */
+int64_t auto_batch(const bk_model_config *c, int64_t S, int64_t T)
+{
+    const double per_row = 4.0 * (double)(6 * c->n_heads * c->head_dim +
+                                          6 * c->n_kv_heads * c->head_dim + 5 * c->hidden +
+                                          4 * c->intermediate);
+    int64_t b = (int64_t)((2048.0 * 1024 * 1024) / (per_row * (double)T));
+    if (b < 1)
+        b = 1;
+    if (b > S)
+        b = S;
+    return b;
+}
+
+/* The micro-batch's device state for batch B (the context's state is freed
+ * first). */
+bk_status g_setup(gstages *g, int64_t B)
+{
+    g_release(g);
+    g->B = B;
+    bk_status st = bk_gfwd_create(g->b, &g->cfg, B, g->T, &g->f);
+    if (st == BK_OK)
+        st = bk_ghess_create(g->f, g->kind, g->fp64, g->keep_plain, &g->acc);
+    const int64_t R = B * g->T;
+    const int64_t xw = g->hid > g->qd ? g->hid : g->qd;
+    if (st == BK_OK)
+        st = falloc(g, &g->x, R, xw, "stage input");
+    if (st == BK_OK)
+        st = falloc(g, &g->down, R, g->cfg.intermediate, "down_proj input");
+    if (st == BK_OK)
+        st = falloc(g, &g->mlp_in, R, g->hid, "mlp input");
+    if (st == BK_OK)
+        st = falloc(g, &g->oscr, R, g->qd, "attention output scratch");
+    if (st == BK_OK && g->fully)
+        st = falloc(g, &g->qrot, R, g->qd, "rotated queries");
+    if (st == BK_OK && g->fully)
+        st = falloc(g, &g->krot, R, g->kvd, "rotated keys");
+    return st;
+}
+
+} // namespace
+
+extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_hessian_kind kind,
+                                          int fp64, int keep_plain, int fully, int64_t S,
+                                          int64_t T, int64_t *batch, const bk_stage_ops **ops,
+                                          void **ctx)
+{
+    *ops = NULL;
+    *ctx = NULL;
+    if (!b || !m || !batch || S < 1 || T < 1)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU pipeline: bad arguments");
+    gstages *g = static_cast<gstages *>(calloc(1, sizeof(gstages)));
+    if (!g)
+        return bk_error(BK_ERR_NOMEM, "GPU pipeline: out of memory");
+    g->b = b;
+    g->m = m;
+    g->cfg = *bk_model_get_config(m);
+    g->kind = kind;
+    g->fp64 = fp64;
+    g->keep_plain = keep_plain;
+    g->fully = fully;
+    g->S = S;
+    g->T = T;
+    g->hid = g->cfg.hidden;
+    g->qd = g->cfg.n_heads * g->cfg.head_dim;
+    g->kvd = g->cfg.n_kv_heads * g->cfg.head_dim;
+    const int asked = *batch > 0;
+    int64_t B = asked ? (*batch < S ? *batch : S) : auto_batch(&g->cfg, S, T);
+    bk_status st;
+    /* out of device memory: halve the micro-batch and try again */
+    for (;;) {
+        st = g_setup(g, B);
+        if (st != BK_ERR_DEVICE_OOM || B == 1)
+            break;
+        B /= 2; /* reported in the description */
+    }
+    if (st == BK_ERR_DEVICE_OOM)
+        bk_error_prefix(st, "GPU pipeline: out of device memory even with a micro-batch of one "
+                            "sequence (use fewer --samples, a shorter --seqlen, or drop "
+                            "--gpu-pipeline)");
+    /* the residual stream: on the device when it fits next to one layer's
+     * weights (twice), the factor staging and a margin */
+    const uint64_t N = (uint64_t)S * (uint64_t)T;
+    const uint64_t need = N * (uint64_t)(g->hid + g->qd) * 4u;
+    if (st == BK_OK) {
+        size_t fr = 0, tot = 0;
+        st = bk_gpu_mem_info(g->f, &fr, &tot);
+        uint64_t layer = 0;
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            int64_t o, in;
+            bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
+            layer += (uint64_t)(o * in) * 4u;
+        }
+        const uint64_t big = (uint64_t)g->cfg.intermediate > (uint64_t)g->hid
+                                 ? (uint64_t)g->cfg.intermediate
+                                 : (uint64_t)g->hid;
+        const uint64_t reserve = 2 * layer + 2 * big * big * 4u + ((uint64_t)1 << 30);
+        g->resident = st == BK_OK && (uint64_t)fr > reserve && (uint64_t)fr - reserve >= need;
+        /* BK_GPU_RESIDUAL=host forces the pinned-host stream (tests, measurements) */
+        const char *e = getenv("BK_GPU_RESIDUAL");
+        if (e && !strcmp(e, "host"))
+            g->resident = 0;
+    }
+    if (st == BK_OK && g->resident) {
+        st = falloc(g, &g->H, (int64_t)N, g->hid, "residual stream of all sequences");
+        if (st == BK_OK)
+            st = falloc(g, &g->O, (int64_t)N, g->qd, "o_proj inputs of all sequences");
+    } else if (st == BK_OK) {
+        const int64_t R = g->B * T;
+        st = falloc(g, &g->hwin, R, g->hid, "residual window");
+        if (st == BK_OK)
+            st = falloc(g, &g->owin, R, g->qd, "o_proj input window");
+        void *p = NULL;
+        if (st == BK_OK) {
+            st = bk_cuda_status(cudaHostAlloc(&p, (size_t)(N * (uint64_t)g->hid * 4u),
+                                              cudaHostAllocDefault),
+                                "pinned host memory for the residual stream", __FILE__, __LINE__);
+            g->Hh = static_cast<float *>(p);
+        }
+        if (st == BK_OK) {
+            st = bk_cuda_status(cudaHostAlloc(&p, (size_t)(N * (uint64_t)g->qd * 4u),
+                                              cudaHostAllocDefault),
+                                "pinned host memory for the o_proj inputs", __FILE__, __LINE__);
+            g->Oh = static_cast<float *>(p);
+        }
+        if (st != BK_OK)
+            bk_error_prefix(st, "GPU pipeline");
+    }
+    if (st != BK_OK) {
+        g_destroy(g);
+        return st;
+    }
+    const int64_t wanted = asked ? (*batch < S ? *batch : S) : auto_batch(&g->cfg, S, T);
+    char red[96] = "";
+    if (B != wanted)
+        snprintf(red, sizeof red, " (reduced from %lld: out of device memory)", (long long)wanted);
+    snprintf(g->desc, sizeof g->desc,
+             "forward + Hessians on the GPU: micro-batch %lld sequences%s, residual stream %s "
+             "(%.2f GiB)",
+             (long long)B, red, g->resident ? "on the device" : "in pinned host memory",
+             (double)need / (1024.0 * 1024.0 * 1024.0));
+    *batch = B;
+    *ops = &gpu_stage_ops;
+    *ctx = g;
+    return BK_OK;
+}

@@ -1,0 +1,177 @@
+/* Internal (not public API): the quantization job's stage table, and the
+ * forward pass and Hessian accumulation on the GPU (cuda/forward.cu,
+ * cuda/hessian.cu, cuda/pipeline_cuda.cu; docs/DEVICE.md "Pipeline on the
+ * GPU").
+ *
+ * One driver (src/pipeline.c) runs the sequential 5-stage flow; what each
+ * stage does on one micro-batch goes through a bk_stage_ops table: the CPU
+ * one (src/pipeline.c, over bk_fwd / bk_hess_acc) or the CUDA one
+ * (cuda/pipeline_cuda.cu, over bk_gfwd / bk_ghess below).
+ *
+ * The GPU functions mirror bakron/forward.h and bakron/hessian.h with device
+ * pointers (F32, same layouts: S sequences of T tokens, N = S*T rows,
+ * row-major). They exist only in CUDA builds (BK_HAVE_CUDA).
+ */
+#ifndef BK_PIPELINE_GPU_H
+#define BK_PIPELINE_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bakron/backend.h"
+#include "bakron/forward.h"
+#include "bakron/hessian.h"
+#include "bakron/model.h"
+#include "bakron/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------ stage table */
+
+typedef enum bk_stage {
+    BK_STAGE_QKV = 0, /* x = attn_in(orig); fully-local: FP queries/keys; add_attn */
+    BK_STAGE_O,       /* attention with the quantized q/k/v -> o_in (kept); add_o */
+    BK_STAGE_MLP,     /* h += o_proj(o_in); x = mlp_in; add_mlp (original gate/up) */
+    BK_STAGE_DOWN,    /* down_in = mlp_hidden(mlp_in(h)); add_down */
+    BK_STAGE_OUT,     /* h += down_proj(mlp_hidden(mlp_in(h))) */
+    BK_STAGE_FULL,    /* the whole layer with the original weights, no Hessians */
+    BK_STAGE_TAPS     /* the whole layer with the original weights; every add */
+} bk_stage;
+
+typedef struct bk_stage_ops {
+    const char *name; /* "cpu" or "cuda" */
+    /* Embed sequences [s0, s0+sb) (tokens: the whole [S, T] array). */
+    bk_status (*embed)(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb);
+    /* A layer starts: orig = full-precision weights, lw = the working copy
+     * (equal to orig now). hessians = 1: reset the accumulators. */
+    bk_status (*layer_begin)(void *ctx, const bk_layer_weights *orig, const bk_layer_weights *lw,
+                             int hessians);
+    /* One stage on sequences [s0, s0+sb); adds the time spent to *t_forward
+     * and *t_hessian. */
+    bk_status (*run)(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_forward,
+                     double *t_hessian);
+    /* Host factors of module mod (valid until the next call): A, B (NULL =
+     * identity) and A_plain = E[x x^T] (the GPTQ proxy loss; may equal A).
+     * rtn: all NULL. */
+    bk_status (*factors)(void *ctx, bk_module mod, const float **A, const float **B,
+                         const float **A_plain);
+    /* The quantized weight w [out, in] replaces lw's module mod. */
+    bk_status (*weight_updated)(void *ctx, bk_module mod, const float *w);
+    /* The layer is done (its weights are released by the caller). */
+    void (*layer_end)(void *ctx);
+    void (*destroy)(void *ctx);
+    /* One line for the log and report.json ("" for the CPU). */
+    const char *(*describe)(void *ctx);
+} bk_stage_ops;
+
+/* BK_GPU_PIPELINE=1 in the environment, or --gpu-pipeline, asks for it. */
+int bk_gpu_pipeline_env(void);
+
+/* ------------------------------------------------------- GPU forward pass */
+
+typedef struct bk_gfwd bk_gfwd;
+/* One decoder layer's weights on the device (F32). */
+typedef struct bk_glayer bk_glayer;
+
+/* b must be a CUDA backend (its device, stream and tracked allocator are
+ * used). Scratch for micro-batches of up to max_seqs sequences of seqlen
+ * tokens; RoPE tables (src/rope.c) uploaded once. */
+bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, int64_t max_seqs,
+                         int64_t seqlen, bk_gfwd **out);
+void bk_gfwd_free(bk_gfwd *f);
+int64_t bk_gfwd_max_seqs(const bk_gfwd *f);
+
+/* Tracked device memory and copies on the context's stream (synchronous). */
+bk_status bk_gpu_alloc(bk_gfwd *f, void **p, size_t bytes, const char *what);
+void bk_gpu_free(bk_gfwd *f, void *p);
+bk_status bk_gpu_upload(bk_gfwd *f, void *dst, const void *src, size_t bytes);
+bk_status bk_gpu_download(bk_gfwd *f, void *dst, const void *src, size_t bytes);
+bk_status bk_gpu_copy(bk_gfwd *f, void *dst, const void *src, size_t bytes); /* device->device */
+bk_status bk_gpu_sync(bk_gfwd *f);
+/* Free device memory (bytes). */
+bk_status bk_gpu_mem_info(bk_gfwd *f, size_t *free_bytes, size_t *total_bytes);
+
+bk_status bk_glayer_upload(bk_gfwd *f, const bk_layer_weights *lw, bk_glayer **out);
+/* Device copy of another device layer. */
+bk_status bk_glayer_clone(bk_gfwd *f, const bk_glayer *src, bk_glayer **out);
+/* Replace module mod's weight by the host array w [out, in]. */
+bk_status bk_glayer_set(bk_gfwd *f, bk_glayer *g, bk_module mod, const float *w);
+void bk_glayer_free(bk_gfwd *f, bk_glayer *g);
+int bk_glayer_index(const bk_glayer *g);
+
+/* Stages, as bakron/forward.h, on device arrays. tokens stay host arrays. */
+bk_status bk_gfwd_embed(bk_gfwd *f, const bk_model *m, const int32_t *tokens, int64_t S,
+                        float *d_h);
+/* Release the embedding table uploaded by bk_gfwd_embed (it stays for
+ * further calls otherwise). */
+void bk_gfwd_embed_release(bk_gfwd *f);
+bk_status bk_gfwd_attn_in(bk_gfwd *f, const bk_glayer *lw, const float *d_h, int64_t S,
+                          float *d_x);
+bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const float *d_x, int64_t S,
+                            float *d_o, float *d_qrot, float *d_krot, float *d_v);
+bk_status bk_gfwd_attn_out(bk_gfwd *f, const bk_glayer *lw, const float *d_o, int64_t S,
+                           float *d_h);
+bk_status bk_gfwd_mlp_in(bk_gfwd *f, const bk_glayer *lw, const float *d_h, int64_t S,
+                         float *d_x);
+bk_status bk_gfwd_mlp_hidden(bk_gfwd *f, const bk_glayer *lw, const float *d_x, int64_t S,
+                             float *d_down, float *d_gate_pre, float *d_up_pre);
+bk_status bk_gfwd_mlp_out(bk_gfwd *f, const bk_glayer *lw, const float *d_down, int64_t S,
+                          float *d_h);
+/* taps: device pointers (or NULL), as bk_layer_taps. */
+bk_status bk_gfwd_layer(bk_gfwd *f, const bk_glayer *lw, int64_t S, float *d_h,
+                        const bk_layer_taps *taps);
+/* Final norm + LM head; host logits [N, vocab]. */
+bk_status bk_gfwd_logits(bk_gfwd *f, const bk_model *m, const float *d_h, int64_t S,
+                         float *logits);
+/* As bk_fwd_nll (tokens: host [S, T]). The head is converted to F32 on the
+ * device at the first call and kept until bk_gfwd_free. */
+bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h, const int32_t *tokens,
+                      int64_t S, double *nll_sum, int64_t *count);
+
+/* Whole-model counterparts of bk_model_nll / bk_model_logits on the GPU
+ * (layer-streamed, hidden states of all sequences on the device). */
+bk_status bk_cuda_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
+                            int64_t T, int64_t batch, double *nll_sum, int64_t *count);
+bk_status bk_cuda_model_logits(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                               int64_t S, int64_t T, float *logits);
+
+/* ------------------------------------------------------ GPU Hessians */
+
+typedef struct bk_ghess bk_ghess;
+
+/* As bk_hess_acc_create (identity power-step start for the Shampoo kinds;
+ * bk_hess_set_start has no GPU counterpart). keep_plain: also accumulate
+ * E[x x^T] of mlp_in for the Shampoo kinds (A_plain of gate/up). */
+bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64, int keep_plain,
+                          bk_ghess **out);
+void bk_ghess_free(bk_ghess *a);
+void bk_ghess_reset(bk_ghess *a);
+/* Micro-batches of S sequences (device arrays; layer weights on the device:
+ * the layer's ORIGINAL weights, as bk_hess_add_*). */
+bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *orig, const float *d_attn_in,
+                            const float *d_qrot, const float *d_krot, int64_t S);
+bk_status bk_ghess_add_o(bk_ghess *a, const float *d_o_in, int64_t S);
+bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *orig, const float *d_mlp_in, int64_t S);
+bk_status bk_ghess_add_down(bk_ghess *a, const float *d_down_in, int64_t S);
+/* Host factors as bk_hess_factors (owned by the accumulator, valid until
+ * the next call); A_plain may be NULL. */
+bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_module mod, const float **A,
+                           const float **B, const float **A_plain);
+
+/* ------------------------------------------------- the GPU stage table */
+
+/* Stages on the GPU for a token-calibrated job: residual stream of all S
+ * sequences on the device when it fits (else pinned host memory), one
+ * layer's weights (original + working copy) and one layer's accumulators
+ * resident. *batch: the micro-batch asked for (0 = automatic), reduced when
+ * the device memory is short; the value used is returned. */
+bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_hessian_kind kind,
+                               int fp64, int keep_plain, int fully, int64_t S, int64_t T,
+                               int64_t *batch, const bk_stage_ops **ops, void **ctx);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* BK_PIPELINE_GPU_H */

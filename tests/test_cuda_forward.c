@@ -1,0 +1,484 @@
+/* GPU forward pass (cuda/forward.cu) against the CPU forward pass, the
+ * oracle (src/forward.c, itself tested against transformers' golden outputs
+ * in test_forward.c). Suite cuda; exit 77 = skipped without a GPU.
+ *
+ *  - every stage of every layer of the golden models (tests/data/models/*,
+ *    the kerneldocs example with its golden input): each stage gets the
+ *    CPU's input, so errors do not compound, and its outputs (including the
+ *    optional ones: rotated queries/keys, values, gate/up projections) are
+ *    compared with the CPU's within 1e-4 relative (max |gpu - cpu| /
+ *    max |cpu|, F32);
+ *  - the whole model: logits of the golden inputs, and the negative
+ *    log-likelihood of the kerneldocs evaluation sequences in micro-batches;
+ *  - attention at 4096 tokens (one kv group of 8 query heads: the score
+ *    buffer is split by rows) and several (sequence, group) pairs per chunk;
+ *  - bad inputs give the CPU's statuses.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bakron/bakron.h"
+#include "bakron/forward.h"
+#include "bakron/model.h"
+#include "bakron/safetensors.h"
+#include "bk_config.h"
+#include "pipeline_gpu.h"
+#include "util.h"
+
+#if !BK_HAVE_CUDA
+int main(void)
+{
+    fprintf(stderr, "no CUDA backend in this build: skipped\n");
+    return 77;
+}
+#else
+
+#define TOL 1e-4
+
+static bk_backend *g_gpu;
+
+static const char *env_or(const char *name, const char *dflt)
+{
+    const char *v = getenv(name);
+    return v && v[0] ? v : dflt;
+}
+
+/* max |a - b| / max |b| (NaN counts as infinite) */
+static double rel_err(const float *a, const float *b, size_t n)
+{
+    double md = 0.0, mb = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (!(d <= md))
+            md = isnan(d) ? INFINITY : d;
+        if (fabs((double)b[i]) > mb)
+            mb = fabs((double)b[i]);
+    }
+    return mb > 0 ? md / mb : md;
+}
+
+static float *hbuf(int64_t n)
+{
+    float *p = calloc((size_t)n, sizeof(float));
+    assert_non_null(p);
+    return p;
+}
+
+static float *dbuf(bk_gfwd *f, int64_t n)
+{
+    void *p = NULL;
+    if (bk_gpu_alloc(f, &p, (size_t)n * sizeof(float), "test buffer") != BK_OK)
+        fail_msg("device allocation: %s", bk_last_error());
+    return p;
+}
+
+static void up(bk_gfwd *f, float *d, const float *h, int64_t n)
+{
+    if (bk_gpu_upload(f, d, h, (size_t)n * sizeof(float)) != BK_OK)
+        fail_msg("upload: %s", bk_last_error());
+}
+
+/* Relative error of device d against host ref (n floats). */
+static double dcmp(bk_gfwd *f, const float *d, const float *ref, int64_t n)
+{
+    float *h = hbuf(n);
+    if (bk_gpu_download(f, h, d, (size_t)n * sizeof(float)) != BK_OK)
+        fail_msg("download: %s", bk_last_error());
+    double e = rel_err(h, ref, (size_t)n);
+    free(h);
+    return e;
+}
+
+typedef struct worst {
+    double e;
+    char what[128];
+} worst;
+
+static void note(worst *w, double e, const char *fmt, int layer)
+{
+    if (!(e <= w->e)) {
+        w->e = isnan(e) ? INFINITY : e;
+        snprintf(w->what, sizeof w->what, fmt, layer);
+    }
+}
+
+#define OKS(call)                                                                             \
+    do {                                                                                      \
+        bk_status s_ = (call);                                                                \
+        if (s_ != BK_OK)                                                                      \
+            fail_msg("%s: %s", #call, bk_last_error());                                      \
+    } while (0)
+
+static bk_model *open_model(const char *dir)
+{
+    bk_model *m = NULL;
+    if (bk_model_open(dir, &m) != BK_OK)
+        fail_msg("%s: %s", dir, bk_last_error());
+    return m;
+}
+
+static int32_t *golden_ids(const char *path, int64_t *B, int64_t *T)
+{
+    bk_st_file *g = NULL;
+    if (bk_st_open(path, &g) != BK_OK)
+        fail_msg("%s: %s", path, bk_last_error());
+    const bk_tensor_info *t = bk_st_find(g, "input_ids");
+    assert_non_null(t);
+    assert_int_equal(t->dtype, BK_DT_I32);
+    *B = t->shape[0];
+    *T = t->shape[1];
+    int32_t *ids = malloc((size_t)(*B * *T) * sizeof(int32_t));
+    assert_non_null(ids);
+    memcpy(ids, t->data, (size_t)(*B * *T) * sizeof(int32_t));
+    bk_st_close(g);
+    return ids;
+}
+
+/* Stage-by-stage and whole-model parity on one model and input. */
+static void stages_model(const char *label, const char *dir, const char *golden_path)
+{
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    int64_t B, T;
+    int32_t *ids = golden_ids(golden_path, &B, &T);
+    const int64_t N = B * T, H = c->hidden, I = c->intermediate, V = c->vocab;
+    const int64_t qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
+    bk_fwd *f = NULL;
+    bk_gfwd *gf = NULL;
+    OKS(bk_fwd_create(c, B, T, &f));
+    OKS(bk_gfwd_create(g_gpu, c, B, T, &gf));
+    worst w = {0, ""};
+    /* host: CPU values */
+    float *h = hbuf(N * H), *h1 = hbuf(N * H), *x = hbuf(N * H), *o = hbuf(N * qd);
+    float *qr = hbuf(N * qd), *kr = hbuf(N * kd), *v = hbuf(N * kd), *x2 = hbuf(N * H);
+    float *dn = hbuf(N * I), *gp = hbuf(N * I), *upp = hbuf(N * I), *h2 = hbuf(N * H);
+    float *lg = hbuf(N * V), *lg2 = hbuf(N * V);
+    /* device */
+    float *dh = dbuf(gf, N * H), *dx = dbuf(gf, N * H), *dor = dbuf(gf, N * qd);
+    float *dqr = dbuf(gf, N * qd), *dkr = dbuf(gf, N * kd), *dv = dbuf(gf, N * kd);
+    float *ddn = dbuf(gf, N * I), *dgp = dbuf(gf, N * I), *dup = dbuf(gf, N * I);
+    float *dmi = dbuf(gf, N * H);
+
+    OKS(bk_fwd_embed(f, m, ids, B, h));
+    OKS(bk_gfwd_embed(gf, m, ids, B, dh));
+    note(&w, dcmp(gf, dh, h, N * H), "embed", 0);
+    bk_gfwd_embed_release(gf);
+    for (int L = 0; L < c->n_layers; L++) {
+        bk_layer_weights lw;
+        OKS(bk_layer_weights_load(m, L, &lw));
+        bk_glayer *gl = NULL;
+        OKS(bk_glayer_upload(gf, &lw, &gl));
+        assert_int_equal(bk_glayer_index(gl), L);
+        /* attn_in */
+        OKS(bk_fwd_attn_in(f, &lw, h, B, x));
+        up(gf, dh, h, N * H);
+        OKS(bk_gfwd_attn_in(gf, gl, dh, B, dx));
+        note(&w, dcmp(gf, dx, x, N * H), "layer %d attn_in", L);
+        /* attention (all outputs) from the CPU's x */
+        OKS(bk_fwd_attention(f, &lw, x, B, o, qr, kr, v));
+        up(gf, dx, x, N * H);
+        OKS(bk_gfwd_attention(gf, gl, dx, B, dor, dqr, dkr, dv));
+        note(&w, dcmp(gf, dor, o, N * qd), "layer %d attention output", L);
+        note(&w, dcmp(gf, dqr, qr, N * qd), "layer %d q_rot", L);
+        note(&w, dcmp(gf, dkr, kr, N * kd), "layer %d k_rot", L);
+        note(&w, dcmp(gf, dv, v, N * kd), "layer %d v", L);
+        /* attn_out from the CPU's o and h */
+        memcpy(h1, h, (size_t)(N * H) * sizeof(float));
+        OKS(bk_fwd_attn_out(f, &lw, o, B, h1));
+        up(gf, dor, o, N * qd);
+        OKS(bk_gfwd_attn_out(gf, gl, dor, B, dh));
+        note(&w, dcmp(gf, dh, h1, N * H), "layer %d attn_out", L);
+        /* mlp_in */
+        OKS(bk_fwd_mlp_in(f, &lw, h1, B, x2));
+        up(gf, dh, h1, N * H);
+        OKS(bk_gfwd_mlp_in(gf, gl, dh, B, dx));
+        note(&w, dcmp(gf, dx, x2, N * H), "layer %d mlp_in", L);
+        /* mlp_hidden with the pre-activation outputs */
+        OKS(bk_fwd_mlp_hidden(f, &lw, x2, B, dn, gp, upp));
+        up(gf, dx, x2, N * H);
+        OKS(bk_gfwd_mlp_hidden(gf, gl, dx, B, ddn, dgp, dup));
+        note(&w, dcmp(gf, ddn, dn, N * I), "layer %d down_in", L);
+        note(&w, dcmp(gf, dgp, gp, N * I), "layer %d gate_pre", L);
+        note(&w, dcmp(gf, dup, upp, N * I), "layer %d up_pre", L);
+        /* mlp_out */
+        memcpy(h2, h1, (size_t)(N * H) * sizeof(float));
+        OKS(bk_fwd_mlp_out(f, &lw, dn, B, h2));
+        up(gf, dh, h1, N * H);
+        up(gf, ddn, dn, N * I);
+        OKS(bk_gfwd_mlp_out(gf, gl, ddn, B, dh));
+        note(&w, dcmp(gf, dh, h2, N * H), "layer %d mlp_out", L);
+        /* the whole layer with taps, from the CPU's layer input */
+        up(gf, dh, h, N * H);
+        bk_layer_taps ct = {x, o, x2, dn, qr, kr};
+        bk_layer_taps gt = {dx, dor, dmi, ddn, dqr, dkr};
+        OKS(bk_fwd_layer(f, &lw, B, h, &ct));
+        OKS(bk_gfwd_layer(gf, gl, B, dh, &gt));
+        note(&w, dcmp(gf, dh, h, N * H), "layer %d output", L);
+        note(&w, dcmp(gf, dx, x, N * H), "layer %d tap attn_in", L);
+        note(&w, dcmp(gf, dor, o, N * qd), "layer %d tap o_in", L);
+        note(&w, dcmp(gf, dmi, x2, N * H), "layer %d tap mlp_in", L);
+        note(&w, dcmp(gf, ddn, dn, N * I), "layer %d tap down_in", L);
+        note(&w, dcmp(gf, dqr, qr, N * qd), "layer %d tap q_rot", L);
+        note(&w, dcmp(gf, dkr, kr, N * kd), "layer %d tap k_rot", L);
+        bk_glayer_free(gf, gl);
+        bk_layer_weights_free(&lw);
+    }
+    /* the head from the CPU's final hidden states */
+    OKS(bk_fwd_logits(f, m, h, B, lg));
+    up(gf, dh, h, N * H);
+    OKS(bk_gfwd_logits(gf, m, dh, B, lg2));
+    note(&w, rel_err(lg2, lg, (size_t)(N * V)), "logits (head)", 0);
+    /* NLL of the micro-batch from the same states */
+    double n1 = 0, n2 = 0;
+    int64_t c1 = 0, c2 = 0;
+    OKS(bk_fwd_nll(f, m, h, ids, B, &n1, &c1));
+    OKS(bk_gfwd_nll(gf, m, dh, ids, B, &n2, &c2));
+    assert_int_equal(c1, c2);
+    note(&w, fabs(n2 - n1) / fabs(n1), "nll (head)", 0);
+    /* the whole model, layer-streamed on each side */
+    OKS(bk_model_logits(m, ids, B, T, lg));
+    OKS(bk_cuda_model_logits(g_gpu, m, ids, B, T, lg2));
+    note(&w, rel_err(lg2, lg, (size_t)(N * V)), "logits (whole model)", 0);
+    printf("  %-16s %lld x %lld tokens, %lld layers: worst relative error %.3e (%s)\n", label,
+           (long long)B, (long long)T, (long long)c->n_layers, w.e, w.what);
+
+    float *dd[] = {dh, dx, dor, dqr, dkr, dv, ddn, dgp, dup, dmi};
+    for (size_t i = 0; i < sizeof dd / sizeof dd[0]; i++)
+        bk_gpu_free(gf, dd[i]);
+    float *hh[] = {h, h1, x, o, qr, kr, v, x2, dn, gp, upp, h2, lg, lg2};
+    for (size_t i = 0; i < sizeof hh / sizeof hh[0]; i++)
+        free(hh[i]);
+    free(ids);
+    bk_gfwd_free(gf);
+    bk_fwd_free(f);
+    bk_model_close(m);
+    assert_true(w.e <= TOL);
+}
+
+static void golden_model(const char *model)
+{
+    char dir[1024], gp[1100];
+    snprintf(dir, sizeof dir, "%s/models/%s", env_or("BK_TEST_DATA", "tests/data"), model);
+    snprintf(gp, sizeof gp, "%s/golden.safetensors", dir);
+    stages_model(model, dir, gp);
+}
+
+static void test_tiny_llama3(void **state)
+{
+    (void)state;
+    golden_model("tiny-llama3");
+}
+
+static void test_tiny_qwen2(void **state)
+{
+    (void)state;
+    golden_model("tiny-qwen2");
+}
+
+static void test_tiny_qwen3(void **state)
+{
+    (void)state;
+    golden_model("tiny-qwen3");
+}
+
+static void test_kerneldocs(void **state)
+{
+    (void)state;
+    char dir[1024], gp[1024];
+    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
+    snprintf(gp, sizeof gp, "%s/golden/kerneldocs-1.6m/golden.safetensors",
+             env_or("BK_TEST_DATA", "tests/data"));
+    stages_model("kerneldocs-1.6m", dir, gp);
+}
+
+/* Perplexity inputs: the kerneldocs evaluation sequences, micro-batches of 3. */
+static void test_nll_kerneldocs(void **state)
+{
+    (void)state;
+    char dir[1024], tp[1100];
+    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
+    snprintf(tp, sizeof tp, "%s/eval.safetensors", dir);
+    bk_model *m = open_model(dir);
+    int32_t *ids = NULL;
+    int64_t S = 0, T = 0;
+    OKS(bk_load_tokens(tp, bk_model_get_config(m)->vocab, 8, 0, &ids, &S, &T));
+    double a = 0, b = 0;
+    int64_t ca = 0, cb = 0;
+    OKS(bk_model_nll(m, ids, S, T, 3, &a, &ca));
+    OKS(bk_cuda_model_nll(g_gpu, m, ids, S, T, 3, &b, &cb));
+    assert_int_equal(ca, cb);
+    printf("  kerneldocs nll: cpu %.9g gpu %.9g (%lld tokens), ppl %.6f vs %.6f\n", a, b,
+           (long long)ca, exp(a / (double)ca), exp(b / (double)cb));
+    assert_true(fabs(a - b) <= TOL * fabs(a));
+    free(ids);
+    bk_model_close(m);
+}
+
+/* ------------------------------------------------- synthetic attention */
+
+static bk_model_config syn_cfg(int64_t heads, int64_t kv, int64_t hd, int64_t T)
+{
+    bk_model_config c;
+    memset(&c, 0, sizeof c);
+    c.arch = BK_ARCH_LLAMA;
+    strcpy(c.model_type, "llama");
+    c.n_layers = 1;
+    c.hidden = 32;
+    c.intermediate = 48;
+    c.n_heads = heads;
+    c.n_kv_heads = kv;
+    c.head_dim = hd;
+    c.vocab = 17;
+    c.max_positions = T;
+    c.rms_eps = 1e-5;
+    c.rope_theta = 500000.0;
+    c.rope_type = BK_ROPE_LLAMA3;
+    c.rope_factor = 8.0;
+    c.rope_low_freq_factor = 1.0;
+    c.rope_high_freq_factor = 4.0;
+    c.rope_original_max_positions = 1024;
+    strcpy(c.hidden_act, "silu");
+    c.bos_token_id = c.eos_token_id = -1;
+    return c;
+}
+
+static float *randn(bk_rng *r, int64_t n, double scale, double offset)
+{
+    float *p = hbuf(n);
+    for (int64_t i = 0; i < n; i++)
+        p[i] = (float)(offset + scale * bk_rng_normal(r));
+    return p;
+}
+
+static void random_layer(const bk_model_config *c, uint64_t seed, bk_layer_weights *lw)
+{
+    bk_rng r;
+    bk_rng_seed(&r, seed);
+    memset(lw, 0, sizeof *lw);
+    for (int m = 0; m < BK_MOD_COUNT; m++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)m, &o, &in);
+        lw->w[m] = randn(&r, o * in, 1.0 / sqrt((double)in), 0.0);
+    }
+    lw->attn_norm = randn(&r, c->hidden, 0.1, 1.0);
+    lw->mlp_norm = randn(&r, c->hidden, 0.1, 1.0);
+}
+
+static void attention_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t T)
+{
+    bk_model_config c = syn_cfg(heads, kv, hd, T);
+    bk_layer_weights lw;
+    random_layer(&c, 77 + (uint64_t)T, &lw);
+    const int64_t N = S * T, qd = heads * hd;
+    bk_rng r;
+    bk_rng_seed(&r, 5);
+    float *x = randn(&r, N * c.hidden, 1.0, 0.0), *o = hbuf(N * qd);
+    bk_fwd *f = NULL;
+    bk_gfwd *gf = NULL;
+    OKS(bk_fwd_create(&c, S, T, &f));
+    OKS(bk_gfwd_create(g_gpu, &c, S, T, &gf));
+    bk_glayer *gl = NULL;
+    OKS(bk_glayer_upload(gf, &lw, &gl));
+    float *dx = dbuf(gf, N * c.hidden), *dor = dbuf(gf, N * qd);
+    OKS(bk_fwd_attention(f, &lw, x, S, o, NULL, NULL, NULL));
+    up(gf, dx, x, N * c.hidden);
+    OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
+    double e = dcmp(gf, dor, o, N * qd);
+    printf("  attention %lld heads / %lld kv, head_dim %lld, %lld x %lld tokens: %.3e\n",
+           (long long)heads, (long long)kv, (long long)hd, (long long)S, (long long)T, e);
+    bk_gpu_free(gf, dx);
+    bk_gpu_free(gf, dor);
+    bk_glayer_free(gf, gl);
+    bk_gfwd_free(gf);
+    bk_fwd_free(f);
+    bk_layer_weights_free(&lw);
+    free(x);
+    free(o);
+    assert_true(e <= TOL);
+}
+
+static void test_attention_4096(void **state)
+{
+    (void)state;
+    attention_case(8, 1, 8, 1, 4096); /* 8 x 4096^2 scores: split by rows */
+}
+
+static void test_attention_pairs(void **state)
+{
+    (void)state;
+    attention_case(4, 2, 16, 3, 512); /* 6 (sequence, group) pairs per chunk */
+}
+
+/* ------------------------------------------------------------ bad inputs */
+
+static void test_bad_inputs(void **state)
+{
+    (void)state;
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_gfwd *gf = NULL;
+    /* the CPU backend is refused */
+    bk_backend *cpu = NULL;
+    OKS(bk_backend_create(BK_BACKEND_CPU, &cpu));
+    assert_int_equal(bk_gfwd_create(cpu, c, 1, 8, &gf), BK_ERR_INVALID_ARG);
+    assert_null(gf);
+    bk_backend_destroy(cpu);
+    /* the CPU forward's configuration checks */
+    bk_model_config bad = *c;
+    bad.n_kv_heads = 4; /* 6 heads are not a multiple of 4 */
+    assert_int_equal(bk_gfwd_create(g_gpu, &bad, 1, 8, &gf), BK_ERR_CONFIG);
+    OKS(bk_gfwd_create(g_gpu, c, 2, 8, &gf));
+    float *dh = dbuf(gf, 2 * 8 * c->hidden);
+    int32_t ids[16];
+    for (int i = 0; i < 16; i++)
+        ids[i] = i;
+    ids[11] = (int32_t)c->vocab; /* sequence 1, position 3 */
+    assert_int_equal(bk_gfwd_embed(gf, m, ids, 2, dh), BK_ERR_CALIB);
+    assert_non_null(strstr(bk_last_error(), "sequence 1 position 3"));
+    ids[11] = 3;
+    assert_int_equal(bk_gfwd_embed(gf, m, ids, 3, dh), BK_ERR_INVALID_ARG); /* > max_seqs */
+    OKS(bk_gfwd_embed(gf, m, ids, 2, dh));
+    assert_int_equal(bk_gfwd_attn_in(gf, NULL, dh, 2, dh), BK_ERR_INVALID_ARG);
+    double nll = 0;
+    int64_t cnt = 0;
+    ids[0] = -1;
+    assert_int_equal(bk_gfwd_nll(gf, m, dh, ids, 2, &nll, &cnt), BK_ERR_CALIB);
+    assert_int_equal(bk_cuda_model_nll(g_gpu, m, ids, 2, 8, 0, &nll, &cnt), BK_ERR_CALIB);
+    assert_int_equal(cnt, 0);
+    bk_gpu_free(gf, dh);
+    bk_gfwd_free(gf);
+    bk_model_close(m);
+}
+
+int main(void)
+{
+    if (bk_cuda_device_count() == 0) {
+        fprintf(stderr, "no CUDA device: skipped\n");
+        return 77;
+    }
+    if (bk_backend_create(BK_BACKEND_CUDA, &g_gpu) != BK_OK) {
+        fprintf(stderr, "cannot create the CUDA backend: %s\n", bk_last_error());
+        return 1;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_tiny_llama3),     cmocka_unit_test(test_tiny_qwen2),
+        cmocka_unit_test(test_tiny_qwen3),      cmocka_unit_test(test_kerneldocs),
+        cmocka_unit_test(test_nll_kerneldocs),  cmocka_unit_test(test_attention_4096),
+        cmocka_unit_test(test_attention_pairs), cmocka_unit_test(test_bad_inputs),
+    };
+    int rc = cmocka_run_group_tests_name("cuda_forward", tests, NULL, NULL);
+    bk_backend_destroy(g_gpu);
+    return rc;
+}
+#endif

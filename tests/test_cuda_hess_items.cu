@@ -1,0 +1,264 @@
+/* The fully-local attention items of the GPU Hessians (cuda/hess_attn.cuh)
+ * run on the HOST, against the CPU accumulator (src/hessian.c): the index
+ * arithmetic, the quad RoPE sandwich, prefix/suffix order, GQA grouping,
+ * the q_norm/k_norm rounds and the Shampoo traces, without a GPU (suite
+ * cpu; built in CUDA builds only). The blocks are finished here the way
+ * docs/hessians.md defines the factors (block diagonal, 1/P), independently
+ * of cuda/hessian.cu's host code.
+ */
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "../cuda/hess_attn.cuh"
+
+extern "C" {
+#include "bakron/hessian.h"
+#include "rope.h"
+#include "util.h"
+}
+
+namespace {
+
+int failures = 0;
+
+double rel(const std::vector<double> &a, const float *b, size_t n)
+{
+    double md = 0, mb = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = std::fabs(a[i] - (double)b[i]);
+        if (!(d <= md))
+            md = std::isnan(d) ? INFINITY : d;
+        mb = std::fmax(mb, std::fabs((double)b[i]));
+    }
+    return mb > 0 ? md / mb : md;
+}
+
+void check(const char *what, double e, double tol)
+{
+    const bool ok = e <= tol;
+    printf("  %-52s rel err %.3e %s\n", what, e, ok ? "ok" : "FAIL");
+    if (!ok)
+        failures++;
+}
+
+std::vector<float> randn(bk_rng *r, size_t n, double scale, double offset = 0.0)
+{
+    std::vector<float> v(n);
+    for (auto &x : v)
+        x = (float)(offset + scale * bk_rng_normal(r));
+    return v;
+}
+
+void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_t T, int64_t S)
+{
+    bk_model_config c;
+    memset(&c, 0, sizeof c);
+    c.arch = qknorm ? BK_ARCH_QWEN3 : BK_ARCH_LLAMA;
+    c.n_layers = 1;
+    c.hidden = 6;
+    c.intermediate = 5;
+    c.n_heads = H;
+    c.n_kv_heads = G;
+    c.head_dim = h;
+    c.vocab = 7;
+    c.max_positions = T;
+    c.rms_eps = 1e-6;
+    c.rope_theta = 100.0;
+    c.rope_type = BK_ROPE_DEFAULT;
+    c.rope_factor = 1.0;
+    c.qk_norm = qknorm;
+    strcpy(c.hidden_act, "silu");
+    const int64_t d = c.hidden, qd = H * h, kd = G * h, N = S * T, r = H / G, hh = h * h;
+    bk_rng rng;
+    bk_rng_seed(&rng, 11 + (uint64_t)qknorm * 2 + (uint64_t)shampoo);
+    std::vector<float> x = randn(&rng, (size_t)(N * d), 1.0), qr = randn(&rng, (size_t)(N * qd), 1.0),
+                       kr = randn(&rng, (size_t)(N * kd), 1.0);
+    bk_layer_weights lw;
+    memset(&lw, 0, sizeof lw);
+    std::vector<std::vector<float>> w(BK_MOD_COUNT);
+    for (int m = 0; m < BK_MOD_COUNT; m++) {
+        int64_t o, in;
+        bk_module_shape(&c, (bk_module)m, &o, &in);
+        w[m] = randn(&rng, (size_t)(o * in), 0.5);
+        lw.w[m] = w[m].data();
+    }
+    std::vector<float> qn = randn(&rng, (size_t)h, 0.2, 1.0), kn = randn(&rng, (size_t)h, 0.2, 1.0);
+    if (qknorm) {
+        lw.q_norm = qn.data();
+        lw.k_norm = kn.data();
+    }
+    const bk_hessian_kind kind = shampoo ? BK_HESS_FULLYLOCAL_SHAMPOO : BK_HESS_FULLYLOCAL_KFAC;
+    bk_hess_acc *acc = NULL;
+    if (bk_hess_acc_create(&c, kind, 0, T, &acc) != BK_OK ||
+        bk_hess_add_attn(acc, &lw, x.data(), qr.data(), kr.data(), S) != BK_OK) {
+        printf("  CPU accumulator: %s FAIL\n", bk_last_error());
+        failures++;
+        bk_hess_acc_free(acc);
+        return;
+    }
+    bk_rope rope;
+    bk_rope_init(&rope, &c, T);
+    /* B-side weights: |x|^2 (Shampoo) or none */
+    std::vector<double> sw((size_t)N, 1.0);
+    for (int64_t n = 0; n < N; n++) {
+        double s = 0;
+        for (int64_t i = 0; i < d; i++)
+            s += (double)x[n * d + i] * x[n * d + i];
+        sw[n] = s;
+    }
+    const int64_t nq = qknorm ? H : G;
+    std::vector<double> bq((size_t)(nq * hh), 0.0), bk((size_t)(G * hh), 0.0);
+    std::vector<double> wq((size_t)N, 0.0), wk((size_t)N, 0.0);
+    std::vector<double> part((size_t)(S * (H > G ? H : G) * hh));
+    if (!qknorm) {
+        for (int p = 0; p < 2; p++) {
+            quad_args a;
+            a.vec = p == 0 ? kr.data() : qr.data();
+            a.vstride = p == 0 ? kd : qd;
+            a.nv = p == 0 ? 1 : (int)r;
+            a.S = S;
+            a.T = T;
+            a.nb = G;
+            a.h = h;
+            a.cs = rope.cos;
+            a.sn = rope.sin;
+            a.w = shampoo ? sw.data() : NULL;
+            a.backward = p;
+            a.part = part.data();
+            for (int64_t idx = 0; idx < S * G * hh / 4; idx++)
+                quad_item(a, idx);
+            std::vector<double> &dst = p == 0 ? bq : bk;
+            for (int64_t e = 0; e < G * hh; e++)
+                for (int64_t s = 0; s < S; s++)
+                    dst[e] += part[s * G * hh + e];
+            for (int64_t s = 0; s < S; s++)
+                traces_item(a.vec, a.vstride, a.nv, T, G, h, p, p == 0 ? (int)r : 1,
+                            p == 0 ? wq.data() : wk.data(), s);
+        }
+    } else {
+        std::vector<float> zq((size_t)(N * qd)), zk((size_t)(N * kd));
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t j = 0; j < qd; j++) {
+                double s = 0;
+                for (int64_t i = 0; i < d; i++)
+                    s += (double)w[BK_MOD_Q][j * d + i] * x[n * d + i];
+                zq[n * qd + j] = (float)s;
+            }
+            for (int64_t j = 0; j < kd; j++) {
+                double s = 0;
+                for (int64_t i = 0; i < d; i++)
+                    s += (double)w[BK_MOD_K][j * d + i] * x[n * d + i];
+                zk[n * kd + j] = (float)s;
+            }
+        }
+        std::vector<double> C((size_t)(S * G * hh)), M((size_t)(S * G * hh)), v((size_t)(S * H * h)),
+            sc((size_t)(S * H * 4)), tr((size_t)(S * H * T));
+        for (int p = 0; p < 2; p++) {
+            qn_args a;
+            a.vec = p == 0 ? kr.data() : qr.data();
+            a.vstride = p == 0 ? kd : qd;
+            a.nv = p == 0 ? 1 : (int)r;
+            a.z = p == 0 ? zq.data() : zk.data();
+            a.zstride = p == 0 ? qd : kd;
+            a.gamma = p == 0 ? qn.data() : kn.data();
+            a.S = S;
+            a.T = T;
+            a.nb = G;
+            a.nn = p == 0 ? H : G;
+            a.h = h;
+            a.cs = rope.cos;
+            a.sn = rope.sin;
+            a.eps = c.rms_eps;
+            a.w = shampoo ? sw.data() : NULL;
+            a.C = C.data();
+            a.M = M.data();
+            a.acc = part.data();
+            a.v = v.data();
+            a.sc = sc.data();
+            a.tr = shampoo ? tr.data() : NULL;
+            std::fill(C.begin(), C.end(), 0.0);
+            std::fill(part.begin(), part.end(), 0.0);
+            for (int64_t step = 0; step < T; step++) {
+                const int64_t t = p == 0 ? step : T - 1 - step;
+                for (int64_t i = 0; i < S * G * hh; i++)
+                    qn_gram_item(a, t, i);
+                for (int64_t i = 0; i < S * G * hh / 4; i++)
+                    qn_rot_item(a, t, i);
+                for (int64_t i = 0; i < S * a.nn * h; i++)
+                    qn_v_item(a, t, i);
+                for (int64_t i = 0; i < S * a.nn; i++)
+                    qn_scalars_item(a, t, i);
+                for (int64_t i = 0; i < S * a.nn * hh; i++)
+                    qn_acc_item(a, t, i);
+            }
+            std::vector<double> &dst = p == 0 ? bq : bk;
+            for (int64_t e = 0; e < a.nn * hh; e++)
+                for (int64_t s = 0; s < S; s++)
+                    dst[e] += part[s * a.nn * hh + e];
+            if (shampoo)
+                for (int64_t s = 0; s < S; s++)
+                    for (int64_t t = 0; t < T; t++) {
+                        double sum = 0;
+                        for (int64_t m = 0; m < a.nn; m++)
+                            sum += tr[(s * a.nn + m) * T + t];
+                        (p == 0 ? wq : wk)[s * T + t] = sum;
+                    }
+        }
+    }
+    /* the factors as docs/hessians.md defines them */
+    const double P = (double)(S * (T * (T + 1) / 2));
+    for (int p = 0; p < 2; p++) {
+        const bk_module mod = p == 0 ? BK_MOD_Q : BK_MOD_K;
+        const int64_t m = p == 0 ? qd : kd, heads = p == 0 ? H : G;
+        const float *A = NULL, *B = NULL;
+        if (bk_hess_factors(acc, &lw, mod, &A, &B) != BK_OK || !B) {
+            printf("  CPU factors: %s FAIL\n", bk_last_error());
+            failures++;
+            continue;
+        }
+        std::vector<double> full((size_t)(m * m), 0.0);
+        for (int64_t j = 0; j < heads; j++) {
+            const double *blk = (p == 0 ? bq.data() : bk.data()) +
+                                (p == 0 && !qknorm ? j / r : j) * hh;
+            for (int64_t i = 0; i < h; i++)
+                for (int64_t k = 0; k < h; k++)
+                    full[(j * h + i) * m + j * h + k] = 0.5 * (blk[i * h + k] + blk[k * h + i]) / P;
+        }
+        char what[128];
+        snprintf(what, sizeof what, "%s%s %s B", qknorm ? "q/k-norm " : "",
+                 shampoo ? "shampoo" : "kfac", p == 0 ? "q_proj" : "k_proj");
+        /* the CPU factor is float: agreement to float rounding */
+        check(what, rel(full, B, (size_t)(m * m)), 1e-6);
+        if (shampoo) {
+            /* A = Σ_t w_t x_t x_tᵀ / P */
+            std::vector<double> Ad((size_t)(d * d), 0.0);
+            const std::vector<double> &wt = p == 0 ? wq : wk;
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t i = 0; i < d; i++)
+                    for (int64_t k = 0; k < d; k++)
+                        Ad[i * d + k] += std::fmax(wt[n], 0.0) * x[n * d + i] * x[n * d + k] / P;
+            snprintf(what, sizeof what, "%sshampoo %s A (trace weights)", qknorm ? "q/k-norm " : "",
+                     p == 0 ? "q_proj" : "k_proj");
+            check(what, rel(Ad, A, (size_t)(d * d)), 1e-5);
+        }
+    }
+    bk_rope_free(&rope);
+    bk_hess_acc_free(acc);
+}
+
+} // namespace
+
+int main()
+{
+    printf("fully-local attention items on the host vs src/hessian.c\n");
+    run_case(false, false, 4, 2, 8, 5, 2);
+    run_case(false, true, 4, 2, 8, 5, 2);
+    run_case(true, false, 6, 2, 4, 4, 3);
+    run_case(true, true, 6, 2, 4, 4, 3);
+    run_case(false, false, 3, 3, 6, 7, 1);
+    printf("%s\n", failures ? "FAILED" : "all ok");
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The quantization job with the forward pass and Hessians on the GPU
+# (--gpu-pipeline, cuda/pipeline_cuda.cu) against the same job with them on
+# the CPU (the oracle), on the bundled kerneldocs-1.6m model. Suite cuda;
+# exit 77 without a GPU.
+#  - bakron eval --backend cuda gives the CPU perplexity (1e-4 relative);
+#  - per --hessian kind, fp32: the reference is `--backend cuda` (CPU forward
+#    and Hessians, GPU solves), the candidate adds --gpu-pipeline (same
+#    solver): >= 99% identical codes in every module, perplexities within
+#    1e-3 relative; the all-CPU job's agreement is printed too;
+#  - the pinned-host residual stream (BK_GPU_RESIDUAL=host) gives the same
+#    codes as the device-resident one; --no-sequential and --layers work;
+#  - errors: --activations, --backend cpu, device memory too small: one line,
+#    the documented exit status, no output folder.
+set -u
+B=${BK_BAKRON:?}
+SRC=${BK_SOURCE_ROOT:?}
+M=$SRC/examples/kerneldocs-1.6m
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fail=0
+die() { echo "FAIL: $*"; fail=1; }
+
+EV="--tokens $M/eval.safetensors --samples 32"
+"$B" eval "$M" $EV --backend cuda --json >"$W/probe.json" 2>"$W/probe.err"
+rc=$?
+if [ $rc = 3 ] && grep -qE "no usable CUDA device|no CUDA backend" "$W/probe.err"; then
+    echo "no CUDA device: skipped"
+    exit 77
+fi
+[ $rc = 0 ] || { echo "FAIL: eval --backend cuda: $(cat "$W/probe.err")"; exit 1; }
+
+ppl() { # folder [backend] -> perplexity
+    "$B" eval "$1" $EV --backend "${2:-cpu}" --json 2>"$W/eval.err" |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["perplexity"])'
+}
+close() { # a b tol label
+    python3 - "$@" <<'EOF'
+import math, sys
+a, b, tol, label = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+ok = math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tol * abs(b)
+print(f"{label}: {a:.7f} vs {b:.7f} (rel {abs(a - b) / abs(b):.2e}, tol {tol:g}): {'ok' if ok else 'MISMATCH'}")
+sys.exit(0 if ok else 1)
+EOF
+}
+codes() { # dirA dirB minfrac label [strict]
+    python3 - "$@" <<'EOF'
+import json, struct, sys
+def read(path):
+    with open(path + "/model.safetensors", "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        h = json.loads(f.read(n))
+        return h, f.read()
+(ha, da), (hb, db) = read(sys.argv[1]), read(sys.argv[2])
+minfrac, label = float(sys.argv[3]), sys.argv[4]
+worst, wname, ok = 1.0, "", True
+names = sorted(k for k in ha if k.endswith(".qweight"))
+if not names or names != sorted(k for k in hb if k.endswith(".qweight")):
+    print(f"{label}: different module sets"); sys.exit(1)
+for k in names:
+    a0, a1 = ha[k]["data_offsets"]; b0, b1 = hb[k]["data_offsets"]
+    x, y = da[a0:a1], db[b0:b1]
+    same = sum(1 for p, q in zip(x, y) if p == q) / len(x)
+    if same < worst:
+        worst, wname = same, k
+    ok &= same >= minfrac
+print(f"{label}: {len(names)} modules, worst {100 * worst:.3f}% identical codes ({wname}): {'ok' if ok else 'TOO FEW'}")
+sys.exit(0 if ok else 1)
+EOF
+}
+
+# --- eval on the GPU -----------------------------------------------------
+fp_cpu=$(ppl "$M" cpu) || die "eval cpu"
+fp_gpu=$(ppl "$M" cuda) || die "eval cuda: $(cat "$W/eval.err")"
+close "$fp_gpu" "$fp_cpu" 1e-4 "FP perplexity, eval --backend cuda vs cpu" || fail=1
+
+# --- the job, per Hessian ----------------------------------------------------
+CAL="--calib $M/calib.safetensors --samples 32 --levels 3 --precision fp32"
+run() { # out extra-args...
+    local out=$1
+    shift
+    "$B" quantize "$M" $CAL --out "$out" "$@" >"$out.log" 2>&1
+}
+for h in gptq mlplocal-kfac mlplocal-shampoo fullylocal-kfac fullylocal-shampoo; do
+    run "$W/ref-$h" --hessian "$h" --backend cuda || { die "$h reference: $(tail -1 "$W/ref-$h.log")"; continue; }
+    run "$W/gpu-$h" --hessian "$h" --backend cuda --gpu-pipeline --batch 8 ||
+        { die "$h --gpu-pipeline: $(tail -1 "$W/gpu-$h.log")"; continue; }
+    grep -q '"stages": "cuda"' "$W/gpu-$h/report.json" || die "$h: report.json does not say stages cuda"
+    codes "$W/gpu-$h" "$W/ref-$h" 0.99 "$h: GPU pipeline vs CPU forward/Hessians" || fail=1
+    pr=$(ppl "$W/ref-$h") && pg=$(ppl "$W/gpu-$h") &&
+        close "$pg" "$pr" 1e-3 "$h perplexity, GPU pipeline vs CPU forward/Hessians" || fail=1
+    if [ "$h" = gptq ] || [ "$h" = fullylocal-kfac ]; then
+        # for the record: against the all-CPU job (CPU solver too)
+        run "$W/cpu-$h" --hessian "$h" --backend cpu &&
+            codes "$W/gpu-$h" "$W/cpu-$h" 0 "$h: GPU pipeline vs all-CPU job (not asserted)"
+    fi
+done
+
+# pinned-host residual stream: the same arithmetic, the same codes
+if BK_GPU_RESIDUAL=host run "$W/host-gptq" --hessian gptq --backend cuda --gpu-pipeline --batch 8; then
+    grep -q "pinned host memory" "$W/host-gptq/report.json" || die "BK_GPU_RESIDUAL=host not applied"
+    codes "$W/host-gptq" "$W/gpu-gptq" 1.0 "gptq: pinned-host vs device residual stream" || fail=1
+else
+    die "BK_GPU_RESIDUAL=host: $(tail -1 "$W/host-gptq.log")"
+fi
+# automatic micro-batch, --no-sequential, --layers
+if run "$W/gpu-auto" --hessian gptq --backend cuda --gpu-pipeline; then
+    codes "$W/gpu-auto" "$W/ref-gptq" 0.99 "gptq, automatic micro-batch" || fail=1
+else
+    die "automatic micro-batch: $(tail -1 "$W/gpu-auto.log")"
+fi
+if run "$W/ref-ns" --hessian fullylocal-kfac --no-sequential --backend cuda &&
+   run "$W/gpu-ns" --hessian fullylocal-kfac --no-sequential --backend cuda --gpu-pipeline --batch 5; then
+    codes "$W/gpu-ns" "$W/ref-ns" 0.99 "fullylocal-kfac --no-sequential" || fail=1
+else
+    die "--no-sequential: $(tail -1 "$W/gpu-ns.log")"
+fi
+if run "$W/ref-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda &&
+   run "$W/gpu-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda --gpu-pipeline; then
+    codes "$W/gpu-ly" "$W/ref-ly" 0.99 "mlplocal-kfac --layers 1:3" || fail=1
+else
+    die "--layers: $(tail -1 "$W/gpu-ly.log")"
+fi
+
+# --- errors ------------------------------------------------------------------
+expect() { # rc out label cmd...
+    local want=$1 out=$2 label=$3
+    shift 3
+    "$@" >"$W/x.out" 2>"$W/x.err"
+    local rc=$?
+    local lines
+    lines=$(wc -l <"$W/x.err")
+    if [ $rc != "$want" ] || [ "$lines" != 1 ] || [ -e "$out" ] || ls -d "$out".tmp-* >/dev/null 2>&1; then
+        die "$label: exit $rc (want $want), $lines stderr lines, output left: $(ls -d "$out"* 2>/dev/null)"
+    else
+        echo "$label: exit $rc: $(cat "$W/x.err")"
+    fi
+}
+"$B" dump-activations "$M" --calib "$M/calib.safetensors" --samples 4 --out "$W/acts" >/dev/null 2>&1 ||
+    die "dump-activations"
+expect 2 "$W/e1" "--gpu-pipeline with --activations" \
+    "$B" quantize "$M" --activations "$W/acts" --hessian gptq --gpu-pipeline --out "$W/e1"
+expect 3 "$W/e2" "--gpu-pipeline with --backend cpu" \
+    "$B" quantize "$M" $CAL --hessian gptq --backend cpu --gpu-pipeline --out "$W/e2"
+expect 3 "$W/e3" "device memory limit of 1 MB" \
+    env BK_CUDA_MEM_LIMIT=1000000 "$B" quantize "$M" $CAL --hessian gptq --backend cuda \
+    --gpu-pipeline --out "$W/e3"
+grep -q "gpu-pipeline" "$W/x.err" || die "the out-of-memory message does not say what to change"
+
+exit $fail
