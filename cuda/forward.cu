@@ -393,8 +393,7 @@ bk_status upload_rows_f32(bk_gfwd *f, const bk_tensor_info *t, int64_t r0, int64
                 bk_error_prefix(st, t->name ? t->name : "tensor");
                 break;
             }
-            st = bk_cuda_status(cudaMemcpy(d, host, (size_t)(nr * cols) * 4, cudaMemcpyHostToDevice),
-                                "upload tensor rows", __FILE__, __LINE__);
+            st = bk_gpu_upload(f, d, host, (size_t)(nr * cols) * 4);
         }
     }
     bk_dev_free(f->c, dev);
@@ -442,9 +441,7 @@ bk_status head_load(bk_gfwd *f, const bk_model *m)
     if (st == BK_OK)
         st = g_alloc_f32(f, &f->head_norm, f->hidden, 1, "final norm");
     if (st == BK_OK)
-        st = bk_cuda_status(cudaMemcpy(f->head_norm, norm, (size_t)f->hidden * 4,
-                                       cudaMemcpyHostToDevice),
-                            "upload final norm", __FILE__, __LINE__);
+        st = bk_gpu_upload(f, f->head_norm, norm, (size_t)f->hidden * 4);
     free(norm);
     if (st == BK_OK)
         st = g_alloc_f32(f, &f->head_w, f->cfg.vocab, f->hidden, "LM head (F32)");
@@ -473,9 +470,8 @@ int64_t vocab_block(const bk_gfwd *f, int64_t rows)
 
 bk_status upload_tokens(bk_gfwd *f, const int32_t *tokens, int64_t N)
 {
-    return bk_cuda_status(cudaMemcpy(f->tok, tokens, (size_t)N * sizeof(int32_t),
-                                     cudaMemcpyHostToDevice),
-                          "upload token ids", __FILE__, __LINE__);
+    /* ordered on the stream: the previous micro-batch's kernels read f->tok */
+    return bk_gpu_upload(f, f->tok, tokens, (size_t)N * sizeof(int32_t));
 }
 
 bk_status need_lw(const bk_glayer *lw, const char *what)
@@ -532,7 +528,8 @@ bk_status bk_g_first_nonfinite(bk_gfwd *f, const float *d, int64_t rows, int64_t
     if (at == none)
         return BK_OK;
     float v = 0;
-    BK_CUDA_CHECK(cudaMemcpy(&v, d + at, sizeof v, cudaMemcpyDeviceToHost));
+    BK_CUDA_CHECK(cudaMemcpyAsync(&v, d + at, sizeof v, cudaMemcpyDeviceToHost, f->c->stream));
+    BK_CUDA_CHECK(cudaStreamSynchronize(f->c->stream));
     *found = 1;
     *row = (int64_t)(at / (unsigned long long)cols);
     *col = (int64_t)(at % (unsigned long long)cols);
@@ -615,13 +612,9 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     const int64_t R = f->max_rows, h2 = f->hd / 2;
     if ((st = g_alloc_f32(f, &f->cos, seqlen, h2, "RoPE cos")) == BK_OK &&
         (st = g_alloc_f32(f, &f->sin, seqlen, h2, "RoPE sin")) == BK_OK) {
-        st = bk_cuda_status(cudaMemcpy(f->cos, rope.cos, (size_t)(seqlen * h2) * 4,
-                                       cudaMemcpyHostToDevice),
-                            "upload RoPE tables", __FILE__, __LINE__);
+        st = bk_gpu_upload(f, f->cos, rope.cos, (size_t)(seqlen * h2) * 4);
         if (st == BK_OK)
-            st = bk_cuda_status(cudaMemcpy(f->sin, rope.sin, (size_t)(seqlen * h2) * 4,
-                                           cudaMemcpyHostToDevice),
-                                "upload RoPE tables", __FILE__, __LINE__);
+            st = bk_gpu_upload(f, f->sin, rope.sin, (size_t)(seqlen * h2) * 4);
     }
     bk_rope_free(&rope);
     /* score buffer: at least one row of T, at most SCORE_FLOATS unless one

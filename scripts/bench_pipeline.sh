@@ -19,6 +19,7 @@
 #   BENCH_BACKEND    the solves' backend (default cuda; cpu with BENCH_CPU_STAGES=1
 #                    to try the script without a GPU)
 #   BENCH_TIMEOUT    seconds per run (default 1800)
+#   BENCH_WORK       folder for the quantized outputs (default OUTDIR; removed per run)
 # Writes OUTDIR/bench_pipeline.txt (the table) and OUTDIR/bench_pipeline.jsonl
 # (one object per run); the quantized outputs are removed after each run.
 set -uo pipefail
@@ -46,7 +47,8 @@ args=(--levels 3 --backend "${BENCH_BACKEND:-cuda}")
 } | tee "$TXT"
 status=0
 for h in ${BENCH_HESSIANS:-gptq mlplocal-kfac fullylocal-kfac}; do
-    q=$OUT/q-$h
+    mkdir -p "${BENCH_WORK:-$OUT}"
+    q=${BENCH_WORK:-$OUT}/q-$h
     rm -rf "$q"
     # peak host memory: the child's maximum resident set (getrusage)
     python3 - "$q.rss" timeout "${BENCH_TIMEOUT:-1800}" "$BK" quantize "$MODEL" --calib "$CALIB" \
@@ -78,6 +80,7 @@ print(json.dumps({"hessian": sys.argv[3], "total_s": t["total"], "forward_s": t[
 EOF
     rm -rf "$q" "$q.rss"
 done
+rm -rf "${BENCH_WORK:-$OUT}"/q-*.tmp-* 2>/dev/null
 python3 - "$JSONL" <<'EOF' | tee -a "$TXT"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

@@ -325,7 +325,7 @@ static void test_bad_inputs(void **state)
     float keep = a.attn_in[5 * H + 7];
     a.attn_in[5 * H + 7] = NAN;
     up(gf, dx, a.attn_in, N * H);
-    assert_int_equal(bk_ghess_add_o(acc, dx, a.B), BK_ERR_NONFINITE);
+    assert_int_equal(bk_ghess_add_mlp(acc, gl, dx, a.B), BK_ERR_NONFINITE);
     assert_non_null(strstr(bk_last_error(), "row 5, column 7"));
     a.attn_in[5 * H + 7] = keep;
     up(gf, dx, a.attn_in, N * H);

@@ -6,8 +6,9 @@
 #  - bakron eval --backend cuda gives the CPU perplexity (1e-4 relative);
 #  - per --hessian kind, fp32: the reference is `--backend cuda` (CPU forward
 #    and Hessians, GPU solves), the candidate adds --gpu-pipeline (same
-#    solver): >= 99% identical codes in every module, perplexities within
-#    1e-3 relative; the all-CPU job's agreement is printed too;
+#    solver, same micro-batch): identical codes (>= 99% per module in the first
+#    layer, >= 97% per module, >= 99% overall; see codes()), perplexities
+#    within 1e-3 relative; the all-CPU job's agreement is printed too;
 #  - the pinned-host residual stream (BK_GPU_RESIDUAL=host) gives the same
 #    codes as the device-resident one; --no-sequential and --layers work;
 #  - errors: --activations, --backend cpu, device memory too small: one line,
@@ -43,30 +44,47 @@ print(f"{label}: {a:.7f} vs {b:.7f} (rel {abs(a - b) / abs(b):.2e}, tol {tol:g})
 sys.exit(0 if ok else 1)
 EOF
 }
-codes() { # dirA dirB minfrac label [strict]
-    python3 - "$@" <<'EOF'
-import json, struct, sys
+# Identical codes per module. The GPU's sums run in another order than the
+# CPU's, and in a sequential job a flipped code changes the inputs of every
+# later module: even CPU against CPU with another micro-batch (23 vs 32
+# sequences, mlplocal-kfac) gives 98.6% in layer 3's down_proj (100% in
+# layers 0-2). Required: >= 99% per module in the first quantized layer,
+# >= 97% per module everywhere, >= 99% over all modules; "exact": 100%.
+codes() { # dirA dirB label [exact]
+    python3 - "$@" <<'EOF2'
+import json, re, struct, sys
 def read(path):
     with open(path + "/model.safetensors", "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         h = json.loads(f.read(n))
         return h, f.read()
 (ha, da), (hb, db) = read(sys.argv[1]), read(sys.argv[2])
-minfrac, label = float(sys.argv[3]), sys.argv[4]
-worst, wname, ok = 1.0, "", True
+label, exact = sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "exact"
 names = sorted(k for k in ha if k.endswith(".qweight"))
 if not names or names != sorted(k for k in hb if k.endswith(".qweight")):
     print(f"{label}: different module sets"); sys.exit(1)
+layer = lambda k: int(re.search(r"layers\.(\d+)\.", k).group(1))
+first = min(layer(k) for k in names)
+worst, wname, ok, same_all, total = 1.0, "", True, 0, 0
 for k in names:
     a0, a1 = ha[k]["data_offsets"]; b0, b1 = hb[k]["data_offsets"]
     x, y = da[a0:a1], db[b0:b1]
-    same = sum(1 for p, q in zip(x, y) if p == q) / len(x)
-    if same < worst:
-        worst, wname = same, k
-    ok &= same >= minfrac
-print(f"{label}: {len(names)} modules, worst {100 * worst:.3f}% identical codes ({wname}): {'ok' if ok else 'TOO FEW'}")
+    same = sum(1 for p, q in zip(x, y) if p == q)
+    same_all += same
+    total += len(x)
+    frac = same / len(x)
+    if frac < worst:
+        worst, wname = frac, k
+    need = 1.0 if exact else (0.99 if layer(k) == first else 0.97)
+    if frac < need:
+        ok = False
+        print(f"  {k}: {100 * frac:.3f}% identical (need {100 * need:.0f}%)")
+overall = same_all / total
+ok &= exact or overall >= 0.99
+print(f"{label}: {len(names)} modules, overall {100 * overall:.3f}%, worst {100 * worst:.3f}% "
+      f"identical codes ({wname}): {'ok' if ok else 'TOO FEW'}")
 sys.exit(0 if ok else 1)
-EOF
+EOF2
 }
 
 # --- eval on the GPU -----------------------------------------------------
@@ -82,42 +100,42 @@ run() { # out extra-args...
     "$B" quantize "$M" $CAL --out "$out" "$@" >"$out.log" 2>&1
 }
 for h in gptq mlplocal-kfac mlplocal-shampoo fullylocal-kfac fullylocal-shampoo; do
-    run "$W/ref-$h" --hessian "$h" --backend cuda || { die "$h reference: $(tail -1 "$W/ref-$h.log")"; continue; }
+    run "$W/ref-$h" --hessian "$h" --backend cuda --batch 8 || { die "$h reference: $(tail -1 "$W/ref-$h.log")"; continue; }
     run "$W/gpu-$h" --hessian "$h" --backend cuda --gpu-pipeline --batch 8 ||
         { die "$h --gpu-pipeline: $(tail -1 "$W/gpu-$h.log")"; continue; }
-    grep -q '"stages": "cuda"' "$W/gpu-$h/report.json" || die "$h: report.json does not say stages cuda"
-    codes "$W/gpu-$h" "$W/ref-$h" 0.99 "$h: GPU pipeline vs CPU forward/Hessians" || fail=1
+    grep -qE '"stages":[[:space:]]*"cuda"' "$W/gpu-$h/report.json" || die "$h: report.json does not say stages cuda"
+    codes "$W/gpu-$h" "$W/ref-$h" "$h: GPU pipeline vs CPU forward/Hessians" || fail=1
     pr=$(ppl "$W/ref-$h") && pg=$(ppl "$W/gpu-$h") &&
         close "$pg" "$pr" 1e-3 "$h perplexity, GPU pipeline vs CPU forward/Hessians" || fail=1
     if [ "$h" = gptq ] || [ "$h" = fullylocal-kfac ]; then
         # for the record: against the all-CPU job (CPU solver too)
-        run "$W/cpu-$h" --hessian "$h" --backend cpu &&
-            codes "$W/gpu-$h" "$W/cpu-$h" 0 "$h: GPU pipeline vs all-CPU job (not asserted)"
+        run "$W/cpu-$h" --hessian "$h" --backend cpu --batch 8 &&
+            codes "$W/gpu-$h" "$W/cpu-$h" "$h: GPU pipeline vs all-CPU job (not asserted)"
     fi
 done
 
 # pinned-host residual stream: the same arithmetic, the same codes
 if BK_GPU_RESIDUAL=host run "$W/host-gptq" --hessian gptq --backend cuda --gpu-pipeline --batch 8; then
     grep -q "pinned host memory" "$W/host-gptq/report.json" || die "BK_GPU_RESIDUAL=host not applied"
-    codes "$W/host-gptq" "$W/gpu-gptq" 1.0 "gptq: pinned-host vs device residual stream" || fail=1
+    codes "$W/host-gptq" "$W/gpu-gptq" "gptq: pinned-host vs device residual stream" exact || fail=1
 else
     die "BK_GPU_RESIDUAL=host: $(tail -1 "$W/host-gptq.log")"
 fi
 # automatic micro-batch, --no-sequential, --layers
 if run "$W/gpu-auto" --hessian gptq --backend cuda --gpu-pipeline; then
-    codes "$W/gpu-auto" "$W/ref-gptq" 0.99 "gptq, automatic micro-batch" || fail=1
+    codes "$W/gpu-auto" "$W/ref-gptq" "gptq, automatic micro-batch" || fail=1
 else
     die "automatic micro-batch: $(tail -1 "$W/gpu-auto.log")"
 fi
 if run "$W/ref-ns" --hessian fullylocal-kfac --no-sequential --backend cuda &&
    run "$W/gpu-ns" --hessian fullylocal-kfac --no-sequential --backend cuda --gpu-pipeline --batch 5; then
-    codes "$W/gpu-ns" "$W/ref-ns" 0.99 "fullylocal-kfac --no-sequential" || fail=1
+    codes "$W/gpu-ns" "$W/ref-ns" "fullylocal-kfac --no-sequential" || fail=1
 else
     die "--no-sequential: $(tail -1 "$W/gpu-ns.log")"
 fi
 if run "$W/ref-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda &&
    run "$W/gpu-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda --gpu-pipeline; then
-    codes "$W/gpu-ly" "$W/ref-ly" 0.99 "mlplocal-kfac --layers 1:3" || fail=1
+    codes "$W/gpu-ly" "$W/ref-ly" "mlplocal-kfac --layers 1:3" || fail=1
 else
     die "--layers: $(tail -1 "$W/gpu-ly.log")"
 fi
