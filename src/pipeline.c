@@ -258,7 +258,7 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
         }
         for (int64_t i = 0; i < m * n; i++)
             E[i] = r.weight[i] - orig->w[mod][i];
-        st = bk_proxy_loss(m, n, E, fa_gptq, NULL, &loss_gptq);
+        st = bk_proxy_loss_fast(m, n, E, fa_gptq, &loss_gptq);
         free(E);
         if (st != BK_OK) {
             bk_solve_result_free(&r);

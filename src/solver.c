@@ -610,3 +610,24 @@ fail:
     r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
     return st;
 }
+
+bk_status bk_proxy_loss_fast(int64_t m, int64_t n, const float *E, const float *A, double *out)
+{
+    if (!E || !A || !out)
+        return bk_error(BK_ERR_INVALID_ARG, "proxy loss: E, A and out must not be NULL");
+    if (m <= 0 || n <= 0 || m > INT_MAX || n > INT_MAX)
+        return bk_error(BK_ERR_INVALID_ARG, "proxy loss: bad shape [%lld, %lld]", (long long)m,
+                        (long long)n);
+    const size_t mn = (size_t)m * (size_t)n;
+    float *F = bk_alloc(mn, sizeof(float));
+    if (!F)
+        return bk_error(BK_ERR_NOMEM, "proxy loss: out of memory");
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)n, 1.0f, E,
+                (int)n, A, (int)n, 0.0f, F, (int)n);
+    double s = 0.0;
+    for (size_t t = 0; t < mn; t++)
+        s += (double)E[t] * (double)F[t];
+    free(F);
+    *out = s;
+    return BK_OK;
+}

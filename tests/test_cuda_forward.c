@@ -2,7 +2,7 @@
  * oracle (src/forward.c, itself tested against transformers' golden outputs
  * in test_forward.c). Suite cuda; exit 77 = skipped without a GPU.
  *
- *  - every stage of every layer of the golden models (tests/data/models/*,
+ *  - every stage of every layer of the golden models (tests/data/models/NAME,
  *    the kerneldocs example with its golden input): each stage gets the
  *    CPU's input, so errors do not compound, and its outputs (including the
  *    optional ones: rotated queries/keys, values, gate/up projections) are

@@ -89,8 +89,33 @@ static void test_damp_b(void **state)
     free(Bt);
 }
 
+/* bk_proxy_loss_fast (sgemm products) agrees with the float64 bk_proxy_loss */
+static void test_proxy_loss_fast(void **state)
+{
+    (void)state;
+    const int m = 61, n = 47;
+    uint64_t seed = 11;
+    double *Ad = malloc(sizeof(double) * n * n);
+    spd(Ad, n, 90, &seed);
+    float *E = malloc(sizeof(float) * m * n), *A = malloc(sizeof(float) * n * n);
+    for (int i = 0; i < m * n; i++)
+        E[i] = (float)lcg(&seed);
+    for (int i = 0; i < n * n; i++)
+        A[i] = (float)Ad[i];
+    double exact, fast;
+    assert_int_equal(bk_proxy_loss(m, n, E, A, NULL, &exact), BK_OK);
+    assert_int_equal(bk_proxy_loss_fast(m, n, E, A, &fast), BK_OK);
+    assert_true(exact > 0);
+    assert_true(fabs(fast - exact) <= 1e-5 * exact);
+    assert_int_equal(bk_proxy_loss_fast(0, n, E, A, &fast), BK_ERR_INVALID_ARG);
+    free(Ad);
+    free(E);
+    free(A);
+}
+
 int main(void)
 {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_damp_b)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_damp_b),
+                                       cmocka_unit_test(test_proxy_loss_fast)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

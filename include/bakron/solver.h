@@ -125,6 +125,11 @@ bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_r
 bk_status bk_proxy_loss(int64_t m, int64_t n, const float *E, const float *A, const float *B,
                         double *out);
 
+/* The one-sided tr(E A E^T) with single-precision products (BLAS sgemm) and a
+ * float64 reduction: about 1e-6 relative, and several times faster than
+ * bk_proxy_loss on large modules (used for the per-module report). */
+bk_status bk_proxy_loss_fast(int64_t m, int64_t n, const float *E, const float *A, double *out);
+
 #ifdef __cplusplus
 }
 #endif
