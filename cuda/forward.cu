@@ -28,6 +28,7 @@
 
 #include "backend_impl.h"
 #include "fwd_internal.cuh"
+#include "forward_internal.h"
 
 extern "C" {
 #include "rope.h"
@@ -1203,31 +1204,6 @@ extern "C" bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h
 
 namespace {
 
-bk_status check_sequences(const bk_model_config *c, const int32_t *tokens, int64_t S, int64_t T,
-                          int64_t min_T)
-{
-    if (!tokens || S < 1)
-        return bk_error(BK_ERR_CALIB, "input_ids: need at least one sequence (got %lld)",
-                        (long long)S);
-    if (T < min_T)
-        return bk_error(BK_ERR_CALIB,
-                        "input_ids: sequence length %lld is too short (need at least %lld tokens)",
-                        (long long)T, (long long)min_T);
-    if (c->max_positions > 0 && T > c->max_positions)
-        return bk_error(BK_ERR_CALIB,
-                        "input_ids: sequence length %lld exceeds max_position_embeddings %lld",
-                        (long long)T, (long long)c->max_positions);
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t t = 0; t < T; t++) {
-            int32_t id = tokens[s * T + t];
-            if (id < 0 || (int64_t)id >= c->vocab)
-                return bk_error(BK_ERR_CALIB,
-                                "input_ids: sequence %lld position %lld: token id %d is outside "
-                                "the vocabulary [0, %lld)",
-                                (long long)s, (long long)t, (int)id, (long long)c->vocab);
-        }
-    return BK_OK;
-}
 
 /* Sequences per micro-batch on the GPU: scratch of one micro-batch around
  * 2 GiB. */
@@ -1280,7 +1256,7 @@ bk_status model_setup(bk_backend *b, const bk_model *m, const int32_t *tokens, i
     *f = NULL;
     *H = NULL;
     const bk_model_config *c = bk_model_get_config(m);
-    bk_status st = check_sequences(c, tokens, S, T, min_T);
+    bk_status st = bk_fwd_check_sequences(c, tokens, S, T, min_T);
     if (st == BK_OK)
         st = bk_gfwd_create(b, c, B, T, f);
     if (st == BK_OK) {

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "forward_internal.h"
 #include "rope.h"
 #include "util.h"
 
@@ -804,7 +805,7 @@ bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t
 
 /* ---------------------------------------------------------- whole model */
 
-static bk_status check_sequences(const bk_model_config *c, const int32_t *tokens, int64_t S,
+bk_status bk_fwd_check_sequences(const bk_model_config *c, const int32_t *tokens, int64_t S,
                                  int64_t T, int64_t min_T)
 {
     if (!tokens || S < 1)
@@ -877,7 +878,7 @@ bk_status bk_model_nll(const bk_model *m, const int32_t *tokens, int64_t S, int6
     if (!m || !nll_sum || !count)
         return bk_error(BK_ERR_INVALID_ARG, "model nll: NULL argument");
     const bk_model_config *c = bk_model_get_config(m);
-    bk_status st = check_sequences(c, tokens, S, T, 2);
+    bk_status st = bk_fwd_check_sequences(c, tokens, S, T, 2);
     if (st != BK_OK)
         return st;
     if (batch < 0)
@@ -917,7 +918,7 @@ bk_status bk_model_logits(const bk_model *m, const int32_t *tokens, int64_t S, i
     if (!m || !logits)
         return bk_error(BK_ERR_INVALID_ARG, "model logits: NULL argument");
     const bk_model_config *c = bk_model_get_config(m);
-    bk_status st = check_sequences(c, tokens, S, T, 1);
+    bk_status st = bk_fwd_check_sequences(c, tokens, S, T, 1);
     if (st != BK_OK)
         return st;
     bk_fwd *f = NULL;
