@@ -71,6 +71,20 @@ print("native layout:", "ok" if ok else "WRONG")
 sys.exit(0 if ok else 1)
 EOF
 
+# a preset gives the same job as the options it holds; the command line wins over it
+if "$B" quantize "$M" $CAL --config "$SRC/configs/paper-2.81bit-gptq.json" --out "$W/q-preset" \
+     2>"$W/err-pr"; then
+    cmp -s "$W/q-preset/model.safetensors" "$W/q-gptq-native/model.safetensors" \
+        && echo "preset paper-2.81bit-gptq: same checkpoint as --hessian gptq --levels 3" \
+        || die "preset paper-2.81bit-gptq: output differs from --hessian gptq --levels 3"
+    grep -q '"preset"' "$W/q-preset/config.json" || die "preset not recorded in config.json"
+else
+    die "quantize --config: $(cat "$W/err-pr")"
+fi
+"$B" quantize "$M" $CAL --config "$SRC/configs/paper-2.81bit-gptq.json" --hessian rtn \
+    --out "$W/q-preset-rtn" 2>/dev/null && grep -q '"hessian":.*"rtn"' "$W/q-preset-rtn/config.json" \
+    && echo "command line overrides the preset" || die "command line did not override the preset"
+
 # rtn needs no calibration data, and gives the same model without it
 if "$B" quantize "$M" --hessian rtn --out "$W/q-rtn-nocal" 2>"$W/err-rn"; then
     pr=$(ppl "$W/q-rtn-nocal")
