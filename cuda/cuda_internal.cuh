@@ -153,6 +153,14 @@ bk_status bk_dside_from_matrix(bk_cuda_ctx *c, bk_dside *s, const double *Xd, in
                                int64_t kpad, double mean, const char *label,
                                const bk_solve_opts *o, int fp64_factor, int keep_til);
 
+/* The same from a device double matrix dXd [k, k] (symmetric, zero diagonals
+ * already replaced by 1, `mean` its mean diagonal). dXd is consumed: it
+ * becomes s->dtil (damping added) when keep_til, else it is freed, also on
+ * failure. bk_dside_from_matrix uploads its host matrix and calls this. */
+bk_status bk_dside_from_dmatrix(bk_cuda_ctx *c, bk_dside *s, double *dXd, int64_t k,
+                                int64_t kpad, double mean, const char *label,
+                                const bk_solve_opts *o, int fp64_factor, int keep_til);
+
 /* From a precomputed host factor L (validated: lower triangular, positive
  * diagonal; L L^T = X~^-1), normalized on the host as the CPU does; X~ for
  * the statistics by inverting L on the device. */
@@ -172,5 +180,29 @@ bk_status bk_cuda_losses(bk_cuda_ctx *c, int64_t m, int64_t n, const double *dWq
 
 bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
                         bk_solve_result *r);
+
+/* A solve whose factors already live on the device (the GPU pipeline). */
+typedef struct bk_dsolve_problem {
+    int64_t m, n;
+    const float *W;       /* HOST [m, n] row-major F32: the original weights */
+    const float *A;       /* DEVICE [n, n] F32 input factor, symmetric PSD, required */
+    const float *B;       /* DEVICE [m, m] F32 output factor, or NULL (identity) */
+    const float *A_plain; /* DEVICE [n, n] F32 or NULL: for *loss_gptq only (not checked) */
+    const char *label_w, *label_a, *label_b;
+} bk_dsolve_problem;
+
+/* As bk_cuda_solve on the same problem with A/B given as host F32 arrays: the
+ * same validation (finiteness, symmetry, diagonals: run on the device, the
+ * same statuses and messages), damping and escalation, dead columns,
+ * alphabets, codes, statistics and timings in r; A, B and A_plain are read on
+ * the device and never copied to the host (only their diagonals are).
+ * d_weight (DEVICE [m, n] F32, may be NULL) additionally receives the
+ * dequantized weight (device copy; untouched on failure). *loss_gptq (may be
+ * NULL) = tr(E A_plain E^T), E = weight - W (the original W, dead columns
+ * included), in double on the device; NAN when A_plain is NULL or on failure;
+ * computed also when o->compute_stats is 0 (its time is counted in
+ * r->time_stats_s). */
+bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk_solve_opts *o,
+                            bk_solve_result *r, float *d_weight, double *loss_gptq);
 
 #endif /* BK_CUDA_INTERNAL_CUH */

@@ -184,23 +184,20 @@ done:
 const char *const factor_step[] = {"", "the Cholesky factorization of the damped matrix",
                                    "its inverse", "the Cholesky factorization of its inverse"};
 
+/* Damp and factor from the device double matrix dXd [k, k] (symmetric, zero
+ * diagonals already replaced); dXd is consumed: it becomes s->dtil (with the
+ * damping added) when keep_til, else it is freed, also on failure. */
 template <typename R>
-bk_status from_matrix(bk_cuda_ctx *c, bk_dside *s, const double *Xd, int64_t k, int64_t kpad,
+bk_status from_matrix(bk_cuda_ctx *c, bk_dside *s, double *dXd, int64_t k, int64_t kpad,
                       double mean, const char *label, const bk_solve_opts *o, int keep_til,
                       R **out_L)
 {
     bk_status st = BK_OK;
     R *L = NULL;
-    double *dXd = NULL;
-    const size_t kk = (size_t)k * (size_t)k;
-    st = bk_dev_alloc(c, (void **)&dXd, sizeof(double) * kk, "factor: damped matrix");
-    if (st == BK_OK)
-        st = bk_dev_alloc(c, (void **)&L, sizeof(R) * (size_t)kpad * (size_t)kpad,
-                          "factor: Cholesky factor");
+    st = bk_dev_alloc(c, (void **)&L, sizeof(R) * (size_t)kpad * (size_t)kpad,
+                      "factor: Cholesky factor");
     if (st != BK_OK)
         goto fail;
-    BK_CUDA_GOTO(cudaMemcpyAsync(dXd, Xd, sizeof(double) * kk, cudaMemcpyHostToDevice, c->stream),
-                 st, fail);
     {
         double delta = o->damp, add = 0.0;
         int step = 0, attempt;
@@ -254,30 +251,32 @@ void bk_dside_free(bk_cuda_ctx *c, bk_dside *s)
     memset(s, 0, sizeof *s);
 }
 
-bk_status bk_dside_from_matrix(bk_cuda_ctx *c, bk_dside *s, const double *Xd, int64_t k,
-                               int64_t kpad, double mean, const char *label,
-                               const bk_solve_opts *o, int fp64_factor, int keep_til)
+bk_status bk_dside_from_dmatrix(bk_cuda_ctx *c, bk_dside *s, double *dXd, int64_t k,
+                                int64_t kpad, double mean, const char *label,
+                                const bk_solve_opts *o, int fp64_factor, int keep_til)
 {
     memset(s, 0, sizeof *s);
     s->k = k;
     s->kpad = kpad;
     s->rdiag = static_cast<double *>(malloc(sizeof(double) * (size_t)k));
-    if (!s->rdiag)
+    if (!s->rdiag) {
+        bk_dev_free(c, dXd);
         return bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] factor", label,
                         (long long)k, (long long)k);
+    }
     bk_status st;
     if (o->precision == BK_PREC_FP64) {
         double *L = NULL;
-        st = from_matrix<double>(c, s, Xd, k, kpad, mean, label, o, keep_til, &L);
+        st = from_matrix<double>(c, s, dXd, k, kpad, mean, label, o, keep_til, &L);
         s->dL = L;
     } else if (!fp64_factor) {
         float *L = NULL;
-        st = from_matrix<float>(c, s, Xd, k, kpad, mean, label, o, keep_til, &L);
+        st = from_matrix<float>(c, s, dXd, k, kpad, mean, label, o, keep_til, &L);
         s->dL = L;
     } else {
         double *Ld = NULL;
         float *L = NULL;
-        st = from_matrix<double>(c, s, Xd, k, kpad, mean, label, o, keep_til, &Ld);
+        st = from_matrix<double>(c, s, dXd, k, kpad, mean, label, o, keep_til, &Ld);
         if (st == BK_OK)
             st = bk_dev_alloc(c, (void **)&L, sizeof(float) * (size_t)kpad * (size_t)kpad,
                               "factor: Cholesky factor (fp32)");
@@ -293,6 +292,24 @@ bk_status bk_dside_from_matrix(bk_cuda_ctx *c, bk_dside *s, const double *Xd, in
     }
     if (st != BK_OK)
         bk_dside_free(c, s);
+    return st;
+}
+
+bk_status bk_dside_from_matrix(bk_cuda_ctx *c, bk_dside *s, const double *Xd, int64_t k,
+                               int64_t kpad, double mean, const char *label,
+                               const bk_solve_opts *o, int fp64_factor, int keep_til)
+{
+    memset(s, 0, sizeof *s);
+    double *dXd = NULL;
+    const size_t kk = (size_t)k * (size_t)k;
+    bk_status st = bk_dev_alloc(c, (void **)&dXd, sizeof(double) * kk, "factor: damped matrix");
+    if (st != BK_OK)
+        return st;
+    BK_CUDA_GOTO(cudaMemcpyAsync(dXd, Xd, sizeof(double) * kk, cudaMemcpyHostToDevice, c->stream),
+                 st, fail);
+    return bk_dside_from_dmatrix(c, s, dXd, k, kpad, mean, label, o, fp64_factor, keep_til);
+fail:
+    bk_dev_free(c, dXd);
     return st;
 }
 

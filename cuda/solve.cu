@@ -8,7 +8,15 @@
  *   the statistics in double on the device (stats.cu) and the bound.
  *
  * Validation is solver.c's own (src/solver_check.h).
+ *
+ * bk_cuda_solve_dev is the same solve with the factors A/B already on the
+ * device (F32, the GPU pipeline): finiteness, symmetry, diagonals and the
+ * mirrored double matrix are done on the device (prepare_dmatrix, the same
+ * rules and messages as prepare_matrix), the factorization starts from the
+ * device matrix (bk_dside_from_dmatrix). Both entries share everything from
+ * the alphabet fit on (solve_rest).
  */
+#include <cfloat>
 #include <cmath>
 #include <climits>
 #include <cstdio>
@@ -236,102 +244,295 @@ done:
     return st;
 }
 
-} // namespace
+/* ------------------------------------------------- device-resident factors */
 
-bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
-                        bk_solve_result *r)
+/* first non-finite index (atomicMin, ULLONG_MAX if none) and max |entry|
+ * (atomicMax on the bit pattern: monotonic for non-negative floats) */
+__global__ void k_scan(const float *X, int64_t count, unsigned long long *first_bad,
+                       unsigned int *maxbits)
 {
-    if (!p || !o || !r)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: problem, options and result must not be NULL");
-    memset(r, 0, sizeof *r);
-    r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
-    const char *lw = p->label_w ? p->label_w : "W";
-    const char *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
-    const char *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
-    bk_status st = bk_solve_check_opts(o);
-    if (st == BK_OK)
-        st = bk_solve_check_problem(p, o, lw, la, lb);
+    unsigned int mx = 0;
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < count;
+         t += (int64_t)gridDim.x * blockDim.x) {
+        const float a = fabsf(X[t]);
+        if (!(a <= FLT_MAX))
+            atomicMin(first_bad, (unsigned long long)t);
+        else
+            mx = max(mx, __float_as_uint(a));
+    }
+    for (int off = 16; off > 0; off >>= 1)
+        mx = max(mx, __shfl_down_sync(0xffffffffu, mx, off));
+    if ((threadIdx.x & 31) == 0 && mx > 0)
+        atomicMax(maxbits, mx);
+}
+
+/* prepare_matrix's symmetry check and mirror on 32x32 tiles: out[i][j] =
+ * (double)X[max(i,j)][min(i,j)]; a lower entry (i > j) with
+ * |X_ij - X_ji| > thr (in double, as the host) records the smallest i*k+j,
+ * i.e. the host loop's first offending pair. Block 32x8. */
+__global__ void k_sym_mirror(const float *X, int64_t k, double thr, double *out,
+                             unsigned long long *first_asym)
+{
+    __shared__ float lo_t[32][33], tr_t[32][33];
+    const int64_t T = (k + 31) / 32;
+    const int x = threadIdx.x;
+    for (int64_t tile = blockIdx.x; tile < T * T; tile += gridDim.x) {
+        const int64_t r0 = (tile / T) * 32, c0 = (tile % T) * 32;
+        const int lower = r0 >= c0; /* the tile has entries with i >= j */
+        __syncthreads();
+        for (int y = threadIdx.y; y < 32; y += 8) {
+            if (lower && r0 + y < k && c0 + x < k)
+                lo_t[y][x] = X[(r0 + y) * k + c0 + x];
+            if (c0 + y < k && r0 + x < k)
+                tr_t[y][x] = X[(c0 + y) * k + r0 + x]; /* X[c0+y][r0+x] */
+        }
+        __syncthreads();
+        for (int y = threadIdx.y; y < 32; y += 8) {
+            const int64_t i = r0 + y, j = c0 + x;
+            if (i >= k || j >= k)
+                continue;
+            const float up = tr_t[x][y]; /* X[j][i] */
+            if (i >= j) {
+                const float lo = lo_t[y][x];
+                if (i > j && fabs((double)lo - (double)up) > thr)
+                    atomicMin(first_asym, (unsigned long long)(i * k + j));
+                out[i * k + j] = (double)lo;
+            } else {
+                out[i * k + j] = (double)up;
+            }
+        }
+    }
+}
+
+__global__ void k_diag_get(const double *X, int64_t k, double *d)
+{
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < k)
+        d[j] = X[j * k + j];
+}
+
+__global__ void k_diag_set(double *X, int64_t k, const double *d)
+{
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < k)
+        X[j * k + j] = d[j];
+}
+
+__global__ void k_f2d(double *dst, const float *src, int64_t count)
+{
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < count)
+        dst[t] = (double)src[t];
+}
+
+inline unsigned nblocks(int64_t count, int64_t cap)
+{
+    const int64_t b = (count + 255) / 256;
+    return (unsigned)(b < 1 ? 1 : b > cap ? cap : b);
+}
+
+/* bk_solve_check_finite on a device F32 [k, k] matrix (the same message,
+ * naming the first bad index); *maxabs receives max |entry|. */
+bk_status dcheck_finite(bk_cuda_ctx *c, const float *X, int64_t k, const char *label,
+                        double *maxabs)
+{
+    const int64_t count = k * k;
+    unsigned long long *scr = NULL, h[2] = {0, 0};
+    float v = 0.0f;
+    bk_status st = bk_dev_alloc(c, (void **)&scr, 2 * sizeof(unsigned long long),
+                                "check: counters");
     if (st != BK_OK)
         return st;
-    if (!p->A && !p->LA) /* rtn without a Hessian: nothing for the GPU to do */
-        return bk_solve(p, o, r);
-    const int64_t m = p->m, n = p->n;
+    unsigned int *maxbits = reinterpret_cast<unsigned int *>(scr + 1);
+    BK_CUDA_GOTO(cudaMemsetAsync(scr, 0xff, sizeof(unsigned long long), c->stream), st, done);
+    k_scan<<<nblocks(count, 8192), 256, 0, c->stream>>>(X, count, scr, maxbits);
+    BK_CUDA_GOTO(cudaGetLastError(), st, done);
+    BK_CUDA_GOTO(cudaMemcpyAsync(h, scr, sizeof h, cudaMemcpyDeviceToHost, c->stream), st, done);
+    BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+    if (h[0] != ULLONG_MAX) {
+        BK_CUDA_GOTO(cudaMemcpyAsync(&v, X + h[0], sizeof v, cudaMemcpyDeviceToHost, c->stream),
+                     st, done);
+        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+        st = bk_error(BK_ERR_NONFINITE, "%s: non-finite value (%g) at [%lld, %lld]", label,
+                      (double)v, (long long)(h[0] / (unsigned long long)k),
+                      (long long)(h[0] % (unsigned long long)k));
+        goto done;
+    }
+    {
+        unsigned int bits = 0;
+        memcpy(&bits, &h[1], sizeof bits); /* the first 4 bytes of the second word */
+        float mf;
+        memcpy(&mf, &bits, sizeof mf);
+        *maxabs = (double)mf;
+    }
+done:
+    bk_dev_free(c, scr);
+    return st;
+}
+
+/* prepare_matrix on the device, from a finite F32 [k, k] device matrix with
+ * max |entry| maxabs: the same checks, messages and results; *out receives
+ * the mirrored device double matrix (zero diagonals replaced by 1). */
+bk_status prepare_dmatrix(bk_cuda_ctx *c, const float *X, int64_t k, double maxabs,
+                          const char *label, int input_side, double *Wd, int64_t m,
+                          int64_t *dead, double **out, double *mean_out)
+{
+    const size_t kk = (size_t)k * (size_t)k;
+    double *dX = NULL, *dd = NULL, *hd = NULL;
+    unsigned long long key = 0;
+    int64_t zeros = 0;
+    double mean = 0.0;
+    bk_status st = bk_dev_alloc(c, (void **)&dX, sizeof(double) * kk, "factor: damped matrix");
+    if (st == BK_OK)
+        st = bk_dev_alloc(c, (void **)&dd, sizeof(double) * (size_t)k + sizeof key,
+                          "factor: diagonal");
+    if (st != BK_OK)
+        goto fail;
+    hd = static_cast<double *>(malloc(sizeof(double) * (size_t)k));
+    if (!hd) {
+        st = bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] factor", label,
+                      (long long)k, (long long)k);
+        goto fail;
+    }
+    {
+        unsigned long long *dkey = reinterpret_cast<unsigned long long *>(dd + k);
+        const int64_t T = (k + 31) / 32;
+        BK_CUDA_GOTO(cudaMemsetAsync(dkey, 0xff, sizeof key, c->stream), st, fail);
+        k_sym_mirror<<<nblocks(T * T * 256, 65536), dim3(32, 8), 0, c->stream>>>(
+            X, k, BK_SYM_TOL * maxabs, dX, dkey);
+        BK_CUDA_GOTO(cudaGetLastError(), st, fail);
+        k_diag_get<<<nblocks(k, INT_MAX), 256, 0, c->stream>>>(dX, k, dd);
+        BK_CUDA_GOTO(cudaGetLastError(), st, fail);
+        BK_CUDA_GOTO(cudaMemcpyAsync(&key, dkey, sizeof key, cudaMemcpyDeviceToHost, c->stream),
+                     st, fail);
+        BK_CUDA_GOTO(cudaMemcpyAsync(hd, dd, sizeof(double) * (size_t)k, cudaMemcpyDeviceToHost,
+                                     c->stream),
+                     st, fail);
+        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
+    }
+    if (key != ULLONG_MAX) {
+        const int64_t i = (int64_t)(key / (unsigned long long)k),
+                      j = (int64_t)(key % (unsigned long long)k);
+        float lo = 0.0f, up = 0.0f;
+        BK_CUDA_GOTO(cudaMemcpyAsync(&lo, X + i * k + j, sizeof lo, cudaMemcpyDeviceToHost,
+                                     c->stream),
+                     st, fail);
+        BK_CUDA_GOTO(cudaMemcpyAsync(&up, X + j * k + i, sizeof up, cudaMemcpyDeviceToHost,
+                                     c->stream),
+                     st, fail);
+        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
+        st = bk_error(BK_ERR_INVALID_ARG,
+                      "%s: not symmetric: [%lld, %lld] = %.9g but [%lld, %lld] = %.9g "
+                      "(tolerance %g relative to max |entry| %g)",
+                      label, (long long)i, (long long)j, (double)lo, (long long)j, (long long)i,
+                      (double)up, BK_SYM_TOL, maxabs);
+        goto fail;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        const double d = hd[j];
+        if (d < 0) {
+            st = bk_error(BK_ERR_NOT_PD,
+                          "%s: diagonal entry [%lld, %lld] = %g is negative: not positive "
+                          "semi-definite",
+                          label, (long long)j, (long long)j, d);
+            goto fail;
+        }
+        if (d == 0) {
+            hd[j] = 1.0;
+            zeros++;
+            if (input_side) {
+                (*dead)++;
+                for (int64_t i = 0; i < m; i++)
+                    Wd[i * k + j] = 0.0;
+            }
+        }
+        mean += hd[j];
+    }
+    if (zeros > 0) {
+        BK_CUDA_GOTO(cudaMemcpyAsync(dd, hd, sizeof(double) * (size_t)k, cudaMemcpyHostToDevice,
+                                     c->stream),
+                     st, fail);
+        k_diag_set<<<nblocks(k, INT_MAX), 256, 0, c->stream>>>(dX, k, dd);
+        BK_CUDA_GOTO(cudaGetLastError(), st, fail);
+        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
+    }
+    free(hd);
+    bk_dev_free(c, dd);
+    *mean_out = mean / (double)k;
+    *out = dX;
+    return BK_OK;
+fail:
+    free(hd);
+    bk_dev_free(c, dd);
+    bk_dev_free(c, dX);
+    return st;
+}
+
+/* ------------------------------------------------ the shared second half */
+
+/* What the front ends (host arrays, device factors) hand over: the fitted-to-be
+ * alphabet (initialized), both sides factored, W as host double with dead
+ * columns zeroed, and the start time. */
+typedef struct solve_state {
+    bk_alphabet alpha;
+    bk_dside sa, sb;
+    double *Wd;
+    int64_t dead;
+    double t0;
+} solve_state;
+
+/* The device entry's additions (NULL for bk_cuda_solve). */
+typedef struct solve_extra {
+    const float *W;       /* host original W (F32): E of loss_gptq */
+    const float *A_plain; /* device [n, n] or NULL */
+    float *d_weight;      /* device [m, n] or NULL */
+    double *loss_gptq;    /* or NULL */
+} solve_extra;
+
+void state_release(bk_cuda_ctx *c, solve_state *s)
+{
+    bk_alphabet_free(&s->alpha);
+    bk_dside_free(c, &s->sa);
+    bk_dside_free(c, &s->sb);
+    free(s->Wd);
+    s->Wd = NULL;
+}
+
+/* The failure exit of both entries: everything released, r emptied. */
+bk_status solve_fail(bk_cuda_ctx *c, solve_state *s, bk_solve_result *r, bk_status st)
+{
+    cudaStreamSynchronize(c->stream);
+    cudaGetLastError();
+    state_release(c, s);
+    bk_solve_result_free(r);
+    r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
+    return st;
+}
+
+/* Alphabet, device problem, core, downloads, counters, statistics, result.
+ * r->codes and r->weight are allocated; releases s (and r on failure). */
+bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t n,
+                     const char *lw, solve_state *s, const solve_extra *x, bk_solve_result *r)
+{
     const size_t mn = (size_t)m * (size_t)n;
-    const bk_dtype dt = p->dtype;
     const bk_precision prec = o->precision;
     const size_t rsz = prec == BK_PREC_FP64 ? sizeof(double) : sizeof(float);
     const int64_t mpad = bk_round_up(m, BK_CUDA_PAD), npad = bk_round_up(n, BK_CUDA_PAD);
-
-    if ((st = bk_solve_check_finite(p->W, dt, m, n, lw)) != BK_OK)
-        return st;
-    if ((st = bk_solve_check_finite(p->A ? p->A : p->LA, dt, n, n, la)) != BK_OK)
-        return st;
-    if ((p->B || p->LB) &&
-        (st = bk_solve_check_finite(p->B ? p->B : p->LB, dt, m, m, lb)) != BK_OK)
-        return st;
-
-    bk_alphabet alpha;
-    bk_dside sa, sb;
-    memset(&sa, 0, sizeof sa);
-    memset(&sb, 0, sizeof sb);
-    double *Wd = NULL, *Xh = NULL;
+    const int stats = o->compute_stats != 0;
+    const int want_gptq = x && x->loss_gptq && x->A_plain;
+    bk_alphabet &alpha = s->alpha;
+    bk_dside &sa = s->sa, &sb = s->sb;
+    double *Wd = s->Wd;
+    bk_status st = BK_OK;
     void *dW = NULL, *dscale = NULL, *dzero = NULL;
     int16_t *dcodes = NULL;
     float *dweight = NULL;
     unsigned long long *dcounts = NULL, counts[3] = {0, 0, 0};
-    double *dWq = NULL, *dW0 = NULL;
-    double mean = 0.0, t0, t1, t2, t3;
-    int64_t dead = 0;
+    double *dWq = NULL, *dW0 = NULL, *dAp = NULL;
+    double t1, t2, t3, lgptq = NAN;
     float ms = 0.0f;
-    const int stats = o->compute_stats != 0;
     bk_core_args a;
     refit_ctx rc;
-    if ((st = bk_alphabet_init(&alpha, &o->quant, m, n)) != BK_OK)
-        return bk_error_prefix(st, lw);
-
-    t0 = bk_now();
-    Wd = static_cast<double *>(bk_alloc(mn, sizeof(double)));
-    r->codes = static_cast<int16_t *>(bk_alloc(mn, sizeof(int16_t)));
-    r->weight = static_cast<float *>(bk_alloc(mn, sizeof(float)));
-    if (!Wd || !r->codes || !r->weight) {
-        st = bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] solve", lw,
-                      (long long)m, (long long)n);
-        goto fail;
-    }
-    for (size_t t = 0; t < mn; t++)
-        Wd[t] = in_at(p->W, dt, t);
-
-    if (p->A) {
-        st = prepare_matrix(p->A, dt, n, la, 1, Wd, m, &dead, &Xh, &mean);
-        if (st == BK_OK)
-            st = bk_dside_from_matrix(c, &sa, Xh, n, npad, mean, la, o, c->factor_fp64, stats);
-    } else {
-        st = prepare_factor(p->LA, dt, n, la, &Xh);
-        if (st == BK_OK)
-            st = bk_dside_from_factor(c, &sa, Xh, n, npad, la, prec, stats);
-    }
-    free(Xh);
-    Xh = NULL;
-    if (st != BK_OK)
-        goto fail;
-    if (p->B) {
-        st = prepare_matrix(p->B, dt, m, lb, 0, NULL, 0, NULL, &Xh, &mean);
-        bk_solve_opts ob = *o; /* the output side may have its own damping */
-        if (o->separate_damp_b)
-            ob.damp = o->damp_b;
-        if (st == BK_OK)
-            st = bk_dside_from_matrix(c, &sb, Xh, m, mpad, mean, lb, &ob, c->factor_fp64, stats);
-    } else if (p->LB) {
-        st = prepare_factor(p->LB, dt, m, lb, &Xh);
-        if (st == BK_OK)
-            st = bk_dside_from_factor(c, &sb, Xh, m, mpad, lb, prec, stats);
-    } else {
-        sb.identity = 1;
-    }
-    free(Xh);
-    Xh = NULL;
-    if (st != BK_OK)
-        goto fail;
 
     if ((st = bk_alphabet_fit(&alpha, Wd, n)) != BK_OK) {
         bk_error_prefix(st, lw);
@@ -433,9 +634,16 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
                       lw, (long long)counts[1], BK_Q_INT16_MAX);
         goto fail;
     }
+    if (x && x->d_weight) {
+        BK_CUDA_GOTO(cudaMemcpyAsync(x->d_weight, dweight, sizeof(float) * mn,
+                                     cudaMemcpyDeviceToDevice, c->stream),
+                     st, fail);
+        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
+    }
 
-    if (stats) {
-        double *Wq = Wd; /* reuse: staged as double, then Wd again */
+    if (stats || want_gptq) {
+        /* E = weight - W in double: the weight converted on the device (exact),
+         * W (dead columns zeroed) uploaded */
         st = bk_dev_alloc(c, (void **)&dWq, sizeof(double) * mn, "loss: weight");
         if (st == BK_OK)
             st = bk_dev_alloc(c, (void **)&dW0, sizeof(double) * mn, "loss: W");
@@ -444,13 +652,11 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
         BK_CUDA_GOTO(cudaMemcpyAsync(dW0, Wd, sizeof(double) * mn, cudaMemcpyHostToDevice,
                                      c->stream),
                      st, fail);
+        k_f2d<<<nblocks((int64_t)mn, INT_MAX), 256, 0, c->stream>>>(dWq, dweight, (int64_t)mn);
+        BK_CUDA_GOTO(cudaGetLastError(), st, fail);
         BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
-        for (size_t t = 0; t < mn; t++)
-            Wq[t] = (double)r->weight[t];
-        BK_CUDA_GOTO(cudaMemcpyAsync(dWq, Wq, sizeof(double) * mn, cudaMemcpyHostToDevice,
-                                     c->stream),
-                     st, fail);
-        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
+    }
+    if (stats) {
         st = bk_cuda_losses(c, m, n, dWq, dW0, sa.dtil, sb.identity ? NULL : sb.dtil,
                             &r->loss_one_sided, &r->loss_two_sided);
         if (st != BK_OK)
@@ -462,13 +668,40 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
                 const double rbi = use_b ? sb.rdiag[i] : 1.0;
                 double row = 0.0;
                 for (int64_t j = 0; j < n; j++) {
-                    const double s = bk_q_scale_at(&alpha, i, j);
-                    row += s * s * sa.rdiag[j] * sa.rdiag[j];
+                    const double sc = bk_q_scale_at(&alpha, i, j);
+                    row += sc * sc * sa.rdiag[j] * sa.rdiag[j];
                 }
                 bound += rbi * rbi * row;
             }
             r->bound = 0.25 * bound;
         }
+    }
+    if (want_gptq) {
+        /* tr(E A_plain E^T), E = weight - the original W, A_plain undamped;
+         * the damped matrices are done with */
+        double unused = 0.0;
+        bk_dev_free(c, sa.dtil);
+        sa.dtil = NULL;
+        bk_dev_free(c, sb.dtil);
+        sb.dtil = NULL;
+        if (s->dead > 0) {
+            for (size_t t = 0; t < mn; t++)
+                Wd[t] = (double)x->W[t];
+            BK_CUDA_GOTO(cudaMemcpyAsync(dW0, Wd, sizeof(double) * mn, cudaMemcpyHostToDevice,
+                                         c->stream),
+                         st, fail);
+        }
+        st = bk_dev_alloc(c, (void **)&dAp, sizeof(double) * (size_t)n * (size_t)n,
+                          "loss: A_plain");
+        if (st != BK_OK)
+            goto fail;
+        k_f2d<<<nblocks(n * n, INT_MAX), 256, 0, c->stream>>>(dAp, x->A_plain, n * n);
+        BK_CUDA_GOTO(cudaGetLastError(), st, fail);
+        st = bk_cuda_losses(c, m, n, dWq, dW0, dAp, NULL, &lgptq, &unused);
+        if (st != BK_OK)
+            goto fail;
+        bk_dev_free(c, dAp);
+        dAp = NULL;
     }
     t3 = bk_now();
 
@@ -481,17 +714,18 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
         r->zeros = alpha.zero;
         alpha.zero = NULL;
     }
-    r->damp_a = p->A ? sa.damp : 0.0;
-    r->damp_b = p->B ? sb.damp : 0.0;
+    /* 0 for an absent B or a precomputed factor (never set there) */
+    r->damp_a = sa.damp;
+    r->damp_b = sb.damp;
     r->damp_retries = sa.retries + sb.retries;
-    r->dead_columns = dead;
+    r->dead_columns = s->dead;
     r->clamped = (int64_t)counts[0];
-    r->time_factor_s = t1 - t0;
+    r->time_factor_s = t1 - s->t0;
     r->time_solve_s = (double)ms / 1000.0;
-    r->time_stats_s = stats ? t3 - t2 : 0.0;
-    bk_alphabet_free(&alpha);
-    bk_dside_free(c, &sa);
-    bk_dside_free(c, &sb);
+    r->time_stats_s = stats || want_gptq ? t3 - t2 : 0.0;
+    if (want_gptq)
+        *x->loss_gptq = lgptq;
+    state_release(c, s);
     bk_dev_free(c, dWq);
     bk_dev_free(c, dW0);
     bk_dev_free(c, dscale);
@@ -499,26 +733,185 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
     bk_dev_free(c, dcodes);
     bk_dev_free(c, dweight);
     bk_dev_free(c, dcounts);
-    free(Wd);
     return BK_OK;
 
 fail:
     cudaStreamSynchronize(c->stream);
     cudaGetLastError();
-    bk_alphabet_free(&alpha);
-    bk_dside_free(c, &sa);
-    bk_dside_free(c, &sb);
     bk_dev_free(c, dW);
     bk_dev_free(c, dWq);
     bk_dev_free(c, dW0);
+    bk_dev_free(c, dAp);
     bk_dev_free(c, dscale);
     bk_dev_free(c, dzero);
     bk_dev_free(c, dcodes);
     bk_dev_free(c, dweight);
     bk_dev_free(c, dcounts);
-    free(Wd);
-    free(Xh);
-    bk_solve_result_free(r);
+    return solve_fail(c, s, r, st);
+}
+
+/* The host W as double and the result arrays (both entries). */
+bk_status alloc_host(solve_state *s, bk_solve_result *r, const void *W, bk_dtype dt, int64_t m,
+                     int64_t n, const char *lw)
+{
+    const size_t mn = (size_t)m * (size_t)n;
+    s->Wd = static_cast<double *>(bk_alloc(mn, sizeof(double)));
+    r->codes = static_cast<int16_t *>(bk_alloc(mn, sizeof(int16_t)));
+    r->weight = static_cast<float *>(bk_alloc(mn, sizeof(float)));
+    if (!s->Wd || !r->codes || !r->weight)
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] solve", lw,
+                        (long long)m, (long long)n);
+    for (size_t t = 0; t < mn; t++)
+        s->Wd[t] = in_at(W, dt, t);
+    return BK_OK;
+}
+
+} // namespace
+
+bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
+                        bk_solve_result *r)
+{
+    if (!p || !o || !r)
+        return bk_error(BK_ERR_INVALID_ARG, "solve: problem, options and result must not be NULL");
+    memset(r, 0, sizeof *r);
     r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
-    return st;
+    const char *lw = p->label_w ? p->label_w : "W";
+    const char *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
+    const char *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
+    bk_status st = bk_solve_check_opts(o);
+    if (st == BK_OK)
+        st = bk_solve_check_problem(p, o, lw, la, lb);
+    if (st != BK_OK)
+        return st;
+    if (!p->A && !p->LA) /* rtn without a Hessian: nothing for the GPU to do */
+        return bk_solve(p, o, r);
+    const int64_t m = p->m, n = p->n;
+    const bk_dtype dt = p->dtype;
+    const bk_precision prec = o->precision;
+    const int64_t mpad = bk_round_up(m, BK_CUDA_PAD), npad = bk_round_up(n, BK_CUDA_PAD);
+
+    if ((st = bk_solve_check_finite(p->W, dt, m, n, lw)) != BK_OK)
+        return st;
+    if ((st = bk_solve_check_finite(p->A ? p->A : p->LA, dt, n, n, la)) != BK_OK)
+        return st;
+    if ((p->B || p->LB) &&
+        (st = bk_solve_check_finite(p->B ? p->B : p->LB, dt, m, m, lb)) != BK_OK)
+        return st;
+
+    solve_state s;
+    memset(&s, 0, sizeof s);
+    double *Xh = NULL, mean = 0.0;
+    const int stats = o->compute_stats != 0;
+    if ((st = bk_alphabet_init(&s.alpha, &o->quant, m, n)) != BK_OK)
+        return bk_error_prefix(st, lw);
+
+    s.t0 = bk_now();
+    if ((st = alloc_host(&s, r, p->W, dt, m, n, lw)) != BK_OK)
+        return solve_fail(c, &s, r, st);
+
+    if (p->A) {
+        st = prepare_matrix(p->A, dt, n, la, 1, s.Wd, m, &s.dead, &Xh, &mean);
+        if (st == BK_OK)
+            st = bk_dside_from_matrix(c, &s.sa, Xh, n, npad, mean, la, o, c->factor_fp64, stats);
+    } else {
+        st = prepare_factor(p->LA, dt, n, la, &Xh);
+        if (st == BK_OK)
+            st = bk_dside_from_factor(c, &s.sa, Xh, n, npad, la, prec, stats);
+    }
+    free(Xh);
+    Xh = NULL;
+    if (st != BK_OK)
+        return solve_fail(c, &s, r, st);
+    if (p->B) {
+        st = prepare_matrix(p->B, dt, m, lb, 0, NULL, 0, NULL, &Xh, &mean);
+        bk_solve_opts ob = *o; /* the output side may have its own damping */
+        if (o->separate_damp_b)
+            ob.damp = o->damp_b;
+        if (st == BK_OK)
+            st = bk_dside_from_matrix(c, &s.sb, Xh, m, mpad, mean, lb, &ob, c->factor_fp64,
+                                      stats);
+    } else if (p->LB) {
+        st = prepare_factor(p->LB, dt, m, lb, &Xh);
+        if (st == BK_OK)
+            st = bk_dside_from_factor(c, &s.sb, Xh, m, mpad, lb, prec, stats);
+    } else {
+        s.sb.identity = 1;
+    }
+    free(Xh);
+    Xh = NULL;
+    if (st != BK_OK)
+        return solve_fail(c, &s, r, st);
+    return solve_rest(c, o, m, n, lw, &s, NULL, r);
+}
+
+bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk_solve_opts *o,
+                            bk_solve_result *r, float *d_weight, double *loss_gptq)
+{
+    if (loss_gptq)
+        *loss_gptq = NAN;
+    if (!p || !o || !r)
+        return bk_error(BK_ERR_INVALID_ARG, "solve: problem, options and result must not be NULL");
+    memset(r, 0, sizeof *r);
+    r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
+    const char *lw = p->label_w ? p->label_w : "W";
+    const char *la = p->label_a ? p->label_a : "A";
+    const char *lb = p->label_b ? p->label_b : "B";
+    bk_solve_problem q;
+    memset(&q, 0, sizeof q);
+    q.m = p->m;
+    q.n = p->n;
+    q.dtype = BK_DT_F32;
+    q.W = p->W;
+    q.A = p->A;
+    q.B = p->B;
+    bk_status st = bk_solve_check_opts(o);
+    if (st == BK_OK)
+        st = bk_solve_check_problem(&q, o, lw, la, lb);
+    if (st == BK_OK && !p->A)
+        st = bk_error(BK_ERR_INVALID_ARG, "%s: the device solve needs the input-side factor A",
+                      la);
+    if (st != BK_OK)
+        return st;
+    const int64_t m = p->m, n = p->n;
+    const int64_t mpad = bk_round_up(m, BK_CUDA_PAD), npad = bk_round_up(n, BK_CUDA_PAD);
+    double max_a = 0.0, max_b = 0.0;
+
+    if ((st = bk_solve_check_finite(p->W, BK_DT_F32, m, n, lw)) != BK_OK)
+        return st;
+    if ((st = dcheck_finite(c, p->A, n, la, &max_a)) != BK_OK)
+        return st;
+    if (p->B && (st = dcheck_finite(c, p->B, m, lb, &max_b)) != BK_OK)
+        return st;
+
+    solve_state s;
+    memset(&s, 0, sizeof s);
+    double *dX = NULL, mean = 0.0;
+    const int stats = o->compute_stats != 0;
+    if ((st = bk_alphabet_init(&s.alpha, &o->quant, m, n)) != BK_OK)
+        return bk_error_prefix(st, lw);
+
+    s.t0 = bk_now();
+    if ((st = alloc_host(&s, r, p->W, BK_DT_F32, m, n, lw)) != BK_OK)
+        return solve_fail(c, &s, r, st);
+    /* dX is consumed by bk_dside_from_dmatrix (kept as X~ or freed) */
+    st = prepare_dmatrix(c, p->A, n, max_a, la, 1, s.Wd, m, &s.dead, &dX, &mean);
+    if (st == BK_OK)
+        st = bk_dside_from_dmatrix(c, &s.sa, dX, n, npad, mean, la, o, c->factor_fp64, stats);
+    if (st != BK_OK)
+        return solve_fail(c, &s, r, st);
+    if (p->B) {
+        bk_solve_opts ob = *o; /* the output side may have its own damping */
+        if (o->separate_damp_b)
+            ob.damp = o->damp_b;
+        st = prepare_dmatrix(c, p->B, m, max_b, lb, 0, NULL, 0, NULL, &dX, &mean);
+        if (st == BK_OK)
+            st = bk_dside_from_dmatrix(c, &s.sb, dX, m, mpad, mean, lb, &ob, c->factor_fp64,
+                                       stats);
+    } else {
+        s.sb.identity = 1;
+    }
+    if (st != BK_OK)
+        return solve_fail(c, &s, r, st);
+    solve_extra x = {p->W, p->A_plain, d_weight, loss_gptq};
+    return solve_rest(c, o, m, n, lw, &s, &x, r);
 }

@@ -1,0 +1,575 @@
+/* The device-resident solve entry bk_cuda_solve_dev (cuda/solve.cu) against
+ * the host-array entry bk_cuda_solve on the same problems. Suite cuda; exit
+ * 77 = skipped without a GPU.
+ *
+ *   - random SPD problems (96x160, 256x320), gptq and bakron, with and
+ *     without B, fp64 and fp32, the level alphabet and uniform 4-bit
+ *     (asymmetric) groups of 64: fp64 identical codes, weights, scales,
+ *     damping and statistics; fp32 >= 99.9% identical codes and statistics
+ *     within 1e-4 relative; loss_gptq = tr(E A_plain E^T) of an independent
+ *     host double computation within 1e-9 relative; d_weight = r->weight;
+ *   - compute_stats = 0 still gives loss_gptq; A_plain NULL gives NAN;
+ *   - damping escalation and a factor that stays non-PD: the same damping,
+ *     statuses and messages as the host entry;
+ *   - bad inputs (NaN/Inf in the device A/B, asymmetric A, a negative diagonal
+ *     in B, no A): the host entry's status and message, naming the label;
+ *     a zero diagonal in A: one dead column and the host entry's codes;
+ *   - nothing leaks: the tracked device memory is back to its start value.
+ */
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+extern "C" { /* cmocka 1.1 declares its functions without C linkage in C++ */
+#include <cmocka.h>
+}
+
+#include "cuda/cuda_internal.cuh"
+
+static bk_cuda_ctx *g_c;
+
+/* ------------------------------------------------------------- problems */
+
+struct rng {
+    uint64_t s;
+    int have;
+    double spare;
+};
+
+static uint64_t rng_next(rng *r)
+{
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static double rng_unif(rng *r)
+{
+    return (double)(rng_next(r) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static double rng_normal(rng *r)
+{
+    if (r->have) {
+        r->have = 0;
+        return r->spare;
+    }
+    double u, v, s;
+    do {
+        u = 2.0 * rng_unif(r) - 1.0;
+        v = 2.0 * rng_unif(r) - 1.0;
+        s = u * u + v * v;
+    } while (s >= 1.0 || s == 0.0);
+    const double f = std::sqrt(-2.0 * std::log(s) / s);
+    r->spare = v * f;
+    r->have = 1;
+    return u * f;
+}
+
+static float *hbuf(size_t count)
+{
+    float *p = static_cast<float *>(calloc(count, sizeof(float)));
+    assert_non_null(p);
+    return p;
+}
+
+/* A = X^T X / N + ridge I (F32, exactly symmetric), X [N, k] with
+ * correlated neighbouring columns and varying column scales */
+static float *spd(int64_t k, uint64_t seed, double ridge)
+{
+    rng r = {seed * 7919u + 17u, 0, 0.0};
+    const int64_t N = k + 32;
+    double *X = static_cast<double *>(malloc(sizeof(double) * (size_t)(N * k)));
+    double *sc = static_cast<double *>(malloc(sizeof(double) * (size_t)k));
+    assert_non_null(X);
+    assert_non_null(sc);
+    for (int64_t j = 0; j < k; j++)
+        sc[j] = 0.5 + rng_unif(&r);
+    for (int64_t t = 0; t < N; t++) {
+        double prev = 0.0;
+        for (int64_t j = 0; j < k; j++) {
+            const double g = rng_normal(&r);
+            X[t * k + j] = sc[j] * (g + 0.6 * prev);
+            prev = g;
+        }
+    }
+    float *A = hbuf((size_t)(k * k));
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t j = 0; j <= i; j++) {
+            double s = 0.0;
+            for (int64_t t = 0; t < N; t++)
+                s += X[t * k + i] * X[t * k + j];
+            const float v = (float)(s / (double)N + (i == j ? ridge : 0.0));
+            A[i * k + j] = A[j * k + i] = v;
+        }
+    free(X);
+    free(sc);
+    return A;
+}
+
+static float *weights(int64_t m, int64_t n, uint64_t seed)
+{
+    rng r = {seed * 104729u + 3u, 0, 0.0};
+    float *W = hbuf((size_t)(m * n));
+    for (int64_t t = 0; t < m * n; t++)
+        W[t] = (float)(0.05 * rng_normal(&r));
+    return W;
+}
+
+/* device copies made with cudaMalloc: not counted in the context's memory */
+static float *dcopy(const float *h, size_t count)
+{
+    float *d = NULL;
+    assert_int_equal(cudaMalloc((void **)&d, count * sizeof(float)), cudaSuccess);
+    assert_int_equal(cudaMemcpy(d, h, count * sizeof(float), cudaMemcpyHostToDevice),
+                     cudaSuccess);
+    return d;
+}
+
+/* tr(E Ap E^T), E = weight - W, all in double on the host */
+static double host_loss_gptq(const float *weight, const float *W, const float *Ap, int64_t m,
+                             int64_t n)
+{
+    double *e = static_cast<double *>(malloc(sizeof(double) * (size_t)n));
+    assert_non_null(e);
+    double total = 0.0;
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t j = 0; j < n; j++)
+            e[j] = (double)weight[i * n + j] - (double)W[i * n + j];
+        for (int64_t j = 0; j < n; j++) {
+            double s = 0.0;
+            for (int64_t l = 0; l < n; l++)
+                s += (double)Ap[j * n + l] * e[l];
+            total += e[j] * s;
+        }
+    }
+    free(e);
+    return total;
+}
+
+static double rel(double a, double b)
+{
+    if (a == b)
+        return 0.0;
+    return std::fabs(a - b) / std::fmax(std::fabs(a), std::fabs(b));
+}
+
+/* One problem on the host and the device side. */
+struct dcase {
+    int64_t m, n;
+    float *W, *A, *B, *Ap; /* host; B may be NULL */
+    float *dA, *dB, *dAp;  /* device copies */
+};
+
+static dcase make_case(int64_t m, int64_t n, uint64_t seed, int with_b)
+{
+    dcase c;
+    memset(&c, 0, sizeof c);
+    c.m = m;
+    c.n = n;
+    c.W = weights(m, n, seed);
+    c.A = spd(n, seed + 1, 1e-3);
+    c.B = with_b ? spd(m, seed + 2, 1e-3) : NULL;
+    c.Ap = spd(n, seed + 3, 0.0);
+    return c;
+}
+
+static void case_upload(dcase *c)
+{
+    cudaFree(c->dA);
+    cudaFree(c->dB);
+    cudaFree(c->dAp);
+    c->dA = dcopy(c->A, (size_t)(c->n * c->n));
+    c->dB = c->B ? dcopy(c->B, (size_t)(c->m * c->m)) : NULL;
+    c->dAp = dcopy(c->Ap, (size_t)(c->n * c->n));
+}
+
+static void case_free(dcase *c)
+{
+    free(c->W);
+    free(c->A);
+    free(c->B);
+    free(c->Ap);
+    cudaFree(c->dA);
+    cudaFree(c->dB);
+    cudaFree(c->dAp);
+    memset(c, 0, sizeof *c);
+}
+
+static void host_problem(const dcase *c, bk_solve_problem *p)
+{
+    memset(p, 0, sizeof *p);
+    p->m = c->m;
+    p->n = c->n;
+    p->dtype = BK_DT_F32;
+    p->W = c->W;
+    p->A = c->A;
+    p->B = c->B;
+    p->label_w = "lbl_w";
+    p->label_a = "lbl_a";
+    p->label_b = "lbl_b";
+}
+
+static void dev_problem(const dcase *c, bk_dsolve_problem *p)
+{
+    memset(p, 0, sizeof *p);
+    p->m = c->m;
+    p->n = c->n;
+    p->W = c->W;
+    p->A = c->dA;
+    p->B = c->dB;
+    p->A_plain = c->dAp;
+    p->label_w = "lbl_w";
+    p->label_a = "lbl_a";
+    p->label_b = "lbl_b";
+}
+
+static bk_solve_opts make_opts(bk_algorithm alg, bk_precision prec, int uniform)
+{
+    bk_solve_opts o;
+    bk_solve_opts_default(&o);
+    o.algorithm = alg;
+    o.precision = prec;
+    if (uniform) {
+        o.quant.kind = BK_Q_UNIFORM;
+        o.quant.bits = 4;
+        o.quant.group = 64;
+        o.quant.asym = 1;
+    }
+    return o;
+}
+
+/* ------------------------------------------------------------ comparison */
+
+static int64_t g_same, g_total; /* fp32 codes over every case */
+
+/* Solve c with both entries and compare. Returns the device loss_gptq. */
+static double compare(const dcase *c, const bk_solve_opts *o, const char *what)
+{
+    const int64_t m = c->m, n = c->n, mn = m * n;
+    const size_t mem0 = g_c->mem_current;
+    bk_solve_problem hp;
+    bk_dsolve_problem dp;
+    host_problem(c, &hp);
+    dev_problem(c, &dp);
+    bk_solve_result rh, rd;
+    bk_status sh = bk_cuda_solve(g_c, &hp, o, &rh);
+    if (sh != BK_OK)
+        fail_msg("%s: host entry: %s", what, bk_last_error());
+    assert_int_equal(g_c->mem_current, mem0);
+    float *dw = NULL;
+    assert_int_equal(cudaMalloc((void **)&dw, sizeof(float) * (size_t)mn), cudaSuccess);
+    double lg = 0.0;
+    bk_status sd = bk_cuda_solve_dev(g_c, &dp, o, &rd, dw, &lg);
+    if (sd != BK_OK)
+        fail_msg("%s: device entry: %s", what, bk_last_error());
+    assert_int_equal(g_c->mem_current, mem0);
+
+    /* d_weight is the device copy of r->weight */
+    float *hw = hbuf((size_t)mn);
+    assert_int_equal(cudaMemcpy(hw, dw, sizeof(float) * (size_t)mn, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+    assert_memory_equal(hw, rd.weight, sizeof(float) * (size_t)mn);
+    free(hw);
+    cudaFree(dw);
+
+    /* the alphabet is fitted on the host from the same W: identical */
+    assert_int_equal(rh.groups, rd.groups);
+    assert_memory_equal(rh.scales, rd.scales, sizeof(float) * (size_t)(m * rh.groups));
+    assert_true((rh.zeros == NULL) == (rd.zeros == NULL));
+    if (rh.zeros)
+        assert_memory_equal(rh.zeros, rd.zeros, sizeof(float) * (size_t)(m * rh.groups));
+    assert_int_equal(rh.dead_columns, rd.dead_columns);
+
+    int64_t same = 0;
+    for (int64_t t = 0; t < mn; t++)
+        same += rh.codes[t] == rd.codes[t];
+    const double tol = o->precision == BK_PREC_FP64 ? 1e-12 : 1e-4;
+    if (o->precision == BK_PREC_FP64) {
+        if (same != mn)
+            fail_msg("%s: %lld of %lld codes differ", what, (long long)(mn - same),
+                     (long long)mn);
+        assert_memory_equal(rh.weight, rd.weight, sizeof(float) * (size_t)mn);
+        assert_true(rh.damp_a == rd.damp_a);
+        assert_true(rh.damp_b == rd.damp_b);
+        assert_int_equal(rh.damp_retries, rd.damp_retries);
+        assert_int_equal(rh.clamped, rd.clamped);
+    } else {
+        g_same += same;
+        g_total += mn;
+        if ((double)same < 0.999 * (double)mn)
+            fail_msg("%s: only %lld of %lld codes identical", what, (long long)same,
+                     (long long)mn);
+    }
+    if (o->compute_stats) {
+        const double d1 = rel(rh.loss_one_sided, rd.loss_one_sided);
+        const double d2 = rel(rh.loss_two_sided, rd.loss_two_sided);
+        const double d3 = rel(rh.bound, rd.bound);
+        if (!(d1 <= tol && d2 <= tol && d3 <= tol))
+            fail_msg("%s: statistics differ: one-sided %.17g / %.17g, two-sided %.17g / %.17g, "
+                     "bound %.17g / %.17g",
+                     what, rh.loss_one_sided, rd.loss_one_sided, rh.loss_two_sided,
+                     rd.loss_two_sided, rh.bound, rd.bound);
+    } else {
+        assert_true(std::isnan(rd.loss_one_sided) && std::isnan(rd.loss_two_sided) &&
+                    std::isnan(rd.bound));
+        assert_true(rd.time_stats_s >= 0.0);
+    }
+    const double want = host_loss_gptq(rd.weight, c->W, c->Ap, m, n);
+    if (!(rel(lg, want) <= 1e-9))
+        fail_msg("%s: loss_gptq %.17g, host %.17g", what, lg, want);
+    bk_solve_result_free(&rh);
+    bk_solve_result_free(&rd);
+    return lg;
+}
+
+/* ------------------------------------------------------------------ tests */
+
+static void test_parity(void **state)
+{
+    (void)state;
+    const int64_t shapes[2][2] = {{96, 160}, {256, 320}};
+    const bk_algorithm algs[2] = {BK_ALG_GPTQ, BK_ALG_BAKRON};
+    const bk_precision precs[2] = {BK_PREC_FP64, BK_PREC_FP32};
+    for (int s = 0; s < 2; s++)
+        for (int with_b = 0; with_b < 2; with_b++) {
+            dcase c = make_case(shapes[s][0], shapes[s][1], 100u + 10u * (uint64_t)s, with_b);
+            case_upload(&c);
+            for (int a = 0; a < 2; a++)
+                for (int pr = 0; pr < 2; pr++)
+                    for (int u = 0; u < 2; u++) {
+                        bk_solve_opts o = make_opts(algs[a], precs[pr], u);
+                        char what[160];
+                        snprintf(what, sizeof what, "%lldx%lld %s %s %s%s",
+                                 (long long)c.m, (long long)c.n, bk_algorithm_name(algs[a]),
+                                 precs[pr] == BK_PREC_FP64 ? "fp64" : "fp32",
+                                 u ? "uniform4 g64" : "levels", with_b ? " with B" : "");
+                        compare(&c, &o, what);
+                    }
+            case_free(&c);
+        }
+    print_message("fp32: %.4f%% identical codes (device vs host entry)\n",
+                  100.0 * (double)g_same / (double)g_total);
+}
+
+static void test_refit_and_fp64_factor(void **state)
+{
+    (void)state;
+    dcase c = make_case(96, 160, 7, 1);
+    case_upload(&c);
+    bk_solve_opts o = make_opts(BK_ALG_GPTQ, BK_PREC_FP64, 1);
+    o.quant.refit_groups = 1;
+    compare(&c, &o, "gptq refit_groups fp64");
+    /* the factorization in fp64 for an fp32 solve */
+    const int keep = g_c->factor_fp64;
+    g_c->factor_fp64 = 1;
+    bk_solve_opts o2 = make_opts(BK_ALG_BAKRON, BK_PREC_FP32, 0);
+    compare(&c, &o2, "bakron fp32 with fp64 factors");
+    g_c->factor_fp64 = keep;
+    /* separate damping of B */
+    bk_solve_opts o3 = make_opts(BK_ALG_BAKRON, BK_PREC_FP64, 0);
+    o3.separate_damp_b = 1;
+    o3.damp_b = 0.05;
+    compare(&c, &o3, "bakron fp64 damp_b");
+    case_free(&c);
+}
+
+static void test_no_stats_and_no_plain(void **state)
+{
+    (void)state;
+    dcase c = make_case(96, 160, 11, 1);
+    case_upload(&c);
+    bk_solve_opts o = make_opts(BK_ALG_BAKRON, BK_PREC_FP64, 0);
+    const double with_stats = compare(&c, &o, "stats on");
+    o.compute_stats = 0;
+    const double without = compare(&c, &o, "stats off");
+    assert_true(rel(with_stats, without) <= 1e-12);
+
+    /* A_plain NULL: NAN; d_weight NULL is fine */
+    const size_t mem0 = g_c->mem_current;
+    bk_dsolve_problem dp;
+    dev_problem(&c, &dp);
+    dp.A_plain = NULL;
+    bk_solve_result r;
+    double lg = 0.0;
+    assert_int_equal(bk_cuda_solve_dev(g_c, &dp, &o, &r, NULL, &lg), BK_OK);
+    assert_true(std::isnan(lg));
+    bk_solve_result_free(&r);
+    /* loss_gptq NULL with A_plain given */
+    dp.A_plain = c.dAp;
+    assert_int_equal(bk_cuda_solve_dev(g_c, &dp, &o, &r, NULL, NULL), BK_OK);
+    bk_solve_result_free(&r);
+    assert_int_equal(g_c->mem_current, mem0);
+    case_free(&c);
+}
+
+/* Both entries fail with the same status and message (which names `label`). */
+static void same_failure(const dcase *c, const bk_solve_opts *o, bk_status want,
+                         const char *label, const char *what)
+{
+    const size_t mem0 = g_c->mem_current;
+    bk_solve_problem hp;
+    bk_dsolve_problem dp;
+    host_problem(c, &hp);
+    dev_problem(c, &dp);
+    bk_solve_result rh, rd;
+    bk_status sh = bk_cuda_solve(g_c, &hp, o, &rh);
+    char hmsg[1024];
+    snprintf(hmsg, sizeof hmsg, "%s", bk_last_error());
+    assert_int_equal(g_c->mem_current, mem0);
+    float *dw = NULL;
+    assert_int_equal(cudaMalloc((void **)&dw, sizeof(float) * (size_t)(c->m * c->n)),
+                     cudaSuccess);
+    double lg = 0.0;
+    bk_status sd = bk_cuda_solve_dev(g_c, &dp, o, &rd, dw, &lg);
+    const char *dmsg = bk_last_error();
+    cudaFree(dw);
+    assert_int_equal(g_c->mem_current, mem0);
+    if (sh != want || sd != want)
+        fail_msg("%s: want %s, host %s (%s), device %s (%s)", what, bk_status_name(want),
+                 bk_status_name(sh), hmsg, bk_status_name(sd), dmsg);
+    if (strcmp(hmsg, dmsg))
+        fail_msg("%s: messages differ:\n  host:   %s\n  device: %s", what, hmsg, dmsg);
+    if (!strstr(dmsg, label))
+        fail_msg("%s: the message does not name %s: %s", what, label, dmsg);
+    print_message("%s: %s\n", what, dmsg);
+    assert_null(rd.codes);
+    assert_null(rd.weight);
+    assert_true(std::isnan(lg));
+}
+
+static void test_bad_inputs(void **state)
+{
+    (void)state;
+    const bk_solve_opts o = make_opts(BK_ALG_BAKRON, BK_PREC_FP64, 0);
+    const int64_t m = 96, n = 160;
+    {
+        dcase c = make_case(m, n, 21, 1);
+        c.A[5 * n + 7] = NAN;
+        case_upload(&c);
+        same_failure(&c, &o, BK_ERR_NONFINITE, "lbl_a", "NaN in A");
+        c.A[5 * n + 7] = INFINITY;
+        c.A[2 * n + 150] = -INFINITY; /* an earlier index: the first one is named */
+        case_upload(&c);
+        same_failure(&c, &o, BK_ERR_NONFINITE, "lbl_a", "Inf in A");
+        case_free(&c);
+    }
+    {
+        dcase c = make_case(m, n, 22, 1);
+        c.B[40 * m + 41] = INFINITY;
+        case_upload(&c);
+        same_failure(&c, &o, BK_ERR_NONFINITE, "lbl_b", "Inf in B");
+        case_free(&c);
+    }
+    {
+        dcase c = make_case(m, n, 23, 1);
+        c.A[100 * n + 3] += 1.0f; /* lower entry only */
+        c.A[130 * n + 70] += 1.0f;
+        case_upload(&c);
+        same_failure(&c, &o, BK_ERR_INVALID_ARG, "lbl_a", "asymmetric A");
+        case_free(&c);
+    }
+    {
+        dcase c = make_case(m, n, 24, 1);
+        c.B[4 * m + 4] = -1.0f;
+        case_upload(&c);
+        same_failure(&c, &o, BK_ERR_NOT_PD, "lbl_b", "negative diagonal in B");
+        case_free(&c);
+    }
+    {
+        /* no A */
+        dcase c = make_case(m, n, 25, 0);
+        case_upload(&c);
+        const size_t mem0 = g_c->mem_current;
+        bk_dsolve_problem dp;
+        dev_problem(&c, &dp);
+        dp.A = NULL;
+        bk_solve_result r;
+        assert_int_equal(bk_cuda_solve_dev(g_c, &dp, &o, &r, NULL, NULL), BK_ERR_INVALID_ARG);
+        assert_non_null(strstr(bk_last_error(), "lbl_a"));
+        bk_solve_opts ortn = o;
+        ortn.algorithm = BK_ALG_RTN;
+        assert_int_equal(bk_cuda_solve_dev(g_c, &dp, &ortn, &r, NULL, NULL),
+                         BK_ERR_INVALID_ARG);
+        assert_int_equal(g_c->mem_current, mem0);
+        case_free(&c);
+    }
+}
+
+static void test_zero_diagonals(void **state)
+{
+    (void)state;
+    const int64_t m = 96, n = 160;
+    for (int pr = 0; pr < 2; pr++) {
+        dcase c = make_case(m, n, 31, 1);
+        for (int64_t t = 0; t < n; t++)
+            c.A[17 * n + t] = c.A[t * n + 17] = 0.0f; /* a dead input column */
+        for (int64_t t = 0; t < m; t++)
+            c.B[9 * m + t] = c.B[t * m + 9] = 0.0f; /* an output without weight */
+        case_upload(&c);
+        bk_solve_opts o = make_opts(BK_ALG_BAKRON, pr ? BK_PREC_FP32 : BK_PREC_FP64, 0);
+        bk_solve_problem hp;
+        host_problem(&c, &hp);
+        bk_solve_result r;
+        assert_int_equal(bk_cuda_solve(g_c, &hp, &o, &r), BK_OK);
+        assert_int_equal(r.dead_columns, 1);
+        bk_solve_result_free(&r);
+        compare(&c, &o, pr ? "zero diagonals fp32" : "zero diagonals fp64");
+        case_free(&c);
+    }
+}
+
+static void test_escalation_and_not_pd(void **state)
+{
+    (void)state;
+    const int64_t m = 96, n = 160;
+    dcase c = make_case(m, n, 41, 1);
+    /* an indefinite A (eigenvalues 1 +- 2 in the leading block) */
+    for (int64_t t = 0; t < n * n; t++)
+        c.A[t] = 0.0f;
+    for (int64_t j = 0; j < n; j++)
+        c.A[j * n + j] = 1.0f;
+    c.A[0 * n + 1] = c.A[1 * n + 0] = 2.0f;
+    case_upload(&c);
+    bk_solve_opts o = make_opts(BK_ALG_BAKRON, BK_PREC_FP64, 0);
+    o.damp = 0.0;
+    o.max_damp_retries = 0;
+    same_failure(&c, &o, BK_ERR_NOT_PD, "lbl_a", "indefinite A, no escalation");
+    o.max_damp_retries = 5;
+    compare(&c, &o, "indefinite A, escalated");
+    bk_solve_opts o32 = o;
+    o32.precision = BK_PREC_FP32;
+    compare(&c, &o32, "indefinite A, escalated, fp32");
+    case_free(&c);
+}
+
+int main(void)
+{
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        cudaGetLastError();
+        fprintf(stderr, "no CUDA device: skipped\n");
+        return 77;
+    }
+    if (bk_cuda_ctx_create(0, &g_c) != BK_OK) {
+        fprintf(stderr, "cannot create the CUDA context: %s\n", bk_last_error());
+        return 1;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_zero_diagonals),
+        cmocka_unit_test(test_escalation_and_not_pd),
+        cmocka_unit_test(test_no_stats_and_no_plain),
+        cmocka_unit_test(test_refit_and_fp64_factor),
+        cmocka_unit_test(test_parity),
+    };
+    const int rc = cmocka_run_group_tests_name("cuda_solve_dev", tests, NULL, NULL);
+    bk_cuda_ctx_destroy(g_c);
+    return rc;
+}
