@@ -189,6 +189,8 @@ typedef struct bk_dsolve_problem {
     const float *B;       /* DEVICE [m, m] F32 output factor, or NULL (identity) */
     const float *A_plain; /* DEVICE [n, n] F32 or NULL: for *loss_gptq only (not checked) */
     const char *label_w, *label_a, *label_b;
+    const float *dW;      /* DEVICE copy of W or NULL: the alphabet is then fitted on the
+                             device (cuda/qfit.cuh; same rule, sums in another order) */
 } bk_dsolve_problem;
 
 /* As bk_cuda_solve on the same problem with A/B given as host F32 arrays: the

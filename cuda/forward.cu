@@ -489,11 +489,32 @@ bk_status need_lw(const bk_glayer *lw, const char *what)
 bk_status bk_g_linear(bk_gfwd *f, const float *X, int64_t N, int64_t in, const float *W,
                       int64_t out, const float *b, float *Y)
 {
-    bk_status st = bk_rm_gemm(f->c->cublas, 0, 1, N, out, in, 1.0, X, in, W, in, 0.0, Y, out);
+    bk_status st = bk_rm_gemm(f->blas, 0, 1, N, out, in, 1.0, X, in, W, in, 0.0, Y, out);
     if (st != BK_OK || !b)
         return st;
     k_bias_rows<<<bk_grid(N * out), 256, 0, f->c->stream>>>(Y, N, out, b);
     return BK_LAUNCHED("k_bias_rows");
+}
+
+bk_status bk_g_syrk(bk_gfwd *f, int64_t n, int64_t rows, const float *X, float *C)
+{
+    if (rows <= 0 || n <= 0)
+        return BK_OK;
+    const float one = 1.0f;
+    if (!f->tf32 || n < 512) {
+        BK_CUBLAS_CHECK(cublasSsyrk_64(f->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, rows, &one,
+                                       X, n, &one, C, n));
+        return BK_OK;
+    }
+    /* column-major view: X is [n, rows] (ld n), C [n, n]; panel j0..j1 of the
+     * lower trapezoid: C[j0:n, j0:j1] += X[j0:n, :] X[j0:j1, :]^T */
+    const int64_t nb = n >= 8192 ? 1024 : 512;
+    for (int64_t j0 = 0; j0 < n; j0 += nb) {
+        const int64_t w = n - j0 < nb ? n - j0 : nb;
+        BK_CUBLAS_CHECK(cublasSgemm_64(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, n - j0, w, rows, &one,
+                                       X + j0, n, X + j0, n, &one, C + j0 * n + j0, n));
+    }
+    return BK_OK;
 }
 
 bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, const float *w,
@@ -554,6 +575,8 @@ extern "C" void bk_gfwd_free(bk_gfwd *f)
     bk_dev_free(c, f->tok);
     bk_dev_free(c, f->flag);
     bk_dev_free(c, f->emb);
+    if (f->blas)
+        cublasDestroy(f->blas);
     free(f);
 }
 
@@ -590,6 +613,20 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     if (!f)
         return bk_error(BK_ERR_NOMEM, "GPU forward: out of memory");
     f->c = static_cast<bk_cuda_ctx *>(b->ctx);
+    f->tf32 = b->gemm_math == BK_GEMM_TF32;
+    {
+        cublasStatus_t cs = cublasCreate(&f->blas);
+        if (cs == CUBLAS_STATUS_SUCCESS)
+            cs = cublasSetStream(f->blas, f->c->stream);
+        if (cs == CUBLAS_STATUS_SUCCESS)
+            cs = cublasSetMathMode(f->blas,
+                                   f->tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
+        if (cs != CUBLAS_STATUS_SUCCESS) {
+            st = bk_cublas_status(cs, "GPU forward: cuBLAS handle", __FILE__, __LINE__);
+            bk_gfwd_free(f);
+            return st;
+        }
+    }
     f->cfg = *cfg;
     f->max_seqs = max_seqs;
     f->T = seqlen;
@@ -961,7 +998,7 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
         pb = 1;
         rc = f->score_floats / T;
     }
-    cublasHandle_t h = f->c->cublas;
+    cublasHandle_t h = f->blas;
     for (int64_t b0 = 0; b0 < pairs; b0 += pb) {
         const int64_t nb = pairs - b0 < pb ? pairs - b0 : pb;
         for (int64_t r0 = 0; r0 < RP; r0 += rc) {
@@ -1115,7 +1152,7 @@ extern "C" bk_status bk_gfwd_logits(bk_gfwd *f, const bk_model *m, const float *
         return st;
     for (int64_t v0 = 0; v0 < V; v0 += vc) {
         const int64_t n = V - v0 < vc ? V - v0 : vc;
-        st = bk_rm_gemm(f->c->cublas, 0, 1, N, n, f->hidden, 1.0, f->x, f->hidden,
+        st = bk_rm_gemm(f->blas, 0, 1, N, n, f->hidden, 1.0, f->x, f->hidden,
                         f->head_w + v0 * f->hidden, f->hidden, 0.0, f->scores, n);
         if (st != BK_OK)
             return st;
@@ -1153,7 +1190,7 @@ extern "C" bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h
         return st;
     for (int64_t v0 = 0; v0 < V; v0 += vc) {
         const int64_t n = V - v0 < vc ? V - v0 : vc;
-        st = bk_rm_gemm(f->c->cublas, 0, 1, N, n, f->hidden, 1.0, f->x, f->hidden,
+        st = bk_rm_gemm(f->blas, 0, 1, N, n, f->hidden, 1.0, f->x, f->hidden,
                         f->head_w + v0 * f->hidden, f->hidden, 0.0, f->scores, n);
         if (st != BK_OK)
             return st;

@@ -19,6 +19,9 @@ struct bk_glayer {
 
 struct bk_gfwd {
     bk_cuda_ctx *c;
+    cublasHandle_t blas;       /* the forward's and Hessians' GEMMs: on c's stream, in the
+                                  backend's GEMM arithmetic (fp32 or TF32 tensor cores) */
+    int tf32;
     bk_model_config cfg;
     int64_t max_seqs, T, max_rows;
     int64_t hidden, nh, nkv, hd, inter, qdim, kvdim, rep;
@@ -59,9 +62,16 @@ static inline bk_status bk_launch_status(const char *what, const char *file, int
 }
 #define BK_LAUNCHED(what) bk_launch_status(what, __FILE__, __LINE__)
 
-/* Y[N, out] = X[N, in] W[out, in]^T (+ b), F32 (no TF32). */
+/* Y[N, out] = X[N, in] W[out, in]^T (+ b), F32 data; fp32 or TF32
+ * arithmetic as the context's handle (f->blas). */
 bk_status bk_g_linear(bk_gfwd *f, const float *X, int64_t N, int64_t in, const float *W,
                       int64_t out, const float *b, float *Y);
+/* C += X^T X for X [rows, n] row-major (ld n), C [n, n] row-major: its
+ * upper triangle in row-major terms (= cuBLAS's column-major lower) is
+ * complete; entries below the diagonal may hold partial sums. Through
+ * f->blas: SSYRK in fp32 mode, lower-trapezoid GEMM panels in TF32 mode
+ * (SSYRK has no tensor-core path). */
+bk_status bk_g_syrk(bk_gfwd *f, int64_t n, int64_t rows, const float *X, float *C);
 /* y = w * (x * rsqrt(mean(x^2) + eps)) over rows of n (y may equal x). */
 bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, const float *w,
                        float *y);

@@ -306,6 +306,9 @@ struct bk_ghess {
     float *dev_out;  /* factor output staging on the device */
     size_t dev_out_elems;
     float *outA[BK_MOD_COUNT], *outB[BK_MOD_COUNT], *outP[BK_MOD_COUNT];
+    /* device factor outputs of bk_ghess_factors_dev (grown on demand) */
+    float *devA, *devB, *devP;
+    size_t devA_n, devB_n, devP_n;
 };
 
 namespace {
@@ -329,12 +332,8 @@ bk_status gram_add(bk_ghess *a, dgram *g, const float *X, int64_t rows, const do
     if (rows <= 0)
         return BK_OK;
     cublasHandle_t h = a->c->cublas;
-    if (!a->fp64 && !w) {
-        const float one = 1.0f;
-        BK_CUBLAS_CHECK(cublasSsyrk_64(h, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, rows, &one, X,
-                                       n, &one, static_cast<float *>(g->s), n));
-        return BK_OK;
-    }
+    if (!a->fp64 && !w)
+        return bk_g_syrk(a->f, n, rows, X, static_cast<float *>(g->s));
     int64_t ch = a->scr_elems / n;
     if (ch < 1)
         ch = 1;
@@ -356,9 +355,8 @@ bk_status gram_add(bk_ghess *a, dgram *g, const float *X, int64_t rows, const do
                                                                      w ? w + r0 : NULL, y);
             if ((st = BK_LAUNCHED("k_scale_rows_f")) != BK_OK)
                 return st;
-            const float one = 1.0f;
-            BK_CUBLAS_CHECK(cublasSsyrk_64(h, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, k, &one, y,
-                                           n, &one, static_cast<float *>(g->s), n));
+            if ((st = bk_g_syrk(a->f, n, k, y, static_cast<float *>(g->s))) != BK_OK)
+                return st;
         }
     }
     return BK_OK;
@@ -439,7 +437,7 @@ extern "C" void bk_ghess_free(bk_ghess *a)
     for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
         bk_dev_free(c, gs[i]->s);
     void *ds[] = {a->bq, a->bk, a->dcol2, a->scr, a->w1, a->w2, a->w3, a->part, a->zq, a->zk,
-                  a->qC, a->qM, a->qv, a->qsc, a->qtr, a->dev_out};
+                  a->qC, a->qM, a->qv, a->qsc, a->qtr, a->dev_out, a->devA, a->devB, a->devP};
     for (size_t i = 0; i < sizeof ds / sizeof ds[0]; i++)
         bk_dev_free(c, ds[i]);
     for (int m = 0; m < BK_MOD_COUNT; m++) {
@@ -894,6 +892,23 @@ float *host_buf(float **slot, int64_t n)
     return *slot;
 }
 
+/* A device [n, n] output slot, grown on demand. */
+bk_status dev_buf(bk_ghess *a, float **slot, size_t *cap, int64_t n, float **out)
+{
+    const size_t need = (size_t)(n * n);
+    if (!*slot || *cap < need) {
+        bk_dev_free(a->c, *slot);
+        *slot = NULL;
+        *cap = 0;
+        bk_status st = alloc_f(a, slot, (int64_t)need, "factor output (device)");
+        if (st != BK_OK)
+            return st;
+        *cap = need;
+    }
+    *out = *slot;
+    return BK_OK;
+}
+
 bk_status dev_out(bk_ghess *a, int64_t n)
 {
     const size_t need = (size_t)(n * n);
@@ -908,9 +923,15 @@ bk_status dev_out(bk_ghess *a, int64_t n)
     return st;
 }
 
-/* host dst [n, n] = scale · G */
-bk_status gram_to_host(bk_ghess *a, const dgram *g, double scale, float *dst)
+/* dst [n, n] = scale · G: a device array (written directly) when dev, else
+ * a host array (through the device staging). */
+bk_status gram_to_host(bk_ghess *a, const dgram *g, double scale, float *dst, int dev = 0)
 {
+    if (dev) {
+        k_gram_out<<<bk_grid(g->n * g->n), 256, 0, a->c->stream>>>(g->s, a->fp64, g->n, scale,
+                                                                   dst);
+        return BK_LAUNCHED("k_gram_out");
+    }
     bk_status st = dev_out(a, g->n);
     if (st != BK_OK)
         return st;
@@ -963,11 +984,12 @@ bk_status make_bv(bk_ghess *a, const float *wo, double **out)
 
 } // namespace
 
-extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_module mod,
-                                      const float **A, const float **B, const float **A_plain)
+static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod, int dev,
+                              const float **A, const float **B, const float **A_plain)
 {
     if (!a || !A || !B)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL argument to bk_ghess_factors");
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL argument to bk_ghess_factors%s",
+                        dev ? "_dev" : "");
     *A = NULL;
     *B = NULL;
     if (A_plain)
@@ -998,15 +1020,27 @@ extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_mod
                         mn, orig->layer, a->layer);
     int64_t m, n;
     bk_module_shape(&a->cfg, mod, &m, &n);
-    float *fa = host_buf(&a->outA[mod], n);
-    if (!fa)
+    float *fa = NULL;
+    if (dev) {
+        bk_status sd = dev_buf(a, &a->devA, &a->devA_n, n, &fa);
+        if (sd != BK_OK)
+            return bk_error_prefix(sd, mn);
+    } else if (!(fa = host_buf(&a->outA[mod], n))) {
         return bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for A [%lld, %lld]", mn,
                         (long long)n, (long long)n);
+    }
     const int two = bk_hessian_is_two_sided(a->kind, mod);
-    float *fb = NULL;
+    /* fb: host B (built there for q/k/v); fbd: the device B (dev) */
+    float *fb = NULL, *fbd = NULL;
+    int b_on_host = 0;
     if (two && !(fb = host_buf(&a->outB[mod], m)))
         return bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for B [%lld, %lld]", mn,
                         (long long)m, (long long)m);
+    if (two && dev) {
+        bk_status sd = dev_buf(a, &a->devB, &a->devB_n, m, &fbd);
+        if (sd != BK_OK)
+            return bk_error_prefix(sd, mn);
+    }
     const double N = (double)a->count[grp], P = (double)a->n_pairs;
     const int64_t h = a->hd, hh = h * h;
     const dgram *plain = NULL; /* E[x xᵀ] when it differs from A */
@@ -1016,24 +1050,27 @@ extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_mod
     case BK_MOD_Q:
     case BK_MOD_K:
         if (!two) {
-            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa);
+            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
             break;
         }
         if (a->shampoo) {
-            st = gram_to_host(a, mod == BK_MOD_Q ? &a->a_q : &a->a_k, 1.0 / P, fa);
+            st = gram_to_host(a, mod == BK_MOD_Q ? &a->a_q : &a->a_k, 1.0 / P, fa, dev);
             plain = &a->x_attn;
         } else {
-            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa);
+            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
         }
         if (st != BK_OK)
             break;
         if (mod == BK_MOD_K) {
             if ((st = blocks_to_host(a, a->bk, a->G, &blk)) == BK_OK)
                 blocks_out(blk, a->G, h, 1.0 / P, fb);
+            b_on_host = 1;
         } else if (a->qknorm) {
             if ((st = blocks_to_host(a, a->bq, a->H, &blk)) == BK_OK)
                 blocks_out(blk, a->H, h, 1.0 / P, fb);
+            b_on_host = 1;
         } else if ((st = blocks_to_host(a, a->bq, a->G, &blk)) == BK_OK) {
+            b_on_host = 1;
             /* every head of a group has its group's block */
             memset(fb, 0, (size_t)(m * m) * sizeof(float));
             for (int64_t j = 0; j < a->H; j++) {
@@ -1047,7 +1084,7 @@ extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_mod
         break;
     case BK_MOD_V:
         if (!two) {
-            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa);
+            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
             break;
         }
         if (!orig || !orig->w[BK_MOD_O]) {
@@ -1063,21 +1100,23 @@ extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_mod
             double wa = 0;
             for (int64_t b = 0; b < a->G; b++)
                 wa += trace_h(blk + b * hh, h);
-            st = gram_to_host(a, &a->x_attn, wa / N, fa);
+            st = gram_to_host(a, &a->x_attn, wa / N, fa, dev);
             blocks_out(blk, a->G, h, a->v_wb / N, fb);
+            b_on_host = 1;
             plain = &a->x_attn;
         } else {
-            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa);
+            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
             blocks_out(blk, a->G, h, 1.0, fb);
+            b_on_host = 1;
         }
         break;
     case BK_MOD_O:
-        st = gram_to_host(a, &a->x_o, 1.0 / N, fa);
+        st = gram_to_host(a, &a->x_o, 1.0 / N, fa, dev);
         break;
     case BK_MOD_GATE:
     case BK_MOD_UP: {
         if (!two) {
-            st = gram_to_host(a, &a->x_mlp, 1.0 / N, fa);
+            st = gram_to_host(a, &a->x_mlp, 1.0 / N, fa, dev);
             break;
         }
         if (!orig || !orig->w[BK_MOD_DOWN]) {
@@ -1088,10 +1127,10 @@ extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_mod
             break;
         }
         if (a->shampoo) {
-            st = gram_to_host(a, mod == BK_MOD_UP ? &a->a_up : &a->a_gate, 1.0 / N, fa);
+            st = gram_to_host(a, mod == BK_MOD_UP ? &a->a_up : &a->a_gate, 1.0 / N, fa, dev);
             plain = a->x_mlp.s ? &a->x_mlp : NULL;
         } else {
-            st = gram_to_host(a, &a->x_mlp, 1.0 / N, fa);
+            st = gram_to_host(a, &a->x_mlp, 1.0 / N, fa, dev);
         }
         if (st != BK_OK)
             break;
@@ -1101,44 +1140,63 @@ extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_mod
         float *dtd = NULL;
         if ((st = alloc_f(a, &dtd, NI * NI, "DᵀD")) != BK_OK)
             break;
-        const float one = 1.0f, zero = 0.0f;
-        st = bk_cublas_status(cublasSsyrk_64(a->c->cublas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, NI,
-                                             a->d, &one, orig->w[BK_MOD_DOWN], NI, &zero, dtd, NI),
-                              "cublasSsyrk (DᵀD)", __FILE__, __LINE__);
-        if (st == BK_OK)
+        /* dtd is zero-filled: C += DᵀD (the forward's GEMM arithmetic) */
+        st = bk_g_syrk(a->f, NI, a->d, orig->w[BK_MOD_DOWN], dtd);
+        if (st == BK_OK && !dev)
             st = dev_out(a, NI);
         if (st == BK_OK) {
             const dgram *gb = mod == BK_MOD_UP ? &a->b_up : &a->b_gate;
             k_mlp_b<<<bk_grid(NI * NI), 256, 0, a->c->stream>>>(dtd, gb->s, a->fp64, NI, N,
-                                                                a->dev_out);
+                                                                dev ? fbd : a->dev_out);
             st = BK_LAUNCHED("k_mlp_b");
         }
-        if (st == BK_OK)
+        if (st == BK_OK && !dev)
             st = bk_gpu_download(a->f, fb, a->dev_out, (size_t)(NI * NI) * sizeof(float));
+        if (st == BK_OK && dev)
+            st = bk_gpu_sync(a->f); /* dtd is freed next */
         bk_dev_free(a->c, dtd);
         break;
     }
     case BK_MOD_DOWN:
-        st = gram_to_host(a, &a->x_down, 1.0 / N, fa);
+        st = gram_to_host(a, &a->x_down, 1.0 / N, fa, dev);
         break;
     default:
         break;
     }
     free(blk);
+    if (st == BK_OK && dev && b_on_host)
+        st = bk_gpu_upload(a->f, fbd, fb, (size_t)(m * m) * sizeof(float));
     if (st == BK_OK && A_plain) {
         if (plain) {
-            float *fp = host_buf(&a->outP[mod], n);
-            if (!fp)
+            float *fp = NULL;
+            if (dev)
+                st = dev_buf(a, &a->devP, &a->devP_n, n, &fp);
+            else if (!(fp = host_buf(&a->outP[mod], n)))
                 st = bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for E[x xᵀ]", mn);
-            else if ((st = gram_to_host(a, plain, 1.0 / N, fp)) == BK_OK)
+            if (st == BK_OK && (st = gram_to_host(a, plain, 1.0 / N, fp, dev)) == BK_OK)
                 *A_plain = fp;
         } else {
             *A_plain = fa;
         }
     }
+    if (st == BK_OK && dev)
+        st = bk_gpu_sync(a->f);
     if (st != BK_OK)
         return bk_error_prefix(st, mn);
     *A = fa;
-    *B = fb;
+    *B = dev ? fbd : fb;
     return BK_OK;
+}
+
+extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_module mod,
+                                      const float **A, const float **B, const float **A_plain)
+{
+    return factors_impl(a, orig, mod, 0, A, B, A_plain);
+}
+
+extern "C" bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk_module mod,
+                                          const float **A, const float **B,
+                                          const float **A_plain)
+{
+    return factors_impl(a, orig, mod, 1, A, B, A_plain);
 }

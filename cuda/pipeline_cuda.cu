@@ -144,7 +144,7 @@ bk_status g_layer_begin(void *ctx, const bk_layer_weights *orig, const bk_layer_
         g_layer_end(ctx);
         if (st == BK_ERR_DEVICE_OOM)
             bk_error_prefix(st, "GPU pipeline: the layer's weights do not fit (use a smaller "
-                                "--batch or drop --gpu-pipeline)");
+                                "--batch or --cpu-stages)");
     }
     return st;
 }
@@ -269,8 +269,48 @@ bk_status g_factors(void *ctx, bk_module mod, const float **A, const float **B,
     gstages *g = static_cast<gstages *>(ctx);
     bk_status st = bk_ghess_factors(g->acc, g->orig, mod, A, B, A_plain);
     if (st == BK_ERR_DEVICE_OOM)
-        bk_error_prefix(st, "GPU pipeline: forming the factors (use a smaller --batch or drop "
-                            "--gpu-pipeline)");
+        bk_error_prefix(st, "GPU pipeline: forming the factors (use a smaller --batch or "
+                            "--cpu-stages)");
+    return st;
+}
+
+bk_status g_factors_dev(void *ctx, bk_module mod, const float **A, const float **B,
+                        const float **A_plain)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    bk_status st = bk_ghess_factors_dev(g->acc, g->orig, mod, A, B, A_plain);
+    if (st == BK_ERR_DEVICE_OOM)
+        bk_error_prefix(st, "GPU pipeline: forming the factors (use a smaller --batch or "
+                            "--cpu-stages)");
+    return st;
+}
+
+/* The solve with the device factors; the quantized weight goes straight into
+ * the device working copy. */
+bk_status g_solve_dev(void *ctx, bk_module mod, const bk_solve_problem *p, const float *A_plain,
+                      const bk_solve_opts *o, bk_solve_result *r, double *loss_gptq)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    if (!g->lw)
+        return bk_error(BK_ERR_INTERNAL, "GPU pipeline: solve without a layer");
+    if (p->dtype != BK_DT_F32 || p->LA || p->LB)
+        return bk_error(BK_ERR_INTERNAL, "GPU pipeline: device solves take F32 factors");
+    bk_dsolve_problem dp;
+    memset(&dp, 0, sizeof dp);
+    dp.m = p->m;
+    dp.n = p->n;
+    dp.W = static_cast<const float *>(p->W);
+    dp.A = static_cast<const float *>(p->A);
+    dp.B = static_cast<const float *>(p->B);
+    dp.A_plain = A_plain;
+    dp.label_w = p->label_w;
+    dp.label_a = p->label_a;
+    dp.label_b = p->label_b;
+    dp.dW = g->orig->w[mod];
+    bk_status st = bk_cuda_solve_dev(static_cast<bk_cuda_ctx *>(g->b->ctx), &dp, o, r,
+                                     g->lw->w[mod], loss_gptq);
+    if (st == BK_ERR_DEVICE_OOM)
+        bk_error_prefix(st, "GPU pipeline: the solve (use a smaller --batch or --cpu-stages)");
     return st;
 }
 
@@ -321,8 +361,8 @@ const char *g_describe(void *ctx)
 }
 
 const bk_stage_ops gpu_stage_ops = {
-    "cuda", g_embed, g_layer_begin, g_run, g_factors, g_weight_updated, g_layer_end, g_destroy,
-    g_describe,
+    "cuda", g_embed, g_layer_begin, g_run, g_factors, g_weight_updated, g_factors_dev,
+    g_solve_dev, g_layer_end, g_destroy, g_describe,
 };
 
 /* Sequences per micro-batch: the forward scratch and stage buffers of one
@@ -405,7 +445,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     if (st == BK_ERR_DEVICE_OOM)
         bk_error_prefix(st, "GPU pipeline: out of device memory even with a micro-batch of one "
                             "sequence (use fewer --samples, a shorter --seqlen, or drop "
-                            "--gpu-pipeline)");
+                            "--cpu-stages)");
     /* the residual stream: on the device when it fits next to one layer's
      * weights (twice), the factor staging and a margin */
     const uint64_t N = (uint64_t)S * (uint64_t)T;
@@ -463,9 +503,9 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     if (B != wanted)
         snprintf(red, sizeof red, " (reduced from %lld: out of device memory)", (long long)wanted);
     snprintf(g->desc, sizeof g->desc,
-             "forward + Hessians on the GPU: micro-batch %lld sequences%s, residual stream %s "
-             "(%.2f GiB)",
-             (long long)B, red, g->resident ? "on the device" : "in pinned host memory",
+             "forward + Hessians on the GPU (%s GEMMs): micro-batch %lld sequences%s, residual "
+             "stream %s (%.2f GiB)",
+             bk_gemm_math_name(bk_backend_gemm_math(b)), (long long)B, red, g->resident ? "on the device" : "in pinned host memory",
              (double)need / (1024.0 * 1024.0 * 1024.0));
     *batch = B;
     *ops = &gpu_stage_ops;

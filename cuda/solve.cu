@@ -30,6 +30,7 @@ extern "C" {
 #include "util.h"
 }
 #include "solver_check.h"
+#include "qfit.cuh"
 
 namespace {
 
@@ -487,6 +488,8 @@ typedef struct solve_extra {
     const float *A_plain; /* device [n, n] or NULL */
     float *d_weight;      /* device [m, n] or NULL */
     double *loss_gptq;    /* or NULL */
+    const float *dW;      /* device original W [m, n] or NULL: the alphabet is fitted on the
+                             device (cuda/qfit.cu) when no column is dead */
 } solve_extra;
 
 void state_release(bk_cuda_ctx *c, solve_state *s)
@@ -534,7 +537,11 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     bk_core_args a;
     refit_ctx rc;
 
-    if ((st = bk_alphabet_fit(&alpha, Wd, n)) != BK_OK) {
+    if (x && x->dW && s->dead == 0)
+        st = bk_cuda_alphabet_fit(c, &alpha, x->dW, n, NULL);
+    else
+        st = bk_alphabet_fit(&alpha, Wd, n);
+    if (st != BK_OK) {
         bk_error_prefix(st, lw);
         goto fail;
     }
@@ -912,6 +919,6 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
     }
     if (st != BK_OK)
         return solve_fail(c, &s, r, st);
-    solve_extra x = {p->W, p->A_plain, d_weight, loss_gptq};
+    solve_extra x = {p->W, p->A_plain, d_weight, loss_gptq, p->dW};
     return solve_rest(c, o, m, n, lw, &s, &x, r);
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Time `bakron quantize --backend cuda --gpu-pipeline` end to end on a model
+# Time `bakron quantize --backend cuda` (the whole job on the GPU) end to end on a model
 # (e.g. one made by scripts/make_synthetic_llama.py), per --hessian kind at
 # levels 3 (2.81 bits), with the per-stage breakdown of report.json, the
 # solver share and the peak GPU / host memory (docs/BENCHMARKS.md "Pipeline
@@ -15,7 +15,8 @@
 #   BENCH_LAYERS     quantize only layers A:B (default: all)
 #   BENCH_BATCH      micro-batch (default: automatic)
 #   BENCH_EXTRA      more quantize options (e.g. "--precision fp64")
-#   BENCH_CPU_STAGES=1  forward + Hessians on the CPU (no --gpu-pipeline) instead
+#   BENCH_CPU_STAGES=1  forward + Hessians on the CPU (--cpu-stages) instead
+#   BENCH_GPU_MATH   tf32 (default) or fp32: the GPU stages' GEMM arithmetic
 #   BENCH_BACKEND    the solves' backend (default cuda; cpu with BENCH_CPU_STAGES=1
 #                    to try the script without a GPU)
 #   BENCH_TIMEOUT    seconds per run (default 1800)
@@ -32,7 +33,11 @@ TXT=$OUT/bench_pipeline.txt
 JSONL=$OUT/bench_pipeline.jsonl
 : >"$JSONL"
 args=(--levels 3 --backend "${BENCH_BACKEND:-cuda}")
-[ "${BENCH_CPU_STAGES:-0}" = 1 ] || args+=(--gpu-pipeline)
+if [ "${BENCH_CPU_STAGES:-0}" = 1 ]; then
+    [ "${BENCH_BACKEND:-cuda}" = cuda ] && args+=(--cpu-stages)
+else
+    args+=(--gpu-pipeline --gpu-math "${BENCH_GPU_MATH:-tf32}")
+fi
 [ -n "${BENCH_SAMPLES:-}" ] && args+=(--samples "$BENCH_SAMPLES")
 [ -n "${BENCH_SEQLEN:-}" ] && args+=(--seqlen "$BENCH_SEQLEN")
 [ -n "${BENCH_LAYERS:-}" ] && args+=(--layers "$BENCH_LAYERS")
@@ -76,6 +81,7 @@ print(json.dumps({"hessian": sys.argv[3], "total_s": t["total"], "forward_s": t[
                   "peak_gpu_mib": r.get("peak_device_bytes", 0) / 2**20,
                   "peak_host_mib": int(sys.argv[2]) / 1024, "stages": r.get("stages"),
                   "stages_detail": r.get("stages_detail", ""), "batch": r.get("batch"),
+                  "gpu_math": r.get("gpu_math"),
                   "device": r.get("device"), "quantization": q}))
 EOF
     rm -rf "$q" "$q.rss"

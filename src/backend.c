@@ -18,6 +18,34 @@ bk_status bk_backend_kind_from_name(const char *name, bk_backend_kind *out)
     return BK_OK;
 }
 
+bk_status bk_gemm_math_from_name(const char *name, bk_gemm_math *out)
+{
+    if (!strcmp(name, "fp32"))
+        *out = BK_GEMM_FP32;
+    else if (!strcmp(name, "tf32"))
+        *out = BK_GEMM_TF32;
+    else
+        return bk_error(BK_ERR_INVALID_ARG, "unknown GEMM arithmetic '%s' (expected fp32 or tf32)",
+                        name);
+    return BK_OK;
+}
+
+const char *bk_gemm_math_name(bk_gemm_math m)
+{
+    return m == BK_GEMM_TF32 ? "tf32" : "fp32";
+}
+
+void bk_backend_set_gemm_math(bk_backend *b, bk_gemm_math m)
+{
+    if (b)
+        b->gemm_math = m == BK_GEMM_TF32 ? BK_GEMM_TF32 : BK_GEMM_FP32;
+}
+
+bk_gemm_math bk_backend_gemm_math(const bk_backend *b)
+{
+    return b ? b->gemm_math : BK_GEMM_FP32;
+}
+
 int bk_cuda_compiled(void)
 {
     return BK_HAVE_CUDA;

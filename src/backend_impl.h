@@ -23,6 +23,7 @@ struct bk_backend {
     const bk_backend_ops *ops;
     void *ctx;
     bk_backend_kind kind;
+    bk_gemm_math gemm_math; /* forward/Hessian GEMMs of the GPU pipeline and eval */
     char device[256];
 };
 

@@ -34,6 +34,12 @@ int bk_gpu_pipeline_env(void)
     return e && !strcmp(e, "1");
 }
 
+int bk_cpu_stages_env(void)
+{
+    const char *e = getenv("BK_CPU_STAGES");
+    return e && !strcmp(e, "1");
+}
+
 const char *bk_export_name(bk_export_format f)
 {
     switch (f) {
@@ -61,6 +67,7 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     memset(o, 0, sizeof *o);
     o->hessian = BK_HESS_GPTQ;
     bk_solve_opts_default(&o->solve);
+    o->gemm_math = BK_GEMM_TF32;
     o->sequential = 1;
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
@@ -213,8 +220,11 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     char label[256];
     snprintf(label, sizeof label, "model.layers.%d.%s", layer, bk_module_name(mod));
 
+    /* device factors and solve where the stages offer them (GPU stages) */
+    const int dev = j->ops->factors_dev && j->ops->solve_dev;
     double t = bk_now();
-    st = j->ops->factors(j->ops_ctx, mod, &fa, &fb, &fa_gptq);
+    st = dev ? j->ops->factors_dev(j->ops_ctx, mod, &fa, &fb, &fa_gptq)
+             : j->ops->factors(j->ops_ctx, mod, &fa, &fb, &fa_gptq);
     j->t_hessian += bk_now() - t;
     if (st != BK_OK)
         return bk_error_prefix(st, label);
@@ -240,7 +250,9 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     }
     bk_solve_result r;
     memset(&r, 0, sizeof r);
-    st = bk_backend_solve(j->backend, &p, &so, &r);
+    double loss_gptq = NAN;
+    st = dev ? j->ops->solve_dev(j->ops_ctx, mod, &p, fa_gptq, &so, &r, &loss_gptq)
+             : bk_backend_solve(j->backend, &p, &so, &r);
     if (st != BK_OK) {
         bk_solve_result_free(&r);
         return bk_error_prefix(st, label);
@@ -248,9 +260,9 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     j->t_factor += r.time_factor_s;
     j->t_solve += r.time_solve_s + r.time_stats_s;
 
-    /* the GPTQ proxy loss tr(E A E^T) with A = E[xx^T] (undamped), for every module */
-    double loss_gptq = NAN;
-    if (fa_gptq) {
+    /* the GPTQ proxy loss tr(E A E^T) with A = E[xx^T] (undamped), for every
+     * module (computed by solve_dev on the device) */
+    if (fa_gptq && !dev) {
         float *E = bk_alloc((size_t)(m * n), sizeof(float));
         if (!E) {
             bk_solve_result_free(&r);
@@ -268,7 +280,7 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
 
     /* the quantized weight replaces the working copy for what follows */
     memcpy(lw->w[mod], r.weight, (size_t)(m * n) * sizeof(float));
-    st = j->ops->weight_updated(j->ops_ctx, mod, r.weight);
+    st = dev ? BK_OK : j->ops->weight_updated(j->ops_ctx, mod, r.weight);
     if (st != BK_OK) {
         bk_solve_result_free(&r);
         return bk_error_prefix(st, label);
@@ -510,7 +522,7 @@ static const char *cpu_describe(void *ctx)
 
 static const bk_stage_ops cpu_stage_ops = {
     "cpu", cpu_embed, cpu_layer_begin, cpu_run, cpu_factors, cpu_weight_updated,
-    cpu_layer_end, cpu_destroy, cpu_describe,
+    NULL, NULL, cpu_layer_end, cpu_destroy, cpu_describe,
 };
 
 /* dst = a deep copy of src (the working copy starts as the original). */
@@ -774,6 +786,8 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddStringToObject(rep, "model", o->model_dir);
     cJSON_AddStringToObject(rep, "backend", bk_backend_name(j->backend));
     cJSON_AddStringToObject(rep, "device", bk_backend_device(j->backend));
+    if (j->ops && !strcmp(j->ops->name, "cuda"))
+        cJSON_AddStringToObject(rep, "gpu_math", bk_gemm_math_name(j->o->gemm_math));
     cJSON_AddStringToObject(rep, "stages", j->ops ? j->ops->name : "cpu");
     if (j->ops && j->ops->describe(j->ops_ctx)[0])
         cJSON_AddStringToObject(rep, "stages_detail", j->ops->describe(j->ops_ctx));
@@ -935,7 +949,19 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
     j->ops = &cpu_stage_ops;
     j->ops_ctx = j;
-    if (j->S > 0 && (o->gpu_pipeline || bk_gpu_pipeline_env())) {
+    bk_backend_set_gemm_math(j->backend, o->gemm_math);
+    const int want_gpu = o->gpu_pipeline || bk_gpu_pipeline_env();
+    const int cpu_stages = o->cpu_stages || bk_cpu_stages_env();
+    if (want_gpu && cpu_stages) {
+        st = bk_error(BK_ERR_INVALID_ARG,
+                      "quantize: --gpu-pipeline (BK_GPU_PIPELINE=1) and --cpu-stages "
+                      "(BK_CPU_STAGES=1) contradict each other");
+        goto fail;
+    }
+    /* forward + Hessians on the GPU: asked for, or the default of the CUDA
+     * backend with token calibration (docs/DEVICE.md) */
+    if (j->S > 0 && (want_gpu || (!cpu_stages && j->tokens &&
+                                  strcmp(bk_backend_name(j->backend), "cuda") == 0))) {
         /* forward + Hessians on the GPU (opt-in, docs/DEVICE.md) */
         if (!j->tokens) {
             st = bk_error(BK_ERR_INVALID_ARG,

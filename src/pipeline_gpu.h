@@ -59,6 +59,18 @@ typedef struct bk_stage_ops {
                          const float **A_plain);
     /* The quantized weight w [out, in] replaces lw's module mod. */
     bk_status (*weight_updated)(void *ctx, bk_module mod, const float *w);
+    /* Optional (NULL: factors + bk_backend_solve on host arrays): the factors
+     * as DEVICE arrays (same contract as factors otherwise), and the solve of
+     * module mod with them: p->W is the host original weight, p->A / p->B the
+     * device factors from factors_dev, A_plain the device E[x x^T] or NULL.
+     * Fills r as bk_backend_solve does and *loss_gptq = tr(E A_plain E^T)
+     * (NAN without A_plain); the device working copy gets the quantized
+     * weight (weight_updated is not called). */
+    bk_status (*factors_dev)(void *ctx, bk_module mod, const float **A, const float **B,
+                             const float **A_plain);
+    bk_status (*solve_dev)(void *ctx, bk_module mod, const bk_solve_problem *p,
+                           const float *A_plain, const bk_solve_opts *o, bk_solve_result *r,
+                           double *loss_gptq);
     /* The layer is done (its weights are released by the caller). */
     void (*layer_end)(void *ctx);
     void (*destroy)(void *ctx);
@@ -66,8 +78,11 @@ typedef struct bk_stage_ops {
     const char *(*describe)(void *ctx);
 } bk_stage_ops;
 
-/* BK_GPU_PIPELINE=1 in the environment, or --gpu-pipeline, asks for it. */
+/* BK_GPU_PIPELINE=1 in the environment, or --gpu-pipeline, asks for it;
+ * BK_CPU_STAGES=1 (or --cpu-stages) keeps the stages on the CPU with a CUDA
+ * backend (the GPU stages are its default for token calibration). */
 int bk_gpu_pipeline_env(void);
+int bk_cpu_stages_env(void);
 
 /* ------------------------------------------------------- GPU forward pass */
 
@@ -159,6 +174,11 @@ bk_status bk_ghess_add_down(bk_ghess *a, const float *d_down_in, int64_t S);
  * the next call); A_plain may be NULL. */
 bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_module mod, const float **A,
                            const float **B, const float **A_plain);
+
+/* As bk_ghess_factors, but A, B and A_plain are DEVICE arrays owned by the
+ * accumulator (one set, reused: valid until the next call). */
+bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk_module mod,
+                               const float **A, const float **B, const float **A_plain);
 
 /* ------------------------------------------------- the GPU stage table */
 

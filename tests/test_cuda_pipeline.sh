@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The quantization job with the forward pass and Hessians on the GPU
-# (--gpu-pipeline, cuda/pipeline_cuda.cu) against the same job with them on
-# the CPU (the oracle), on the bundled kerneldocs-1.6m model. Suite cuda;
-# exit 77 without a GPU.
-#  - bakron eval --backend cuda gives the CPU perplexity (1e-4 relative);
-#  - per --hessian kind, fp32: the reference is `--backend cuda` (CPU forward
-#    and Hessians, GPU solves), the candidate adds --gpu-pipeline (same
-#    solver, same micro-batch): identical codes (>= 99% per module in the first
+# The quantization job with the forward pass, Hessians and solves on the GPU
+# (the default of --backend cuda with --calib; cuda/pipeline_cuda.cu) against
+# the same job with forward and Hessians on the CPU (--cpu-stages: the
+# oracle), on the bundled kerneldocs-1.6m model. Suite cuda; exit 77 without
+# a GPU.
+#  - bakron eval --backend cuda gives the CPU perplexity (1e-4 relative; with
+#    --gpu-math tf32 2e-3);
+#  - per --hessian kind, --gpu-math fp32: the reference is `--backend cuda
+#    --cpu-stages` (CPU forward and Hessians, GPU solves from host factors),
+#    the candidate the default GPU stages (device factors, device solve entry,
+#    same micro-batch): identical codes (>= 99% per module in the first
 #    layer, >= 97% per module, >= 99% overall; see codes()), perplexities
 #    within 1e-3 relative; the all-CPU job's agreement is printed too;
+#  - the default --gpu-math tf32 (gptq, mlplocal-kfac): perplexity within 1%
+#    of the fp32 job (codes agreement printed, not asserted);
 #  - the pinned-host residual stream (BK_GPU_RESIDUAL=host) gives the same
 #    codes as the device-resident one; --no-sequential and --layers work;
 #  - errors: --activations, --backend cpu, device memory too small: one line,
@@ -91,6 +96,9 @@ EOF2
 fp_cpu=$(ppl "$M" cpu) || die "eval cpu"
 fp_gpu=$(ppl "$M" cuda) || die "eval cuda: $(cat "$W/eval.err")"
 close "$fp_gpu" "$fp_cpu" 1e-4 "FP perplexity, eval --backend cuda vs cpu" || fail=1
+fp_tf=$("$B" eval "$M" $EV --backend cuda --gpu-math tf32 --json 2>"$W/eval.err" |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["perplexity"])') || die "eval tf32"
+close "$fp_tf" "$fp_cpu" 2e-3 "FP perplexity, eval --backend cuda --gpu-math tf32 vs cpu" || fail=1
 
 # --- the job, per Hessian ----------------------------------------------------
 CAL="--calib $M/calib.safetensors --samples 32 --levels 3 --precision fp32"
@@ -100,13 +108,22 @@ run() { # out extra-args...
     "$B" quantize "$M" $CAL --out "$out" "$@" >"$out.log" 2>&1
 }
 for h in gptq mlplocal-kfac mlplocal-shampoo fullylocal-kfac fullylocal-shampoo; do
-    run "$W/ref-$h" --hessian "$h" --backend cuda --batch 8 || { die "$h reference: $(tail -1 "$W/ref-$h.log")"; continue; }
-    run "$W/gpu-$h" --hessian "$h" --backend cuda --gpu-pipeline --batch 8 ||
-        { die "$h --gpu-pipeline: $(tail -1 "$W/gpu-$h.log")"; continue; }
+    run "$W/ref-$h" --hessian "$h" --backend cuda --cpu-stages --batch 8 || { die "$h reference: $(tail -1 "$W/ref-$h.log")"; continue; }
+    run "$W/gpu-$h" --hessian "$h" --backend cuda --gpu-math fp32 --batch 8 ||
+        { die "$h GPU stages: $(tail -1 "$W/gpu-$h.log")"; continue; }
     grep -qE '"stages":[[:space:]]*"cuda"' "$W/gpu-$h/report.json" || die "$h: report.json does not say stages cuda"
     codes "$W/gpu-$h" "$W/ref-$h" "$h: GPU pipeline vs CPU forward/Hessians" || fail=1
     pr=$(ppl "$W/ref-$h") && pg=$(ppl "$W/gpu-$h") &&
         close "$pg" "$pr" 1e-3 "$h perplexity, GPU pipeline vs CPU forward/Hessians" || fail=1
+    if [ "$h" = gptq ] || [ "$h" = mlplocal-kfac ]; then
+        if run "$W/tf-$h" --hessian "$h" --backend cuda --batch 8; then
+            grep -qE '"gpu_math":[[:space:]]*"tf32"' "$W/tf-$h/report.json" || die "$h: report.json does not say gpu_math tf32"
+            codes "$W/tf-$h" "$W/gpu-$h" "$h: tf32 vs fp32 GPU stages (not asserted)"
+            pt=$(ppl "$W/tf-$h") && close "$pt" "$pg" 1e-2 "$h perplexity, tf32 vs fp32 GPU stages" || fail=1
+        else
+            die "$h tf32: $(tail -1 "$W/tf-$h.log")"
+        fi
+    fi
     if [ "$h" = gptq ] || [ "$h" = fullylocal-kfac ]; then
         # for the record: against the all-CPU job (CPU solver too)
         run "$W/cpu-$h" --hessian "$h" --backend cpu --batch 8 &&
@@ -115,26 +132,26 @@ for h in gptq mlplocal-kfac mlplocal-shampoo fullylocal-kfac fullylocal-shampoo;
 done
 
 # pinned-host residual stream: the same arithmetic, the same codes
-if BK_GPU_RESIDUAL=host run "$W/host-gptq" --hessian gptq --backend cuda --gpu-pipeline --batch 8; then
+if BK_GPU_RESIDUAL=host run "$W/host-gptq" --hessian gptq --backend cuda --gpu-math fp32 --batch 8; then
     grep -q "pinned host memory" "$W/host-gptq/report.json" || die "BK_GPU_RESIDUAL=host not applied"
     codes "$W/host-gptq" "$W/gpu-gptq" "gptq: pinned-host vs device residual stream" exact || fail=1
 else
     die "BK_GPU_RESIDUAL=host: $(tail -1 "$W/host-gptq.log")"
 fi
 # automatic micro-batch, --no-sequential, --layers
-if run "$W/gpu-auto" --hessian gptq --backend cuda --gpu-pipeline; then
+if run "$W/gpu-auto" --hessian gptq --backend cuda --gpu-math fp32 --gpu-pipeline; then
     codes "$W/gpu-auto" "$W/ref-gptq" "gptq, automatic micro-batch" || fail=1
 else
     die "automatic micro-batch: $(tail -1 "$W/gpu-auto.log")"
 fi
-if run "$W/ref-ns" --hessian fullylocal-kfac --no-sequential --backend cuda &&
-   run "$W/gpu-ns" --hessian fullylocal-kfac --no-sequential --backend cuda --gpu-pipeline --batch 5; then
+if run "$W/ref-ns" --hessian fullylocal-kfac --no-sequential --backend cuda --cpu-stages &&
+   run "$W/gpu-ns" --hessian fullylocal-kfac --no-sequential --backend cuda --gpu-math fp32 --batch 5; then
     codes "$W/gpu-ns" "$W/ref-ns" "fullylocal-kfac --no-sequential" || fail=1
 else
     die "--no-sequential: $(tail -1 "$W/gpu-ns.log")"
 fi
-if run "$W/ref-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda &&
-   run "$W/gpu-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda --gpu-pipeline; then
+if run "$W/ref-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda --cpu-stages &&
+   run "$W/gpu-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda --gpu-math fp32; then
     codes "$W/gpu-ly" "$W/ref-ly" "mlplocal-kfac --layers 1:3" || fail=1
 else
     die "--layers: $(tail -1 "$W/gpu-ly.log")"
@@ -163,6 +180,14 @@ expect 3 "$W/e2" "--gpu-pipeline with --backend cpu" \
 expect 3 "$W/e3" "device memory limit of 1 MB" \
     env BK_CUDA_MEM_LIMIT=1000000 "$B" quantize "$M" $CAL --hessian gptq --backend cuda \
     --gpu-pipeline --out "$W/e3"
-grep -q "gpu-pipeline" "$W/x.err" || die "the out-of-memory message does not say what to change"
+grep -q "cpu-stages" "$W/x.err" || die "the out-of-memory message does not say what to change"
+expect 2 "$W/e4" "--gpu-pipeline with --cpu-stages" \
+    "$B" quantize "$M" $CAL --hessian gptq --backend cuda --gpu-pipeline --cpu-stages --out "$W/e4"
+# --activations with the CUDA backend: CPU stages, GPU solves
+if "$B" quantize "$M" --activations "$W/acts" --hessian gptq --backend cuda --out "$W/act" >"$W/act.log" 2>&1; then
+    grep -qE '"stages":[[:space:]]*"cpu"' "$W/act/report.json" || die "--activations: report.json does not say stages cpu"
+else
+    die "--activations with --backend cuda: $(tail -1 "$W/act.log")"
+fi
 
 exit $fail

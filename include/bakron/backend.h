@@ -40,6 +40,22 @@ bk_status bk_backend_solve(bk_backend *b, const bk_solve_problem *p, const bk_so
                            bk_solve_result *r);
 
 /* Peak device memory (bytes) used since creation; 0 on the CPU backend. */
+/* Arithmetic of the large GEMMs of the GPU forward pass and Hessian
+ * accumulation (quantize's stages, eval). BK_GEMM_FP32 (the default of a new
+ * backend): IEEE fp32, matches the CPU oracle to ~1e-6. BK_GEMM_TF32: tensor
+ * cores with TF32 inputs (10-bit mantissa) and fp32 accumulation, several
+ * times faster (docs/DEVICE.md gives the measured differences). The solver
+ * itself is never affected. No effect on the CPU backend. */
+typedef enum bk_gemm_math {
+    BK_GEMM_FP32 = 0,
+    BK_GEMM_TF32 = 1
+} bk_gemm_math;
+
+bk_status bk_gemm_math_from_name(const char *name, bk_gemm_math *out);
+const char *bk_gemm_math_name(bk_gemm_math m);
+void bk_backend_set_gemm_math(bk_backend *b, bk_gemm_math m);
+bk_gemm_math bk_backend_gemm_math(const bk_backend *b);
+
 size_t bk_backend_peak_memory(const bk_backend *b);
 /* Restart the peak at the memory in use now (to measure one operation). */
 void bk_backend_reset_peak_memory(bk_backend *b);

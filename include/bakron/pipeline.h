@@ -68,8 +68,12 @@ typedef struct bk_quantize_opts {
     const char *config_path;      /* preset that was applied (recorded in the report) */
     bk_event_fn on_event;
     void *user;
-    int gpu_pipeline;             /* 1: forward pass and Hessians on the GPU as well (needs the
-                                     CUDA backend and --calib; opt-in, docs/DEVICE.md) */
+    int gpu_pipeline;             /* 1: insist on the forward pass and Hessians on the GPU
+                                     (an error when that is impossible); with the CUDA backend
+                                     and --calib they run there anyway unless cpu_stages */
+    int cpu_stages;               /* 1: forward pass and Hessians on the CPU even with the CUDA
+                                     backend (the solves still run there; the reference) */
+    bk_gemm_math gemm_math;       /* GPU stages' GEMM arithmetic (bk_quantize_opts_default: tf32) */
 } bk_quantize_opts;
 
 void bk_quantize_opts_default(bk_quantize_opts *o);

@@ -17,6 +17,7 @@
 static const char *eval_usage =
     "usage: bakron eval MODEL_OR_OUT_DIR --tokens FILE [--samples N] [--batch B] [--json]\n"
     "                   [--logits-out FILE.safetensors] [--backend auto|cpu|cuda]\n"
+    "                   [--gpu-math fp32|tf32]\n"
     "\n"
     "Perplexity of a model (a Hugging Face checkpoint folder, or an output folder of\n"
     "`bakron quantize`) computed with the native forward pass (F32):\n"
@@ -27,8 +28,9 @@ static const char *eval_usage =
     "  --tokens FILE   safetensors with an I32 or I64 tensor input_ids [sequences, seqlen]\n"
     "  --samples N     use the first N sequences (default: all)\n"
     "  --batch B       sequences per micro-batch (default: automatic)\n"
-    "  --backend B     cpu, cuda (the forward pass on the GPU, F32; docs/DEVICE.md) or auto\n"
-    "                  (default; the CPU until the GPU forward pass is validated on a GPU)\n"
+    "  --backend B     cpu, cuda (the forward pass on the GPU; docs/DEVICE.md) or auto\n"
+    "                  (default: cuda when a GPU is present, else cpu)\n"
+    "  --gpu-math M    fp32 (default: matches the CPU to ~1e-6) or tf32 (tensor cores)\n"
     "  --json          print one JSON object on stdout instead of text\n"
     "  --logits-out F  also write the F32 logits [sequences*seqlen, vocab] of the\n"
     "                  evaluated sequences to the safetensors file F (tensor \"logits\",\n"
@@ -107,6 +109,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
     int64_t samples = 0, batch = 0;
     int json = 0;
     bk_backend_kind bkind = BK_BACKEND_AUTO;
+    bk_gemm_math gmath = BK_GEMM_FP32;
     bk_status st = BK_OK;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
@@ -129,6 +132,9 @@ bk_status bk_cmd_eval(int argc, char **argv)
         } else if ((r = opt_value(argc, argv, &i, "--backend", &v)) != 0) {
             if (r < 0 || bk_backend_kind_from_name(v, &bkind) != BK_OK)
                 return cli_usage_error("--backend: expected auto, cpu or cuda");
+        } else if ((r = opt_value(argc, argv, &i, "--gpu-math", &v)) != 0) {
+            if (r < 0 || bk_gemm_math_from_name(v, &gmath) != BK_OK)
+                return cli_usage_error("--gpu-math: expected fp32 or tf32");
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
             if (r < 0)
                 return cli_usage_error("--batch needs a number");
@@ -173,10 +179,11 @@ bk_status bk_cmd_eval(int argc, char **argv)
                       tokens_path, (long long)T, (long long)cfg->max_positions, model_dir);
         goto done;
     }
-    if (bkind == BK_BACKEND_CUDA) {
-        /* only an explicit --backend cuda puts the forward pass on the GPU */
+    if (bkind == BK_BACKEND_CUDA || (bkind == BK_BACKEND_AUTO && bk_cuda_device_count() > 0)) {
+        /* the forward pass on the GPU: --backend cuda, or auto with a GPU */
         if ((st = bk_backend_create(BK_BACKEND_CUDA, &gpu)) != BK_OK)
             goto done;
+        bk_backend_set_gemm_math(gpu, gmath);
     }
     double t0 = bk_now();
 #if BK_HAVE_CUDA

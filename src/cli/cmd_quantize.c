@@ -40,10 +40,14 @@ static const char *quantize_usage =
     "  --precision P         fp32|fp64 (default fp32)\n"
     "  --hessian-fp64        accumulate Hessians in double\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied)\n"
-    "  --backend B           auto|cpu|cuda (default auto): where the solves run\n"
-    "  --gpu-pipeline        also run the forward pass and the Hessians on the GPU (needs the\n"
-    "                        CUDA backend and --calib; or BK_GPU_PIPELINE=1). Opt-in: without\n"
-    "                        it only the solves use the GPU (docs/DEVICE.md)\n"
+    "  --backend B           auto|cpu|cuda (default auto: cuda when a GPU is present). With\n"
+    "                        cuda and --calib the whole job runs on the GPU (forward passes,\n"
+    "                        Hessians, solves; docs/DEVICE.md)\n"
+    "  --cpu-stages          with cuda: forward passes and Hessians on the CPU, solves on the\n"
+    "                        GPU (the reference path; or BK_CPU_STAGES=1)\n"
+    "  --gpu-pipeline        insist on the GPU stages: an error when they cannot run\n"
+    "  --gpu-math M          tf32|fp32 (default tf32): arithmetic of the GPU stages' GEMMs;\n"
+    "                        fp32 matches the CPU to ~1e-6, tf32 uses tensor cores\n"
     "output:\n"
     "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
@@ -56,7 +60,7 @@ enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_HELP,
-    O_GPUPIPE
+    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH
 };
 
 static const struct option quantize_opts[] = {
@@ -86,6 +90,8 @@ static const struct option quantize_opts[] = {
     {"max-shard-size", required_argument, NULL, O_SHARD},
     {"overwrite", no_argument, NULL, O_OVERWRITE},
     {"gpu-pipeline", no_argument, NULL, O_GPUPIPE},
+    {"cpu-stages", no_argument, NULL, O_CPUSTAGES},
+    {"gpu-math", required_argument, NULL, O_GPUMATH},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -218,6 +224,11 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         break;
     case O_OVERWRITE: o->overwrite = 1; break;
     case O_GPUPIPE: o->gpu_pipeline = 1; break;
+    case O_CPUSTAGES: o->cpu_stages = 1; break;
+    case O_GPUMATH:
+        if (bk_gemm_math_from_name(arg, &o->gemm_math) != BK_OK)
+            return cli_usage_error("--gpu-math: expected tf32 or fp32, got '%s'", arg);
+        break;
     default: return cli_usage_error("unknown option");
     }
     return BK_OK;
@@ -260,7 +271,8 @@ static bk_status apply_preset(qargs *q, const char *path)
             if (cJSON_IsTrue(it))
                 st = apply(q, opt->val, NULL);
             else if (opt->val == O_NOMSE || opt->val == O_NOSEQ || opt->val == O_ASYM ||
-                     opt->val == O_HFP64 || opt->val == O_OVERWRITE || opt->val == O_GPUPIPE)
+                     opt->val == O_HFP64 || opt->val == O_OVERWRITE || opt->val == O_GPUPIPE ||
+                     opt->val == O_CPUSTAGES)
                 st = BK_OK; /* false = the default */
         } else {
             char buf[64];
