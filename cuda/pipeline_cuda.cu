@@ -38,6 +38,8 @@ struct gstages {
     float *H, *O;     /* device [N, hid], [N, qd] (resident) */
     float *Hh, *Oh;   /* pinned host (not resident) */
     float *hwin, *owin; /* device windows [B*T, ...] (not resident) */
+    float *D;         /* device [N, intermediate]: down_proj inputs of all sequences, kept
+                         from stage DOWN for stage OUT when they fit (else recomputed) */
     /* micro-batch buffers */
     float *x, *qrot, *krot, *down, *mlp_in, *oscr;
     bk_glayer *orig, *lw;
@@ -218,23 +220,29 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         st = bk_ghess_add_mlp(g->acc, g->orig, g->x, sb);
         *t_hessian += now_synced(g, &st) - t;
         return st;
-    case BK_STAGE_DOWN:
+    case BK_STAGE_DOWN: {
+        float *d = g->D ? g->D + s0 * g->T * g->cfg.intermediate : g->down;
         st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
         if (st == BK_OK)
-            st = bk_gfwd_mlp_hidden(f, g->lw, g->x, sb, g->down, NULL, NULL);
+            st = bk_gfwd_mlp_hidden(f, g->lw, g->x, sb, d, NULL, NULL);
         *t_forward += now_synced(g, &st) - t;
         if (st != BK_OK)
             return st;
         t = bk_now();
-        st = bk_ghess_add_down(g->acc, g->down, sb);
+        st = bk_ghess_add_down(g->acc, d, sb);
         *t_hessian += now_synced(g, &st) - t;
         return st;
+    }
     case BK_STAGE_OUT:
-        st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
-        if (st == BK_OK)
-            st = bk_gfwd_mlp_hidden(f, g->lw, g->x, sb, g->down, NULL, NULL);
-        if (st == BK_OK)
-            st = bk_gfwd_mlp_out(f, g->lw, g->down, sb, h);
+        if (g->D) { /* h is unchanged since stage DOWN: its down_proj inputs are kept */
+            st = bk_gfwd_mlp_out(f, g->lw, g->D + s0 * g->T * g->cfg.intermediate, sb, h);
+        } else {
+            st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
+            if (st == BK_OK)
+                st = bk_gfwd_mlp_hidden(f, g->lw, g->x, sb, g->down, NULL, NULL);
+            if (st == BK_OK)
+                st = bk_gfwd_mlp_out(f, g->lw, g->down, sb, h);
+        }
         if (st == BK_OK)
             st = put_h(g, s0, sb);
         *t_forward += now_synced(g, &st) - t;
@@ -328,12 +336,12 @@ void g_release(gstages *g)
     g_layer_end(g);
     if (g->f) {
         float *bufs[] = {g->H, g->O, g->hwin, g->owin, g->x, g->qrot, g->krot, g->down,
-                         g->mlp_in, g->oscr};
+                         g->mlp_in, g->oscr, g->D};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
             bk_gpu_free(g->f, bufs[i]);
     }
     g->H = g->O = g->hwin = g->owin = g->x = g->qrot = g->krot = g->down = g->mlp_in = g->oscr =
-        NULL;
+        g->D = NULL;
     if (g->Hh)
         cudaFreeHost(g->Hh);
     if (g->Oh)
@@ -469,10 +477,36 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         if (e && !strcmp(e, "host"))
             g->resident = 0;
     }
+    uint64_t dneed = 0;
     if (st == BK_OK && g->resident) {
         st = falloc(g, &g->H, (int64_t)N, g->hid, "residual stream of all sequences");
         if (st == BK_OK)
             st = falloc(g, &g->O, (int64_t)N, g->qd, "o_proj inputs of all sequences");
+        /* the down_proj inputs of all sequences too when they fit with the same
+         * reserve (saves recomputing gate/up in stage OUT: a third of the
+         * forward work); BK_GPU_KEEP_DOWN=0 turns it off */
+        size_t fr = 0, tot = 0;
+        const char *kd = getenv("BK_GPU_KEEP_DOWN");
+        dneed = N * (uint64_t)g->cfg.intermediate * 4u;
+        uint64_t layer = 0;
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            int64_t o, in;
+            bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
+            layer += (uint64_t)(o * in) * 4u;
+        }
+        const uint64_t big = (uint64_t)g->cfg.intermediate > (uint64_t)g->hid
+                                 ? (uint64_t)g->cfg.intermediate
+                                 : (uint64_t)g->hid;
+        const uint64_t reserve = 2 * layer + 4 * big * big * 4u + ((uint64_t)2 << 30);
+        if (st == BK_OK && !(kd && !strcmp(kd, "0")) && bk_gpu_mem_info(g->f, &fr, &tot) == BK_OK &&
+            (uint64_t)fr > reserve && (uint64_t)fr - reserve >= dneed) {
+            bk_status sd = falloc(g, &g->D, (int64_t)N, g->cfg.intermediate,
+                                  "down_proj inputs of all sequences");
+            if (sd != BK_OK) { /* optional: recompute instead */
+                g->D = NULL;
+                bk_clear_error();
+            }
+        }
     } else if (st == BK_OK) {
         const int64_t R = g->B * T;
         st = falloc(g, &g->hwin, R, g->hid, "residual window");
@@ -504,9 +538,11 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         snprintf(red, sizeof red, " (reduced from %lld: out of device memory)", (long long)wanted);
     snprintf(g->desc, sizeof g->desc,
              "forward + Hessians on the GPU (%s GEMMs): micro-batch %lld sequences%s, residual "
-             "stream %s (%.2f GiB)",
-             bk_gemm_math_name(bk_backend_gemm_math(b)), (long long)B, red, g->resident ? "on the device" : "in pinned host memory",
-             (double)need / (1024.0 * 1024.0 * 1024.0));
+             "stream %s (%.2f GiB)%s",
+             bk_gemm_math_name(bk_backend_gemm_math(b)), (long long)B, red,
+             g->resident ? "on the device" : "in pinned host memory",
+             (double)need / (1024.0 * 1024.0 * 1024.0),
+             g->D ? "; down_proj inputs kept on the device" : "");
     *batch = B;
     *ops = &gpu_stage_ops;
     *ctx = g;

@@ -319,6 +319,16 @@ __global__ void k_diag_set(double *X, int64_t k, const double *d)
         X[j * k + j] = d[j];
 }
 
+/* dst [rows, ld] (solve type) = src [rows, cols] F32, padding untouched */
+template <typename R>
+__global__ void k_pad_from_f32(R *dst, int64_t ld, const float *src, int64_t rows, int64_t cols)
+{
+    const int64_t count = rows * cols;
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < count;
+         t += (int64_t)gridDim.x * blockDim.x)
+        dst[(t / cols) * ld + t % cols] = (R)src[t];
+}
+
 __global__ void k_f2d(double *dst, const float *src, int64_t count)
 {
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -443,8 +453,9 @@ bk_status prepare_dmatrix(bk_cuda_ctx *c, const float *X, int64_t k, double maxa
             zeros++;
             if (input_side) {
                 (*dead)++;
-                for (int64_t i = 0; i < m; i++)
-                    Wd[i * k + j] = 0.0;
+                if (Wd) /* NULL: the caller rebuilds W_d from the diagonal (fast path) */
+                    for (int64_t i = 0; i < m; i++)
+                        Wd[i * k + j] = 0.0;
             }
         }
         mean += hd[j];
@@ -559,8 +570,17 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         st = bk_dev_alloc(c, &dscale, rsz * (size_t)m * (size_t)alpha.groups, "the scales");
     if (st == BK_OK && alpha.zero)
         st = bk_dev_alloc(c, &dzero, rsz * (size_t)m * (size_t)alpha.groups, "the zero points");
-    if (st == BK_OK)
+    if (st == BK_OK && Wd) {
         st = upload_as(c, dW, npad, Wd, m, n, prec);
+    } else if (st == BK_OK) { /* fast path: W from its device copy (no dead column) */
+        if (prec == BK_PREC_FP64)
+            k_pad_from_f32<double><<<nblocks((int64_t)mn, 65536), 256, 0, c->stream>>>(
+                static_cast<double *>(dW), npad, x->dW, m, n);
+        else
+            k_pad_from_f32<float><<<nblocks((int64_t)mn, 65536), 256, 0, c->stream>>>(
+                static_cast<float *>(dW), npad, x->dW, m, n);
+        st = bk_cuda_status(cudaGetLastError(), "k_pad_from_f32", __FILE__, __LINE__);
+    }
     if (st == BK_OK)
         st = upload_f32_as(c, dscale, alpha.scale, (size_t)m * (size_t)alpha.groups, prec);
     if (st == BK_OK && alpha.zero)
@@ -656,9 +676,14 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
             st = bk_dev_alloc(c, (void **)&dW0, sizeof(double) * mn, "loss: W");
         if (st != BK_OK)
             goto fail;
-        BK_CUDA_GOTO(cudaMemcpyAsync(dW0, Wd, sizeof(double) * mn, cudaMemcpyHostToDevice,
-                                     c->stream),
-                     st, fail);
+        if (Wd) {
+            BK_CUDA_GOTO(cudaMemcpyAsync(dW0, Wd, sizeof(double) * mn, cudaMemcpyHostToDevice,
+                                         c->stream),
+                         st, fail);
+        } else {
+            k_f2d<<<nblocks((int64_t)mn, INT_MAX), 256, 0, c->stream>>>(dW0, x->dW, (int64_t)mn);
+            BK_CUDA_GOTO(cudaGetLastError(), st, fail);
+        }
         k_f2d<<<nblocks((int64_t)mn, INT_MAX), 256, 0, c->stream>>>(dWq, dweight, (int64_t)mn);
         BK_CUDA_GOTO(cudaGetLastError(), st, fail);
         BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
@@ -671,6 +696,25 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         if (o->algorithm != BK_ALG_RTN) {
             const int use_b = family_two_sided(o->algorithm) && !sb.identity;
             double bound = 0.0;
+            double *gsum = NULL;
+            if (!Wd && o->quant.kind != BK_Q_INTEGER &&
+                (gsum = static_cast<double *>(calloc((size_t)alpha.groups, sizeof(double))))) {
+                /* fast path: the scale is constant on a group, so per row
+                 * sum_g s_g^2 sum_{j in g} rdiag_j^2 (the same terms, summed
+                 * in another order than the host path's loop) */
+                for (int64_t j = 0; j < n; j++)
+                    gsum[j / alpha.group] += sa.rdiag[j] * sa.rdiag[j];
+                for (int64_t i = 0; i < m; i++) {
+                    const double rbi = use_b ? sb.rdiag[i] : 1.0;
+                    double row = 0.0;
+                    for (int64_t g = 0; g < alpha.groups; g++) {
+                        const double sc = alpha.scale[i * alpha.groups + g];
+                        row += sc * sc * gsum[g];
+                    }
+                    bound += rbi * rbi * row;
+                }
+                free(gsum);
+            } else
             for (int64_t i = 0; i < m; i++) {
                 const double rbi = use_b ? sb.rdiag[i] : 1.0;
                 double row = 0.0;
@@ -898,10 +942,43 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
         return bk_error_prefix(st, lw);
 
     s.t0 = bk_now();
-    if ((st = alloc_host(&s, r, p->W, BK_DT_F32, m, n, lw)) != BK_OK)
+    if (p->dW) {
+        /* fast path: W stays on the device; W_d is built only for dead columns */
+        r->codes = static_cast<int16_t *>(bk_alloc((size_t)m * (size_t)n, sizeof(int16_t)));
+        r->weight = static_cast<float *>(bk_alloc((size_t)m * (size_t)n, sizeof(float)));
+        if (!r->codes || !r->weight)
+            return solve_fail(c, &s, r,
+                              bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] solve",
+                                       lw, (long long)m, (long long)n));
+    } else if ((st = alloc_host(&s, r, p->W, BK_DT_F32, m, n, lw)) != BK_OK) {
         return solve_fail(c, &s, r, st);
+    }
     /* dX is consumed by bk_dside_from_dmatrix (kept as X~ or freed) */
     st = prepare_dmatrix(c, p->A, n, max_a, la, 1, s.Wd, m, &s.dead, &dX, &mean);
+    if (st == BK_OK && p->dW && s.dead > 0) {
+        /* dead columns: the host W_d with those columns zeroed, as the host path */
+        float *diag = static_cast<float *>(malloc(sizeof(float) * (size_t)n));
+        s.Wd = static_cast<double *>(bk_alloc((size_t)m * (size_t)n, sizeof(double)));
+        if (!diag || !s.Wd)
+            st = bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] solve", lw,
+                          (long long)m, (long long)n);
+        else
+            st = bk_cuda_status(cudaMemcpy2D(diag, sizeof(float), p->A,
+                                             (size_t)(n + 1) * sizeof(float), sizeof(float),
+                                             (size_t)n, cudaMemcpyDeviceToHost),
+                                "the diagonal of A", __FILE__, __LINE__);
+        if (st == BK_OK) {
+            const float *W = p->W;
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t j = 0; j < n; j++)
+                    s.Wd[i * n + j] = (double)diag[j] == 0.0 ? 0.0 : (double)W[i * n + j];
+        }
+        free(diag);
+        if (st != BK_OK) {
+            bk_dev_free(c, dX);
+            return solve_fail(c, &s, r, st);
+        }
+    }
     if (st == BK_OK)
         st = bk_dside_from_dmatrix(c, &s.sa, dX, n, npad, mean, la, o, c->factor_fp64, stats);
     if (st != BK_OK)

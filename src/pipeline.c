@@ -279,8 +279,10 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     }
 
     /* the quantized weight replaces the working copy for what follows */
-    memcpy(lw->w[mod], r.weight, (size_t)(m * n) * sizeof(float));
-    st = dev ? BK_OK : j->ops->weight_updated(j->ops_ctx, mod, r.weight);
+    if (!dev) { /* (the device stages updated their working copy in solve_dev) */
+        memcpy(lw->w[mod], r.weight, (size_t)(m * n) * sizeof(float));
+        st = j->ops->weight_updated(j->ops_ctx, mod, r.weight);
+    }
     if (st != BK_OK) {
         bk_solve_result_free(&r);
         return bk_error_prefix(st, label);
@@ -587,7 +589,10 @@ static bk_status layer_tokens(job *j, int l)
     int begun = 0;
     double t = bk_now();
     bk_status st = bk_layer_weights_load(j->model, l, &orig);
-    if (st == BK_OK)
+    /* the host working copy is only needed where the stages or the solves
+     * use host weights (the device stages keep their own) */
+    const int dev = j->ops->factors_dev && j->ops->solve_dev;
+    if (st == BK_OK && !dev)
         st = layer_weights_copy(j->cfg, &orig, &lw);
     j->t_io += bk_now() - t;
     if (st != BK_OK)
@@ -596,7 +601,7 @@ static bk_status layer_tokens(job *j, int l)
     if (quantize)
         emit(j, BK_EV_LAYER_BEGIN, l, NULL, NULL);
     t = bk_now();
-    st = j->ops->layer_begin(j->ops_ctx, &orig, &lw, quantize);
+    st = j->ops->layer_begin(j->ops_ctx, &orig, dev ? &orig : &lw, quantize);
     j->t_io += bk_now() - t;
     if (st != BK_OK)
         goto done;
