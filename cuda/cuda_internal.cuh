@@ -191,6 +191,8 @@ typedef struct bk_dsolve_problem {
     const char *label_w, *label_a, *label_b;
     const float *dW;      /* DEVICE copy of W or NULL: the alphabet is then fitted on the
                              device (cuda/qfit.cuh; same rule, sums in another order) */
+    int no_host_weight;   /* with dW: r->weight stays NULL (d_weight has it; saves the
+                             m*n download when the caller only needs codes and scales) */
 } bk_dsolve_problem;
 
 /* As bk_cuda_solve on the same problem with A/B given as host F32 arrays: the

@@ -30,6 +30,7 @@ struct gstages {
     bk_model_config cfg;
     bk_hessian_kind kind;
     int fp64, keep_plain, fully;
+    int codes_only;   /* the export needs codes and scales only (no host weights) */
     int64_t S, T, B, hid, qd, kvd;
     bk_gfwd *f;
     bk_ghess *acc;
@@ -315,6 +316,7 @@ bk_status g_solve_dev(void *ctx, bk_module mod, const bk_solve_problem *p, const
     dp.label_a = p->label_a;
     dp.label_b = p->label_b;
     dp.dW = g->orig->w[mod];
+    dp.no_host_weight = g->codes_only;
     bk_status st = bk_cuda_solve_dev(static_cast<bk_cuda_ctx *>(g->b->ctx), &dp, o, r,
                                      g->lw->w[mod], loss_gptq);
     if (st == BK_ERR_DEVICE_OOM)
@@ -417,9 +419,9 @@ bk_status g_setup(gstages *g, int64_t B)
 } // namespace
 
 extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_hessian_kind kind,
-                                          int fp64, int keep_plain, int fully, int64_t S,
-                                          int64_t T, int64_t *batch, const bk_stage_ops **ops,
-                                          void **ctx)
+                                          int fp64, int keep_plain, int fully,
+                                          int codes_only, int64_t S, int64_t T, int64_t *batch,
+                                          const bk_stage_ops **ops, void **ctx)
 {
     *ops = NULL;
     *ctx = NULL;
@@ -435,6 +437,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     g->fp64 = fp64;
     g->keep_plain = keep_plain;
     g->fully = fully;
+    g->codes_only = codes_only;
     g->S = S;
     g->T = T;
     g->hid = g->cfg.hidden;
@@ -452,7 +455,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     }
     if (st == BK_ERR_DEVICE_OOM)
         bk_error_prefix(st, "GPU pipeline: out of device memory even with a micro-batch of one "
-                            "sequence (use fewer --samples, a shorter --seqlen, or drop "
+                            "sequence (use fewer --samples, a shorter --seqlen, or "
                             "--cpu-stages)");
     /* the residual stream: on the device when it fits next to one layer's
      * weights (twice), the factor staging and a margin */

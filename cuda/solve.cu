@@ -630,9 +630,10 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
                  st, fail);
     /* the kernels store the value each code stands for as the CPU rule
      * computes it (a -0 included), so it is copied, not recomputed */
-    BK_CUDA_GOTO(cudaMemcpyAsync(r->weight, dweight, sizeof(float) * mn, cudaMemcpyDeviceToHost,
-                                 c->stream),
-                 st, fail);
+    if (r->weight)
+        BK_CUDA_GOTO(cudaMemcpyAsync(r->weight, dweight, sizeof(float) * mn,
+                                     cudaMemcpyDeviceToHost, c->stream),
+                     st, fail);
     BK_CUDA_GOTO(cudaMemcpyAsync(counts, dcounts, sizeof counts, cudaMemcpyDeviceToHost,
                                  c->stream),
                  st, fail);
@@ -945,8 +946,9 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
     if (p->dW) {
         /* fast path: W stays on the device; W_d is built only for dead columns */
         r->codes = static_cast<int16_t *>(bk_alloc((size_t)m * (size_t)n, sizeof(int16_t)));
-        r->weight = static_cast<float *>(bk_alloc((size_t)m * (size_t)n, sizeof(float)));
-        if (!r->codes || !r->weight)
+        if (!p->no_host_weight)
+            r->weight = static_cast<float *>(bk_alloc((size_t)m * (size_t)n, sizeof(float)));
+        if (!r->codes || (!r->weight && !p->no_host_weight))
             return solve_fail(c, &s, r,
                               bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] solve",
                                        lw, (long long)m, (long long)n));

@@ -2,6 +2,7 @@
  * module's Kronecker-factored Hessian from calibration activations, solve,
  * propagate, and write the quantized checkpoint. */
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -106,6 +107,16 @@ typedef struct job {
     cJSON *report_modules;
     double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
     int64_t quantized_params;
+    /* the next layer's weights, read and converted by a helper thread while
+     * the current layer is processed */
+    struct {
+        pthread_t tid;
+        int running, layer;
+        const bk_model *model;
+        bk_layer_weights w;
+        bk_status st;
+        char msg[1024];
+    } pf;
 } job;
 
 static void emit(job *j, bk_event_kind kind, int layer, const char *module, const char *msg)
@@ -581,6 +592,54 @@ static bk_status run_stage(job *j, bk_stage stage)
     return BK_OK;
 }
 
+static void *prefetch_main(void *arg)
+{
+    job *j = arg;
+    j->pf.st = bk_layer_weights_load(j->pf.model, j->pf.layer, &j->pf.w);
+    if (j->pf.st != BK_OK)
+        snprintf(j->pf.msg, sizeof j->pf.msg, "%s", bk_last_error());
+    return NULL;
+}
+
+/* Start reading layer l in the background (nothing when out of range or a
+ * thread cannot be started: prefetch_take then reads it itself). */
+static void prefetch_start(job *j, int l)
+{
+    if (j->pf.running || l < 0 || l >= j->cfg->n_layers)
+        return;
+    memset(&j->pf.w, 0, sizeof j->pf.w);
+    j->pf.layer = l;
+    j->pf.model = j->model;
+    j->pf.st = BK_OK;
+    j->pf.msg[0] = 0;
+    j->pf.running = pthread_create(&j->pf.tid, NULL, prefetch_main, j) == 0;
+}
+
+static void prefetch_drop(job *j)
+{
+    if (!j->pf.running)
+        return;
+    pthread_join(j->pf.tid, NULL);
+    j->pf.running = 0;
+    bk_layer_weights_free(&j->pf.w);
+}
+
+/* Layer l's weights: from the background read when it was for l. */
+static bk_status prefetch_take(job *j, int l, bk_layer_weights *out)
+{
+    if (j->pf.running && j->pf.layer == l) {
+        pthread_join(j->pf.tid, NULL);
+        j->pf.running = 0;
+        if (j->pf.st != BK_OK)
+            return bk_error(j->pf.st, "%s", j->pf.msg);
+        *out = j->pf.w;
+        memset(&j->pf.w, 0, sizeof j->pf.w);
+        return BK_OK;
+    }
+    prefetch_drop(j);
+    return bk_layer_weights_load(j->model, l, out);
+}
+
 static bk_status layer_tokens(job *j, int l)
 {
     bk_layer_weights orig, lw;
@@ -588,7 +647,9 @@ static bk_status layer_tokens(job *j, int l)
     memset(&lw, 0, sizeof lw);
     int begun = 0;
     double t = bk_now();
-    bk_status st = bk_layer_weights_load(j->model, l, &orig);
+    bk_status st = prefetch_take(j, l, &orig);
+    if (st == BK_OK)
+        prefetch_start(j, l + 1);
     /* the host working copy is only needed where the stages or the solves
      * use host weights (the device stages keep their own) */
     const int dev = j->ops->factors_dev && j->ops->solve_dev;
@@ -850,6 +911,7 @@ static bk_status job_buffers(job *j)
 
 static void job_free(job *j)
 {
+    prefetch_drop(j);
     free(j->tokens);
     free(j->h);
     free(j->o_in);
@@ -989,7 +1051,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         void *gctx = NULL;
         int64_t gb = o->batch > 0 ? j->batch : 0;
         st = bk_gpu_stages_create(j->backend, j->model, hk, o->hessian_fp64, shampoo, j->fully,
-                                  j->S, j->T, &gb, &gops, &gctx);
+                                  o->export_format != BK_EXPORT_DEQUANTIZED, j->S, j->T, &gb,
+                                  &gops, &gctx);
         if (st != BK_OK)
             goto fail;
         j->ops = gops;
