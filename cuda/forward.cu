@@ -254,6 +254,13 @@ __global__ void k_lse_init(float *mx, double *se, float *tgt, int64_t N)
 }
 
 /* flag[0] = smallest flat index of a non-finite entry (ULLONG_MAX: none). */
+__global__ void k_to_bf16(const float *src, __nv_bfloat16 *dst, int64_t n)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16_rn(src[i]);
+}
+
 __global__ void k_first_nonfinite(const float *d, int64_t n, unsigned long long *flag)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
@@ -496,11 +503,52 @@ bk_status bk_g_linear(bk_gfwd *f, const float *X, int64_t N, int64_t in, const f
     return BK_LAUNCHED("k_bias_rows");
 }
 
+bk_status bk_g_linear_mod(bk_gfwd *f, const float *X, int64_t N, int64_t in, const bk_glayer *lw,
+                          bk_module mod, int64_t out, int with_bias, float *Y)
+{
+    const float *b = with_bias ? lw->b[mod] : NULL;
+    if (!f->bf16 || !lw->wb[mod] || N * in > f->xb_elems)
+        return bk_g_linear(f, X, N, in, lw->w[mod], out, b, Y);
+    k_to_bf16<<<bk_grid(N * in), 256, 0, f->c->stream>>>(X, f->xb, N * in);
+    bk_status st = BK_LAUNCHED("k_to_bf16");
+    if (st != BK_OK)
+        return st;
+    const float one = 1.0f, zero = 0.0f;
+    /* column-major: Y^T [out, N] = W [in, out]^T X^T [in, N] */
+    BK_CUBLAS_CHECK(cublasGemmEx_64(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, &one, lw->wb[mod],
+                                    CUDA_R_16BF, in, f->xb, CUDA_R_16BF, in, &zero, Y, CUDA_R_32F,
+                                    out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (!b)
+        return BK_OK;
+    k_bias_rows<<<bk_grid(N * out), 256, 0, f->c->stream>>>(Y, N, out, b);
+    return BK_LAUNCHED("k_bias_rows");
+}
+
 bk_status bk_g_syrk(bk_gfwd *f, int64_t n, int64_t rows, const float *X, float *C)
 {
     if (rows <= 0 || n <= 0)
         return BK_OK;
     const float one = 1.0f;
+    if (f->bf16 && n >= 512 && f->xb_elems >= n) {
+        /* row chunks of X rounded to BF16, lower-trapezoid panels, fp32 C */
+        const int64_t ch = f->xb_elems / n;
+        const int64_t nb = n >= 8192 ? 1024 : 512;
+        for (int64_t r0 = 0; r0 < rows; r0 += ch) {
+            const int64_t k = rows - r0 < ch ? rows - r0 : ch;
+            k_to_bf16<<<bk_grid(k * n), 256, 0, f->c->stream>>>(X + r0 * n, f->xb, k * n);
+            bk_status st = BK_LAUNCHED("k_to_bf16");
+            if (st != BK_OK)
+                return st;
+            for (int64_t j0 = 0; j0 < n; j0 += nb) {
+                const int64_t w = n - j0 < nb ? n - j0 : nb;
+                BK_CUBLAS_CHECK(cublasGemmEx_64(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, n - j0, w, k,
+                                                &one, f->xb + j0, CUDA_R_16BF, n, f->xb + j0,
+                                                CUDA_R_16BF, n, &one, C + j0 * n + j0, CUDA_R_32F,
+                                                n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            }
+        }
+        return BK_OK;
+    }
     if (!f->tf32 || n < 512) {
         BK_CUBLAS_CHECK(cublasSsyrk_64(f->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, rows, &one,
                                        X, n, &one, C, n));
@@ -575,6 +623,7 @@ extern "C" void bk_gfwd_free(bk_gfwd *f)
     bk_dev_free(c, f->tok);
     bk_dev_free(c, f->flag);
     bk_dev_free(c, f->emb);
+    bk_dev_free(c, f->xb);
     if (f->blas)
         cublasDestroy(f->blas);
     free(f);
@@ -613,7 +662,8 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     if (!f)
         return bk_error(BK_ERR_NOMEM, "GPU forward: out of memory");
     f->c = static_cast<bk_cuda_ctx *>(b->ctx);
-    f->tf32 = b->gemm_math == BK_GEMM_TF32;
+    f->bf16 = b->gemm_math == BK_GEMM_BF16;
+    f->tf32 = b->gemm_math == BK_GEMM_TF32 || f->bf16; /* bf16: the rest (attention) in TF32 */
     {
         cublasStatus_t cs = cublasCreate(&f->blas);
         if (cs == CUBLAS_STATUS_SUCCESS)
@@ -686,6 +736,17 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
         f->tok = static_cast<int32_t *>(p);
     if (st == BK_OK && (st = bk_dev_alloc(f->c, &p, 2 * sizeof(unsigned long long), "flags")) == BK_OK)
         f->flag = static_cast<unsigned long long *>(p);
+    if (st == BK_OK && f->bf16) {
+        int64_t wmax = f->hidden > f->qdim ? f->hidden : f->qdim;
+        if (f->inter > wmax)
+            wmax = f->inter;
+        f->xb_elems = R * wmax;
+        if (f->xb_elems < ((int64_t)1 << 24))
+            f->xb_elems = (int64_t)1 << 24; /* room for Gram chunks of tall matrices */
+        if ((st = bk_dev_alloc(f->c, &p, (size_t)f->xb_elems * sizeof(__nv_bfloat16),
+                               "BF16 staging of GEMM inputs")) == BK_OK)
+            f->xb = static_cast<__nv_bfloat16 *>(p);
+    }
     if (st != BK_OK) {
         bk_gfwd_free(f);
         return bk_error_prefix(st, "GPU forward");
@@ -754,6 +815,7 @@ extern "C" void bk_glayer_free(bk_gfwd *f, bk_glayer *g)
         return;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
         bk_dev_free(f->c, g->w[i]);
+        bk_dev_free(f->c, g->wb[i]);
         bk_dev_free(f->c, g->b[i]);
     }
     bk_dev_free(f->c, g->attn_norm);
@@ -807,6 +869,14 @@ bk_status glayer_make(bk_gfwd *f, const layer_src *s, int from_host, bk_glayer *
         st = dup_f32(f, &g->w[i], s->w[i], o * in, from_host, bk_module_name((bk_module)i));
         if (st == BK_OK)
             st = dup_f32(f, &g->b[i], s->b[i], o, from_host, "bias");
+        if (st == BK_OK && f->bf16 && g->w[i]) {
+            void *p = NULL;
+            st = bk_dev_alloc(f->c, &p, (size_t)(o * in) * sizeof(__nv_bfloat16),
+                              "BF16 weight copy");
+            g->wb[i] = static_cast<__nv_bfloat16 *>(p);
+            if (st == BK_OK)
+                st = bk_glayer_sync_bf16(f, g, (bk_module)i);
+        }
     }
     if (st == BK_OK)
         st = dup_f32(f, &g->attn_norm, s->attn_norm, f->hidden, from_host, "input_layernorm");
@@ -874,7 +944,20 @@ extern "C" bk_status bk_glayer_set(bk_gfwd *f, bk_glayer *g, bk_module mod, cons
         return bk_error(BK_ERR_INVALID_ARG, "GPU forward: bad arguments replacing a weight");
     int64_t o, in;
     bk_module_shape(&f->cfg, mod, &o, &in);
-    return bk_gpu_upload(f, g->w[mod], w, (size_t)(o * in) * sizeof(float));
+    bk_status st = bk_gpu_upload(f, g->w[mod], w, (size_t)(o * in) * sizeof(float));
+    if (st == BK_OK)
+        st = bk_glayer_sync_bf16(f, g, mod);
+    return st;
+}
+
+bk_status bk_glayer_sync_bf16(bk_gfwd *f, bk_glayer *g, bk_module mod)
+{
+    if (!f->bf16 || !g->wb[mod] || !g->w[mod])
+        return BK_OK;
+    int64_t o, in;
+    bk_module_shape(&f->cfg, mod, &o, &in);
+    k_to_bf16<<<bk_grid(o * in), 256, 0, f->c->stream>>>(g->w[mod], g->wb[mod], o * in);
+    return BK_LAUNCHED("k_to_bf16 (weights)");
 }
 
 /* --------------------------------------------------------------- stages */
@@ -964,9 +1047,9 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
         return st;
     const int64_t T = f->T, N = S * T, hd = f->hd, qd = f->qdim, kd = f->kvdim;
     cudaStream_t sm = f->c->stream;
-    if ((st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], f->q)) ||
-        (st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_K], kd, lw->b[BK_MOD_K], f->k)) ||
-        (st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v)))
+    if ((st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_Q, qd, 1, f->q)) ||
+        (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_K, kd, 1, f->k)) ||
+        (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_V, kd, 1, f->v)))
         return st;
     if (lw->q_norm && (st = bk_g_rmsnorm(f, f->q, N * f->nh, hd, lw->q_norm, f->q)) != BK_OK)
         return st;
@@ -1036,7 +1119,7 @@ extern "C" bk_status bk_gfwd_attn_out(bk_gfwd *f, const bk_glayer *lw, const flo
     if (st != BK_OK)
         return st;
     const int64_t N = S * f->T;
-    if ((st = bk_g_linear(f, d_o, N, f->qdim, lw->w[BK_MOD_O], f->hidden, NULL, f->tmp)) != BK_OK)
+    if ((st = bk_g_linear_mod(f, d_o, N, f->qdim, lw, BK_MOD_O, f->hidden, 0, f->tmp)) != BK_OK)
         return st;
     k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(d_h, f->tmp, lw->b[BK_MOD_O], N,
                                                                  f->hidden);
@@ -1072,8 +1155,8 @@ extern "C" bk_status bk_gfwd_mlp_hidden(bk_gfwd *f, const bk_glayer *lw, const f
     const int64_t N = S * f->T, ni = f->inter;
     float *g = d_gate_pre ? d_gate_pre : f->gate;
     float *u = d_up_pre ? d_up_pre : f->up;
-    if ((st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_GATE], ni, lw->b[BK_MOD_GATE], g)) ||
-        (st = bk_g_linear(f, d_x, N, f->hidden, lw->w[BK_MOD_UP], ni, lw->b[BK_MOD_UP], u)))
+    if ((st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_GATE, ni, 1, g)) ||
+        (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_UP, ni, 1, u)))
         return st;
     k_swiglu<<<bk_grid(N * ni), 256, 0, f->c->stream>>>(g, u, d_down, N * ni);
     return BK_LAUNCHED("k_swiglu");
@@ -1091,7 +1174,7 @@ extern "C" bk_status bk_gfwd_mlp_out(bk_gfwd *f, const bk_glayer *lw, const floa
     if (st != BK_OK)
         return st;
     const int64_t N = S * f->T;
-    if ((st = bk_g_linear(f, d_down, N, f->inter, lw->w[BK_MOD_DOWN], f->hidden, NULL, f->tmp)) !=
+    if ((st = bk_g_linear_mod(f, d_down, N, f->inter, lw, BK_MOD_DOWN, f->hidden, 0, f->tmp)) !=
         BK_OK)
         return st;
     k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(d_h, f->tmp, lw->b[BK_MOD_DOWN],

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include <cuda_bf16.h>
+
 #include "cuda_internal.cuh"
 #include "pipeline_gpu.h"
 
@@ -13,6 +15,7 @@
 struct bk_glayer {
     int layer;
     float *w[BK_MOD_COUNT]; /* [out, in] */
+    __nv_bfloat16 *wb[BK_MOD_COUNT]; /* BF16 copies (BK_GEMM_BF16 only), else NULL */
     float *b[BK_MOD_COUNT]; /* [out] or NULL */
     float *attn_norm, *mlp_norm, *q_norm, *k_norm;
 };
@@ -21,7 +24,9 @@ struct bk_gfwd {
     bk_cuda_ctx *c;
     cublasHandle_t blas;       /* the forward's and Hessians' GEMMs: on c's stream, in the
                                   backend's GEMM arithmetic (fp32 or TF32 tensor cores) */
-    int tf32;
+    int tf32, bf16;
+    __nv_bfloat16 *xb;         /* BF16 staging of GEMM inputs (bf16 only) */
+    int64_t xb_elems;
     bk_model_config cfg;
     int64_t max_seqs, T, max_rows;
     int64_t hidden, nh, nkv, hd, inter, qdim, kvdim, rep;
@@ -66,11 +71,19 @@ static inline bk_status bk_launch_status(const char *what, const char *file, int
  * arithmetic as the context's handle (f->blas). */
 bk_status bk_g_linear(bk_gfwd *f, const float *X, int64_t N, int64_t in, const float *W,
                       int64_t out, const float *b, float *Y);
+/* As bk_g_linear with module mod of lw (its weight, and its bias when
+ * with_bias): BF16 inputs with fp32 accumulation when the context is bf16
+ * (the weight's BF16 copy, X rounded to BF16 on the way), else bk_g_linear. */
+bk_status bk_g_linear_mod(bk_gfwd *f, const float *X, int64_t N, int64_t in, const bk_glayer *lw,
+                          bk_module mod, int64_t out, int with_bias, float *Y);
+/* Refresh lw's BF16 copy of module mod from its F32 weight (no-op unless bf16). */
+bk_status bk_glayer_sync_bf16(bk_gfwd *f, bk_glayer *lw, bk_module mod);
 /* C += X^T X for X [rows, n] row-major (ld n), C [n, n] row-major: its
  * upper triangle in row-major terms (= cuBLAS's column-major lower) is
  * complete; entries below the diagonal may hold partial sums. Through
  * f->blas: SSYRK in fp32 mode, lower-trapezoid GEMM panels in TF32 mode
- * (SSYRK has no tensor-core path). */
+ * (SSYRK has no tensor-core path), the same panels on BF16 copies of X
+ * (in row chunks) with fp32 accumulation in BF16 mode. */
 bk_status bk_g_syrk(bk_gfwd *f, int64_t n, int64_t rows, const float *X, float *C);
 /* y = w * (x * rsqrt(mean(x^2) + eps)) over rows of n (y may equal x). */
 bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, const float *w,

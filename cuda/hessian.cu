@@ -641,10 +641,8 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
         }
     } else {
         /* pre-norm projections z = x Wᵀ + b (as the CPU's project) */
-        if ((st = bk_g_linear(a->f, X, N, a->d, lw->w[BK_MOD_Q], a->qd, lw->b[BK_MOD_Q],
-                              a->zq)) != BK_OK ||
-            (st = bk_g_linear(a->f, X, N, a->d, lw->w[BK_MOD_K], a->kvd, lw->b[BK_MOD_K],
-                              a->zk)) != BK_OK)
+        if ((st = bk_g_linear_mod(a->f, X, N, a->d, lw, BK_MOD_Q, a->qd, 1, a->zq)) != BK_OK ||
+            (st = bk_g_linear_mod(a->f, X, N, a->d, lw, BK_MOD_K, a->kvd, 1, a->zk)) != BK_OK)
             return st;
         for (int part = 0; part < 2; part++) {
             qn_args q;
@@ -843,9 +841,8 @@ extern "C" bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *lw, const fl
     {
         /* the forward context's gate/up scratch holds z_g, z_u (free between stages) */
         float *zg = a->f->gate, *zu = a->f->up;
-        if ((st = bk_g_linear(a->f, d_mlp_in, N, d, lw->w[BK_MOD_GATE], NI, lw->b[BK_MOD_GATE],
-                              zg)) != BK_OK ||
-            (st = bk_g_linear(a->f, d_mlp_in, N, d, lw->w[BK_MOD_UP], NI, lw->b[BK_MOD_UP], zu)) !=
+        if ((st = bk_g_linear_mod(a->f, d_mlp_in, N, d, lw, BK_MOD_GATE, NI, 1, zg)) != BK_OK ||
+            (st = bk_g_linear_mod(a->f, d_mlp_in, N, d, lw, BK_MOD_UP, NI, 1, zu)) !=
                 BK_OK)
             goto done;
         k_mlp_gf<<<bk_grid(N * NI), 256, 0, sm>>>(zg, zu, N * NI);

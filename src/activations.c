@@ -11,6 +11,7 @@
 #include "bakron/pipeline.h"
 #include "bk_config.h"
 #include "pipeline_internal.h"
+#include "pipeline_gpu.h"
 #include "util.h"
 
 #define ACT_FORMAT "bakron-activations"
@@ -298,10 +299,58 @@ bk_status bk__act_rows(const bk_act_layer *al, const char *name, int64_t r0, int
 
 /* ------------------------------------------------------------------ writer */
 
+/* The GPU side of a dump: the residual stream of all sequences on the
+ * device, the four taps of one micro-batch, downloaded into the host arrays. */
+typedef struct gdump {
+    bk_backend *b;
+    bk_gfwd *f;
+    float *H, *tap[4];
+} gdump;
+
+static void gdump_free(gdump *g)
+{
+#if BK_HAVE_CUDA
+    if (g->f) {
+        bk_gpu_free(g->f, g->H);
+        for (int i = 0; i < 4; i++)
+            bk_gpu_free(g->f, g->tap[i]);
+        bk_gfwd_free(g->f);
+    }
+#endif
+    bk_backend_destroy(g->b);
+    memset(g, 0, sizeof *g);
+}
+
+#if BK_HAVE_CUDA
+static bk_status gdump_setup(gdump *g, const bk_dump_opts *o, const bk_model_config *c, int64_t N,
+                             int64_t B, int64_t T, const int64_t *widths)
+{
+    bk_status st = bk_backend_create(BK_BACKEND_CUDA, &g->b);
+    if (st != BK_OK)
+        return st;
+    bk_backend_set_gemm_math(g->b, o->gemm_math);
+    st = bk_gfwd_create(g->b, c, B, T, &g->f);
+    if (st == BK_OK)
+        st = bk_gpu_alloc(g->f, (void **)&g->H, (size_t)(N * c->hidden) * sizeof(float),
+                          "residual stream of all sequences");
+    for (int i = 0; i < 4 && st == BK_OK; i++)
+        st = bk_gpu_alloc(g->f, (void **)&g->tap[i], (size_t)(B * T * widths[i]) * sizeof(float),
+                          "activation taps");
+    if (st == BK_ERR_DEVICE_OOM)
+        bk_error_prefix(st, "dump-activations on the GPU (use fewer --samples, a smaller --batch "
+                            "or --backend cpu)");
+    return st;
+}
+#endif
+
 bk_status bk_dump_activations(const bk_dump_opts *o)
 {
     bk_model *model = NULL;
     bk_fwd *fwd = NULL;
+    gdump gd;
+    memset(&gd, 0, sizeof gd);
+    int gpu = o->backend == BK_BACKEND_CUDA ||
+              (o->backend == BK_BACKEND_AUTO && bk_cuda_device_count() > 0);
     int32_t *tokens = NULL;
     float *h = NULL, *acts[4] = {NULL, NULL, NULL, NULL};
     void *conv = NULL;
@@ -329,10 +378,20 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     if (B > S)
         B = S;
     int64_t widths[4] = {c->hidden, c->n_heads * c->head_dim, c->hidden, c->intermediate};
-    st = bk_fwd_create(c, B, T, &fwd);
+    if (gpu) {
+#if BK_HAVE_CUDA
+        st = gdump_setup(&gd, o, c, N, B, T, widths);
+#else
+        st = bk_error(BK_ERR_NO_DEVICE, "dump-activations --backend cuda: this build has no CUDA "
+                      "backend (rebuild with -Dcuda=enabled); use --backend cpu");
+#endif
+        if (st != BK_OK)
+            goto done;
+    }
+    st = bk_fwd_create(c, B, T, &fwd); /* also the configuration's checks for the GPU */
     if (st != BK_OK)
         goto done;
-    h = bk_alloc((size_t)(N * c->hidden), sizeof(float));
+    h = gpu ? bk_alloc(1, sizeof(float)) : bk_alloc((size_t)(N * c->hidden), sizeof(float));
     for (int i = 0; i < 4; i++)
         acts[i] = bk_alloc((size_t)(N * widths[i]), sizeof(float));
     conv = bk_alloc((size_t)(N * c->intermediate), 2);
@@ -345,8 +404,18 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
         goto done;
     for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
         int64_t sb = S - s0 < B ? S - s0 : B;
+#if BK_HAVE_CUDA
+        if (gpu) {
+            st = bk_gfwd_embed(gd.f, model, tokens + s0 * T, sb, gd.H + s0 * T * c->hidden);
+            continue;
+        }
+#endif
         st = bk_fwd_embed(fwd, model, tokens + s0 * T, sb, h + s0 * T * c->hidden);
     }
+#if BK_HAVE_CUDA
+    if (gpu)
+        bk_gfwd_embed_release(gd.f);
+#endif
     if (st != BK_OK)
         goto done;
 
@@ -369,6 +438,9 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     cJSON_AddStringToObject(man, "compression", o->zstd ? "zstd" : "none");
     cJSON_AddNumberToObject(man, "layers", (double)c->n_layers);
     cJSON_AddStringToObject(man, "calibration", o->calib_path);
+    cJSON_AddStringToObject(man, "device", gpu ? bk_backend_device(gd.b) : "cpu");
+    if (gpu)
+        cJSON_AddStringToObject(man, "gpu_math", bk_gemm_math_name(o->gemm_math));
     cJSON *files = cJSON_AddArrayToObject(man, "files");
 
     int32_t *pos = bk_alloc((size_t)N, sizeof(int32_t));
@@ -383,6 +455,23 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
         bk_layer_weights lw;
         memset(&lw, 0, sizeof lw);
         st = bk_layer_weights_load(model, l, &lw);
+#if BK_HAVE_CUDA
+        if (gpu) {
+            bk_glayer *gl = NULL;
+            if (st == BK_OK)
+                st = bk_glayer_upload(gd.f, &lw, &gl);
+            for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
+                int64_t sb = S - s0 < B ? S - s0 : B;
+                bk_layer_taps taps = {.attn_in = gd.tap[0], .o_in = gd.tap[1],
+                                      .mlp_in = gd.tap[2], .down_in = gd.tap[3]};
+                st = bk_gfwd_layer(gd.f, gl, sb, gd.H + s0 * T * c->hidden, &taps);
+                for (int i = 0; i < 4 && st == BK_OK; i++)
+                    st = bk_gpu_download(gd.f, acts[i] + s0 * T * widths[i], gd.tap[i],
+                                         (size_t)(sb * T * widths[i]) * sizeof(float));
+            }
+            bk_glayer_free(gd.f, gl);
+        } else
+#endif
         for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
             int64_t sb = S - s0 < B ? S - s0 : B;
             bk_layer_taps taps = {
@@ -462,6 +551,7 @@ done:
     free(tokens);
     if (fwd)
         bk_fwd_free(fwd);
+    gdump_free(&gd);
     if (model)
         bk_model_close(model);
     return st;

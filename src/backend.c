@@ -24,21 +24,23 @@ bk_status bk_gemm_math_from_name(const char *name, bk_gemm_math *out)
         *out = BK_GEMM_FP32;
     else if (!strcmp(name, "tf32"))
         *out = BK_GEMM_TF32;
+    else if (!strcmp(name, "bf16"))
+        *out = BK_GEMM_BF16;
     else
-        return bk_error(BK_ERR_INVALID_ARG, "unknown GEMM arithmetic '%s' (expected fp32 or tf32)",
-                        name);
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "unknown GEMM arithmetic '%s' (expected fp32, tf32 or bf16)", name);
     return BK_OK;
 }
 
 const char *bk_gemm_math_name(bk_gemm_math m)
 {
-    return m == BK_GEMM_TF32 ? "tf32" : "fp32";
+    return m == BK_GEMM_TF32 ? "tf32" : m == BK_GEMM_BF16 ? "bf16" : "fp32";
 }
 
 void bk_backend_set_gemm_math(bk_backend *b, bk_gemm_math m)
 {
     if (b)
-        b->gemm_math = m == BK_GEMM_TF32 ? BK_GEMM_TF32 : BK_GEMM_FP32;
+        b->gemm_math = (m == BK_GEMM_TF32 || m == BK_GEMM_BF16) ? m : BK_GEMM_FP32;
 }
 
 bk_gemm_math bk_backend_gemm_math(const bk_backend *b)

@@ -13,9 +13,12 @@
 #    layer, >= 97% per module, >= 99% overall; see codes()), perplexities
 #    within 1e-3 relative; the all-CPU job's agreement is printed too;
 #  - the default --gpu-math tf32 (gptq, mlplocal-kfac): perplexity within 1%
-#    of the fp32 job (codes agreement printed, not asserted);
+#    of the fp32 job, --gpu-math bf16 within 2% (codes agreement printed, not
+#    asserted); eval with bf16 within 1e-2 of the CPU;
 #  - the pinned-host residual stream (BK_GPU_RESIDUAL=host) gives the same
 #    codes as the device-resident one; --no-sequential and --layers work;
+#  - dump-activations --backend cuda = --backend cpu (1e-4 of each tensor's
+#    largest value);
 #  - errors: --activations, --backend cpu, device memory too small: one line,
 #    the documented exit status, no output folder.
 set -u
@@ -100,6 +103,9 @@ close "$fp_gpu" "$fp_cpu" 1e-4 "FP perplexity, eval --backend cuda vs cpu" || fa
 fp_tf=$("$B" eval "$M" $EV --backend cuda --gpu-math tf32 --json 2>"$W/eval.err" |
     python3 -c 'import json,sys; print(json.load(sys.stdin)["perplexity"])') || die "eval tf32"
 close "$fp_tf" "$fp_cpu" 2e-3 "FP perplexity, eval --backend cuda --gpu-math tf32 vs cpu" || fail=1
+fp_bf=$("$B" eval "$M" $EV --backend cuda --gpu-math bf16 --json 2>"$W/eval.err" |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["perplexity"])') || die "eval bf16"
+close "$fp_bf" "$fp_cpu" 1e-2 "FP perplexity, eval --backend cuda --gpu-math bf16 vs cpu" || fail=1
 
 # --- the job, per Hessian ----------------------------------------------------
 CAL="--calib $M/calib.safetensors --samples 32 --levels 3 --precision fp32"
@@ -121,6 +127,13 @@ for h in gptq mlplocal-kfac mlplocal-shampoo fullylocal-kfac fullylocal-shampoo;
             grep -qE '"gpu_math":[[:space:]]*"tf32"' "$W/tf-$h/report.json" || die "$h: report.json does not say gpu_math tf32"
             codes "$W/tf-$h" "$W/gpu-$h" "$h: tf32 vs fp32 GPU stages (not asserted)" info
             pt=$(ppl "$W/tf-$h") && close "$pt" "$pg" 1e-2 "$h perplexity, tf32 vs fp32 GPU stages" || fail=1
+            if run "$W/bf-$h" --hessian "$h" --backend cuda --batch 8 --gpu-math bf16; then
+                grep -qE '"gpu_math":[[:space:]]*"bf16"' "$W/bf-$h/report.json" || die "$h: report.json does not say gpu_math bf16"
+                codes "$W/bf-$h" "$W/gpu-$h" "$h: bf16 vs fp32 GPU stages (not asserted)" info
+                pb=$(ppl "$W/bf-$h") && close "$pb" "$pg" 2e-2 "$h perplexity, bf16 vs fp32 GPU stages" || fail=1
+            else
+                die "$h bf16: $(tail -1 "$W/bf-$h.log")"
+            fi
         else
             die "$h tf32: $(tail -1 "$W/tf-$h.log")"
         fi
@@ -156,6 +169,40 @@ if run "$W/ref-ly" --hessian mlplocal-kfac --layers 1:3 --backend cuda --cpu-sta
     codes "$W/gpu-ly" "$W/ref-ly" "mlplocal-kfac --layers 1:3" || fail=1
 else
     die "--layers: $(tail -1 "$W/gpu-ly.log")"
+fi
+
+# --- dump-activations on the GPU against the CPU ----------------------------------
+DA="--calib $M/calib.safetensors --samples 6 --batch 4"
+if "$B" dump-activations "$M" $DA --backend cuda --out "$W/dg" >"$W/dg.log" 2>&1 &&
+   "$B" dump-activations "$M" $DA --backend cpu --out "$W/dc" >"$W/dc.log" 2>&1; then
+    python3 - "$W/dg" "$W/dc" <<'EOF3' || fail=1
+import array, json, os, struct, sys
+def read(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        h = json.loads(f.read(n))
+        return h, f.read()
+man = json.load(open(os.path.join(sys.argv[1], "manifest.json")))
+assert man.get("device", "cpu") != "cpu", "the GPU dump's manifest does not name the device"
+worst, where = 0.0, ""
+for fn in man["files"]:
+    (hg, dg), (hc, dc) = read(os.path.join(sys.argv[1], fn)), read(os.path.join(sys.argv[2], fn))
+    for k, v in hc.items():
+        if k == "__metadata__" or v["dtype"] != "F32":
+            continue
+        a0, a1 = hg[k]["data_offsets"]; b0, b1 = v["data_offsets"]
+        g, c = array.array("f", dg[a0:a1]), array.array("f", dc[b0:b1])
+        scale = max(abs(x) for x in c) or 1.0
+        d = max(abs(x - y) for x, y in zip(g, c)) / scale
+        if d > worst:
+            worst, where = d, f"{fn}:{k}"
+ok = worst <= 1e-4
+print(f"dump-activations --backend cuda vs cpu: worst max|diff|/max|x| {worst:.2e} ({where}), "
+      f"tol 1e-4: {'ok' if ok else 'MISMATCH'}")
+sys.exit(0 if ok else 1)
+EOF3
+else
+    die "dump-activations on the GPU: $(tail -1 "$W/dg.log") / $(tail -1 "$W/dc.log")"
 fi
 
 # --- errors ------------------------------------------------------------------

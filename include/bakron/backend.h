@@ -48,7 +48,9 @@ bk_status bk_backend_solve(bk_backend *b, const bk_solve_problem *p, const bk_so
  * itself is never affected. No effect on the CPU backend. */
 typedef enum bk_gemm_math {
     BK_GEMM_FP32 = 0,
-    BK_GEMM_TF32 = 1
+    BK_GEMM_TF32 = 1,
+    BK_GEMM_BF16 = 2 /* the projections and Gram matrices with BF16 inputs (8-bit mantissa)
+                        and fp32 accumulation, attention in TF32 */
 } bk_gemm_math;
 
 bk_status bk_gemm_math_from_name(const char *name, bk_gemm_math *out);

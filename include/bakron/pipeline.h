@@ -94,6 +94,9 @@ typedef struct bk_dump_opts {
     int overwrite;
     bk_event_fn on_event;
     void *user;
+    bk_backend_kind backend;      /* auto (default: the GPU when present), cpu or cuda: where the
+                                     forward pass runs */
+    bk_gemm_math gemm_math;       /* GPU GEMM arithmetic (default fp32: the CPU's values) */
 } bk_dump_opts;
 
 void bk_dump_opts_default(bk_dump_opts *o);

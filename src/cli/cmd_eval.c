@@ -17,7 +17,7 @@
 static const char *eval_usage =
     "usage: bakron eval MODEL_OR_OUT_DIR --tokens FILE [--samples N] [--batch B] [--json]\n"
     "                   [--logits-out FILE.safetensors] [--backend auto|cpu|cuda]\n"
-    "                   [--gpu-math fp32|tf32]\n"
+    "                   [--gpu-math fp32|tf32|bf16]\n"
     "\n"
     "Perplexity of a model (a Hugging Face checkpoint folder, or an output folder of\n"
     "`bakron quantize`) computed with the native forward pass (F32):\n"
@@ -30,7 +30,7 @@ static const char *eval_usage =
     "  --batch B       sequences per micro-batch (default: automatic)\n"
     "  --backend B     cpu, cuda (the forward pass on the GPU; docs/DEVICE.md) or auto\n"
     "                  (default: cuda when a GPU is present, else cpu)\n"
-    "  --gpu-math M    fp32 (default: matches the CPU to ~1e-6) or tf32 (tensor cores)\n"
+    "  --gpu-math M    fp32 (default: matches the CPU to ~1e-6), tf32 or bf16 (tensor cores)\n"
     "  --json          print one JSON object on stdout instead of text\n"
     "  --logits-out F  also write the F32 logits [sequences*seqlen, vocab] of the\n"
     "                  evaluated sequences to the safetensors file F (tensor \"logits\",\n"
@@ -134,7 +134,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
                 return cli_usage_error("--backend: expected auto, cpu or cuda");
         } else if ((r = opt_value(argc, argv, &i, "--gpu-math", &v)) != 0) {
             if (r < 0 || bk_gemm_math_from_name(v, &gmath) != BK_OK)
-                return cli_usage_error("--gpu-math: expected fp32 or tf32");
+                return cli_usage_error("--gpu-math: expected fp32, tf32 or bf16");
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
             if (r < 0)
                 return cli_usage_error("--batch needs a number");

@@ -46,8 +46,9 @@ static const char *quantize_usage =
     "  --cpu-stages          with cuda: forward passes and Hessians on the CPU, solves on the\n"
     "                        GPU (the reference path; or BK_CPU_STAGES=1)\n"
     "  --gpu-pipeline        insist on the GPU stages: an error when they cannot run\n"
-    "  --gpu-math M          tf32|fp32 (default tf32): arithmetic of the GPU stages' GEMMs;\n"
-    "                        fp32 matches the CPU to ~1e-6, tf32 uses tensor cores\n"
+    "  --gpu-math M          tf32|bf16|fp32 (default tf32): arithmetic of the GPU stages'\n"
+    "                        GEMMs; fp32 matches the CPU to ~1e-6, tf32 and bf16 use tensor\n"
+    "                        cores (bf16: projections and Hessians from BF16 inputs, faster)\n"
     "output:\n"
     "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
@@ -227,7 +228,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
     case O_CPUSTAGES: o->cpu_stages = 1; break;
     case O_GPUMATH:
         if (bk_gemm_math_from_name(arg, &o->gemm_math) != BK_OK)
-            return cli_usage_error("--gpu-math: expected tf32 or fp32, got '%s'", arg);
+            return cli_usage_error("--gpu-math: expected tf32, bf16 or fp32, got '%s'", arg);
         break;
     default: return cli_usage_error("unknown option");
     }
@@ -505,6 +506,8 @@ static const char *dump_usage =
     "  --zstd-level L    zstd level (default 3)\n"
     "  --batch B         sequences per micro-batch\n"
     "  --overwrite       replace a non-empty output folder\n"
+    "  --backend B       auto (default: the GPU when present), cpu or cuda\n"
+    "  --gpu-math M      fp32 (default: the CPU's values to ~1e-6), tf32 or bf16\n"
     "  --json            JSON events on stdout\n";
 
 bk_status bk_cmd_dump(int argc, char **argv)
@@ -519,6 +522,7 @@ bk_status bk_cmd_dump(int argc, char **argv)
         {"dtype", required_argument, NULL, 'd'},   {"zstd", no_argument, NULL, 'z'},
         {"zstd-level", required_argument, NULL, 'l'}, {"batch", required_argument, NULL, 'b'},
         {"overwrite", no_argument, NULL, 'w'},     {"json", no_argument, NULL, 'j'},
+        {"backend", required_argument, NULL, 'B'}, {"gpu-math", required_argument, NULL, 'M'},
         {NULL, 0, NULL, 0},
     };
     bk_dump_opts o;
@@ -562,6 +566,14 @@ bk_status bk_cmd_dump(int argc, char **argv)
             break;
         case 'w': o.overwrite = 1; break;
         case 'j': json = 1; break;
+        case 'B':
+            if (bk_backend_kind_from_name(optarg, &o.backend) != BK_OK)
+                return cli_usage_error("--backend: expected auto, cpu or cuda, got '%s'", optarg);
+            break;
+        case 'M':
+            if (bk_gemm_math_from_name(optarg, &o.gemm_math) != BK_OK)
+                return cli_usage_error("--gpu-math: expected fp32, tf32 or bf16, got '%s'", optarg);
+            break;
         default: return cli_usage_error("bad option '%s'", argv[optind - 1]);
         }
     }
