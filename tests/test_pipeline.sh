@@ -233,6 +233,36 @@ EOF
 expect_bad "NaN weight" "$B" quantize "$W/nanmodel" $CAL --hessian gptq --out "$W/bad8"
 grep -q "up_proj" "$W/bad.err" || die "NaN weight: message does not name the tensor"
 
+# GPU options: bad values are usage errors (exit 1); --gpu-pipeline with --cpu-stages is a
+# contradiction (exit 2); --cpu-stages on the CPU backend changes nothing
+"$B" quantize "$M" $CAL --hessian gptq --gpu-math fp16 --out "$W/bad10" >/dev/null 2>"$W/gm.err"
+rc=$?
+{ [ $rc -eq 1 ] && grep -q "gpu-math" "$W/gm.err"; } || die "--gpu-math fp16: exit $rc: $(cat "$W/gm.err")"
+"$B" dump-activations "$M" --calib "$M/calib.safetensors" --gpu-math x --out "$W/bad11" >/dev/null 2>"$W/gm.err"
+rc=$?
+{ [ $rc -eq 1 ] && grep -q "gpu-math" "$W/gm.err"; } || die "dump --gpu-math x: exit $rc: $(cat "$W/gm.err")"
+expect_bad "--gpu-pipeline with --cpu-stages" "$B" quantize "$M" $CAL --hessian gptq --gpu-pipeline \
+    --cpu-stages --out "$W/bad12"
+if "$B" quantize "$M" $CAL --hessian gptq --layers 0:1 --backend cpu --cpu-stages \
+     --out "$W/q-cs" 2>"$W/cs.err" >/dev/null; then
+    grep -qE '"stages":[[:space:]]*"cpu"' "$W/q-cs/report.json" || die "--cpu-stages: report.json does not say stages cpu"
+else
+    die "--cpu-stages --backend cpu: $(cat "$W/cs.err")"
+fi
+# without a usable GPU, --backend cuda fails in one line (exit 3) and leaves nothing
+"$B" eval "$M" $EV --backend cuda >/dev/null 2>"$W/probe.err"
+if [ $? -eq 3 ] && grep -qE "no usable CUDA device|no CUDA backend" "$W/probe.err"; then
+    "$B" dump-activations "$M" --calib "$M/calib.safetensors" --samples 2 --backend cuda \
+        --out "$W/bad13" >/dev/null 2>"$W/d13.err"
+    rc=$?
+    { [ $rc -eq 3 ] && [ "$(wc -l <"$W/d13.err")" -eq 1 ]; } ||
+        die "dump-activations --backend cuda without a GPU: exit $rc: $(cat "$W/d13.err")"
+    "$B" quantize "$M" $CAL --hessian gptq --backend cuda --out "$W/bad14" >/dev/null 2>"$W/d14.err"
+    rc=$?
+    { [ $rc -eq 3 ] && [ "$(wc -l <"$W/d14.err")" -eq 1 ]; } ||
+        die "quantize --backend cuda without a GPU: exit $rc: $(cat "$W/d14.err")"
+fi
+
 # no room for the output (a file-size limit stands in for a full disk): exit 3, one line
 (trap '' XFSZ; ulimit -f 200; "$B" quantize "$M" $CAL --hessian gptq --out "$W/bad9" 2>"$W/full.err" >/dev/null)
 rc=$?
@@ -242,7 +272,7 @@ else
     echo "output too large for the disk: exit 3: $(grep error "$W/full.err")"
 fi
 
-for d in bad1 bad2 bad3 bad4 bad5 bad6 bad7 bad8 bad9; do
+for d in bad1 bad2 bad3 bad4 bad5 bad6 bad7 bad8 bad9 bad10 bad11 bad12 bad13 bad14; do
     [ -e "$W/$d" ] && die "$d: an output folder was left behind"
     ls -d "$W/$d".tmp-* >/dev/null 2>&1 && die "$d: a temporary folder was left behind"
 done
