@@ -107,6 +107,24 @@ typedef struct job {
     cJSON *report_modules;
     double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
     int64_t quantized_params;
+    /* output writer: quantized modules are packed and written by a helper
+     * thread while the next module is solved (queue of WQ_CAP results) */
+    struct {
+        pthread_t tid;
+        int started, stop, failed;
+        pthread_mutex_t mu;
+        pthread_cond_t cv;
+        struct wjob {
+            int layer;
+            bk_module mod;
+            bk_solve_result r;
+        } q[2];
+        int head, count;
+        bk_status st;
+        char msg[1024];
+        double busy_s; /* time spent writing (overlapped) */
+        long nwrites;  /* module writes attempted (fault injection) */
+    } wr;
     /* the next layer's weights, read and converted by a helper thread while
      * the current layer is processed */
     struct {
@@ -218,6 +236,121 @@ static bk_status write_passthrough(job *j)
     return BK_OK;
 }
 
+/* ------------------------------------------------------------ writer thread */
+
+#define WQ_CAP 2
+
+/* bk__write_module, with fault injection for the tests: BK_FAULT_WRITE_MODULE=k
+ * makes the k-th module write (1-based) fail as a write error would. */
+static bk_status write_module_checked(job *j, int layer, bk_module mod, const bk_solve_result *r)
+{
+    const char *fault = getenv("BK_FAULT_WRITE_MODULE");
+    if (fault && fault[0] && ++j->wr.nwrites == strtol(fault, NULL, 10))
+        return bk_error(BK_ERR_WRITE, "model.layers.%d.%s: writing failed (injected fault, "
+                        "BK_FAULT_WRITE_MODULE)", layer, bk_module_name(mod));
+    return bk__write_module(j->out, j->o, j->cfg, j->model, layer, mod, r);
+}
+
+static void *writer_main(void *arg)
+{
+    job *j = arg;
+    pthread_mutex_lock(&j->wr.mu);
+    for (;;) {
+        while (j->wr.count == 0 && !j->wr.stop)
+            pthread_cond_wait(&j->wr.cv, &j->wr.mu);
+        if (j->wr.count == 0 && j->wr.stop)
+            break;
+        struct wjob w = j->wr.q[j->wr.head];
+        pthread_mutex_unlock(&j->wr.mu);
+        bk_status st = BK_OK;
+        double t = bk_now();
+        if (!j->wr.failed) /* after a failure the rest is only freed */
+            st = write_module_checked(j, w.layer, w.mod, &w.r);
+        const double dt = bk_now() - t;
+        bk_solve_result_free(&w.r);
+        pthread_mutex_lock(&j->wr.mu);
+        j->wr.busy_s += dt;
+        if (st != BK_OK && !j->wr.failed) {
+            j->wr.failed = 1;
+            j->wr.st = st;
+            snprintf(j->wr.msg, sizeof j->wr.msg, "%s", bk_last_error());
+        }
+        j->wr.head = (j->wr.head + 1) % WQ_CAP;
+        j->wr.count--;
+        pthread_cond_broadcast(&j->wr.cv);
+    }
+    pthread_mutex_unlock(&j->wr.mu);
+    return NULL;
+}
+
+static bk_status writer_error(job *j)
+{
+    return bk_error(j->wr.st, "%s", j->wr.msg);
+}
+
+/* Hand r over to the writer (r is emptied); without a writer thread, write
+ * here. Fails with the writer's first error. */
+static bk_status writer_put(job *j, int layer, bk_module mod, bk_solve_result *r)
+{
+    if (!j->wr.started) {
+        bk_status st = write_module_checked(j, layer, mod, r);
+        bk_solve_result_free(r);
+        return st;
+    }
+    pthread_mutex_lock(&j->wr.mu);
+    while (j->wr.count == WQ_CAP && !j->wr.failed)
+        pthread_cond_wait(&j->wr.cv, &j->wr.mu);
+    if (j->wr.failed) {
+        pthread_mutex_unlock(&j->wr.mu);
+        bk_solve_result_free(r);
+        return writer_error(j);
+    }
+    struct wjob *w = &j->wr.q[(j->wr.head + j->wr.count) % WQ_CAP];
+    w->layer = layer;
+    w->mod = mod;
+    w->r = *r;
+    memset(r, 0, sizeof *r);
+    j->wr.count++;
+    pthread_cond_broadcast(&j->wr.cv);
+    pthread_mutex_unlock(&j->wr.mu);
+    return BK_OK;
+}
+
+static void writer_start(job *j)
+{
+    const char *e = getenv("BK_WRITER_THREAD"); /* 0: write on the calling thread */
+    if (e && !strcmp(e, "0"))
+        return;
+    pthread_mutex_init(&j->wr.mu, NULL);
+    pthread_cond_init(&j->wr.cv, NULL);
+    j->wr.started = pthread_create(&j->wr.tid, NULL, writer_main, j) == 0;
+    if (!j->wr.started) {
+        pthread_mutex_destroy(&j->wr.mu);
+        pthread_cond_destroy(&j->wr.cv);
+    }
+}
+
+/* Wait for every queued write and end the thread; its first error, if any.
+ * abandon: the job failed, queued results are only freed. */
+static bk_status writer_finish(job *j, int abandon)
+{
+    if (!j->wr.started)
+        return BK_OK;
+    pthread_mutex_lock(&j->wr.mu);
+    if (abandon)
+        j->wr.failed = 1;
+    j->wr.stop = 1;
+    pthread_cond_broadcast(&j->wr.cv);
+    pthread_mutex_unlock(&j->wr.mu);
+    pthread_join(j->wr.tid, NULL);
+    pthread_mutex_destroy(&j->wr.mu);
+    pthread_cond_destroy(&j->wr.cv);
+    j->wr.started = 0;
+    if (j->wr.failed && !abandon)
+        return writer_error(j);
+    return BK_OK;
+}
+
 /* ------------------------------------------------------------------ solving */
 
 static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights *lw,
@@ -299,14 +432,6 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
         return bk_error_prefix(st, label);
     }
 
-    t = bk_now();
-    st = bk__write_module(j->out, j->o, j->cfg, j->model, layer, mod, &r);
-    j->t_io += bk_now() - t;
-    if (st != BK_OK) {
-        bk_solve_result_free(&r);
-        return st;
-    }
-
     cJSON *e = cJSON_CreateObject();
     cJSON_AddNumberToObject(e, "layer", layer);
     cJSON_AddStringToObject(e, "module", bk_module_name(mod));
@@ -333,7 +458,12 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     j->quantized_params += m * n;
 
     emit_module(j, layer, mod, &r, loss_gptq);
-    bk_solve_result_free(&r);
+    /* packing and writing overlap the next module (writer thread) */
+    t = bk_now();
+    st = writer_put(j, layer, mod, &r);
+    j->t_io += bk_now() - t;
+    if (st != BK_OK)
+        return st;
     if (bk__stop_requested())
         return bk_error(BK_ERR_INTERRUPTED, "interrupted at layer %d %s", layer,
                         bk_module_name(mod));
@@ -867,6 +997,9 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddNumberToObject(times, "hessian", j->t_hessian);
     cJSON_AddNumberToObject(times, "factor", j->t_factor);
     cJSON_AddNumberToObject(times, "solve", j->t_solve);
+    /* packing and writing the quantized modules in the writer thread, overlapped
+     * with the solves (not part of total - the stages) */
+    cJSON_AddNumberToObject(times, "write_overlapped", j->wr.busy_s);
     cJSON_AddNumberToObject(times, "io", j->t_io);
     cJSON_AddNumberToObject(rep, "quantized_parameters", (double)j->quantized_params);
     cJSON_AddItemToObject(rep, "modules", j->report_modules);
@@ -1096,6 +1229,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = write_passthrough(j);
     if (st != BK_OK)
         goto fail;
+    writer_start(j);
 
     {
         char msg[512];
@@ -1139,7 +1273,11 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     emit(j, BK_EV_WRITE, j->layer_end - 1, NULL, "writing config.json, report.json, tokenizer files");
     {
         double t = bk_now();
-        st = bk_st_stream_finish(j->out);
+        st = writer_finish(j, 0);
+        if (st == BK_OK)
+            st = bk_st_stream_finish(j->out);
+        else
+            bk_st_stream_abort(j->out);
         j->out = NULL;
         if (st == BK_OK)
             st = write_config_and_report(j);
@@ -1156,6 +1294,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     return BK_OK;
 
 fail:
+    writer_finish(j, 1);
     if (j->out)
         bk_st_stream_abort(j->out);
     if (j->tmpdir[0])

@@ -272,6 +272,21 @@ else
     echo "output too large for the disk: exit 3: $(grep error "$W/full.err")"
 fi
 
+# a module write failing in the writer thread (fault injection), with and without the
+# thread: exit 3, one line naming the module, nothing left behind
+for wt in 1 0; do
+    BK_WRITER_THREAD=$wt BK_FAULT_WRITE_MODULE=5 "$B" quantize "$M" $CAL --hessian gptq \
+        --out "$W/bad15-$wt" >/dev/null 2>"$W/wf.err"
+    rc=$?
+    if [ $rc -ne 3 ] || [ "$(grep -c error "$W/wf.err")" -ne 1 ] || ! grep -q "layers.0.mlp.gate_proj" "$W/wf.err"; then
+        die "write failure (writer thread $wt): exit $rc: $(cat "$W/wf.err")"
+    else
+        echo "write failure (writer thread $wt): exit 3: $(grep error "$W/wf.err")"
+    fi
+    [ -e "$W/bad15-$wt" ] && die "write failure: an output folder was left behind"
+    ls -d "$W/bad15-$wt".tmp-* >/dev/null 2>&1 && die "write failure: a temporary folder was left behind"
+done
+
 for d in bad1 bad2 bad3 bad4 bad5 bad6 bad7 bad8 bad9 bad10 bad11 bad12 bad13 bad14; do
     [ -e "$W/$d" ] && die "$d: an output folder was left behind"
     ls -d "$W/$d".tmp-* >/dev/null 2>&1 && die "$d: a temporary folder was left behind"
