@@ -344,10 +344,10 @@ inline unsigned nblocks(int64_t count, int64_t cap)
 
 /* bk_solve_check_finite on a device F32 [k, k] matrix (the same message,
  * naming the first bad index); *maxabs receives max |entry|. */
-bk_status dcheck_finite(bk_cuda_ctx *c, const float *X, int64_t k, const char *label,
-                        double *maxabs)
+bk_status dcheck_finite_rc(bk_cuda_ctx *c, const float *X, int64_t rows, int64_t k,
+                           const char *label, double *maxabs)
 {
-    const int64_t count = k * k;
+    const int64_t count = rows * k;
     unsigned long long *scr = NULL, h[2] = {0, 0};
     float v = 0.0f;
     bk_status st = bk_dev_alloc(c, (void **)&scr, 2 * sizeof(unsigned long long),
@@ -379,6 +379,12 @@ bk_status dcheck_finite(bk_cuda_ctx *c, const float *X, int64_t k, const char *l
 done:
     bk_dev_free(c, scr);
     return st;
+}
+
+bk_status dcheck_finite(bk_cuda_ctx *c, const float *X, int64_t k, const char *label,
+                        double *maxabs)
+{
+    return dcheck_finite_rc(c, X, k, k, label, maxabs);
 }
 
 /* prepare_matrix on the device, from a finite F32 [k, k] device matrix with
@@ -928,7 +934,11 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
     const int64_t mpad = bk_round_up(m, BK_CUDA_PAD), npad = bk_round_up(n, BK_CUDA_PAD);
     double max_a = 0.0, max_b = 0.0;
 
-    if ((st = bk_solve_check_finite(p->W, BK_DT_F32, m, n, lw)) != BK_OK)
+    /* W: on its device copy when there is one (the same first index and
+     * message as the host scan) */
+    double max_w = 0.0;
+    if ((st = p->dW ? dcheck_finite_rc(c, p->dW, m, n, lw, &max_w)
+                    : bk_solve_check_finite(p->W, BK_DT_F32, m, n, lw)) != BK_OK)
         return st;
     if ((st = dcheck_finite(c, p->A, n, la, &max_a)) != BK_OK)
         return st;

@@ -14,7 +14,9 @@
  *   - bad inputs (NaN/Inf in the device A/B, asymmetric A, a negative diagonal
  *     in B, no A): the host entry's status and message, naming the label;
  *     a zero diagonal in A: one dead column and the host entry's codes;
- *   - nothing leaks: the tracked device memory is back to its start value.
+ *   - nothing leaks: the tracked device memory is back to its start value;
+ *   - the same with the device copy of W passed too (dW: the alphabet fitted
+ *     on the device, W read from the device, its finiteness checked there).
  */
 #include <cmath>
 #include <cstdint>
@@ -165,7 +167,12 @@ struct dcase {
     int64_t m, n;
     float *W, *A, *B, *Ap; /* host; B may be NULL */
     float *dA, *dB, *dAp;  /* device copies */
+    float *dW;             /* device copy of W (the fast path, g_use_dw) */
 };
+
+/* 1: problems also pass the device copy of W (bk_dsolve_problem.dW: device
+ * alphabet fit, W from the device, finiteness of W on the device) */
+static int g_use_dw;
 
 static dcase make_case(int64_t m, int64_t n, uint64_t seed, int with_b)
 {
@@ -185,6 +192,8 @@ static void case_upload(dcase *c)
     cudaFree(c->dA);
     cudaFree(c->dB);
     cudaFree(c->dAp);
+    cudaFree(c->dW);
+    c->dW = dcopy(c->W, (size_t)(c->m * c->n));
     c->dA = dcopy(c->A, (size_t)(c->n * c->n));
     c->dB = c->B ? dcopy(c->B, (size_t)(c->m * c->m)) : NULL;
     c->dAp = dcopy(c->Ap, (size_t)(c->n * c->n));
@@ -199,6 +208,7 @@ static void case_free(dcase *c)
     cudaFree(c->dA);
     cudaFree(c->dB);
     cudaFree(c->dAp);
+    cudaFree(c->dW);
     memset(c, 0, sizeof *c);
 }
 
@@ -228,6 +238,8 @@ static void dev_problem(const dcase *c, bk_dsolve_problem *p)
     p->label_w = "lbl_w";
     p->label_a = "lbl_a";
     p->label_b = "lbl_b";
+    if (g_use_dw)
+        p->dW = c->dW;
 }
 
 static bk_solve_opts make_opts(bk_algorithm alg, bk_precision prec, int uniform)
@@ -461,6 +473,14 @@ static void test_bad_inputs(void **state)
         case_free(&c);
     }
     {
+        dcase c = make_case(m, n, 26, 1);
+        c.W[7 * n + 9] = NAN;
+        c.W[3 * n + 150] = INFINITY; /* an earlier index: the first one is named */
+        case_upload(&c);
+        same_failure(&c, &o, BK_ERR_NONFINITE, "lbl_w", "NaN/Inf in W");
+        case_free(&c);
+    }
+    {
         dcase c = make_case(m, n, 22, 1);
         c.B[40 * m + 41] = INFINITY;
         case_upload(&c);
@@ -549,6 +569,27 @@ static void test_escalation_and_not_pd(void **state)
     case_free(&c);
 }
 
+static void test_parity_dw(void **state)
+{
+    g_use_dw = 1;
+    test_parity(state);
+    g_use_dw = 0;
+}
+
+static void test_bad_inputs_dw(void **state)
+{
+    g_use_dw = 1;
+    test_bad_inputs(state);
+    g_use_dw = 0;
+}
+
+static void test_zero_diagonals_dw(void **state)
+{
+    g_use_dw = 1;
+    test_zero_diagonals(state);
+    g_use_dw = 0;
+}
+
 int main(void)
 {
     int count = 0;
@@ -568,6 +609,9 @@ int main(void)
         cmocka_unit_test(test_no_stats_and_no_plain),
         cmocka_unit_test(test_refit_and_fp64_factor),
         cmocka_unit_test(test_parity),
+        cmocka_unit_test(test_parity_dw),
+        cmocka_unit_test(test_bad_inputs_dw),
+        cmocka_unit_test(test_zero_diagonals_dw),
     };
     const int rc = cmocka_run_group_tests_name("cuda_solve_dev", tests, NULL, NULL);
     bk_cuda_ctx_destroy(g_c);
