@@ -322,13 +322,14 @@ static void gdump_free(gdump *g)
 }
 
 #if BK_HAVE_CUDA
-static bk_status gdump_setup(gdump *g, const bk_dump_opts *o, const bk_model_config *c, int64_t N,
+static bk_status gdump_setup(gdump *g, const bk_dump_opts *o, const bk_model *model,
+                             const bk_model_config *c, int64_t N,
                              int64_t B, int64_t T, const int64_t *widths)
 {
     bk_status st = bk_backend_create(BK_BACKEND_CUDA, &g->b);
     if (st != BK_OK)
         return st;
-    bk_backend_set_gemm_math(g->b, o->gemm_math);
+    bk_backend_set_gemm_math(g->b, bk_gemm_math_resolve(model, o->gemm_math));
     st = bk_gfwd_create(g->b, c, B, T, &g->f);
     if (st == BK_OK)
         st = bk_gpu_alloc(g->f, (void **)&g->H, (size_t)(N * c->hidden) * sizeof(float),
@@ -380,7 +381,7 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     int64_t widths[4] = {c->hidden, c->n_heads * c->head_dim, c->hidden, c->intermediate};
     if (gpu) {
 #if BK_HAVE_CUDA
-        st = gdump_setup(&gd, o, c, N, B, T, widths);
+        st = gdump_setup(&gd, o, model, c, N, B, T, widths);
 #else
         st = bk_error(BK_ERR_NO_DEVICE, "dump-activations --backend cuda: this build has no CUDA "
                       "backend (rebuild with -Dcuda=enabled); use --backend cpu");
@@ -440,7 +441,8 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     cJSON_AddStringToObject(man, "calibration", o->calib_path);
     cJSON_AddStringToObject(man, "device", gpu ? bk_backend_device(gd.b) : "cpu");
     if (gpu)
-        cJSON_AddStringToObject(man, "gpu_math", bk_gemm_math_name(o->gemm_math));
+        cJSON_AddStringToObject(man, "gpu_math",
+                                bk_gemm_math_name(bk_gemm_math_resolve(model, o->gemm_math)));
     cJSON *files = cJSON_AddArrayToObject(man, "files");
 
     int32_t *pos = bk_alloc((size_t)N, sizeof(int32_t));

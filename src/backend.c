@@ -26,15 +26,20 @@ bk_status bk_gemm_math_from_name(const char *name, bk_gemm_math *out)
         *out = BK_GEMM_TF32;
     else if (!strcmp(name, "bf16"))
         *out = BK_GEMM_BF16;
+    else if (!strcmp(name, "auto"))
+        *out = BK_GEMM_AUTO;
     else
         return bk_error(BK_ERR_INVALID_ARG,
-                        "unknown GEMM arithmetic '%s' (expected fp32, tf32 or bf16)", name);
+                        "unknown GEMM arithmetic '%s' (expected auto, fp32, tf32 or bf16)", name);
     return BK_OK;
 }
 
 const char *bk_gemm_math_name(bk_gemm_math m)
 {
-    return m == BK_GEMM_TF32 ? "tf32" : m == BK_GEMM_BF16 ? "bf16" : "fp32";
+    return m == BK_GEMM_TF32   ? "tf32"
+           : m == BK_GEMM_BF16 ? "bf16"
+           : m == BK_GEMM_AUTO ? "auto"
+                               : "fp32";
 }
 
 void bk_backend_set_gemm_math(bk_backend *b, bk_gemm_math m)

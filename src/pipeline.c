@@ -64,12 +64,20 @@ bk_status bk_export_from_name(const char *name, bk_export_format *out)
                     name);
 }
 
+bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want)
+{
+    if (want != BK_GEMM_AUTO)
+        return want;
+    const bk_tensor_info *t = m ? bk_model_find(m, 0, "self_attn.q_proj.weight") : NULL;
+    return t && t->dtype == BK_DT_BF16 ? BK_GEMM_BF16 : BK_GEMM_TF32;
+}
+
 void bk_quantize_opts_default(bk_quantize_opts *o)
 {
     memset(o, 0, sizeof *o);
     o->hessian = BK_HESS_GPTQ;
     bk_solve_opts_default(&o->solve);
-    o->gemm_math = BK_GEMM_TF32;
+    o->gemm_math = BK_GEMM_AUTO;
     o->sequential = 1;
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
@@ -110,6 +118,7 @@ typedef struct job {
     cJSON *report_modules;
     double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
     int64_t quantized_params;
+    bk_gemm_math gemm_math; /* the GPU stages' arithmetic (auto resolved) */
     /* output writer: quantized modules are packed and written by a helper
      * thread while the next module is solved (queue of WQ_CAP results) */
     struct {
@@ -993,7 +1002,7 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddStringToObject(rep, "backend", bk_backend_name(j->backend));
     cJSON_AddStringToObject(rep, "device", bk_backend_device(j->backend));
     if (j->ops && !strcmp(j->ops->name, "cuda"))
-        cJSON_AddStringToObject(rep, "gpu_math", bk_gemm_math_name(j->o->gemm_math));
+        cJSON_AddStringToObject(rep, "gpu_math", bk_gemm_math_name(j->gemm_math));
     cJSON_AddStringToObject(rep, "stages", j->ops ? j->ops->name : "cpu");
     if (j->ops && j->ops->describe(j->ops_ctx)[0])
         cJSON_AddStringToObject(rep, "stages_detail", j->ops->describe(j->ops_ctx));
@@ -1169,7 +1178,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
     j->ops = &cpu_stage_ops;
     j->ops_ctx = j;
-    bk_backend_set_gemm_math(j->backend, o->gemm_math);
+    /* auto: BF16 GEMMs for a BF16 checkpoint (its weights are exact in BF16;
+     * the activations are rounded as a BF16 framework would), else TF32 */
+    j->gemm_math = bk_gemm_math_resolve(j->model, o->gemm_math);
+    bk_backend_set_gemm_math(j->backend, j->gemm_math);
     const int want_gpu = o->gpu_pipeline || bk_gpu_pipeline_env();
     const int cpu_stages = o->cpu_stages || bk_cpu_stages_env();
     if (want_gpu && cpu_stages) {

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "bakron/model.h"
+#include "bakron/pipeline.h"
 
 static char *data_path(const char *rel)
 {
@@ -817,6 +818,33 @@ static void test_open_errors(void **state)
     assert_null(bk_model_find(NULL, 0, "x"));
 }
 
+/* --gpu-math auto: BF16 GEMMs for a BF16 checkpoint, TF32 otherwise; explicit
+ * choices pass through; names round-trip. */
+static void test_gemm_math_auto(void **state)
+{
+    (void)state;
+    char *d32 = data_path("models/tiny-qwen3"), *d16 = data_path("models/tiny-qwen3-bf16");
+    bk_model *a = NULL, *b = NULL;
+    assert_int_equal(bk_model_open(d32, &a), BK_OK);
+    assert_int_equal(bk_model_open(d16, &b), BK_OK);
+    assert_int_equal(bk_gemm_math_resolve(a, BK_GEMM_AUTO), BK_GEMM_TF32);
+    assert_int_equal(bk_gemm_math_resolve(b, BK_GEMM_AUTO), BK_GEMM_BF16);
+    assert_int_equal(bk_gemm_math_resolve(b, BK_GEMM_FP32), BK_GEMM_FP32);
+    assert_int_equal(bk_gemm_math_resolve(a, BK_GEMM_BF16), BK_GEMM_BF16);
+    const char *names[] = {"fp32", "tf32", "bf16", "auto"};
+    for (int i = 0; i < 4; i++) {
+        bk_gemm_math g;
+        assert_int_equal(bk_gemm_math_from_name(names[i], &g), BK_OK);
+        assert_string_equal(bk_gemm_math_name(g), names[i]);
+    }
+    bk_gemm_math g;
+    assert_int_equal(bk_gemm_math_from_name("fp16", &g), BK_ERR_INVALID_ARG);
+    bk_model_close(a);
+    bk_model_close(b);
+    free(d32);
+    free(d16);
+}
+
 /* tiny-qwen3-bf16 is tiny-qwen3 rounded to BF16 (by torch, round to nearest
  * even): every weight agrees within half a BF16 ulp, |d| <= 2^-8 |w|. */
 static void test_bf16_copy_agrees(void **state)
@@ -898,6 +926,7 @@ int main(void)
         cmocka_unit_test(test_micro_quantized),
         cmocka_unit_test(test_open_errors),
         cmocka_unit_test(test_bf16_copy_agrees),
+        cmocka_unit_test(test_gemm_math_auto),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -49,8 +49,10 @@ bk_status bk_backend_solve(bk_backend *b, const bk_solve_problem *p, const bk_so
 typedef enum bk_gemm_math {
     BK_GEMM_FP32 = 0,
     BK_GEMM_TF32 = 1,
-    BK_GEMM_BF16 = 2 /* the projections and Gram matrices with BF16 inputs (8-bit mantissa)
-                        and fp32 accumulation, attention in TF32 */
+    BK_GEMM_BF16 = 2, /* the projections and Gram matrices with BF16 inputs (8-bit mantissa)
+                         and fp32 accumulation, attention in TF32 */
+    BK_GEMM_AUTO = 3  /* quantize only: BF16 for a checkpoint whose linear weights are BF16,
+                         else TF32 (a backend given AUTO uses FP32) */
 } bk_gemm_math;
 
 bk_status bk_gemm_math_from_name(const char *name, bk_gemm_math *out);

@@ -73,10 +73,15 @@ typedef struct bk_quantize_opts {
                                      and --calib they run there anyway unless cpu_stages */
     int cpu_stages;               /* 1: forward pass and Hessians on the CPU even with the CUDA
                                      backend (the solves still run there; the reference) */
-    bk_gemm_math gemm_math;       /* GPU stages' GEMM arithmetic (bk_quantize_opts_default: tf32) */
+    bk_gemm_math gemm_math;       /* GPU stages' GEMM arithmetic (bk_quantize_opts_default: auto =
+                                     bf16 for BF16 checkpoints, else tf32) */
 } bk_quantize_opts;
 
 void bk_quantize_opts_default(bk_quantize_opts *o);
+
+/* BK_GEMM_AUTO resolved for model m: BF16 when its linear weights are BF16,
+ * else TF32; other values are returned unchanged. */
+bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want);
 
 /* Quantize a model. The output folder is built under a temporary name and
  * renamed into place only when complete; on any failure (or interruption,

@@ -17,7 +17,7 @@
 static const char *eval_usage =
     "usage: bakron eval MODEL_OR_OUT_DIR --tokens FILE [--samples N] [--batch B] [--json]\n"
     "                   [--logits-out FILE.safetensors] [--backend auto|cpu|cuda]\n"
-    "                   [--gpu-math fp32|tf32|bf16]\n"
+    "                   [--gpu-math fp32|tf32|bf16|auto]\n"
     "\n"
     "Perplexity of a model (a Hugging Face checkpoint folder, or an output folder of\n"
     "`bakron quantize`) computed with the native forward pass (F32):\n"
@@ -30,7 +30,8 @@ static const char *eval_usage =
     "  --batch B       sequences per micro-batch (default: automatic)\n"
     "  --backend B     cpu, cuda (the forward pass on the GPU; docs/DEVICE.md) or auto\n"
     "                  (default: cuda when a GPU is present, else cpu)\n"
-    "  --gpu-math M    fp32 (default: matches the CPU to ~1e-6), tf32 or bf16 (tensor cores)\n"
+    "  --gpu-math M    fp32 (default: matches the CPU to ~1e-6), tf32 or bf16 (tensor cores),\n"
+    "                  auto (bf16 for a BF16 checkpoint, else tf32)\n"
     "  --json          print one JSON object on stdout instead of text\n"
     "  --logits-out F  also write the F32 logits [sequences*seqlen, vocab] of the\n"
     "                  evaluated sequences to the safetensors file F (tensor \"logits\",\n"
@@ -134,7 +135,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
                 return cli_usage_error("--backend: expected auto, cpu or cuda");
         } else if ((r = opt_value(argc, argv, &i, "--gpu-math", &v)) != 0) {
             if (r < 0 || bk_gemm_math_from_name(v, &gmath) != BK_OK)
-                return cli_usage_error("--gpu-math: expected fp32, tf32 or bf16");
+                return cli_usage_error("--gpu-math: expected fp32, tf32, bf16 or auto");
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
             if (r < 0)
                 return cli_usage_error("--batch needs a number");
@@ -183,7 +184,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         /* the forward pass on the GPU: --backend cuda, or auto with a GPU */
         if ((st = bk_backend_create(BK_BACKEND_CUDA, &gpu)) != BK_OK)
             goto done;
-        bk_backend_set_gemm_math(gpu, gmath);
+        bk_backend_set_gemm_math(gpu, bk_gemm_math_resolve(m, gmath));
     }
     double t0 = bk_now();
 #if BK_HAVE_CUDA

@@ -46,9 +46,10 @@ static const char *quantize_usage =
     "  --cpu-stages          with cuda: forward passes and Hessians on the CPU, solves on the\n"
     "                        GPU (the reference path; or BK_CPU_STAGES=1)\n"
     "  --gpu-pipeline        insist on the GPU stages: an error when they cannot run\n"
-    "  --gpu-math M          tf32|bf16|fp32 (default tf32): arithmetic of the GPU stages'\n"
-    "                        GEMMs; fp32 matches the CPU to ~1e-6, tf32 and bf16 use tensor\n"
-    "                        cores (bf16: projections and Hessians from BF16 inputs, faster)\n"
+    "  --gpu-math M          auto|tf32|bf16|fp32: arithmetic of the GPU stages' GEMMs (default\n"
+    "                        auto: bf16 for a BF16 checkpoint, else tf32); fp32 matches the\n"
+    "                        CPU to ~1e-6, tf32 and bf16 use tensor cores (bf16: projections\n"
+    "                        and Hessians from BF16 inputs, the fastest)\n"
     "output:\n"
     "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
@@ -228,7 +229,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
     case O_CPUSTAGES: o->cpu_stages = 1; break;
     case O_GPUMATH:
         if (bk_gemm_math_from_name(arg, &o->gemm_math) != BK_OK)
-            return cli_usage_error("--gpu-math: expected tf32, bf16 or fp32, got '%s'", arg);
+            return cli_usage_error("--gpu-math: expected auto, tf32, bf16 or fp32, got '%s'", arg);
         break;
     default: return cli_usage_error("unknown option");
     }
@@ -507,7 +508,7 @@ static const char *dump_usage =
     "  --batch B         sequences per micro-batch\n"
     "  --overwrite       replace a non-empty output folder\n"
     "  --backend B       auto (default: the GPU when present), cpu or cuda\n"
-    "  --gpu-math M      fp32 (default: the CPU's values to ~1e-6), tf32 or bf16\n"
+    "  --gpu-math M      fp32 (default: the CPU's values to ~1e-6), tf32, bf16 or auto\n"
     "  --json            JSON events on stdout\n";
 
 bk_status bk_cmd_dump(int argc, char **argv)
@@ -572,7 +573,7 @@ bk_status bk_cmd_dump(int argc, char **argv)
             break;
         case 'M':
             if (bk_gemm_math_from_name(optarg, &o.gemm_math) != BK_OK)
-                return cli_usage_error("--gpu-math: expected fp32, tf32 or bf16, got '%s'", optarg);
+                return cli_usage_error("--gpu-math: expected fp32, tf32, bf16 or auto, got '%s'", optarg);
             break;
         default: return cli_usage_error("bad option '%s'", argv[optind - 1]);
         }
