@@ -78,6 +78,7 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     o->hessian = BK_HESS_GPTQ;
     bk_solve_opts_default(&o->solve);
     o->gemm_math = BK_GEMM_AUTO;
+    o->damp_b_attn = -1.0;
     o->sequential = 1;
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
@@ -388,6 +389,10 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     (void)B;
 
     bk_solve_opts so = j->o->solve;
+    if (j->o->damp_b_attn >= 0.0 && mod <= BK_MOD_V) {
+        so.separate_damp_b = 1;
+        so.damp_b = j->o->damp_b_attn;
+    }
     if (j->o->hessian == BK_HESS_RTN)
         so.algorithm = BK_ALG_RTN;
     else if (!fb)

@@ -316,6 +316,8 @@ cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config 
     cJSON_AddNumberToObject(b, "damp", o->solve.damp);
     if (o->solve.separate_damp_b)
         cJSON_AddNumberToObject(b, "damp_b", o->solve.damp_b);
+    if (o->damp_b_attn >= 0.0)
+        cJSON_AddNumberToObject(b, "damp_b_attn", o->damp_b_attn);
     cJSON_AddBoolToObject(b, "sequential", o->sequential != 0);
     cJSON *cal = cJSON_AddObjectToObject(b, "calibration");
     if (o->calib_path)

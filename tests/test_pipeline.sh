@@ -249,6 +249,26 @@ if "$B" quantize "$M" $CAL --hessian gptq --layers 0:1 --backend cpu --cpu-stage
 else
     die "--cpu-stages --backend cpu: $(cat "$W/cs.err")"
 fi
+# --damp-b-attn: the q/k/v output factors get their own damping, gate/up keep --damp-b
+if "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 8 --hessian fullylocal-kfac \
+     --damp-b 8 --damp-b-attn 0.25 --layers 0:1 --out "$W/q-dba" --json >"$W/dba.json" 2>"$W/dba.err"; then
+    python3 - "$W/dba.json" "$W/q-dba/config.json" <<'EOF4' || die "--damp-b-attn"
+import json, sys
+want = {"self_attn.q_proj": 0.25, "self_attn.k_proj": 0.25, "self_attn.v_proj": 0.25,
+        "mlp.gate_proj": 8, "mlp.up_proj": 8}
+got = {}
+for line in open(sys.argv[1]):
+    e = json.loads(line)
+    if e.get("module") in want and "damp_b" in e:
+        got[e["module"]] = e["damp_b"]
+qc = json.load(open(sys.argv[2]))["quantization_config"]
+ok = got == want and qc.get("damp_b") == 8 and qc.get("damp_b_attn") == 0.25
+print("--damp-b-attn:", got, qc.get("damp_b"), qc.get("damp_b_attn"), "ok" if ok else "WRONG")
+sys.exit(0 if ok else 1)
+EOF4
+else
+    die "--damp-b-attn: $(cat "$W/dba.err")"
+fi
 # without a usable GPU, --backend cuda fails in one line (exit 3) and leaves nothing
 "$B" eval "$M" $EV --backend cuda >/dev/null 2>"$W/probe.err"
 if [ $? -eq 3 ] && grep -qE "no usable CUDA device|no CUDA backend" "$W/probe.err"; then

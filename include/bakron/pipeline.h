@@ -73,6 +73,9 @@ typedef struct bk_quantize_opts {
                                      and --calib they run there anyway unless cpu_stages */
     int cpu_stages;               /* 1: forward pass and Hessians on the CPU even with the CUDA
                                      backend (the solves still run there; the reference) */
+    double damp_b_attn;           /* >= 0: relative damping of the q/k/v output factors (the
+                                     attention-local B of the fully-local kinds) instead of
+                                     solve.damp / solve.damp_b; < 0 (default): not separate */
     bk_gemm_math gemm_math;       /* GPU stages' GEMM arithmetic (bk_quantize_opts_default: auto =
                                      bf16 for BF16 checkpoints, else tf32) */
 } bk_quantize_opts;

@@ -37,6 +37,7 @@ static const char *quantize_usage =
     "                        one-sided modules always use gptq (same codes, faster)\n"
     "  --damp D              relative damping of each factor (default 0.5)\n"
     "  --damp-b D            damp the output-side factors B with D instead (not the paper's setting)\n"
+    "  --damp-b-attn D       damp the q/k/v output factors (fully-local kinds) with D instead\n"
     "  --precision P         fp32|fp64 (default fp32)\n"
     "  --hessian-fp64        accumulate Hessians in double\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied)\n"
@@ -61,7 +62,7 @@ static const char *quantize_usage =
 enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
-    O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_HELP,
+    O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
     O_GPUPIPE, O_CPUSTAGES, O_GPUMATH
 };
 
@@ -77,6 +78,7 @@ static const struct option quantize_opts[] = {
     {"no-mse", no_argument, NULL, O_NOMSE},
     {"damp", required_argument, NULL, O_DAMP},
     {"damp-b", required_argument, NULL, O_DAMPB},
+    {"damp-b-attn", required_argument, NULL, O_DAMPBA},
     {"samples", required_argument, NULL, O_SAMPLES},
     {"seqlen", required_argument, NULL, O_SEQLEN},
     {"layers", required_argument, NULL, O_LAYERS},
@@ -176,6 +178,11 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         if ((st = cli_parse_double("--damp", arg, 0.0, 1e6, &dv)) != BK_OK)
             return st;
         o->solve.damp = dv;
+        break;
+    case O_DAMPBA:
+        if ((st = cli_parse_double("--damp-b-attn", arg, 0.0, 1e6, &dv)) != BK_OK)
+            return st;
+        o->damp_b_attn = dv;
         break;
     case O_DAMPB:
         if ((st = cli_parse_double("--damp-b", arg, 0.0, 1e6, &dv)) != BK_OK)
