@@ -16,7 +16,7 @@
 #   BENCH_BATCH      micro-batch (default: automatic)
 #   BENCH_EXTRA      more quantize options (e.g. "--precision fp64")
 #   BENCH_CPU_STAGES=1  forward + Hessians on the CPU (--cpu-stages) instead
-#   BENCH_GPU_MATH   tf32 (default) or fp32: the GPU stages' GEMM arithmetic
+#   BENCH_GPU_MATH   auto (default), tf32, bf16 or fp32: the GPU stages' GEMM arithmetic
 #   BENCH_BACKEND    the solves' backend (default cuda; cpu with BENCH_CPU_STAGES=1
 #                    to try the script without a GPU)
 #   BENCH_TIMEOUT    seconds per run (default 1800)
@@ -36,7 +36,7 @@ args=(--levels 3 --backend "${BENCH_BACKEND:-cuda}")
 if [ "${BENCH_CPU_STAGES:-0}" = 1 ]; then
     [ "${BENCH_BACKEND:-cuda}" = cuda ] && args+=(--cpu-stages)
 else
-    args+=(--gpu-pipeline --gpu-math "${BENCH_GPU_MATH:-tf32}")
+    args+=(--gpu-pipeline --gpu-math "${BENCH_GPU_MATH:-auto}")
 fi
 [ -n "${BENCH_SAMPLES:-}" ] && args+=(--samples "$BENCH_SAMPLES")
 [ -n "${BENCH_SEQLEN:-}" ] && args+=(--seqlen "$BENCH_SEQLEN")
