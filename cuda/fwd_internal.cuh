@@ -82,7 +82,7 @@ bk_status bk_glayer_sync_bf16(bk_gfwd *f, bk_glayer *lw, bk_module mod);
  * upper triangle in row-major terms (= cuBLAS's column-major lower) is
  * complete; entries below the diagonal may hold partial sums. Through
  * f->blas: SSYRK in fp32 mode, lower-trapezoid GEMM panels in TF32 mode
- * (SSYRK has no tensor-core path), the same panels on BF16 copies of X
+ * (SSYRK has no tensor-core path; n < 512 always SSYRK), the same panels on BF16 copies of X
  * (in row chunks) with fp32 accumulation in BF16 mode. */
 bk_status bk_g_syrk(bk_gfwd *f, int64_t n, int64_t rows, const float *X, float *C);
 /* y = w * (x * rsqrt(mean(x^2) + eps)) over rows of n (y may equal x). */

@@ -392,6 +392,22 @@ int64_t auto_batch(const bk_model_config *c, int64_t S, int64_t T)
     return b;
 }
 
+/* Device memory to keep free next to the calibration states: one layer's
+ * weights twice (original + working copy), `squares` F32 matrices of the
+ * largest factor size (accumulators, factor staging, the solve's copies) and
+ * `gib` GiB of margin. */
+uint64_t device_reserve(const bk_model_config *c, int squares, int gib)
+{
+    uint64_t layer = 0;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        layer += (uint64_t)(o * in) * 4u;
+    }
+    const uint64_t big = (uint64_t)(c->intermediate > c->hidden ? c->intermediate : c->hidden);
+    return 2 * layer + (uint64_t)squares * big * big * 4u + ((uint64_t)gib << 30);
+}
+
 /* The micro-batch's device state for batch B (the context's state is freed
  * first). */
 bk_status g_setup(gstages *g, int64_t B)
@@ -466,16 +482,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     if (st == BK_OK) {
         size_t fr = 0, tot = 0;
         st = bk_gpu_mem_info(g->f, &fr, &tot);
-        uint64_t layer = 0;
-        for (int i = 0; i < BK_MOD_COUNT; i++) {
-            int64_t o, in;
-            bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
-            layer += (uint64_t)(o * in) * 4u;
-        }
-        const uint64_t big = (uint64_t)g->cfg.intermediate > (uint64_t)g->hid
-                                 ? (uint64_t)g->cfg.intermediate
-                                 : (uint64_t)g->hid;
-        const uint64_t reserve = 2 * layer + 2 * big * big * 4u + ((uint64_t)1 << 30);
+        const uint64_t reserve = device_reserve(&g->cfg, 2, 1);
         g->resident = st == BK_OK && (uint64_t)fr > reserve && (uint64_t)fr - reserve >= need;
         /* BK_GPU_RESIDUAL=host forces the pinned-host stream (tests, measurements) */
         const char *e = getenv("BK_GPU_RESIDUAL");
@@ -493,16 +500,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         size_t fr = 0, tot = 0;
         const char *kd = getenv("BK_GPU_KEEP_DOWN");
         dneed = N * (uint64_t)g->cfg.intermediate * 4u;
-        uint64_t layer = 0;
-        for (int i = 0; i < BK_MOD_COUNT; i++) {
-            int64_t o, in;
-            bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
-            layer += (uint64_t)(o * in) * 4u;
-        }
-        const uint64_t big = (uint64_t)g->cfg.intermediate > (uint64_t)g->hid
-                                 ? (uint64_t)g->cfg.intermediate
-                                 : (uint64_t)g->hid;
-        const uint64_t reserve = 2 * layer + 4 * big * big * 4u + ((uint64_t)2 << 30);
+        const uint64_t reserve = device_reserve(&g->cfg, 4, 2);
         if (st == BK_OK && !(kd && !strcmp(kd, "0")) && bk_gpu_mem_info(g->f, &fr, &tot) == BK_OK &&
             (uint64_t)fr > reserve && (uint64_t)fr - reserve >= dneed) {
             bk_status sd = falloc(g, &g->D, (int64_t)N, g->cfg.intermediate,

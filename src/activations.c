@@ -392,11 +392,12 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     st = bk_fwd_create(c, B, T, &fwd); /* also the configuration's checks for the GPU */
     if (st != BK_OK)
         goto done;
-    h = gpu ? bk_alloc(1, sizeof(float)) : bk_alloc((size_t)(N * c->hidden), sizeof(float));
+    if (!gpu) /* the GPU keeps the residual stream on the device */
+        h = bk_alloc((size_t)(N * c->hidden), sizeof(float));
     for (int i = 0; i < 4; i++)
         acts[i] = bk_alloc((size_t)(N * widths[i]), sizeof(float));
     conv = bk_alloc((size_t)(N * c->intermediate), 2);
-    if (!h || !acts[0] || !acts[1] || !acts[2] || !acts[3] || !conv) {
+    if ((!gpu && !h) || !acts[0] || !acts[1] || !acts[2] || !acts[3] || !conv) {
         st = bk_error(BK_ERR_NOMEM, "dump-activations: out of memory for %lld tokens", (long long)N);
         goto done;
     }

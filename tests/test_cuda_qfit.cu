@@ -75,9 +75,9 @@ static double cell_obj(const bk_alphabet *a, const double *x, int64_t len, float
     return bk_q_uniform_objective(x, len, (1 << a->spec.bits) - 1, (double)s, (double)z);
 }
 
-static int g_extreme;
-
-static void compare(const bk_quant_spec *spec, int64_t m, int64_t n, int with_dead)
+/* extreme: +-FLT_MAX in rows 0 and 3 */
+static void compare(const bk_quant_spec *spec, int64_t m, int64_t n, int with_dead,
+                    int extreme = 0)
 {
     unsigned char *dead = NULL, *ddead = NULL;
     if (with_dead) {
@@ -86,7 +86,7 @@ static void compare(const bk_quant_spec *spec, int64_t m, int64_t n, int with_de
         dead[3] = dead[n / 2] = dead[n - 1] = 1;
     }
     float *w = make_w(m, n, dead);
-    if (g_extreme) {
+    if (extreme) {
         w[0 * n + 5] = FLT_MAX;
         w[0 * n + 9] = -FLT_MAX;
         w[3 * n + 1] = FLT_MAX;
@@ -193,13 +193,6 @@ static void test_uniform(void **state)
     compare(&s, 100, 1000, 0);
 }
 
-static void compare_extreme(const bk_quant_spec *s)
-{
-    g_extreme = 1;
-    compare(s, 8, 300, 0);
-    g_extreme = 0;
-}
-
 /* Extreme values: +-FLT_MAX in a row (the widest F32 range: every scale still
  * fits F32, so no error) give the CPU's scales. */
 static void test_extremes(void **state)
@@ -212,12 +205,12 @@ static void test_extremes(void **state)
     s.bits = 2;
     s.asym = 1;
     s.mse = 1;
-    compare_extreme(&s);
+    compare(&s, 8, 300, 0, 1);
     memset(&s, 0, sizeof s);
     s.kind = BK_Q_LEVELS;
     s.levels = 3;
     s.mse = 1;
-    compare_extreme(&s);
+    compare(&s, 8, 300, 0, 1);
 }
 
 int main(void)
