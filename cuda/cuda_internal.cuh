@@ -39,6 +39,19 @@ typedef struct bk_cuda_ctx {
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
 } bk_cuda_ctx;
 
+extern "C" {
+#include "util.h"
+}
+/* BK_PROFILE=1 (src/util.h): synchronize the stream and add the time since
+ * *t under key; nothing when profiling is off. */
+static inline void bk_cuda_pmark(cudaStream_t s, double *t, const char *key)
+{
+    if (bk_prof_on()) {
+        cudaStreamSynchronize(s);
+        bk_prof_mark(t, key);
+    }
+}
+
 bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out);
 void bk_cuda_ctx_destroy(bk_cuda_ctx *c);
 

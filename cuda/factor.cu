@@ -123,6 +123,8 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
     R *work = NULL, *d = NULL, *dh = NULL;
     int *dinfo = NULL;
     *step = 0;
+    double tp = bk_now();
+    static const char *const keys[4] = {"", "fac.potrf", "fac.potri", "fac.potrf2"};
     BK_CUSOLVER_CHECK(potrf_bs(c->cusolver, (int)k, X, (int)ld, &lw1));
     BK_CUSOLVER_CHECK(potri_bs(c->cusolver, (int)k, X, (int)ld, &lw2));
     const int lw = lw1 > lw2 ? lw1 : lw2;
@@ -134,6 +136,7 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
         st = bk_dev_alloc(c, (void **)&d, sizeof(R) * (size_t)k, "factor: diagonal");
     if (st != BK_OK)
         goto done;
+    bk_cuda_pmark(c->stream, &tp, "fac.alloc");
     for (int s = 1; s <= 3; s++) {
         if (s == 2)
             BK_CUSOLVER_GOTO(potri(c->cusolver, (int)k, X, (int)ld, work, lw, dinfo), st, done);
@@ -152,6 +155,7 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
             *step = s;
             goto done;
         }
+        bk_cuda_pmark(c->stream, &tp, keys[s]);
     }
     k_get_diag<R><<<blocks(k), 256, 0, c->stream>>>(X, ld, k, d);
     BK_CUDA_GOTO(cudaGetLastError(), st, done);
@@ -173,6 +177,7 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
     k_normalize<R><<<blocks(k * k), 256, 0, c->stream>>>(X, ld, k, d);
     BK_CUDA_GOTO(cudaGetLastError(), st, done);
     BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+    bk_cuda_pmark(c->stream, &tp, "fac.normalize");
 done:
     free(dh);
     bk_dev_free(c, d);

@@ -317,10 +317,12 @@ bk_status g_solve_dev(void *ctx, bk_module mod, const bk_solve_problem *p, const
     dp.label_b = p->label_b;
     dp.dW = g->orig->w[mod];
     dp.no_host_weight = g->codes_only;
-    bk_status st = bk_cuda_solve_dev(static_cast<bk_cuda_ctx *>(g->b->ctx), &dp, o, r,
-                                     g->lw->w[mod], loss_gptq);
+    bk_cuda_ctx *cc = static_cast<bk_cuda_ctx *>(g->b->ctx);
+    double tp = bk_now();
+    bk_status st = bk_cuda_solve_dev(cc, &dp, o, r, g->lw->w[mod], loss_gptq);
     if (st == BK_OK) /* the BF16 copy of the working weight follows (bf16 GEMMs) */
         st = bk_glayer_sync_bf16(g->f, g->lw, mod);
+    bk_cuda_pmark(cc->stream, &tp, "g.solve_dev_total");
     if (st == BK_ERR_DEVICE_OOM)
         bk_error_prefix(st, "GPU pipeline: the solve (use a smaller --batch or --cpu-stages)");
     return st;

@@ -553,6 +553,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     float ms = 0.0f;
     bk_core_args a;
     refit_ctx rc;
+    double tp = bk_now();
 
     if (x && x->dW && s->dead == 0)
         st = bk_cuda_alphabet_fit(c, &alpha, x->dW, n, NULL);
@@ -562,6 +563,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         bk_error_prefix(st, lw);
         goto fail;
     }
+    bk_cuda_pmark(c->stream, &tp, "sd.alphabet_fit");
     t1 = bk_now();
 
     /* device problem */
@@ -626,7 +628,9 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         a.refit = refit_group;
         a.refit_ctx = &rc;
     }
+    bk_cuda_pmark(c->stream, &tp, "sd.alloc_upload");
     st = bk_cuda_core(c, o->algorithm, prec, &a, &ms);
+    bk_cuda_pmark(c->stream, &tp, "sd.core");
     if (st != BK_OK) {
         bk_error_prefix(st, lw);
         goto fail;
@@ -653,6 +657,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     bk_dev_free(c, sb.dL);
     sb.dL = NULL;
     t2 = bk_now();
+    bk_cuda_pmark(c->stream, &tp, "sd.download_free");
     if (counts[2] > 0) {
         st = bk_error(BK_ERR_NONFINITE,
                       "%s: %lld values became non-finite during the %s solve (inputs too large "
@@ -695,6 +700,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         BK_CUDA_GOTO(cudaGetLastError(), st, fail);
         BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
     }
+    bk_cuda_pmark(c->stream, &tp, "sd.dcopy_loss_prep");
     if (stats) {
         st = bk_cuda_losses(c, m, n, dWq, dW0, sa.dtil, sb.identity ? NULL : sb.dtil,
                             &r->loss_one_sided, &r->loss_two_sided);
@@ -734,6 +740,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
             r->bound = 0.25 * bound;
         }
     }
+    bk_cuda_pmark(c->stream, &tp, "sd.stats");
     if (want_gptq) {
         /* tr(E A_plain E^T), E = weight - the original W, A_plain undamped;
          * the damped matrices are done with */
@@ -761,6 +768,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         bk_dev_free(c, dAp);
         dAp = NULL;
     }
+    bk_cuda_pmark(c->stream, &tp, "sd.loss_gptq");
     t3 = bk_now();
 
     r->m = m;
@@ -791,6 +799,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     bk_dev_free(c, dcodes);
     bk_dev_free(c, dweight);
     bk_dev_free(c, dcounts);
+    bk_cuda_pmark(c->stream, &tp, "sd.free");
     return BK_OK;
 
 fail:
@@ -936,7 +945,7 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
 
     /* W: on its device copy when there is one (the same first index and
      * message as the host scan) */
-    double max_w = 0.0;
+    double max_w = 0.0, tp = bk_now();
     if ((st = p->dW ? dcheck_finite_rc(c, p->dW, m, n, lw, &max_w)
                     : bk_solve_check_finite(p->W, BK_DT_F32, m, n, lw)) != BK_OK)
         return st;
@@ -944,6 +953,7 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
         return st;
     if (p->B && (st = dcheck_finite(c, p->B, m, lb, &max_b)) != BK_OK)
         return st;
+    bk_cuda_pmark(c->stream, &tp, "sd.check_finite");
 
     solve_state s;
     memset(&s, 0, sizeof s);
@@ -965,8 +975,10 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
     } else if ((st = alloc_host(&s, r, p->W, BK_DT_F32, m, n, lw)) != BK_OK) {
         return solve_fail(c, &s, r, st);
     }
+    bk_cuda_pmark(c->stream, &tp, "sd.host_alloc");
     /* dX is consumed by bk_dside_from_dmatrix (kept as X~ or freed) */
     st = prepare_dmatrix(c, p->A, n, max_a, la, 1, s.Wd, m, &s.dead, &dX, &mean);
+    bk_cuda_pmark(c->stream, &tp, "sd.prepare_A");
     if (st == BK_OK && p->dW && s.dead > 0) {
         /* dead columns: the host W_d with those columns zeroed, as the host path */
         float *diag = static_cast<float *>(malloc(sizeof(float) * (size_t)n));
@@ -995,6 +1007,7 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
         st = bk_dside_from_dmatrix(c, &s.sa, dX, n, npad, mean, la, o, c->factor_fp64, stats);
     if (st != BK_OK)
         return solve_fail(c, &s, r, st);
+    bk_cuda_pmark(c->stream, &tp, "sd.factor_A");
     if (p->B) {
         bk_solve_opts ob = *o; /* the output side may have its own damping */
         if (o->separate_damp_b)
@@ -1003,6 +1016,7 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
         if (st == BK_OK)
             st = bk_dside_from_dmatrix(c, &s.sb, dX, m, mpad, mean, lb, &ob, c->factor_fp64,
                                        stats);
+        bk_cuda_pmark(c->stream, &tp, "sd.factor_B");
     } else {
         s.sb.identity = 1;
     }

@@ -12,8 +12,11 @@
 #include "bakron/safetensors.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "util.h"
 
@@ -462,8 +465,8 @@ bk_status bk_tensor_to_f64(const bk_tensor_info *t, double *dst)
  * compiler can vectorize it); only a block with a hit is searched. */
 #define BK_FINITE_BLOCK 4096
 #define BK_FINITE_SCAN(T, SZ, MASK)                                                          \
-    for (uint64_t b0 = 0; b0 < t->numel && bad == UINT64_MAX; b0 += BK_FINITE_BLOCK) {      \
-        const uint64_t b1 = t->numel - b0 < BK_FINITE_BLOCK ? t->numel : b0 + BK_FINITE_BLOCK; \
+    for (uint64_t b0 = begin; b0 < end && bad == UINT64_MAX; b0 += BK_FINITE_BLOCK) {       \
+        const uint64_t b1 = end - b0 < BK_FINITE_BLOCK ? end : b0 + BK_FINITE_BLOCK;         \
         unsigned any = 0;                                                                    \
         for (uint64_t i = b0; i < b1; i++) {                                                 \
             T u;                                                                             \
@@ -480,7 +483,8 @@ bk_status bk_tensor_to_f64(const bk_tensor_info *t, double *dst)
         }                                                                                    \
     }
 
-bk_status bk_tensor_check_finite(const bk_tensor_info *t)
+/* The first NaN/Inf element of t in [begin, end), UINT64_MAX if none. */
+static uint64_t finite_scan(const bk_tensor_info *t, uint64_t begin, uint64_t end)
 {
     const unsigned char *p = t->data;
     uint64_t bad = UINT64_MAX;
@@ -498,10 +502,103 @@ bk_status bk_tensor_check_finite(const bk_tensor_info *t)
         BK_FINITE_SCAN(uint64_t, 8, 0x7ff0000000000000ull)
         break;
     default:
-        return BK_OK;
+        break;
     }
-    if (bad == UINT64_MAX)
-        return BK_OK;
+    return bad;
+}
+
+static bk_status nonfinite_error(const bk_tensor_info *t, uint64_t bad)
+{
     return bk_error(BK_ERR_NONFINITE, "%s: tensor %s: element %llu is NaN or Inf (weights must be finite)",
                     t->file ? t->file : "?", t->name, (unsigned long long)bad);
+}
+
+bk_status bk_tensor_check_finite(const bk_tensor_info *t)
+{
+    const uint64_t bad = finite_scan(t, 0, t->numel);
+    return bad == UINT64_MAX ? BK_OK : nonfinite_error(t, bad);
+}
+
+/* The whole set, scanned by several threads in chunks; the error is the one
+ * the sequential scan would give (first tensor in order, first element). */
+#define BK_FINITE_CHUNK ((uint64_t)1 << 24)
+typedef struct {
+    const bk_st_set *set;
+    size_t nchunks;
+    uint32_t *tensor;       /* per chunk: tensor index */
+    uint64_t *begin, *bad;  /* per chunk: first element, first bad one */
+    size_t next;            /* next chunk to take (atomic) */
+} finite_job;
+
+static void *finite_worker(void *arg)
+{
+    finite_job *fj = arg;
+    for (;;) {
+        const size_t c = __atomic_fetch_add(&fj->next, 1, __ATOMIC_RELAXED);
+        if (c >= fj->nchunks)
+            break;
+        const bk_tensor_info *t = bk_st_set_tensor(fj->set, fj->tensor[c]);
+        const uint64_t b = fj->begin[c];
+        const uint64_t e = t->numel - b < BK_FINITE_CHUNK ? t->numel : b + BK_FINITE_CHUNK;
+        fj->bad[c] = finite_scan(t, b, e);
+    }
+    return NULL;
+}
+
+bk_status bk_st_set_check_finite(const bk_st_set *set)
+{
+    const size_t n = bk_st_set_count(set);
+    size_t nchunks = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t numel = bk_st_set_tensor(set, i)->numel;
+        nchunks += numel == 0 ? 0 : (size_t)((numel + BK_FINITE_CHUNK - 1) / BK_FINITE_CHUNK);
+    }
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int nthreads = ncpu < 1 ? 1 : ncpu > 16 ? 16 : (int)ncpu;
+    if ((size_t)nthreads > nchunks)
+        nthreads = (int)nchunks;
+    finite_job fj = {set, nchunks, NULL, NULL, NULL, 0};
+    if (nthreads > 1) {
+        fj.tensor = malloc(nchunks * sizeof *fj.tensor);
+        fj.begin = malloc(nchunks * sizeof *fj.begin);
+        fj.bad = malloc(nchunks * sizeof *fj.bad);
+    }
+    if (nthreads <= 1 || !fj.tensor || !fj.begin || !fj.bad) {
+        /* sequential */
+        free(fj.tensor);
+        free(fj.begin);
+        free(fj.bad);
+        for (size_t i = 0; i < n; i++) {
+            bk_status st = bk_tensor_check_finite(bk_st_set_tensor(set, i));
+            if (st != BK_OK)
+                return st;
+        }
+        return BK_OK;
+    }
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++)
+        for (uint64_t b = 0; b < bk_st_set_tensor(set, i)->numel; b += BK_FINITE_CHUNK) {
+            fj.tensor[c] = (uint32_t)i;
+            fj.begin[c] = b;
+            fj.bad[c] = UINT64_MAX;
+            c++;
+        }
+    pthread_t tid[16];
+    int started = 0;
+    for (int k = 1; k < nthreads; k++)
+        if (pthread_create(&tid[started], NULL, finite_worker, &fj) == 0)
+            started++;
+    finite_worker(&fj); /* the calling thread works too */
+    for (int k = 0; k < started; k++)
+        pthread_join(tid[k], NULL);
+    bk_status st = BK_OK;
+    for (c = 0; c < nchunks; c++) /* chunks are in tensor, then element order */
+        if (fj.bad[c] != UINT64_MAX) {
+            st = nonfinite_error(bk_st_set_tensor(set, fj.tensor[c]), fj.bad[c]);
+            break;
+        }
+    free(fj.tensor);
+    free(fj.begin);
+    free(fj.bad);
+    return st;
 }

@@ -246,6 +246,7 @@ static bk_status write_passthrough(job *j)
             return st;
     }
     j->t_io += bk_now() - t;
+    bk_prof_add("io.passthrough", bk_now() - t);
     return BK_OK;
 }
 
@@ -280,6 +281,7 @@ static void *writer_main(void *arg)
         if (!j->wr.failed) /* after a failure the rest is only freed */
             st = write_module_checked(j, w.layer, w.mod, &w.r);
         const double dt = bk_now() - t;
+        bk_prof_add("writer.write (thread)", dt);
         bk_solve_result_free(&w.r);
         pthread_mutex_lock(&j->wr.mu);
         j->wr.busy_s += dt;
@@ -383,6 +385,7 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     st = dev ? j->ops->factors_dev(j->ops_ctx, mod, &fa, &fb, &fa_gptq)
              : j->ops->factors(j->ops_ctx, mod, &fa, &fb, &fa_gptq);
     j->t_hessian += bk_now() - t;
+    bk_prof_add("pipe.factors", bk_now() - t);
     if (st != BK_OK)
         return bk_error_prefix(st, label);
     (void)A;
@@ -412,6 +415,7 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     bk_solve_result r;
     memset(&r, 0, sizeof r);
     double loss_gptq = NAN;
+    t = bk_now();
     st = dev ? j->ops->solve_dev(j->ops_ctx, mod, &p, fa_gptq, &so, &r, &loss_gptq)
              : bk_backend_solve(j->backend, &p, &so, &r);
     if (st != BK_OK) {
@@ -420,6 +424,8 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     }
     j->t_factor += r.time_factor_s;
     j->t_solve += r.time_solve_s + r.time_stats_s;
+    bk_prof_add("pipe.solve", bk_now() - t);
+    t = bk_now();
 
     /* the GPTQ proxy loss tr(E A E^T) with A = E[xx^T] (undamped), for every
      * module (computed by solve_dev on the device) */
@@ -475,10 +481,12 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     j->quantized_params += m * n;
 
     emit_module(j, layer, mod, &r, loss_gptq);
+    bk_prof_add("pipe.report", bk_now() - t);
     /* packing and writing overlap the next module (writer thread) */
     t = bk_now();
     st = writer_put(j, layer, mod, &r);
     j->t_io += bk_now() - t;
+    bk_prof_add("pipe.writer_put", bk_now() - t);
     if (st != BK_OK)
         return st;
     if (bk__stop_requested())
@@ -738,10 +746,19 @@ nomem:
 /* One stage over every micro-batch. */
 static bk_status run_stage(job *j, bk_stage stage)
 {
+    static const char *const fk[] = {"fwd.qkv", "fwd.o", "fwd.mlp", "fwd.down", "fwd.out",
+                                     "fwd.full", "fwd.taps"};
+    static const char *const hk[] = {"hess.qkv", "hess.o", "hess.mlp", "hess.down", "hess.out",
+                                     "hess.full", "hess.taps"};
+    const double f0 = j->t_forward, h0 = j->t_hessian;
     MB_LOOP(j, s0, sb) {
         bk_status st = j->ops->run(j->ops_ctx, stage, s0, sb, &j->t_forward, &j->t_hessian);
         if (st != BK_OK)
             return st;
+    }
+    if ((unsigned)stage < sizeof fk / sizeof fk[0]) {
+        bk_prof_add(fk[stage], j->t_forward - f0);
+        bk_prof_add(hk[stage], j->t_hessian - h0);
     }
     return BK_OK;
 }
@@ -749,7 +766,9 @@ static bk_status run_stage(job *j, bk_stage stage)
 static void *prefetch_main(void *arg)
 {
     job *j = arg;
+    double t = bk_now();
     j->pf.st = bk_layer_weights_load(j->pf.model, j->pf.layer, &j->pf.w);
+    bk_prof_add("prefetch.load (thread)", bk_now() - t);
     if (j->pf.st != BK_OK)
         snprintf(j->pf.msg, sizeof j->pf.msg, "%s", bk_last_error());
     return NULL;
@@ -802,6 +821,7 @@ static bk_status layer_tokens(job *j, int l)
     int begun = 0;
     double t = bk_now();
     bk_status st = prefetch_take(j, l, &orig);
+    bk_prof_add("io.prefetch_wait", bk_now() - t);
     if (st == BK_OK)
         prefetch_start(j, l + 1);
     /* the host working copy is only needed where the stages or the solves
@@ -818,6 +838,7 @@ static bk_status layer_tokens(job *j, int l)
     t = bk_now();
     st = j->ops->layer_begin(j->ops_ctx, &orig, dev ? &orig : &lw, quantize);
     j->t_io += bk_now() - t;
+    bk_prof_add("io.layer_begin", bk_now() - t);
     if (st != BK_OK)
         goto done;
     begun = 1;
@@ -856,10 +877,12 @@ static bk_status layer_tokens(job *j, int l)
     st = run_stage(j, BK_STAGE_OUT);
 
 done:
+    t = bk_now();
     if (begun)
         j->ops->layer_end(j->ops_ctx);
     bk_layer_weights_free(&orig);
     bk_layer_weights_free(&lw);
+    bk_prof_add("io.layer_end", bk_now() - t);
     if (st == BK_OK && layer_in_range(j, l))
         emit(j, BK_EV_LAYER_DONE, l, NULL, NULL);
     return st;
@@ -1144,9 +1167,9 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     {
         const bk_st_set *in = bk_model_tensors(j->model);
         double t = bk_now();
-        for (size_t i = 0; i < bk_st_set_count(in) && st == BK_OK; i++)
-            st = bk_tensor_check_finite(bk_st_set_tensor(in, i));
+        st = bk_st_set_check_finite(in);
         j->t_io += bk_now() - t;
+        bk_prof_add("io.scan_finite", bk_now() - t);
         if (st != BK_OK)
             goto fail;
     }
@@ -1278,6 +1301,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         emit(j, BK_EV_START, j->layer_begin, NULL, msg);
     }
 
+    bk_prof_add("setup", bk_now() - j->t0);
     if (j->tokens) {
         double t = bk_now();
         MB_LOOP(j, s0, sb) {
@@ -1286,6 +1310,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                 goto fail;
         }
         j->t_forward += bk_now() - t;
+        bk_prof_add("fwd.embed", bk_now() - t);
         for (int l = 0; l < j->layer_end; l++) {
             st = layer_tokens(j, l);
             if (st != BK_OK)
@@ -1323,10 +1348,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         if (st == BK_OK)
             st = bk_outdir_commit(j->tmpdir, o->out_dir, o->overwrite);
         j->t_io += bk_now() - t;
+        bk_prof_add("io.finish", bk_now() - t);
         if (st != BK_OK)
             goto fail;
     }
     emit(j, BK_EV_DONE, j->layer_end, NULL, o->out_dir);
+    bk_prof_add("total", bk_now() - j->t0);
+    bk_prof_print();
     job_free(j);
     return BK_OK;
 

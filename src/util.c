@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,65 @@ double bk_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------ profiling */
+
+#define BK_PROF_MAX 96
+static struct {
+    pthread_mutex_t mu;
+    int n;
+    const char *key[BK_PROF_MAX];
+    double sum[BK_PROF_MAX];
+    long count[BK_PROF_MAX];
+} g_prof = {PTHREAD_MUTEX_INITIALIZER, 0, {0}, {0}, {0}};
+
+int bk_prof_on(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("BK_PROFILE");
+        on = e && e[0] && strcmp(e, "0") != 0;
+    }
+    return on;
+}
+
+void bk_prof_add(const char *key, double seconds)
+{
+    if (!bk_prof_on())
+        return;
+    pthread_mutex_lock(&g_prof.mu);
+    int i = 0;
+    while (i < g_prof.n && strcmp(g_prof.key[i], key) != 0)
+        i++;
+    if (i == g_prof.n && g_prof.n < BK_PROF_MAX)
+        g_prof.key[g_prof.n++] = key;
+    if (i < g_prof.n) {
+        g_prof.sum[i] += seconds;
+        g_prof.count[i]++;
+    }
+    pthread_mutex_unlock(&g_prof.mu);
+}
+
+void bk_prof_mark(double *t, const char *key)
+{
+    if (!bk_prof_on())
+        return;
+    const double now = bk_now();
+    bk_prof_add(key, now - *t);
+    *t = now;
+}
+
+void bk_prof_print(void)
+{
+    if (!bk_prof_on())
+        return;
+    pthread_mutex_lock(&g_prof.mu);
+    fprintf(stderr, "profile (BK_PROFILE): key, seconds, count\n");
+    for (int i = 0; i < g_prof.n; i++)
+        fprintf(stderr, "profile %-28s %10.3f %8ld\n", g_prof.key[i], g_prof.sum[i],
+                g_prof.count[i]);
+    pthread_mutex_unlock(&g_prof.mu);
 }
 
 void *bk_alloc(size_t n, size_t size)

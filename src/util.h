@@ -10,6 +10,16 @@
 /* Monotonic wall clock in seconds. */
 double bk_now(void);
 
+/* BK_PROFILE=1: named wall-time accumulators (thread-safe), printed to
+ * stderr by bk_prof_print at the end of a quantize run. For finding where
+ * time goes; the GPU code synchronizes its stream at each mark only when
+ * profiling is on. Keys are string literals. */
+int bk_prof_on(void);
+void bk_prof_add(const char *key, double seconds);
+/* *t = now; adds now - previous *t under key (when on). */
+void bk_prof_mark(double *t, const char *key);
+void bk_prof_print(void);
+
 /* Overflow-checked arithmetic: return 1 on overflow, else store and return 0. */
 static inline int bk_mul_u64(uint64_t a, uint64_t b, uint64_t *out)
 {

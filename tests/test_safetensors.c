@@ -848,6 +848,65 @@ static void test_zst_reader(void **state)
     free(img);
 }
 
+/* The threaded scan of a whole set reports what the tensor-by-tensor scan
+ * reports: the first tensor by name with a NaN/Inf and its first such
+ * element, also when the hits lie in different chunks (2^24 elements) of a
+ * big tensor and a later tensor has an earlier hit. */
+static void test_set_check_finite(void **state)
+{
+    (void)state;
+    const int64_t big = ((int64_t)1 << 24) * 2 + 77; /* three chunks */
+    uint16_t *a = calloc((size_t)big, sizeof *a);     /* BF16 zeros */
+    float b[64] = {0};
+    double c[8] = {0};
+    assert_non_null(a);
+    char path[400];
+    snprintf(path, sizeof path, "%s/finite.safetensors", tmpdir);
+    for (int round = 0; round < 4; round++) {
+        /* round 0: all finite; 1: NaN in b only; 2: also hits in chunks 3
+         * and 2 of "a" (chunk 2's comes first); 3: also an Inf in c */
+        if (round == 1)
+            memcpy(&b[0], &(float){NAN}, sizeof(float));
+        if (round == 2) {
+            a[big - 5] = 0x7f80;                      /* +Inf, chunk 3 */
+            a[((int64_t)1 << 24) + 12345] = 0xffc0; /* NaN, chunk 2 */
+        }
+        if (round == 3)
+            c[3] = -INFINITY;
+        bk_st_writer *w;
+        assert_int_equal(bk_st_writer_create(&w), BK_OK);
+        int64_t sa[1] = {big}, sb[2] = {8, 8}, sc[1] = {8};
+        assert_int_equal(bk_st_writer_add(w, "b.weight", BK_DT_F32, 2, sb, b, 0), BK_OK);
+        assert_int_equal(bk_st_writer_add(w, "a.weight", BK_DT_BF16, 1, sa, a, 0), BK_OK);
+        assert_int_equal(bk_st_writer_add(w, "c.weight", BK_DT_F64, 1, sc, c, 0), BK_OK);
+        if (bk_st_writer_save(w, path) != BK_OK)
+            fail_msg("%s", bk_last_error());
+        bk_st_writer_free(w);
+        bk_st_set *s;
+        if (bk_st_set_open(path, &s) != BK_OK)
+            fail_msg("%s", bk_last_error());
+        /* the sequential answer */
+        bk_status want = BK_OK;
+        char want_msg[1024] = "";
+        for (size_t i = 0; i < bk_st_set_count(s) && want == BK_OK; i++)
+            if ((want = bk_tensor_check_finite(bk_st_set_tensor(s, i))) != BK_OK)
+                snprintf(want_msg, sizeof want_msg, "%s", bk_last_error());
+        bk_clear_error();
+        const bk_status got = bk_st_set_check_finite(s);
+        assert_int_equal(got, want);
+        assert_int_equal(got, round == 0 ? BK_OK : BK_ERR_NONFINITE);
+        if (got != BK_OK)
+            assert_string_equal(bk_last_error(), want_msg);
+        if (round == 1)
+            assert_non_null(strstr(want_msg, "tensor b.weight: element 0 "));
+        if (round >= 2)
+            assert_non_null(strstr(want_msg, "tensor a.weight: element 16789561 "));
+        bk_st_set_close(s);
+    }
+    unlink(path);
+    free(a);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -861,6 +920,7 @@ int main(void)
         cmocka_unit_test(test_set_sharded_model),
         cmocka_unit_test(test_set_single_and_folder),
         cmocka_unit_test(test_zst_reader),
+        cmocka_unit_test(test_set_check_finite),
     };
     return cmocka_run_group_tests(tests, make_tmpdir, remove_tmpdir);
 }

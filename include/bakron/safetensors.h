@@ -145,6 +145,10 @@ size_t bk_st_set_file_count(const bk_st_set *s);
 const bk_st_file *bk_st_set_file(const bk_st_set *s, size_t i);
 /* Sum of tensor bytes. */
 uint64_t bk_st_set_total_bytes(const bk_st_set *s);
+/* bk_tensor_check_finite on every tensor, in chunks on up to 16 threads; the
+ * error is the one the tensors scanned in order would give (the first tensor
+ * by name with a NaN/Inf, its first such element). */
+bk_status bk_st_set_check_finite(const bk_st_set *s);
 
 /* ------------------------------------------------------------------ writing */
 
