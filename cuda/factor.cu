@@ -2,9 +2,10 @@
  * (cuSOLVER), with the CPU's escalation rules (src/solver.c,
  * side_from_matrix / side_from_factor; docs/solver.md).
  *
- * Row-major lower = column-major upper: potrf('U'), potri('U'), potrf('U')
- * on the row-major buffer give L (row-major lower) with L L^T = X^-1, the
- * same three steps as bk_factor_inverse on the CPU.
+ * Row-major lower = column-major upper. The Cholesky factor of X^-1 from
+ * J X J = R R^T (J the reversal): L = J R^-T J, by potrf('U') and
+ * trtri('U') on the reversed row-major buffer and an anti-transpose -- the
+ * same steps as bk_factor_inverse on the CPU (docs/solver.md step 4).
  */
 #include <cmath>
 #include <cstdlib>
@@ -24,14 +25,6 @@ cusolverStatus_t potrf_bs(cusolverDnHandle_t h, int n, double *A, int lda, int *
 {
     return cusolverDnDpotrf_bufferSize(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, lw);
 }
-cusolverStatus_t potri_bs(cusolverDnHandle_t h, int n, float *A, int lda, int *lw)
-{
-    return cusolverDnSpotri_bufferSize(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, lw);
-}
-cusolverStatus_t potri_bs(cusolverDnHandle_t h, int n, double *A, int lda, int *lw)
-{
-    return cusolverDnDpotri_bufferSize(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, lw);
-}
 cusolverStatus_t potrf(cusolverDnHandle_t h, int n, float *A, int lda, float *w, int lw, int *info)
 {
     return cusolverDnSpotrf(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, w, lw, info);
@@ -41,31 +34,55 @@ cusolverStatus_t potrf(cusolverDnHandle_t h, int n, double *A, int lda, double *
 {
     return cusolverDnDpotrf(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, w, lw, info);
 }
-cusolverStatus_t potri(cusolverDnHandle_t h, int n, float *A, int lda, float *w, int lw, int *info)
+template <typename R> cudaDataType_t cuda_type();
+template <> cudaDataType_t cuda_type<float>()
 {
-    return cusolverDnSpotri(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, w, lw, info);
+    return CUDA_R_32F;
 }
-cusolverStatus_t potri(cusolverDnHandle_t h, int n, double *A, int lda, double *w, int lw,
-                       int *info)
+template <> cudaDataType_t cuda_type<double>()
 {
-    return cusolverDnDpotri(h, CUBLAS_FILL_MODE_UPPER, n, A, lda, w, lw, info);
+    return CUDA_R_64F;
 }
 
 /* ----------------------------------------------------------------- kernels */
 
-/* X[i][j] = (R)Xd[i][j] off the diagonal, (R)(Xd[j][j] + add) on it (the
- * CPU's rounding order), zero in the padding. */
+/* X = J (Xd + add I) J on the leading k x k block, J the reversal:
+ * X[i][j] = (R)Xd[k-1-i][k-1-j] off the diagonal, (R)(Xd[..][..] + add) on it
+ * (the CPU's rounding order), zero in the padding. */
 template <typename R>
-__global__ void k_fill(R *X, int64_t ld, const double *Xd, int64_t k, int64_t kpad, double add)
+__global__ void k_fill_rev(R *X, int64_t ld, const double *Xd, int64_t k, int64_t kpad,
+                           double add)
 {
     const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= kpad * kpad)
         return;
     const int64_t i = idx / kpad, j = idx % kpad;
     R v = R(0);
-    if (i < k && j < k)
-        v = i == j ? (R)(Xd[i * k + j] + add) : (R)Xd[i * k + j];
+    if (i < k && j < k) {
+        const double x = Xd[(k - 1 - i) * k + (k - 1 - j)];
+        v = i == j ? (R)(x + add) : (R)x;
+    }
     X[i * ld + j] = v;
+}
+
+/* The row-major lower triangle becomes its anti-transpose (X[i][j] <->
+ * X[k-1-j][k-1-i]: R^-1 -> J R^-T J), the upper triangle zero. */
+template <typename R> __global__ void k_antitranspose(R *X, int64_t ld, int64_t k)
+{
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= k * k)
+        return;
+    const int64_t i = idx / k, j = idx % k;
+    if (j > i) {
+        X[i * ld + j] = R(0);
+        return;
+    }
+    const int64_t pi = k - 1 - j, pj = k - 1 - i;
+    if (i * ld + j < pi * ld + pj) {
+        const R v = X[i * ld + j];
+        X[i * ld + j] = X[pi * ld + pj];
+        X[pi * ld + pj] = v;
+    }
 }
 
 template <typename R> __global__ void k_get_diag(const R *X, int64_t ld, int64_t k, R *d)
@@ -112,24 +129,30 @@ inline unsigned blocks(int64_t n)
 }
 
 /* bk_factor_inverse on the device, in place on the leading k x k block of X
- * (row stride ld): *step = 0 on success, else the failed step (1 Cholesky,
- * 2 inverse, 3 Cholesky of the inverse or a non-positive diagonal). diag
- * (host, k) receives the unnormalized diagonal. */
+ * (row stride ld), which holds J X J (k_fill_rev): *step = 0 on success,
+ * else the failed step (1 Cholesky, 2 triangular inverse, 3 a non-positive
+ * diagonal). diag (host, k) receives the unnormalized diagonal. */
 template <typename R>
 bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *diag, int *step)
 {
     bk_status st = BK_OK;
-    int lw1 = 0, lw2 = 0, info = 0;
+    int lw = 0, info = 0;
+    size_t twd = 0, twh = 0;
     R *work = NULL, *d = NULL, *dh = NULL;
+    void *twork = NULL, *thost = NULL;
     int *dinfo = NULL;
     *step = 0;
     double tp = bk_now();
-    static const char *const keys[4] = {"", "fac.potrf", "fac.potri", "fac.potrf2"};
-    BK_CUSOLVER_CHECK(potrf_bs(c->cusolver, (int)k, X, (int)ld, &lw1));
-    BK_CUSOLVER_CHECK(potri_bs(c->cusolver, (int)k, X, (int)ld, &lw2));
-    const int lw = lw1 > lw2 ? lw1 : lw2;
+    BK_CUSOLVER_CHECK(potrf_bs(c->cusolver, (int)k, X, (int)ld, &lw));
+    BK_CUSOLVER_CHECK(cusolverDnXtrtri_bufferSize(c->cusolver, CUBLAS_FILL_MODE_UPPER,
+                                                  CUBLAS_DIAG_NON_UNIT, k, cuda_type<R>(), X, ld,
+                                                  &twd, &twh));
     st = bk_dev_alloc(c, (void **)&work, sizeof(R) * (size_t)(lw > 0 ? lw : 1),
                       "factor: cuSOLVER workspace");
+    if (st == BK_OK)
+        st = bk_dev_alloc(c, &twork, twd > 0 ? twd : 1, "factor: trtri workspace");
+    if (st == BK_OK && twh > 0 && !(thost = malloc(twh)))
+        st = bk_error(BK_ERR_NOMEM, "factor: out of host memory");
     if (st == BK_OK)
         st = bk_dev_alloc(c, (void **)&dinfo, sizeof(int), "factor: info");
     if (st == BK_OK)
@@ -137,11 +160,14 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
     if (st != BK_OK)
         goto done;
     bk_cuda_pmark(c->stream, &tp, "fac.alloc");
-    for (int s = 1; s <= 3; s++) {
-        if (s == 2)
-            BK_CUSOLVER_GOTO(potri(c->cusolver, (int)k, X, (int)ld, work, lw, dinfo), st, done);
-        else
+    for (int s = 1; s <= 2; s++) {
+        if (s == 1)
             BK_CUSOLVER_GOTO(potrf(c->cusolver, (int)k, X, (int)ld, work, lw, dinfo), st, done);
+        else
+            BK_CUSOLVER_GOTO(cusolverDnXtrtri(c->cusolver, CUBLAS_FILL_MODE_UPPER,
+                                              CUBLAS_DIAG_NON_UNIT, k, cuda_type<R>(), X, ld,
+                                              twork, twd, thost, twh, dinfo),
+                             st, done);
         BK_CUDA_GOTO(cudaMemcpyAsync(&info, dinfo, sizeof info, cudaMemcpyDeviceToHost,
                                      c->stream),
                      st, done);
@@ -155,8 +181,10 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
             *step = s;
             goto done;
         }
-        bk_cuda_pmark(c->stream, &tp, keys[s]);
+        bk_cuda_pmark(c->stream, &tp, s == 1 ? "fac.potrf" : "fac.trtri");
     }
+    k_antitranspose<R><<<blocks(k * k), 256, 0, c->stream>>>(X, ld, k);
+    BK_CUDA_GOTO(cudaGetLastError(), st, done);
     k_get_diag<R><<<blocks(k), 256, 0, c->stream>>>(X, ld, k, d);
     BK_CUDA_GOTO(cudaGetLastError(), st, done);
     dh = static_cast<R *>(malloc(sizeof(R) * (size_t)k));
@@ -180,14 +208,17 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
     bk_cuda_pmark(c->stream, &tp, "fac.normalize");
 done:
     free(dh);
+    free(thost);
     bk_dev_free(c, d);
     bk_dev_free(c, dinfo);
     bk_dev_free(c, work);
+    bk_dev_free(c, twork);
     return st;
 }
 
-const char *const factor_step[] = {"", "the Cholesky factorization of the damped matrix",
-                                   "its inverse", "the Cholesky factorization of its inverse"};
+const char *const factor_step[] = {
+    "", "the Cholesky factorization of the damped matrix", "the inverse of its Cholesky factor",
+    "the Cholesky factor of its inverse (a diagonal entry is not positive)"};
 
 /* Damp and factor from the device double matrix dXd [k, k] (symmetric, zero
  * diagonals already replaced); dXd is consumed: it becomes s->dtil (with the
@@ -208,7 +239,8 @@ bk_status from_matrix(bk_cuda_ctx *c, bk_dside *s, double *dXd, int64_t k, int64
         int step = 0, attempt;
         for (attempt = 0;; attempt++) {
             add = delta * mean;
-            k_fill<R><<<blocks(kpad * kpad), 256, 0, c->stream>>>(L, kpad, dXd, k, kpad, add);
+            k_fill_rev<R><<<blocks(kpad * kpad), 256, 0, c->stream>>>(L, kpad, dXd, k, kpad,
+                                                                      add);
             BK_CUDA_GOTO(cudaGetLastError(), st, fail);
             st = factor_inverse<R>(c, L, k, kpad, s->rdiag, &step);
             if (st != BK_OK)

@@ -94,7 +94,8 @@ __global__ void k_rmsnorm(const float *x, int64_t rows, int64_t n, const float *
  * by RoPE at position n % T when rotate (rotate_half pairs (i, i + hd/2));
  * rot (optional) receives the same values token-major. */
 __global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t heads, int64_t hd,
-                             const float *cs, const float *sn, int rotate, float *dst, float *rot)
+                             int64_t rep, const float *cs, const float *sn, int rotate, float *dst,
+                             float *rot)
 {
     const int64_t h2 = hd / 2, total = N * heads * h2;
     for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
@@ -110,7 +111,10 @@ __global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t hea
             ya = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sv));
             yb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sv));
         }
-        float *d = dst + ((s * heads + head) * T + pos) * hd;
+        /* group-major [S, heads/rep, T, rep, hd]: the rows of a (sequence,
+         * group) pair are its rep heads per position, position-major */
+        const int64_t g = head / rep, hr = head % rep;
+        float *d = dst + (((s * (heads / rep) + g) * T + pos) * rep + hr) * hd;
         d[i] = ya;
         d[i + h2] = yb;
         if (rot) {
@@ -121,30 +125,33 @@ __global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t hea
     }
 }
 
-/* head-major [S, heads, T, hd] -> token-major [S*T, heads*hd] */
+/* group-major [S, heads/rep, T, rep, hd] -> token-major [S*T, heads*hd] */
 __global__ void k_heads_to_tok(const float *oh, int64_t S, int64_t heads, int64_t T, int64_t hd,
-                               float *o)
+                               int64_t rep, float *o)
 {
     const int64_t w = heads * hd, total = S * T * w;
     for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
          idx += (int64_t)gridDim.x * blockDim.x) {
         const int64_t c = idx % w, n = idx / w;
         const int64_t head = c / hd, i = c % hd, s = n / T, t = n % T;
-        o[idx] = oh[((s * heads + head) * T + t) * hd + i];
+        o[idx] = oh[(((s * (heads / rep) + head / rep) * T + t) * rep + head % rep) * hd + i];
     }
 }
 
-/* Causal softmax of rows of sc [nrows, T] (one warp per row). Row r is query
- * row (r0 + r % rc) of its (sequence, group) pair, i.e. position
- * (r0 + r % rc) % T: entries j <= t are normalized, the others set to 0. */
-__global__ void k_causal_softmax(float *sc, int64_t nrows, int64_t T, int64_t rc, int64_t r0)
+/* Causal softmax of rows of sc [nrows, T] (one warp per row; T keys). Row r
+ * is row (r0 + r % rc) of its (sequence, group) pair's chunk of query
+ * positions starting at t0, rep rows per position, i.e. position
+ * t0 + (r0 + r % rc) / rep: entries j <= t are normalized, the others set
+ * to 0. */
+__global__ void k_causal_softmax(float *sc, int64_t nrows, int64_t T, int64_t rc, int64_t r0,
+                                 int64_t rep, int64_t t0)
 {
     const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     if (row >= nrows)
         return;
     float *x = sc + row * T;
-    const int64_t t = (r0 + row % rc) % T;
+    const int64_t t = t0 + (r0 + row % rc) / rep;
     float mx = x[0];
     for (int64_t j = 1 + lane; j <= t; j += 32)
         mx = x[j] > mx ? x[j] : mx;
@@ -1055,55 +1062,67 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
         return st;
     if (lw->k_norm && (st = bk_g_rmsnorm(f, f->k, N * f->nkv, hd, lw->k_norm, f->k)) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->nh * hd / 2), 256, 0, sm>>>(f->q, N, T, f->nh, hd, f->cos,
+    k_rope_heads<<<bk_grid(N * f->nh * hd / 2), 256, 0, sm>>>(f->q, N, T, f->nh, hd, f->rep, f->cos,
                                                               f->sin, 1, f->qh, d_qrot);
     if ((st = BK_LAUNCHED("k_rope_heads (queries)")) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->k, N, T, f->nkv, hd, f->cos,
+    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->k, N, T, f->nkv, hd, 1, f->cos,
                                                                f->sin, 1, f->kh, d_krot);
     if ((st = BK_LAUNCHED("k_rope_heads (keys)")) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->v, N, T, f->nkv, hd, f->cos,
+    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->v, N, T, f->nkv, hd, 1, f->cos,
                                                                f->sin, 0, f->vh, d_v);
     if ((st = BK_LAUNCHED("k_rope_heads (values)")) != BK_OK)
         return st;
 
-    /* (sequence, kv group) pairs; a pair's query rows are its rep heads x T */
+    /* (sequence, kv group) pairs; a pair's query rows are T positions x rep
+     * heads. Causal: the queries are taken in chunks of positions [t0, t0+tc)
+     * that see only the keys [0, t0+tc), so about half of the score work and
+     * memory is skipped for long sequences (the skipped entries are exact
+     * zeros after the softmax). */
     const float scale = (float)(1.0 / sqrt((double)hd));
-    const int64_t pairs = S * f->nkv, RP = f->rep * T;
-    int64_t pb, rc;
-    if (RP * T <= f->score_floats) {
-        rc = RP;
-        pb = f->score_floats / (RP * T);
-        if (pb > pairs)
-            pb = pairs;
-    } else {
-        pb = 1;
-        rc = f->score_floats / T;
-    }
+    const int64_t pairs = S * f->nkv, RP = f->rep * T, rep = f->rep;
+    int64_t tcn = T >= 512 ? (T + 7) / 8 : T;
+    tcn = (tcn + 31) / 32 * 32;
+    if (tcn > T)
+        tcn = T;
     cublasHandle_t h = f->blas;
-    for (int64_t b0 = 0; b0 < pairs; b0 += pb) {
-        const int64_t nb = pairs - b0 < pb ? pairs - b0 : pb;
-        for (int64_t r0 = 0; r0 < RP; r0 += rc) {
-            const int64_t nr = RP - r0 < rc ? RP - r0 : rc;
-            st = rm_gemm_batched(h, 0, 1, nr, T, hd, scale, f->qh + b0 * RP * hd + r0 * hd, hd,
-                                 RP * hd, f->kh + b0 * T * hd, hd, T * hd, 0.0f, f->scores, T,
-                                 nr * T, nb);
-            if (st != BK_OK)
-                return st;
-            const int64_t rows = nb * nr;
-            k_causal_softmax<<<(unsigned)((rows + 7) / 8), 256, 0, sm>>>(f->scores, rows, T, nr,
-                                                                         r0);
-            if ((st = BK_LAUNCHED("k_causal_softmax")) != BK_OK)
-                return st;
-            st = rm_gemm_batched(h, 0, 0, nr, hd, T, 1.0f, f->scores, T, nr * T,
-                                 f->vh + b0 * T * hd, hd, T * hd, 0.0f,
-                                 f->oh + b0 * RP * hd + r0 * hd, hd, RP * hd, nb);
-            if (st != BK_OK)
-                return st;
+    for (int64_t t0 = 0; t0 < T; t0 += tcn) {
+        const int64_t tc = T - t0 < tcn ? T - t0 : tcn, kv = t0 + tc, CR = tc * rep;
+        int64_t pb, rc;
+        if (CR * kv <= f->score_floats) {
+            rc = CR;
+            pb = f->score_floats / (CR * kv);
+            if (pb > pairs)
+                pb = pairs;
+        } else {
+            pb = 1;
+            rc = f->score_floats / kv;
+        }
+        for (int64_t b0 = 0; b0 < pairs; b0 += pb) {
+            const int64_t nb = pairs - b0 < pb ? pairs - b0 : pb;
+            for (int64_t r0 = 0; r0 < CR; r0 += rc) {
+                const int64_t nr = CR - r0 < rc ? CR - r0 : rc;
+                const int64_t q0 = t0 * rep + r0; /* first query row in the pair */
+                st = rm_gemm_batched(h, 0, 1, nr, kv, hd, scale, f->qh + b0 * RP * hd + q0 * hd,
+                                     hd, RP * hd, f->kh + b0 * T * hd, hd, T * hd, 0.0f,
+                                     f->scores, kv, nr * kv, nb);
+                if (st != BK_OK)
+                    return st;
+                const int64_t rows = nb * nr;
+                k_causal_softmax<<<(unsigned)((rows + 7) / 8), 256, 0, sm>>>(f->scores, rows, kv,
+                                                                             nr, r0, rep, t0);
+                if ((st = BK_LAUNCHED("k_causal_softmax")) != BK_OK)
+                    return st;
+                st = rm_gemm_batched(h, 0, 0, nr, hd, kv, 1.0f, f->scores, kv, nr * kv,
+                                     f->vh + b0 * T * hd, hd, T * hd, 0.0f,
+                                     f->oh + b0 * RP * hd + q0 * hd, hd, RP * hd, nb);
+                if (st != BK_OK)
+                    return st;
+            }
         }
     }
-    k_heads_to_tok<<<bk_grid(N * qd), 256, 0, sm>>>(f->oh, S, f->nh, T, hd, d_o);
+    k_heads_to_tok<<<bk_grid(N * qd), 256, 0, sm>>>(f->oh, S, f->nh, T, hd, rep, d_o);
     return BK_LAUNCHED("k_heads_to_tok");
 }
 

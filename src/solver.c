@@ -122,8 +122,9 @@ static int factor_inverse(void *X, int64_t n, double *diag, bk_precision prec)
 }
 
 static const char *const factor_step[] = {
-    "", "the Cholesky factorization of the damped matrix", "its inverse",
-    "the Cholesky factorization of its inverse"};
+    "", "the Cholesky factorization of the damped matrix",
+    "the inverse of its Cholesky factor", "the Cholesky factor of its inverse (a diagonal entry "
+    "is not positive)"};
 
 /* From a symmetric PSD matrix X: mirror its lower triangle (after a loose
  * symmetry check), fix zero diagonals (input side: dead columns, also zeroed

@@ -29,7 +29,7 @@ bk_bakron_tuning bk_bakron_tune = {
 #define AXPY cblas_saxpy
 #define TRMM cblas_strmm
 #define POTRF LAPACKE_spotrf
-#define POTRI LAPACKE_spotri
+#define TRTRI LAPACKE_strtri
 #include "solver_tmpl.h"
 #undef REAL
 #undef SUF
@@ -39,7 +39,7 @@ bk_bakron_tuning bk_bakron_tune = {
 #undef AXPY
 #undef TRMM
 #undef POTRF
-#undef POTRI
+#undef TRTRI
 
 #define REAL double
 #define SUF _d
@@ -49,7 +49,7 @@ bk_bakron_tuning bk_bakron_tune = {
 #define AXPY cblas_daxpy
 #define TRMM cblas_dtrmm
 #define POTRF LAPACKE_dpotrf
-#define POTRI LAPACKE_dpotri
+#define TRTRI LAPACKE_dtrtri
 #include "solver_tmpl.h"
 #undef REAL
 #undef SUF
@@ -59,4 +59,4 @@ bk_bakron_tuning bk_bakron_tune = {
 #undef AXPY
 #undef TRMM
 #undef POTRF
-#undef POTRI
+#undef TRTRI

@@ -2,7 +2,7 @@
  *
  * Included by solver_ref.c once per precision with these macros defined:
  *   REAL, SUF (name suffix, _f / _d), Q_APPLY (quant.h per-entry rule),
- *   GEMM, GER, AXPY, TRMM (cblas), POTRF, POTRI (LAPACKE).
+ *   GEMM, GER, AXPY, TRMM (cblas), POTRF, TRTRI (LAPACKE).
  * No include guard on purpose.
  *
  * Conventions (docs/solver.md): W [m, n] row-major; entry (i, j) lies on
@@ -495,15 +495,39 @@ bk_status F(bk_core_solve)(bk_core *c)
 
 int F(bk_factor_inverse)(REAL *X, int64_t n, double *diag)
 {
-    /* The row-major lower triangle is the column-major upper triangle:
-     * column-major 'U' calls work in place without LAPACKE's transposes. */
+    /* Cholesky of the inverse without forming the inverse: with J the
+     * reversal permutation and J X J = R Rᵀ (R lower), X⁻¹ = (J R⁻ᵀ J)(J R⁻ᵀ J)ᵀ
+     * and J R⁻ᵀ J is lower triangular with a positive diagonal, i.e. the
+     * Cholesky factor of X⁻¹ (docs/solver.md step 4). One potrf and one
+     * trtri instead of potrf, potri and potrf.
+     * Row-major J X J is X's array reversed. The row-major lower triangle is
+     * the column-major upper triangle: column-major 'U' calls work in place. */
     const lapack_int ln = (lapack_int)n;
+    const size_t nn = (size_t)n * (size_t)n;
+    for (size_t t = 0; t < nn / 2; t++) {
+        const REAL v = X[t];
+        X[t] = X[nn - 1 - t];
+        X[nn - 1 - t] = v;
+    }
     if (POTRF(LAPACK_COL_MAJOR, 'U', ln, X, ln) != 0)
         return 1;
-    if (POTRI(LAPACK_COL_MAJOR, 'U', ln, X, ln) != 0)
+    /* column-major U⁻¹ = row-major R⁻¹ */
+    if (TRTRI(LAPACK_COL_MAJOR, 'U', 'N', ln, X, ln) != 0)
         return 2;
-    if (POTRF(LAPACK_COL_MAJOR, 'U', ln, X, ln) != 0)
-        return 3;
+    /* (J R⁻ᵀ J)[i, j] = R⁻¹[n-1-j, n-1-i]: swap each lower pair in place, zero
+     * the upper triangle */
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t j = 0; j <= i; j++) {
+            const size_t a = (size_t)(i * n + j), b = (size_t)((n - 1 - j) * n + (n - 1 - i));
+            if (a < b) {
+                const REAL v = X[a];
+                X[a] = X[b];
+                X[b] = v;
+            }
+        }
+        for (int64_t j = i + 1; j < n; j++)
+            X[i * n + j] = 0;
+    }
     for (int64_t j = 0; j < n; j++) {
         const REAL d = X[j * n + j];
         diag[j] = (double)d;
@@ -514,8 +538,6 @@ int F(bk_factor_inverse)(REAL *X, int64_t n, double *diag)
         REAL *row = X + i * n;
         for (int64_t j = 0; j < i; j++)
             row[j] /= X[j * n + j];
-        for (int64_t j = i + 1; j < n; j++)
-            row[j] = 0;
     }
     for (int64_t j = 0; j < n; j++)
         X[j * n + j] = 1;

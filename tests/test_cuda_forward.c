@@ -418,6 +418,17 @@ static void test_attention_pairs(void **state)
     attention_case(4, 2, 16, 3, 512); /* 6 (sequence, group) pairs per chunk */
 }
 
+/* causal chunks of query positions: uneven last chunk (1000 = 7 x 128 + 104),
+ * 3 heads per group; and 32 heads per group at 4096, where the last chunks'
+ * rows (512 positions x 32 heads x up to 4096 keys) exceed the score buffer
+ * and are split by rows */
+static void test_attention_chunks(void **state)
+{
+    (void)state;
+    attention_case(6, 2, 16, 2, 1000);
+    attention_case(32, 1, 8, 1, 4096);
+}
+
 /* ------------------------------------------------------------ bad inputs */
 
 static void test_bad_inputs(void **state)
@@ -475,7 +486,8 @@ int main(void)
         cmocka_unit_test(test_tiny_llama3),     cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_qwen3),      cmocka_unit_test(test_kerneldocs),
         cmocka_unit_test(test_nll_kerneldocs),  cmocka_unit_test(test_attention_4096),
-        cmocka_unit_test(test_attention_pairs), cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_attention_pairs),
+        cmocka_unit_test(test_attention_chunks), cmocka_unit_test(test_bad_inputs),
     };
     int rc = cmocka_run_group_tests_name("cuda_forward", tests, NULL, NULL);
     bk_backend_destroy(g_gpu);

@@ -145,6 +145,71 @@ static void check_equivalence(bk_quant_spec q, int with_b, double sigma)
         }
 }
 
+/* Step 4 of docs/solver.md on its own: bk_factor_inverse returns the unit
+ * lower L and the diagonal d with (L D)(L D)ᵀ = X⁻¹ (checked as
+ * (L D)(L D)ᵀ X = I, the definition, not the algorithm), a zero upper
+ * triangle, and step 1 for a matrix that is not positive definite. */
+static void test_factor_inverse(void **state)
+{
+    (void)state;
+    const int64_t sizes[] = {1, 2, 5, 37, 64};
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+        const int64_t n = sizes[si];
+        double *X = test_spd(n, 77 + (uint64_t)n, 1e-2);
+        double *Ld = malloc(sizeof(double) * (size_t)(n * n));
+        float *Lf = malloc(sizeof(float) * (size_t)(n * n));
+        double *dd = malloc(sizeof(double) * (size_t)n), *df = malloc(sizeof(double) * (size_t)n);
+        for (int64_t t = 0; t < n * n; t++) {
+            Ld[t] = X[t];
+            Lf[t] = (float)X[t];
+        }
+        assert_int_equal(bk_factor_inverse_d(Ld, n, dd), 0);
+        assert_int_equal(bk_factor_inverse_f(Lf, n, df), 0);
+        for (int prec = 0; prec < 2; prec++) {
+            /* U = L D; check max |U Uᵀ X - I| */
+            double worst = 0.0;
+            for (int64_t i = 0; i < n; i++) {
+                for (int64_t j = 0; j < n; j++) {
+                    const double lij = prec ? (double)Lf[i * n + j] : Ld[i * n + j];
+                    if (j > i)
+                        assert_true(lij == 0.0);
+                    if (j == i)
+                        assert_true(lij == 1.0);
+                }
+                assert_true((prec ? df : dd)[i] > 0.0);
+            }
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t j = 0; j < n; j++) {
+                    double acc = 0.0; /* (U Uᵀ X)[i, j] = sum_k (U Uᵀ)[i, k] X[k, j] */
+                    for (int64_t k = 0; k < n; k++) {
+                        double uu = 0.0;
+                        for (int64_t t = 0; t <= (i < k ? i : k); t++) {
+                            const double ui = (prec ? (double)Lf[i * n + t] : Ld[i * n + t]) *
+                                              (prec ? df : dd)[t];
+                            const double uk = (prec ? (double)Lf[k * n + t] : Ld[k * n + t]) *
+                                              (prec ? df : dd)[t];
+                            uu += ui * uk;
+                        }
+                        acc += uu * X[k * n + j];
+                    }
+                    worst = fmax(worst, fabs(acc - (i == j ? 1.0 : 0.0)));
+                }
+            if (worst > (prec ? 2e-2 : 1e-9))
+                fail_msg("n = %lld, %s: max |L Lᵀ X - I| = %g", (long long)n,
+                         prec ? "fp32" : "fp64", worst);
+        }
+        /* not positive definite: a negative eigenvalue */
+        for (int64_t t = 0; t < n * n; t++)
+            Ld[t] = -X[t];
+        assert_int_equal(bk_factor_inverse_d(Ld, n, dd), 1);
+        free(X);
+        free(Ld);
+        free(Lf);
+        free(dd);
+        free(df);
+    }
+}
+
 static void test_thm32_levels(void **state)
 {
     (void)state;
@@ -832,6 +897,7 @@ static void test_rtn_and_names(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_factor_inverse),
         cmocka_unit_test(test_thm32_levels),
         cmocka_unit_test(test_thm32_uniform_groups),
         cmocka_unit_test(test_thm32_identity_b),
