@@ -44,6 +44,19 @@ template <> cudaDataType_t cuda_type<double>()
     return CUDA_R_64F;
 }
 
+cublasStatus_t trsm(cublasHandle_t h, cublasSideMode_t side, int64_t m, int64_t n,
+                    const float *alpha, const float *A, int64_t lda, float *B, int64_t ldb)
+{
+    return cublasStrsm_64(h, side, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, CUBLAS_DIAG_NON_UNIT, m, n,
+                          alpha, A, lda, B, ldb);
+}
+cublasStatus_t trsm(cublasHandle_t h, cublasSideMode_t side, int64_t m, int64_t n,
+                    const double *alpha, const double *A, int64_t lda, double *B, int64_t ldb)
+{
+    return cublasDtrsm_64(h, side, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, CUBLAS_DIAG_NON_UNIT, m, n,
+                          alpha, A, lda, B, ldb);
+}
+
 /* ----------------------------------------------------------------- kernels */
 
 /* X = J (Xd + add I) J on the leading k x k block, J the reversal:
@@ -128,6 +141,48 @@ inline unsigned blocks(int64_t n)
     return (unsigned)((n + 255) / 256);
 }
 
+/* Blocks of at most this order are inverted by cuSOLVER's trtri; larger ones
+ * recursively (tri_inverse). */
+const int64_t TRI_LEAF = 512;
+
+/* The leaf workspace of tri_inverse (cuSOLVER trtri of order <= TRI_LEAF). */
+struct tri_ws {
+    void *dev, *host;
+    size_t dbytes, hbytes;
+    int *dinfo;
+};
+
+/* In place: the column-major upper triangular X [k, k] (stride ld) becomes
+ * its inverse. With X = [[A, B], [0, C]], X^-1 = [[A^-1, -A^-1 B C^-1],
+ * [0, C^-1]]: B <- -A^-1 B C^-1 by two cuBLAS triangular solves with the
+ * original A and C, then A and C recursively; blocks of order <= TRI_LEAF
+ * by cuSOLVER's trtri (its cost is dominated by the large triangular
+ * solves, about k^3/3 flop in all, as trtri's; cuSOLVER's own trtri is
+ * about twice as slow as potrf on the 14336^2 factors of an 8B model).
+ * *info > 0: a zero diagonal entry in a leaf. */
+template <typename R>
+bk_status tri_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, const tri_ws *w, int *info)
+{
+    if (k <= TRI_LEAF) {
+        BK_CUSOLVER_CHECK(cusolverDnXtrtri(c->cusolver, CUBLAS_FILL_MODE_UPPER,
+                                           CUBLAS_DIAG_NON_UNIT, k, cuda_type<R>(), X, ld, w->dev,
+                                           w->dbytes, w->host, w->hbytes, w->dinfo));
+        BK_CUDA_CHECK(cudaMemcpyAsync(info, w->dinfo, sizeof *info, cudaMemcpyDeviceToHost,
+                                      c->stream));
+        BK_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+        return BK_OK;
+    }
+    const int64_t n1 = (k / 2 + 63) / 64 * 64, n2 = k - n1;
+    R *A = X, *B = X + n1 * ld, *C = X + n1 * ld + n1;
+    const R minus_one = R(-1), one = R(1);
+    BK_CUBLAS_CHECK(trsm(c->cublas, CUBLAS_SIDE_LEFT, n1, n2, &minus_one, A, ld, B, ld));
+    BK_CUBLAS_CHECK(trsm(c->cublas, CUBLAS_SIDE_RIGHT, n1, n2, &one, C, ld, B, ld));
+    bk_status st = tri_inverse<R>(c, A, n1, ld, w, info);
+    if (st == BK_OK && *info == 0)
+        st = tri_inverse<R>(c, C, n2, ld, w, info);
+    return st;
+}
+
 /* bk_factor_inverse on the device, in place on the leading k x k block of X
  * (row stride ld), which holds J X J (k_fill_rev): *step = 0 on success,
  * else the failed step (1 Cholesky, 2 triangular inverse, 3 a non-positive
@@ -145,8 +200,9 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
     double tp = bk_now();
     BK_CUSOLVER_CHECK(potrf_bs(c->cusolver, (int)k, X, (int)ld, &lw));
     BK_CUSOLVER_CHECK(cusolverDnXtrtri_bufferSize(c->cusolver, CUBLAS_FILL_MODE_UPPER,
-                                                  CUBLAS_DIAG_NON_UNIT, k, cuda_type<R>(), X, ld,
-                                                  &twd, &twh));
+                                                  CUBLAS_DIAG_NON_UNIT,
+                                                  k < TRI_LEAF ? k : TRI_LEAF, cuda_type<R>(), X,
+                                                  ld, &twd, &twh));
     st = bk_dev_alloc(c, (void **)&work, sizeof(R) * (size_t)(lw > 0 ? lw : 1),
                       "factor: cuSOLVER workspace");
     if (st == BK_OK)
@@ -161,17 +217,17 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
         goto done;
     bk_cuda_pmark(c->stream, &tp, "fac.alloc");
     for (int s = 1; s <= 2; s++) {
-        if (s == 1)
+        if (s == 1) {
             BK_CUSOLVER_GOTO(potrf(c->cusolver, (int)k, X, (int)ld, work, lw, dinfo), st, done);
-        else
-            BK_CUSOLVER_GOTO(cusolverDnXtrtri(c->cusolver, CUBLAS_FILL_MODE_UPPER,
-                                              CUBLAS_DIAG_NON_UNIT, k, cuda_type<R>(), X, ld,
-                                              twork, twd, thost, twh, dinfo),
-                             st, done);
-        BK_CUDA_GOTO(cudaMemcpyAsync(&info, dinfo, sizeof info, cudaMemcpyDeviceToHost,
-                                     c->stream),
-                     st, done);
-        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+            BK_CUDA_GOTO(cudaMemcpyAsync(&info, dinfo, sizeof info, cudaMemcpyDeviceToHost,
+                                         c->stream),
+                         st, done);
+            BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+        } else {
+            const tri_ws w = {twork, thost, twd, twh, dinfo};
+            if ((st = tri_inverse<R>(c, X, k, ld, &w, &info)) != BK_OK)
+                goto done;
+        }
         if (info < 0) {
             st = bk_error(BK_ERR_DEVICE, "cuSOLVER: argument %d of the factorization step %d "
                           "is invalid", -info, s);

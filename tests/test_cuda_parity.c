@@ -203,6 +203,29 @@ static void test_fp64_all_algorithms(void **state)
         }
 }
 
+/* factors of order > 512 take the recursive triangular inverse on the GPU
+ * (cuda/factor.cu, tri_inverse: uneven halves, leaves by cuSOLVER): the
+ * CPU's codes in fp64, on the input side (n = 1100) and the output side
+ * (m = 1100, B present) */
+static void test_fp64_large_factors(void **state)
+{
+    (void)state;
+    const int64_t sh[][2] = {{24, 1100}, {1100, 24}};
+    for (size_t s = 0; s < 2; s++) {
+        pcase c = make_case(sh[s][0], sh[s][1], 900 + s, 1, 0.1);
+        const bk_algorithm algs[] = {BK_ALG_BAKRON, BK_ALG_GPTQ};
+        for (size_t ai = 0; ai < 2; ai++) {
+            bk_solve_opts o;
+            bk_solve_opts_default(&o);
+            o.precision = BK_PREC_FP64;
+            o.algorithm = algs[ai];
+            o.quant = q_levels(3, 1);
+            parity_fp64(&c, &o, 0, "fp64 large factor");
+        }
+        pcase_free(&c);
+    }
+}
+
 /* the tile size and the push schedule are run-time choices (environment,
  * docs/DEVICE.md): every combination gives the CPU's codes */
 static void test_fp64_tile_and_push_variants(void **state)
@@ -616,6 +639,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_oom),
         cmocka_unit_test(test_peak_memory),
         cmocka_unit_test(test_fp64_all_algorithms),
+        cmocka_unit_test(test_fp64_large_factors),
         cmocka_unit_test(test_fp64_tile_and_push_variants),
         cmocka_unit_test(test_fp64_integer),
         cmocka_unit_test(test_fp64_factors_refit_dead),
