@@ -6,12 +6,17 @@
  *                  float steps as the CPU;
  *   RoPE           src/rope.c's tables, uploaded once; the products and sums
  *                  rounded one by one (no FMA contraction), as the CPU;
- *   attention      queries/keys/values rearranged head-major, scores of one
- *                  kv group's query heads at once with strided-batched SGEMMs
- *                  (Q_g [rep*T, hd] K_g^T), causal softmax (max subtraction,
- *                  double sum) one warp per row, P V with another batched
- *                  SGEMM; the score buffer is bounded (chunks of (sequence, kv
- *                  group) pairs, or of query rows when one pair is larger);
+ *   attention      queries/keys/values rearranged group-major (a kv group's
+ *                  query heads interleaved per position), causal: the query
+ *                  positions in chunks of about T/8 that see only the keys up
+ *                  to the chunk's end; per chunk the scores of all (sequence,
+ *                  kv group) pairs with strided-batched SGEMMs, causal softmax
+ *                  (max subtraction, double sum) one warp per row, P V with
+ *                  another batched SGEMM; the score buffer is bounded (fewer
+ *                  pairs per call, or rows of a chunk split when one pair's
+ *                  chunk is larger). A single-pass softmax with the row in
+ *                  registers was tried: slower (occupancy), 8B forward 27 s
+ *                  instead of 22 s;
  *   MLP, residual  silu(z) = z / (1 + exp(-z)), module output formed first,
  *                  then added;
  *   head, NLL      final norm, LM head converted to F32 on the device once,
@@ -170,56 +175,6 @@ __global__ void k_causal_softmax(float *sc, int64_t nrows, int64_t T, int64_t rc
     const float fs = (float)sum;
     for (int64_t j = lane; j < T; j += 32)
         x[j] = j <= t ? __fdiv_rn(x[j], fs) : 0.0f;
-}
-
-/* k_causal_softmax for rows of at most 32 * NPL keys, the row held in
- * registers: one read and one write of the scores instead of three reads and
- * two writes; the same operations in the same order (bit-identical). */
-template <int NPL>
-__global__ void k_causal_softmax_reg(float *sc, int64_t nrows, int64_t T, int64_t rc, int64_t r0,
-                                     int64_t rep, int64_t t0)
-{
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= nrows)
-        return;
-    float *x = sc + row * T;
-    const int64_t t = t0 + (r0 + row % rc) / rep;
-    float v[NPL];
-#pragma unroll
-    for (int i = 0; i < NPL; i++) {
-        const int64_t j = lane + 32 * i;
-        v[i] = j <= t ? x[j] : 0.0f;
-    }
-    float mx = __shfl_sync(0xffffffffu, v[0], 0); /* x[0] */
-#pragma unroll
-    for (int i = 0; i < NPL; i++) {
-        const int64_t j = lane + 32 * i;
-        if (j >= 1 && j <= t)
-            mx = v[i] > mx ? v[i] : mx;
-    }
-    for (int o = 16; o; o >>= 1) {
-        float other = __shfl_xor_sync(0xffffffffu, mx, o);
-        mx = other > mx ? other : mx;
-    }
-    double sum = 0.0;
-#pragma unroll
-    for (int i = 0; i < NPL; i++) {
-        const int64_t j = lane + 32 * i;
-        if (j <= t) {
-            v[i] = expf(__fsub_rn(v[i], mx));
-            sum += (double)v[i];
-        }
-    }
-    for (int o = 16; o; o >>= 1)
-        sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float fs = (float)sum;
-#pragma unroll
-    for (int i = 0; i < NPL; i++) {
-        const int64_t j = lane + 32 * i;
-        if (j < T)
-            x[j] = j <= t ? __fdiv_rn(v[i], fs) : 0.0f;
-    }
 }
 
 __global__ void k_swiglu(const float *g, const float *u, float *d, int64_t n)
@@ -1160,18 +1115,8 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
                 if (st != BK_OK)
                     return st;
                 const int64_t rows = nb * nr;
-                const unsigned nblk = (unsigned)((rows + 7) / 8);
-                if (kv <= 512)
-                    k_causal_softmax_reg<16><<<nblk, 256, 0, sm>>>(f->scores, rows, kv, nr, r0,
-                                                                   rep, t0);
-                else if (kv <= 1024)
-                    k_causal_softmax_reg<32><<<nblk, 256, 0, sm>>>(f->scores, rows, kv, nr, r0,
-                                                                   rep, t0);
-                else if (kv <= 2048)
-                    k_causal_softmax_reg<64><<<nblk, 256, 0, sm>>>(f->scores, rows, kv, nr, r0,
-                                                                   rep, t0);
-                else
-                    k_causal_softmax<<<nblk, 256, 0, sm>>>(f->scores, rows, kv, nr, r0, rep, t0);
+                k_causal_softmax<<<(unsigned)((rows + 7) / 8), 256, 0, sm>>>(f->scores, rows, kv,
+                                                                             nr, r0, rep, t0);
                 if ((st = BK_LAUNCHED("k_causal_softmax")) != BK_OK)
                     return st;
                 st = rm_gemm_batched(h, 0, 0, nr, hd, kv, 1.0f, f->scores, kv, nr * kv,
