@@ -46,7 +46,10 @@ fi
 [ -n "${BENCH_EXTRA:-}" ] && args+=($BENCH_EXTRA)
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"
+    # BK_COMMIT: the commit when the tree was copied without its history
+    # (e.g. a device call; pass BK_COMMIT=$(git rev-parse --short HEAD))
+    if [ -n "${BK_COMMIT:-}" ]; then echo "commit: $BK_COMMIT (BK_COMMIT)"; else
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"; fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
     echo "model: $MODEL; calibration: $CALIB; options: ${args[*]}"
 } | tee "$TXT"

@@ -46,7 +46,10 @@ note() { echo "$*" | tee -a "$SUM"; }
 
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"
+    # BK_COMMIT: the commit when the tree was copied without its history
+    # (e.g. a device call; pass BK_COMMIT=$(git rev-parse --short HEAD))
+    if [ -n "${BK_COMMIT:-}" ]; then echo "commit: $BK_COMMIT (BK_COMMIT)"; else
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"; fi
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
     nvcc --version 2>&1 | tail -1
     echo "pkg-config: openblas $(pkg-config --modversion openblas 2>&1), lapacke $(pkg-config --modversion lapacke 2>&1), cjson $(pkg-config --modversion libcjson 2>&1), cmocka $(pkg-config --modversion cmocka 2>&1)"
