@@ -59,13 +59,10 @@ EOF
 # layers 0-2). Required: >= 99% per module in the first quantized layer,
 # >= 97% per module everywhere, >= 99% over all modules; "exact": 100%.
 codes() { # dirA dirB label [exact]
-    python3 - "$@" <<'EOF2'
+    PYTHONPATH="$SRC/tests" python3 - "$@" <<'EOF2'
 import json, re, struct, sys
-def read(path):
-    with open(path + "/model.safetensors", "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        h = json.loads(f.read(n))
-        return h, f.read()
+import st_raw
+read = lambda d: st_raw.read(d + "/model.safetensors")
 (ha, da), (hb, db) = read(sys.argv[1]), read(sys.argv[2])
 label, exact = sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "exact"
 info = len(sys.argv) > 4 and sys.argv[4] == "info"  # printed only, never fails
@@ -176,13 +173,9 @@ fi
 DA="--calib $M/calib.safetensors --samples 6 --batch 4"
 if "$B" dump-activations "$M" $DA --backend cuda --out "$W/dg" >"$W/dg.log" 2>&1 &&
    "$B" dump-activations "$M" $DA --backend cpu --out "$W/dc" >"$W/dc.log" 2>&1; then
-    python3 - "$W/dg" "$W/dc" <<'EOF3' || fail=1
+    PYTHONPATH="$SRC/tests" python3 - "$W/dg" "$W/dc" <<'EOF3' || fail=1
 import array, json, os, struct, sys
-def read(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        h = json.loads(f.read(n))
-        return h, f.read()
+from st_raw import read
 man = json.load(open(os.path.join(sys.argv[1], "manifest.json")))
 assert man.get("device", "cpu") != "cpu", "the GPU dump's manifest does not name the device"
 worst, where = 0.0, ""

@@ -59,11 +59,10 @@ sys.exit(0 if ok else 1)
 EOF
 
 # native quantized folders carry codes + scales, not weights
-python3 - "$W/q-gptq-native/model.safetensors" <<'EOF' || fail=1
-import json, struct, sys
-with open(sys.argv[1], "rb") as f:
-    n = struct.unpack("<Q", f.read(8))[0]
-    h = json.loads(f.read(n))
+PYTHONPATH="$SRC/tests" python3 - "$W/q-gptq-native/model.safetensors" <<'EOF' || fail=1
+import sys
+from st_raw import read
+h, _ = read(sys.argv[1])
 q = h["model.layers.0.mlp.up_proj.qweight"]; s = h["model.layers.0.mlp.up_proj.scales"]
 ok = q["dtype"] == "I8" and q["shape"] == [512, 192] and s["shape"] == [512, 1] \
      and "model.layers.0.mlp.up_proj.weight" not in h and "lm_head.weight" not in h
@@ -105,10 +104,10 @@ fi
 
 # --layers 1:3 quantizes layers 1 and 2 only; the others keep their weights
 if "$B" quantize "$M" $CAL --hessian gptq --layers 1:3 --out "$W/q-layers" 2>"$W/err-ly"; then
-    python3 - "$W/q-layers/model.safetensors" <<'EOF' || fail=1
-import json, struct, sys
-with open(sys.argv[1], "rb") as f:
-    h = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    PYTHONPATH="$SRC/tests" python3 - "$W/q-layers/model.safetensors" <<'EOF' || fail=1
+import sys
+from st_raw import read
+h, _ = read(sys.argv[1])
 ok = all((f"model.layers.{l}.mlp.up_proj.qweight" in h) == (l in (1, 2)) and
          (f"model.layers.{l}.mlp.up_proj.weight" in h) == (l not in (1, 2)) for l in range(4))
 print("--layers 1:3 layout:", "ok" if ok else "WRONG")
@@ -124,15 +123,9 @@ fi
 # GPTQ v1 export: unpack with an independent reader and compare with the native codes
 if "$B" quantize "$M" $CAL --hessian gptq --levels 3 --export gptq --out "$W/q-gptq-gptq" \
      2>"$W/err-gg"; then
-    python3 - "$W/q-gptq-native/model.safetensors" "$W/q-gptq-gptq" <<'EOF' || fail=1
+    PYTHONPATH="$SRC/tests" python3 - "$W/q-gptq-native/model.safetensors" "$W/q-gptq-gptq" <<'EOF' || fail=1
 import array, json, struct, sys
-def read(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        h = json.loads(f.read(n))
-        return h, f.read()
-def tensor(h, data, name):
-    t = h[name]; a, b = t["data_offsets"]; return t, data[a:b]
+from st_raw import read, tensor
 nh, nd = read(sys.argv[1])
 gh, gd = read(sys.argv[2] + "/model.safetensors")
 cfg = json.load(open(sys.argv[2] + "/config.json"))["quantization_config"]
