@@ -131,7 +131,7 @@ typedef struct job {
             int layer;
             bk_module mod;
             bk_solve_result r;
-        } q[2];
+        } q[2]; /* WQ_CAP */
         int head, count;
         bk_status st;
         char msg[1024];
@@ -252,7 +252,9 @@ static bk_status write_passthrough(job *j)
 
 /* ------------------------------------------------------------ writer thread */
 
-#define WQ_CAP 2
+#define WQ_CAP 2 /* the size of job.wr.q */
+_Static_assert(sizeof(((job *)0)->wr.q) / sizeof(((job *)0)->wr.q[0]) == WQ_CAP,
+               "writer queue size");
 
 /* bk__write_module, with fault injection for the tests: BK_FAULT_WRITE_MODULE=k
  * makes the k-th module write (1-based) fail as a write error would. */
@@ -275,10 +277,11 @@ static void *writer_main(void *arg)
         if (j->wr.count == 0 && j->wr.stop)
             break;
         struct wjob w = j->wr.q[j->wr.head];
+        const int failed = j->wr.failed; /* read under the lock */
         pthread_mutex_unlock(&j->wr.mu);
         bk_status st = BK_OK;
         double t = bk_now();
-        if (!j->wr.failed) /* after a failure the rest is only freed */
+        if (!failed) /* after a failure the rest is only freed */
             st = write_module_checked(j, w.layer, w.mod, &w.r);
         const double dt = bk_now() - t;
         bk_prof_add("writer.write (thread)", dt);
