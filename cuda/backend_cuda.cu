@@ -12,6 +12,12 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
 {
     if (!c)
         return;
+    if (c->ev_main_ready)
+        cudaEventDestroy(c->ev_main_ready);
+    if (c->ev_side_done)
+        cudaEventDestroy(c->ev_side_done);
+    if (c->side)
+        cudaStreamDestroy(c->side);
     if (c->ev_start)
         cudaEventDestroy(c->ev_start);
     if (c->ev_stop)
@@ -34,8 +40,12 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
  *                      (the CPU factors in the solve precision)
  *   BK_CUDA_PUSH_GROUP BaKron: far pushes every N tile anti-diagonals
  *                      (default 4; 0 = every push eager)
- *   BK_CUDA_SOLVE_WC   BaKron tile solve: columns per warp, 16 (8 warps per 64-tile,
- *                      the default) or 8 (16 warps) */
+ *   BK_CUDA_SOLVE_WC   BaKron tile solve v3: columns per warp, 16 (8 warps per 64-tile,
+ *                      the default) or 8 (16 warps)
+ *   BK_CUDA_SOLVE_C    BaKron tile solve for 64-tiles: 0 = v3 (the default),
+ *                      16 = v6 (16 x 16 blocks)
+ *   BK_CUDA_OVERLAP    BaKron: 1 (default) runs most of the far pushes on a second,
+ *                      low-priority stream while the next diagonals are solved */
 static bk_status read_env(bk_cuda_ctx *c)
 {
     const char *t = getenv("BK_CUDA_TILE");
@@ -66,6 +76,23 @@ static bk_status read_env(bk_cuda_ctx *c)
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_SOLVE_WC: expected 8 or 16 (got '%s')",
                             w);
     }
+    const char *sc = getenv("BK_CUDA_SOLVE_C");
+    c->solve_c = 0;
+    if (sc && *sc) {
+        if (!strcmp(sc, "0") || !strcmp(sc, "16"))
+            c->solve_c = atoi(sc);
+        else
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "BK_CUDA_SOLVE_C: expected 0 (v3) or 16 (v6) (got '%s')", sc);
+    }
+    const char *ov = getenv("BK_CUDA_OVERLAP");
+    c->overlap = 1;
+    if (ov && *ov) {
+        if (!strcmp(ov, "0") || !strcmp(ov, "1"))
+            c->overlap = atoi(ov);
+        else
+            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_OVERLAP: expected 0 or 1 (got '%s')", ov);
+    }
     const char *f = getenv("BK_CUDA_FACTOR_FP64");
     c->factor_fp64 = f && !strcmp(f, "1");
     const char *l = getenv("BK_CUDA_MEM_LIMIT");
@@ -92,7 +119,19 @@ bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out)
         goto fail;
     c->device = device;
     BK_CUDA_GOTO(cudaSetDevice(c->device), st, fail);
-    BK_CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), st, fail);
+    {
+        /* the main stream at the highest priority: when the overlapped pushes
+         * (side stream, lowest) fill the GPU, the next solve's CTAs go first */
+        int lo = 0, hi = 0;
+        BK_CUDA_GOTO(cudaDeviceGetStreamPriorityRange(&lo, &hi), st, fail);
+        BK_CUDA_GOTO(cudaStreamCreateWithPriority(&c->stream, cudaStreamNonBlocking, hi), st,
+                     fail);
+        BK_CUDA_GOTO(cudaStreamCreateWithPriority(&c->side, cudaStreamNonBlocking, lo), st, fail);
+        BK_CUDA_GOTO(cudaEventCreateWithFlags(&c->ev_main_ready, cudaEventDisableTiming), st,
+                     fail);
+        BK_CUDA_GOTO(cudaEventCreateWithFlags(&c->ev_side_done, cudaEventDisableTiming), st,
+                     fail);
+    }
     BK_CUDA_GOTO(cudaEventCreate(&c->ev_start), st, fail);
     BK_CUDA_GOTO(cudaEventCreate(&c->ev_stop), st, fail);
     BK_CUBLAS_GOTO(cublasCreate(&c->cublas), st, fail);

@@ -51,6 +51,7 @@ template <typename R> struct TileArgs {
     int16_t *codes;
     float *weight;
     unsigned long long *counts;
+    int dev; /* timing experiments (bk-cuda-dev): 1 skip v6 block solves, 2 skip v6 pushes */
 };
 
 
@@ -298,10 +299,14 @@ template <typename R, int T, int WC_> struct Solve3Cfg {
     /* LA, LB, E [p][q], R^T [q][p], weight (F32) [p][q], codes (int16) [p][q],
      * the two newest-value buffers */
     static constexpr size_t smem = sizeof(R) * (size_t)(T * LS + T * LBS + 2 * T * T + 4 * T) +
-                                   sizeof(float) * T * T + sizeof(int16_t) * T * T;
+                                   sizeof(float) * T * T + sizeof(int16_t) * T * T +
+                                   sizeof(int) * T;
 };
 
-template <typename R, int T, int WC_>
+/* KIND: the quantizer kind (compile-time: the rounding is branch-free, see
+ * bk_round_bf). The loads are batched: every global load of a batch is
+ * issued before its shared stores, so their latencies overlap. */
+template <typename R, int T, int WC_, int KIND>
 __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     k_tile_solve3(TileArgs<R> a, int K, int i_lo)
 {
@@ -316,6 +321,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     R *Rt = Es + T * T;                       /* [T][T] R^ by columns; first Rp in */
     float *Ws = reinterpret_cast<float *>(Rt + T * T);  /* [T][T] weights */
     int16_t *Cs = reinterpret_cast<int16_t *>(Ws + T * T); /* [T][T] codes */
+    int *Grp = reinterpret_cast<int *>(Cs + T * T);        /* [T] group of each column */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ab = warp / NWC, bb = warp % NWC;
     const int I = i_lo + (int)blockIdx.x, J = K - I;
@@ -325,22 +331,41 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     const bool rowin = gp < a.m;
     const bool hasb = a.LB != nullptr;
 
-    for (int idx = tid; idx < T * T; idx += NW * 32) {
-        const int r = idx / T, cc = idx % T;
-        LAs[r * LS + cc] = cc < r ? a.LA[(c0 + r) * a.ldla + c0 + cc] : R(0);
-    }
-    if (hasb)
-        for (int idx = tid; idx < T * 3 * T; idx += NW * 32) {
-            const int r = idx / (3 * T), cc = idx % (3 * T) - T;
-            LBs[r * LBS + T + cc] =
-                (cc >= 0 && cc < r) ? a.LB[(r0 + r) * a.ldlb + r0 + cc] : R(0);
+    constexpr int NTH = NW * 32;
+    if (hasb) /* the zero padding of L_B's rows (the loads below fill the middle) */
+        for (int idx = tid; idx < T * 2 * T; idx += NTH) {
+            const int r = idx / (2 * T), cz = idx % (2 * T);
+            LBs[r * LBS + (cz < T ? cz : cz + T)] = R(0);
         }
-    for (int idx = tid; idx < 4 * T; idx += NW * 32)
+    for (int idx = tid; idx < 4 * T; idx += NTH)
         Erow[idx] = R(0);
-    for (int idx = tid; idx < T * T; idx += NW * 32) { /* coalesced tile loads */
-        const int r = idx / T, cc = idx % T;
-        Es[idx] = a.W[(r0 + r) * a.ldw + c0 + cc];
-        Rt[idx] = a.Rp[(r0 + r) * a.ldr + c0 + cc];
+    if (tid < T)
+        Grp[tid] = (int)((c0 + tid) / a.q.group);
+    {   /* coalesced tile loads: a fixed column per thread, batches of rows */
+        static_assert(NTH % T == 0 && (T / (NTH / T)) % 8 == 0, "load batches");
+        constexpr int RSTEP = NTH / T, NR = T / RSTEP, RB = 8;
+        const int cc = tid % T, rbase = tid / T;
+#pragma unroll 1
+        for (int t0 = 0; t0 < NR; t0 += RB) {
+            R wv[RB], rv[RB], lav[RB], lbv[RB];
+#pragma unroll
+            for (int t = 0; t < RB; t++) {
+                const int r = rbase + RSTEP * (t0 + t);
+                wv[t] = a.W[(r0 + r) * a.ldw + c0 + cc];
+                rv[t] = a.Rp[(r0 + r) * a.ldr + c0 + cc];
+                lav[t] = cc < r ? a.LA[(c0 + r) * a.ldla + c0 + cc] : R(0);
+                lbv[t] = hasb && cc < r ? a.LB[(r0 + r) * a.ldlb + r0 + cc] : R(0);
+            }
+#pragma unroll
+            for (int t = 0; t < RB; t++) {
+                const int r = rbase + RSTEP * (t0 + t);
+                Es[r * T + cc] = wv[t];
+                Rt[r * T + cc] = rv[t];
+                LAs[r * LS + cc] = lav[t];
+                if (hasb)
+                    LBs[r * LBS + T + cc] = lbv[t];
+            }
+        }
     }
     __syncthreads();
     int qs[WC], qa[WC];
@@ -354,8 +379,8 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
         const int64_t gq = c0 + qs[s];
         sc[s] = R(1);
         zc[s] = R(0);
-        if (a.q.kind != BK_Q_INTEGER && rowin && gq < a.n) {
-            const int64_t gi = gp * a.q.groups + gq / a.q.group;
+        if (KIND != BK_Q_INTEGER && rowin && gq < a.n) {
+            const int64_t gi = gp * a.q.groups + Grp[qs[s]];
             sc[s] = a.q.scale[gi];
             if (a.q.zero)
                 zc[s] = a.q.zero[gi];
@@ -394,13 +419,17 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
             const int q = jj;
             if (q >= qlo && q < qlo + WC) {
                 const R wt = y[u] + x[u];
-                R e = R(0);
-                int16_t code = 0;
-                R v = R(0);
-                if (rowin && c0 + q < a.n) {
-                    v = a.q.round_sz(wt, sc[u], zc[u], &code, cnt);
-                    e = v - wt;
+                int ci = 0, fl = 0;
+                R v = bk_round_bf<KIND, R>(wt, sc[u], zc[u], R(a.q.qmin), R(a.q.qmax), &ci, &fl);
+                const bool real = rowin && c0 + q < a.n;
+                if (real) {
+                    cnt[0] += fl & 1;
+                    cnt[1] += (fl >> 1) & 1;
+                    cnt[2] += (fl >> 2) & 1;
                 }
+                v = real ? v : R(0);
+                const int16_t code = real ? (int16_t)ci : (int16_t)0;
+                const R e = real ? v - wt : R(0);
                 x[u] += e;
                 Er[p] = e;
                 Rc[q] = x[u];
@@ -439,6 +468,347 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     bk_counts_add_warp(a.counts, cnt);
 }
 
+/* ------------------------------------------------------- tile solve, v6 */
+
+/* The 64-tile as a wavefront of W x W blocks (W = 16 or 32): NS = 64 / W
+ * row strips and block columns; block (r, b) is solved at level L = r + b,
+ * the blocks of a level are independent. A group of W lanes solves one
+ * block warp-synchronously (no CTA barrier per step); a warp holds 32 / W
+ * groups, i.e. the blocks of 32 / W neighbouring strips of a level.
+ *
+ * Inside a block, lane p (row p of the block) keeps a sliding window of W
+ * slots: at step k, slot s holds column c + s of its row, c = k - p being
+ * the lane's active column (slot 0). Every term then has a lane-independent
+ * shape:
+ *   X[p, c+s] += E[p, c] L_A[c+s, c]        column c of L_A: contiguous in a
+ *                                           transposed copy
+ *   Y[p, c+s] += L_B[p, p-s] R[p-s, c+s]    L_B[p, p-s] is fixed per lane (held
+ *                                           in registers), R comes from lane
+ *                                           p - s: a shuffle up by s
+ * After the step the window slides by one column: slot 0 (done) becomes
+ * column c + W, read from shared memory while c < 0 (no term can have
+ * reached it: it is more than W - 1 rows and columns away from every
+ * entry done so far) and outside the block afterwards. With the step loop
+ * unrolled by W, logical slot s lives in register (s + k) mod W: the slide
+ * costs nothing.
+ *
+ * Between levels, the finished blocks push into the blocks of later levels
+ * through small shared-memory products, as the tiles do through the global
+ * accumulators (X: right, with L_A; Y: down, with L_B and the completed R^).
+ * v3 spent 127 CTA-synchronized steps per tile, each loading two factor
+ * entries for every entry of the tile; here the fine-grained work is
+ * confined to the blocks on the wavefront. */
+template <typename R, int W> struct Solve6Cfg {
+    static constexpr int T = 64;
+    static constexpr int NS = T / W;   /* strips = block columns */
+    static constexpr int NW = 4;       /* warps: NS * W / 32 = 2 solve, all push */
+    static constexpr int XS = T + 2;   /* Es / Xs row stride = 2 (mod 32): an entry
+                                          anti-diagonal hits 32 banks */
+    static constexpr int LTS = 2 * W;  /* transposed diagonal L_A blocks [NS][W][LTS] */
+    static constexpr int LTB = W * LTS + (W == 16 ? 16 : 0); /* block stride: the two
+                                          groups of a warp on different banks */
+    static constexpr int LBS = 3 * W;  /* diagonal L_B blocks [NS][W][LBS]: zeros | W | zeros */
+    static constexpr int NO = T - W;   /* below-diagonal parts of L_A and L_B */
+    static constexpr int LOS = NO + 1;
+    static constexpr size_t nr = (size_t)2 * T * XS + (size_t)NS * LTB +
+                                 (size_t)NS * W * LBS + (size_t)2 * NO * LOS;
+    static constexpr size_t smem =
+        sizeof(R) * nr + sizeof(float) * 2 * T * T + sizeof(int16_t) * T * T;
+};
+
+template <typename R> struct Smem6 {
+    R *Es;  /* [64][XS] W (+ down pushes) in, E out */
+    R *Xs;  /* [64][XS] Rp (+ right pushes) in, R^ out */
+    R *LAT; /* [NS][LTB]: LAT[b][c][j] = L_A[W b + j][W b + c] for c < j < W, else 0 */
+    R *LBp; /* [NS][W][LBS]: L_B[W r + p][W r + i] at [r][p][W + i], 0 <= i < p, else 0 */
+    R *LAo; /* [NO][LOS]: L_A[W + i][j] (used where block(j) < block(W + i)) */
+    R *LBo; /* [NO][LOS]: L_B[W + i][j] (likewise) */
+    float *Scs, *Zcs; /* [64][64] scale / zero of each entry; the scale slot
+                         receives the entry's weight once it is rounded */
+    int16_t *Cs;      /* [64][64] codes */
+};
+
+/* One W x W block (strip r, block b) by a group of W lanes; `valid` is
+ * false for a group without a block at this level (it still takes part in
+ * the shuffles). The step is branch-free but for the division's slow path:
+ * every lane rounds, loads and multiplies; what an inactive lane computes is
+ * multiplied by zero or not stored, so that the unrolled steps form one
+ * basic block the compiler can overlap. */
+template <typename R, int W, int KIND>
+__device__ __forceinline__ void solve_block6(const TileArgs<R> &a, const Smem6<R> &sm, int r,
+                                             int b, bool valid, int p, int64_t r0, int64_t c0,
+                                             int *cnt)
+{
+    using Cf = Solve6Cfg<R, W>;
+    constexpr int XS = Cf::XS, LBS = Cf::LBS, T = Cf::T, LTS = Cf::LTS, LTB = Cf::LTB;
+    if (!valid) { /* a group outside the tile: never active, no window */
+        r = 0;
+        b = 0;
+    }
+    const int prow = W * r + p, cb = W * b;
+    /* columns of this block that are inside the matrix, for this row */
+    const int64_t ncol64 = r0 + prow < a.m ? a.n - (c0 + cb) : 0;
+    const int ncol = ncol64 < 0 ? 0 : (ncol64 > W ? W : (int)ncol64);
+    R *xrow = sm.Xs + prow * XS + cb, *erow = sm.Es + prow * XS + cb;
+    float *srow = sm.Scs + prow * T + cb;
+    const float *zrow = sm.Zcs + prow * T + cb;
+    int16_t *crow = sm.Cs + prow * T + cb;
+    const R *lat = sm.LAT + b * LTB;
+    const R *lbp = sm.LBp + prow * LBS + W; /* lbp[i] = L_B[p, i] (block-local), 0 outside */
+    const R qmin = a.q.qmin, qmax = a.q.qmax;
+    R lb[W], x[W], y[W];
+#pragma unroll
+    for (int s = 0; s < W; s++) {
+        lb[s] = s == 0 || !valid ? R(0) : lbp[p - s];
+        const int col = s - p;
+        x[s] = valid && col >= 0 ? xrow[col] : R(0);
+        y[s] = valid && col >= 0 ? erow[col] : R(0);
+    }
+    /* the scale and zero of the next active entry, loaded a step ahead */
+    R scn = (R)srow[0], zcn = (R)zrow[0];
+#pragma unroll 1
+    for (int k0 = 0; k0 < 2 * W - 1; k0 += W) {
+#pragma unroll
+        for (int u = 0; u < W; u++) {
+            const int k = k0 + u;
+            if (k >= 2 * W - 1)
+                break;
+            const int c = k - p;
+            const bool act = valid && (unsigned)c < (unsigned)W;
+            const int ci = act ? c : 0; /* a safe column for the loads */
+            const R sc = scn, zc = zcn;
+            {
+                const int cn = c + 1 < 0 ? 0 : (c + 1 >= W ? W - 1 : c + 1);
+                scn = (R)srow[cn];
+                zcn = (R)zrow[cn];
+            }
+            const R *lc = lat + ci * (LTS + 1); /* lc[s] = L_A[c + s, c] (0 past the block) */
+            R la[W];
+#pragma unroll
+            for (int s = 1; s < W; s++)
+                la[s] = lc[s];
+            const R wt = y[u] + x[u];
+            int code = 0, fl = 0;
+            R v = bk_round_bf<KIND, R>(wt, sc, zc, qmin, qmax, &code, &fl);
+            const bool real = act && c < ncol;
+            if (real) {
+                cnt[0] += fl & 1;
+                cnt[1] += (fl >> 1) & 1;
+                cnt[2] += (fl >> 2) & 1;
+            }
+            v = real ? v : R(0);
+            code = real ? code : 0;
+            const R e = real ? v - wt : R(0);
+            x[u] += e; /* L_A[c,c] = 1: now R^[p,c] */
+            const R rn = act ? x[u] : R(0);
+            if (act) {
+                erow[c] = e;
+                xrow[c] = rn;
+                srow[c] = (float)v;
+                crow[c] = (int16_t)code;
+            }
+#pragma unroll
+            for (int s = 1; s < W; s++)
+                x[(s + u) % W] += e * la[s];
+#pragma unroll
+            for (int s = 1; s < W; s++)
+                y[(s + u) % W] += lb[s] * __shfl_up_sync(0xffffffffu, rn, s, W);
+            /* slide: register u becomes column c + W (read while c < 0) */
+            const bool enter = valid && c < 0;
+            const int ce = enter ? c + W : 0;
+            const R xe = xrow[ce], ye = erow[ce];
+            x[u] = enter ? xe : R(0);
+            y[u] = enter ? ye : R(0);
+        }
+    }
+}
+
+/* The pushes of the blocks of level L, by all threads: for each block
+ * (r, b = L - r) of the tile,
+ *   right (b < NS-1): X[strip r, blocks > b] += E[r, b] L_A[blocks > b, b]^T
+ *   down  (r < NS-1): Y[strips > r, block b] += L_B[strips > r, r] R^[r, b]
+ * Outputs of different blocks are disjoint. 2 x 2 outputs per thread over the
+ * concatenated output space of all the products. */
+template <typename R, int W>
+__device__ __forceinline__ void push_level6(const Smem6<R> &sm, int L, int tid, int nth)
+{
+    using Cf = Solve6Cfg<R, W>;
+    constexpr int NS = Cf::NS, XS = Cf::XS, LOS = Cf::LOS, T = Cf::T;
+    /* product list: kind 0 = right, 1 = down, for each strip r */
+    int off[2 * NS + 1];
+    off[0] = 0;
+#pragma unroll
+    for (int g = 0; g < 2 * NS; g++) {
+        const int r = g >> 1, b = L - r, down = g & 1;
+        int nb = 0;
+        if (b >= 0 && b < NS) {
+            if (!down && b < NS - 1)
+                nb = (W / 2) * ((T - W * (b + 1)) / 2);
+            else if (down && r < NS - 1)
+                nb = ((T - W * (r + 1)) / 2) * (W / 2);
+        }
+        off[g + 1] = off[g] + nb;
+    }
+    for (int idx = tid; idx < off[2 * NS]; idx += nth) {
+        int g = 0, base = 0; /* the product of idx (a select chain: off stays in registers) */
+#pragma unroll
+        for (int h = 1; h < 2 * NS; h++)
+            if (idx >= off[h]) {
+                g = h;
+                base = off[h];
+            }
+        const int r = g >> 1, b = L - r, local = idx - base;
+        R *O;
+        const R *A, *B;
+        int sai, sbj, sbk, N;
+        if (!(g & 1)) { /* right: O = X[W r + i][W (b+1) + j] */
+            N = T - W * (b + 1);
+            O = sm.Xs + W * r * XS + W * (b + 1);
+            A = sm.Es + W * r * XS + W * b;
+            sai = XS;
+            B = sm.LAo + W * b * LOS + W * b; /* B(j, k) = L_A[W (b+1) + j][W b + k] */
+            sbj = LOS;
+            sbk = 1;
+        } else { /* down: O = Y[W (r+1) + i][W b + j] */
+            N = W;
+            O = sm.Es + W * (r + 1) * XS + W * b;
+            A = sm.LBo + W * r * LOS + W * r; /* A(i, k) = L_B[W (r+1) + i][W r + k] */
+            sai = LOS;
+            B = sm.Xs + W * r * XS + W * b; /* B(j, k) = R^[W r + k][W b + j] */
+            sbj = 1;
+            sbk = XS;
+        }
+        const int nh = N / 2, i = 2 * (local / nh), j = 2 * (local % nh);
+        R c00 = R(0), c01 = R(0), c10 = R(0), c11 = R(0);
+        const R *a0 = A + i * sai, *a1 = a0 + sai, *b0 = B + j * sbj, *b1 = b0 + sbj;
+#pragma unroll
+        for (int k = 0; k < W; k++) {
+            const R x0 = a0[k], x1 = a1[k], y0 = b0[k * sbk], y1 = b1[k * sbk];
+            c00 += x0 * y0;
+            c01 += x0 * y1;
+            c10 += x1 * y0;
+            c11 += x1 * y1;
+        }
+        O[i * XS + j] += c00;
+        O[i * XS + j + 1] += c01;
+        O[(i + 1) * XS + j] += c10;
+        O[(i + 1) * XS + j + 1] += c11;
+    }
+}
+
+template <typename R, int W, int KIND>
+__global__ void __launch_bounds__(Solve6Cfg<R, W>::NW * 32)
+    k_tile_solve6(TileArgs<R> a, int K, int i_lo)
+{
+    using Cf = Solve6Cfg<R, W>;
+    constexpr int T = Cf::T, NS = Cf::NS, NW = Cf::NW, XS = Cf::XS, LTS = Cf::LTS,
+                  LTB = Cf::LTB, LBS = Cf::LBS, NO = Cf::NO, LOS = Cf::LOS, NTH = NW * 32;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Smem6<R> sm;
+    sm.Es = reinterpret_cast<R *>(smem_raw);
+    sm.Xs = sm.Es + T * XS;
+    sm.LAT = sm.Xs + T * XS;
+    sm.LBp = sm.LAT + NS * LTB;
+    sm.LAo = sm.LBp + NS * W * LBS;
+    sm.LBo = sm.LAo + NO * LOS;
+    sm.Scs = reinterpret_cast<float *>(sm.LBo + NO * LOS);
+    sm.Zcs = sm.Scs + T * T;
+    sm.Cs = reinterpret_cast<int16_t *>(sm.Zcs + T * T);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int I = i_lo + (int)blockIdx.x, J = K - I;
+    const int64_t r0 = (int64_t)I * T, c0 = (int64_t)J * T;
+    const bool hasb = a.LB != nullptr;
+
+    /* zeros of the padded factor copies (disjoint from the loads below) */
+    for (int idx = tid; idx < NS * LTB; idx += NTH) {
+        const int j = (idx % LTB) % LTS, c = (idx % LTB) / LTS;
+        if (c >= W || j <= c || j >= W)
+            sm.LAT[idx] = R(0);
+    }
+    for (int idx = tid; idx < NS * W * LBS; idx += NTH) {
+        const int i = idx % LBS - W, p = (idx / LBS) % W;
+        if (i < 0 || i >= p)
+            sm.LBp[idx] = R(0);
+    }
+    /* loads, coalesced along the rows of the global arrays; NTH is a
+     * multiple of T, so each thread keeps one column. Batches of RB rows:
+     * all global loads of a batch are issued before its shared stores. */
+    static_assert(NTH % T == 0, "one column per thread");
+    constexpr int RSTEP = NTH / T, NR = T / RSTEP, RB = 8;
+    const int cc = tid % T, rbase = tid / T;
+    const int64_t gc = c0 + cc, ggrp = gc / a.q.group;
+    const bool colin = gc < a.n, scaled = a.q.kind != BK_Q_INTEGER;
+#pragma unroll 1
+    for (int t0 = 0; t0 < NR; t0 += RB) {
+        R wv[RB], rv[RB], lav[RB], lbv[RB];
+        float sv[RB], zv[RB];
+#pragma unroll
+        for (int t = 0; t < RB; t++) {
+            const int rr = rbase + RSTEP * (t0 + t);
+            const int64_t gr = r0 + rr;
+            wv[t] = a.W[gr * a.ldw + gc];
+            rv[t] = a.Rp[gr * a.ldr + gc];
+            lav[t] = a.LA[(c0 + rr) * a.ldla + gc];
+            lbv[t] = hasb ? a.LB[gr * a.ldlb + r0 + cc] : R(0);
+            sv[t] = 1.0f;
+            zv[t] = 0.0f;
+            if (scaled && gr < a.m && colin) {
+                const int64_t gi = gr * a.q.groups + ggrp;
+                sv[t] = (float)a.q.scale[gi];
+                if (a.q.zero)
+                    zv[t] = (float)a.q.zero[gi];
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < RB; t++) {
+            const int rr = rbase + RSTEP * (t0 + t);
+            sm.Es[rr * XS + cc] = wv[t];
+            sm.Xs[rr * XS + cc] = rv[t];
+            sm.Scs[rr * T + cc] = sv[t];
+            sm.Zcs[rr * T + cc] = zv[t];
+            const int rb = rr / W, cbk = cc / W;
+            if (cc < rr) {
+                if (rb == cbk) {
+                    sm.LAT[rb * LTB + (cc % W) * LTS + rr % W] = lav[t];
+                    sm.LBp[(rb * W + rr % W) * LBS + W + cc % W] = lbv[t];
+                } else {
+                    sm.LAo[(rr - W) * LOS + cc] = lav[t];
+                    sm.LBo[(rr - W) * LOS + cc] = lbv[t];
+                }
+            }
+        }
+    }
+    int cnt[3] = {0, 0, 0};
+    __syncthreads();
+
+    constexpr int G = 32 / W; /* blocks per warp */
+    for (int L = 0; L <= 2 * NS - 2; L++) {
+        if (warp < NS / G && !(a.dev & 1)) {
+            const int r = G * warp + lane / W, b = L - r;
+            solve_block6<R, W, KIND>(a, sm, r, b, b >= 0 && b < NS, lane % W, r0, c0, cnt);
+        }
+        __syncthreads();
+        if (L == 2 * NS - 2)
+            break;
+        if (!(a.dev & 2))
+            push_level6<R, W>(sm, L, tid, NTH);
+        __syncthreads();
+    }
+
+    /* stores: E over the W tile, R^ transposed over the Rp tile, codes and
+     * weights inside the matrix */
+    for (int idx = tid; idx < T * T; idx += NTH) {
+        const int rr = idx / T, c2 = idx % T;
+        a.W[(r0 + rr) * a.ldw + c0 + c2] = sm.Es[rr * XS + c2];
+        a.Rp[(r0 + rr) * a.ldr + c0 + c2] = sm.Xs[c2 * XS + rr];
+        if (r0 + rr < a.m && c0 + c2 < a.n) {
+            a.codes[(r0 + rr) * a.n + c0 + c2] = sm.Cs[idx];
+            a.weight[(r0 + rr) * a.n + c0 + c2] = sm.Scs[idx];
+        }
+    }
+    bk_counts_add_warp(a.counts, cnt);
+}
+
 /* ------------------------------------------------------------- far push */
 
 /* The lazy half of the pushes (push_group G > 0): at a flush diagonal Kf the
@@ -451,7 +821,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
  * target index, so neighbouring CTAs share L_A / L_B blocks in L2. */
 template <typename R, int T>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
-    k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT)
+    k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT, int mode)
 {
     using P = PushCfg<R, T>;
     constexpr int TM = P::TM, VE = P::VE, S = P::S, VPR = T / VE, TH = P::TH, NTH = P::NTH;
@@ -459,7 +829,14 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     R *As = reinterpret_cast<R *>(smem_raw);
     R *Bs = As + T * S;
-    const int line = (int)blockIdx.x, tgt = (int)blockIdx.y;
+    /* mode 0: every target after the run (blockIdx.y = target); 1: the
+     * targets on diagonals Kf+1 .. Kf+G (blockIdx.y = diagonal - Kf - 1);
+     * 2: the targets beyond diagonal Kf+G (the overlapped part) */
+    const int line = (int)blockIdx.x;
+    const int lidx = line < MT ? line : line - MT;
+    const int tgt = mode == 1 ? Kf + 1 - lidx + (int)blockIdx.y : (int)blockIdx.y;
+    if (mode == 2 && lidx + tgt <= Kf + G)
+        return;
     int lo, hi;
     R *Cp;
     int64_t ldc;
@@ -538,6 +915,18 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
             Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j] += acc[i][j];
 }
 
+template <typename R, int T, int WC>
+void launch_solve3(const TileArgs<R> &ta, int K, int i_lo, int ntiles, cudaStream_t st)
+{
+    using S = Solve3Cfg<R, T, WC>;
+    if (ta.q.kind == BK_Q_LEVELS)
+        k_tile_solve3<R, T, WC, BK_Q_LEVELS><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
+    else if (ta.q.kind == BK_Q_UNIFORM)
+        k_tile_solve3<R, T, WC, BK_Q_UNIFORM><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
+    else
+        k_tile_solve3<R, T, WC, BK_Q_INTEGER><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
+}
+
 template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
 {
     using S2 = Solve2Cfg<R, T>;
@@ -562,12 +951,32 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
     ta.codes = a->codes;
     ta.weight = a->weight;
     ta.counts = a->counts;
-    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16>,
+    ta.dev = c->dev_flags;
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_LEVELS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S3::smem));
-    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 8>,
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_UNIFORM>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S3::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_INTEGER>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S3::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 8, BK_Q_LEVELS>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S8::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 8, BK_Q_UNIFORM>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S8::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 8, BK_Q_INTEGER>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S8::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve2<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S2::smem));
+    if constexpr (T == 64) {
+        BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve6<R, 16, BK_Q_LEVELS>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)Solve6Cfg<R, 16>::smem));
+        BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve6<R, 16, BK_Q_UNIFORM>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)Solve6Cfg<R, 16>::smem));
+        BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve6<R, 16, BK_Q_INTEGER>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)Solve6Cfg<R, 16>::smem));
+    }
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
@@ -575,16 +984,40 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
     const int G = c->push_group > 0 ? c->push_group : 0;
     const int never = MT + NT + 1; /* eager: no flush, every target is near */
+    const bool ovl = G > 0 && c->overlap && c->side;
     BK_CUDA_CHECK(cudaEventRecord(c->ev_start, c->stream));
+    if (ovl) { /* nothing pending on the side stream yet */
+        BK_CUDA_CHECK(cudaEventRecord(c->ev_side_done, c->stream));
+    }
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
-        if (c->solve_v2)
+        bool done = false;
+        if constexpr (T == 64) {
+            /* solve_c: 16 = v6 (16 x 16 blocks); 0 = v3 */
+            const int cw = c->solve_c;
+            constexpr int NT6 = Solve6Cfg<R, 16>::NW * 32;
+            constexpr size_t SM6 = Solve6Cfg<R, 16>::smem;
+            if (cw == 16) {
+                if (ta.q.kind == BK_Q_LEVELS)
+                    k_tile_solve6<R, 16, BK_Q_LEVELS><<<ntiles, NT6, SM6, c->stream>>>(ta, K, i_lo);
+                else if (ta.q.kind == BK_Q_UNIFORM)
+                    k_tile_solve6<R, 16, BK_Q_UNIFORM><<<ntiles, NT6, SM6, c->stream>>>(ta, K,
+                                                                                         i_lo);
+                else
+                    k_tile_solve6<R, 16, BK_Q_INTEGER><<<ntiles, NT6, SM6, c->stream>>>(ta, K,
+                                                                                         i_lo);
+            }
+            done = cw != 0;
+        }
+        if (done)
+            ;
+        else if (c->solve_v2)
             k_tile_solve2<R, T><<<ntiles, S2::NW * 32, S2::smem, c->stream>>>(ta, K, i_lo);
         else if (c->solve_wc == 16)
-            k_tile_solve3<R, T, 16><<<ntiles, S3::NW * 32, S3::smem, c->stream>>>(ta, K, i_lo);
+            launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);
         else
-            k_tile_solve3<R, T, 8><<<ntiles, S8::NW * 32, S8::smem, c->stream>>>(ta, K, i_lo);
+            launch_solve3<R, T, 8>(ta, K, i_lo, ntiles, c->stream);
         BK_CUDA_CHECK(cudaGetLastError());
         if (c->skip_push)
             continue;
@@ -604,11 +1037,31 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
         }
         if (G && K == Kf && K < MT + NT - 2) {
             const int lines = MT + (ta.LB ? NT : 0), targets = std::max(MT, NT);
-            k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->stream>>>(ta, Kf, G,
-                                                                                     MT, NT);
-            BK_CUDA_CHECK(cudaGetLastError());
+            if (!ovl) {
+                k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->stream>>>(
+                    ta, Kf, G, MT, NT, 0);
+                BK_CUDA_CHECK(cudaGetLastError());
+            } else {
+                /* the targets of the next run now (the previous overlapped
+                 * push wrote some of them: wait for it), the rest on the side
+                 * stream while the next G diagonals are solved */
+                BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_side_done, 0));
+                k_push_far<R, T><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(ta, Kf, G, MT,
+                                                                                 NT, 1);
+                BK_CUDA_CHECK(cudaGetLastError());
+                if (Kf + G < MT + NT - 2) {
+                    BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
+                    BK_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_main_ready, 0));
+                    k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->side>>>(
+                        ta, Kf, G, MT, NT, 2);
+                    BK_CUDA_CHECK(cudaGetLastError());
+                    BK_CUDA_CHECK(cudaEventRecord(c->ev_side_done, c->side));
+                }
+            }
         }
     }
+    if (ovl)
+        BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_side_done, 0));
     BK_CUDA_CHECK(cudaEventRecord(c->ev_stop, c->stream));
     return BK_OK;
 }

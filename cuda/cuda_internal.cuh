@@ -26,6 +26,10 @@ typedef struct bk_cuda_ctx {
     cusolverDnHandle_t cusolver;
     cudaStream_t stream;
     cudaEvent_t ev_start, ev_stop; /* the algorithms record these around their core */
+    cudaStream_t side;    /* BaKron: a low-priority stream for the overlapped pushes */
+    cudaEvent_t ev_main_ready, ev_side_done; /* its ordering with `stream` */
+    int overlap;          /* BaKron: overlap the far pushes with the solves
+                             (BK_CUDA_OVERLAP, default 1) */
     size_t mem_current;   /* bytes held through bk_dev_alloc */
     size_t mem_peak;      /* high-water mark of mem_current (plus library workspaces) */
     size_t mem_limit;     /* 0 = none; else refuse allocations beyond it (BK_CUDA_MEM_LIMIT) */
@@ -36,6 +40,9 @@ typedef struct bk_cuda_ctx {
     int solve_v2;         /* dev comparison: the previous tile-solve kernel */
     int solve_wc;         /* tile solve: columns per warp, 16 (8 warps per 64-tile) or 8
                              (16 warps) (BK_CUDA_SOLVE_WC, default 16) */
+    int solve_c;          /* tile solve v4 (64-tiles): block width 16 or 32; 0 = v3
+                             (BK_CUDA_SOLVE_C; fp64 always uses 16) */
+    int dev_flags;        /* timing experiments only (bk-cuda-dev): see bakron.cu */
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
 } bk_cuda_ctx;
 

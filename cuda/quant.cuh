@@ -123,6 +123,40 @@ template <typename R> struct bk_dq {
     }
 };
 
+/* The rounding rule of bk_dq::round_sz with the quantizer kind fixed at
+ * compile time and no branches but the division's own: the clamps are
+ * selects, and the counter increments come back as bits (1 clamped, 2
+ * integer overflow, 4 non-finite) for the caller to add where the entry is
+ * real. The same values, codes and counts as round_sz. */
+template <int KIND, typename R>
+__device__ __forceinline__ R bk_round_bf(R x, R s, R z, R qmin, R qmax, int *code, int *flags)
+{
+    int f = !(x - x == R(0)) ? 4 : 0;
+    if constexpr (KIND == BK_Q_INTEGER) {
+        const R c = rint(x);
+        const bool bad = !(c >= R(-32767) && c <= R(32767));
+        *code = bad ? 0 : (int)c;
+        *flags = f | (bad ? 2 : 0);
+        return c;
+    } else {
+        R c = rint(x / s);
+        if constexpr (KIND == BK_Q_UNIFORM) {
+            c += z;
+            const bool lo = !(c >= R(0)), hi = c > qmax; /* NaN: lo */
+            c = lo ? R(0) : (hi ? qmax : c);
+            *code = (int)c;
+            *flags = f | (lo || hi ? 1 : 0);
+            return bk_mul_rn(s, c - z);
+        } else {
+            const bool lo = !(c >= qmin), hi = c > qmax;
+            c = lo ? qmin : (hi ? qmax : c);
+            *code = (int)c;
+            *flags = f | (lo || hi ? 1 : 0);
+            return bk_mul_rn(c, s);
+        }
+    }
+}
+
 /* Add a thread's counters to the device counters. The warp form must be
  * reached by all 32 lanes of the warp. */
 __device__ __forceinline__ void bk_counts_add(unsigned long long *dst, const int *cnt)

@@ -251,6 +251,7 @@ static int cmd_bench(int argc, char **argv)
     }
     bk_cuda_ctx *c = nullptr;
     CK(bk_cuda_ctx_create(0, &c));
+    const bk_cuda_ctx c0 = *c; /* the environment's settings */
     printf("%-12s %-16s %10s %10s %12s\n", "shape", "algorithm", "median_s", "min_s", "peak_MiB");
     for (auto &sh : shapes) {
         DevProblem P;
@@ -262,17 +263,22 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc;
+                int tile, skip, group, v1, wc, sc, dev = 0, ovl = -1;
             };
-            std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
+            const int sc0 = c0.solve_c; /* the default (environment) */
+            std::vector<V> vs = {{"", 64, 0, 4, 0, 16, sc0}};
             if (alg == BK_ALG_BAKRON && variants) {
-                vs.push_back({"-G0", 64, 0, 0, 0, 16});
-                vs.push_back({"-G8", 64, 0, 8, 0, 16});
-                vs.push_back({"-T32", 32, 0, 4, 0, 16});
-                vs.push_back({"-wc8", 64, 0, 4, 0, 8});
-                vs.push_back({"-v2solve", 64, 0, 4, 1, 16});
-                vs.push_back({"-solveonly", 64, 1, 4, 0, 16});
-                vs.push_back({"-solveonly-wc8", 64, 1, 4, 0, 8});
+                vs.push_back({"-G0", 64, 0, 0, 0, 16, sc0});
+                vs.push_back({"-G8", 64, 0, 8, 0, 16, sc0});
+                vs.push_back({"-T32", 32, 0, 4, 0, 16, sc0});
+                vs.push_back({"-v3", 64, 0, 4, 0, 16, 0});
+                vs.push_back({"-v6w16", 64, 0, 4, 0, 16, 16});
+                vs.push_back({"-solveonly-v3", 64, 1, 4, 0, 16, 0});
+                vs.push_back({"-solveonly-v6w16", 64, 1, 4, 0, 16, 16});
+                vs.push_back({"-noovl", 64, 0, 4, 0, 16, sc0, 0, 0});
+                vs.push_back({"-G8-noovl", 64, 0, 8, 0, 16, sc0, 0, 0});
+                vs.push_back({"-G2", 64, 0, 2, 0, 16, sc0});
+                vs.push_back({"-v6-ovl", 64, 0, 4, 0, 16, 16});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only != an + v.name)
@@ -282,6 +288,9 @@ static int cmd_bench(int argc, char **argv)
                 c->push_group = v.group;
                 c->solve_wc = v.wc;
                 c->solve_v2 = v.v1;
+                c->solve_c = v.sc;
+                c->dev_flags = v.dev;
+                c->overlap = v.ovl < 0 ? c0.overlap : v.ovl;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -315,6 +324,9 @@ static int cmd_bench(int argc, char **argv)
             c->push_group = 4;
             c->solve_v2 = 0;
             c->solve_wc = 16;
+            c->solve_c = c0.solve_c;
+            c->dev_flags = 0;
+            c->overlap = c0.overlap;
         }
         free_problem(c, P);
     }
@@ -520,12 +532,17 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc;
+        int tile, group, v1, wc, sc, ovl = 1;
     };
-    const Cfg cfgs[] = {{64, 4, 0, 16}, {64, 0, 0, 8},  {64, 1, 0, 16}, {64, 3, 1, 16},
-                        {32, 4, 0, 8},  {32, 2, 0, 16}, {64, 2, 0, 8}};
+    /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
+    /* the first (all algorithms) is the default: v3, push groups of 4,
+     * overlapped far pushes */
+    const Cfg cfgs[] = {{64, 4, 0, 16, 0},  {64, 4, 0, 16, 0, 0}, {64, 0, 0, 8, 0},
+                        {64, 1, 0, 16, 0},  {64, 3, 1, 16, 0},    {32, 4, 0, 8, 0},
+                        {32, 2, 0, 16, 0},  {64, 2, 0, 8, 0},     {64, 4, 0, 16, 16},
+                        {64, 0, 0, 16, 16}, {64, 1, 0, 16, 16, 0}};
     for (const Cfg &cf : cfgs)
-        for (int qi = 0; qi < 2; qi++)
+        for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
                 HostCase h = make_case(sh.first, sh.second, 1, 77 + sh.first * 1000 + sh.second);
                 bk_quant_spec spec;
@@ -534,11 +551,13 @@ static int cmd_validate(int argc, char **argv)
                     spec.kind = BK_Q_LEVELS;
                     spec.levels = 3;
                     spec.mse = 1;
-                } else {
+                } else if (qi == 1) {
                     spec.kind = BK_Q_UNIFORM;
                     spec.bits = 4;
                     spec.group = 32;
                     spec.asym = 1;
+                } else {
+                    spec.kind = BK_Q_INTEGER;
                 }
                 bk_alphabet al;
                 CK(bk_alphabet_init(&al, &spec, h.m, h.n));
@@ -547,6 +566,8 @@ static int cmd_validate(int argc, char **argv)
                 c->push_group = cf.group;
                 c->solve_v2 = cf.v1;
                 c->solve_wc = cf.wc;
+                c->solve_c = cf.sc;
+                c->overlap = cf.ovl;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
@@ -560,8 +581,8 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d G%d v%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d c%d o%d q%d %4lldx%-4lld %s: ERROR %s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.sc, cf.ovl, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
                             bad++;
                             continue;
@@ -572,11 +593,16 @@ static int cmd_validate(int argc, char **argv)
                         for (size_t i = 0; i < g.size(); i++)
                             same += g[i] == r[i];
                         const double pct = 100.0 * same / g.size();
-                        const int fail = p64 ? same != g.size() : pct < 99.0;
+                        /* the unbounded integer alphabet (a test alphabet) drifts
+                         * more in fp32 for the non-tiled algorithms: reported, and
+                         * checked for bakron and gptq only */
+                        const int fail = p64 ? same != g.size()
+                                             : pct < 99.0 && (qi < 2 || alg == BK_ALG_BAKRON ||
+                                                              alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d G%d v%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d c%d o%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.sc, cf.ovl, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", pct,
                                    fail ? "  <-- FAIL" : "");
                     }
