@@ -42,8 +42,6 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
  *                      (default 4; 0 = every push eager)
  *   BK_CUDA_SOLVE_WC   BaKron tile solve v3: columns per warp, 16 (8 warps per 64-tile,
  *                      the default) or 8 (16 warps)
- *   BK_CUDA_SOLVE_C    BaKron tile solve for 64-tiles: 0 = v3 (the default),
- *                      16 = v6 (16 x 16 blocks)
  *   BK_CUDA_OVERLAP    BaKron: 1 (default) runs most of the far pushes on a second,
  *                      low-priority stream while the next diagonals are solved */
 static bk_status read_env(bk_cuda_ctx *c)
@@ -75,15 +73,6 @@ static bk_status read_env(bk_cuda_ctx *c)
         else if (strcmp(w, "16"))
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_SOLVE_WC: expected 8 or 16 (got '%s')",
                             w);
-    }
-    const char *sc = getenv("BK_CUDA_SOLVE_C");
-    c->solve_c = 0;
-    if (sc && *sc) {
-        if (!strcmp(sc, "0") || !strcmp(sc, "16"))
-            c->solve_c = atoi(sc);
-        else
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "BK_CUDA_SOLVE_C: expected 0 (v3) or 16 (v6) (got '%s')", sc);
     }
     const char *ov = getenv("BK_CUDA_OVERLAP");
     c->overlap = 1;

@@ -28,6 +28,13 @@
  *     down: A = L_B block, Bt = R^ stored transposed, C = W). Targets of
  *     different tiles of one K are disjoint, so there are no races.
  * Push work is about m n (m + n) / 2 FMA in total (the paper's cubic bound).
+ * With push groups (c->push_group = G > 0) the near pushes only reach the
+ * tiles up to the next flush diagonal Kf; at Kf, k_push_far carries the last
+ * G diagonals' errors to every later tile in one product per target. With
+ * c->overlap, only the targets of the next G diagonals are done then; the
+ * rest runs on a low-priority side stream while those G diagonals are
+ * solved (events order it before the next flush, which writes the same
+ * tiles, and before the end).
  */
 #include <algorithm>
 #include <cstdio>
@@ -51,7 +58,6 @@ template <typename R> struct TileArgs {
     int16_t *codes;
     float *weight;
     unsigned long long *counts;
-    int dev; /* timing experiments (bk-cuda-dev): 1 skip v6 block solves, 2 skip v6 pushes */
 };
 
 
@@ -76,6 +82,38 @@ template <typename R, int T> struct PushCfg {
     static constexpr size_t smem = sizeof(R) * (size_t)(2 * T * S);
 };
 
+/* Copy the T x T operands A and Bt into shared memory (rows S apart) in
+ * batches: all global loads of a batch are issued before its shared stores,
+ * so that their latencies overlap (a loop alternating the two serializes
+ * them). Used by the near push, which is on the critical path; the far push
+ * keeps its plain loop (the batch registers would cost it occupancy). */
+template <typename R, int T>
+__device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int64_t lda,
+                                                  const R *Bp, int64_t ldb, int tid)
+{
+    using P = PushCfg<R, T>;
+    using V = typename Vec16<R>::type;
+    constexpr int VE = P::VE, S = P::S, NTH = P::NTH, VPR = T / VE, IT = T * VPR / NTH;
+    constexpr int BT = IT < 8 ? IT : 8;
+    static_assert(IT % BT == 0, "load batches");
+#pragma unroll
+    for (int b0 = 0; b0 < IT; b0 += BT) {
+        V ra[BT], rb[BT];
+#pragma unroll
+        for (int t = 0; t < BT; t++) {
+            const int idx = tid + NTH * (b0 + t), r = idx / VPR, cv = (idx % VPR) * VE;
+            ra[t] = *reinterpret_cast<const V *>(&Ap[(int64_t)r * lda + cv]);
+            rb[t] = *reinterpret_cast<const V *>(&Bp[(int64_t)r * ldb + cv]);
+        }
+#pragma unroll
+        for (int t = 0; t < BT; t++) {
+            const int idx = tid + NTH * (b0 + t), r = idx / VPR, cv = (idx % VPR) * VE;
+            *reinterpret_cast<V *>(&As[r * S + cv]) = ra[t];
+            *reinterpret_cast<V *>(&Bs[r * S + cv]) = rb[t];
+        }
+    }
+}
+
 /* C[r][a] += sum_c A[r][c] Bt[a][c] for one (tile, target) pair. Thread
  * (ty, tx) owns rows ty + TH i and columns tx + TH j. The eager ("near")
  * pushes of the tiles of diagonal K: right targets J < Jt <= Kf - I, down
@@ -86,7 +124,7 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf)
 {
     using P = PushCfg<R, T>;
-    constexpr int TM = P::TM, VE = P::VE, S = P::S, TH = P::TH, NTH = P::NTH;
+    constexpr int TM = P::TM, VE = P::VE, S = P::S, TH = P::TH;
     using V = typename Vec16<R>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     R *As = reinterpret_cast<R *>(smem_raw);
@@ -118,14 +156,7 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         ldc = a.ldw;
     }
     const int tid = threadIdx.x;
-    constexpr int VPR = T / VE; /* vectors per row */
-    for (int idx = tid; idx < T * VPR; idx += NTH) {
-        const int r = idx / VPR, cv = (idx % VPR) * VE;
-        *reinterpret_cast<V *>(&As[r * S + cv]) =
-            *reinterpret_cast<const V *>(&Ap[(int64_t)r * lda + cv]);
-        *reinterpret_cast<V *>(&Bs[r * S + cv]) =
-            *reinterpret_cast<const V *>(&Bp[(int64_t)r * ldb + cv]);
-    }
+    load_pair_batched<R, T>(As, Bs, Ap, lda, Bp, ldb, tid);
     __syncthreads();
     const int tx = tid % TH, ty = tid / TH;
     R acc[TM][TM];
@@ -468,347 +499,6 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     bk_counts_add_warp(a.counts, cnt);
 }
 
-/* ------------------------------------------------------- tile solve, v6 */
-
-/* The 64-tile as a wavefront of W x W blocks (W = 16 or 32): NS = 64 / W
- * row strips and block columns; block (r, b) is solved at level L = r + b,
- * the blocks of a level are independent. A group of W lanes solves one
- * block warp-synchronously (no CTA barrier per step); a warp holds 32 / W
- * groups, i.e. the blocks of 32 / W neighbouring strips of a level.
- *
- * Inside a block, lane p (row p of the block) keeps a sliding window of W
- * slots: at step k, slot s holds column c + s of its row, c = k - p being
- * the lane's active column (slot 0). Every term then has a lane-independent
- * shape:
- *   X[p, c+s] += E[p, c] L_A[c+s, c]        column c of L_A: contiguous in a
- *                                           transposed copy
- *   Y[p, c+s] += L_B[p, p-s] R[p-s, c+s]    L_B[p, p-s] is fixed per lane (held
- *                                           in registers), R comes from lane
- *                                           p - s: a shuffle up by s
- * After the step the window slides by one column: slot 0 (done) becomes
- * column c + W, read from shared memory while c < 0 (no term can have
- * reached it: it is more than W - 1 rows and columns away from every
- * entry done so far) and outside the block afterwards. With the step loop
- * unrolled by W, logical slot s lives in register (s + k) mod W: the slide
- * costs nothing.
- *
- * Between levels, the finished blocks push into the blocks of later levels
- * through small shared-memory products, as the tiles do through the global
- * accumulators (X: right, with L_A; Y: down, with L_B and the completed R^).
- * v3 spent 127 CTA-synchronized steps per tile, each loading two factor
- * entries for every entry of the tile; here the fine-grained work is
- * confined to the blocks on the wavefront. */
-template <typename R, int W> struct Solve6Cfg {
-    static constexpr int T = 64;
-    static constexpr int NS = T / W;   /* strips = block columns */
-    static constexpr int NW = 4;       /* warps: NS * W / 32 = 2 solve, all push */
-    static constexpr int XS = T + 2;   /* Es / Xs row stride = 2 (mod 32): an entry
-                                          anti-diagonal hits 32 banks */
-    static constexpr int LTS = 2 * W;  /* transposed diagonal L_A blocks [NS][W][LTS] */
-    static constexpr int LTB = W * LTS + (W == 16 ? 16 : 0); /* block stride: the two
-                                          groups of a warp on different banks */
-    static constexpr int LBS = 3 * W;  /* diagonal L_B blocks [NS][W][LBS]: zeros | W | zeros */
-    static constexpr int NO = T - W;   /* below-diagonal parts of L_A and L_B */
-    static constexpr int LOS = NO + 1;
-    static constexpr size_t nr = (size_t)2 * T * XS + (size_t)NS * LTB +
-                                 (size_t)NS * W * LBS + (size_t)2 * NO * LOS;
-    static constexpr size_t smem =
-        sizeof(R) * nr + sizeof(float) * 2 * T * T + sizeof(int16_t) * T * T;
-};
-
-template <typename R> struct Smem6 {
-    R *Es;  /* [64][XS] W (+ down pushes) in, E out */
-    R *Xs;  /* [64][XS] Rp (+ right pushes) in, R^ out */
-    R *LAT; /* [NS][LTB]: LAT[b][c][j] = L_A[W b + j][W b + c] for c < j < W, else 0 */
-    R *LBp; /* [NS][W][LBS]: L_B[W r + p][W r + i] at [r][p][W + i], 0 <= i < p, else 0 */
-    R *LAo; /* [NO][LOS]: L_A[W + i][j] (used where block(j) < block(W + i)) */
-    R *LBo; /* [NO][LOS]: L_B[W + i][j] (likewise) */
-    float *Scs, *Zcs; /* [64][64] scale / zero of each entry; the scale slot
-                         receives the entry's weight once it is rounded */
-    int16_t *Cs;      /* [64][64] codes */
-};
-
-/* One W x W block (strip r, block b) by a group of W lanes; `valid` is
- * false for a group without a block at this level (it still takes part in
- * the shuffles). The step is branch-free but for the division's slow path:
- * every lane rounds, loads and multiplies; what an inactive lane computes is
- * multiplied by zero or not stored, so that the unrolled steps form one
- * basic block the compiler can overlap. */
-template <typename R, int W, int KIND>
-__device__ __forceinline__ void solve_block6(const TileArgs<R> &a, const Smem6<R> &sm, int r,
-                                             int b, bool valid, int p, int64_t r0, int64_t c0,
-                                             int *cnt)
-{
-    using Cf = Solve6Cfg<R, W>;
-    constexpr int XS = Cf::XS, LBS = Cf::LBS, T = Cf::T, LTS = Cf::LTS, LTB = Cf::LTB;
-    if (!valid) { /* a group outside the tile: never active, no window */
-        r = 0;
-        b = 0;
-    }
-    const int prow = W * r + p, cb = W * b;
-    /* columns of this block that are inside the matrix, for this row */
-    const int64_t ncol64 = r0 + prow < a.m ? a.n - (c0 + cb) : 0;
-    const int ncol = ncol64 < 0 ? 0 : (ncol64 > W ? W : (int)ncol64);
-    R *xrow = sm.Xs + prow * XS + cb, *erow = sm.Es + prow * XS + cb;
-    float *srow = sm.Scs + prow * T + cb;
-    const float *zrow = sm.Zcs + prow * T + cb;
-    int16_t *crow = sm.Cs + prow * T + cb;
-    const R *lat = sm.LAT + b * LTB;
-    const R *lbp = sm.LBp + prow * LBS + W; /* lbp[i] = L_B[p, i] (block-local), 0 outside */
-    const R qmin = a.q.qmin, qmax = a.q.qmax;
-    R lb[W], x[W], y[W];
-#pragma unroll
-    for (int s = 0; s < W; s++) {
-        lb[s] = s == 0 || !valid ? R(0) : lbp[p - s];
-        const int col = s - p;
-        x[s] = valid && col >= 0 ? xrow[col] : R(0);
-        y[s] = valid && col >= 0 ? erow[col] : R(0);
-    }
-    /* the scale and zero of the next active entry, loaded a step ahead */
-    R scn = (R)srow[0], zcn = (R)zrow[0];
-#pragma unroll 1
-    for (int k0 = 0; k0 < 2 * W - 1; k0 += W) {
-#pragma unroll
-        for (int u = 0; u < W; u++) {
-            const int k = k0 + u;
-            if (k >= 2 * W - 1)
-                break;
-            const int c = k - p;
-            const bool act = valid && (unsigned)c < (unsigned)W;
-            const int ci = act ? c : 0; /* a safe column for the loads */
-            const R sc = scn, zc = zcn;
-            {
-                const int cn = c + 1 < 0 ? 0 : (c + 1 >= W ? W - 1 : c + 1);
-                scn = (R)srow[cn];
-                zcn = (R)zrow[cn];
-            }
-            const R *lc = lat + ci * (LTS + 1); /* lc[s] = L_A[c + s, c] (0 past the block) */
-            R la[W];
-#pragma unroll
-            for (int s = 1; s < W; s++)
-                la[s] = lc[s];
-            const R wt = y[u] + x[u];
-            int code = 0, fl = 0;
-            R v = bk_round_bf<KIND, R>(wt, sc, zc, qmin, qmax, &code, &fl);
-            const bool real = act && c < ncol;
-            if (real) {
-                cnt[0] += fl & 1;
-                cnt[1] += (fl >> 1) & 1;
-                cnt[2] += (fl >> 2) & 1;
-            }
-            v = real ? v : R(0);
-            code = real ? code : 0;
-            const R e = real ? v - wt : R(0);
-            x[u] += e; /* L_A[c,c] = 1: now R^[p,c] */
-            const R rn = act ? x[u] : R(0);
-            if (act) {
-                erow[c] = e;
-                xrow[c] = rn;
-                srow[c] = (float)v;
-                crow[c] = (int16_t)code;
-            }
-#pragma unroll
-            for (int s = 1; s < W; s++)
-                x[(s + u) % W] += e * la[s];
-#pragma unroll
-            for (int s = 1; s < W; s++)
-                y[(s + u) % W] += lb[s] * __shfl_up_sync(0xffffffffu, rn, s, W);
-            /* slide: register u becomes column c + W (read while c < 0) */
-            const bool enter = valid && c < 0;
-            const int ce = enter ? c + W : 0;
-            const R xe = xrow[ce], ye = erow[ce];
-            x[u] = enter ? xe : R(0);
-            y[u] = enter ? ye : R(0);
-        }
-    }
-}
-
-/* The pushes of the blocks of level L, by all threads: for each block
- * (r, b = L - r) of the tile,
- *   right (b < NS-1): X[strip r, blocks > b] += E[r, b] L_A[blocks > b, b]^T
- *   down  (r < NS-1): Y[strips > r, block b] += L_B[strips > r, r] R^[r, b]
- * Outputs of different blocks are disjoint. 2 x 2 outputs per thread over the
- * concatenated output space of all the products. */
-template <typename R, int W>
-__device__ __forceinline__ void push_level6(const Smem6<R> &sm, int L, int tid, int nth)
-{
-    using Cf = Solve6Cfg<R, W>;
-    constexpr int NS = Cf::NS, XS = Cf::XS, LOS = Cf::LOS, T = Cf::T;
-    /* product list: kind 0 = right, 1 = down, for each strip r */
-    int off[2 * NS + 1];
-    off[0] = 0;
-#pragma unroll
-    for (int g = 0; g < 2 * NS; g++) {
-        const int r = g >> 1, b = L - r, down = g & 1;
-        int nb = 0;
-        if (b >= 0 && b < NS) {
-            if (!down && b < NS - 1)
-                nb = (W / 2) * ((T - W * (b + 1)) / 2);
-            else if (down && r < NS - 1)
-                nb = ((T - W * (r + 1)) / 2) * (W / 2);
-        }
-        off[g + 1] = off[g] + nb;
-    }
-    for (int idx = tid; idx < off[2 * NS]; idx += nth) {
-        int g = 0, base = 0; /* the product of idx (a select chain: off stays in registers) */
-#pragma unroll
-        for (int h = 1; h < 2 * NS; h++)
-            if (idx >= off[h]) {
-                g = h;
-                base = off[h];
-            }
-        const int r = g >> 1, b = L - r, local = idx - base;
-        R *O;
-        const R *A, *B;
-        int sai, sbj, sbk, N;
-        if (!(g & 1)) { /* right: O = X[W r + i][W (b+1) + j] */
-            N = T - W * (b + 1);
-            O = sm.Xs + W * r * XS + W * (b + 1);
-            A = sm.Es + W * r * XS + W * b;
-            sai = XS;
-            B = sm.LAo + W * b * LOS + W * b; /* B(j, k) = L_A[W (b+1) + j][W b + k] */
-            sbj = LOS;
-            sbk = 1;
-        } else { /* down: O = Y[W (r+1) + i][W b + j] */
-            N = W;
-            O = sm.Es + W * (r + 1) * XS + W * b;
-            A = sm.LBo + W * r * LOS + W * r; /* A(i, k) = L_B[W (r+1) + i][W r + k] */
-            sai = LOS;
-            B = sm.Xs + W * r * XS + W * b; /* B(j, k) = R^[W r + k][W b + j] */
-            sbj = 1;
-            sbk = XS;
-        }
-        const int nh = N / 2, i = 2 * (local / nh), j = 2 * (local % nh);
-        R c00 = R(0), c01 = R(0), c10 = R(0), c11 = R(0);
-        const R *a0 = A + i * sai, *a1 = a0 + sai, *b0 = B + j * sbj, *b1 = b0 + sbj;
-#pragma unroll
-        for (int k = 0; k < W; k++) {
-            const R x0 = a0[k], x1 = a1[k], y0 = b0[k * sbk], y1 = b1[k * sbk];
-            c00 += x0 * y0;
-            c01 += x0 * y1;
-            c10 += x1 * y0;
-            c11 += x1 * y1;
-        }
-        O[i * XS + j] += c00;
-        O[i * XS + j + 1] += c01;
-        O[(i + 1) * XS + j] += c10;
-        O[(i + 1) * XS + j + 1] += c11;
-    }
-}
-
-template <typename R, int W, int KIND>
-__global__ void __launch_bounds__(Solve6Cfg<R, W>::NW * 32)
-    k_tile_solve6(TileArgs<R> a, int K, int i_lo)
-{
-    using Cf = Solve6Cfg<R, W>;
-    constexpr int T = Cf::T, NS = Cf::NS, NW = Cf::NW, XS = Cf::XS, LTS = Cf::LTS,
-                  LTB = Cf::LTB, LBS = Cf::LBS, NO = Cf::NO, LOS = Cf::LOS, NTH = NW * 32;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    Smem6<R> sm;
-    sm.Es = reinterpret_cast<R *>(smem_raw);
-    sm.Xs = sm.Es + T * XS;
-    sm.LAT = sm.Xs + T * XS;
-    sm.LBp = sm.LAT + NS * LTB;
-    sm.LAo = sm.LBp + NS * W * LBS;
-    sm.LBo = sm.LAo + NO * LOS;
-    sm.Scs = reinterpret_cast<float *>(sm.LBo + NO * LOS);
-    sm.Zcs = sm.Scs + T * T;
-    sm.Cs = reinterpret_cast<int16_t *>(sm.Zcs + T * T);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int I = i_lo + (int)blockIdx.x, J = K - I;
-    const int64_t r0 = (int64_t)I * T, c0 = (int64_t)J * T;
-    const bool hasb = a.LB != nullptr;
-
-    /* zeros of the padded factor copies (disjoint from the loads below) */
-    for (int idx = tid; idx < NS * LTB; idx += NTH) {
-        const int j = (idx % LTB) % LTS, c = (idx % LTB) / LTS;
-        if (c >= W || j <= c || j >= W)
-            sm.LAT[idx] = R(0);
-    }
-    for (int idx = tid; idx < NS * W * LBS; idx += NTH) {
-        const int i = idx % LBS - W, p = (idx / LBS) % W;
-        if (i < 0 || i >= p)
-            sm.LBp[idx] = R(0);
-    }
-    /* loads, coalesced along the rows of the global arrays; NTH is a
-     * multiple of T, so each thread keeps one column. Batches of RB rows:
-     * all global loads of a batch are issued before its shared stores. */
-    static_assert(NTH % T == 0, "one column per thread");
-    constexpr int RSTEP = NTH / T, NR = T / RSTEP, RB = 8;
-    const int cc = tid % T, rbase = tid / T;
-    const int64_t gc = c0 + cc, ggrp = gc / a.q.group;
-    const bool colin = gc < a.n, scaled = a.q.kind != BK_Q_INTEGER;
-#pragma unroll 1
-    for (int t0 = 0; t0 < NR; t0 += RB) {
-        R wv[RB], rv[RB], lav[RB], lbv[RB];
-        float sv[RB], zv[RB];
-#pragma unroll
-        for (int t = 0; t < RB; t++) {
-            const int rr = rbase + RSTEP * (t0 + t);
-            const int64_t gr = r0 + rr;
-            wv[t] = a.W[gr * a.ldw + gc];
-            rv[t] = a.Rp[gr * a.ldr + gc];
-            lav[t] = a.LA[(c0 + rr) * a.ldla + gc];
-            lbv[t] = hasb ? a.LB[gr * a.ldlb + r0 + cc] : R(0);
-            sv[t] = 1.0f;
-            zv[t] = 0.0f;
-            if (scaled && gr < a.m && colin) {
-                const int64_t gi = gr * a.q.groups + ggrp;
-                sv[t] = (float)a.q.scale[gi];
-                if (a.q.zero)
-                    zv[t] = (float)a.q.zero[gi];
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < RB; t++) {
-            const int rr = rbase + RSTEP * (t0 + t);
-            sm.Es[rr * XS + cc] = wv[t];
-            sm.Xs[rr * XS + cc] = rv[t];
-            sm.Scs[rr * T + cc] = sv[t];
-            sm.Zcs[rr * T + cc] = zv[t];
-            const int rb = rr / W, cbk = cc / W;
-            if (cc < rr) {
-                if (rb == cbk) {
-                    sm.LAT[rb * LTB + (cc % W) * LTS + rr % W] = lav[t];
-                    sm.LBp[(rb * W + rr % W) * LBS + W + cc % W] = lbv[t];
-                } else {
-                    sm.LAo[(rr - W) * LOS + cc] = lav[t];
-                    sm.LBo[(rr - W) * LOS + cc] = lbv[t];
-                }
-            }
-        }
-    }
-    int cnt[3] = {0, 0, 0};
-    __syncthreads();
-
-    constexpr int G = 32 / W; /* blocks per warp */
-    for (int L = 0; L <= 2 * NS - 2; L++) {
-        if (warp < NS / G && !(a.dev & 1)) {
-            const int r = G * warp + lane / W, b = L - r;
-            solve_block6<R, W, KIND>(a, sm, r, b, b >= 0 && b < NS, lane % W, r0, c0, cnt);
-        }
-        __syncthreads();
-        if (L == 2 * NS - 2)
-            break;
-        if (!(a.dev & 2))
-            push_level6<R, W>(sm, L, tid, NTH);
-        __syncthreads();
-    }
-
-    /* stores: E over the W tile, R^ transposed over the Rp tile, codes and
-     * weights inside the matrix */
-    for (int idx = tid; idx < T * T; idx += NTH) {
-        const int rr = idx / T, c2 = idx % T;
-        a.W[(r0 + rr) * a.ldw + c0 + c2] = sm.Es[rr * XS + c2];
-        a.Rp[(r0 + rr) * a.ldr + c0 + c2] = sm.Xs[c2 * XS + rr];
-        if (r0 + rr < a.m && c0 + c2 < a.n) {
-            a.codes[(r0 + rr) * a.n + c0 + c2] = sm.Cs[idx];
-            a.weight[(r0 + rr) * a.n + c0 + c2] = sm.Scs[idx];
-        }
-    }
-    bk_counts_add_warp(a.counts, cnt);
-}
-
 /* ------------------------------------------------------------- far push */
 
 /* The lazy half of the pushes (push_group G > 0): at a flush diagonal Kf the
@@ -951,7 +641,6 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
     ta.codes = a->codes;
     ta.weight = a->weight;
     ta.counts = a->counts;
-    ta.dev = c->dev_flags;
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_LEVELS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S3::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_UNIFORM>,
@@ -966,17 +655,6 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S8::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve2<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S2::smem));
-    if constexpr (T == 64) {
-        BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve6<R, 16, BK_Q_LEVELS>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)Solve6Cfg<R, 16>::smem));
-        BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve6<R, 16, BK_Q_UNIFORM>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)Solve6Cfg<R, 16>::smem));
-        BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve6<R, 16, BK_Q_INTEGER>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)Solve6Cfg<R, 16>::smem));
-    }
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
@@ -992,27 +670,7 @@ template <typename R, int T> bk_status run_tiles(bk_cuda_ctx *c, const bk_core_a
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
-        bool done = false;
-        if constexpr (T == 64) {
-            /* solve_c: 16 = v6 (16 x 16 blocks); 0 = v3 */
-            const int cw = c->solve_c;
-            constexpr int NT6 = Solve6Cfg<R, 16>::NW * 32;
-            constexpr size_t SM6 = Solve6Cfg<R, 16>::smem;
-            if (cw == 16) {
-                if (ta.q.kind == BK_Q_LEVELS)
-                    k_tile_solve6<R, 16, BK_Q_LEVELS><<<ntiles, NT6, SM6, c->stream>>>(ta, K, i_lo);
-                else if (ta.q.kind == BK_Q_UNIFORM)
-                    k_tile_solve6<R, 16, BK_Q_UNIFORM><<<ntiles, NT6, SM6, c->stream>>>(ta, K,
-                                                                                         i_lo);
-                else
-                    k_tile_solve6<R, 16, BK_Q_INTEGER><<<ntiles, NT6, SM6, c->stream>>>(ta, K,
-                                                                                         i_lo);
-            }
-            done = cw != 0;
-        }
-        if (done)
-            ;
-        else if (c->solve_v2)
+        if (c->solve_v2)
             k_tile_solve2<R, T><<<ntiles, S2::NW * 32, S2::smem, c->stream>>>(ta, K, i_lo);
         else if (c->solve_wc == 16)
             launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);

@@ -40,9 +40,6 @@ typedef struct bk_cuda_ctx {
     int solve_v2;         /* dev comparison: the previous tile-solve kernel */
     int solve_wc;         /* tile solve: columns per warp, 16 (8 warps per 64-tile) or 8
                              (16 warps) (BK_CUDA_SOLVE_WC, default 16) */
-    int solve_c;          /* tile solve v4 (64-tiles): block width 16 or 32; 0 = v3
-                             (BK_CUDA_SOLVE_C; fp64 always uses 16) */
-    int dev_flags;        /* timing experiments only (bk-cuda-dev): see bakron.cu */
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
 } bk_cuda_ctx;
 

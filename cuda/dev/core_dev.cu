@@ -263,22 +263,20 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, sc, dev = 0, ovl = -1;
+                int tile, skip, group, v1, wc, ovl = -1;
             };
-            const int sc0 = c0.solve_c; /* the default (environment) */
-            std::vector<V> vs = {{"", 64, 0, 4, 0, 16, sc0}};
+            std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
-                vs.push_back({"-G0", 64, 0, 0, 0, 16, sc0});
-                vs.push_back({"-G8", 64, 0, 8, 0, 16, sc0});
-                vs.push_back({"-T32", 32, 0, 4, 0, 16, sc0});
-                vs.push_back({"-v3", 64, 0, 4, 0, 16, 0});
-                vs.push_back({"-v6w16", 64, 0, 4, 0, 16, 16});
-                vs.push_back({"-solveonly-v3", 64, 1, 4, 0, 16, 0});
-                vs.push_back({"-solveonly-v6w16", 64, 1, 4, 0, 16, 16});
-                vs.push_back({"-noovl", 64, 0, 4, 0, 16, sc0, 0, 0});
-                vs.push_back({"-G8-noovl", 64, 0, 8, 0, 16, sc0, 0, 0});
-                vs.push_back({"-G2", 64, 0, 2, 0, 16, sc0});
-                vs.push_back({"-v6-ovl", 64, 0, 4, 0, 16, 16});
+                vs.push_back({"-G0", 64, 0, 0, 0, 16});
+                vs.push_back({"-G8", 64, 0, 8, 0, 16});
+                vs.push_back({"-T32", 32, 0, 4, 0, 16});
+                vs.push_back({"-wc8", 64, 0, 4, 0, 8});
+                vs.push_back({"-v2solve", 64, 0, 4, 1, 16});
+                vs.push_back({"-solveonly", 64, 1, 4, 0, 16});
+                vs.push_back({"-noovl", 64, 0, 4, 0, 16, 0});
+                vs.push_back({"-G8-noovl", 64, 0, 8, 0, 16, 0});
+                vs.push_back({"-G2", 64, 0, 2, 0, 16});
+                vs.push_back({"-T32-G8", 32, 0, 8, 0, 16});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only != an + v.name)
@@ -288,8 +286,6 @@ static int cmd_bench(int argc, char **argv)
                 c->push_group = v.group;
                 c->solve_wc = v.wc;
                 c->solve_v2 = v.v1;
-                c->solve_c = v.sc;
-                c->dev_flags = v.dev;
                 c->overlap = v.ovl < 0 ? c0.overlap : v.ovl;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
@@ -324,8 +320,6 @@ static int cmd_bench(int argc, char **argv)
             c->push_group = 4;
             c->solve_v2 = 0;
             c->solve_wc = 16;
-            c->solve_c = c0.solve_c;
-            c->dev_flags = 0;
             c->overlap = c0.overlap;
         }
         free_problem(c, P);
@@ -532,15 +526,14 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, sc, ovl = 1;
+        int tile, group, v1, wc, ovl = 1;
     };
     /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
     /* the first (all algorithms) is the default: v3, push groups of 4,
      * overlapped far pushes */
-    const Cfg cfgs[] = {{64, 4, 0, 16, 0},  {64, 4, 0, 16, 0, 0}, {64, 0, 0, 8, 0},
-                        {64, 1, 0, 16, 0},  {64, 3, 1, 16, 0},    {32, 4, 0, 8, 0},
-                        {32, 2, 0, 16, 0},  {64, 2, 0, 8, 0},     {64, 4, 0, 16, 16},
-                        {64, 0, 0, 16, 16}, {64, 1, 0, 16, 16, 0}};
+    const Cfg cfgs[] = {{64, 4, 0, 16}, {64, 4, 0, 16, 0}, {64, 0, 0, 8},    {64, 1, 0, 16},
+                        {64, 1, 0, 16, 0}, {64, 3, 1, 16},   {32, 4, 0, 8},    {32, 2, 0, 16},
+                        {64, 2, 0, 8}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
@@ -566,7 +559,6 @@ static int cmd_validate(int argc, char **argv)
                 c->push_group = cf.group;
                 c->solve_v2 = cf.v1;
                 c->solve_wc = cf.wc;
-                c->solve_c = cf.sc;
                 c->overlap = cf.ovl;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
@@ -581,8 +573,8 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d G%d v%d c%d o%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.sc, cf.ovl, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d q%d %4lldx%-4lld %s: ERROR %s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
                             bad++;
                             continue;
@@ -601,8 +593,8 @@ static int cmd_validate(int argc, char **argv)
                                                               alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d G%d v%d c%d o%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.sc, cf.ovl, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", pct,
                                    fail ? "  <-- FAIL" : "");
                     }
