@@ -737,6 +737,9 @@ template <typename R> bk_status bakron(bk_cuda_ctx *c, const bk_core_args *a)
         st = run_tiles<R, 64>(c, a, Rp);
     if (st == BK_OK)
         st = bk_cuda_status(cudaStreamSynchronize(c->stream), "bakron", __FILE__, __LINE__);
+    /* after a failed launch sequence the side stream may still hold pushes
+     * that read the accumulator: let them finish before it is freed */
+    cudaStreamSynchronize(c->side);
     bk_dev_free(c, Rp);
     return st;
 }
