@@ -16,6 +16,9 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
         cudaEventDestroy(c->ev_main_ready);
     if (c->ev_side_done)
         cudaEventDestroy(c->ev_side_done);
+    for (int i = 0; i < 2; i++)
+        if (c->ev_side_k[i])
+            cudaEventDestroy(c->ev_side_k[i]);
     if (c->side)
         cudaStreamDestroy(c->side);
     if (c->ev_start)
@@ -82,6 +85,14 @@ static bk_status read_env(bk_cuda_ctx *c)
         else
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_OVERLAP: expected 0 or 1 (got '%s')", ov);
     }
+    const char *fu = getenv("BK_CUDA_FUSED");
+    c->fused = 0;
+    if (fu && *fu) {
+        if (!strcmp(fu, "0") || !strcmp(fu, "1"))
+            c->fused = atoi(fu);
+        else
+            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_FUSED: expected 0 or 1 (got '%s')", fu);
+    }
     const char *f = getenv("BK_CUDA_FACTOR_FP64");
     c->factor_fp64 = f && !strcmp(f, "1");
     const char *l = getenv("BK_CUDA_MEM_LIMIT");
@@ -120,6 +131,9 @@ bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out)
                      fail);
         BK_CUDA_GOTO(cudaEventCreateWithFlags(&c->ev_side_done, cudaEventDisableTiming), st,
                      fail);
+        for (int i = 0; i < 2; i++)
+            BK_CUDA_GOTO(cudaEventCreateWithFlags(&c->ev_side_k[i], cudaEventDisableTiming), st,
+                         fail);
     }
     BK_CUDA_GOTO(cudaEventCreate(&c->ev_start), st, fail);
     BK_CUDA_GOTO(cudaEventCreate(&c->ev_stop), st, fail);

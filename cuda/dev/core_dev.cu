@@ -263,7 +263,7 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, ovl = -1;
+                int tile, skip, group, v1, wc, ovl = -1, fused = 0;
             };
             std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -277,6 +277,9 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-G8-noovl", 64, 0, 8, 0, 16, 0});
                 vs.push_back({"-G2", 64, 0, 2, 0, 16});
                 vs.push_back({"-T32-G8", 32, 0, 8, 0, 16});
+                vs.push_back({"-fused", 64, 0, 4, 0, 16, -1, 1});
+                vs.push_back({"-fused-wc8", 64, 0, 4, 0, 8, -1, 1});
+                vs.push_back({"-fused-T32", 32, 0, 4, 0, 16, -1, 1});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only != an + v.name)
@@ -287,6 +290,7 @@ static int cmd_bench(int argc, char **argv)
                 c->solve_wc = v.wc;
                 c->solve_v2 = v.v1;
                 c->overlap = v.ovl < 0 ? c0.overlap : v.ovl;
+                c->fused = v.fused;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -321,6 +325,7 @@ static int cmd_bench(int argc, char **argv)
             c->solve_v2 = 0;
             c->solve_wc = 16;
             c->overlap = c0.overlap;
+            c->fused = c0.fused;
         }
         free_problem(c, P);
     }
@@ -526,14 +531,15 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, ovl = 1;
+        int tile, group, v1, wc, ovl = 1, fused = 0;
     };
     /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
     /* the first (all algorithms) is the default: v3, push groups of 4,
      * overlapped far pushes */
     const Cfg cfgs[] = {{64, 4, 0, 16}, {64, 4, 0, 16, 0}, {64, 0, 0, 8},    {64, 1, 0, 16},
                         {64, 1, 0, 16, 0}, {64, 3, 1, 16},   {32, 4, 0, 8},    {32, 2, 0, 16},
-                        {64, 2, 0, 8}};
+                        {64, 2, 0, 8},     {64, 4, 0, 16, 1, 1}, {64, 4, 0, 8, 1, 1},
+                        {32, 4, 0, 16, 1, 1}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
@@ -560,6 +566,7 @@ static int cmd_validate(int argc, char **argv)
                 c->solve_v2 = cf.v1;
                 c->solve_wc = cf.wc;
                 c->overlap = cf.ovl;
+                c->fused = cf.fused;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
@@ -573,8 +580,8 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d G%d v%d o%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d q%d %4lldx%-4lld %s: ERROR %s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
                             bad++;
                             continue;
@@ -593,8 +600,8 @@ static int cmd_validate(int argc, char **argv)
                                                               alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d G%d v%d o%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", pct,
                                    fail ? "  <-- FAIL" : "");
                     }
