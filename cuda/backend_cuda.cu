@@ -93,6 +93,14 @@ static bk_status read_env(bk_cuda_ctx *c)
         else
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_FUSED: expected 0 or 1 (got '%s')", fu);
     }
+    const char *aj = getenv("BK_CUDA_ADJ");
+    c->adj = 0;
+    if (aj && *aj) {
+        if (!strcmp(aj, "0") || !strcmp(aj, "1"))
+            c->adj = atoi(aj);
+        else
+            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_ADJ: expected 0 or 1 (got '%s')", aj);
+    }
     const char *f = getenv("BK_CUDA_FACTOR_FP64");
     c->factor_fp64 = f && !strcmp(f, "1");
     const char *l = getenv("BK_CUDA_MEM_LIMIT");

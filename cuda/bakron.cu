@@ -62,6 +62,10 @@ template <typename R> struct TileArgs {
      * and Rp when a tile is loaded (NULL otherwise), and the tile counts */
     R *W2, *Rp2;
     int MT, NT;
+    /* the solve pushes into its two adjacent tiles itself (fused_pushes):
+     * set per launch (the fused schedule, or c->adj while the adjacent
+     * targets are near) */
+    int adj;
 };
 
 
@@ -120,12 +124,12 @@ __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int
 
 /* C[r][a] += sum_c A[r][c] Bt[a][c] for one (tile, target) pair. Thread
  * (ty, tx) owns rows ty + TH i and columns tx + TH j. The eager ("near")
- * pushes of the tiles of diagonal K: right targets J < Jt <= Kf - I, down
- * targets I < It <= Kf - J, i.e. the tiles solved up to the next flush Kf
+ * pushes of the tiles of diagonal K: right targets J + off <= Jt <= Kf - I,
+ * down targets I + off <= It <= Kf - J, i.e. the tiles solved up to the next flush Kf
  * (every target when the pushes are eager). */
 template <typename R, int T>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
-    k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf)
+    k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf, int off)
 {
     using P = PushCfg<R, T>;
     constexpr int TM = P::TM, VE = P::VE, S = P::S, TH = P::TH;
@@ -134,14 +138,15 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     R *As = reinterpret_cast<R *>(smem_raw);
     R *Bs = As + T * S;
     const int I = i_lo + (int)blockIdx.y, J = K - I;
-    const int nright = min(NT - 1, Kf - I) - J;
-    const int ndown = min(MT - 1, Kf - J) - I;
+    /* off = 2 when the solve pushed into the adjacent tiles itself */
+    const int nright = max(0, min(NT - 1, Kf - I) - J - (off - 1));
+    const int ndown = max(0, min(MT - 1, Kf - J) - I - (off - 1));
     const int t = (int)blockIdx.x;
     const R *Ap, *Bp;
     int64_t lda, ldb, ldc;
     R *Cp;
     if (t < nright) {
-        const int Jt = J + 1 + t;
+        const int Jt = J + off + t;
         Ap = a.W + (int64_t)I * T * a.ldw + (int64_t)J * T; /* E tile */
         lda = a.ldw;
         Bp = a.LA + (int64_t)Jt * T * a.ldla + (int64_t)J * T;
@@ -149,7 +154,7 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         Cp = a.Rp + (int64_t)I * T * a.ldr + (int64_t)Jt * T;
         ldc = a.ldr;
     } else {
-        const int It = I + 1 + (t - nright);
+        const int It = I + off + (t - nright);
         if (!a.LB || t - nright >= ndown)
             return; /* whole block */
         Ap = a.LB + (int64_t)It * T * a.ldlb + (int64_t)I * T;
@@ -582,7 +587,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
         }
     }
     __syncthreads();
-    if (a.W2) /* fused schedule: the pushes to the two adjacent tiles */
+    if (a.adj) /* the pushes to the two adjacent tiles */
         fused_pushes<R, T, NW * 32>(a, I, J, Es, Rt, LAs, LBs, tid);
     /* coalesced tile stores: E over the W tile, R^ transposed over the Rp
      * tile (what the pushes read), codes and weights inside the matrix */
@@ -827,6 +832,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
     ta.Rp2 = Rp2;
     ta.MT = (int)(a->mpad / T);
     ta.NT = (int)(a->npad / T);
+    ta.adj = W2 != nullptr;
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_side<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_LEVELS>,
@@ -895,6 +901,9 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
+        const int Kf = G ? (K / G) * G + G - 1 : never;
+        /* the adjacent targets (diagonal K + 1) are near unless K ends a run */
+        ta.adj = c->adj && !c->solve_v2 && !c->skip_push && K < Kf;
         if (c->solve_v2)
             k_tile_solve2<R, T><<<ntiles, S2::NW * 32, S2::smem, c->stream>>>(ta, K, i_lo);
         else if (c->solve_wc == 16)
@@ -902,37 +911,41 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
         else
             launch_solve3<R, T, 8>(ta, K, i_lo, ntiles, c->stream);
         BK_CUDA_CHECK(cudaGetLastError());
-        if (c->skip_push)
+        /* skip_push (timing experiments, wrong results): bit 0 every push,
+         * 1 the near pushes, 2 the flush's next-run part, 3 the rest of it */
+        if (c->skip_push & 1)
             continue;
-        const int Kf = G ? (K / G) * G + G - 1 : never;
+        const int off = ta.adj ? 2 : 1;
         int nx = 0;
         for (int I = i_lo; I <= i_hi; I++) {
             const int J = K - I;
-            int t = std::min(NT - 1, Kf - I) - J;
+            int t = std::max(0, std::min(NT - 1, Kf - I) - J - (off - 1));
             if (ta.LB)
-                t += std::min(MT - 1, Kf - J) - I;
+                t += std::max(0, std::min(MT - 1, Kf - J) - I - (off - 1));
             nx = std::max(nx, t);
         }
-        if (nx > 0) {
+        if (nx > 0 && !(c->skip_push & 2)) {
             k_push<R, T><<<dim3(nx, ntiles), PC::NTH, PC::smem, c->stream>>>(ta, K, i_lo, MT, NT,
-                                                                            Kf);
+                                                                            Kf, off);
             BK_CUDA_CHECK(cudaGetLastError());
         }
         if (G && K == Kf && K < MT + NT - 2) {
             const int lines = MT + (ta.LB ? NT : 0), targets = std::max(MT, NT);
             if (!ovl) {
-                k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->stream>>>(
-                    ta, Kf, G, MT, NT, 0);
+                if (!(c->skip_push & 8))
+                    k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->stream>>>(
+                        ta, Kf, G, MT, NT, 0);
                 BK_CUDA_CHECK(cudaGetLastError());
             } else {
                 /* the targets of the next run now (the previous overlapped
                  * push wrote some of them: wait for it), the rest on the side
                  * stream while the next G diagonals are solved */
                 BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_side_done, 0));
-                k_push_far<R, T><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(ta, Kf, G, MT,
-                                                                                 NT, 1);
+                if (!(c->skip_push & 4))
+                    k_push_far<R, T><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
+                        ta, Kf, G, MT, NT, 1);
                 BK_CUDA_CHECK(cudaGetLastError());
-                if (Kf + G < MT + NT - 2) {
+                if (Kf + G < MT + NT - 2 && !(c->skip_push & 8)) {
                     BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
                     BK_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_main_ready, 0));
                     k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->side>>>(

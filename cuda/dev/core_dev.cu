@@ -263,7 +263,7 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, ovl = -1, fused = 0;
+                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0;
             };
             std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -280,6 +280,24 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-fused", 64, 0, 4, 0, 16, -1, 1});
                 vs.push_back({"-fused-wc8", 64, 0, 4, 0, 8, -1, 1});
                 vs.push_back({"-fused-T32", 32, 0, 4, 0, 16, -1, 1});
+                vs.push_back({"-G3", 64, 0, 3, 0, 16});
+                vs.push_back({"-G6", 64, 0, 6, 0, 16});
+                vs.push_back({"-adj", 64, 0, 4, 0, 16, -1, 0, 1});
+                vs.push_back({"-adj-G2", 64, 0, 2, 0, 16, -1, 0, 1});
+                vs.push_back({"-adj-G3", 64, 0, 3, 0, 16, -1, 0, 1});
+                vs.push_back({"-adj-G8", 64, 0, 8, 0, 16, -1, 0, 1});
+                vs.push_back({"-adj-G0", 64, 0, 0, 0, 16, -1, 0, 1});
+                vs.push_back({"-adj-T32", 32, 0, 4, 0, 16, -1, 0, 1});
+                vs.push_back({"-adj-wc8", 64, 0, 4, 0, 8, -1, 0, 1});
+                /* timing by difference (wrong results): no near pushes, no
+                 * next-run part of the flush, no overlapped rest */
+                vs.push_back({"-x-near", 64, 2, 4, 0, 16});
+                vs.push_back({"-x-next", 64, 4, 4, 0, 16});
+                vs.push_back({"-x-side", 64, 8, 4, 0, 16});
+                vs.push_back({"-x-near-next", 64, 6, 4, 0, 16});
+                vs.push_back({"-G2-x-side", 64, 8, 2, 0, 16});
+                vs.push_back({"-adj-x-near", 64, 2, 4, 0, 16, -1, 0, 1});
+                vs.push_back({"-adj-x-side", 64, 8, 4, 0, 16, -1, 0, 1});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only != an + v.name)
@@ -291,6 +309,7 @@ static int cmd_bench(int argc, char **argv)
                 c->solve_v2 = v.v1;
                 c->overlap = v.ovl < 0 ? c0.overlap : v.ovl;
                 c->fused = v.fused;
+                c->adj = v.adj;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -326,6 +345,7 @@ static int cmd_bench(int argc, char **argv)
             c->solve_wc = 16;
             c->overlap = c0.overlap;
             c->fused = c0.fused;
+            c->adj = c0.adj;
         }
         free_problem(c, P);
     }
@@ -531,7 +551,7 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, ovl = 1, fused = 0;
+        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0;
     };
     /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
     /* the first (all algorithms) is the default: v3, push groups of 4,
@@ -539,7 +559,9 @@ static int cmd_validate(int argc, char **argv)
     const Cfg cfgs[] = {{64, 4, 0, 16}, {64, 4, 0, 16, 0}, {64, 0, 0, 8},    {64, 1, 0, 16},
                         {64, 1, 0, 16, 0}, {64, 3, 1, 16},   {32, 4, 0, 8},    {32, 2, 0, 16},
                         {64, 2, 0, 8},     {64, 4, 0, 16, 1, 1}, {64, 4, 0, 8, 1, 1},
-                        {32, 4, 0, 16, 1, 1}};
+                        {32, 4, 0, 16, 1, 1},  {64, 4, 0, 16, 1, 0, 1}, {64, 2, 0, 16, 1, 0, 1},
+                        {64, 0, 0, 8, 1, 0, 1}, {64, 3, 0, 16, 0, 0, 1}, {32, 4, 0, 16, 1, 0, 1},
+                        {64, 1, 0, 16, 1, 0, 1}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
@@ -567,6 +589,7 @@ static int cmd_validate(int argc, char **argv)
                 c->solve_wc = cf.wc;
                 c->overlap = cf.ovl;
                 c->fused = cf.fused;
+                c->adj = cf.adj;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
@@ -580,8 +603,8 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d G%d v%d o%d f%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d a%d q%d %4lldx%-4lld %s: ERROR %s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
                             bad++;
                             continue;
@@ -600,8 +623,8 @@ static int cmd_validate(int argc, char **argv)
                                                               alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d G%d v%d o%d f%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d a%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", pct,
                                    fail ? "  <-- FAIL" : "");
                     }
