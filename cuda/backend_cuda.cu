@@ -12,6 +12,7 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
 {
     if (!c)
         return;
+    bk_cuda_partition_release(c);
     if (c->ev_main_ready)
         cudaEventDestroy(c->ev_main_ready);
     if (c->ev_side_done)
@@ -100,6 +101,17 @@ static bk_status read_env(bk_cuda_ctx *c)
             c->adj = atoi(aj);
         else
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_ADJ: expected 0 or 1 (got '%s')", aj);
+    }
+    const char *pa = getenv("BK_CUDA_PARTITION");
+    c->partition = -1;
+    if (pa && *pa && strcmp(pa, "auto")) {
+        char *end = NULL;
+        long v = strtol(pa, &end, 10);
+        if (end == pa || *end || v < 0 || v > 4096)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "BK_CUDA_PARTITION: expected auto, 0 or a number of SMs (got '%s')",
+                            pa);
+        c->partition = (int)v;
     }
     const char *f = getenv("BK_CUDA_FACTOR_FP64");
     c->factor_fp64 = f && !strcmp(f, "1");

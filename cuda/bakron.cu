@@ -857,6 +857,33 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
     const int G = c->push_group > 0 ? c->push_group : 0;
     const int never = MT + NT + 1; /* eager: no flush, every target is near */
     const bool ovl = G > 0 && c->overlap && c->side;
+    /* the overlapped pushes' stream: confined to an SM partition that leaves
+     * `keep` SMs to the solves (auto: when an anti-diagonal has at most 40
+     * tiles, its tile count rounded up to 8), else the ordinary side stream */
+    cudaStream_t side = c->side;
+    cudaEvent_t side_done = c->ev_side_done;
+    if (ovl && c->partition != 0 && !c->fused) {
+        const int per = std::min(MT, NT);
+        const int keep = c->partition > 0 ? c->partition : per <= 40 ? (per + 7) / 8 * 8 : 0;
+        cudaStream_t ps = NULL;
+        cudaEvent_t pe = NULL;
+        if (keep > 0) {
+            bk_status pst = bk_cuda_partition_side(c, keep, &ps, &pe);
+            if (pst != BK_OK)
+                return pst;
+        }
+        if (ps) {
+            /* the far push's shared-memory limit, also in that context */
+            if (!bk_cuda_partition_enter(c))
+                return bk_error(BK_ERR_DEVICE, "bakron: entering the SM partition's context");
+            cudaError_t e = cudaFuncSetAttribute(
+                k_push_far<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem);
+            bk_cuda_partition_leave(c);
+            BK_CUDA_CHECK(e);
+            side = ps;
+            side_done = pe;
+        }
+    }
     if (W2) {
         /* fused schedule: per diagonal K, main: [wait for the side push of
          * K - 2] solve(K) with its adjacent pushes; side: [after solve(K)]
@@ -896,7 +923,9 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
     ta.W2 = ta.Rp2 = nullptr;
     BK_CUDA_CHECK(cudaEventRecord(c->ev_start, c->stream));
     if (ovl) { /* nothing pending on the side stream yet */
-        BK_CUDA_CHECK(cudaEventRecord(c->ev_side_done, c->stream));
+        BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
+        BK_CUDA_CHECK(cudaStreamWaitEvent(side, c->ev_main_ready, 0));
+        BK_CUDA_CHECK(cudaEventRecord(side_done, side));
     }
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
@@ -940,24 +969,24 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                 /* the targets of the next run now (the previous overlapped
                  * push wrote some of them: wait for it), the rest on the side
                  * stream while the next G diagonals are solved */
-                BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_side_done, 0));
+                BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
                 if (!(c->skip_push & 4))
                     k_push_far<R, T><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
                         ta, Kf, G, MT, NT, 1);
                 BK_CUDA_CHECK(cudaGetLastError());
                 if (Kf + G < MT + NT - 2 && !(c->skip_push & 8)) {
                     BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
-                    BK_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_main_ready, 0));
-                    k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->side>>>(
+                    BK_CUDA_CHECK(cudaStreamWaitEvent(side, c->ev_main_ready, 0));
+                    k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, side>>>(
                         ta, Kf, G, MT, NT, 2);
                     BK_CUDA_CHECK(cudaGetLastError());
-                    BK_CUDA_CHECK(cudaEventRecord(c->ev_side_done, c->side));
+                    BK_CUDA_CHECK(cudaEventRecord(side_done, side));
                 }
             }
         }
     }
     if (ovl)
-        BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_side_done, 0));
+        BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
     BK_CUDA_CHECK(cudaEventRecord(c->ev_stop, c->stream));
     return BK_OK;
 }
@@ -984,6 +1013,8 @@ template <typename R> bk_status bakron(bk_cuda_ctx *c, const bk_core_args *a)
     /* after a failed launch sequence the side stream may still hold pushes
      * that read the accumulator: let them finish before it is freed */
     cudaStreamSynchronize(c->side);
+    if (c->part_stream)
+        cudaStreamSynchronize(c->part_stream);
     bk_dev_free(c, Rp);
     bk_dev_free(c, W2);
     bk_dev_free(c, Rp2);

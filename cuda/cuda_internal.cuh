@@ -45,7 +45,22 @@ typedef struct bk_cuda_ctx {
     int solve_wc;         /* tile solve: columns per warp, 16 (8 warps per 64-tile) or 8
                              (16 warps) (BK_CUDA_SOLVE_WC, default 16) */
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
+    /* BaKron: the side stream confined to an SM partition (partition.cu) */
+    int partition;        /* SMs kept free of it: -1 auto (default), 0 never, N
+                             (BK_CUDA_PARTITION) */
+    void *green;          /* CUgreenCtx of the partition, or NULL */
+    cudaStream_t part_stream; /* the partition's side stream */
+    cudaEvent_t part_done;    /* recorded on it (an event of its context) */
+    int part_sms, part_actual; /* SMs asked for / given */
+    char part_off[96];    /* why the partition is unavailable ("" = not known to be) */
 } bk_cuda_ctx;
+
+/* partition.cu */
+bk_status bk_cuda_partition_side(bk_cuda_ctx *c, int keep, cudaStream_t *stream,
+                                 cudaEvent_t *done);
+void bk_cuda_partition_release(bk_cuda_ctx *c);
+bool bk_cuda_partition_enter(bk_cuda_ctx *c);
+void bk_cuda_partition_leave(bk_cuda_ctx *c);
 
 extern "C" {
 #include "util.h"

@@ -263,7 +263,7 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0;
+                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0, part = -2;
             };
             std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -280,6 +280,19 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-fused", 64, 0, 4, 0, 16, -1, 1});
                 vs.push_back({"-fused-wc8", 64, 0, 4, 0, 8, -1, 1});
                 vs.push_back({"-fused-T32", 32, 0, 4, 0, 16, -1, 1});
+                vs.push_back({"-P0", 64, 0, 4, 0, 16, -1, 0, 0, 0});
+                vs.push_back({"-P0-G3", 64, 0, 3, 0, 16, -1, 0, 0, 0});
+                vs.push_back({"-P16", 64, 0, 4, 0, 16, -1, 0, 0, 16});
+                vs.push_back({"-P24", 64, 0, 4, 0, 16, -1, 0, 0, 24});
+                vs.push_back({"-P40", 64, 0, 4, 0, 16, -1, 0, 0, 40});
+                vs.push_back({"-P48", 64, 0, 4, 0, 16, -1, 0, 0, 48});
+                vs.push_back({"-P64", 64, 0, 4, 0, 16, -1, 0, 0, 64});
+                vs.push_back({"-P32-G2", 64, 0, 2, 0, 16, -1, 0, 0, 32});
+                vs.push_back({"-P32-G3", 64, 0, 3, 0, 16, -1, 0, 0, 32});
+                vs.push_back({"-P32-G6", 64, 0, 6, 0, 16, -1, 0, 0, 32});
+                vs.push_back({"-P40-G3", 64, 0, 3, 0, 16, -1, 0, 0, 40});
+                vs.push_back({"-P32-adj-G2", 64, 0, 2, 0, 16, -1, 0, 1, 32});
+                vs.push_back({"-P32-x-side", 64, 8, 4, 0, 16, -1, 0, 0, 32});
                 vs.push_back({"-G3", 64, 0, 3, 0, 16});
                 vs.push_back({"-G6", 64, 0, 6, 0, 16});
                 vs.push_back({"-adj", 64, 0, 4, 0, 16, -1, 0, 1});
@@ -310,6 +323,7 @@ static int cmd_bench(int argc, char **argv)
                 c->overlap = v.ovl < 0 ? c0.overlap : v.ovl;
                 c->fused = v.fused;
                 c->adj = v.adj;
+                c->partition = v.part == -2 ? c0.partition : v.part;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -330,8 +344,14 @@ static int cmd_bench(int argc, char **argv)
                 snprintf(label, sizeof label, "%s%s", an.c_str(), v.name);
                 char shape[32];
                 snprintf(shape, sizeof shape, "%lldx%lld", (long long)P.m, (long long)P.n);
-                printf("%-12s %-16s %10.4f %10.4f %12.1f\n", shape, label, med, mn,
+                printf("%-12s %-16s %10.4f %10.4f %12.1f", shape, label, med, mn,
                        c->mem_peak / 1048576.0);
+                if (alg == BK_ALG_BAKRON)
+                    printf("  partition %s%d/%d", c->part_off[0] ? "off: " : "",
+                           c->green ? c->part_actual : 0, c->green ? c->part_sms : 0);
+                if (c->part_off[0])
+                    printf(" (%s)", c->part_off);
+                printf("\n");
                 fprintf(stderr,
                         "JSON {\"m\": %lld, \"n\": %lld, \"algorithm\": \"%s\", \"median_s\": %.6f, "
                         "\"min_s\": %.6f, \"reps\": %d, \"peak_bytes\": %zu, \"clamped\": %llu}\n",
@@ -346,6 +366,7 @@ static int cmd_bench(int argc, char **argv)
             c->overlap = c0.overlap;
             c->fused = c0.fused;
             c->adj = c0.adj;
+            c->partition = c0.partition;
         }
         free_problem(c, P);
     }
@@ -551,7 +572,7 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0;
+        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0, part = -1;
     };
     /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
     /* the first (all algorithms) is the default: v3, push groups of 4,
@@ -561,7 +582,9 @@ static int cmd_validate(int argc, char **argv)
                         {64, 2, 0, 8},     {64, 4, 0, 16, 1, 1}, {64, 4, 0, 8, 1, 1},
                         {32, 4, 0, 16, 1, 1},  {64, 4, 0, 16, 1, 0, 1}, {64, 2, 0, 16, 1, 0, 1},
                         {64, 0, 0, 8, 1, 0, 1}, {64, 3, 0, 16, 0, 0, 1}, {32, 4, 0, 16, 1, 0, 1},
-                        {64, 1, 0, 16, 1, 0, 1}};
+                        {64, 1, 0, 16, 1, 0, 1}, {64, 4, 0, 16, 1, 0, 0, 0},
+                        {64, 2, 0, 16, 1, 0, 0, 64}, {32, 3, 0, 16, 1, 0, 1, 100},
+                        {64, 3, 0, 8, 1, 0, 0, 24}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
@@ -590,6 +613,7 @@ static int cmd_validate(int argc, char **argv)
                 c->overlap = cf.ovl;
                 c->fused = cf.fused;
                 c->adj = cf.adj;
+                c->partition = cf.part;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
@@ -603,8 +627,8 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d G%d v%d o%d f%d a%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d q%d %4lldx%-4lld %s: ERROR %s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
                             bad++;
                             continue;
@@ -623,14 +647,16 @@ static int cmd_validate(int argc, char **argv)
                                                               alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d G%d v%d o%d f%d a%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", pct,
                                    fail ? "  <-- FAIL" : "");
                     }
                 }
                 bk_alphabet_free(&al);
             }
+    printf("SM partition: %s%s (last: %d of %d SMs asked)\n", c->part_off[0] ? "unavailable: " : "used",
+           c->part_off, c->green ? c->part_actual : 0, c->green ? c->part_sms : 0);
     printf("validate: %s (%d failures)\n", bad ? "FAILED" : "ok", bad);
     bk_cuda_ctx_destroy(c);
     return bad ? 1 : 0;
