@@ -7,7 +7,8 @@
  * SM for its larger CTA to fit. On the shapes with few tiles per anti-diagonal
  * (8192 x 2048: at most 32) the solves then spend ~2 ms of 14 waiting.
  *
- * A green context (driver API, CUDA 12.4+) confines a stream to a subset of
+ * A green context (driver API, CUDA 12.5+; the entry points are asked for at the
+ * runtime's version) confines a stream to a subset of
  * the SMs. The side stream is moved into one that holds all SMs but about
  * `keep`; those stay free for the main stream (which may still use every SM).
  * The driver entry points are looked up at run time (cudaGetDriverEntryPoint-
@@ -62,7 +63,7 @@ bool load(Drv *d, char *why, size_t cap)
               {"cuStreamDestroy", (void **)&d->StreamDestroy}};
     for (const E &e : es) {
         cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-        cudaError_t r = cudaGetDriverEntryPointByVersion(e.name, e.fn, 12040, cudaEnableDefault, &q);
+        cudaError_t r = cudaGetDriverEntryPointByVersion(e.name, e.fn, CUDART_VERSION, cudaEnableDefault, &q);
         if (r != cudaSuccess || q != cudaDriverEntryPointSuccess || !*e.fn) {
             cudaGetLastError();
             snprintf(why, cap, "driver entry point %s not found", e.name);
