@@ -93,8 +93,9 @@ template <typename R, int T> struct PushCfg {
 /* Copy the T x T operands A and Bt into shared memory (rows S apart) in
  * batches: all global loads of a batch are issued before its shared stores,
  * so that their latencies overlap (a loop alternating the two serializes
- * them). Used by the near push, which is on the critical path; the far push
- * keeps its plain loop (the batch registers would cost it occupancy). */
+ * them). Used by the pushes on the critical path (near, and the flush's
+ * next-run part); the overlapped far push keeps its plain loop (the batch
+ * registers would cost it occupancy). */
 template <typename R, int T>
 __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int64_t lda,
                                                   const R *Bp, int64_t ldb, int tid)
@@ -613,7 +614,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
  * with the run = the tiles of the line on diagonals Kf-G+1 .. Kf and the
  * targets those after it (solved after Kf). blockIdx.y is the absolute
  * target index, so neighbouring CTAs share L_A / L_B blocks in L2. */
-template <typename R, int T>
+template <typename R, int T, bool BATCH = false>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT, int mode)
 {
@@ -673,13 +674,16 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
             Bp = a.Rp + (int64_t)src * T * a.ldr + (int64_t)(line - MT) * T;
             ldb = a.ldr;
         }
-        for (int idx = tid; idx < T * VPR; idx += NTH) {
-            const int r = idx / VPR, cv = (idx % VPR) * VE;
-            *reinterpret_cast<V *>(&As[r * S + cv]) =
-                *reinterpret_cast<const V *>(&Ap[(int64_t)r * lda + cv]);
-            *reinterpret_cast<V *>(&Bs[r * S + cv]) =
-                *reinterpret_cast<const V *>(&Bp[(int64_t)r * ldb + cv]);
-        }
+        if constexpr (BATCH) /* the next run's part: on the critical path */
+            load_pair_batched<R, T>(As, Bs, Ap, lda, Bp, ldb, tid);
+        else
+            for (int idx = tid; idx < T * VPR; idx += NTH) {
+                const int r = idx / VPR, cv = (idx % VPR) * VE;
+                *reinterpret_cast<V *>(&As[r * S + cv]) =
+                    *reinterpret_cast<const V *>(&Ap[(int64_t)r * lda + cv]);
+                *reinterpret_cast<V *>(&Bs[r * S + cv]) =
+                    *reinterpret_cast<const V *>(&Bp[(int64_t)r * ldb + cv]);
+            }
         __syncthreads();
 #pragma unroll 4
         for (int c = 0; c < T; c += VE) {
@@ -851,6 +855,8 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S2::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)PC::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T, true>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
@@ -971,7 +977,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                  * stream while the next G diagonals are solved */
                 BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
                 if (!(c->skip_push & 4))
-                    k_push_far<R, T><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
+                    k_push_far<R, T, true><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
                         ta, Kf, G, MT, NT, 1);
                 BK_CUDA_CHECK(cudaGetLastError());
                 if (Kf + G < MT + NT - 2 && !(c->skip_push & 8)) {
