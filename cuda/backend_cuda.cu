@@ -102,6 +102,15 @@ static bk_status read_env(bk_cuda_ctx *c)
         else
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_ADJ: expected 0 or 1 (got '%s')", aj);
     }
+    const char *ps = getenv("BK_CUDA_PUSH_SPLIT");
+    c->push_split = 2;
+    if (ps && *ps) {
+        if (!strcmp(ps, "1") || !strcmp(ps, "2"))
+            c->push_split = atoi(ps);
+        else
+            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_PUSH_SPLIT: expected 1 or 2 (got '%s')",
+                            ps);
+    }
     const char *pa = getenv("BK_CUDA_PARTITION");
     c->partition = -1;
     if (pa && *pa && strcmp(pa, "auto")) {

@@ -96,13 +96,14 @@ template <typename R, int T> struct PushCfg {
  * them). Used by the pushes on the critical path (near, and the flush's
  * next-run part); the overlapped far push keeps its plain loop (the batch
  * registers would cost it occupancy). */
-template <typename R, int T>
+template <typename R, int T, int ROWS = T>
 __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int64_t lda,
                                                   const R *Bp, int64_t ldb, int tid)
 {
     using P = PushCfg<R, T>;
     using V = typename Vec16<R>::type;
-    constexpr int VE = P::VE, S = P::S, NTH = P::NTH, VPR = T / VE, IT = T * VPR / NTH;
+    constexpr int VE = P::VE, S = P::S, NTH = P::NTH, VPR = T / VE, IT = ROWS * VPR / NTH;
+    static_assert(ROWS * VPR % NTH == 0, "load rows");
     constexpr int BT = IT < 8 ? IT : 8;
     static_assert(IT % BT == 0, "load batches");
 #pragma unroll
@@ -127,13 +128,15 @@ __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int
  * (ty, tx) owns rows ty + TH i and columns tx + TH j. The eager ("near")
  * pushes of the tiles of diagonal K: right targets J + off <= Jt <= Kf - I,
  * down targets I + off <= It <= Kf - J, i.e. the tiles solved up to the next flush Kf
- * (every target when the pushes are eager). */
-template <typename R, int T>
+ * (every target when the pushes are eager). QD = 2: the target tile in
+ * QD x QD parts, one per CTA (blockIdx.z): a quarter of the latency on the
+ * critical path, for more CTAs and loads. */
+template <typename R, int T, int QD = 1>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf, int off)
 {
     using P = PushCfg<R, T>;
-    constexpr int TM = P::TM, VE = P::VE, S = P::S, TH = P::TH;
+    constexpr int QR = T / QD, TM = QR / P::TH, VE = P::VE, S = P::S, TH = P::TH;
     using V = typename Vec16<R>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     R *As = reinterpret_cast<R *>(smem_raw);
@@ -165,8 +168,14 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         Cp = a.W + (int64_t)It * T * a.ldw + (int64_t)J * T;
         ldc = a.ldw;
     }
+    if (QD > 1) { /* this CTA's part: rows of A, rows of Bt (columns of C) */
+        const int qr = (int)blockIdx.z / QD, qc = (int)blockIdx.z % QD;
+        Ap += (int64_t)qr * QR * lda;
+        Bp += (int64_t)qc * QR * ldb;
+        Cp += (int64_t)qr * QR * ldc + qc * QR;
+    }
     const int tid = threadIdx.x;
-    load_pair_batched<R, T>(As, Bs, Ap, lda, Bp, ldb, tid);
+    load_pair_batched<R, T, QR>(As, Bs, Ap, lda, Bp, ldb, tid);
     __syncthreads();
     const int tx = tid % TH, ty = tid / TH;
     R acc[TM][TM];
@@ -614,12 +623,14 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
  * with the run = the tiles of the line on diagonals Kf-G+1 .. Kf and the
  * targets those after it (solved after Kf). blockIdx.y is the absolute
  * target index, so neighbouring CTAs share L_A / L_B blocks in L2. */
-template <typename R, int T, bool BATCH = false>
+template <typename R, int T, bool BATCH = false, int QD = 1>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT, int mode)
 {
     using P = PushCfg<R, T>;
-    constexpr int TM = P::TM, VE = P::VE, S = P::S, VPR = T / VE, TH = P::TH, NTH = P::NTH;
+    constexpr int QR = T / QD, TM = QR / P::TH, VE = P::VE, S = P::S, VPR = T / VE, TH = P::TH,
+                  NTH = P::NTH;
+    static_assert(QD == 1 || BATCH, "parts need the batched loads");
     using V = typename Vec16<R>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     R *As = reinterpret_cast<R *>(smem_raw);
@@ -654,6 +665,9 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         ldc = a.ldw;
     }
     const int tid = threadIdx.x, tx = tid % TH, ty = tid / TH;
+    const int qr = QD > 1 ? (int)blockIdx.z / QD : 0, qc = QD > 1 ? (int)blockIdx.z % QD : 0;
+    if (QD > 1)
+        Cp += (int64_t)qr * QR * ldc + qc * QR;
     R acc[TM][TM];
 #pragma unroll
     for (int i = 0; i < TM; i++)
@@ -675,7 +689,8 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
             ldb = a.ldr;
         }
         if constexpr (BATCH) /* the next run's part: on the critical path */
-            load_pair_batched<R, T>(As, Bs, Ap, lda, Bp, ldb, tid);
+            load_pair_batched<R, T, QR>(As, Bs, Ap + (int64_t)qr * QR * lda, lda,
+                                        Bp + (int64_t)qc * QR * ldb, ldb, tid);
         else
             for (int idx = tid; idx < T * VPR; idx += NTH) {
                 const int r = idx / VPR, cv = (idx % VPR) * VE;
@@ -855,6 +870,10 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S2::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)PC::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T, 2>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T, true, 2>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T, true>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
@@ -960,8 +979,12 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
             nx = std::max(nx, t);
         }
         if (nx > 0 && !(c->skip_push & 2)) {
-            k_push<R, T><<<dim3(nx, ntiles), PC::NTH, PC::smem, c->stream>>>(ta, K, i_lo, MT, NT,
-                                                                            Kf, off);
+            if (c->push_split == 2)
+                k_push<R, T, 2><<<dim3(nx, ntiles, 4), PC::NTH, PC::smem, c->stream>>>(
+                    ta, K, i_lo, MT, NT, Kf, off);
+            else
+                k_push<R, T><<<dim3(nx, ntiles), PC::NTH, PC::smem, c->stream>>>(ta, K, i_lo, MT,
+                                                                                NT, Kf, off);
             BK_CUDA_CHECK(cudaGetLastError());
         }
         if (G && K == Kf && K < MT + NT - 2) {
@@ -976,9 +999,14 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                  * push wrote some of them: wait for it), the rest on the side
                  * stream while the next G diagonals are solved */
                 BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
-                if (!(c->skip_push & 4))
-                    k_push_far<R, T, true><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
-                        ta, Kf, G, MT, NT, 1);
+                if (!(c->skip_push & 4)) {
+                    if (c->push_split == 2)
+                        k_push_far<R, T, true, 2><<<dim3(lines, G, 4), PC::NTH, PC::smem,
+                                                    c->stream>>>(ta, Kf, G, MT, NT, 1);
+                    else
+                        k_push_far<R, T, true><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
+                            ta, Kf, G, MT, NT, 1);
+                }
                 BK_CUDA_CHECK(cudaGetLastError());
                 if (Kf + G < MT + NT - 2 && !(c->skip_push & 8)) {
                     BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
