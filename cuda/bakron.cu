@@ -96,6 +96,18 @@ template <typename R, int T> struct PushCfg {
  * them). Used by the pushes on the critical path (near, and the flush's
  * next-run part); the overlapped far push keeps its plain loop (the batch
  * registers would cost it occupancy). */
+/* 16-byte asynchronous copies global -> shared (sm_80+): every load of a
+ * tile in flight at once with no registers held for it. */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all()
+{
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
 template <typename R, int T, int ROWS = T>
 __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int64_t lda,
                                                   const R *Bp, int64_t ldb, int tid)
@@ -623,7 +635,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
  * with the run = the tiles of the line on diagonals Kf-G+1 .. Kf and the
  * targets those after it (solved after Kf). blockIdx.y is the absolute
  * target index, so neighbouring CTAs share L_A / L_B blocks in L2. */
-template <typename R, int T, bool BATCH = false, int QD = 1>
+template <typename R, int T, bool BATCH = false, int QD = 1, bool ASYNC = false>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT, int mode)
 {
@@ -691,7 +703,14 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         if constexpr (BATCH) /* the next run's part: on the critical path */
             load_pair_batched<R, T, QR>(As, Bs, Ap + (int64_t)qr * QR * lda, lda,
                                         Bp + (int64_t)qc * QR * ldb, ldb, tid);
-        else
+        else if constexpr (ASYNC) {
+            for (int idx = tid; idx < T * VPR; idx += NTH) {
+                const int r = idx / VPR, cv = (idx % VPR) * VE;
+                cp_async16(&As[r * S + cv], &Ap[(int64_t)r * lda + cv]);
+                cp_async16(&Bs[r * S + cv], &Bp[(int64_t)r * ldb + cv]);
+            }
+            cp_async_wait_all();
+        } else
             for (int idx = tid; idx < T * VPR; idx += NTH) {
                 const int r = idx / VPR, cv = (idx % VPR) * VE;
                 *reinterpret_cast<V *>(&As[r * S + cv]) =
@@ -822,6 +841,18 @@ void launch_solve3(const TileArgs<R> &ta, int K, int i_lo, int ntiles, cudaStrea
         k_tile_solve3<R, T, WC, BK_Q_INTEGER><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
 }
 
+/* the far push off the critical path (mode 0 or 2) */
+template <typename R, int T>
+void launch_far(const bk_cuda_ctx *c, const TileArgs<R> &ta, dim3 grid, cudaStream_t st, int Kf,
+                int G, int MT, int NT, int mode)
+{
+    using PC = PushCfg<R, T>;
+    if (c->far_async)
+        k_push_far<R, T, false, 1, true><<<grid, PC::NTH, PC::smem, st>>>(ta, Kf, G, MT, NT, mode);
+    else
+        k_push_far<R, T><<<grid, PC::NTH, PC::smem, st>>>(ta, Kf, G, MT, NT, mode);
+}
+
 template <typename R, int T>
 bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
 {
@@ -876,6 +907,8 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T, true>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
+    BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T, false, 1, true>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
@@ -903,6 +936,10 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                 return bk_error(BK_ERR_DEVICE, "bakron: entering the SM partition's context");
             cudaError_t e = cudaFuncSetAttribute(
                 k_push_far<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem);
+            if (e == cudaSuccess)
+                e = cudaFuncSetAttribute(k_push_far<R, T, false, 1, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)PC::smem);
             bk_cuda_partition_leave(c);
             BK_CUDA_CHECK(e);
             side = ps;
@@ -991,8 +1028,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
             const int lines = MT + (ta.LB ? NT : 0), targets = std::max(MT, NT);
             if (!ovl) {
                 if (!(c->skip_push & 8))
-                    k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, c->stream>>>(
-                        ta, Kf, G, MT, NT, 0);
+                    launch_far<R, T>(c, ta, dim3(lines, targets), c->stream, Kf, G, MT, NT, 0);
                 BK_CUDA_CHECK(cudaGetLastError());
             } else {
                 /* the targets of the next run now (the previous overlapped
@@ -1011,8 +1047,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                 if (Kf + G < MT + NT - 2 && !(c->skip_push & 8)) {
                     BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
                     BK_CUDA_CHECK(cudaStreamWaitEvent(side, c->ev_main_ready, 0));
-                    k_push_far<R, T><<<dim3(lines, targets), PC::NTH, PC::smem, side>>>(
-                        ta, Kf, G, MT, NT, 2);
+                    launch_far<R, T>(c, ta, dim3(lines, targets), side, Kf, G, MT, NT, 2);
                     BK_CUDA_CHECK(cudaGetLastError());
                     BK_CUDA_CHECK(cudaEventRecord(side_done, side));
                 }

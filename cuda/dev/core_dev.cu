@@ -263,7 +263,7 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0, part = -2, split = 2;
+                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0, part = -2, split = 2, fa = 1;
             };
             std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -280,6 +280,11 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-fused", 64, 0, 4, 0, 16, -1, 1});
                 vs.push_back({"-fused-wc8", 64, 0, 4, 0, 8, -1, 1});
                 vs.push_back({"-fused-T32", 32, 0, 4, 0, 16, -1, 1});
+                vs.push_back({"-fa0", 64, 0, 4, 0, 16, -1, 0, 0, -2, 2, 0});
+                vs.push_back({"-fa0-G3", 64, 0, 3, 0, 16, -1, 0, 0, -2, 2, 0});
+                vs.push_back({"-fa0-P24", 64, 0, 4, 0, 16, -1, 0, 0, 24, 2, 0});
+                vs.push_back({"-P24-G3", 64, 0, 3, 0, 16, -1, 0, 0, 24});
+                vs.push_back({"-P0-G6", 64, 0, 6, 0, 16, -1, 0, 0, 0});
                 vs.push_back({"-q1", 64, 0, 4, 0, 16, -1, 0, 0, -2, 1});
                 vs.push_back({"-q1-G3", 64, 0, 3, 0, 16, -1, 0, 0, -2, 1});
                 vs.push_back({"-P0-q1", 64, 0, 4, 0, 16, -1, 0, 0, 0, 1});
@@ -330,6 +335,7 @@ static int cmd_bench(int argc, char **argv)
                 c->adj = v.adj;
                 c->partition = v.part == -2 ? c0.partition : v.part;
                 c->push_split = v.split;
+                c->far_async = v.fa;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -374,6 +380,7 @@ static int cmd_bench(int argc, char **argv)
             c->adj = c0.adj;
             c->partition = c0.partition;
             c->push_split = c0.push_split;
+            c->far_async = c0.far_async;
         }
         free_problem(c, P);
     }
@@ -579,7 +586,7 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0, part = -1, split = 2;
+        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0, part = -1, split = 2, fa = 1;
     };
     /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
     /* the first (all algorithms) is the default: v3, push groups of 4,
@@ -592,7 +599,8 @@ static int cmd_validate(int argc, char **argv)
                         {64, 1, 0, 16, 1, 0, 1}, {64, 4, 0, 16, 1, 0, 0, 0},
                         {64, 2, 0, 16, 1, 0, 0, 64}, {32, 3, 0, 16, 1, 0, 1, 100},
                         {64, 3, 0, 8, 1, 0, 0, 24}, {64, 4, 0, 16, 1, 0, 0, -1, 1},
-                        {32, 2, 0, 16, 1, 0, 1, -1, 1}, {64, 0, 0, 16, 1, 0, 0, 0, 2}};
+                        {32, 2, 0, 16, 1, 0, 1, -1, 1}, {64, 0, 0, 16, 1, 0, 0, 0, 2},
+                        {64, 4, 0, 16, 1, 0, 0, -1, 2, 0}, {64, 3, 0, 16, 0, 0, 0, 0, 2, 1}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
@@ -623,6 +631,7 @@ static int cmd_validate(int argc, char **argv)
                 c->adj = cf.adj;
                 c->partition = cf.part;
                 c->push_split = cf.split;
+                c->far_async = cf.fa;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
@@ -636,8 +645,8 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d fa%d q%d %4lldx%-4lld %s: ERROR %s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, cf.fa, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
                             bad++;
                             continue;
@@ -656,8 +665,8 @@ static int cmd_validate(int argc, char **argv)
                                                               alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d fa%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, cf.fa, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", pct,
                                    fail ? "  <-- FAIL" : "");
                     }
