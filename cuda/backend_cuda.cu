@@ -102,8 +102,6 @@ static bk_status read_env(bk_cuda_ctx *c)
         else
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_ADJ: expected 0 or 1 (got '%s')", aj);
     }
-    const char *ss = getenv("BK_CUDA_SIDE_SYNC");
-    c->side_sync = !(ss && !strcmp(ss, "0"));
     const char *fa = getenv("BK_CUDA_FAR_ASYNC");
     c->far_async = !(fa && !strcmp(fa, "0"));
     const char *ps = getenv("BK_CUDA_PUSH_SPLIT");

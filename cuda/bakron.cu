@@ -62,12 +62,6 @@ template <typename R> struct TileArgs {
      * and Rp when a tile is loaded (NULL otherwise), and the tile counts */
     R *W2, *Rp2;
     int MT, NT;
-    /* flag-synchronized side pushes (c->side_sync): the far pushes write W2 /
-     * Rp2 and count, per target tile, the CTAs done (cnt[I * NT + J]); the
-     * solve of a tile waits for the count its position implies (side_needed).
-     * NULL: the side stream is ordered by events. G: the push group. */
-    unsigned *cnt;
-    int G;
     /* the solve pushes into its two adjacent tiles itself (fused_pushes):
      * set per launch (the fused schedule, or c->adj while the adjacent
      * targets are near) */
@@ -112,23 +106,6 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
 __device__ __forceinline__ void cp_async_wait_all()
 {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-}
-
-/* How many overlapped far pushes reach tile (I, J) (c->side_sync): one per
- * flush Kf (Kf = G-1, 2G-1, ...) whose side part targets it (I + J > Kf + G)
- * and line whose run (diagonals Kf-G+1 .. Kf) has a tile: row I (right
- * push), column J (down push, when there is an L_B). */
-template <typename R>
-__device__ __forceinline__ unsigned side_needed(const TileArgs<R> &a, int I, int J)
-{
-    unsigned need = 0;
-    for (int Kf = a.G - 1; Kf + a.G < I + J; Kf += a.G) {
-        if (max(Kf - a.G + 1, I) <= min(Kf, I + a.NT - 1))
-            need++;
-        if (a.LB && max(Kf - a.G + 1, J) <= min(Kf, J + a.MT - 1))
-            need++;
-    }
-    return need;
 }
 
 template <typename R, int T, int ROWS = T>
@@ -515,16 +492,6 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
         Erow[idx] = R(0);
     if (tid < T)
         Grp[tid] = (int)((c0 + tid) / a.q.group);
-    if (a.cnt) { /* wait for the overlapped pushes into this tile */
-        if (tid == 0) {
-            const unsigned need = side_needed(a, I, J);
-            const volatile unsigned *f = a.cnt + (int64_t)I * a.NT + J;
-            while (*f < need)
-                __nanosleep(256);
-            __threadfence();
-        }
-        __syncthreads();
-    }
     {   /* coalesced tile loads: a fixed column per thread, batches of rows */
         static_assert(NTH % T == 0 && (T / (NTH / T)) % 8 == 0, "load batches");
         constexpr int RSTEP = NTH / T, NR = T / RSTEP, RB = 8;
@@ -537,10 +504,9 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
                 const int r = rbase + RSTEP * (t0 + t);
                 wv[t] = a.W[(r0 + r) * a.ldw + c0 + cc];
                 rv[t] = a.Rp[(r0 + r) * a.ldr + c0 + cc];
-                if (a.W2) { /* what the side stream pushed (L2: written
-                             * by another kernel that may still run) */
-                    wv[t] += __ldcg(&a.W2[(r0 + r) * a.ldw + c0 + cc]);
-                    rv[t] += __ldcg(&a.Rp2[(r0 + r) * a.ldr + c0 + cc]);
+                if (a.W2) { /* fused schedule: what the side stream pushed */
+                    wv[t] += a.W2[(r0 + r) * a.ldw + c0 + cc];
+                    rv[t] += a.Rp2[(r0 + r) * a.ldr + c0 + cc];
                 }
                 lav[t] = cc < r ? a.LA[(c0 + r) * a.ldla + c0 + cc] : R(0);
                 lbv[t] = hasb && cc < r ? a.LB[(r0 + r) * a.ldlb + r0 + cc] : R(0);
@@ -689,7 +655,6 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     const int tgt = mode == 1 ? Kf + 1 - lidx + (int)blockIdx.y : (int)blockIdx.y;
     if (mode == 2 && lidx + tgt <= Kf + G)
         return;
-    const bool side = mode == 2 && a.cnt; /* into W2 / Rp2, counted */
     int lo, hi;
     R *Cp;
     int64_t ldc;
@@ -700,7 +665,7 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         lo = max(0, Kf - G + 1 - I);
         if (hi < lo || tgt <= hi || tgt >= NT)
             return;
-        Cp = (side ? a.Rp2 : a.Rp) + (int64_t)I * T * a.ldr + (int64_t)tgt * T;
+        Cp = a.Rp + (int64_t)I * T * a.ldr + (int64_t)tgt * T;
         ldc = a.ldr;
     } else {
         const int J = line - MT;
@@ -708,7 +673,7 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         lo = max(0, Kf - G + 1 - J);
         if (!a.LB || hi < lo || tgt <= hi || tgt >= MT)
             return;
-        Cp = (side ? a.W2 : a.W) + (int64_t)tgt * T * a.ldw + (int64_t)J * T;
+        Cp = a.W + (int64_t)tgt * T * a.ldw + (int64_t)J * T;
         ldc = a.ldw;
     }
     const int tid = threadIdx.x, tx = tid % TH, ty = tid / TH;
@@ -780,13 +745,6 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
 #pragma unroll
         for (int j = 0; j < TM; j++)
             Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j] += acc[i][j];
-    if (side) { /* this target done: visible, then counted */
-        __threadfence();
-        __syncthreads();
-        if (tid == 0)
-            atomicAdd(a.cnt + (right ? (int64_t)line * NT + tgt : (int64_t)tgt * NT + (line - MT)),
-                      1u);
-    }
 }
 
 /* The side stream's pushes of the fused schedule: from the tiles of
@@ -896,7 +854,7 @@ void launch_far(const bk_cuda_ctx *c, const TileArgs<R> &ta, dim3 grid, cudaStre
 }
 
 template <typename R, int T>
-bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2, unsigned *cnt)
+bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
 {
     using S2 = Solve2Cfg<R, T>;
     using S3 = Solve3Cfg<R, T, 16>;
@@ -924,9 +882,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2,
     ta.Rp2 = Rp2;
     ta.MT = (int)(a->mpad / T);
     ta.NT = (int)(a->npad / T);
-    ta.adj = W2 && !cnt; /* the fused schedule */
-    ta.cnt = nullptr;
-    ta.G = c->push_group;
+    ta.adj = W2 != nullptr;
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_side<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_LEVELS>,
@@ -990,7 +946,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2,
             side_done = pe;
         }
     }
-    if (W2 && !cnt) {
+    if (W2) {
         /* fused schedule: per diagonal K, main: [wait for the side push of
          * K - 2] solve(K) with its adjacent pushes; side: [after solve(K)]
          * the pushes of K to everything two or more tiles away */
@@ -1026,9 +982,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2,
         BK_CUDA_CHECK(cudaEventRecord(c->ev_stop, c->stream));
         return BK_OK;
     }
-    if (!cnt)
-        ta.W2 = ta.Rp2 = nullptr;
-    ta.cnt = cnt;
+    ta.W2 = ta.Rp2 = nullptr;
     BK_CUDA_CHECK(cudaEventRecord(c->ev_start, c->stream));
     if (ovl) { /* nothing pending on the side stream yet */
         BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
@@ -1080,8 +1034,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2,
                 /* the targets of the next run now (the previous overlapped
                  * push wrote some of them: wait for it), the rest on the side
                  * stream while the next G diagonals are solved */
-                if (!cnt) /* with counted side pushes: no shared targets */
-                    BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
+                BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
                 if (!(c->skip_push & 4)) {
                     if (c->push_split == 2)
                         k_push_far<R, T, true, 2><<<dim3(lines, G, 4), PC::NTH, PC::smem,
@@ -1112,25 +1065,17 @@ template <typename R> bk_status bakron(bk_cuda_ctx *c, const bk_core_args *a)
     R *Rp = NULL;
     size_t bytes = sizeof(R) * (size_t)a->mpad * (size_t)a->npad;
     R *W2 = NULL, *Rp2 = NULL;
-    unsigned *cnt = NULL;
-    const bool plain = c->side && !c->solve_v2 && !c->skip_push;
-    /* counted side pushes: the overlapped pushes of the grouped schedule */
-    const bool counted = plain && !c->fused && c->side_sync && c->push_group > 0 && c->overlap;
     bk_status st = bk_dev_alloc(c, (void **)&Rp, bytes, "bakron: the right accumulator");
-    if (st == BK_OK && plain && (c->fused || counted)) {
+    if (st == BK_OK && c->fused && c->side && !c->solve_v2 && !c->skip_push) {
         st = bk_dev_alloc(c, (void **)&W2, bytes, "bakron: the side down accumulator");
         if (st == BK_OK)
             st = bk_dev_alloc(c, (void **)&Rp2, bytes, "bakron: the side right accumulator");
     }
-    if (st == BK_OK && counted)
-        st = bk_dev_alloc(c, (void **)&cnt,
-                          sizeof(unsigned) * (size_t)(a->mpad / c->tile) * (size_t)(a->npad / c->tile),
-                          "bakron: the side push counts");
     if (st == BK_OK) {
         if (c->tile == 32)
-            st = run_tiles<R, 32>(c, a, Rp, W2, Rp2, cnt);
+            st = run_tiles<R, 32>(c, a, Rp, W2, Rp2);
         else
-            st = run_tiles<R, 64>(c, a, Rp, W2, Rp2, cnt);
+            st = run_tiles<R, 64>(c, a, Rp, W2, Rp2);
     }
     if (st == BK_OK)
         st = bk_cuda_status(cudaStreamSynchronize(c->stream), "bakron", __FILE__, __LINE__);
@@ -1142,7 +1087,6 @@ template <typename R> bk_status bakron(bk_cuda_ctx *c, const bk_core_args *a)
     bk_dev_free(c, Rp);
     bk_dev_free(c, W2);
     bk_dev_free(c, Rp2);
-    bk_dev_free(c, cnt);
     return st;
 }
 

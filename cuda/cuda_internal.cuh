@@ -45,9 +45,6 @@ typedef struct bk_cuda_ctx {
     int solve_wc;         /* tile solve: columns per warp, 16 (8 warps per 64-tile) or 8
                              (16 warps) (BK_CUDA_SOLVE_WC, default 16) */
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
-    int side_sync;        /* BaKron: the solves wait for the overlapped pushes by per-tile
-                             counts, not by an event per flush (BK_CUDA_SIDE_SYNC:
-                             1 counts, default; 0 events) */
     int far_async;        /* BaKron: the far push loads with cp.async (BK_CUDA_FAR_ASYNC,
                              default 1) */
     int push_split;       /* BaKron: the critical-path pushes split each target tile
