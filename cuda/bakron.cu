@@ -652,8 +652,13 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
      * 2: the targets beyond diagonal Kf+G (the overlapped part) */
     const int line = (int)blockIdx.x;
     const int lidx = line < MT ? line : line - MT;
-    const int tgt = mode == 1 ? Kf + 1 - lidx + (int)blockIdx.y : (int)blockIdx.y;
-    if (mode == 2 && lidx + tgt <= Kf + G)
+    /* mode 3: the targets on diagonals Kf+G+1 .. Kf+2G (blockIdx.y = diagonal
+     * - Kf - G - 1); 4: those beyond Kf+2G (c->side_band: the overlapped part
+     * in two launches, the nearer band first) */
+    const int tgt = mode == 1   ? Kf + 1 - lidx + (int)blockIdx.y
+                    : mode == 3 ? Kf + G + 1 - lidx + (int)blockIdx.y
+                                : (int)blockIdx.y;
+    if ((mode == 2 && lidx + tgt <= Kf + G) || (mode == 4 && lidx + tgt <= Kf + 2 * G))
         return;
     int lo, hi;
     R *Cp;
@@ -1047,15 +1052,29 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                 if (Kf + G < MT + NT - 2 && !(c->skip_push & 8)) {
                     BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
                     BK_CUDA_CHECK(cudaStreamWaitEvent(side, c->ev_main_ready, 0));
-                    launch_far<R, T>(c, ta, dim3(lines, targets), side, Kf, G, MT, NT, 2);
+                    if (c->side_band) {
+                        /* the band needed by the next flush, then the rest: the
+                         * next flush waits for the band only (the rest of the
+                         * previous flush is before it on the stream) */
+                        launch_far<R, T>(c, ta, dim3(lines, G), side, Kf, G, MT, NT, 3);
+                        BK_CUDA_CHECK(cudaGetLastError());
+                        BK_CUDA_CHECK(cudaEventRecord(side_done, side));
+                        if (Kf + 2 * G < MT + NT - 2)
+                            launch_far<R, T>(c, ta, dim3(lines, targets), side, Kf, G, MT, NT, 4);
+                    } else {
+                        launch_far<R, T>(c, ta, dim3(lines, targets), side, Kf, G, MT, NT, 2);
+                        BK_CUDA_CHECK(cudaGetLastError());
+                        BK_CUDA_CHECK(cudaEventRecord(side_done, side));
+                    }
                     BK_CUDA_CHECK(cudaGetLastError());
-                    BK_CUDA_CHECK(cudaEventRecord(side_done, side));
                 }
             }
         }
     }
-    if (ovl)
+    if (ovl) { /* everything on the side stream */
+        BK_CUDA_CHECK(cudaEventRecord(side_done, side));
         BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
+    }
     BK_CUDA_CHECK(cudaEventRecord(c->ev_stop, c->stream));
     return BK_OK;
 }

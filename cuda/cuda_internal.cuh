@@ -45,6 +45,9 @@ typedef struct bk_cuda_ctx {
     int solve_wc;         /* tile solve: columns per warp, 16 (8 warps per 64-tile) or 8
                              (16 warps) (BK_CUDA_SOLVE_WC, default 16) */
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
+    int side_band;        /* BaKron: the overlapped push in two launches, the band the
+                             next flush needs first; that flush waits for the band
+                             only (BK_CUDA_SIDE_BAND, default 1) */
     int far_async;        /* BaKron: the far push loads with cp.async (BK_CUDA_FAR_ASYNC,
                              default 1) */
     int push_split;       /* BaKron: the critical-path pushes split each target tile

@@ -263,7 +263,7 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0, part = -2, split = 2, fa = 1;
+                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0, part = -2, split = 2, fa = 1, band = 1;
             };
             std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -274,53 +274,26 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-v2solve", 64, 0, 4, 1, 16});
                 vs.push_back({"-solveonly", 64, 1, 4, 0, 16});
                 vs.push_back({"-noovl", 64, 0, 4, 0, 16, 0});
-                vs.push_back({"-G8-noovl", 64, 0, 8, 0, 16, 0});
                 vs.push_back({"-G2", 64, 0, 2, 0, 16});
-                vs.push_back({"-T32-G8", 32, 0, 8, 0, 16});
                 vs.push_back({"-fused", 64, 0, 4, 0, 16, -1, 1});
-                vs.push_back({"-fused-wc8", 64, 0, 4, 0, 8, -1, 1});
-                vs.push_back({"-fused-T32", 32, 0, 4, 0, 16, -1, 1});
                 vs.push_back({"-fa0", 64, 0, 4, 0, 16, -1, 0, 0, -2, 2, 0});
-                vs.push_back({"-fa0-G3", 64, 0, 3, 0, 16, -1, 0, 0, -2, 2, 0});
-                vs.push_back({"-fa0-P24", 64, 0, 4, 0, 16, -1, 0, 0, 24, 2, 0});
-                vs.push_back({"-P24-G3", 64, 0, 3, 0, 16, -1, 0, 0, 24});
                 vs.push_back({"-P0-G6", 64, 0, 6, 0, 16, -1, 0, 0, 0});
                 vs.push_back({"-q1", 64, 0, 4, 0, 16, -1, 0, 0, -2, 1});
-                vs.push_back({"-q1-G3", 64, 0, 3, 0, 16, -1, 0, 0, -2, 1});
-                vs.push_back({"-P0-q1", 64, 0, 4, 0, 16, -1, 0, 0, 0, 1});
-                vs.push_back({"-T32-q1", 32, 0, 4, 0, 16, -1, 0, 0, -2, 1});
-                vs.push_back({"-T32-P0", 32, 0, 4, 0, 16, -1, 0, 0, 0});
                 vs.push_back({"-P0", 64, 0, 4, 0, 16, -1, 0, 0, 0});
-                vs.push_back({"-P0-G3", 64, 0, 3, 0, 16, -1, 0, 0, 0});
-                vs.push_back({"-P16", 64, 0, 4, 0, 16, -1, 0, 0, 16});
                 vs.push_back({"-P24", 64, 0, 4, 0, 16, -1, 0, 0, 24});
                 vs.push_back({"-P40", 64, 0, 4, 0, 16, -1, 0, 0, 40});
-                vs.push_back({"-P48", 64, 0, 4, 0, 16, -1, 0, 0, 48});
-                vs.push_back({"-P64", 64, 0, 4, 0, 16, -1, 0, 0, 64});
-                vs.push_back({"-P32-G2", 64, 0, 2, 0, 16, -1, 0, 0, 32});
-                vs.push_back({"-P32-G3", 64, 0, 3, 0, 16, -1, 0, 0, 32});
-                vs.push_back({"-P32-G6", 64, 0, 6, 0, 16, -1, 0, 0, 32});
-                vs.push_back({"-P40-G3", 64, 0, 3, 0, 16, -1, 0, 0, 40});
-                vs.push_back({"-P32-adj-G2", 64, 0, 2, 0, 16, -1, 0, 1, 32});
-                vs.push_back({"-P32-x-side", 64, 8, 4, 0, 16, -1, 0, 0, 32});
+                vs.push_back({"-band0", 64, 0, 4, 0, 16, -1, 0, 0, -2, 2, 1, 0});
+                vs.push_back({"-band0-P0", 64, 0, 4, 0, 16, -1, 0, 0, 0, 2, 1, 0});
                 vs.push_back({"-G3", 64, 0, 3, 0, 16});
                 vs.push_back({"-G6", 64, 0, 6, 0, 16});
                 vs.push_back({"-adj", 64, 0, 4, 0, 16, -1, 0, 1});
                 vs.push_back({"-adj-G2", 64, 0, 2, 0, 16, -1, 0, 1});
-                vs.push_back({"-adj-G3", 64, 0, 3, 0, 16, -1, 0, 1});
-                vs.push_back({"-adj-G8", 64, 0, 8, 0, 16, -1, 0, 1});
-                vs.push_back({"-adj-G0", 64, 0, 0, 0, 16, -1, 0, 1});
-                vs.push_back({"-adj-T32", 32, 0, 4, 0, 16, -1, 0, 1});
-                vs.push_back({"-adj-wc8", 64, 0, 4, 0, 8, -1, 0, 1});
                 /* timing by difference (wrong results): no near pushes, no
                  * next-run part of the flush, no overlapped rest */
                 vs.push_back({"-x-near", 64, 2, 4, 0, 16});
                 vs.push_back({"-x-next", 64, 4, 4, 0, 16});
                 vs.push_back({"-x-side", 64, 8, 4, 0, 16});
                 vs.push_back({"-x-near-next", 64, 6, 4, 0, 16});
-                vs.push_back({"-G2-x-side", 64, 8, 2, 0, 16});
-                vs.push_back({"-adj-x-near", 64, 2, 4, 0, 16, -1, 0, 1});
-                vs.push_back({"-adj-x-side", 64, 8, 4, 0, 16, -1, 0, 1});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only != an + v.name)
@@ -336,6 +309,7 @@ static int cmd_bench(int argc, char **argv)
                 c->partition = v.part == -2 ? c0.partition : v.part;
                 c->push_split = v.split;
                 c->far_async = v.fa;
+                c->side_band = v.band;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -381,6 +355,7 @@ static int cmd_bench(int argc, char **argv)
             c->partition = c0.partition;
             c->push_split = c0.push_split;
             c->far_async = c0.far_async;
+            c->side_band = c0.side_band;
         }
         free_problem(c, P);
     }
@@ -586,7 +561,7 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0, part = -1, split = 2, fa = 1;
+        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0, part = -1, split = 2, fa = 1, band = 1;
     };
     /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
     /* the first (all algorithms) is the default: v3, push groups of 4,
@@ -600,7 +575,9 @@ static int cmd_validate(int argc, char **argv)
                         {64, 2, 0, 16, 1, 0, 0, 64}, {32, 3, 0, 16, 1, 0, 1, 100},
                         {64, 3, 0, 8, 1, 0, 0, 24}, {64, 4, 0, 16, 1, 0, 0, -1, 1},
                         {32, 2, 0, 16, 1, 0, 1, -1, 1}, {64, 0, 0, 16, 1, 0, 0, 0, 2},
-                        {64, 4, 0, 16, 1, 0, 0, -1, 2, 0}, {64, 3, 0, 16, 0, 0, 0, 0, 2, 1}};
+                        {64, 4, 0, 16, 1, 0, 0, -1, 2, 0}, {64, 3, 0, 16, 0, 0, 0, 0, 2, 1},
+                        {64, 4, 0, 16, 1, 0, 0, -1, 2, 1, 0}, {64, 1, 0, 16, 1, 0, 0, 0, 2, 1, 1},
+                        {32, 2, 0, 16, 1, 0, 1, 0, 1, 0, 1}, {64, 2, 0, 8, 1, 0, 0, 24, 2, 1, 1}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
@@ -632,6 +609,7 @@ static int cmd_validate(int argc, char **argv)
                 c->partition = cf.part;
                 c->push_split = cf.split;
                 c->far_async = cf.fa;
+                c->side_band = cf.band;
                 const int first = &cf == &cfgs[0];
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
@@ -645,8 +623,8 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d fa%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, cf.fa, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d fa%d b%d q%d %4lldx%-4lld %s: ERROR %s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, cf.fa, cf.band, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
                             bad++;
                             continue;
@@ -665,8 +643,8 @@ static int cmd_validate(int argc, char **argv)
                                                               alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d fa%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, cf.fa, qi, (long long)h.m,
+                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d fa%d b%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, cf.fa, cf.band, qi, (long long)h.m,
                                    (long long)h.n, p64 ? "fp64" : "fp32", pct,
                                    fail ? "  <-- FAIL" : "");
                     }
