@@ -103,7 +103,14 @@ static bk_status read_env(bk_cuda_ctx *c)
             return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_ADJ: expected 0 or 1 (got '%s')", aj);
     }
     const char *sb = getenv("BK_CUDA_SIDE_BAND");
-    c->side_band = !(sb && !strcmp(sb, "0"));
+    c->side_band = -1;
+    if (sb && *sb && strcmp(sb, "auto")) {
+        if (!strcmp(sb, "0") || !strcmp(sb, "1"))
+            c->side_band = atoi(sb);
+        else
+            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_SIDE_BAND: expected auto, 0 or 1 (got '%s')",
+                            sb);
+    }
     const char *fa = getenv("BK_CUDA_FAR_ASYNC");
     c->far_async = !(fa && !strcmp(fa, "0"));
     const char *ps = getenv("BK_CUDA_PUSH_SPLIT");

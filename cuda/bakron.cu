@@ -925,6 +925,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
      * tiles, its tile count rounded up to 8), else the ordinary side stream */
     cudaStream_t side = c->side;
     cudaEvent_t side_done = c->ev_side_done;
+    bool band = c->side_band == 1; /* auto (-1): with the SM partition */
     if (ovl && c->partition != 0 && !c->fused) {
         const int per = std::min(MT, NT);
         const int keep = c->partition > 0 ? c->partition : per <= 40 ? (per + 7) / 8 * 8 : 0;
@@ -949,6 +950,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
             BK_CUDA_CHECK(e);
             side = ps;
             side_done = pe;
+            band = c->side_band != 0;
         }
     }
     if (W2) {
@@ -1052,7 +1054,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
                 if (Kf + G < MT + NT - 2 && !(c->skip_push & 8)) {
                     BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
                     BK_CUDA_CHECK(cudaStreamWaitEvent(side, c->ev_main_ready, 0));
-                    if (c->side_band) {
+                    if (band) {
                         /* the band needed by the next flush, then the rest: the
                          * next flush waits for the band only (the rest of the
                          * previous flush is before it on the stream) */

@@ -47,7 +47,8 @@ typedef struct bk_cuda_ctx {
     int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
     int side_band;        /* BaKron: the overlapped push in two launches, the band the
                              next flush needs first; that flush waits for the band
-                             only (BK_CUDA_SIDE_BAND, default 1) */
+                             only (BK_CUDA_SIDE_BAND: -1 auto = with the SM
+                             partition (default), 0 never, 1 always) */
     int far_async;        /* BaKron: the far push loads with cp.async (BK_CUDA_FAR_ASYNC,
                              default 1) */
     int push_split;       /* BaKron: the critical-path pushes split each target tile

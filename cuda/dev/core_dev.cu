@@ -263,7 +263,7 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0, part = -2, split = 2, fa = 1, band = 1;
+                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0, part = -2, split = 2, fa = 1, band = -1;
             };
             std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -283,7 +283,7 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-P24", 64, 0, 4, 0, 16, -1, 0, 0, 24});
                 vs.push_back({"-P40", 64, 0, 4, 0, 16, -1, 0, 0, 40});
                 vs.push_back({"-band0", 64, 0, 4, 0, 16, -1, 0, 0, -2, 2, 1, 0});
-                vs.push_back({"-band0-P0", 64, 0, 4, 0, 16, -1, 0, 0, 0, 2, 1, 0});
+                vs.push_back({"-band1", 64, 0, 4, 0, 16, -1, 0, 0, -2, 2, 1, 1});
                 vs.push_back({"-G3", 64, 0, 3, 0, 16});
                 vs.push_back({"-G6", 64, 0, 6, 0, 16});
                 vs.push_back({"-adj", 64, 0, 4, 0, 16, -1, 0, 1});
@@ -561,7 +561,7 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0, part = -1, split = 2, fa = 1, band = 1;
+        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0, part = -1, split = 2, fa = 1, band = -1;
     };
     /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
     /* the first (all algorithms) is the default: v3, push groups of 4,
