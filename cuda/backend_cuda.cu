@@ -47,7 +47,15 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
  *   BK_CUDA_SOLVE_WC   BaKron tile solve v3: columns per warp, 16 (8 warps per 64-tile,
  *                      the default) or 8 (16 warps)
  *   BK_CUDA_OVERLAP    BaKron: 1 (default) runs most of the far pushes on a second,
- *                      low-priority stream while the next diagonals are solved */
+ *                      low-priority stream while the next diagonals are solved
+ *   BK_CUDA_PARTITION  BaKron: SMs kept free of that stream (partition.cu): auto
+ *                      (default), 0 (no partition) or a number of SMs
+ *   BK_CUDA_SIDE_BAND  BaKron: the overlapped push in two launches, the next
+ *                      flush's band first: auto (with the partition), 0, 1
+ *   BK_CUDA_PUSH_SPLIT BaKron: critical-path pushes in 2 x 2 parts per target
+ *                      tile (2, default) or whole (1)
+ *   BK_CUDA_FAR_ASYNC  BaKron: the overlapped pushes load with cp.async (1, default)
+ *   BK_CUDA_ADJ, BK_CUDA_FUSED  BaKron experiments (default 0, slower; docs/DEVICE.md) */
 static bk_status read_env(bk_cuda_ctx *c)
 {
     const char *t = getenv("BK_CUDA_TILE");
@@ -112,7 +120,14 @@ static bk_status read_env(bk_cuda_ctx *c)
                             sb);
     }
     const char *fa = getenv("BK_CUDA_FAR_ASYNC");
-    c->far_async = !(fa && !strcmp(fa, "0"));
+    c->far_async = 1;
+    if (fa && *fa) {
+        if (!strcmp(fa, "0") || !strcmp(fa, "1"))
+            c->far_async = atoi(fa);
+        else
+            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_FAR_ASYNC: expected 0 or 1 (got '%s')",
+                            fa);
+    }
     const char *ps = getenv("BK_CUDA_PUSH_SPLIT");
     c->push_split = 2;
     if (ps && *ps) {

@@ -926,6 +926,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
     cudaStream_t side = c->side;
     cudaEvent_t side_done = c->ev_side_done;
     bool band = c->side_band == 1; /* auto (-1): with the SM partition */
+    c->part_used = 0;
     if (ovl && c->partition != 0 && !c->fused) {
         const int per = std::min(MT, NT);
         const int keep = c->partition > 0 ? c->partition : per <= 40 ? (per + 7) / 8 * 8 : 0;
@@ -951,6 +952,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
             side = ps;
             side_done = pe;
             band = c->side_band != 0;
+            c->part_used = 1;
         }
     }
     if (W2) {

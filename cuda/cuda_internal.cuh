@@ -61,6 +61,7 @@ typedef struct bk_cuda_ctx {
     cudaStream_t part_stream; /* the partition's side stream */
     cudaEvent_t part_done;    /* recorded on it (an event of its context) */
     int part_sms, part_actual; /* SMs asked for / given */
+    int part_used;        /* the last BaKron run used the partition (reported by bk-cuda-dev) */
     char part_off[96];    /* why the partition is unavailable ("" = not known to be) */
 } bk_cuda_ctx;
 

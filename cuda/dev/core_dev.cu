@@ -332,9 +332,8 @@ static int cmd_bench(int argc, char **argv)
                 snprintf(shape, sizeof shape, "%lldx%lld", (long long)P.m, (long long)P.n);
                 printf("%-12s %-16s %10.4f %10.4f %12.1f", shape, label, med, mn,
                        c->mem_peak / 1048576.0);
-                if (alg == BK_ALG_BAKRON)
-                    printf("  partition %s%d/%d", c->part_off[0] ? "off: " : "",
-                           c->green ? c->part_actual : 0, c->green ? c->part_sms : 0);
+                if (alg == BK_ALG_BAKRON && c->part_used)
+                    printf("  side stream on %d SMs", c->part_actual);
                 if (c->part_off[0])
                     printf(" (%s)", c->part_off);
                 printf("\n");
