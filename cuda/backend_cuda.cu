@@ -56,17 +56,40 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
  *                      tile (2, default) or whole (1)
  *   BK_CUDA_FAR_ASYNC  BaKron: the overlapped pushes load with cp.async (1, default)
  *   BK_CUDA_ADJ, BK_CUDA_FUSED  BaKron experiments (default 0, slower; docs/DEVICE.md) */
+/* A knob with two values a, b (and "auto" = -1 when auto_ok); def when unset. */
+static bk_status env_choice(const char *name, int def, int a, int b, int auto_ok, int *out)
+{
+    const char *v = getenv(name);
+    *out = def;
+    if (!v || !*v)
+        return BK_OK;
+    char sa[16], sb[16];
+    snprintf(sa, sizeof sa, "%d", a);
+    snprintf(sb, sizeof sb, "%d", b);
+    if (auto_ok && !strcmp(v, "auto"))
+        *out = -1;
+    else if (!strcmp(v, sa))
+        *out = a;
+    else if (!strcmp(v, sb))
+        *out = b;
+    else
+        return bk_error(BK_ERR_INVALID_ARG, "%s: expected %s%s or %s (got '%s')", name,
+                        auto_ok ? "auto, " : "", sa, sb, v);
+    return BK_OK;
+}
+
 static bk_status read_env(bk_cuda_ctx *c)
 {
-    const char *t = getenv("BK_CUDA_TILE");
-    c->tile = 64;
-    if (t && *t) {
-        if (!strcmp(t, "32"))
-            c->tile = 32;
-        else if (strcmp(t, "64"))
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "BK_CUDA_TILE: expected 32 or 64 (got '%s')", t);
-    }
+    bk_status st;
+    if ((st = env_choice("BK_CUDA_TILE", 64, 32, 64, 0, &c->tile)) != BK_OK ||
+        (st = env_choice("BK_CUDA_SOLVE_WC", 16, 8, 16, 0, &c->solve_wc)) != BK_OK ||
+        (st = env_choice("BK_CUDA_OVERLAP", 1, 0, 1, 0, &c->overlap)) != BK_OK ||
+        (st = env_choice("BK_CUDA_FUSED", 0, 0, 1, 0, &c->fused)) != BK_OK ||
+        (st = env_choice("BK_CUDA_ADJ", 0, 0, 1, 0, &c->adj)) != BK_OK ||
+        (st = env_choice("BK_CUDA_SIDE_BAND", -1, 0, 1, 1, &c->side_band)) != BK_OK ||
+        (st = env_choice("BK_CUDA_FAR_ASYNC", 1, 0, 1, 0, &c->far_async)) != BK_OK ||
+        (st = env_choice("BK_CUDA_PUSH_SPLIT", 2, 1, 2, 0, &c->push_split)) != BK_OK)
+        return st;
     const char *g = getenv("BK_CUDA_PUSH_GROUP");
     c->push_group = 4;
     if (g && *g) {
@@ -76,66 +99,6 @@ static bk_status read_env(bk_cuda_ctx *c)
             return bk_error(BK_ERR_INVALID_ARG,
                             "BK_CUDA_PUSH_GROUP: expected an integer in [0, 64] (got '%s')", g);
         c->push_group = (int)v;
-    }
-    const char *w = getenv("BK_CUDA_SOLVE_WC");
-    c->solve_wc = 16;
-    if (w && *w) {
-        if (!strcmp(w, "8"))
-            c->solve_wc = 8;
-        else if (strcmp(w, "16"))
-            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_SOLVE_WC: expected 8 or 16 (got '%s')",
-                            w);
-    }
-    const char *ov = getenv("BK_CUDA_OVERLAP");
-    c->overlap = 1;
-    if (ov && *ov) {
-        if (!strcmp(ov, "0") || !strcmp(ov, "1"))
-            c->overlap = atoi(ov);
-        else
-            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_OVERLAP: expected 0 or 1 (got '%s')", ov);
-    }
-    const char *fu = getenv("BK_CUDA_FUSED");
-    c->fused = 0;
-    if (fu && *fu) {
-        if (!strcmp(fu, "0") || !strcmp(fu, "1"))
-            c->fused = atoi(fu);
-        else
-            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_FUSED: expected 0 or 1 (got '%s')", fu);
-    }
-    const char *aj = getenv("BK_CUDA_ADJ");
-    c->adj = 0;
-    if (aj && *aj) {
-        if (!strcmp(aj, "0") || !strcmp(aj, "1"))
-            c->adj = atoi(aj);
-        else
-            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_ADJ: expected 0 or 1 (got '%s')", aj);
-    }
-    const char *sb = getenv("BK_CUDA_SIDE_BAND");
-    c->side_band = -1;
-    if (sb && *sb && strcmp(sb, "auto")) {
-        if (!strcmp(sb, "0") || !strcmp(sb, "1"))
-            c->side_band = atoi(sb);
-        else
-            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_SIDE_BAND: expected auto, 0 or 1 (got '%s')",
-                            sb);
-    }
-    const char *fa = getenv("BK_CUDA_FAR_ASYNC");
-    c->far_async = 1;
-    if (fa && *fa) {
-        if (!strcmp(fa, "0") || !strcmp(fa, "1"))
-            c->far_async = atoi(fa);
-        else
-            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_FAR_ASYNC: expected 0 or 1 (got '%s')",
-                            fa);
-    }
-    const char *ps = getenv("BK_CUDA_PUSH_SPLIT");
-    c->push_split = 2;
-    if (ps && *ps) {
-        if (!strcmp(ps, "1") || !strcmp(ps, "2"))
-            c->push_split = atoi(ps);
-        else
-            return bk_error(BK_ERR_INVALID_ARG, "BK_CUDA_PUSH_SPLIT: expected 1 or 2 (got '%s')",
-                            ps);
     }
     const char *pa = getenv("BK_CUDA_PARTITION");
     c->partition = -1;

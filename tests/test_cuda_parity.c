@@ -227,25 +227,33 @@ static void test_fp64_large_factors(void **state)
 }
 
 /* the tile size and the push schedule are run-time choices (environment,
- * docs/DEVICE.md): every combination gives the CPU's codes */
+ * docs/DEVICE.md): every combination gives the CPU's codes. The SM partition,
+ * the split critical-path pushes, the banded side push and the cp.async far
+ * pushes are forced on and off here (their defaults are automatic). */
 static void test_fp64_tile_and_push_variants(void **state)
 {
     (void)state;
-    const char *const cfg[][3] = {{"32", "4", "8"}, {"64", "0", "16"}, {"64", "1", "8"},
-                                  {"32", "3", "16"}, {"64", "7", "16"}, {"64", "2", "8"}};
+    static const char *const names[] = {"BK_CUDA_TILE",       "BK_CUDA_PUSH_GROUP",
+                                         "BK_CUDA_SOLVE_WC",   "BK_CUDA_PARTITION",
+                                         "BK_CUDA_PUSH_SPLIT", "BK_CUDA_SIDE_BAND",
+                                         "BK_CUDA_FAR_ASYNC"};
+    enum { NK = sizeof names / sizeof names[0] };
+    const char *const cfg[][NK] = {
+        {"32", "4", "8", "auto", "2", "auto", "1"}, {"64", "0", "16", "0", "1", "0", "0"},
+        {"64", "1", "8", "64", "2", "1", "1"},      {"32", "3", "16", "0", "2", "1", "0"},
+        {"64", "7", "16", "100", "1", "0", "1"},    {"64", "2", "8", "24", "2", "auto", "0"}};
     for (size_t v = 0; v < sizeof cfg / sizeof cfg[0]; v++) {
-        setenv("BK_CUDA_TILE", cfg[v][0], 1);
-        setenv("BK_CUDA_PUSH_GROUP", cfg[v][1], 1);
-        setenv("BK_CUDA_SOLVE_WC", cfg[v][2], 1);
+        for (int k = 0; k < NK; k++)
+            setenv(names[k], cfg[v][k], 1);
         bk_backend *b = NULL;
         assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_OK);
-        unsetenv("BK_CUDA_TILE");
-        unsetenv("BK_CUDA_PUSH_GROUP");
-        unsetenv("BK_CUDA_SOLVE_WC");
+        for (int k = 0; k < NK; k++)
+            unsetenv(names[k]);
         bk_backend *keep = g_gpu;
         g_gpu = b;
-        char what[64];
-        snprintf(what, sizeof what, "fp64 T=%s G=%s WC=%s", cfg[v][0], cfg[v][1], cfg[v][2]);
+        char what[128];
+        snprintf(what, sizeof what, "fp64 T=%s G=%s WC=%s P=%s S=%s B=%s A=%s", cfg[v][0],
+                 cfg[v][1], cfg[v][2], cfg[v][3], cfg[v][4], cfg[v][5], cfg[v][6]);
         for (size_t s = 0; s < NSHAPES; s++)
             for (int with_b = 0; with_b <= 1; with_b++) {
                 pcase c = make_case(shapes[s][0], shapes[s][1], 500 + s, with_b, 0.1);
@@ -259,11 +267,16 @@ static void test_fp64_tile_and_push_variants(void **state)
         bk_backend_destroy(b);
     }
     /* a bad value is refused, naming the variable */
-    setenv("BK_CUDA_PUSH_GROUP", "x", 1);
-    bk_backend *b = NULL;
-    assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_ERR_INVALID_ARG);
-    assert_non_null(strstr(bk_last_error(), "BK_CUDA_PUSH_GROUP"));
-    unsetenv("BK_CUDA_PUSH_GROUP");
+    static const char *const bad[][2] = {{"BK_CUDA_PUSH_GROUP", "x"},  {"BK_CUDA_PUSH_SPLIT", "3"},
+                                         {"BK_CUDA_SIDE_BAND", "yes"}, {"BK_CUDA_PARTITION", "-1"},
+                                         {"BK_CUDA_FAR_ASYNC", "2"},   {"BK_CUDA_TILE", "48"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        setenv(bad[i][0], bad[i][1], 1);
+        bk_backend *b = NULL;
+        assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_ERR_INVALID_ARG);
+        assert_non_null(strstr(bk_last_error(), bad[i][0]));
+        unsetenv(bad[i][0]);
+    }
 }
 
 /* integer alphabet (scale 1) with large weights: many clamps-free codes */
