@@ -17,9 +17,6 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
         cudaEventDestroy(c->ev_main_ready);
     if (c->ev_side_done)
         cudaEventDestroy(c->ev_side_done);
-    for (int i = 0; i < 2; i++)
-        if (c->ev_side_k[i])
-            cudaEventDestroy(c->ev_side_k[i]);
     if (c->side)
         cudaStreamDestroy(c->side);
     if (c->ev_start)
@@ -54,8 +51,7 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
  *                      flush's band first: auto (with the partition), 0, 1
  *   BK_CUDA_PUSH_SPLIT BaKron: critical-path pushes in 2 x 2 parts per target
  *                      tile (2, default) or whole (1)
- *   BK_CUDA_FAR_ASYNC  BaKron: the overlapped pushes load with cp.async (1, default)
- *   BK_CUDA_ADJ, BK_CUDA_FUSED  BaKron experiments (default 0, slower; docs/DEVICE.md) */
+ *   BK_CUDA_FAR_ASYNC  BaKron: the overlapped pushes load with cp.async (1, default) */
 /* A knob with two values a, b (and "auto" = -1 when auto_ok); def when unset. */
 static bk_status env_choice(const char *name, int def, int a, int b, int auto_ok, int *out)
 {
@@ -84,8 +80,6 @@ static bk_status read_env(bk_cuda_ctx *c)
     if ((st = env_choice("BK_CUDA_TILE", 64, 32, 64, 0, &c->tile)) != BK_OK ||
         (st = env_choice("BK_CUDA_SOLVE_WC", 16, 8, 16, 0, &c->solve_wc)) != BK_OK ||
         (st = env_choice("BK_CUDA_OVERLAP", 1, 0, 1, 0, &c->overlap)) != BK_OK ||
-        (st = env_choice("BK_CUDA_FUSED", 0, 0, 1, 0, &c->fused)) != BK_OK ||
-        (st = env_choice("BK_CUDA_ADJ", 0, 0, 1, 0, &c->adj)) != BK_OK ||
         (st = env_choice("BK_CUDA_SIDE_BAND", -1, 0, 1, 1, &c->side_band)) != BK_OK ||
         (st = env_choice("BK_CUDA_FAR_ASYNC", 1, 0, 1, 0, &c->far_async)) != BK_OK ||
         (st = env_choice("BK_CUDA_PUSH_SPLIT", 2, 1, 2, 0, &c->push_split)) != BK_OK)
@@ -149,9 +143,6 @@ bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out)
                      fail);
         BK_CUDA_GOTO(cudaEventCreateWithFlags(&c->ev_side_done, cudaEventDisableTiming), st,
                      fail);
-        for (int i = 0; i < 2; i++)
-            BK_CUDA_GOTO(cudaEventCreateWithFlags(&c->ev_side_k[i], cudaEventDisableTiming), st,
-                         fail);
     }
     BK_CUDA_GOTO(cudaEventCreate(&c->ev_start), st, fail);
     BK_CUDA_GOTO(cudaEventCreate(&c->ev_stop), st, fail);

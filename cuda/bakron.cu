@@ -58,14 +58,6 @@ template <typename R> struct TileArgs {
     int16_t *codes;
     float *weight;
     unsigned long long *counts;
-    /* fused schedule (c->fused): the side stream's accumulators, added to W
-     * and Rp when a tile is loaded (NULL otherwise), and the tile counts */
-    R *W2, *Rp2;
-    int MT, NT;
-    /* the solve pushes into its two adjacent tiles itself (fused_pushes):
-     * set per launch (the fused schedule, or c->adj while the adjacent
-     * targets are near) */
-    int adj;
 };
 
 
@@ -80,10 +72,9 @@ template <> struct Vec16<double> {
 };
 
 template <typename R, int T> struct PushCfg {
-    static constexpr int TH = sizeof(R) == 4 ? 8 : 16; /* threads per dimension */
+    static constexpr int TH = sizeof(R) == 4 ? 8 : 16; /* threads per dimension; each
+                                                          owns (T / QD / TH)^2 outputs */
     static constexpr int NTH = TH * TH;                /* 64 (fp32) or 256 (fp64) */
-    static constexpr int TM = T / TH;                  /* outputs per thread per dim:
-                                                          8 x 8 in fp32 (FFMA-bound) */
     static constexpr int VE = 16 / (int)sizeof(R);     /* elements per 16-byte vector */
     static constexpr int S = T + VE;                   /* stride: 16-byte aligned rows,
                                                           rows 16 B apart in banks */
@@ -138,14 +129,14 @@ __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int
 
 /* C[r][a] += sum_c A[r][c] Bt[a][c] for one (tile, target) pair. Thread
  * (ty, tx) owns rows ty + TH i and columns tx + TH j. The eager ("near")
- * pushes of the tiles of diagonal K: right targets J + off <= Jt <= Kf - I,
- * down targets I + off <= It <= Kf - J, i.e. the tiles solved up to the next flush Kf
+ * pushes of the tiles of diagonal K: right targets J < Jt <= Kf - I, down
+ * targets I < It <= Kf - J, i.e. the tiles solved up to the next flush Kf
  * (every target when the pushes are eager). QD = 2: the target tile in
  * QD x QD parts, one per CTA (blockIdx.z): a quarter of the latency on the
  * critical path, for more CTAs and loads. */
 template <typename R, int T, int QD = 1>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
-    k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf, int off)
+    k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf)
 {
     using P = PushCfg<R, T>;
     constexpr int QR = T / QD, TM = QR / P::TH, VE = P::VE, S = P::S, TH = P::TH;
@@ -154,15 +145,14 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     R *As = reinterpret_cast<R *>(smem_raw);
     R *Bs = As + T * S;
     const int I = i_lo + (int)blockIdx.y, J = K - I;
-    /* off = 2 when the solve pushed into the adjacent tiles itself */
-    const int nright = max(0, min(NT - 1, Kf - I) - J - (off - 1));
-    const int ndown = max(0, min(MT - 1, Kf - J) - I - (off - 1));
+    const int nright = min(NT - 1, Kf - I) - J;
+    const int ndown = min(MT - 1, Kf - J) - I;
     const int t = (int)blockIdx.x;
     const R *Ap, *Bp;
     int64_t lda, ldb, ldc;
     R *Cp;
     if (t < nright) {
-        const int Jt = J + off + t;
+        const int Jt = J + 1 + t;
         Ap = a.W + (int64_t)I * T * a.ldw + (int64_t)J * T; /* E tile */
         lda = a.ldw;
         Bp = a.LA + (int64_t)Jt * T * a.ldla + (int64_t)J * T;
@@ -170,7 +160,7 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         Cp = a.Rp + (int64_t)I * T * a.ldr + (int64_t)Jt * T;
         ldc = a.ldr;
     } else {
-        const int It = I + off + (t - nright);
+        const int It = I + 1 + (t - nright);
         if (!a.LB || t - nright >= ndown)
             return; /* whole block */
         Ap = a.LB + (int64_t)It * T * a.ldlb + (int64_t)I * T;
@@ -220,95 +210,6 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
             R *cp = &Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j];
             *cp += acc[i][j];
         }
-}
-
-/* ------------------------------------------------- fused schedule pushes */
-
-/* The fused schedule (c->fused): the solve of tile (I, J) pushes into its two
- * adjacent tiles itself, from shared memory, into the main accumulators:
- *   Rp[I, J+1] += E L_A[J+1, J]^T,   W[I+1, J] += L_B[I+1, I] R^
- * (one writer per target and array in a launch: (I, J+1) gets its down push
- * from (I-1, J+1) into W, a different array). Every other target is pushed
- * by k_push_side on the side stream into W2 / Rp2, which the solve adds when
- * it loads a tile; the main stream waits only for the side push of diagonal
- * K - 2 before solving diagonal K. Es holds E [p][q], Rt holds R^ transposed
- * ([q][p]); LAb / LBb (the solve's factor buffers, free now) receive the
- * factor blocks with row stride T + 1. 4 x 4 outputs per thread. */
-template <typename R, int T, int NTH>
-__device__ __forceinline__ void fused_pushes(const TileArgs<R> &a, int I, int J, const R *Es,
-                                             const R *Rt, R *LAb, R *LBb, int tid)
-{
-    constexpr int LS = T + 1, RB = 4, BD = T / RB, NB = BD * BD;
-    const int64_t r0 = (int64_t)I * T, c0 = (int64_t)J * T;
-    const bool right = J + 1 < a.NT, down = a.LB && I + 1 < a.MT;
-    for (int idx = tid; idx < T * T; idx += NTH) {
-        const int r = idx / T, cc = idx % T;
-        if (right) /* LAb[q'][j] = L_A[c0 + T + q'][c0 + j] */
-            LAb[r * LS + cc] = a.LA[(c0 + T + r) * a.ldla + c0 + cc];
-        if (down) /* LBb[p'][i] = L_B[r0 + T + p'][r0 + i] */
-            LBb[r * LS + cc] = a.LB[(r0 + T + r) * a.ldlb + r0 + cc];
-    }
-    __syncthreads();
-    for (int blk = tid; blk < NB; blk += NTH) {
-        /* right: neighbouring threads take neighbouring columns (LAb rows,
-         * stride T + 1); down: neighbouring rows (LBb rows; Rt rows are T
-         * apart and would share a bank) */
-        int by = blk / BD, bx = blk % BD;
-        if (right) { /* out[p][q'] = sum_j E[p][j] LAb[q'][j] */
-            R acc[RB][RB];
-#pragma unroll
-            for (int i = 0; i < RB; i++)
-#pragma unroll
-                for (int j = 0; j < RB; j++)
-                    acc[i][j] = R(0);
-            for (int k = 0; k < T; k++) {
-                R av[RB], bv[RB];
-#pragma unroll
-                for (int i = 0; i < RB; i++) {
-                    av[i] = Es[(by + BD * i) * T + k];
-                    bv[i] = LAb[(bx + BD * i) * LS + k];
-                }
-#pragma unroll
-                for (int i = 0; i < RB; i++)
-#pragma unroll
-                    for (int j = 0; j < RB; j++)
-                        acc[i][j] += av[i] * bv[j];
-            }
-#pragma unroll
-            for (int i = 0; i < RB; i++)
-#pragma unroll
-                for (int j = 0; j < RB; j++)
-                    a.Rp[(r0 + by + BD * i) * a.ldr + c0 + T + bx + BD * j] += acc[i][j];
-        }
-        if (down) { /* out[p'][q] = sum_i LBb[p'][i] R^[i][q] = sum_i LBb[p'][i] Rt[q][i] */
-            by = blk % BD;
-            bx = blk / BD;
-            R acc[RB][RB];
-#pragma unroll
-            for (int i = 0; i < RB; i++)
-#pragma unroll
-                for (int j = 0; j < RB; j++)
-                    acc[i][j] = R(0);
-            for (int k = 0; k < T; k++) {
-                R av[RB], bv[RB];
-#pragma unroll
-                for (int i = 0; i < RB; i++) {
-                    av[i] = LBb[(by + BD * i) * LS + k];
-                    bv[i] = Rt[(bx + BD * i) * T + k];
-                }
-#pragma unroll
-                for (int i = 0; i < RB; i++)
-#pragma unroll
-                    for (int j = 0; j < RB; j++)
-                        acc[i][j] += av[i] * bv[j];
-            }
-#pragma unroll
-            for (int i = 0; i < RB; i++)
-#pragma unroll
-                for (int j = 0; j < RB; j++)
-                    a.W[(r0 + T + by + BD * i) * a.ldw + c0 + bx + BD * j] += acc[i][j];
-        }
-    }
 }
 
 /* ------------------------------------------------------- tile solve, v2 */
@@ -504,10 +405,6 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
                 const int r = rbase + RSTEP * (t0 + t);
                 wv[t] = a.W[(r0 + r) * a.ldw + c0 + cc];
                 rv[t] = a.Rp[(r0 + r) * a.ldr + c0 + cc];
-                if (a.W2) { /* fused schedule: what the side stream pushed */
-                    wv[t] += a.W2[(r0 + r) * a.ldw + c0 + cc];
-                    rv[t] += a.Rp2[(r0 + r) * a.ldr + c0 + cc];
-                }
                 lav[t] = cc < r ? a.LA[(c0 + r) * a.ldla + c0 + cc] : R(0);
                 lbv[t] = hasb && cc < r ? a.LB[(r0 + r) * a.ldlb + r0 + cc] : R(0);
             }
@@ -609,8 +506,6 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
         }
     }
     __syncthreads();
-    if (a.adj) /* the pushes to the two adjacent tiles */
-        fused_pushes<R, T, NW * 32>(a, I, J, Es, Rt, LAs, LBs, tid);
     /* coalesced tile stores: E over the W tile, R^ transposed over the Rp
      * tile (what the pushes read), codes and weights inside the matrix */
     for (int idx = tid; idx < T * T; idx += NW * 32) {
@@ -752,88 +647,6 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
             Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j] += acc[i][j];
 }
 
-/* The side stream's pushes of the fused schedule: from the tiles of
- * diagonal K to every target two or more tiles away, into W2 / Rp2.
- * blockIdx.x: the tile (I = i_lo + x), blockIdx.y: 0 right / 1 down,
- * blockIdx.z: a chunk of TPC targets (the source operand stays in shared
- * memory, the factor block is loaded per target). */
-template <typename R, int T>
-__global__ void __launch_bounds__(PushCfg<R, T>::NTH)
-    k_push_side(TileArgs<R> a, int K, int i_lo, int tpc)
-{
-    using P = PushCfg<R, T>;
-    constexpr int TM = P::TM, VE = P::VE, S = P::S, VPR = T / VE, TH = P::TH, NTH = P::NTH;
-    using V = typename Vec16<R>::type;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    R *As = reinterpret_cast<R *>(smem_raw);
-    R *Bs = As + T * S;
-    const int I = i_lo + (int)blockIdx.x, J = K - I, right = blockIdx.y == 0;
-    if (!right && !a.LB)
-        return;
-    const int first = (right ? J : I) + 2 + (int)blockIdx.z * tpc;
-    const int last = min((right ? a.NT : a.MT) - 1, first + tpc - 1);
-    if (first > last)
-        return;
-    const int tid = threadIdx.x, tx = tid % TH, ty = tid / TH;
-    /* the source: right A = E[I, J]; down Bt = R^[I, J] (stored transposed) */
-    R *Src = right ? As : Bs;
-    const R *sp = right ? a.W + (int64_t)I * T * a.ldw + (int64_t)J * T
-                        : a.Rp + (int64_t)I * T * a.ldr + (int64_t)J * T;
-    const int64_t lds = right ? a.ldw : a.ldr;
-    for (int idx = tid; idx < T * VPR; idx += NTH) {
-        const int r = idx / VPR, cv = (idx % VPR) * VE;
-        *reinterpret_cast<V *>(&Src[r * S + cv]) =
-            *reinterpret_cast<const V *>(&sp[(int64_t)r * lds + cv]);
-    }
-    R *Fac = right ? Bs : As;
-    for (int t = first; t <= last; t++) {
-        /* right: Bt = L_A[t, J]; down: A = L_B[t, I] */
-        const R *fp = right ? a.LA + (int64_t)t * T * a.ldla + (int64_t)J * T
-                            : a.LB + (int64_t)t * T * a.ldlb + (int64_t)I * T;
-        const int64_t ldf = right ? a.ldla : a.ldlb;
-        for (int idx = tid; idx < T * VPR; idx += NTH) {
-            const int r = idx / VPR, cv = (idx % VPR) * VE;
-            *reinterpret_cast<V *>(&Fac[r * S + cv]) =
-                *reinterpret_cast<const V *>(&fp[(int64_t)r * ldf + cv]);
-        }
-        __syncthreads();
-        R acc[TM][TM];
-#pragma unroll
-        for (int i = 0; i < TM; i++)
-#pragma unroll
-            for (int j = 0; j < TM; j++)
-                acc[i][j] = R(0);
-#pragma unroll 4
-        for (int c = 0; c < T; c += VE) {
-            R av[TM][VE], bv[TM][VE];
-#pragma unroll
-            for (int i = 0; i < TM; i++)
-                *reinterpret_cast<V *>(av[i]) =
-                    *reinterpret_cast<const V *>(&As[(ty + TH * i) * S + c]);
-#pragma unroll
-            for (int j = 0; j < TM; j++)
-                *reinterpret_cast<V *>(bv[j]) =
-                    *reinterpret_cast<const V *>(&Bs[(tx + TH * j) * S + c]);
-#pragma unroll
-            for (int uu = 0; uu < VE; uu++)
-#pragma unroll
-                for (int i = 0; i < TM; i++)
-#pragma unroll
-                    for (int j = 0; j < TM; j++)
-                        acc[i][j] += av[i][uu] * bv[j][uu];
-        }
-        R *Cp = right ? a.Rp2 + (int64_t)I * T * a.ldr + (int64_t)t * T
-                      : a.W2 + (int64_t)t * T * a.ldw + (int64_t)J * T;
-        const int64_t ldc = right ? a.ldr : a.ldw;
-#pragma unroll
-        for (int i = 0; i < TM; i++)
-#pragma unroll
-            for (int j = 0; j < TM; j++)
-                Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j] += acc[i][j];
-        __syncthreads(); /* before the next factor block overwrites Fac */
-    }
-}
-
 template <typename R, int T, int WC>
 void launch_solve3(const TileArgs<R> &ta, int K, int i_lo, int ntiles, cudaStream_t st)
 {
@@ -846,7 +659,7 @@ void launch_solve3(const TileArgs<R> &ta, int K, int i_lo, int ntiles, cudaStrea
         k_tile_solve3<R, T, WC, BK_Q_INTEGER><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
 }
 
-/* the far push off the critical path (mode 0 or 2) */
+/* the far push off the critical path (modes 0, 2, 3, 4) */
 template <typename R, int T>
 void launch_far(const bk_cuda_ctx *c, const TileArgs<R> &ta, dim3 grid, cudaStream_t st, int Kf,
                 int G, int MT, int NT, int mode)
@@ -859,7 +672,7 @@ void launch_far(const bk_cuda_ctx *c, const TileArgs<R> &ta, dim3 grid, cudaStre
 }
 
 template <typename R, int T>
-bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
+bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
 {
     using S2 = Solve2Cfg<R, T>;
     using S3 = Solve3Cfg<R, T, 16>;
@@ -883,13 +696,6 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
     ta.codes = a->codes;
     ta.weight = a->weight;
     ta.counts = a->counts;
-    ta.W2 = W2;
-    ta.Rp2 = Rp2;
-    ta.MT = (int)(a->mpad / T);
-    ta.NT = (int)(a->npad / T);
-    ta.adj = W2 != nullptr;
-    BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_side<R, T>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_LEVELS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S3::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_UNIFORM>,
@@ -927,7 +733,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
     cudaEvent_t side_done = c->ev_side_done;
     bool band = c->side_band == 1; /* auto (-1): with the SM partition */
     c->part_used = 0;
-    if (ovl && c->partition != 0 && !c->fused) {
+    if (ovl && c->partition != 0) {
         const int per = std::min(MT, NT);
         const int keep = c->partition > 0 ? c->partition : per <= 40 ? (per + 7) / 8 * 8 : 0;
         cudaStream_t ps = NULL;
@@ -955,43 +761,6 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
             c->part_used = 1;
         }
     }
-    if (W2) {
-        /* fused schedule: per diagonal K, main: [wait for the side push of
-         * K - 2] solve(K) with its adjacent pushes; side: [after solve(K)]
-         * the pushes of K to everything two or more tiles away */
-        constexpr int TPC = 4;
-        if (c->solve_v2 || c->skip_push)
-            return bk_error(BK_ERR_INTERNAL, "bakron: the fused schedule needs the v3 solve");
-        BK_CUDA_CHECK(cudaEventRecord(c->ev_start, c->stream));
-        BK_CUDA_CHECK(cudaEventRecord(c->ev_side_k[0], c->stream));
-        BK_CUDA_CHECK(cudaEventRecord(c->ev_side_k[1], c->stream));
-        for (int K = 0; K <= MT + NT - 2; K++) {
-            const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
-            const int ntiles = i_hi - i_lo + 1;
-            /* the side push of K - 2 (recorded in slot K % 2) reaches diagonal K */
-            BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_side_k[K & 1], 0));
-            if (c->solve_wc == 16)
-                launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);
-            else
-                launch_solve3<R, T, 8>(ta, K, i_lo, ntiles, c->stream);
-            BK_CUDA_CHECK(cudaGetLastError());
-            if (K + 2 <= MT + NT - 2) {
-                const int chunks = (std::max(MT, NT) - 2 + TPC - 1) / TPC;
-                BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
-                BK_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_main_ready, 0));
-                if (chunks > 0)
-                    k_push_side<R, T><<<dim3(ntiles, 2, chunks), PC::NTH, PC::smem, c->side>>>(
-                        ta, K, i_lo, TPC);
-                BK_CUDA_CHECK(cudaGetLastError());
-                BK_CUDA_CHECK(cudaEventRecord(c->ev_side_k[K & 1], c->side));
-            }
-        }
-        BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_side_k[0], 0));
-        BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_side_k[1], 0));
-        BK_CUDA_CHECK(cudaEventRecord(c->ev_stop, c->stream));
-        return BK_OK;
-    }
-    ta.W2 = ta.Rp2 = nullptr;
     BK_CUDA_CHECK(cudaEventRecord(c->ev_start, c->stream));
     if (ovl) { /* nothing pending on the side stream yet */
         BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
@@ -1001,9 +770,6 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
-        const int Kf = G ? (K / G) * G + G - 1 : never;
-        /* the adjacent targets (diagonal K + 1) are near unless K ends a run */
-        ta.adj = c->adj && !c->solve_v2 && !c->skip_push && K < Kf;
         if (c->solve_v2)
             k_tile_solve2<R, T><<<ntiles, S2::NW * 32, S2::smem, c->stream>>>(ta, K, i_lo);
         else if (c->solve_wc == 16)
@@ -1015,22 +781,22 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp, R *W2, R *Rp2)
          * 1 the near pushes, 2 the flush's next-run part, 3 the rest of it */
         if (c->skip_push & 1)
             continue;
-        const int off = ta.adj ? 2 : 1;
+        const int Kf = G ? (K / G) * G + G - 1 : never;
         int nx = 0;
         for (int I = i_lo; I <= i_hi; I++) {
             const int J = K - I;
-            int t = std::max(0, std::min(NT - 1, Kf - I) - J - (off - 1));
+            int t = std::min(NT - 1, Kf - I) - J;
             if (ta.LB)
-                t += std::max(0, std::min(MT - 1, Kf - J) - I - (off - 1));
+                t += std::min(MT - 1, Kf - J) - I;
             nx = std::max(nx, t);
         }
         if (nx > 0 && !(c->skip_push & 2)) {
             if (c->push_split == 2)
                 k_push<R, T, 2><<<dim3(nx, ntiles, 4), PC::NTH, PC::smem, c->stream>>>(
-                    ta, K, i_lo, MT, NT, Kf, off);
+                    ta, K, i_lo, MT, NT, Kf);
             else
                 k_push<R, T><<<dim3(nx, ntiles), PC::NTH, PC::smem, c->stream>>>(ta, K, i_lo, MT,
-                                                                                NT, Kf, off);
+                                                                                NT, Kf);
             BK_CUDA_CHECK(cudaGetLastError());
         }
         if (G && K == Kf && K < MT + NT - 2) {
@@ -1087,18 +853,12 @@ template <typename R> bk_status bakron(bk_cuda_ctx *c, const bk_core_args *a)
 {
     R *Rp = NULL;
     size_t bytes = sizeof(R) * (size_t)a->mpad * (size_t)a->npad;
-    R *W2 = NULL, *Rp2 = NULL;
     bk_status st = bk_dev_alloc(c, (void **)&Rp, bytes, "bakron: the right accumulator");
-    if (st == BK_OK && c->fused && c->side && !c->solve_v2 && !c->skip_push) {
-        st = bk_dev_alloc(c, (void **)&W2, bytes, "bakron: the side down accumulator");
-        if (st == BK_OK)
-            st = bk_dev_alloc(c, (void **)&Rp2, bytes, "bakron: the side right accumulator");
-    }
     if (st == BK_OK) {
         if (c->tile == 32)
-            st = run_tiles<R, 32>(c, a, Rp, W2, Rp2);
+            st = run_tiles<R, 32>(c, a, Rp);
         else
-            st = run_tiles<R, 64>(c, a, Rp, W2, Rp2);
+            st = run_tiles<R, 64>(c, a, Rp);
     }
     if (st == BK_OK)
         st = bk_cuda_status(cudaStreamSynchronize(c->stream), "bakron", __FILE__, __LINE__);
@@ -1108,8 +868,6 @@ template <typename R> bk_status bakron(bk_cuda_ctx *c, const bk_core_args *a)
     if (c->part_stream)
         cudaStreamSynchronize(c->part_stream);
     bk_dev_free(c, Rp);
-    bk_dev_free(c, W2);
-    bk_dev_free(c, Rp2);
     return st;
 }
 

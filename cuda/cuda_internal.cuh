@@ -28,10 +28,6 @@ typedef struct bk_cuda_ctx {
     cudaEvent_t ev_start, ev_stop; /* the algorithms record these around their core */
     cudaStream_t side;    /* BaKron: a low-priority stream for the overlapped pushes */
     cudaEvent_t ev_main_ready, ev_side_done; /* its ordering with `stream` */
-    cudaEvent_t ev_side_k[2]; /* fused schedule: the side push of diagonals K, K-1 */
-    int fused;            /* BaKron: the fused push schedule (BK_CUDA_FUSED, default 0) */
-    int adj;              /* BaKron: the solve pushes into its adjacent tiles itself
-                             (BK_CUDA_ADJ, default 0) */
     int overlap;          /* BaKron: overlap the far pushes with the solves
                              (BK_CUDA_OVERLAP, default 1) */
     size_t mem_current;   /* bytes held through bk_dev_alloc */

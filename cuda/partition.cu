@@ -73,6 +73,24 @@ bool load(Drv *d, char *why, size_t cap)
     return true;
 }
 
+/* The table, looked up once per process (thread-safe static initialization). */
+struct DrvTable {
+    Drv d;
+    bool ok;
+    char why[96];
+};
+
+const DrvTable &drv()
+{
+    static const DrvTable t = [] {
+        DrvTable x;
+        memset(&x, 0, sizeof x);
+        x.ok = load(&x.d, x.why, sizeof x.why);
+        return x;
+    }();
+    return t;
+}
+
 __global__ void k_probe(int *p)
 {
     if (threadIdx.x == 0)
@@ -85,28 +103,25 @@ __global__ void k_probe(int *p)
  * kernel's shared-memory limit) and back. */
 bool bk_cuda_partition_enter(bk_cuda_ctx *c)
 {
-    Drv d;
-    char why[8];
+    const DrvTable &t = drv();
     CUcontext gc = NULL;
-    return c->green && load(&d, why, sizeof why) &&
-           d.CtxFromGreenCtx(&gc, (CUgreenCtx)c->green) == CUDA_SUCCESS &&
-           d.CtxPushCurrent(gc) == CUDA_SUCCESS;
+    return c->green && t.ok && t.d.CtxFromGreenCtx(&gc, (CUgreenCtx)c->green) == CUDA_SUCCESS &&
+           t.d.CtxPushCurrent(gc) == CUDA_SUCCESS;
 }
 
 void bk_cuda_partition_leave(bk_cuda_ctx *c)
 {
-    Drv d;
-    char why[8];
+    const DrvTable &t = drv();
     CUcontext gc = NULL;
-    if (c->green && load(&d, why, sizeof why))
-        d.CtxPopCurrent(&gc);
+    if (c->green && t.ok)
+        t.d.CtxPopCurrent(&gc);
 }
 
 void bk_cuda_partition_release(bk_cuda_ctx *c)
 {
-    Drv d;
-    char why[8];
-    if (!c->green || !load(&d, why, sizeof why))
+    const DrvTable &t = drv();
+    const Drv &d = t.d;
+    if (!c->green || !t.ok)
         return;
     if (c->part_stream)
         d.StreamDestroy((CUstream)c->part_stream);
@@ -145,9 +160,12 @@ bk_status bk_cuda_partition_side(bk_cuda_ctx *c, int keep, cudaStream_t *stream,
         return BK_OK;
     }
     bk_cuda_partition_release(c);
-    Drv d;
-    if (!load(&d, c->part_off, sizeof c->part_off))
+    const DrvTable &t = drv();
+    if (!t.ok) {
+        snprintf(c->part_off, sizeof c->part_off, "%.90s", t.why);
         return BK_OK;
+    }
+    const Drv &d = t.d;
     CUdevice dev;
     CUdevResource all, grp, rest;
     CUdevResourceDesc desc;

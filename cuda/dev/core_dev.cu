@@ -263,7 +263,7 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, ovl = -1, fused = 0, adj = 0, part = -2, split = 2, fa = 1, band = -1;
+                int tile, skip, group, v1, wc, ovl = -1, part = -2, split = 2, fa = 1, band = -1;
             };
             std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -275,19 +275,16 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-solveonly", 64, 1, 4, 0, 16});
                 vs.push_back({"-noovl", 64, 0, 4, 0, 16, 0});
                 vs.push_back({"-G2", 64, 0, 2, 0, 16});
-                vs.push_back({"-fused", 64, 0, 4, 0, 16, -1, 1});
-                vs.push_back({"-fa0", 64, 0, 4, 0, 16, -1, 0, 0, -2, 2, 0});
-                vs.push_back({"-P0-G6", 64, 0, 6, 0, 16, -1, 0, 0, 0});
-                vs.push_back({"-q1", 64, 0, 4, 0, 16, -1, 0, 0, -2, 1});
-                vs.push_back({"-P0", 64, 0, 4, 0, 16, -1, 0, 0, 0});
-                vs.push_back({"-P24", 64, 0, 4, 0, 16, -1, 0, 0, 24});
-                vs.push_back({"-P40", 64, 0, 4, 0, 16, -1, 0, 0, 40});
-                vs.push_back({"-band0", 64, 0, 4, 0, 16, -1, 0, 0, -2, 2, 1, 0});
-                vs.push_back({"-band1", 64, 0, 4, 0, 16, -1, 0, 0, -2, 2, 1, 1});
+                vs.push_back({"-fa0", 64, 0, 4, 0, 16, -1, -2, 2, 0});
+                vs.push_back({"-P0-G6", 64, 0, 6, 0, 16, -1, 0});
+                vs.push_back({"-q1", 64, 0, 4, 0, 16, -1, -2, 1});
+                vs.push_back({"-P0", 64, 0, 4, 0, 16, -1, 0});
+                vs.push_back({"-P24", 64, 0, 4, 0, 16, -1, 24});
+                vs.push_back({"-P40", 64, 0, 4, 0, 16, -1, 40});
+                vs.push_back({"-band0", 64, 0, 4, 0, 16, -1, -2, 2, 1, 0});
+                vs.push_back({"-band1", 64, 0, 4, 0, 16, -1, -2, 2, 1, 1});
                 vs.push_back({"-G3", 64, 0, 3, 0, 16});
                 vs.push_back({"-G6", 64, 0, 6, 0, 16});
-                vs.push_back({"-adj", 64, 0, 4, 0, 16, -1, 0, 1});
-                vs.push_back({"-adj-G2", 64, 0, 2, 0, 16, -1, 0, 1});
                 /* timing by difference (wrong results): no near pushes, no
                  * next-run part of the flush, no overlapped rest */
                 vs.push_back({"-x-near", 64, 2, 4, 0, 16});
@@ -304,8 +301,6 @@ static int cmd_bench(int argc, char **argv)
                 c->solve_wc = v.wc;
                 c->solve_v2 = v.v1;
                 c->overlap = v.ovl < 0 ? c0.overlap : v.ovl;
-                c->fused = v.fused;
-                c->adj = v.adj;
                 c->partition = v.part == -2 ? c0.partition : v.part;
                 c->push_split = v.split;
                 c->far_async = v.fa;
@@ -349,8 +344,6 @@ static int cmd_bench(int argc, char **argv)
             c->solve_v2 = 0;
             c->solve_wc = 16;
             c->overlap = c0.overlap;
-            c->fused = c0.fused;
-            c->adj = c0.adj;
             c->partition = c0.partition;
             c->push_split = c0.push_split;
             c->far_async = c0.far_async;
@@ -560,23 +553,20 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, ovl = 1, fused = 0, adj = 0, part = -1, split = 2, fa = 1, band = -1;
+        int tile, group, v1, wc, ovl = 1, part = -1, split = 2, fa = 1, band = -1;
     };
-    /* the first (all algorithms) is the default; then v4 (sc 16/32), v3, v2 */
     /* the first (all algorithms) is the default: v3, push groups of 4,
-     * overlapped far pushes */
-    const Cfg cfgs[] = {{64, 4, 0, 16}, {64, 4, 0, 16, 0}, {64, 0, 0, 8},    {64, 1, 0, 16},
-                        {64, 1, 0, 16, 0}, {64, 3, 1, 16},   {32, 4, 0, 8},    {32, 2, 0, 16},
-                        {64, 2, 0, 8},     {64, 4, 0, 16, 1, 1}, {64, 4, 0, 8, 1, 1},
-                        {32, 4, 0, 16, 1, 1},  {64, 4, 0, 16, 1, 0, 1}, {64, 2, 0, 16, 1, 0, 1},
-                        {64, 0, 0, 8, 1, 0, 1}, {64, 3, 0, 16, 0, 0, 1}, {32, 4, 0, 16, 1, 0, 1},
-                        {64, 1, 0, 16, 1, 0, 1}, {64, 4, 0, 16, 1, 0, 0, 0},
-                        {64, 2, 0, 16, 1, 0, 0, 64}, {32, 3, 0, 16, 1, 0, 1, 100},
-                        {64, 3, 0, 8, 1, 0, 0, 24}, {64, 4, 0, 16, 1, 0, 0, -1, 1},
-                        {32, 2, 0, 16, 1, 0, 1, -1, 1}, {64, 0, 0, 16, 1, 0, 0, 0, 2},
-                        {64, 4, 0, 16, 1, 0, 0, -1, 2, 0}, {64, 3, 0, 16, 0, 0, 0, 0, 2, 1},
-                        {64, 4, 0, 16, 1, 0, 0, -1, 2, 1, 0}, {64, 1, 0, 16, 1, 0, 0, 0, 2, 1, 1},
-                        {32, 2, 0, 16, 1, 0, 1, 0, 1, 0, 1}, {64, 2, 0, 8, 1, 0, 0, 24, 2, 1, 1}};
+     * overlapped far pushes, automatic partition and band; then push
+     * schedules, the v2 solve, and the partition (0 none, N SMs kept), the
+     * split pushes, cp.async and the banded side push forced on and off */
+    const Cfg cfgs[] = {{64, 4, 0, 16}, {64, 4, 0, 16, 0}, {64, 0, 0, 8}, {64, 1, 0, 16},
+                        {64, 1, 0, 16, 0}, {64, 3, 1, 16}, {32, 4, 0, 8}, {32, 2, 0, 16},
+                        {64, 2, 0, 8}, {64, 2, 0, 16}, {64, 3, 0, 16, 0}, {32, 4, 0, 16},
+                        {64, 4, 0, 16, 1, 0}, {64, 2, 0, 16, 1, 64}, {32, 3, 0, 16, 1, 100},
+                        {64, 3, 0, 8, 1, 24}, {64, 4, 0, 16, 1, -1, 1}, {32, 2, 0, 16, 1, -1, 1},
+                        {64, 0, 0, 16, 1, 0}, {64, 4, 0, 16, 1, -1, 2, 0}, {64, 3, 0, 16, 0, 0},
+                        {64, 4, 0, 16, 1, -1, 2, 1, 0}, {64, 1, 0, 16, 1, 0, 2, 1, 1},
+                        {32, 2, 0, 16, 1, 0, 1, 0, 1}, {64, 2, 0, 8, 1, 24, 2, 1, 1}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
@@ -603,13 +593,14 @@ static int cmd_validate(int argc, char **argv)
                 c->solve_v2 = cf.v1;
                 c->solve_wc = cf.wc;
                 c->overlap = cf.ovl;
-                c->fused = cf.fused;
-                c->adj = cf.adj;
                 c->partition = cf.part;
                 c->push_split = cf.split;
                 c->far_async = cf.fa;
                 c->side_band = cf.band;
                 const int first = &cf == &cfgs[0];
+                char lbl[96];
+                snprintf(lbl, sizeof lbl, "T%d G%d v%d o%d p%d s%d fa%d b%d q%d", cf.tile, cf.group,
+                         cf.v1 ? 1 : 2, cf.ovl, cf.part, cf.split, cf.fa, cf.band, qi);
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
                         continue;
@@ -622,9 +613,9 @@ static int cmd_validate(int argc, char **argv)
                         std::vector<int16_t> g = p64 ? gpu_codes<double>(c, h, alg, &al, &st)
                                                      : gpu_codes<float>(c, h, alg, &al, &st);
                         if (st != BK_OK) {
-                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d fa%d b%d q%d %4lldx%-4lld %s: ERROR %s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, cf.fa, cf.band, qi, (long long)h.m,
-                                   (long long)h.n, p64 ? "fp64" : "fp32", bk_last_error());
+                            printf("%-9s %s %4lldx%-4lld %s: ERROR %s\n", bk_algorithm_name(alg), lbl,
+                                   (long long)h.m, (long long)h.n, p64 ? "fp64" : "fp32",
+                                   bk_last_error());
                             bad++;
                             continue;
                         }
@@ -642,10 +633,9 @@ static int cmd_validate(int argc, char **argv)
                                                               alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
-                            printf("%-9s T%d G%d v%d o%d f%d a%d p%d s%d fa%d b%d q%d %4lldx%-4lld %s: %8.4f%% identical%s\n",
-                                   bk_algorithm_name(alg), cf.tile, cf.group, cf.v1 ? 1 : 2, cf.ovl, cf.fused, cf.adj, cf.part, cf.split, cf.fa, cf.band, qi, (long long)h.m,
-                                   (long long)h.n, p64 ? "fp64" : "fp32", pct,
-                                   fail ? "  <-- FAIL" : "");
+                            printf("%-9s %s %4lldx%-4lld %s: %8.4f%% identical%s\n",
+                                   bk_algorithm_name(alg), lbl, (long long)h.m, (long long)h.n,
+                                   p64 ? "fp64" : "fp32", pct, fail ? "  <-- FAIL" : "");
                     }
                 }
                 bk_alphabet_free(&al);
