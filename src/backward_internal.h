@@ -1,0 +1,35 @@
+/* Internal pieces of the backward pass (src/backward.c, src/backward_flow.c)
+ * and hooks for the tests. */
+#ifndef BK_BACKWARD_INTERNAL_H
+#define BK_BACKWARD_INTERNAL_H
+
+#include <stdint.h>
+
+#include "bakron/backward.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Tests (finite differences): add delta to output element (row, col) of
+ * module mod of layer `layer` in every following layer forward of b
+ * (NULL: off). */
+typedef struct bk_bwd_perturb {
+    int layer;
+    bk_module mod;
+    int64_t row, col;
+    double delta;
+} bk_bwd_perturb;
+void bk__bwd_set_perturb(bk_bwd *b, const bk_bwd_perturb *p);
+
+/* The uniform in [0, 1) that picks the sampled label of (sequence, position). */
+double bk__bwd_uniform(uint64_t seed, int64_t seq, int64_t pos);
+
+/* BK_OK when the model has the LM head and final norm the backward needs;
+ * else a one-line error. */
+bk_status bk__bwd_head_check(const bk_model *m);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,730 @@
+/* Tests of the backward pass (src/backward.c) and of the flows that deliver
+ * module inputs and output gradients (src/backward_flow.c).
+ *
+ * Expected values come from independent constructions:
+ *  - central finite differences of the double-precision loss with respect
+ *    to every module's output (a perturbation added to one output element),
+ *    on the tiny checkpoints (Llama-3 rope scaling + GQA, Qwen2 biases + tied
+ *    embeddings, Qwen3 q/k norm);
+ *  - PyTorch autograd in float64 (scripts/backward_golden.py,
+ *    tests/data/backward/<model>.safetensors): the loss, every module's
+ *    output gradient and the module inputs;
+ *  - the product's float32 forward (bk_model_nll, bk_model_logits) for the
+ *    double forward and for the sampled labels (inverse CDF of the softmax);
+ *  - naive I for recursive halving (the same gradients, to the last bit), and
+ *    the paper's count of live boundary matrices.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backward_internal.h"
+#include "bakron/backward.h"
+#include "bakron/forward.h"
+#include "bakron/model.h"
+#include "bakron/safetensors.h"
+#include "util.h"
+
+static int verbose(void)
+{
+    const char *v = getenv("BK_TEST_VERBOSE");
+    return v && v[0] == '1';
+}
+
+static void model_path(char *buf, size_t cap, const char *name)
+{
+    const char *data = getenv("BK_TEST_DATA");
+    const char *root = getenv("BK_SOURCE_ROOT");
+    assert_non_null(data);
+    assert_non_null(root);
+    if (!strcmp(name, "kerneldocs-1.6m"))
+        snprintf(buf, cap, "%s/examples/kerneldocs-1.6m", root);
+    else
+        snprintf(buf, cap, "%s/models/%s", data, name);
+}
+
+static bk_model *open_model(const char *name)
+{
+    char dir[4096];
+    model_path(dir, sizeof dir, name);
+    bk_model *m = NULL;
+    if (bk_model_open(dir, &m) != BK_OK)
+        fail_msg("%s: %s", dir, bk_last_error());
+    return m;
+}
+
+/* All layers' weights. */
+static bk_layer_weights *load_all(const bk_model *m)
+{
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_layer_weights *lw = calloc((size_t)c->n_layers, sizeof *lw);
+    assert_non_null(lw);
+    for (int l = 0; l < c->n_layers; l++)
+        if (bk_layer_weights_load(m, l, &lw[l]) != BK_OK)
+            fail_msg("%s", bk_last_error());
+    return lw;
+}
+
+static void free_all(const bk_model *m, bk_layer_weights *lw)
+{
+    for (int l = 0; l < bk_model_get_config(m)->n_layers; l++)
+        bk_layer_weights_free(&lw[l]);
+    free(lw);
+}
+
+static int64_t mod_out(const bk_model_config *c, int mod)
+{
+    int64_t o, in;
+    bk_module_shape(c, (bk_module)mod, &o, &in);
+    return o;
+}
+
+static int64_t mod_in(const bk_model_config *c, int mod)
+{
+    int64_t o, in;
+    bk_module_shape(c, (bk_module)mod, &o, &in);
+    return in;
+}
+
+/* Everything one full forward + backward gives: per layer and module the
+ * inputs a and output gradients g [N, width] (copies), and the loss. */
+typedef struct run {
+    int L;
+    int64_t N;
+    double loss;
+    double *a[64][BK_MOD_COUNT], *g[64][BK_MOD_COUNT];
+} run;
+
+static void run_free(run *r)
+{
+    for (int l = 0; l < r->L; l++)
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            free(r->a[l][i]);
+            free(r->g[l][i]);
+        }
+}
+
+static double *dup_d(const double *p, int64_t n)
+{
+    double *q = malloc((size_t)n * sizeof(double));
+    assert_non_null(q);
+    memcpy(q, p, (size_t)n * sizeof(double));
+    return q;
+}
+
+/* Loss (and, with r, the taps) of the whole model on tokens [S, T] with
+ * fixed labels, through the public pieces of bakron/backward.h. */
+static double model_loss(bk_bwd *bw, const bk_model *m, const bk_layer_weights *lw,
+                         const int32_t *tokens, const int32_t *labels, int64_t S, int64_t T,
+                         run *r)
+{
+    const bk_model_config *c = bk_model_get_config(m);
+    const int L = (int)c->n_layers;
+    const int64_t N = S * T, d = c->hidden;
+    double *h = malloc((size_t)(N * d) * sizeof(double));
+    double *acts = malloc((size_t)(N * d * L) * sizeof(double));
+    double *dh = malloc((size_t)(N * d) * sizeof(double));
+    assert_true(h && acts && dh);
+    assert_int_equal(bk_bwd_embed(bw, m, tokens, S, h), BK_OK);
+    for (int l = 0; l < L; l++) {
+        memcpy(acts + l * N * d, h, (size_t)(N * d) * sizeof(double));
+        assert_int_equal(bk_bwd_layer_forward(bw, &lw[l], S, h), BK_OK);
+    }
+    double loss = 0;
+    if (bk_bwd_head(bw, m, h, labels, S, r ? dh : NULL, &loss) != BK_OK)
+        fail_msg("%s", bk_last_error());
+    if (r) {
+        r->L = L;
+        r->N = N;
+        r->loss = loss;
+        for (int l = L - 1; l >= 0; l--) {
+            bk_grad_taps t;
+            if (bk_bwd_layer_backward(bw, &lw[l], S, acts + l * N * d, dh, &t) != BK_OK)
+                fail_msg("%s", bk_last_error());
+            for (int i = 0; i < BK_MOD_COUNT; i++) {
+                r->a[l][i] = dup_d(t.a[i], N * mod_in(c, i));
+                r->g[l][i] = dup_d(t.g[i], N * mod_out(c, i));
+            }
+        }
+    }
+    free(h);
+    free(acts);
+    free(dh);
+    return loss;
+}
+
+static int32_t *random_tokens(uint64_t seed, int64_t n, int64_t vocab)
+{
+    bk_rng rg;
+    bk_rng_seed(&rg, seed);
+    int32_t *t = malloc((size_t)n * sizeof(int32_t));
+    assert_non_null(t);
+    for (int64_t i = 0; i < n; i++)
+        t[i] = (int32_t)(bk_rng_next(&rg) % (uint64_t)vocab);
+    return t;
+}
+
+/* ======================================================== finite differences */
+
+static void fd_model(const char *name)
+{
+    bk_model *m = open_model(name);
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_layer_weights *lw = load_all(m);
+    const int64_t S = 2, T = 6, N = S * T;
+    int32_t *tok = random_tokens(11, N, c->vocab);
+    int32_t *lab = random_tokens(12, N, c->vocab);
+    lab[T - 1] = -1; /* one position without a label */
+    bk_bwd *bw = NULL;
+    assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
+    run r;
+    memset(&r, 0, sizeof r);
+    model_loss(bw, m, lw, tok, lab, S, T, &r);
+    bk_rng rg;
+    bk_rng_seed(&rg, 99);
+    double worst = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            const int64_t out = mod_out(c, i);
+            double gmax = 0;
+            for (int64_t k = 0; k < N * out; k++)
+                gmax = fmax(gmax, fabs(r.g[l][i][k]));
+            assert_true(gmax > 0);
+            for (int rep = 0; rep < 4; rep++) {
+                /* rows with a label and without; both rows of a sequence's end */
+                int64_t row = rep == 0 ? T - 1 : (int64_t)(bk_rng_next(&rg) % (uint64_t)N);
+                int64_t col = (int64_t)(bk_rng_next(&rg) % (uint64_t)out);
+                const double eps = 1e-4;
+                bk_bwd_perturb p = {l, (bk_module)i, row, col, eps};
+                bk__bwd_set_perturb(bw, &p);
+                double lp = model_loss(bw, m, lw, tok, lab, S, T, NULL);
+                p.delta = -eps;
+                bk__bwd_set_perturb(bw, &p);
+                double lm = model_loss(bw, m, lw, tok, lab, S, T, NULL);
+                bk__bwd_set_perturb(bw, NULL);
+                double fd = (lp - lm) / (2 * eps);
+                double e = fabs(fd - r.g[l][i][row * out + col]) / gmax;
+                if (e > worst)
+                    worst = e;
+                if (e > 1e-6)
+                    fail_msg("%s layer %d %s [%lld, %lld]: finite difference %.12g, backward "
+                             "%.12g (max |g| %.3g)",
+                             name, l, bk_module_name((bk_module)i), (long long)row,
+                             (long long)col, fd, r.g[l][i][row * out + col], gmax);
+            }
+        }
+    }
+    if (verbose())
+        fprintf(stderr, "  fd %s: worst |fd - g| / max|g| = %.3g (tolerance 1e-6)\n", name, worst);
+    run_free(&r);
+    bk_bwd_free(bw);
+    free(tok);
+    free(lab);
+    free_all(m, lw);
+    bk_model_close(m);
+}
+
+static void test_fd_llama3(void **state)
+{
+    (void)state;
+    fd_model("tiny-llama3");
+}
+
+static void test_fd_qwen2(void **state)
+{
+    (void)state;
+    fd_model("tiny-qwen2");
+}
+
+static void test_fd_qwen3(void **state)
+{
+    (void)state;
+    fd_model("tiny-qwen3");
+}
+
+/* ======================================================== PyTorch goldens */
+
+static double cmp_golden(const bk_st_file *g, const char *name, const double *got, int64_t n)
+{
+    const bk_tensor_info *t = bk_st_find(g, name);
+    if (!t)
+        fail_msg("golden tensor %s missing", name);
+    assert_int_equal((int64_t)t->numel, n);
+    float *ref = malloc((size_t)n * sizeof(float));
+    assert_int_equal(bk_tensor_to_f32(t, ref), BK_OK);
+    double md = 0, mb = 0;
+    for (int64_t i = 0; i < n; i++) {
+        md = fmax(md, fabs(got[i] - (double)ref[i]));
+        mb = fmax(mb, fabs((double)ref[i]));
+    }
+    free(ref);
+    return mb > 0 ? md / mb : md;
+}
+
+static void golden_model(const char *name)
+{
+    char path[4096];
+    const char *data = getenv("BK_TEST_DATA");
+    snprintf(path, sizeof path, "%s/backward/%s.safetensors", data, name);
+    bk_st_file *g = NULL;
+    if (bk_st_open(path, &g) != BK_OK)
+        fail_msg("%s: %s", path, bk_last_error());
+    const bk_tensor_info *ti = bk_st_find(g, "input_ids"), *tl = bk_st_find(g, "labels"),
+                         *tloss = bk_st_find(g, "loss");
+    assert_true(ti && tl && tloss);
+    assert_int_equal(ti->dtype, BK_DT_I32);
+    assert_int_equal(tl->dtype, BK_DT_I32);
+    assert_int_equal(tloss->dtype, BK_DT_F64);
+    const int64_t S = ti->shape[0], T = ti->shape[1], N = S * T;
+    bk_model *m = open_model(name);
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_layer_weights *lw = load_all(m);
+    bk_bwd *bw = NULL;
+    assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
+    run r;
+    memset(&r, 0, sizeof r);
+    model_loss(bw, m, lw, (const int32_t *)ti->data, (const int32_t *)tl->data, S, T, &r);
+    double ref_loss;
+    memcpy(&ref_loss, tloss->data, sizeof ref_loss);
+    double el = fabs(r.loss - ref_loss) / fabs(ref_loss), eg = 0, ea = 0;
+    char nm[256];
+    for (int l = 0; l < c->n_layers; l++)
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            snprintf(nm, sizeof nm, "layers.%d.%s.grad", l, bk_module_name((bk_module)i));
+            double e = cmp_golden(g, nm, r.g[l][i], N * mod_out(c, i));
+            if (e > 1e-5)
+                fail_msg("%s %s: relative error %.3g > 1e-5", name, nm, e);
+            eg = fmax(eg, e);
+            if (i == BK_MOD_Q || i == BK_MOD_O || i == BK_MOD_GATE || i == BK_MOD_DOWN) {
+                snprintf(nm, sizeof nm, "layers.%d.%s.input", l, bk_module_name((bk_module)i));
+                e = cmp_golden(g, nm, r.a[l][i], N * mod_in(c, i));
+                if (e > 1e-5)
+                    fail_msg("%s %s: relative error %.3g > 1e-5", name, nm, e);
+                ea = fmax(ea, e);
+            }
+        }
+    if (verbose())
+        fprintf(stderr,
+                "  golden %s: loss %.12g vs torch %.12g (rel %.3g, tol 1e-7); grads %.3g, "
+                "inputs %.3g (tol 1e-5)\n",
+                name, r.loss, ref_loss, el, eg, ea);
+    assert_true(el < 1e-7);
+    run_free(&r);
+    bk_bwd_free(bw);
+    free_all(m, lw);
+    bk_model_close(m);
+    bk_st_close(g);
+}
+
+static void test_golden_llama3(void **state)
+{
+    (void)state;
+    golden_model("tiny-llama3");
+}
+
+static void test_golden_qwen2(void **state)
+{
+    (void)state;
+    golden_model("tiny-qwen2");
+}
+
+static void test_golden_qwen3(void **state)
+{
+    (void)state;
+    golden_model("tiny-qwen3");
+}
+
+static void test_golden_kerneldocs(void **state)
+{
+    (void)state;
+    golden_model("kerneldocs-1.6m");
+}
+
+/* ======================================== the double forward and the labels */
+
+/* The empirical-Fisher loss is the model's next-token NLL: the product's
+ * float32 forward gives it too. */
+static void test_loss_matches_fp32_forward(void **state)
+{
+    (void)state;
+    const char *names[] = {"tiny-qwen3", "kerneldocs-1.6m"};
+    for (int k = 0; k < 2; k++) {
+        bk_model *m = open_model(names[k]);
+        const bk_model_config *c = bk_model_get_config(m);
+        bk_layer_weights *lw = load_all(m);
+        const int64_t S = 3, T = 9, N = S * T;
+        int32_t *tok = random_tokens(5 + (uint64_t)k, N, c->vocab);
+        int32_t *lab = malloc((size_t)N * sizeof(int32_t));
+        bk_bwd *bw = NULL;
+        assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
+        double *h = malloc((size_t)(N * c->hidden) * sizeof(double));
+        assert_int_equal(bk_bwd_embed(bw, m, tok, S, h), BK_OK);
+        for (int l = 0; l < c->n_layers; l++)
+            assert_int_equal(bk_bwd_layer_forward(bw, &lw[l], S, h), BK_OK);
+        assert_int_equal(bk_bwd_labels(bw, m, h, tok, S, 0, BK_FISHER_EMPIRICAL, 0, lab), BK_OK);
+        for (int64_t r = 0; r < N; r++)
+            assert_int_equal(lab[r], r % T == T - 1 ? -1 : tok[r + 1]);
+        double loss = 0, nll = 0;
+        int64_t cnt = 0;
+        assert_int_equal(bk_bwd_head(bw, m, h, lab, S, NULL, &loss), BK_OK);
+        assert_int_equal(bk_model_nll(m, tok, S, T, 0, &nll, &cnt), BK_OK);
+        assert_int_equal(cnt, S * (T - 1));
+        double e = fabs(loss - nll) / nll;
+        if (verbose())
+            fprintf(stderr, "  %s: double loss %.9g, float32 forward %.9g (rel %.3g, tol 1e-5)\n",
+                    names[k], loss, nll, e);
+        assert_true(e < 1e-5);
+        free(h);
+        free(tok);
+        free(lab);
+        bk_bwd_free(bw);
+        free_all(m, lw);
+        bk_model_close(m);
+    }
+}
+
+/* Model-Fisher labels: the inverse CDF of the softmax of the float32
+ * logits at the uniform of (seed, sequence, position); reproducible and
+ * independent of the micro-batching; another seed gives other labels. */
+static void test_sampled_labels(void **state)
+{
+    (void)state;
+    bk_model *m = open_model("tiny-llama3");
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_layer_weights *lw = load_all(m);
+    const int64_t S = 3, T = 40, N = S * T, V = c->vocab;
+    int32_t *tok = random_tokens(3, N, V);
+    bk_bwd *bw = NULL;
+    assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
+    double *h = malloc((size_t)(N * c->hidden) * sizeof(double));
+    assert_int_equal(bk_bwd_embed(bw, m, tok, S, h), BK_OK);
+    for (int l = 0; l < c->n_layers; l++)
+        assert_int_equal(bk_bwd_layer_forward(bw, &lw[l], S, h), BK_OK);
+    int32_t *lab = malloc((size_t)N * sizeof(int32_t)), *lab2 = malloc((size_t)N * sizeof(int32_t));
+    assert_int_equal(bk_bwd_labels(bw, m, h, tok, S, 0, BK_FISHER_MODEL, 7, lab), BK_OK);
+    /* one sequence at a time, with its index */
+    for (int64_t s = 0; s < S; s++)
+        assert_int_equal(bk_bwd_labels(bw, m, h + s * T * c->hidden, tok + s * T, 1, s,
+                                       BK_FISHER_MODEL, 7, lab2 + s * T),
+                         BK_OK);
+    assert_memory_equal(lab, lab2, (size_t)N * sizeof(int32_t));
+    assert_int_equal(bk_bwd_labels(bw, m, h, tok, S, 0, BK_FISHER_MODEL, 8, lab2), BK_OK);
+    int differ = 0;
+    for (int64_t r = 0; r < N; r++)
+        differ += lab[r] != lab2[r];
+    assert_true(differ > 0);
+    /* inverse CDF against the float32 forward's logits */
+    float *lg = malloc((size_t)(N * V) * sizeof(float));
+    assert_int_equal(bk_model_logits(m, tok, S, T, lg), BK_OK);
+    int unlikely = 0;
+    for (int64_t r = 0; r < N; r++) {
+        const float *row = lg + r * V;
+        double mx = row[0], z = 0, below = 0;
+        for (int64_t v = 1; v < V; v++)
+            mx = fmax(mx, row[v]);
+        for (int64_t v = 0; v < V; v++)
+            z += exp(row[v] - mx);
+        for (int64_t v = 0; v < lab[r]; v++)
+            below += exp(row[v] - mx) / z;
+        double p = exp(row[lab[r]] - mx) / z;
+        double u = bk__bwd_uniform(7, r / T, r % T);
+        assert_true(lab[r] >= 0 && lab[r] < V);
+        if (!(below <= u + 1e-5 && u <= below + p + 1e-5))
+            fail_msg("row %lld: label %d has CDF [%.9g, %.9g], uniform %.9g", (long long)r,
+                     (int)lab[r], below, below + p, u);
+        unlikely += p < 1e-3;
+    }
+    assert_true(unlikely < N / 4);
+    /* uniforms look uniform: mean of many near 1/2 */
+    double mean = 0;
+    for (int k = 0; k < 10000; k++)
+        mean += bk__bwd_uniform(1, k / 100, k % 100);
+    mean /= 10000;
+    assert_true(fabs(mean - 0.5) < 0.02);
+    free(lg);
+    free(h);
+    free(tok);
+    free(lab);
+    free(lab2);
+    bk_bwd_free(bw);
+    free_all(m, lw);
+    bk_model_close(m);
+}
+
+/* ======================================================== the flows */
+
+typedef struct collect {
+    const bk_model_config *c;
+    int64_t N, T;
+    double *a[64][BK_MOD_COUNT], *g[64][BK_MOD_COUNT];
+    int delivered[64];   /* micro-batches per layer */
+    int done_next;       /* next layer leaf_done must start at */
+    int passes_seen, max_depth_seen;
+} collect;
+
+static void cb_pass(void *user, const bk_bwd_pass_info *info)
+{
+    collect *k = user;
+    k->passes_seen++;
+    if (info->depth > k->max_depth_seen)
+        k->max_depth_seen = info->depth;
+}
+
+static bk_status cb_grads(void *user, int layer, int64_t s0, int64_t S, const bk_grad_taps *t)
+{
+    collect *k = user;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t in = mod_in(k->c, i), out = mod_out(k->c, i);
+        if (!k->a[layer][i]) {
+            k->a[layer][i] = calloc((size_t)(k->N * in), sizeof(double));
+            k->g[layer][i] = calloc((size_t)(k->N * out), sizeof(double));
+        }
+        memcpy(k->a[layer][i] + s0 * k->T * in, t->a[i], (size_t)(S * k->T * in) * sizeof(double));
+        memcpy(k->g[layer][i] + s0 * k->T * out, t->g[i],
+               (size_t)(S * k->T * out) * sizeof(double));
+    }
+    k->delivered[layer]++;
+    return BK_OK;
+}
+
+static bk_status cb_leaf(void *user, int lo, int hi)
+{
+    collect *k = user;
+    assert_int_equal(lo, k->done_next);
+    assert_true(hi > lo);
+    k->done_next = hi;
+    return BK_OK;
+}
+
+static void collect_free(collect *k)
+{
+    for (int l = 0; l < 64; l++)
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            free(k->a[l][i]);
+            free(k->g[l][i]);
+        }
+}
+
+static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T,
+                     bk_bwd_flow_kind kind, int leaf, int64_t batch, collect *k,
+                     bk_bwd_flow_stats *st)
+{
+    memset(k, 0, sizeof *k);
+    k->c = bk_model_get_config(m);
+    k->N = S * T;
+    k->T = T;
+    bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 42, batch};
+    bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf};
+    if (bk_bwd_flow_run(m, tok, S, T, &o, &cb, st) != BK_OK)
+        fail_msg("%s", bk_last_error());
+    assert_int_equal(k->done_next, (int)k->c->n_layers);
+    int64_t nb = (S + batch - 1) / batch;
+    for (int l = 0; l < k->c->n_layers; l++)
+        assert_int_equal(k->delivered[l], (int)nb);
+    assert_int_equal(k->passes_seen, st->passes);
+}
+
+/* max |x - y| / max |y| over every a and g */
+static double collect_diff(const collect *x, const collect *y)
+{
+    double worst = 0;
+    for (int l = 0; l < x->c->n_layers; l++)
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            const double *p[2] = {x->a[l][i], x->g[l][i]}, *q[2] = {y->a[l][i], y->g[l][i]};
+            int64_t n[2] = {x->N * mod_in(x->c, i), x->N * mod_out(x->c, i)};
+            for (int w = 0; w < 2; w++) {
+                double md = 0, mb = 0;
+                for (int64_t e = 0; e < n[w]; e++) {
+                    md = fmax(md, fabs(p[w][e] - q[w][e]));
+                    mb = fmax(mb, fabs(q[w][e]));
+                }
+                worst = fmax(worst, mb > 0 ? md / mb : md);
+            }
+        }
+    return worst;
+}
+
+static void flows_model(const char *name)
+{
+    bk_model *m = open_model(name);
+    const bk_model_config *c = bk_model_get_config(m);
+    const int L = (int)c->n_layers;
+    const int64_t S = 3, T = 8;
+    int32_t *tok = random_tokens(21, S * T, c->vocab);
+    /* the reference: one forward + backward of the whole model with the
+     * flow's labels */
+    bk_layer_weights *lw = load_all(m);
+    bk_bwd *bw = NULL;
+    assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
+    double *h = malloc((size_t)(S * T * c->hidden) * sizeof(double));
+    int32_t *lab = malloc((size_t)(S * T) * sizeof(int32_t));
+    assert_int_equal(bk_bwd_embed(bw, m, tok, S, h), BK_OK);
+    for (int l = 0; l < L; l++)
+        assert_int_equal(bk_bwd_layer_forward(bw, &lw[l], S, h), BK_OK);
+    assert_int_equal(bk_bwd_labels(bw, m, h, tok, S, 0, BK_FISHER_MODEL, 42, lab), BK_OK);
+    run ref;
+    memset(&ref, 0, sizeof ref);
+    model_loss(bw, m, lw, tok, lab, S, T, &ref);
+    collect rc;
+    memset(&rc, 0, sizeof rc);
+    rc.c = c;
+    rc.N = S * T;
+    for (int l = 0; l < L; l++)
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            rc.a[l][i] = ref.a[l][i];
+            rc.g[l][i] = ref.g[l][i];
+        }
+
+    for (int leaf = 1; leaf <= L; leaf++) {
+        collect kn, kh, kb;
+        bk_bwd_flow_stats sn, sh, sb;
+        run_flow(m, tok, S, T, BK_FLOW_NAIVE, leaf, 2, &kn, &sn);
+        run_flow(m, tok, S, T, BK_FLOW_HALVING, leaf, 2, &kh, &sh);
+        run_flow(m, tok, S, T, BK_FLOW_HALVING, leaf, 1, &kb, &sb);
+        double e_hn = collect_diff(&kh, &kn), e_ref = collect_diff(&kn, &rc),
+               e_mb = collect_diff(&kb, &kh);
+        if (verbose())
+            fprintf(stderr,
+                    "  %s leaf %d: halving vs naive %.3g (tol 1e-13), naive vs one full "
+                    "backward %.3g (tol 1e-12), micro-batch 1 vs 2 %.3g (tol 1e-12); passes "
+                    "%d / %d, depth %d, peak boundaries %.0f x [N, hidden]\n",
+                    name, leaf, e_hn, e_ref, e_mb, sh.passes, sn.passes, sh.max_depth,
+                    (double)sh.peak_boundary_bytes / (double)(S * T * c->hidden * 8));
+        assert_true(e_hn <= 1e-13);
+        assert_true(e_ref <= 1e-12);
+        assert_true(e_mb <= 1e-12);
+        /* naive: one sweep per leaf, nothing kept */
+        assert_int_equal(sn.passes, (L + leaf - 1) / leaf);
+        assert_int_equal(sn.peak_boundary_bytes, 0);
+        /* halving: a split per inner node, a sweep per leaf; live boundaries
+         * at most 2 per level plus the head's gradient (the paper's
+         * 2(log2(l) + 1) bound) */
+        int leaves = 0, inner = 0;
+        {
+            int stack_lo[64], stack_hi[64], sp = 0;
+            stack_lo[sp] = 0;
+            stack_hi[sp++] = L;
+            while (sp) {
+                sp--;
+                int lo = stack_lo[sp], hi = stack_hi[sp];
+                if (hi - lo <= leaf) {
+                    leaves++;
+                } else {
+                    int mid = lo + (hi - lo) / 2;
+                    inner++;
+                    stack_lo[sp] = lo, stack_hi[sp++] = mid;
+                    stack_lo[sp] = mid, stack_hi[sp++] = hi;
+                }
+            }
+        }
+        assert_int_equal(sh.passes, leaves + inner);
+        double nbound = (double)sh.peak_boundary_bytes / (double)(S * T * c->hidden * 8);
+        assert_true(nbound <= 2 * (log2((double)L) + 1) + 1e-9);
+        assert_true(inner == 0 ? nbound == 0 : nbound >= 3);
+        collect_free(&kn);
+        collect_free(&kh);
+        collect_free(&kb);
+    }
+    run_free(&ref);
+    free(h);
+    free(lab);
+    free(tok);
+    bk_bwd_free(bw);
+    free_all(m, lw);
+    bk_model_close(m);
+}
+
+static void test_flows_kerneldocs(void **state)
+{
+    (void)state;
+    flows_model("kerneldocs-1.6m");
+}
+
+static void test_flows_qwen3(void **state)
+{
+    (void)state;
+    flows_model("tiny-qwen3");
+}
+
+/* ======================================================== bad input */
+
+static void test_bad_input(void **state)
+{
+    (void)state;
+    bk_model *m = open_model("tiny-llama3");
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_layer_weights *lw = load_all(m);
+    const int64_t S = 1, T = 5, N = S * T, d = c->hidden;
+    bk_bwd *bw = NULL;
+    assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
+    double *h = calloc((size_t)(N * d), sizeof(double));
+    double *dh = calloc((size_t)(N * d), sizeof(double));
+    for (int64_t i = 0; i < N * d; i++)
+        h[i] = 0.01 * (double)(i % 7);
+    /* a NaN in the incoming gradient: stops, naming the layer and module */
+    dh[3 * d + 2] = NAN;
+    assert_int_equal(bk_bwd_layer_backward(bw, &lw[1], S, h, dh, NULL), BK_ERR_NONFINITE);
+    assert_non_null(strstr(bk_last_error(), "layer 1 mlp.down_proj"));
+    assert_null(strchr(bk_last_error(), '\n'));
+    /* an overflow inside the layer */
+    for (int64_t i = 0; i < N * d; i++)
+        dh[i] = 1e305;
+    assert_int_equal(bk_bwd_layer_backward(bw, &lw[1], S, h, dh, NULL), BK_ERR_NONFINITE);
+    assert_non_null(strstr(bk_last_error(), "layer 1 "));
+    /* too many sequences for the context */
+    assert_int_equal(bk_bwd_layer_forward(bw, &lw[0], 2, h), BK_ERR_INVALID_ARG);
+    /* the empirical Fisher has no label in sequences of one token */
+    int32_t tok[2] = {1, 2};
+    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_EMPIRICAL, 0, 1};
+    bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL};
+    bk_bwd_flow_stats st;
+    assert_int_equal(bk_bwd_flow_run(m, tok, 2, 1, &o, &cb, &st), BK_ERR_CALIB);
+    assert_non_null(strstr(bk_last_error(), "--fisher empirical"));
+    o.leaf = 0;
+    assert_int_equal(bk_bwd_flow_run(m, tok, 2, 1, &o, &cb, &st), BK_ERR_INVALID_ARG);
+    /* token ids outside the vocabulary */
+    tok[1] = (int32_t)c->vocab;
+    o.leaf = 1;
+    o.fisher = BK_FISHER_MODEL;
+    assert_int_equal(bk_bwd_flow_run(m, tok, 1, 2, &o, &cb, &st), BK_ERR_CALIB);
+    bk_fisher_kind fk;
+    bk_bwd_flow_kind fl;
+    assert_int_equal(bk_fisher_from_name("empirical", &fk), BK_OK);
+    assert_int_equal(fk, BK_FISHER_EMPIRICAL);
+    assert_int_equal(bk_fisher_from_name("fisher", &fk), BK_ERR_INVALID_ARG);
+    assert_int_equal(bk_bwd_flow_from_name("naive", &fl), BK_OK);
+    assert_int_equal(fl, BK_FLOW_NAIVE);
+    assert_int_equal(bk_bwd_flow_from_name("yaqa", &fl), BK_ERR_INVALID_ARG);
+    free(h);
+    free(dh);
+    bk_bwd_free(bw);
+    free_all(m, lw);
+    bk_model_close(m);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fd_llama3),
+        cmocka_unit_test(test_fd_qwen2),
+        cmocka_unit_test(test_fd_qwen3),
+        cmocka_unit_test(test_golden_llama3),
+        cmocka_unit_test(test_golden_qwen2),
+        cmocka_unit_test(test_golden_qwen3),
+        cmocka_unit_test(test_golden_kerneldocs),
+        cmocka_unit_test(test_loss_matches_fp32_forward),
+        cmocka_unit_test(test_sampled_labels),
+        cmocka_unit_test(test_flows_kerneldocs),
+        cmocka_unit_test(test_flows_qwen3),
+        cmocka_unit_test(test_bad_input),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
