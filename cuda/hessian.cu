@@ -456,6 +456,11 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
         return bk_error(BK_ERR_INVALID_ARG, "GPU hessian: NULL forward context");
     if ((unsigned)kind >= BK_HESS_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown Hessian kind %d", (int)kind);
+    if (bk_hessian_is_backprop(kind))
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "GPU hessian: %s is not implemented on the GPU yet (the CPU stages "
+                        "compute it: --cpu-stages)",
+                        bk_hessian_name(kind));
     /* the CPU accumulator's own checks of the configuration (one source of
      * truth; its accumulators are allocated and freed) */
     bk_hess_acc *probe = NULL;

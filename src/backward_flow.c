@@ -277,7 +277,7 @@ bk_status bk_bwd_flow_run(const bk_model *m, const int32_t *tokens, int64_t S, i
     if (o->flow == BK_FLOW_NAIVE) {
         for (int lo = 0; lo < L && st == BK_OK; lo += o->leaf) {
             int hi = lo + o->leaf < L ? lo + o->leaf : L;
-            pass_begin(&f, 0, lo, L, 1);
+            pass_begin(&f, 0, lo, hi, 1);
             st = sweep(&f, 0, NULL, -1, NULL, L, NULL, NULL, lo, NULL, hi);
             if (st == BK_OK)
                 st = leaf_done(&f, lo, hi);

@@ -40,6 +40,7 @@
 
 static const char *const kind_names[BK_HESS_COUNT] = {
     "rtn", "gptq", "mlplocal-kfac", "mlplocal-shampoo", "fullylocal-kfac", "fullylocal-shampoo",
+    "backprop-kfac", "backprop-shampoo",
 };
 
 const char *bk_hessian_name(bk_hessian_kind k)
@@ -59,7 +60,8 @@ bk_status bk_hessian_from_name(const char *name, bk_hessian_kind *out)
     }
     return bk_error(BK_ERR_INVALID_ARG,
                     "hessian: unknown Hessian '%s' (expected rtn, gptq, mlplocal-kfac, "
-                    "mlplocal-shampoo, fullylocal-kfac or fullylocal-shampoo)",
+                    "mlplocal-shampoo, fullylocal-kfac, fullylocal-shampoo, backprop-kfac or "
+                    "backprop-shampoo)",
                     name);
 }
 
@@ -76,11 +78,19 @@ static int kind_attn2(bk_hessian_kind k)
 
 static int kind_shampoo(bk_hessian_kind k)
 {
-    return k == BK_HESS_MLPLOCAL_SHAMPOO || k == BK_HESS_FULLYLOCAL_SHAMPOO;
+    return k == BK_HESS_MLPLOCAL_SHAMPOO || k == BK_HESS_FULLYLOCAL_SHAMPOO ||
+           k == BK_HESS_BACKPROP_SHAMPOO;
+}
+
+int bk_hessian_is_backprop(bk_hessian_kind k)
+{
+    return k == BK_HESS_BACKPROP_KFAC || k == BK_HESS_BACKPROP_SHAMPOO;
 }
 
 int bk_hessian_is_two_sided(bk_hessian_kind k, bk_module mod)
 {
+    if (bk_hessian_is_backprop(k) && (unsigned)mod < BK_MOD_COUNT)
+        return 1;
     if ((mod == BK_MOD_GATE || mod == BK_MOD_UP) && kind_mlp2(k))
         return 1;
     if ((mod == BK_MOD_Q || mod == BK_MOD_K || mod == BK_MOD_V) && kind_attn2(k))
@@ -131,7 +141,19 @@ struct bk_hess_acc {
     float *mlpE[BK_MOD_COUNT];         /* gate/up: start B ⊙ DᵀD, made at the first add */
 
     float *outA[BK_MOD_COUNT], *outB[BK_MOD_COUNT];
+
+    /* backprop kinds (docs/hessians.md "Backprop") */
+    int bp;
+    gram a_bp[BK_MOD_COUNT];           /* Shampoo: Σ |g|² a aᵀ per module */
+    double *gB[BK_MOD_COUNT];          /* Σ w g gᵀ, upper triangle, double (w = |a|² or 1) */
+    int64_t gcount[BK_MOD_COUNT];      /* gradient rows added */
+    double *gw[BK_MOD_COUNT];          /* Shampoo: |g_t|² of every token added, in order */
+    int64_t gw_cap[BK_MOD_COUNT];
 };
+
+static bk_status bp_add_input(bk_hess_acc *a, int layer, int grp, const float *x, int64_t S,
+                              int64_t width, const char *what);
+static float *out_buf(float **slot, int64_t n);
 
 static int module_group(bk_module mod)
 {
@@ -395,6 +417,9 @@ void bk_hess_acc_free(bk_hess_acc *a)
         free(a->mlpE[m]);
         free(a->outA[m]);
         free(a->outB[m]);
+        free(a->a_bp[m].s);
+        free(a->gB[m]);
+        free(a->gw[m]);
     }
     if (a->have_rope)
         bk_rope_free(&a->rope);
@@ -464,6 +489,7 @@ bk_status bk_hess_acc_create(const bk_model_config *cfg, bk_hessian_kind kind, i
     a->qd = a->H * a->hd;
     a->kvd = a->G * a->hd;
     a->layer = -1;
+    a->bp = bk_hessian_is_backprop(kind);
 
     if (kind == BK_HESS_RTN) {
         *out = a;
@@ -484,6 +510,14 @@ bk_status bk_hess_acc_create(const bk_model_config *cfg, bk_hessian_kind kind, i
         a->dcol2 = bk_alloc((size_t)a->inter, sizeof(float));
         if (!a->dcol2)
             goto nomem;
+    }
+    if (a->bp && a->shampoo) {
+        for (int m = 0; m < BK_MOD_COUNT; m++) {
+            int64_t o, in;
+            bk_module_shape(cfg, (bk_module)m, &o, &in);
+            if ((st = gram_init(a, &a->a_bp[m], in)) != BK_OK)
+                goto fail;
+        }
     }
     if (a->attn2) {
         size_t hh = (size_t)(a->hd * a->hd);
@@ -535,6 +569,13 @@ void bk_hess_acc_reset(bk_hess_acc *a)
         a->count[g] = 0;
     a->layer = -1;
     for (int m = 0; m < BK_MOD_COUNT; m++) {
+        gram_zero(a, &a->a_bp[m]);
+        if (a->gB[m]) {
+            int64_t o, in;
+            bk_module_shape(&a->cfg, (bk_module)m, &o, &in);
+            memset(a->gB[m], 0, (size_t)(o * o) * sizeof(double));
+        }
+        a->gcount[m] = 0;
         free(a->startA[m]);
         free(a->startB[m]);
         free(a->startBblk[m]);
@@ -757,6 +798,8 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     if ((st = check_layer(a, lw, "bk_hess_add_attn")) != BK_OK)
         return st;
+    if (a->bp)
+        return bp_add_input(a, lw->layer, G_ATTN, attn_in, S, a->d, "attn_in");
     if (!attn_in)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: attn_in is NULL", lw->layer);
     if ((st = batch_rows(a, S, a->qd > a->d ? a->qd : a->d, "attn_in", &N)) != BK_OK)
@@ -923,6 +966,184 @@ done:
     return st;
 }
 
+/* ------------------------------------------------------------ backprop */
+
+static const bk_module grp_mods[G_COUNT][3] = {
+    {BK_MOD_Q, BK_MOD_K, BK_MOD_V},
+    {BK_MOD_O, BK_MOD_COUNT, BK_MOD_COUNT},
+    {BK_MOD_GATE, BK_MOD_UP, BK_MOD_COUNT},
+    {BK_MOD_DOWN, BK_MOD_COUNT, BK_MOD_COUNT},
+};
+
+static gram *kfac_gram(bk_hess_acc *a, int grp)
+{
+    switch (grp) {
+    case G_ATTN: return &a->x_attn;
+    case G_O: return &a->x_o;
+    case G_MLP: return &a->x_mlp;
+    default: return &a->x_down;
+    }
+}
+
+/* Input side of the backprop kinds: A = Σ a aᵀ (K-FAC), or per module
+ * Σ |g_t|² a_t a_tᵀ (Shampoo) with the |g_t|² recorded by bk_hess_add_grad
+ * for the same tokens (rows count[grp] .. count[grp] + N). layer < 0: the
+ * layer of the accumulator (o, down adds). */
+static bk_status bp_add_input(bk_hess_acc *a, int layer, int grp, const float *x, int64_t S,
+                              int64_t width, const char *what)
+{
+    bk_status st;
+    int64_t N = 0;
+    if (!x)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s is NULL", what);
+    if ((st = batch_rows(a, S, width, what, &N)) != BK_OK)
+        return st;
+    if (layer >= 0 && a->layer < 0)
+        a->layer = layer;
+    if ((st = check_finite(x, N, width, a->layer, what)) != BK_OK)
+        return st;
+    if (!a->shampoo) {
+        if ((st = gram_add(a, kfac_gram(a, grp), x, N, NULL)) != BK_OK) {
+            a->broken = 1;
+            return st;
+        }
+    } else {
+        for (int k = 0; k < 3 && grp_mods[grp][k] != BK_MOD_COUNT; k++) {
+            bk_module mod = grp_mods[grp][k];
+            if (a->gcount[mod] < a->count[grp] + N)
+                return bk_error(BK_ERR_INVALID_ARG,
+                                "hessian: layer %d %s: backprop-shampoo inputs of tokens %lld.."
+                                "%lld come before their gradients (add every gradient of the "
+                                "layer first, bk_hess_add_grad)",
+                                a->layer, bk_module_name(mod), (long long)a->count[grp],
+                                (long long)(a->count[grp] + N));
+            if ((st = gram_add(a, &a->a_bp[mod], x, N, a->gw[mod] + a->count[grp])) != BK_OK) {
+                a->broken = 1;
+                return st;
+            }
+        }
+    }
+    a->count[grp] += N;
+    return BK_OK;
+}
+
+bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const double *g,
+                           const double *a_fp, int64_t S)
+{
+    bk_status st;
+    int64_t N = 0;
+    if (!a)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
+    if (!a->bp)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: bk_hess_add_grad: gradients only enter the backprop kinds "
+                        "(Hessian is %s)",
+                        bk_hessian_name(a->kind));
+    if ((unsigned)mod >= BK_MOD_COUNT)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown module %d", (int)mod);
+    if ((st = check_broken(a, "bk_hess_add_grad")) != BK_OK)
+        return st;
+    if (a->layer >= 0 && layer != a->layer)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: bk_hess_add_grad: gradients of layer %d given to an "
+                        "accumulator holding layer %d (call bk_hess_acc_reset between layers)",
+                        layer, a->layer);
+    if (!g || (a->shampoo && !a_fp))
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d %s: NULL gradient or input",
+                        layer, bk_module_name(mod));
+    int64_t m, n;
+    bk_module_shape(&a->cfg, mod, &m, &n);
+    if ((st = batch_rows(a, S, m > n ? m : n, "gradient", &N)) != BK_OK)
+        return st;
+    for (int64_t i = 0; i < N * m; i++)
+        if (!isfinite(g[i]))
+            return bk_error(BK_ERR_NONFINITE,
+                            "hessian: layer %d %s: non-finite output gradient at row %lld",
+                            layer, bk_module_name(mod), (long long)(i / m));
+    if (!a->gB[mod]) {
+        a->gB[mod] = bk_calloc((size_t)(m * m), sizeof(double));
+        if (!a->gB[mod])
+            return bk_error(BK_ERR_NOMEM,
+                            "hessian: layer %d %s: out of memory for the output factor [%lld, "
+                            "%lld]",
+                            layer, bk_module_name(mod), (long long)m, (long long)m);
+    }
+    a->layer = layer;
+    if (!a->shampoo) {
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)m, (int)N, 1.0, g, (int)m, 1.0,
+                    a->gB[mod], (int)m);
+    } else {
+        int64_t need = a->gcount[mod] + N;
+        if (need > a->gw_cap[mod]) {
+            int64_t cap = a->gw_cap[mod] ? a->gw_cap[mod] : 1024;
+            while (cap < need)
+                cap *= 2;
+            double *nw = realloc(a->gw[mod], (size_t)cap * sizeof(double));
+            if (!nw)
+                return bk_error(BK_ERR_NOMEM, "hessian: out of memory for token weights");
+            a->gw[mod] = nw;
+            a->gw_cap[mod] = cap;
+        }
+        int64_t ch = N < GRAM_CHUNK ? N : GRAM_CHUNK;
+        double *buf = bk_alloc((size_t)(ch * m), sizeof(double));
+        if (!buf)
+            return bk_error(BK_ERR_NOMEM, "hessian: out of memory for a %lld x %lld block",
+                            (long long)ch, (long long)m);
+        for (int64_t r0 = 0; r0 < N; r0 += ch) {
+            int64_t k = N - r0 < ch ? N - r0 : ch;
+            for (int64_t i = 0; i < k; i++) {
+                const double *gi = g + (r0 + i) * m, *ai = a_fp + (r0 + i) * n;
+                double na = 0, ng = 0;
+                for (int64_t c = 0; c < n; c++)
+                    na += ai[c] * ai[c];
+                for (int64_t c = 0; c < m; c++)
+                    ng += gi[c] * gi[c];
+                a->gw[mod][a->gcount[mod] + r0 + i] = ng;
+                double sa = sqrt(na);
+                for (int64_t c = 0; c < m; c++)
+                    buf[i * m + c] = sa * gi[c];
+            }
+            cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)m, (int)k, 1.0, buf, (int)m,
+                        1.0, a->gB[mod], (int)m);
+        }
+        free(buf);
+    }
+    a->gcount[mod] += N;
+    return BK_OK;
+}
+
+static bk_status bp_factors(bk_hess_acc *a, bk_module mod, const float **A, const float **B)
+{
+    const char *mn = bk_module_name(mod);
+    int grp = module_group(mod);
+    int64_t m, n;
+    bk_module_shape(&a->cfg, mod, &m, &n);
+    if (a->gcount[mod] == 0)
+        return bk_error(BK_ERR_CALIB,
+                        "hessian: %s: no output gradients were added for this layer (call "
+                        "bk_hess_add_grad first)",
+                        mn);
+    if (a->gcount[mod] != a->count[grp])
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: layer %d %s: %lld gradient rows but %lld input rows were added",
+                        a->layer, mn, (long long)a->gcount[mod], (long long)a->count[grp]);
+    float *fa = out_buf(&a->outA[mod], n), *fb = out_buf(&a->outB[mod], m);
+    if (!fa || !fb)
+        return bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for the factors", mn);
+    const double N = (double)a->count[grp];
+    gram_out(a, a->shampoo ? &a->a_bp[mod] : kfac_gram(a, grp), 1.0 / N, fa);
+    const double *gb = a->gB[mod];
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = i; j < m; j++) {
+            float v = (float)(gb[i * m + j] / N);
+            fb[i * m + j] = v;
+            fb[j * m + i] = v;
+        }
+    *A = fa;
+    *B = fb;
+    return BK_OK;
+}
+
 /* ---------------------------------------------------------- o_proj, down */
 
 static bk_status add_plain(bk_hess_acc *a, gram *g, int grp, const float *x, int64_t S,
@@ -936,6 +1157,8 @@ static bk_status add_plain(bk_hess_acc *a, gram *g, int grp, const float *x, int
         return bk_error(BK_ERR_INVALID_ARG, "hessian: %s is NULL", what);
     if ((st = check_broken(a, what)) != BK_OK)
         return st;
+    if (a->bp)
+        return bp_add_input(a, a->layer, grp, x, S, width, what);
     if ((st = batch_rows(a, S, width, what, &N)) != BK_OK)
         return st;
     if ((st = check_finite(x, N, width, a->layer, what)) != BK_OK)
@@ -1004,6 +1227,8 @@ bk_status bk_hess_add_mlp(bk_hess_acc *a, const bk_layer_weights *lw, const floa
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     if ((st = check_layer(a, lw, "bk_hess_add_mlp")) != BK_OK)
         return st;
+    if (a->bp)
+        return bp_add_input(a, lw->layer, G_MLP, mlp_in, S, a->d, "mlp_in");
     if (!mlp_in)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: mlp_in is NULL", lw->layer);
     if ((st = batch_rows(a, S, a->inter > a->d ? a->inter : a->d, "mlp_in", &N)) != BK_OK)
@@ -1176,6 +1401,8 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
     if (a->kind == BK_HESS_RTN)
         return BK_OK; /* plain rounding: no factors */
     int grp = module_group(mod);
+    if (a->bp && a->count[grp] > 0 && (!lw || lw->layer == a->layer))
+        return bp_factors(a, mod, A, B);
     if (a->count[grp] == 0)
         return bk_error(BK_ERR_CALIB,
                         "hessian: %s: no calibration samples were added for this layer (call "

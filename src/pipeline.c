@@ -80,6 +80,10 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     o->gemm_math = BK_GEMM_AUTO;
     o->damp_b_attn = -1.0;
     o->sequential = 1;
+    o->fisher = BK_FISHER_MODEL;
+    o->seed = 0;
+    o->bwd_flow = BK_FLOW_HALVING;
+    o->leaf_size = 1;
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
 }
@@ -120,6 +124,14 @@ typedef struct job {
     double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
     int64_t quantized_params;
     bk_gemm_math gemm_math; /* the GPU stages' arithmetic (auto resolved) */
+    /* backprop kinds: one accumulator per layer of a leaf of the flow
+     * (j->acc points at the one of the layer being quantized) */
+    int bp;
+    int bp_leaf;                /* leaf size */
+    bk_hess_acc **bp_acc;       /* [bp_leaf] */
+    int bp_leaf_lo;             /* first layer of the current leaf */
+    bk_bwd_flow_stats bp_stats;
+    double bp_time_counted;     /* flow time already added to t_forward */
     /* output writer: quantized modules are packed and written by a helper
      * thread while the next module is solved (queue of WQ_CAP results) */
     struct {
@@ -539,7 +551,7 @@ static bk_status cpu_layer_begin(void *ctx, const bk_layer_weights *orig,
     j->cur_orig = orig;
     j->cur_lw = (bk_layer_weights *)lw;
     if (hessians) {
-        if (j->acc)
+        if (j->acc && !j->bp) /* backprop: reset after the layer (its gradients came first) */
             bk_hess_acc_reset(j->acc);
         if (j->acc_gptq)
             bk_hess_acc_reset(j->acc_gptq);
@@ -891,6 +903,79 @@ done:
     return st;
 }
 
+/* ------------------------------------- backprop kinds: the flow drives the layers */
+
+static void bp_add_flow_time(job *j)
+{
+    const double t = j->bp_stats.time_forward_s + j->bp_stats.time_backward_s +
+                     j->bp_stats.time_head_s;
+    j->t_forward += t - j->bp_time_counted;
+    j->bp_time_counted = t;
+}
+
+static void bp_pass_begin(void *user, const bk_bwd_pass_info *info)
+{
+    job *j = user;
+    char msg[160];
+    if (info->leaf)
+        snprintf(msg, sizeof msg, "backward pass %d (%s, depth %d): gradients of layers %d-%d",
+                 info->index + 1, bk_bwd_flow_name(j->o->bwd_flow), info->depth, info->lo + 1,
+                 info->hi);
+    else
+        snprintf(msg, sizeof msg,
+                 "backward pass %d (%s, depth %d): boundary gradient at layer %d (back through "
+                 "layers %d-%d)",
+                 info->index + 1, bk_bwd_flow_name(j->o->bwd_flow), info->depth, info->lo + 1,
+                 info->lo + 1, info->hi);
+    if (info->leaf)
+        j->bp_leaf_lo = info->lo;
+    bp_add_flow_time(j);
+    emit(j, BK_EV_BACKWARD, info->lo, NULL, msg);
+}
+
+static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk_grad_taps *t)
+{
+    job *j = user;
+    (void)s0;
+    if (!layer_in_range(j, layer))
+        return BK_OK;
+    int k = layer - j->bp_leaf_lo;
+    if (k < 0 || k >= j->bp_leaf)
+        return bk_error(BK_ERR_INTERNAL, "backprop: layer %d outside the leaf at %d", layer,
+                        j->bp_leaf_lo);
+    double t0 = bk_now();
+    bk_status st = BK_OK;
+    for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++)
+        st = bk_hess_add_grad(j->bp_acc[k], layer, (bk_module)m, t->g[m], t->a[m], S);
+    j->t_hessian += bk_now() - t0;
+    return st;
+}
+
+static bk_status bp_leaf_done(void *user, int lo, int hi)
+{
+    job *j = user;
+    bp_add_flow_time(j);
+    bk_status st = BK_OK;
+    for (int l = lo; l < hi && l < j->layer_end && st == BK_OK; l++) {
+        j->acc = j->bp_acc[l - lo];
+        st = layer_tokens(j, l);
+        bk_hess_acc_reset(j->acc);
+        if (st == BK_OK && bk__stop_requested())
+            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d", l);
+    }
+    j->acc = j->bp_acc[0];
+    return st;
+}
+
+static bk_status run_backprop(job *j)
+{
+    bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
+    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done};
+    bk_status st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
+    bp_add_flow_time(j);
+    return st;
+}
+
 /* ------------------------------------------- one layer, dumped activations */
 
 static bk_status layer_acts(job *j, int l)
@@ -1052,6 +1137,25 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddNumberToObject(times, "write_overlapped", j->wr.busy_s);
     cJSON_AddNumberToObject(times, "io", j->t_io);
     cJSON_AddNumberToObject(rep, "quantized_parameters", (double)j->quantized_params);
+    if (j->bp) {
+        const bk_bwd_flow_stats *bs = &j->bp_stats;
+        cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
+        cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
+        cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
+        cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
+        cJSON_AddNumberToObject(b, "seed", (double)o->seed);
+        cJSON_AddNumberToObject(b, "passes", bs->passes);
+        cJSON_AddNumberToObject(b, "max_depth", bs->max_depth);
+        cJSON_AddNumberToObject(b, "layer_forwards", (double)bs->layer_forwards);
+        cJSON_AddNumberToObject(b, "layer_backwards", (double)bs->layer_backwards);
+        cJSON_AddNumberToObject(b, "peak_boundary_host_bytes", (double)bs->peak_boundary_bytes);
+        cJSON_AddNumberToObject(b, "micro_batch_host_bytes", (double)bs->micro_bytes);
+        cJSON_AddNumberToObject(b, "peak_boundary_device_bytes", 0);
+        cJSON *bt = cJSON_AddObjectToObject(b, "times_s");
+        cJSON_AddNumberToObject(bt, "forward", bs->time_forward_s);
+        cJSON_AddNumberToObject(bt, "backward", bs->time_backward_s);
+        cJSON_AddNumberToObject(bt, "head", bs->time_head_s);
+    }
     cJSON_AddItemToObject(rep, "modules", j->report_modules);
     j->report_modules = NULL;
     out = cJSON_Print(rep);
@@ -1116,6 +1220,12 @@ static void job_free(job *j)
     if (j->ops)
         j->ops->destroy(j->ops_ctx);
     bk__act_close(j->acts);
+    if (j->bp_acc) {
+        for (int k = 0; k < j->bp_leaf; k++)
+            bk_hess_acc_free(j->bp_acc[k]);
+        free(j->bp_acc);
+        j->acc = NULL;
+    }
     if (j->acc)
         bk_hess_acc_free(j->acc);
     if (j->acc_gptq)
@@ -1147,6 +1257,18 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                         "quantize: --hessian %s needs calibration data (--calib or --activations)",
                         bk_hessian_name(o->hessian));
 
+    j->bp = bk_hessian_is_backprop(o->hessian);
+    if (j->bp && !o->calib_path) {
+        st = bk_error(BK_ERR_INVALID_ARG,
+                      "quantize: --hessian %s needs calibration token ids (--calib): the "
+                      "backward pass runs the model",
+                      bk_hessian_name(o->hessian));
+        goto fail;
+    }
+    if (j->bp && o->leaf_size < 1) {
+        st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
+        goto fail;
+    }
     st = bk_model_open(o->model_dir, &j->model);
     if (st != BK_OK)
         goto fail;
@@ -1215,6 +1337,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     bk_backend_set_gemm_math(j->backend, j->gemm_math);
     const int want_gpu = o->gpu_pipeline || bk_gpu_pipeline_env();
     const int cpu_stages = o->cpu_stages || bk_cpu_stages_env();
+    if (j->bp && want_gpu) {
+        st = bk_error(BK_ERR_UNSUPPORTED,
+                      "quantize: --hessian %s runs its forward, backward and Hessian stages on "
+                      "the CPU (not on the GPU yet): drop --gpu-pipeline / BK_GPU_PIPELINE=1",
+                      bk_hessian_name(o->hessian));
+        goto fail;
+    }
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline (BK_GPU_PIPELINE=1) and --cpu-stages "
@@ -1223,7 +1352,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
     /* forward + Hessians on the GPU: asked for, or the default of the CUDA
      * backend with token calibration (docs/DEVICE.md) */
-    if (j->S > 0 && (want_gpu || (!cpu_stages && j->tokens &&
+    if (j->S > 0 && !j->bp && (want_gpu || (!cpu_stages && j->tokens &&
                                   strcmp(bk_backend_name(j->backend), "cuda") == 0))) {
         /* forward + Hessians on the GPU (opt-in, docs/DEVICE.md) */
         if (!j->tokens) {
@@ -1265,10 +1394,31 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         if (st != BK_OK)
             goto fail;
         bk_hessian_kind hk = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian;
-        st = bk_hess_acc_create(j->cfg, hk, o->hessian_fp64, j->T, &j->acc);
-        if (st != BK_OK)
-            goto fail;
-        if (o->hessian == BK_HESS_MLPLOCAL_SHAMPOO || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO) {
+        if (j->bp) {
+            j->bp_leaf = o->leaf_size < (int)j->cfg->n_layers ? o->leaf_size
+                                                              : (int)j->cfg->n_layers;
+            j->bp_acc = calloc((size_t)j->bp_leaf, sizeof *j->bp_acc);
+            if (!j->bp_acc) {
+                st = bk_error(BK_ERR_NOMEM, "quantize: out of memory");
+                goto fail;
+            }
+            for (int k = 0; k < j->bp_leaf; k++) {
+                st = bk_hess_acc_create(j->cfg, hk, o->hessian_fp64, j->T, &j->bp_acc[k]);
+                if (st != BK_OK) {
+                    st = bk_error(st, "%s (the Hessians of --leaf-size %d layers are held at "
+                                  "once: use a smaller --leaf-size)",
+                                  bk_last_error(), j->bp_leaf);
+                    goto fail;
+                }
+            }
+            j->acc = j->bp_acc[0];
+        } else {
+            st = bk_hess_acc_create(j->cfg, hk, o->hessian_fp64, j->T, &j->acc);
+            if (st != BK_OK)
+                goto fail;
+        }
+        if (o->hessian == BK_HESS_MLPLOCAL_SHAMPOO || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO ||
+            o->hessian == BK_HESS_BACKPROP_SHAMPOO) {
             st = bk_hess_acc_create(j->cfg, BK_HESS_GPTQ, o->hessian_fp64, j->T, &j->acc_gptq);
             if (st != BK_OK)
                 goto fail;
@@ -1314,10 +1464,16 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         }
         j->t_forward += bk_now() - t;
         bk_prof_add("fwd.embed", bk_now() - t);
-        for (int l = 0; l < j->layer_end; l++) {
-            st = layer_tokens(j, l);
+        if (j->bp) {
+            st = run_backprop(j);
             if (st != BK_OK)
                 goto fail;
+        } else {
+            for (int l = 0; l < j->layer_end; l++) {
+                st = layer_tokens(j, l);
+                if (st != BK_OK)
+                    goto fail;
+            }
         }
     } else {
         for (int l = j->layer_begin; l < j->layer_end; l++) {

@@ -29,6 +29,7 @@
 #include "backward_internal.h"
 #include "bakron/backward.h"
 #include "bakron/forward.h"
+#include "bakron/hessian.h"
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
 #include "util.h"
@@ -710,6 +711,148 @@ static void test_bad_input(void **state)
     bk_model_close(m);
 }
 
+
+/* ======================================================== factors from a and g */
+
+/* K-FAC: A = E[a aᵀ], B = E[g gᵀ]; Shampoo: A = R(H) vec(I), B = R(H)ᵀ vec(I)
+ * with H = E[a aᵀ ⊗ g gᵀ] built explicitly as an mn x mn matrix. */
+static void test_backprop_factors(void **state)
+{
+    (void)state;
+    bk_model_config c;
+    memset(&c, 0, sizeof c);
+    c.arch = BK_ARCH_LLAMA;
+    c.n_layers = 1;
+    c.hidden = 4;
+    c.intermediate = 6;
+    c.n_heads = 2;
+    c.n_kv_heads = 1;
+    c.head_dim = 2;
+    c.vocab = 10;
+    c.max_positions = 16;
+    c.rms_eps = 1e-6;
+    c.rope_theta = 10000;
+    strcpy(c.hidden_act, "silu");
+    const int64_t S = 2, T = 3, N = S * T;
+    bk_rng rg;
+    bk_rng_seed(&rg, 5);
+    float *af[BK_MOD_COUNT];
+    double *ad[BK_MOD_COUNT], *gd[BK_MOD_COUNT];
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t n = mod_in(&c, i), m = mod_out(&c, i);
+        af[i] = malloc((size_t)(N * n) * sizeof(float));
+        ad[i] = malloc((size_t)(N * n) * sizeof(double));
+        gd[i] = malloc((size_t)(N * m) * sizeof(double));
+        for (int64_t k = 0; k < N * n; k++) {
+            af[i][k] = (float)bk_rng_normal(&rg);
+            ad[i][k] = (double)af[i][k];
+        }
+        for (int64_t k = 0; k < N * m; k++)
+            gd[i][k] = bk_rng_normal(&rg);
+    }
+    /* q, k, v share their input, gate and up too */
+    for (int64_t k = 0; k < N * c.hidden; k++) {
+        af[BK_MOD_K][k] = af[BK_MOD_V][k] = af[BK_MOD_Q][k];
+        ad[BK_MOD_K][k] = ad[BK_MOD_V][k] = ad[BK_MOD_Q][k];
+        af[BK_MOD_UP][k] = af[BK_MOD_GATE][k];
+        ad[BK_MOD_UP][k] = ad[BK_MOD_GATE][k];
+    }
+    bk_layer_weights lw;
+    memset(&lw, 0, sizeof lw);
+    for (int shampoo = 0; shampoo < 2; shampoo++) {
+        bk_hess_acc *acc = NULL;
+        assert_int_equal(bk_hess_acc_create(&c, shampoo ? BK_HESS_BACKPROP_SHAMPOO
+                                                        : BK_HESS_BACKPROP_KFAC,
+                                            shampoo, T, &acc),
+                         BK_OK);
+        /* every gradient of the layer first (two micro-batches), then the inputs */
+        for (int64_t s = 0; s < S; s++)
+            for (int i = 0; i < BK_MOD_COUNT; i++)
+                assert_int_equal(bk_hess_add_grad(acc, 0, (bk_module)i,
+                                                  gd[i] + s * T * mod_out(&c, i),
+                                                  ad[i] + s * T * mod_in(&c, i), 1),
+                                 BK_OK);
+        for (int64_t s = 0; s < S; s++) {
+            assert_int_equal(bk_hess_add_attn(acc, &lw, af[BK_MOD_Q] + s * T * c.hidden, NULL,
+                                              NULL, 1),
+                             BK_OK);
+            assert_int_equal(bk_hess_add_o(acc, af[BK_MOD_O] + s * T * 4, 1), BK_OK);
+            assert_int_equal(bk_hess_add_mlp(acc, &lw, af[BK_MOD_GATE] + s * T * c.hidden, 1),
+                             BK_OK);
+            assert_int_equal(bk_hess_add_down(acc, af[BK_MOD_DOWN] + s * T * 6, 1), BK_OK);
+        }
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            const int64_t n = mod_in(&c, i), m = mod_out(&c, i), mn = m * n;
+            const float *A = NULL, *B = NULL;
+            assert_int_equal(bk_hess_factors(acc, &lw, (bk_module)i, &A, &B), BK_OK);
+            assert_true(A && B);
+            double *H = calloc((size_t)(mn * mn), sizeof(double));
+            for (int64_t t = 0; t < N; t++) {
+                const double *a = ad[i] + t * n, *g = gd[i] + t * m;
+                for (int64_t l = 0; l < n; l++)
+                    for (int64_t i1 = 0; i1 < m; i1++)
+                        for (int64_t l2 = 0; l2 < n; l2++)
+                            for (int64_t i2 = 0; i2 < m; i2++)
+                                H[(l * m + i1) * mn + l2 * m + i2] +=
+                                    a[l] * a[l2] * g[i1] * g[i2] / (double)N;
+            }
+            double worst = 0, scale = 0;
+            for (int64_t l = 0; l < n; l++)
+                for (int64_t l2 = 0; l2 < n; l2++) {
+                    double e = 0;
+                    if (shampoo) {
+                        for (int64_t k = 0; k < m; k++)
+                            e += H[(l * m + k) * mn + l2 * m + k];
+                    } else {
+                        for (int64_t t = 0; t < N; t++)
+                            e += ad[i][t * n + l] * ad[i][t * n + l2] / (double)N;
+                    }
+                    worst = fmax(worst, fabs((double)A[l * n + l2] - e));
+                    scale = fmax(scale, fabs(e));
+                }
+            assert_true(worst <= 1e-5 * scale);
+            worst = scale = 0;
+            for (int64_t i1 = 0; i1 < m; i1++)
+                for (int64_t i2 = 0; i2 < m; i2++) {
+                    double e = 0;
+                    if (shampoo) {
+                        for (int64_t l = 0; l < n; l++)
+                            e += H[(l * m + i1) * mn + l * m + i2];
+                    } else {
+                        for (int64_t t = 0; t < N; t++)
+                            e += gd[i][t * m + i1] * gd[i][t * m + i2] / (double)N;
+                    }
+                    worst = fmax(worst, fabs((double)B[i1 * m + i2] - e));
+                    scale = fmax(scale, fabs(e));
+                }
+            assert_true(worst <= 1e-5 * scale);
+            free(H);
+        }
+        /* errors: a gradient of another layer; factors after reset */
+        assert_int_equal(bk_hess_add_grad(acc, 1, BK_MOD_Q, gd[0], ad[0], 1), BK_ERR_INVALID_ARG);
+        bk_hess_acc_reset(acc);
+        const float *A, *B;
+        assert_int_equal(bk_hess_factors(acc, &lw, BK_MOD_O, &A, &B), BK_ERR_CALIB);
+        if (shampoo) /* inputs before their gradients */
+            assert_int_equal(bk_hess_add_o(acc, af[BK_MOD_O], 1), BK_ERR_INVALID_ARG);
+        gd[BK_MOD_UP][5] = INFINITY;
+        assert_int_equal(bk_hess_add_grad(acc, 0, BK_MOD_UP, gd[BK_MOD_UP], ad[BK_MOD_UP], 1),
+                         BK_ERR_NONFINITE);
+        assert_non_null(strstr(bk_last_error(), "layer 0 mlp.up_proj"));
+        gd[BK_MOD_UP][5] = 0.5;
+        bk_hess_acc_free(acc);
+    }
+    bk_hess_acc *gptq = NULL;
+    assert_int_equal(bk_hess_acc_create(&c, BK_HESS_GPTQ, 0, T, &gptq), BK_OK);
+    assert_int_equal(bk_hess_add_grad(gptq, 0, BK_MOD_Q, gd[0], ad[0], 1), BK_ERR_INVALID_ARG);
+    bk_hess_acc_free(gptq);
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        free(af[i]);
+        free(ad[i]);
+        free(gd[i]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -725,6 +868,7 @@ int main(void)
         cmocka_unit_test(test_flows_kerneldocs),
         cmocka_unit_test(test_flows_qwen3),
         cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_backprop_factors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

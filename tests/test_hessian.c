@@ -689,7 +689,7 @@ static void test_mlplocal_and_gptq(void **state)
     }
     /* gptq: A = E[x xᵀ] of each module's own input, B = I (NULL), for every
      * module; the same for the one-sided modules of every other kind */
-    for (int k = BK_HESS_GPTQ; k < BK_HESS_COUNT; k++) {
+    for (int k = BK_HESS_GPTQ; k <= BK_HESS_FULLYLOCAL_SHAMPOO; k++) { /* backprop: test_backward.c */
         bk_hess_acc *a = make_acc(&tn, (bk_hessian_kind)k, 0);
         feed(a, &tn, 0, tn.S);
         for (int m = 0; m < BK_MOD_COUNT; m++) {
@@ -884,7 +884,7 @@ static void test_batching_precision_psd(void **state)
     (void)state;
     tiny tn;
     tiny_make(&tn, 1, 71);
-    for (int k = BK_HESS_GPTQ; k < BK_HESS_COUNT; k++) {
+    for (int k = BK_HESS_GPTQ; k <= BK_HESS_FULLYLOCAL_SHAMPOO; k++) { /* the local kinds */
         bk_hessian_kind kind = (bk_hessian_kind)k;
         bk_hess_acc *one = make_acc(&tn, kind, 0), *three = make_acc(&tn, kind, 0);
         bk_hess_acc *d64 = make_acc(&tn, kind, 1);
@@ -1006,6 +1006,8 @@ static void test_names(void **state)
                          mlp || qkv);
         assert_int_equal(bk_hessian_is_two_sided(BK_HESS_FULLYLOCAL_SHAMPOO, (bk_module)m),
                          mlp || qkv);
+        assert_int_equal(bk_hessian_is_two_sided(BK_HESS_BACKPROP_KFAC, (bk_module)m), 1);
+        assert_int_equal(bk_hessian_is_two_sided(BK_HESS_BACKPROP_SHAMPOO, (bk_module)m), 1);
     }
 }
 

@@ -103,7 +103,8 @@ typedef struct bk_bwd_flow_opts {
 typedef struct bk_bwd_pass_info {
     int index;              /* 0-based count of passes so far */
     int depth;              /* recursion depth (0 = the whole model); naive: 0 */
-    int lo, hi;             /* layers traversed by the backward part: [lo, hi) */
+    int lo, hi;             /* leaf: the layers whose gradients the pass delivers;
+                               split: the layers it goes back through ([mid, hi)) */
     int leaf;               /* 1: a leaf pass (delivers gradients), 0: a halving split */
 } bk_bwd_pass_info;
 

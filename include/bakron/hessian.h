@@ -25,6 +25,9 @@ typedef enum bk_hessian_kind {
     BK_HESS_MLPLOCAL_SHAMPOO,     /* gate/up: MLP-local two-sided, one Shampoo power step */
     BK_HESS_FULLYLOCAL_KFAC,      /* + q/k/v attention-local output factors, K-FAC */
     BK_HESS_FULLYLOCAL_SHAMPOO,   /* + q/k/v attention-local output factors, Shampoo */
+    BK_HESS_BACKPROP_KFAC,        /* every module: E[a aᵀ] ⊗ E[g gᵀ], g the backpropagated
+                                     output gradient of the model's loss (Fisher), K-FAC */
+    BK_HESS_BACKPROP_SHAMPOO,     /* the same Fisher, one Shampoo power step */
     BK_HESS_COUNT
 } bk_hessian_kind;
 
@@ -33,6 +36,8 @@ const char *bk_hessian_name(bk_hessian_kind k);
 bk_status bk_hessian_from_name(const char *name, bk_hessian_kind *out);
 /* 1 if module `mod` gets a two-sided factor (B != I) under `k`. */
 int bk_hessian_is_two_sided(bk_hessian_kind k, bk_module mod);
+/* 1 for the backprop kinds (they need output gradients, bakron/backward.h). */
+int bk_hessian_is_backprop(bk_hessian_kind k);
 
 typedef struct bk_hess_acc bk_hess_acc;
 
@@ -53,6 +58,18 @@ bk_status bk_hess_add_o(bk_hess_acc *a, const float *o_in, int64_t S);
 bk_status bk_hess_add_mlp(bk_hess_acc *a, const bk_layer_weights *lw, const float *mlp_in,
                           int64_t S);
 bk_status bk_hess_add_down(bk_hess_acc *a, const float *down_in, int64_t S);
+
+/* Backprop kinds: one micro-batch of module `mod`'s output gradients
+ * g [S*T, out] of layer `layer` (and, for Shampoo, the module's inputs in
+ * the full-precision model a_fp [S*T, in], whose |a|² weight the output
+ * factor). B = (1/N) Σ g gᵀ (K-FAC) or (1/N) Σ |a_fp|² g gᵀ (Shampoo),
+ * accumulated in double. The input factor comes from the ordinary adds
+ * (bk_hess_add_attn, ..._o, ..._mlp, ..._down): A = (1/N) Σ a aᵀ, or for
+ * Shampoo (1/N) Σ |g|² a aᵀ with the |g|² of the same token, so every
+ * gradient of a layer is added before its inputs, micro-batches in the same
+ * order. Non-finite gradients: BK_ERR_NONFINITE naming layer and module. */
+bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const double *g,
+                           const double *a_fp, int64_t S);
 
 /* Factors of module `mod` from everything added so far: A [in, in] and
  * B [out, out], or *B = NULL for the identity. Averaged over samples, not

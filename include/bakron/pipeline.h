@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "bakron/backend.h"
+#include "bakron/backward.h"
 #include "bakron/hessian.h"
 #include "bakron/solver.h"
 #include "bakron/status.h"
@@ -31,7 +32,8 @@ typedef enum bk_event_kind {
     BK_EV_MODULE_DONE, /* one linear module quantized */
     BK_EV_LAYER_DONE,
     BK_EV_WRITE,       /* output being written */
-    BK_EV_DONE
+    BK_EV_DONE,
+    BK_EV_BACKWARD     /* a pass of the backprop flow begins (message: layers, depth) */
 } bk_event_kind;
 
 typedef struct bk_event {
@@ -78,6 +80,11 @@ typedef struct bk_quantize_opts {
                                      solve.damp / solve.damp_b; < 0 (default): not separate */
     bk_gemm_math gemm_math;       /* GPU stages' GEMM arithmetic (bk_quantize_opts_default: auto =
                                      bf16 for BF16 checkpoints, else tf32) */
+    /* backprop kinds (bakron/backward.h) */
+    bk_fisher_kind fisher;        /* labels: model (default) or empirical */
+    uint64_t seed;                /* seed of the sampled labels (default 0) */
+    bk_bwd_flow_kind bwd_flow;    /* halving (default) or naive */
+    int leaf_size;                /* layers per leaf of the flow (default 1) */
 } bk_quantize_opts;
 
 void bk_quantize_opts_default(bk_quantize_opts *o);

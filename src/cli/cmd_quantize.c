@@ -14,7 +14,8 @@
 
 static const char *quantize_usage =
     "usage: bakron quantize MODEL_DIR (--calib TOKENS.safetensors | --activations DIR)\n"
-    "         --hessian rtn|gptq|mlplocal-kfac|mlplocal-shampoo|fullylocal-kfac|fullylocal-shampoo\n"
+    "         --hessian rtn|gptq|mlplocal-kfac|mlplocal-shampoo|fullylocal-kfac|fullylocal-shampoo|\n"
+    "                   backprop-kfac|backprop-shampoo\n"
     "         --out OUT_DIR [options]\n"
     "\n"
     "Quantize every linear module of a Llama/Qwen checkpoint layer by layer.\n"
@@ -40,6 +41,14 @@ static const char *quantize_usage =
     "  --damp-b-attn D       damp the q/k/v output factors (fully-local kinds) with D instead\n"
     "  --precision P         fp32|fp64 (default fp32)\n"
     "  --hessian-fp64        accumulate Hessians in double\n"
+    "backprop Hessians (--hessian backprop-*; docs/hessians.md):\n"
+    "  --fisher F            model (default): labels sampled from the model's own predictive\n"
+    "                        distribution at every position; empirical: the text's next token\n"
+    "  --seed N              seed of the sampled labels (default 0; the output is reproducible)\n"
+    "  --bwd-flow F          halving (default): recursive halving, O(l log l) layer passes;\n"
+    "                        naive: a forward + backward pass per leaf, O(l^2), no boundaries\n"
+    "  --leaf-size S         layers whose output gradients one pass delivers (default 1;\n"
+    "                        larger: fewer passes, S layers' Hessians held at once)\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied)\n"
     "  --backend B           auto|cpu|cuda (default auto: cuda when a GPU is present). With\n"
     "                        cuda and --calib the whole job runs on the GPU (forward passes,\n"
@@ -63,7 +72,7 @@ enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
-    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH
+    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF
 };
 
 static const struct option quantize_opts[] = {
@@ -96,6 +105,10 @@ static const struct option quantize_opts[] = {
     {"gpu-pipeline", no_argument, NULL, O_GPUPIPE},
     {"cpu-stages", no_argument, NULL, O_CPUSTAGES},
     {"gpu-math", required_argument, NULL, O_GPUMATH},
+    {"fisher", required_argument, NULL, O_FISHER},
+    {"seed", required_argument, NULL, O_SEED},
+    {"bwd-flow", required_argument, NULL, O_BWDFLOW},
+    {"leaf-size", required_argument, NULL, O_LEAF},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -145,7 +158,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
     case O_ACTS: o->activations_dir = arg; break;
     case O_HESSIAN:
         if (bk_hessian_from_name(arg, &o->hessian) != BK_OK)
-            return cli_usage_error("--hessian: unknown '%s' (rtn, gptq, mlplocal-kfac, mlplocal-shampoo, fullylocal-kfac, fullylocal-shampoo)", arg);
+            return cli_usage_error("--hessian: unknown '%s' (rtn, gptq, mlplocal-kfac, mlplocal-shampoo, fullylocal-kfac, fullylocal-shampoo, backprop-kfac, backprop-shampoo)", arg);
         break;
     case O_ALG:
         if (bk_algorithm_from_name(arg, &o->solve.algorithm) != BK_OK)
@@ -238,6 +251,24 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         if (bk_gemm_math_from_name(arg, &o->gemm_math) != BK_OK)
             return cli_usage_error("--gpu-math: expected auto, tf32, bf16 or fp32, got '%s'", arg);
         break;
+    case O_FISHER:
+        if (bk_fisher_from_name(arg, &o->fisher) != BK_OK)
+            return cli_usage_error("--fisher: expected model or empirical, got '%s'", arg);
+        break;
+    case O_SEED:
+        if ((st = cli_parse_i64("--seed", arg, 0, INT64_MAX, &lv)) != BK_OK)
+            return st;
+        o->seed = (uint64_t)lv;
+        break;
+    case O_BWDFLOW:
+        if (bk_bwd_flow_from_name(arg, &o->bwd_flow) != BK_OK)
+            return cli_usage_error("--bwd-flow: expected halving or naive, got '%s'", arg);
+        break;
+    case O_LEAF:
+        if ((st = cli_parse_int("--leaf-size", arg, 1, 100000, &iv)) != BK_OK)
+            return st;
+        o->leaf_size = iv;
+        break;
     default: return cli_usage_error("unknown option");
     }
     return BK_OK;
@@ -328,6 +359,7 @@ static const char *ev_name(bk_event_kind k)
     case BK_EV_LAYER_DONE: return "layer_done";
     case BK_EV_WRITE: return "write";
     case BK_EV_DONE: return "done";
+    case BK_EV_BACKWARD: return "backward";
     }
     return "?";
 }
@@ -405,6 +437,7 @@ static void on_event(void *user, const bk_event *ev)
                     ev->t_factor, ev->t_solve, ev->t_io);
         break;
     case BK_EV_WRITE: fprintf(stderr, "bakron: %s\n", ev->message); break;
+    case BK_EV_BACKWARD: fprintf(stderr, "  %s  elapsed %s\n", ev->message, el); break;
     case BK_EV_DONE:
         fprintf(stderr, "bakron: wrote %s in %s\n", ev->message ? ev->message : "", el);
         break;

@@ -1,0 +1,77 @@
+#!/bin/sh
+# bakron quantize --hessian backprop-kfac / backprop-shampoo end to end on the
+# example model (a subset of the calibration set):
+#  - recursive halving and naive I write the same bytes (the flows deliver the
+#    same gradients; naive is the reference);
+#  - a rerun with the same seed is identical, another seed is not;
+#  - report.json records the flow's passes, depth and boundary memory (the
+#    counts follow from the recursion over 4 layers);
+#  - the progress events show every backward pass with its depth;
+#  - Shampoo, the empirical Fisher and a leaf of 2 layers run;
+#  - bad input fails with one line.
+set -eu
+B=${BK_BAKRON:-build/bakron}
+K=${BK_SOURCE_ROOT:-.}/examples/kerneldocs-1.6m
+BAD=${BK_TEST_DATA:-tests/data}/bad/models
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+q() { "$B" quantize "$K" --calib "$K/calib.safetensors" --samples 4 --seqlen 64 --batch 3 "$@"; }
+
+q --hessian backprop-kfac --out "$T/h" --json >"$T/h.json"
+q --hessian backprop-kfac --bwd-flow naive --out "$T/n" 2>/dev/null
+q --hessian backprop-kfac --out "$T/h2" 2>/dev/null
+q --hessian backprop-kfac --seed 1 --out "$T/s1" 2>/dev/null
+cmp -s "$T/h/model.safetensors" "$T/n/model.safetensors" ||
+    fail "recursive halving and naive I wrote different weights"
+cmp -s "$T/h/model.safetensors" "$T/h2/model.safetensors" || fail "a rerun differs"
+cmp -s "$T/h/model.safetensors" "$T/s1/model.safetensors" && fail "--seed 1 changed nothing"
+python3 - "$T" <<'EOF'
+import json, sys
+T = sys.argv[1]
+h = json.load(open(f"{T}/h/report.json"))["backprop"]
+n = json.load(open(f"{T}/n/report.json"))["backprop"]
+# 4 layers, leaf 1: splits [0,4) [0,2) [2,4) + 4 leaves; naive: 4 sweeps
+assert (h["flow"], h["passes"], h["max_depth"]) == ("halving", 7, 2), h
+assert (n["flow"], n["passes"], n["peak_boundary_host_bytes"]) == ("naive", 4, 0), n
+# boundaries of 4 x 64 tokens x 192 doubles: at most X_mid, G_mid, G_L of the root and the two
+# of a child alive at once
+one = 4 * 64 * 192 * 8
+assert h["peak_boundary_host_bytes"] == 5 * one, h
+# naive: 4 + 3 + 2 + 1 layers back (+ recomputation), halving: fewer per layer
+assert n["layer_backwards"] == 10 and h["layer_backwards"] == 8, (n, h)
+ev = [json.loads(l) for l in open(f"{T}/h.json")]
+bw = [e for e in ev if e["event"] == "backward"]
+assert len(bw) == 7, len(bw)
+assert any("depth 2" in e["message"] for e in bw) and "depth 0" in bw[0]["message"], bw
+mods = [e for e in ev if e["event"] == "module"]
+assert len(mods) == 28 and all(m["damp_b"] > 0 for m in mods), "every module two-sided"
+print("halving == naive, passes/depth/boundary bytes as expected, 7 backward events")
+EOF
+q --hessian backprop-shampoo --leaf-size 2 --fisher empirical --out "$T/e" 2>"$T/e.log" ||
+    { cat "$T/e.log"; fail "backprop-shampoo --leaf-size 2 --fisher empirical"; }
+python3 -c "
+import json,sys; r=json.load(open('$T/e/report.json'))['backprop']
+assert (r['fisher'], r['leaf_size'], r['passes']) == ('empirical', 2, 3), r"
+
+# bad input: one line each
+expect() { # expected-exit needle args...
+    want=$1 needle=$2
+    shift 2
+    set +e
+    "$@" >/dev/null 2>"$T/err"
+    rc=$?
+    set -e
+    [ "$rc" -eq "$want" ] || { cat "$T/err"; fail "$*: exit $rc, expected $want"; }
+    [ "$(wc -l <"$T/err")" -eq 1 ] || { cat "$T/err"; fail "$*: not one line"; }
+    grep -q -- "$needle" "$T/err" || { cat "$T/err"; fail "$*: message lacks '$needle'"; }
+}
+expect 1 "--fisher" q --hessian backprop-kfac --fisher nope --out "$T/x"
+expect 1 "--bwd-flow" q --hessian backprop-kfac --bwd-flow yaqa --out "$T/x"
+expect 1 "--leaf-size" q --hessian backprop-kfac --leaf-size 0 --out "$T/x"
+mkdir -p "$T/acts"
+expect 2 "--calib" "$B" quantize "$K" --activations "$T/acts" --hessian backprop-kfac --out "$T/x"
+expect 2 "lm_head" "$B" quantize "$BAD/missing_lm_head" --calib "$K/calib.safetensors" \
+    --hessian backprop-kfac --out "$T/x"
+[ ! -e "$T/x" ] || fail "a failed run left $T/x behind"
+echo "1 passed, 0 failed"
