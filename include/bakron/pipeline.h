@@ -31,7 +31,9 @@ typedef enum bk_event_kind {
     BK_EV_MODULE_DONE, /* one linear module quantized */
     BK_EV_LAYER_DONE,
     BK_EV_WRITE,       /* output being written */
-    BK_EV_DONE
+    BK_EV_DONE,
+    BK_EV_NOTE         /* something the user should know (message): a stale lock cleared,
+                          a killed run's leftover removed, a run resumed */
 } bk_event_kind;
 
 typedef struct bk_event {
