@@ -86,27 +86,50 @@ BK_HD inline void quad_item(const quad_args &a, int64_t idx)
     d[(p + h2) * a.h + q + h2] = a11;
 }
 
-/* Shampoo A-weights without q/k norm for sequence s: wout[s*T + t] =
- * mult · Σ_blk tr(C_t) (tr R_tᵀ C R_t = tr C, the running Σ |v|²); the CPU
- * adds the trace of each of the mult identical blocks. */
-BK_HD inline void traces_item(const float *vec, int64_t vstride, int nv, int64_t T, int64_t nb,
-                              int64_t h, int backward, int mult, double *wout, int64_t s)
+/* Shampoo A-weights without q/k norm: wout[s*T + t] = mult · Σ_blk tr(C_t)
+ * (tr R_tᵀ C R_t = tr C, the running Σ |v|² over the positions seen; the CPU
+ * adds the trace of each of the mult identical blocks). Three steps, each
+ * parallel (a single thread per sequence made this the slowest Hessian on the
+ * GPU: its cost grew with the number of micro-batches):
+ * 1. rows[(s*nb + blk)*T + t] = Σ_c v_c² over block blk's nv·h entries at t
+ *    (item = (s, blk, t));
+ * 2. the running sum of rows over t, forward or backward, in place
+ *    (item = (s, blk));
+ * 3. wout[s*T + t] = Σ_blk Σ_{mult} rows[s, blk, t] (item = (s, t)). */
+BK_HD inline void trace_rows_item(const float *vec, int64_t vstride, int nv, int64_t T,
+                                  int64_t nb, int64_t h, double *rows, int64_t idx)
 {
-    for (int64_t t = 0; t < T; t++)
-        wout[s * T + t] = 0.0;
-    for (int64_t blk = 0; blk < nb; blk++) {
-        double run = 0.0;
-        for (int64_t step = 0; step < T; step++) {
-            const int64_t t = backward ? T - 1 - step : step;
-            const float *row = vec + (s * T + t) * vstride + blk * nv * h;
-            for (int64_t c = 0; c < nv * h; c++) {
-                const double v = row[c];
-                run += v * v;
-            }
-            for (int m = 0; m < mult; m++)
-                wout[s * T + t] += run;
-        }
+    const int64_t t = idx % T, blk = (idx / T) % nb, s = idx / (T * nb);
+    const float *row = vec + (s * T + t) * vstride + blk * nv * h;
+    double acc = 0.0;
+    for (int64_t c = 0; c < nv * h; c++) {
+        const double v = row[c];
+        acc += v * v;
     }
+    rows[idx] = acc;
+}
+
+BK_HD inline void trace_scan_item(double *rows, int64_t T, int backward, int64_t idx)
+{
+    double *r = rows + idx * T, run = 0.0;
+    for (int64_t step = 0; step < T; step++) {
+        const int64_t t = backward ? T - 1 - step : step;
+        run += r[t];
+        r[t] = run;
+    }
+}
+
+BK_HD inline void trace_sum_item(const double *rows, int64_t T, int64_t nb, int mult,
+                                 double *wout, int64_t idx)
+{
+    const int64_t t = idx % T, s = idx / T;
+    double acc = 0.0;
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const double v = rows[(s * nb + blk) * T + t];
+        for (int m = 0; m < mult; m++)
+            acc += v;
+    }
+    wout[idx] = acc;
 }
 
 /* ---- with q_norm / k_norm: one position t in five rounds ----

@@ -184,11 +184,24 @@ __global__ void k_attn_quads(quad_args a)
     quad_item(a, idx);
 }
 
-__global__ void k_attn_traces(const float *vec, int64_t vstride, int nv, int64_t S, int64_t T,
-                              int64_t nb, int64_t h, int backward, int mult, double *wout)
+__global__ void k_trace_rows(const float *vec, int64_t vstride, int nv, int64_t S, int64_t T,
+                             int64_t nb, int64_t h, double *rows)
 {
-    GRID_LOOP(s, S)
-    traces_item(vec, vstride, nv, T, nb, h, backward, mult, wout, s);
+    GRID_LOOP(idx, S * nb * T)
+    trace_rows_item(vec, vstride, nv, T, nb, h, rows, idx);
+}
+
+__global__ void k_trace_scan(double *rows, int64_t n, int64_t T, int backward)
+{
+    GRID_LOOP(idx, n)
+    trace_scan_item(rows, T, backward, idx);
+}
+
+__global__ void k_trace_blocks(const double *rows, int64_t S, int64_t T, int64_t nb, int mult,
+                               double *wout)
+{
+    GRID_LOOP(idx, S * T)
+    trace_sum_item(rows, T, nb, mult, wout, idx);
 }
 
 __global__ void k_qn_gram(qn_args a, int64_t t)
@@ -532,6 +545,9 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
         if (a->shampoo &&
             ((st = gram_init(a, &a->a_q, a->d)) || (st = gram_init(a, &a->a_k, a->d))))
             goto fail;
+        if (a->shampoo && !a->qknorm &&
+            (st = alloc_d(a, &a->qtr, S * a->G * a->T, "trace rows")))
+            goto fail;
         if (a->qknorm) {
             if ((st = alloc_f(a, &a->zq, R * a->qd, "pre-norm queries")) ||
                 (st = alloc_f(a, &a->zk, R * a->kvd, "pre-norm keys")) ||
@@ -632,10 +648,13 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
             if ((st = BK_LAUNCHED("k_sum_parts")) != BK_OK)
                 return st;
             if (a->shampoo) {
-                k_attn_traces<<<bk_grid(S), 256, 0, sm>>>(q.vec, q.vstride, q.nv, S, T, a->G, h,
-                                                          part, part == 0 ? (int)a->r : 1,
-                                                          part == 0 ? a->w2 : a->w3);
-                if ((st = BK_LAUNCHED("k_attn_traces")) != BK_OK)
+                double *wo = part == 0 ? a->w2 : a->w3;
+                k_trace_rows<<<bk_grid(S * a->G * T), 256, 0, sm>>>(q.vec, q.vstride, q.nv, S, T,
+                                                                     a->G, h, a->qtr);
+                k_trace_scan<<<bk_grid(S * a->G), 256, 0, sm>>>(a->qtr, S * a->G, T, part);
+                k_trace_blocks<<<bk_grid(S * T), 256, 0, sm>>>(a->qtr, S, T, a->G,
+                                                               part == 0 ? (int)a->r : 1, wo);
+                if ((st = BK_LAUNCHED("Shampoo trace kernels")) != BK_OK)
                     return st;
             }
         }

@@ -134,9 +134,14 @@ void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_
             for (int64_t e = 0; e < G * hh; e++)
                 for (int64_t s = 0; s < S; s++)
                     dst[e] += part[s * G * hh + e];
-            for (int64_t s = 0; s < S; s++)
-                traces_item(a.vec, a.vstride, a.nv, T, G, h, p, p == 0 ? (int)r : 1,
-                            p == 0 ? wq.data() : wk.data(), s);
+            std::vector<double> rows((size_t)(S * G * T));
+            for (int64_t idx = 0; idx < S * G * T; idx++)
+                trace_rows_item(a.vec, a.vstride, a.nv, T, G, h, rows.data(), idx);
+            for (int64_t idx = 0; idx < S * G; idx++)
+                trace_scan_item(rows.data(), T, p, idx);
+            for (int64_t idx = 0; idx < S * T; idx++)
+                trace_sum_item(rows.data(), T, G, p == 0 ? (int)r : 1,
+                               p == 0 ? wq.data() : wk.data(), idx);
         }
     } else {
         std::vector<float> zq((size_t)(N * qd)), zk((size_t)(N * kd));
