@@ -1236,7 +1236,11 @@ static bk_status set_index(const char *path, bk_st_set **out)
                     who = wm[j].name;
                     break;
                 }
-            if (stat(sp, &ssb) != 0)
+            if (stat(sp, &ssb) != 0 && errno == ENOENT)
+                st = bk_error(BK_ERR_ST_INDEX,
+                              "%s: tensor '%s': mapped to shard '%s', which does not exist (%s)",
+                              path, who, shards[i], sp);
+            else if (stat(sp, &ssb) != 0)
                 st = bk_error(BK_ERR_ST_INDEX,
                               "%s: tensor '%s': mapped to shard '%s', which cannot be opened "
                               "(%s: %s)",
