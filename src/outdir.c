@@ -378,7 +378,8 @@ static bk_status clean_leftovers(bk_outdir *d, const bk_outdir_spec *s, const in
         n++;
     }
     closedir(dir);
-    qsort(names, n, sizeof *names, cmp_names);
+    if (n > 1)
+        qsort(names, n, sizeof *names, cmp_names);
     /* old outputs first: a kill between "old output aside" and "new output
      * in" left no output: put the old one back */
     for (int pass = 0; pass < 2; pass++) {
