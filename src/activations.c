@@ -10,6 +10,7 @@
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
 #include "bk_config.h"
+#include "outdir.h"
 #include "pipeline_internal.h"
 #include "pipeline_gpu.h"
 #include "util.h"
@@ -344,6 +345,18 @@ static bk_status gdump_setup(gdump *g, const bk_dump_opts *o, const bk_model *mo
 }
 #endif
 
+static void dump_note(void *user, const char *msg)
+{
+    const bk_dump_opts *o = user;
+    if (!o->on_event)
+        return;
+    bk_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = BK_EV_NOTE;
+    ev.message = msg;
+    o->on_event(o->user, &ev);
+}
+
 bk_status bk_dump_activations(const bk_dump_opts *o)
 {
     bk_model *model = NULL;
@@ -356,16 +369,27 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     float *h = NULL, *acts[4] = {NULL, NULL, NULL, NULL};
     void *conv = NULL;
     cJSON *man = NULL;
-    char tmp[4096] = "";
+    bk_outdir od;
+    memset(&od, 0, sizeof od);
+    const char *tmp = od.work;
     int64_t S, T;
     bk_status st;
     double t0 = bk_now();
 
     if (o->dtype != BK_DT_F32 && o->dtype != BK_DT_BF16 && o->dtype != BK_DT_F16)
         return bk_error(BK_ERR_INVALID_ARG, "dump-activations: dtype must be F32, BF16 or F16");
+    {
+        /* the output folder first: refused (unsafe, exists), locked, leftovers cleaned */
+        const char *inputs[] = {o->model_dir, o->calib_path ? o->calib_path : "", NULL};
+        bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
+                             .what = "dump-activations", .note = dump_note, .user = (void *)o};
+        st = bk_outdir_open(&od, &os, NULL);
+        if (st != BK_OK)
+            return st;
+    }
     st = bk_model_open(o->model_dir, &model);
     if (st != BK_OK)
-        return st;
+        goto done;
     const bk_model_config *c = bk_model_get_config(model);
     st = bk_load_tokens(o->calib_path, c->vocab, o->samples, o->seqlen, &tokens, &S, &T);
     if (st != BK_OK)
@@ -401,9 +425,6 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
         st = bk_error(BK_ERR_NOMEM, "dump-activations: out of memory for %lld tokens", (long long)N);
         goto done;
     }
-    st = bk_outdir_begin(o->out_dir, tmp, sizeof tmp);
-    if (st != BK_OK)
-        goto done;
     for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
         int64_t sb = S - s0 < B ? S - s0 : B;
 #if BK_HAVE_CUDA
@@ -458,6 +479,8 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
         bk_layer_weights lw;
         memset(&lw, 0, sizeof lw);
         st = bk_layer_weights_load(model, l, &lw);
+        if (st == BK_OK) /* the checkpoint is not changing under the run */
+            st = bk_st_set_check_unchanged(bk_model_tensors(model));
 #if BK_HAVE_CUDA
         if (gpu) {
             bk_glayer *gl = NULL;
@@ -541,11 +564,12 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
             st = bk_write_file_atomic(path, text, strlen(text));
         free(text);
     }
+    if (st == BK_OK) /* nothing read has changed since it was opened */
+        st = bk_st_set_check_unchanged(bk_model_tensors(model));
     if (st == BK_OK)
-        st = bk_outdir_commit(tmp, o->out_dir, o->overwrite);
+        st = bk_outdir_commit(&od);
 done:
-    if (st != BK_OK && tmp[0])
-        bk_remove_tree(tmp);
+    bk_outdir_close(&od);
     cJSON_Delete(man);
     free(conv);
     for (int i = 0; i < 4; i++)

@@ -14,6 +14,7 @@
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
 #include "bk_config.h"
+#include "outdir.h"
 #include "pipeline_gpu.h"
 #include "pipeline_internal.h"
 #include "util.h"
@@ -99,7 +100,7 @@ typedef struct job {
     bk_hess_acc *acc;
     bk_hess_acc *acc_gptq; /* plain E[xx^T] for the GPTQ loss of two-sided modules (shampoo) */
     bk_st_stream *out;
-    char tmpdir[4096];
+    bk_outdir od; /* the output folder: lock, work folder (od.work), commit */
     int layer_begin, layer_end;
     /* calibration */
     int32_t *tokens;
@@ -207,6 +208,11 @@ static void emit_module(job *j, int layer, bk_module mod, const bk_solve_result 
     ev.t_solve = j->t_solve;
     ev.t_io = j->t_io;
     j->o->on_event(j->o->user, &ev);
+}
+
+static void job_note(void *user, const char *msg)
+{
+    emit((job *)user, BK_EV_NOTE, 0, NULL, msg);
 }
 
 static int layer_in_range(const job *j, int l)
@@ -959,6 +965,8 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
     for (int l = lo; l < hi && l < j->layer_end && st == BK_OK; l++) {
         j->acc = j->bp_acc[l - lo];
         st = layer_tokens(j, l);
+        if (st == BK_OK) /* the checkpoint is not changing under the run */
+            st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
         bk_hess_acc_reset(j->acc);
         if (st == BK_OK && bk__stop_requested())
             st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d", l);
@@ -1089,7 +1097,7 @@ static bk_status write_config_and_report(job *j)
         if (o->export_format == BK_EXPORT_GPTQ) {
             char *q = cJSON_Print(qc);
             if (q) {
-                st = bk_path_join(path, sizeof path, j->tmpdir, "quantize_config.json");
+                st = bk_path_join(path, sizeof path, j->od.work, "quantize_config.json");
                 if (st == BK_OK)
                     st = bk_write_file_atomic(path, q, strlen(q));
                 free(q);
@@ -1104,7 +1112,7 @@ static bk_status write_config_and_report(job *j)
     cJSON_Delete(cfg);
     if (!out)
         return bk_error(BK_ERR_NOMEM, "out of memory writing config.json");
-    st = bk_path_join(path, sizeof path, j->tmpdir, "config.json");
+    st = bk_path_join(path, sizeof path, j->od.work, "config.json");
     if (st == BK_OK)
         st = bk_write_file_atomic(path, out, strlen(out));
     free(out);
@@ -1162,7 +1170,7 @@ static bk_status write_config_and_report(job *j)
     cJSON_Delete(rep);
     if (!out)
         return bk_error(BK_ERR_NOMEM, "out of memory writing report.json");
-    st = bk_path_join(path, sizeof path, j->tmpdir, "report.json");
+    st = bk_path_join(path, sizeof path, j->od.work, "report.json");
     if (st == BK_OK)
         st = bk_write_file_atomic(path, out, strlen(out));
     free(out);
@@ -1268,6 +1276,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     if (j->bp && o->leaf_size < 1) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
+    }
+    {
+        /* the output folder first: refused (unsafe, exists), locked, leftovers cleaned */
+        const char *inputs[] = {o->model_dir, o->calib_path ? o->calib_path : "",
+                                o->activations_dir ? o->activations_dir : "",
+                                o->config_path ? o->config_path : "", NULL};
+        bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
+                             .what = "quantize", .note = job_note, .user = j};
+        st = bk_outdir_open(&j->od, &os, NULL);
+        if (st != BK_OK)
+            goto fail;
     }
     st = bk_model_open(o->model_dir, &j->model);
     if (st != BK_OK)
@@ -1430,10 +1449,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->report_modules = cJSON_CreateArray();
 
     /* output */
-    st = bk_outdir_begin(o->out_dir, j->tmpdir, sizeof j->tmpdir);
-    if (st != BK_OK)
-        goto fail;
-    st = bk_st_stream_begin(j->tmpdir, "model", o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull,
+    st = bk_st_stream_begin(j->od.work, "model", o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull,
                             &j->out);
     if (st != BK_OK)
         goto fail;
@@ -1471,6 +1487,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         } else {
             for (int l = 0; l < j->layer_end; l++) {
                 st = layer_tokens(j, l);
+                if (st == BK_OK) /* the checkpoint is not changing under the run */
+                    st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
                 if (st != BK_OK)
                     goto fail;
             }
@@ -1482,6 +1500,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             else
                 st = bk__layer_rtn(j->model, j->backend, j->out, o, j->cfg, l,
                                    j->report_modules, &j->quantized_params);
+            if (st == BK_OK) /* the checkpoint is not changing under the run */
+                st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
             if (st != BK_OK)
                 goto fail;
             if (bk__stop_requested()) {
@@ -1503,9 +1523,11 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         if (st == BK_OK)
             st = write_config_and_report(j);
         if (st == BK_OK)
-            st = bk__copy_aux_files(o->model_dir, j->tmpdir);
+            st = bk__copy_aux_files(o->model_dir, j->od.work);
+        if (st == BK_OK) /* nothing read has changed since it was opened */
+            st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
         if (st == BK_OK)
-            st = bk_outdir_commit(j->tmpdir, o->out_dir, o->overwrite);
+            st = bk_outdir_commit(&j->od);
         j->t_io += bk_now() - t;
         bk_prof_add("io.finish", bk_now() - t);
         if (st != BK_OK)
@@ -1515,14 +1537,14 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     bk_prof_add("total", bk_now() - j->t0);
     bk_prof_print();
     job_free(j);
+    bk_outdir_close(&j->od);
     return BK_OK;
 
 fail:
     writer_finish(j, 1);
     if (j->out)
         bk_st_stream_abort(j->out);
-    if (j->tmpdir[0])
-        bk_remove_tree(j->tmpdir);
     job_free(j);
+    bk_outdir_close(&j->od);
     return st;
 }

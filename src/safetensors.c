@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include <zstd.h>
 
+#include "mapguard.h"
 #include "st_internal.h"
 #include "util.h"
 
@@ -30,6 +31,9 @@ struct bk_st_file {
     void *map;                /* mmap'd region, or NULL */
     size_t map_len;
     void *owned;              /* malloc'd image, or NULL */
+    int fd;                   /* the mapped file (kept open to check it), or -1 */
+    int guard;                /* mapguard slot of the mapping, or -1 */
+    struct stat snap;         /* the mapped file at open: size and mtime checked later */
     uint64_t header_n;
     size_t n;
     bk_tensor_info *t;        /* file order */
@@ -155,8 +159,11 @@ static void file_free(bk_st_file *f)
     }
     free(f->meta_key);
     free(f->meta_val);
+    bk_mapguard_remove(f->guard);
     if (f->map)
         munmap(f->map, f->map_len);
+    if (f->fd >= 0)
+        close(f->fd);
     free(f->owned);
     free(f->path);
     free(f);
@@ -635,6 +642,8 @@ static bk_status file_new(const char *label, bk_st_file **out)
     bk_st_file *f = calloc(1, sizeof *f);
     if (!f)
         return bk_error(BK_ERR_NOMEM, "out of memory");
+    f->fd = -1;
+    f->guard = -1;
     f->path = strdup(label ? label : "<memory>");
     if (!f->path) {
         free(f);
@@ -684,14 +693,10 @@ bk_status bk_st_open(const char *path, bk_st_file **out)
     if (!out || !path)
         return bk_error(BK_ERR_INVALID_ARG, "bk_st_open: NULL argument");
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return bk_error(BK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return bk_error(BK_ERR_IO, "%s: not a regular file", path);
-    }
+    int fd = bk_open_regular(path, &sb);
+    if (fd < 0)
+        return BK_ERR_IO;
     bk_st_file *f;
     bk_status st = file_new(path, &f);
     if (st != BK_OK) {
@@ -718,14 +723,59 @@ bk_status bk_st_open(const char *path, bk_st_file **out)
         f->map = m;
         f->map_len = len;
         f->base = m;
+        f->guard = bk_mapguard_add(m, len);
     }
-    close(fd);
+    f->fd = fd;
+    f->snap = sb;
     f->len = len;
-    if ((st = validate(f)) != BK_OK) {
+    if ((st = validate(f)) == BK_OK)
+        st = bk_st_check_unchanged(f); /* the header was read from what is there now */
+    if (st != BK_OK) {
         file_free(f);
         return st;
     }
     *out = f;
+    return BK_OK;
+}
+
+/* "the file changed while it was read": size, mtime or a lost mapped page */
+static bk_status changed_error(const char *path, const struct stat *was, const struct stat *now,
+                               int faulted)
+{
+    if (now && now->st_size != was->st_size)
+        return bk_error(BK_ERR_IO,
+                        "%s: the file changed while it was being read (size %lld bytes, now "
+                        "%lld): it must stay unchanged for the whole run",
+                        path, (long long)was->st_size, (long long)now->st_size);
+    if (faulted)
+        return bk_error(BK_ERR_IO,
+                        "%s: the file shrank while it was being read (part of it vanished): it "
+                        "must stay unchanged for the whole run",
+                        path);
+    return bk_error(BK_ERR_IO,
+                    "%s: the file changed while it was being read (modified at %lld.%09ld, "
+                    "opened when modified at %lld.%09ld): it must stay unchanged for the whole "
+                    "run",
+                    path, (long long)now->st_mtim.tv_sec, (long)now->st_mtim.tv_nsec,
+                    (long long)was->st_mtim.tv_sec, (long)was->st_mtim.tv_nsec);
+}
+
+static int same_version(const struct stat *a, const struct stat *b)
+{
+    return a->st_size == b->st_size && a->st_mtim.tv_sec == b->st_mtim.tv_sec &&
+           a->st_mtim.tv_nsec == b->st_mtim.tv_nsec;
+}
+
+bk_status bk_st_check_unchanged(const bk_st_file *f)
+{
+    if (!f || f->fd < 0)
+        return BK_OK; /* in memory (a buffer, or a decompressed image checked at open) */
+    struct stat now;
+    if (fstat(f->fd, &now) != 0)
+        return bk_error(BK_ERR_IO, "%s: cannot stat: %s", f->path, strerror(errno));
+    const int faulted = bk_mapguard_faulted(f->guard);
+    if (faulted || !same_version(&f->snap, &now))
+        return changed_error(f->path, &f->snap, &now, faulted);
     return BK_OK;
 }
 
@@ -737,14 +787,10 @@ bk_status bk_st_open_zst(const char *path, bk_st_file **out)
     bk_status st = BK_OK;
     unsigned char *dbuf = NULL;
     ZSTD_DCtx *dctx = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return bk_error(BK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return bk_error(BK_ERR_IO, "%s: not a regular file", path);
-    }
+    int fd = bk_open_regular(path, &sb);
+    if (fd < 0)
+        return BK_ERR_IO;
     size_t clen = (size_t)sb.st_size;
     void *cmap = NULL;
     if (clen == 0) {
@@ -752,9 +798,12 @@ bk_status bk_st_open_zst(const char *path, bk_st_file **out)
         return bk_error(BK_ERR_ZSTD, "%s: empty file is not a zstd stream", path);
     }
     cmap = mmap(NULL, clen, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (cmap == MAP_FAILED)
-        return bk_error(BK_ERR_IO, "%s: cannot map %zu bytes: %s", path, clen, strerror(errno));
+    if (cmap == MAP_FAILED) {
+        int e = errno;
+        close(fd);
+        return bk_error(BK_ERR_IO, "%s: cannot map %zu bytes: %s", path, clen, strerror(e));
+    }
+    const int guard = bk_mapguard_add(cmap, clen);
 
     /* size of the image: exact when every frame records it, else grown as needed */
     /* a single frame that records its size (what our writer makes) is decoded into
@@ -832,6 +881,18 @@ bk_status bk_st_open_zst(const char *path, bk_st_file **out)
                       path, produced, want);
         goto done;
     }
+    {
+        /* the image is complete in memory: was it made from one version of the file? */
+        struct stat now;
+        if (fstat(fd, &now) != 0) {
+            st = bk_error(BK_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+            goto done;
+        }
+        if (bk_mapguard_faulted(guard) || !same_version(&sb, &now)) {
+            st = changed_error(path, &sb, &now, bk_mapguard_faulted(guard));
+            goto done;
+        }
+    }
     bk_st_file *f;
     if ((st = file_new(path, &f)) != BK_OK)
         goto done;
@@ -847,7 +908,9 @@ bk_status bk_st_open_zst(const char *path, bk_st_file **out)
 done:
     ZSTD_freeDCtx(dctx);
     free(dbuf);
+    bk_mapguard_remove(guard);
     munmap(cmap, clen);
+    close(fd);
     return st;
 }
 
@@ -1165,16 +1228,28 @@ static bk_status set_index(const char *path, bk_st_set **out)
         char sp[4096];
         if ((st = bk_path_join(sp, sizeof sp, dir, shards[i])) != BK_OK)
             goto fail;
-        if (!bk_is_file(sp)) {
+        struct stat ssb;
+        if (stat(sp, &ssb) != 0 || !S_ISREG(ssb.st_mode)) {
             const char *who = "?";
             for (size_t j = 0; j < nwm; j++)
                 if (wm[j].shard == i) {
                     who = wm[j].name;
                     break;
                 }
-            st = bk_error(BK_ERR_ST_INDEX,
-                          "%s: tensor '%s': mapped to shard '%s', which does not exist (%s)",
-                          path, who, shards[i], sp);
+            if (stat(sp, &ssb) != 0 && errno == ENOENT)
+                st = bk_error(BK_ERR_ST_INDEX,
+                              "%s: tensor '%s': mapped to shard '%s', which does not exist (%s)",
+                              path, who, shards[i], sp);
+            else if (stat(sp, &ssb) != 0)
+                st = bk_error(BK_ERR_ST_INDEX,
+                              "%s: tensor '%s': mapped to shard '%s', which cannot be opened "
+                              "(%s: %s)",
+                              path, who, shards[i], sp, strerror(errno));
+            else
+                st = bk_error(BK_ERR_ST_INDEX,
+                              "%s: tensor '%s': mapped to shard '%s', which is %s, not a file "
+                              "(%s)",
+                              path, who, shards[i], bk_file_kind(ssb.st_mode), sp);
             goto fail;
         }
         if ((st = bk_st_open_any(sp, &files[i])) != BK_OK) {
@@ -1286,6 +1361,16 @@ static bk_status set_dir(const char *path, bk_st_set **out)
                     "%s: folder holds %d *.safetensors files and no model.safetensors(.index.json) "
                     "(pass the file to use)",
                     path, none);
+}
+
+bk_status bk_st_set_check_unchanged(const bk_st_set *s)
+{
+    for (size_t i = 0; s && i < s->nfiles; i++) {
+        bk_status st = bk_st_check_unchanged(s->files[i]);
+        if (st != BK_OK)
+            return st;
+    }
+    return BK_OK;
 }
 
 bk_status bk_st_set_open(const char *path, bk_st_set **out)

@@ -45,6 +45,7 @@ const char *bk_status_name(bk_status s)
     case BK_ERR_NO_DEVICE: return "NO_DEVICE";
     case BK_ERR_INTERRUPTED: return "INTERRUPTED";
     case BK_ERR_INTERNAL: return "INTERNAL";
+    case BK_ERR_BUSY: return "BUSY";
     }
     return "UNKNOWN";
 }

@@ -100,18 +100,62 @@ void *bk_calloc(size_t n, size_t size)
     return p;
 }
 
+const char *bk_file_kind(mode_t mode)
+{
+    if (S_ISREG(mode))
+        return "a regular file";
+    if (S_ISDIR(mode))
+        return "a folder";
+    if (S_ISFIFO(mode))
+        return "a FIFO (named pipe)";
+    if (S_ISCHR(mode) || S_ISBLK(mode))
+        return "a device";
+    if (S_ISSOCK(mode))
+        return "a socket";
+    return "not a regular file";
+}
+
+int bk_open_regular(const char *path, struct stat *sb)
+{
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) {
+        bk_error(BK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        return -1;
+    }
+    struct stat tmp;
+    if (!sb)
+        sb = &tmp;
+    if (fstat(fd, sb) != 0) {
+        int e = errno;
+        close(fd);
+        bk_error(BK_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
+        return -1;
+    }
+    if (!S_ISREG(sb->st_mode)) {
+        close(fd);
+        bk_error(BK_ERR_IO, "%s: is %s, not a regular file", path, bk_file_kind(sb->st_mode));
+        return -1;
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0)
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    return fd;
+}
+
 bk_status bk_read_file(const char *path, size_t max_bytes, char **buf, size_t *len)
 {
     *buf = NULL;
     if (len)
         *len = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return bk_error(BK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
-        fclose(f);
-        return bk_error(BK_ERR_IO, "%s: not a regular file", path);
+    int fd = bk_open_regular(path, &st);
+    if (fd < 0)
+        return BK_ERR_IO;
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return bk_error(BK_ERR_NOMEM, "%s: cannot open: %s", path, strerror(errno));
     }
     if ((uint64_t)st.st_size > max_bytes) {
         fclose(f);
@@ -125,9 +169,11 @@ bk_status bk_read_file(const char *path, size_t max_bytes, char **buf, size_t *l
         return bk_error(BK_ERR_NOMEM, "%s: out of memory reading %zu bytes", path, n);
     }
     if (n && fread(b, 1, n, f) != n) {
+        const int e = ferror(f) ? errno : 0;
         free(b);
         fclose(f);
-        return bk_error(BK_ERR_IO, "%s: read failed", path);
+        return bk_error(BK_ERR_IO, "%s: read failed: %s", path,
+                        e ? strerror(e) : "the file became shorter while it was read");
     }
     fclose(f);
     b[n] = '\0';
@@ -215,73 +261,6 @@ void bk_remove_tree(const char *path)
     } else {
         unlink(path);
     }
-}
-
-static int dir_is_empty(const char *path)
-{
-    DIR *d = opendir(path);
-    if (!d)
-        return 1;
-    struct dirent *e;
-    int empty = 1;
-    while ((e = readdir(d)) != NULL) {
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-            empty = 0;
-            break;
-        }
-    }
-    closedir(d);
-    return empty;
-}
-
-bk_status bk_outdir_begin(const char *final_path, char *tmp, size_t cap)
-{
-    size_t len = strlen(final_path);
-    while (len > 1 && final_path[len - 1] == '/')
-        len--;
-    int n = snprintf(tmp, cap, "%.*s.tmp-%ld", (int)len, final_path, (long)getpid());
-    if (n < 0 || (size_t)n >= cap)
-        return bk_error(BK_ERR_INVALID_ARG, "output path too long: %s", final_path);
-    bk_remove_tree(tmp);
-    return bk_mkdir_p(tmp);
-}
-
-bk_status bk_outdir_commit(const char *tmp, const char *final_path, int overwrite)
-{
-    /* fsync the files in tmp, then the directory itself */
-    DIR *d = opendir(tmp);
-    if (d) {
-        struct dirent *e;
-        while ((e = readdir(d)) != NULL) {
-            char sub[4096];
-            if (e->d_name[0] == '.' || bk_path_join(sub, sizeof sub, tmp, e->d_name) != BK_OK)
-                continue;
-            int fd = open(sub, O_RDONLY);
-            if (fd >= 0) {
-                fsync(fd);
-                close(fd);
-            }
-        }
-        closedir(d);
-    }
-    int dfd = open(tmp, O_RDONLY | O_DIRECTORY);
-    if (dfd >= 0) {
-        fsync(dfd);
-        close(dfd);
-    }
-    if (bk_is_dir(final_path)) {
-        if (!dir_is_empty(final_path) && !overwrite)
-            return bk_error(BK_ERR_WRITE,
-                            "%s: output folder exists and is not empty (use --overwrite)",
-                            final_path);
-        bk_remove_tree(final_path);
-    } else if (bk_is_file(final_path)) {
-        return bk_error(BK_ERR_WRITE, "%s: exists and is a file", final_path);
-    }
-    if (rename(tmp, final_path) != 0)
-        return bk_error(BK_ERR_WRITE, "%s: cannot rename %s into place: %s", final_path, tmp,
-                        strerror(errno));
-    return BK_OK;
 }
 
 bk_status bk_write_file_atomic(const char *path, const void *data, size_t len)

@@ -36,6 +36,15 @@ void *bk_alloc(size_t n, size_t size);
 /* Same, zero-filled. */
 void *bk_calloc(size_t n, size_t size);
 
+/* "a folder", "a FIFO (named pipe)", "a device", ... for messages. */
+#include <sys/types.h>
+struct stat;
+const char *bk_file_kind(mode_t mode);
+/* open(path, O_RDONLY) of a regular file: FIFOs, folders and devices are
+ * refused without blocking (the message names what the path is). Returns the
+ * descriptor (fstat in *sb when sb), or -1 with the error set (BK_ERR_IO). */
+int bk_open_regular(const char *path, struct stat *sb);
+
 /* Read a whole (small) file into a NUL-terminated buffer (caller frees).
  * Refuses files larger than max_bytes. */
 bk_status bk_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
@@ -52,14 +61,6 @@ int bk_ends_with(const char *name, const char *suffix);
 bk_status bk_mkdir_p(const char *path);
 /* rm -rf (best effort; used to clean temporary output folders). */
 void bk_remove_tree(const char *path);
-
-/* Output folders are built under a temporary sibling name and renamed into
- * place at the end, so no half-written folder ever carries the final name.
- * bk_outdir_begin creates "<final>.tmp-<pid>" (removing a stale one) and
- * writes its path into tmp. bk_outdir_commit fsyncs and renames it to final
- * (refusing to replace an existing non-empty folder unless overwrite). */
-bk_status bk_outdir_begin(const char *final_path, char *tmp, size_t cap);
-bk_status bk_outdir_commit(const char *tmp, const char *final_path, int overwrite);
 
 /* Write a whole buffer to path atomically (temp file + fsync + rename). */
 bk_status bk_write_file_atomic(const char *path, const void *data, size_t len);

@@ -33,6 +33,8 @@ typedef enum bk_event_kind {
     BK_EV_LAYER_DONE,
     BK_EV_WRITE,       /* output being written */
     BK_EV_DONE,
+    BK_EV_NOTE,        /* something the user should know (message): a stale lock cleared,
+                          a killed run's leftover removed, a run resumed */
     BK_EV_BACKWARD     /* a pass of the backprop flow begins (message: layers, depth) */
 } bk_event_kind;
 

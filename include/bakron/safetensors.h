@@ -122,6 +122,12 @@ void bk_st_meta_get(const bk_st_file *f, size_t i, const char **key, const char 
 const char *bk_st_meta_find(const bk_st_file *f, const char *key);
 /* Size in bytes of the header JSON (N). */
 uint64_t bk_st_header_size(const bk_st_file *f);
+/* A mapped file must not change while it is read: its size and mtime (ns) are
+ * recorded at open. BK_ERR_IO naming the file when they differ now, or when
+ * part of the file vanished under the mapping (a read of a lost page is not
+ * fatal: it reads zeros, and this check reports it). BK_OK for in-memory
+ * images (.zst files are checked when decompressed). */
+bk_status bk_st_check_unchanged(const bk_st_file *f);
 
 /* ------------------------------------------- a checkpoint (one or more files) */
 
@@ -149,6 +155,8 @@ uint64_t bk_st_set_total_bytes(const bk_st_set *s);
  * error is the one the tensors scanned in order would give (the first tensor
  * by name with a NaN/Inf, its first such element). */
 bk_status bk_st_set_check_finite(const bk_st_set *s);
+/* bk_st_check_unchanged on every file of the set. */
+bk_status bk_st_set_check_unchanged(const bk_st_set *s);
 
 /* ------------------------------------------------------------------ writing */
 

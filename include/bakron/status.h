@@ -53,7 +53,8 @@ typedef enum bk_status {
     BK_ERR_DEVICE_OOM,           /* GPU out of memory */
     BK_ERR_NO_DEVICE,            /* a GPU backend was requested but none is usable */
     BK_ERR_INTERRUPTED,          /* stopped by a signal */
-    BK_ERR_INTERNAL              /* a bug: an invariant did not hold */
+    BK_ERR_INTERNAL,             /* a bug: an invariant did not hold */
+    BK_ERR_BUSY                  /* the output folder is locked by another running job */
 } bk_status;
 
 /* Short stable identifier of a status, e.g. "ST_LAYOUT". */

@@ -360,6 +360,7 @@ static const char *ev_name(bk_event_kind k)
     case BK_EV_WRITE: return "write";
     case BK_EV_DONE: return "done";
     case BK_EV_BACKWARD: return "backward";
+    case BK_EV_NOTE: return "note";
     }
     return "?";
 }
@@ -436,7 +437,8 @@ static void on_event(void *user, const bk_event *ev)
                     ev->layer + 1, ev->n_layers, el, eta, ev->t_forward, ev->t_hessian,
                     ev->t_factor, ev->t_solve, ev->t_io);
         break;
-    case BK_EV_WRITE: fprintf(stderr, "bakron: %s\n", ev->message); break;
+    case BK_EV_WRITE:
+    case BK_EV_NOTE: fprintf(stderr, "bakron: %s\n", ev->message); break;
     case BK_EV_BACKWARD: fprintf(stderr, "  %s  elapsed %s\n", ev->message, el); break;
     case BK_EV_DONE:
         fprintf(stderr, "bakron: wrote %s in %s\n", ev->message ? ev->message : "", el);

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Output folders (issue 14, points 1-3, 7, 8): an unsafe --out is refused with
+# exit 1 before any work and nothing is touched; --overwrite replaces the old
+# output atomically (a kill at any point of the commit leaves the old or the
+# new output complete, and the next run recognises the leftovers); the lock
+# makes the second of two runs on one --out fail at once (exit 3); stale locks
+# and killed runs' work folders are cleared with a message.
+# RTN quantization of the bundled example model (no calibration: fast).
+set -u
+B=${BK_BAKRON:?}
+SRC=${BK_SOURCE_ROOT:?}
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fail=0
+die() { echo "FAIL: $*"; fail=1; }
+cp -r "$SRC/examples/kerneldocs-1.6m" "$W/m"
+mkdir "$W/p" && cp -r "$W/m" "$W/p/m" && echo "another file" >"$W/p/other.txt"
+echo "an unrelated file" >"$W/notes.txt"
+cd "$W" || exit 1
+
+fingerprint() { # every file under the test folder except outputs: path + sha256
+    (cd "$W" && find . -path ./ref2 -prune -o -path ./ref3 -prune -o -name err -o -type f -print0 |
+        sort -z | xargs -0 sha256sum)
+}
+q() { "$B" quantize "$@" --hessian rtn 2>"$W/err"; }
+
+# --- unsafe outputs: exit 1, one line, nothing changed --------------------
+before=$(fingerprint)
+expect_refused() { # why args...
+    local why=$1; shift
+    q "$@"; local rc=$?
+    [ $rc -eq 1 ] || die "$why: exit $rc, expected 1 ($(cat "$W/err"))"
+    [ "$(wc -l <"$W/err")" -eq 1 ] || die "$why: not one line: $(cat "$W/err")"
+    [ "$(fingerprint)" = "$before" ] || die "$why: files changed"
+    ls -a "$W" | grep -q -E '\.(tmp|old)-|\.lock$' && die "$why: left $(ls -a "$W" | tr '\n' ' ')"
+    echo "refused ($why): $(cut -c1-140 "$W/err")"
+}
+expect_refused "out is the model folder" m --out m --overwrite
+expect_refused "out is the model folder (trailing slash)" m --out m/ --overwrite
+expect_refused "out is the model's parent" p/m --out p --overwrite
+expect_refused "out is the model's parent (absolute)" p/m --out "$W/p" --overwrite
+expect_refused "out is the model's parent, via .." p/m --out p/m/.. --overwrite
+expect_refused "out is the model's parent, via ./" p/m --out ./p/./ --overwrite
+expect_refused "out inside the model folder" m --out m/q
+expect_refused "out is the current folder" m --out . --overwrite
+expect_refused "out is a parent of the current folder" m --out .. --overwrite
+expect_refused "empty out" m --out ''
+expect_refused "out is a file" m --out notes.txt --overwrite
+expect_refused "out is the root" m --out / --overwrite
+ln -s m link
+before=$(fingerprint)
+expect_refused "out is a symbolic link" m --out link --overwrite
+expect_refused "calibration file inside out" m --calib m/calib.safetensors --out m --overwrite
+(cd m && "$B" quantize . --hessian rtn --out . --overwrite 2>"$W/err"); rc=$?
+[ $rc -eq 1 ] || die "quantize . --out . (inside the model folder): exit $rc"
+[ "$(fingerprint)" = "$before" ] || die "quantize . --out .: files changed"
+# dump-activations writes a folder too
+"$B" dump-activations m --calib m/calib.safetensors --samples 2 --out m --overwrite 2>"$W/err"; rc=$?
+[ $rc -eq 1 ] || die "dump-activations --out MODEL: exit $rc ($(cat "$W/err"))"
+[ "$(fingerprint)" = "$before" ] || die "dump-activations --out MODEL: files changed"
+# the model folder links to files elsewhere (a Hugging Face cache): --out over them
+mkdir -p blobs hf && mv m/model.safetensors blobs/ && ln -s ../blobs/model.safetensors hf/model.safetensors
+cp m/config.json hf/
+before=$(fingerprint)
+expect_refused "out holds the files the model folder links to" hf --out blobs --overwrite
+mv blobs/model.safetensors m/ && rm -rf blobs hf
+before=$(fingerprint)
+
+# --- an existing output: refused before any work without --overwrite ----
+q m --levels 3 --out ref3 || die "ref3: $(cat err)"
+q m --levels 2 --out ref2 || die "ref2: $(cat err)"
+q m --levels 3 --out q || die "q: $(cat err)"
+q m --levels 2 --out q; rc=$?
+[ $rc -eq 1 ] || die "existing non-empty --out without --overwrite: exit $rc"
+grep -q "overwrite" err || die "no hint at --overwrite: $(cat err)"
+cmp -s q/model.safetensors ref3/model.safetensors || die "refused run changed the old output"
+q m --levels 2 --out q --overwrite || die "--overwrite: $(cat err)"
+cmp -s q/model.safetensors ref2/model.safetensors || die "--overwrite: not the new output"
+ls | grep -q -E '\.(tmp|old)-' && die "--overwrite left $(ls)"
+
+# --- killed at each point of the commit: old or new output, complete -----
+is_complete() { # folder: one of the references, byte for byte
+    cmp -s "$1/model.safetensors" ref2/model.safetensors && cmp -s "$1/config.json" ref2/config.json && echo new && return
+    cmp -s "$1/model.safetensors" ref3/model.safetensors && cmp -s "$1/config.json" ref3/config.json && echo old && return
+    echo broken
+}
+for mode in exchange noexchange; do
+    for pt in commit-begin commit-swapped commit-old-aside commit-aside; do
+        [ $mode = exchange ] && [ $pt = commit-aside ] && continue
+        [ $mode = noexchange ] && { [ $pt = commit-swapped ] || [ $pt = commit-old-aside ]; } && continue
+        rm -rf q && cp -r ref3 q
+        ne=0; [ $mode = noexchange ] && ne=1
+        BK_FAULT_NO_EXCHANGE=$ne BK_FAULT_KILL_AT=$pt "$B" quantize m --hessian rtn --levels 2 \
+            --out q --overwrite 2>/dev/null
+        rc=$?
+        [ $rc -eq 137 ] || die "$mode $pt: not killed (exit $rc)"
+        state="missing"
+        [ -d q ] && state=$(is_complete q)
+        # the next run (no --overwrite) sees the leftovers: restores or removes them
+        q m --levels 2 --out q; rc2=$?
+        after="missing"
+        [ -d q ] && after=$(is_complete q)
+        echo "killed at $pt ($mode): output $state; next run: exit $rc2, output $after: $(tr '\n' ' ' <err | cut -c1-200)"
+        case "$state" in old|new) ;; missing) [ $pt = commit-aside ] || die "$pt: no output" ;; *) die "$pt: broken output" ;; esac
+        case "$after" in old|new) ;; *) die "$pt: after the next run: output $after" ;; esac
+        ls | grep -q -E '\.(tmp|old)-' && die "$pt: leftovers not cleaned: $(ls)"
+        [ -e .q.lock ] && die "$pt: lock file left"
+        grep -q "killed run" err || die "$pt: no message about the killed run's leftover"
+    done
+done
+[ -d q ] && [ "$(is_complete q)" != broken ] || die "output broken at the end"
+
+# --- the lock ---------------------------------------------------------------
+exec 9>"$W/.q.lock"
+flock 9
+echo "pid 12345 on somewhere" >&9
+q m --levels 2 --out q --overwrite; rc=$?
+[ $rc -eq 3 ] || die "locked output: exit $rc, expected 3 ($(cat err))"
+grep -q "another bakron run" err && grep -q "pid 12345 on somewhere" err || die "lock message: $(cat err)"
+echo "locked: $(cat err)"
+exec 9>&-
+# a stale lock (its process gone: no flock held) is cleared with a message
+echo "pid 999999 on elsewhere, started long ago" >"$W/.q.lock"
+q m --levels 2 --out q --overwrite || die "stale lock: $(cat err)"
+grep -q "stale lock" err || die "stale lock not reported: $(cat err)"
+[ -e .q.lock ] && die "lock file left after the run"
+
+# --- a killed run's work folder (a full-size shard) is removed ------------
+mkdir q.tmp-999998 && head -c 1000000 /dev/zero >q.tmp-999998/model.safetensors
+q m --levels 2 --out q --overwrite || die "leftover: $(cat err)"
+grep -q "removed q.tmp-999998, left by a killed run" err || die "leftover not reported: $(cat err)"
+[ -e q.tmp-999998 ] && die "leftover not removed"
+
+[ "$(fingerprint | grep -v ' ./q/')" = "$(echo "$before" | grep -v ' ./q/')" ] || die "inputs changed"
+exit $fail
