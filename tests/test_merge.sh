@@ -108,8 +108,12 @@ cp -r "$M" m2
 python3 -c '
 import sys
 p=sys.argv[1]; b=bytearray(open(p,"rb").read()); b[-2]^=1; open(p,"wb").write(b)' m2/model.safetensors
-"$B" quantize m2 --activations acts --backend cpu --layers 1:3 --hessian mlplocal-kfac \
-    --out om2 2>/dev/null || die "quantize m2"
+# (its own dump, under the same relative path: dumps name the model they came from)
+mkdir other
+(cd other && "$B" dump-activations ../m2 --calib "$M/calib.safetensors" --samples 8 \
+    --backend cpu --out acts 2>/dev/null &&
+    "$B" quantize ../m2 --activations acts --backend cpu --layers 1:3 --hessian mlplocal-kfac \
+        --out ../om2 2>/dev/null) || die "quantize m2"
 refused "different model" "model.norm.weight" a-native om2 c-native
 "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 8 --backend cpu --layers 1:4 \
     --hessian gptq --out seq 2>/dev/null || die "quantize --calib"
