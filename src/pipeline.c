@@ -13,6 +13,8 @@
 
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
+#include "backward_gpu.h"
+#include "backward_internal.h"
 #include "bk_config.h"
 #include "outdir.h"
 #include "pipeline_gpu.h"
@@ -133,6 +135,8 @@ typedef struct job {
     int bp_leaf_lo;             /* first layer of the current leaf */
     bk_bwd_flow_stats bp_stats;
     double bp_time_counted;     /* flow time already added to t_forward */
+    int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
+                                   (cuda/backward.cu); the input-side stages on the CPU */
     /* output writer: quantized modules are packed and written by a helper
      * thread while the next module is solved (queue of WQ_CAP results) */
     struct {
@@ -957,6 +961,25 @@ static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk
     return st;
 }
 
+#if BK_HAVE_CUDA
+/* GPU flow: a leaf layer's output-gradient Grams over the whole calibration set */
+static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G, const double *gw,
+                          int64_t S)
+{
+    job *j = user;
+    if (!layer_in_range(j, layer))
+        return BK_OK;
+    int k = layer - j->bp_leaf_lo;
+    if (k < 0 || k >= j->bp_leaf)
+        return bk_error(BK_ERR_INTERNAL, "backprop: layer %d outside the leaf at %d", layer,
+                        j->bp_leaf_lo);
+    double t0 = bk_now();
+    bk_status st = bk__hess_add_grad_gram(j->bp_acc[k], layer, mod, G, gw, S);
+    j->t_hessian += bk_now() - t0;
+    return st;
+}
+#endif
+
 static bk_status bp_leaf_done(void *user, int lo, int hi)
 {
     job *j = user;
@@ -978,8 +1001,22 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
 static bk_status run_backprop(job *j)
 {
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
-    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done};
-    bk_status st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
+    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0};
+    bk_status st;
+#if BK_HAVE_CUDA
+    if (j->bp_gpu) {
+        bk_gbwd_opts go;
+        bk_gbwd_opts_default(&go);
+        go.fp64 = j->o->bwd_fp64;
+        /* the Grams on the device, not the taps on the host */
+        cb.grads = NULL;
+        cb.grams = bp_grams;
+        cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
+        st = bk_cuda_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo, &go, &cb,
+                                  &j->bp_stats);
+    } else
+#endif
+        st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
     bp_add_flow_time(j);
     return st;
 }
@@ -1149,6 +1186,8 @@ static bk_status write_config_and_report(job *j)
         const bk_bwd_flow_stats *bs = &j->bp_stats;
         cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
         cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
+        cJSON_AddStringToObject(b, "device", j->bp_gpu ? "cuda" : "cpu");
+        cJSON_AddStringToObject(b, "precision", (!j->bp_gpu || o->bwd_fp64) ? "fp64" : "fp32");
         cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
         cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
         cJSON_AddNumberToObject(b, "seed", (double)o->seed);
@@ -1157,7 +1196,10 @@ static bk_status write_config_and_report(job *j)
         cJSON_AddNumberToObject(b, "layer_forwards", (double)bs->layer_forwards);
         cJSON_AddNumberToObject(b, "layer_backwards", (double)bs->layer_backwards);
         cJSON_AddNumberToObject(b, "peak_boundary_host_bytes", (double)bs->peak_boundary_bytes);
-        cJSON_AddNumberToObject(b, "micro_batch_host_bytes", (double)bs->micro_bytes);
+        /* CPU: the flow's micro-batch buffers in host memory; GPU: its device buffers
+         * (micro-batch, LM head), the layer weights aside */
+        cJSON_AddNumberToObject(b, j->bp_gpu ? "micro_batch_device_bytes" : "micro_batch_host_bytes",
+                                (double)bs->micro_bytes);
         cJSON_AddNumberToObject(b, "peak_boundary_device_bytes", 0);
         cJSON *bt = cJSON_AddObjectToObject(b, "times_s");
         cJSON_AddNumberToObject(bt, "forward", bs->time_forward_s);
@@ -1362,11 +1404,16 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     const int cpu_stages = o->cpu_stages || bk_cpu_stages_env();
     if (j->bp && want_gpu) {
         st = bk_error(BK_ERR_UNSUPPORTED,
-                      "quantize: --hessian %s runs its forward, backward and Hessian stages on "
-                      "the CPU (not on the GPU yet): drop --gpu-pipeline / BK_GPU_PIPELINE=1",
+                      "quantize: --hessian %s runs its input-side stages on the CPU (its "
+                      "backward passes run on the GPU with the CUDA backend): drop "
+                      "--gpu-pipeline / BK_GPU_PIPELINE=1",
                       bk_hessian_name(o->hessian));
         goto fail;
     }
+    /* backprop kinds: the forward + backward passes of the flow on the GPU with
+     * the CUDA backend, unless --cpu-stages (the CPU's flow, the reference) */
+    j->bp_gpu = BK_HAVE_CUDA && j->bp && !cpu_stages && j->tokens &&
+                strcmp(bk_backend_name(j->backend), "cuda") == 0;
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline (BK_GPU_PIPELINE=1) and --cpu-stages "

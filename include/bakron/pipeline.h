@@ -87,6 +87,9 @@ typedef struct bk_quantize_opts {
     uint64_t seed;                /* seed of the sampled labels (default 0) */
     bk_bwd_flow_kind bwd_flow;    /* halving (default) or naive */
     int leaf_size;                /* layers per leaf of the flow (default 1) */
+    int bwd_fp64;                 /* the backward pass on the GPU (CUDA backend without
+                                     cpu_stages) in double (parity with the CPU's); 0 (default):
+                                     F32 GEMMs, double reductions. The CPU's is always double. */
 } bk_quantize_opts;
 
 void bk_quantize_opts_default(bk_quantize_opts *o);

@@ -49,6 +49,8 @@ static const char *quantize_usage =
     "                        naive: a forward + backward pass per leaf, O(l^2), no boundaries\n"
     "  --leaf-size S         layers whose output gradients one pass delivers (default 1;\n"
     "                        larger: fewer passes, S layers' Hessians held at once)\n"
+    "  --bwd-precision P     fp32 (default) | fp64: arithmetic of the backward pass on the GPU\n"
+    "                        (the CPU's is fp64)\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied)\n"
     "  --backend B           auto|cpu|cuda (default auto: cuda when a GPU is present). With\n"
     "                        cuda and --calib the whole job runs on the GPU (forward passes,\n"
@@ -72,7 +74,8 @@ enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
-    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF
+    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF,
+    O_BWDPREC
 };
 
 static const struct option quantize_opts[] = {
@@ -109,6 +112,7 @@ static const struct option quantize_opts[] = {
     {"seed", required_argument, NULL, O_SEED},
     {"bwd-flow", required_argument, NULL, O_BWDFLOW},
     {"leaf-size", required_argument, NULL, O_LEAF},
+    {"bwd-precision", required_argument, NULL, O_BWDPREC},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -268,6 +272,14 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         if ((st = cli_parse_int("--leaf-size", arg, 1, 100000, &iv)) != BK_OK)
             return st;
         o->leaf_size = iv;
+        break;
+    case O_BWDPREC:
+        if (!strcmp(arg, "fp32"))
+            o->bwd_fp64 = 0;
+        else if (!strcmp(arg, "fp64"))
+            o->bwd_fp64 = 1;
+        else
+            return cli_usage_error("--bwd-precision: expected fp32 or fp64, got '%s'", arg);
         break;
     default: return cli_usage_error("unknown option");
     }
