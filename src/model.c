@@ -15,7 +15,6 @@
 
 #include "util.h"
 
-#define CONFIG_MAX_BYTES ((size_t)64 << 20)
 #define JSON_MAX_WHOLE 9007199254740992.0 /* 2^53 */
 
 /* Sane upper bounds for sizes read from config.json. */
@@ -631,9 +630,16 @@ static bk_status load_config(const char *path, bk_model_config *cfg, int *quanti
 {
     char *buf = NULL;
     size_t len = 0;
-    bk_status st = bk_read_file(path, CONFIG_MAX_BYTES, &buf, &len);
+    bk_status st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &buf, &len);
     if (st != BK_OK)
         return st;
+    const char *nul = memchr(buf, '\0', len);
+    if (nul) {
+        st = bk_error(BK_ERR_CONFIG, "%s: a NUL byte at offset %zu (JSON text has none)", path,
+                      (size_t)(nul - buf));
+        free(buf);
+        return st;
+    }
     st = parse_config(buf, len, path, cfg, quantized);
     free(buf);
     return st;
@@ -866,7 +872,7 @@ static bk_status read_native_qconfig(const char *path, int64_t *group)
 {
     char *text = NULL;
     size_t len = 0;
-    bk_status st = bk_read_file(path, 64u << 20, &text, &len);
+    bk_status st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &text, &len);
     if (st != BK_OK)
         return st;
     cJSON *root = cJSON_ParseWithLength(text, len);

@@ -108,7 +108,7 @@ static void read_architecture(const char *config_path, char *out, size_t cap)
     out[0] = '\0';
     char *buf = NULL;
     size_t len = 0;
-    if (bk_read_file(config_path, (size_t)64 << 20, &buf, &len) != BK_OK) {
+    if (bk_read_file(config_path, BK_CONFIG_MAX_BYTES, &buf, &len) != BK_OK) {
         bk_clear_error();
         return;
     }
