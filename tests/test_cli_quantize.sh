@@ -272,6 +272,74 @@ assert e["event"] == "interrupted" and e["code"] == "INTERRUPTED" and isinstance
     "$tmp/out" || fail "no interrupted event: $(tail -2 "$tmp/out")"
 no_output_folder "$tmp/o12"
 
+# ------------------------------- 6. every export is readable back
+label="eval and inspect read native, dequantized and gptq exports"
+for e in native dequantized gptq; do
+    run quantize "$M" --calib "$CAL" --samples 4 --seqlen 64 --hessian gptq --bits 4 --group 64 \
+        --export "$e" --backend cpu --out "$tmp/x-$e"
+    expect_rc 0
+    run inspect "$tmp/x-$e"
+    expect_rc 0
+    case $e in
+        native) expect_out "^  quantized +yes \(bakron native\)" ;;
+        dequantized) expect_out "^  quantized +no" ;;
+        gptq) expect_out "^  quantized +yes \(GPTQ v1\)" ;;
+    esac
+    run eval "$tmp/x-$e" --tokens "$M/eval.safetensors" --samples 8 --backend cpu --json
+    expect_rc 0
+    cp "$tmp/out" "$tmp/nll-$e.json"
+done
+label="eval: the gptq export's NLL equals the dequantized export's (to BF16/F16 rounding)"
+python3 -c '
+import json, sys
+g = json.load(open(sys.argv[1]))["nll"]; d = json.load(open(sys.argv[2]))["nll"]
+n = json.load(open(sys.argv[3]))["nll"]
+print(f"nll gptq {g:.6f} dequantized {d:.6f} native {n:.6f}")
+assert abs(g - d) < 1e-3 * abs(d), (g, d)
+assert abs(n - d) < 1e-3 * abs(d), (n, d)' "$tmp/nll-gptq.json" "$tmp/nll-dequantized.json" \
+    "$tmp/nll-native.json" || fail "NLLs differ"
+label="the gptq export unpacked independently (Python) equals the dequantized export"
+python3 - "$tmp/x-gptq/model.safetensors" "$tmp/x-dequantized/model.safetensors" <<'PY' || fail "unpacked GPTQ weights differ"
+import json, struct, sys
+def load(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__": continue
+        raw = b[8 + n + v["data_offsets"][0]: 8 + n + v["data_offsets"][1]]
+        cnt = len(raw) // {"BF16": 2, "F16": 2, "I32": 4, "F32": 4}[v["dtype"]]
+        if v["dtype"] == "BF16":
+            a = [struct.unpack("<f", struct.pack("<I", u << 16))[0] for u in struct.unpack(f"<{cnt}H", raw)]
+        else:
+            a = list(struct.unpack(f"<{cnt}" + {"I32": "I", "F16": "e", "F32": "f"}[v["dtype"]], raw))
+        out[k] = (a, v["shape"])
+    return out
+g, d = load(sys.argv[1]), load(sys.argv[2])
+bits, checked, worst = 4, 0, 0.0
+for k in d:
+    if not k.endswith("_proj.weight"): continue
+    p = k[:-len(".weight")]
+    ref, (o_, i_) = d[k][0], d[k][1]
+    qw, (_, out) = g[p + ".qweight"]
+    qz = g[p + ".qzeros"][0]
+    sc = g[p + ".scales"][0]
+    gi = g[p + ".g_idx"][0]
+    assert out == o_
+    per = 32 // bits
+    amax = max(abs(x) for x in ref)
+    for r in range(o_):
+        for c in range(i_):
+            q = (qw[(c // per) * out + r] >> (bits * (c % per))) & 0xF
+            grp = gi[c]
+            z = (qz[grp * (out // per) + r // per] >> (bits * (r % per))) & 0xF
+            w = (q - (z + 1)) * sc[grp * out + r]
+            worst = max(worst, abs(w - ref[r * i_ + c]) / amax)
+    checked += 1
+assert checked == 28, checked
+assert worst < 1e-2, worst
+print("unpacked", checked, "modules, worst relative difference", worst)
+PY
+
 # -------------------------------------------------- 12. --version
 for cmd in quantize eval dump-activations inspect solve bench; do
     label="$cmd --version"
