@@ -256,7 +256,8 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
                                o->calib_path, (long long)p->T, (long long)p->cfg.max_positions));
     } else if (o->activations_dir && !o->calib_path && m && !bp) {
         bk_act_reader *r = NULL;
-        bk_status st = bk__act_open(o->activations_dir, &p->cfg, o->samples, &r, &p->S, &p->T);
+        const char *note = NULL;
+        bk_status st = bk__act_open(o->activations_dir, m, o->samples, &r, &p->S, &p->T, &note);
         if (st != BK_OK)
             failed(c, st);
         else
