@@ -114,6 +114,11 @@ CONFIGS = {
     "dtype_number.json": cfg(torch_dtype=DROP, dtype=16),
     "eos_string.json": cfg(eos_token_id="</s>"),
     "eos_list_negative.json": cfg(eos_token_id=[2, -1]),
+    "bos_outside_vocab.json": cfg(bos_token_id=100),
+    "eos_list_outside_vocab.json": cfg(eos_token_id=[2, 1000]),
+    # a NUL in a key would cut it to "rope_theta" (issue 14 point 11)
+    "key_with_nul.json": cfg(**{"rope_theta": DROP, "rope_theta\x00junk": 500000.0}),
+    "raw_nul_in_string.json": json.dumps(cfg()).replace('"silu"', '"silu\x00gelu"'),
     "quantized_gptq.json": cfg(quantization_config={"quant_method": "gptq", "bits": 4,
                                                     "group_size": 128}),
     "quantization_config_no_method.json": cfg(quantization_config={"bits": 4}),

@@ -279,10 +279,15 @@ static bk_status apply(qargs *q, int opt, const char *arg)
 static bk_status apply_preset(qargs *q, const char *path)
 {
     char *text = NULL;
-    bk_status st = bk_read_file(path, 1u << 20, &text, NULL);
+    size_t len = 0;
+    bk_status st = bk_read_file(path, 1u << 20, &text, &len);
     if (st != BK_OK)
         return st;
-    cJSON *j = cJSON_Parse(text);
+    if ((st = bk_json_check_text(text, len, path, BK_ERR_CONFIG)) != BK_OK) {
+        free(text);
+        return st;
+    }
+    cJSON *j = cJSON_ParseWithLength(text, len);
     free(text);
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);
