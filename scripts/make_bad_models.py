@@ -88,6 +88,8 @@ CONFIGS = {
     "rms_eps_string.json": cfg(rms_norm_eps="1e-5"),
     "rope_theta_string.json": cfg(rope_theta="10000"),
     "rope_theta_negative.json": cfg(rope_theta=-1.0),
+    # float32 frequencies 1/theta^(2i/d) overflow (issue 14 point 12)
+    "rope_theta_underflow.json": cfg(rope_theta=1e-50),
     "rope_scaling_yarn.json": cfg(rope_scaling={"type": "yarn", "factor": 4.0,
                                                 "original_max_position_embeddings": 2048}),
     "rope_scaling_dynamic.json": cfg(rope_scaling={"type": "dynamic", "factor": 2.0}),

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "rope.h"
 #include "util.h"
 
 #define CONFIG_MAX_BYTES ((size_t)64 << 20)
@@ -523,6 +524,9 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
     }
 
     if ((st = parse_rope(label, root, c)) != BK_OK)
+        goto done;
+    /* every RoPE frequency and angle finite (a tiny rope_theta underflows) */
+    if ((st = bk_rope_check_config(c, c->max_positions, label)) != BK_OK)
         goto done;
 
     /* structure */

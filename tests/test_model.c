@@ -445,6 +445,7 @@ static const bad_case bad_configs[] = {
     {"rms_eps_string.json", BK_ERR_CONFIG, "rms_norm_eps"},
     {"rope_theta_string.json", BK_ERR_CONFIG, "rope_theta"},
     {"rope_theta_negative.json", BK_ERR_CONFIG, "rope_theta"},
+    {"rope_theta_underflow.json", BK_ERR_CONFIG, "rope_theta = 1e-50 makes a RoPE frequency non-finite"},
     {"rope_scaling_yarn.json", BK_ERR_UNSUPPORTED, "'yarn'"},
     {"rope_scaling_dynamic.json", BK_ERR_UNSUPPORTED, "'dynamic'"},
     {"rope_parameters_longrope.json", BK_ERR_UNSUPPORTED, "'longrope'"},
