@@ -121,8 +121,8 @@ CONFIGS = {
     # a NUL in a key would cut it to "rope_theta" (issue 14 point 11)
     "key_with_nul.json": cfg(**{"rope_theta": DROP, "rope_theta\x00junk": 500000.0}),
     "raw_nul_in_string.json": json.dumps(cfg()).replace('"silu"', '"silu\x00gelu"'),
-    "quantized_gptq.json": cfg(quantization_config={"quant_method": "gptq", "bits": 4,
-                                                    "group_size": 128}),
+    "quantized_awq.json": cfg(quantization_config={"quant_method": "awq", "bits": 4,
+                                                   "group_size": 128}),
     "quantization_config_no_method.json": cfg(quantization_config={"bits": 4}),
 }
 
