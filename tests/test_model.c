@@ -465,7 +465,7 @@ static const bad_case bad_configs[] = {
     {"bos_outside_vocab.json", BK_ERR_CONFIG, "bos_token_id = 100 is outside the vocabulary [0, 100)"},
     {"eos_list_outside_vocab.json", BK_ERR_CONFIG, "eos_token_id[1] = 1000 is outside the vocabulary"},
     {"key_with_nul.json", BK_ERR_CONFIG, "\\u0000"},
-    {"raw_nul_in_string.json", BK_ERR_CONFIG, "raw control character 0x00 inside a string"},
+    {"raw_nul_in_string.json", BK_ERR_CONFIG, "a NUL byte"},
     {"quantized_awq.json", BK_ERR_UNSUPPORTED, "awq"},
     {"quantization_config_no_method.json", BK_ERR_CONFIG, "quant_method"},
 };
