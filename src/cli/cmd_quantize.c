@@ -355,6 +355,11 @@ static bk_status apply_preset(qargs *q, const char *path)
         free(text);
         return st;
     }
+    /* a \u0000 escape would cut a key short; raw control characters are not JSON */
+    if ((st = bk_json_check_text(text, len, path, BK_ERR_CONFIG)) != BK_OK) {
+        free(text);
+        return st;
+    }
     const char *end = NULL;
     cJSON *j = cJSON_ParseWithOpts(text, &end, 1);
     if (!j) {
