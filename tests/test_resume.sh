@@ -131,7 +131,7 @@ done
 # SIGINT: exit 3, the work folder kept with a message, --resume finishes it
 "$B" quantize m "${args[@]}" --out q >/dev/null 2>err &
 pid=$!
-for _ in $(seq 50); do grep -q "layer 2/4 done" err && break; sleep 0.1; done
+for _ in $(seq 600); do grep -q "layer 2/4 done" err && break; sleep 0.1; done
 kill -INT $pid
 wait $pid
 rc=$?
