@@ -1221,9 +1221,14 @@ static bk_status write_config_and_report(job *j)
         }
     }
     char *out = cJSON_Print(cfg);
+    st = bk__write_model_card(j->od.work, cfg);
     cJSON_Delete(cfg);
     if (!out)
         return bk_error(BK_ERR_NOMEM, "out of memory writing config.json");
+    if (st != BK_OK) {
+        free(out);
+        return st;
+    }
     st = bk_path_join(path, sizeof path, j->od.work, "config.json");
     if (st == BK_OK)
         st = bk_write_file_atomic(path, out, strlen(out));
