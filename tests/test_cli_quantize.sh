@@ -107,6 +107,17 @@ if [ "$(id -u)" -ne 0 ]; then
     expect_err "cannot create the output in .*ro"
     chmod 755 "$tmp/ro"
 fi
+label="not enough free space for the estimated output (exit 3, before any work)"
+mkdir -p "$tmp/small"
+if [ "$(id -u)" -eq 0 ] && mount -t tmpfs -o size=1m tmpfs "$tmp/small" 2>/dev/null; then
+    run quantize "$M" --hessian rtn --export dequantized --out "$tmp/small/q"
+    expect_rc 3
+    expect_err "--out .*small/q: the output needs about [0-9.]+ MiB and [0-9.]+ MiB are free there"
+    [ -z "$(ls -A "$tmp/small")" ] || fail "something was written: $(ls -A "$tmp/small")"
+    umount "$tmp/small"
+else
+    echo "skipped: free-space check (needs root and tmpfs)"
+fi
 label="config.json with a NUL byte in a key: refused at the start (exit 2)"
 mkdir -p "$tmp/nulmodel"
 cp "$M/model.safetensors" "$tmp/nulmodel/"
@@ -119,6 +130,18 @@ run quantize "$tmp/nulmodel" --calib "$CAL" --out "$tmp/o3"
 expect_rc 2
 expect_err "config\.json: a NUL byte at offset [0-9]+"
 no_output_folder "$tmp/o3"
+
+label="a 17 MB config.json: one size limit, read at the start and by the output alike"
+mkdir -p "$tmp/bigcfg"
+cp "$M/model.safetensors" "$tmp/bigcfg/"
+python3 -c '
+import sys
+t = open(sys.argv[1]).read().rstrip()
+open(sys.argv[2], "w").write(t[:-1] + " " * (17 << 20) + "}\n")' "$M/config.json" "$tmp/bigcfg/config.json"
+run quantize "$tmp/bigcfg" --hessian rtn --backend cpu --out "$tmp/o-big"
+expect_rc 0
+[ -f "$tmp/o-big/config.json" ] || fail "no output config.json"
+rm -rf "$tmp/bigcfg" "$tmp/o-big"
 
 label="--dry-run prints the plan, computes nothing, exits 0"
 run quantize "$M" --calib "$CAL" --hessian fullylocal-kfac --samples 8 --out "$tmp/o4" --dry-run

@@ -75,6 +75,9 @@ static const char *quantize_usage =
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
     "  --max-shard-size B    bytes per safetensors shard (default 5e9)\n"
     "  --overwrite           replace a non-empty output folder\n"
+    "  --resume              continue a killed run of the same --out (same arguments, model\n"
+    "                        and calibration) from its finished layers; without a killed\n"
+    "                        run: start from the first layer\n"
     "  --config NAME|FILE    JSON preset: an installed one by name (paper-2.81bit-gptq, ...)\n"
     "                        or a file; the command line overrides it field by field\n"
     "                        (--levels replaces the preset's bits/group)\n"
@@ -88,7 +91,7 @@ enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
-    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN,
+    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN, O_RESUME,
     O_BWDPREC
 };
 
@@ -119,6 +122,7 @@ static const struct option quantize_opts[] = {
     {"backend", required_argument, NULL, O_BACKEND},
     {"max-shard-size", required_argument, NULL, O_SHARD},
     {"overwrite", no_argument, NULL, O_OVERWRITE},
+    {"resume", no_argument, NULL, O_RESUME},
     {"gpu-pipeline", no_argument, NULL, O_GPUPIPE},
     {"cpu-stages", no_argument, NULL, O_CPUSTAGES},
     {"gpu-math", required_argument, NULL, O_GPUMATH},
@@ -280,6 +284,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         o->max_shard_bytes = (uint64_t)dv;
         break;
     case O_OVERWRITE: o->overwrite = 1; break;
+    case O_RESUME: o->resume = 1; break;
     case O_GPUPIPE: o->gpu_pipeline = 1; break;
     case O_CPUSTAGES: o->cpu_stages = 1; break;
     case O_GPUMATH:
@@ -402,7 +407,7 @@ static bk_status apply_preset(qargs *q, const char *path)
             if (!strcmp(p->name, key))
                 opt = p;
         if (!opt || opt->val == O_CONFIG || opt->val == O_HELP || opt->val == O_OUT ||
-            opt->val == O_JSON || opt->val == O_DRYRUN) {
+            opt->val == O_JSON || opt->val == O_DRYRUN || opt->val == O_RESUME) {
             st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: unknown or not allowed preset key '%s'", path,
                           line, col, key);
             break;
