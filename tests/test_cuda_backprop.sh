@@ -5,7 +5,7 @@
 # run on the GPU in both, the input-side stages on the CPU in both), on the
 # bundled kerneldocs-1.6m model. Suite cuda; exit 77 without a GPU.
 #  - --bwd-precision fp64: identical codes in >= 99.9% of every module
-#    (the factors agree to ~1e-14; a code flips only at a rounding tie);
+#    (the factors should agree to ~1e-14; a code flips only at a rounding tie);
 #  - fp32 (the default): >= 99% per module in the first layer, >= 97% per
 #    module, >= 99% overall (test_cuda_pipeline.sh's rule for GPU vs CPU
 #    arithmetic); perplexities within 1e-3 relative (printed with the CPU's);
