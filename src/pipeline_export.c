@@ -322,6 +322,10 @@ cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config 
     cJSON *cal = cJSON_AddObjectToObject(b, "calibration");
     if (o->calib_path)
         cJSON_AddStringToObject(cal, "tokens", o->calib_path);
+    if (o->calib_text) {
+        cJSON_AddStringToObject(cal, "text", o->calib_text);
+        cJSON_AddStringToObject(cal, "tokenizer", "tokenizer.json of the model");
+    }
     if (o->activations_dir)
         cJSON_AddStringToObject(cal, "activations", o->activations_dir);
     cJSON_AddNumberToObject(cal, "sequences", (double)S);
