@@ -820,7 +820,8 @@ static int append_ids(int32_t **v, size_t *n, const int32_t *ids, size_t k)
     int32_t *q = realloc(*v, (*n + k + 1) * sizeof *q);
     if (!q)
         return -1;
-    memcpy(q + *n, ids, k * sizeof *q);
+    if (k)
+        memcpy(q + *n, ids, k * sizeof *q);
     *v = q;
     *n += k;
     return 0;
