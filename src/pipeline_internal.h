@@ -34,6 +34,11 @@ bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
                         const bk_quantize_opts *o, const bk_model_config *cfg, int layer,
                         cJSON *report, int64_t *params);
 
+/* bakron merge (src/merge.c): the merged output of the part folders dirs[n]
+ * written into the folder work (which exists). */
+bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
+                         uint64_t max_shard_bytes);
+
 /* Activation dumps (src/activations.c). */
 typedef struct bk_act_reader bk_act_reader;
 typedef struct bk_act_layer {
