@@ -272,7 +272,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
     if (fflush(stdout) != 0)
         st = bk_error(BK_ERR_WRITE, "eval: cannot write to stdout");
     /* a bakron output folder: the perplexity goes into its model card */
-    int rec = st == BK_OK ? cli_card_record_eval(model_dir, tokens_path, S, T, ppl, nll) : 0;
+    int rec = st == BK_OK ? cli_card_record_eval(model_dir, input, S, T, ppl, nll) : 0;
     if (rec > 0 && !json)
         printf("recorded    in %s/README.md\n", model_dir);
     else if (rec < 0)
