@@ -183,8 +183,11 @@ static void emit(job *j, bk_event_kind kind, int layer, const char *module, cons
     ev.n_layers = j->layer_end - j->layer_begin;
     ev.module = module;
     ev.elapsed_s = bk_now() - j->t0;
-    int done = layer - j->layer_begin + (kind == BK_EV_LAYER_DONE ? 1 : 0);
-    ev.eta_s = (done > 0 && ev.n_layers > done) ? ev.elapsed_s / done * (ev.n_layers - done) : 0;
+    ev.layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0;
+    /* (a resumed run: the layers it does itself) */
+    int done = layer - j->first_layer + (kind == BK_EV_LAYER_DONE ? 1 : 0);
+    int todo = j->layer_end - j->first_layer;
+    ev.eta_s = (done > 0 && todo > done) ? ev.elapsed_s / done * (todo - done) : 0;
     ev.t_forward = j->t_forward;
     ev.t_hessian = j->t_hessian;
     ev.t_factor = j->t_factor;
@@ -206,6 +209,7 @@ static void emit_module(job *j, int layer, bk_module mod, const bk_solve_result 
     ev.module = bk_module_name(mod);
     ev.rows = r->m;
     ev.cols = r->n;
+    ev.layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0;
     ev.loss = r->loss_two_sided;
     ev.loss_gptq = loss_gptq;
     ev.damp_a = r->damp_a;
@@ -1474,6 +1478,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->layer_begin = o->layer_begin < 0 ? 0 : o->layer_begin;
     j->layer_end = (o->layer_end <= 0 || o->layer_end > j->cfg->n_layers) ? (int)j->cfg->n_layers
                                                                           : o->layer_end;
+    j->first_layer = j->layer_begin;
     if (j->layer_begin >= j->layer_end) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: empty layer range %d:%d (model has %lld layers)",
                       o->layer_begin, o->layer_end, (long long)j->cfg->n_layers);

@@ -48,6 +48,8 @@ typedef struct bk_event {
     double elapsed_s, eta_s;
     double t_forward, t_hessian, t_factor, t_solve, t_io; /* cumulative stage times */
     const char *message;         /* free text (START / WRITE / DONE) */
+    int layers_kept;             /* --resume: layers the interrupted run finished (not redone;
+                                    elapsed_s and eta_s count this run's work only) */
 } bk_event;
 
 typedef void (*bk_event_fn)(void *user, const bk_event *ev);

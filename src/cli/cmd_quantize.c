@@ -589,7 +589,8 @@ static double progress_eta(progress *p, const bk_event *ev)
 {
     if (p->total_work <= 0 || p->done_work <= 0)
         return ev->eta_s;
-    double left = p->total_work - p->done_work;
+    /* (--resume: the kept layers' work is not part of this run) */
+    double left = p->total_work - p->layer_work * ev->layers_kept - p->done_work;
     return left <= 0 ? 0 : ev->elapsed_s * left / p->done_work;
 }
 
