@@ -734,9 +734,15 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         st = bk_rope_init(&rope, c, T);
         if (st == BK_OK) {
             size_t nb = (size_t)(T * (g->hd / 2)) * 4;
-            cudaError_t e = cudaMemcpy(g->cos, rope.cos, nb, cudaMemcpyHostToDevice);
+            /* on the backend's stream, then synchronised: it is non-blocking, so a
+             * plain cudaMemcpy (legacy default stream) would not be ordered before
+             * the kernels that read the tables */
+            cudaError_t e = cudaMemcpyAsync(g->cos, rope.cos, nb, cudaMemcpyHostToDevice,
+                                            g->c->stream);
             if (e == cudaSuccess)
-                e = cudaMemcpy(g->sin, rope.sin, nb, cudaMemcpyHostToDevice);
+                e = cudaMemcpyAsync(g->sin, rope.sin, nb, cudaMemcpyHostToDevice, g->c->stream);
+            if (e == cudaSuccess)
+                e = cudaStreamSynchronize(g->c->stream);
             st = bk_cuda_status(e, "GPU backward: RoPE tables", __FILE__, __LINE__);
         }
         bk_rope_free(&rope);
@@ -1855,13 +1861,22 @@ extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const b
     double *hd_dev = NULL;
     if (st == BK_OK)
         st = dalloc(g, (void **)&hd_dev, n, 8, "test staging");
+    /* Every copy goes on the backend's stream and is synchronised before the
+     * head's kernels run: that stream is non-blocking, so it is not ordered
+     * after plain cudaMemcpy calls (legacy default stream), and a
+     * device-to-device cudaMemcpy (or the DMA of a pageable upload) can still
+     * be running when it returns. Plain cudaMemcpy here let the head read h
+     * while the copy was under way (fp64: a part of the rows' labels differed
+     * from the CPU's on an H200). */
+    cudaStream_t cs = g->c->stream;
     if (st == BK_OK)
-        st = bk_cuda_status(cudaMemcpy(hd_dev, h, (size_t)n * 8, cudaMemcpyHostToDevice),
+        st = bk_cuda_status(cudaMemcpyAsync(hd_dev, h, (size_t)n * 8, cudaMemcpyHostToDevice, cs),
                             "upload", __FILE__, __LINE__);
     if (st == BK_OK) {
         if (g->fp64)
-            st = bk_cuda_status(cudaMemcpy(h_dev, hd_dev, (size_t)n * 8, cudaMemcpyDeviceToDevice),
-                                "copy", __FILE__, __LINE__);
+            st = bk_cuda_status(
+                cudaMemcpyAsync(h_dev, hd_dev, (size_t)n * 8, cudaMemcpyDeviceToDevice, cs),
+                "copy", __FILE__, __LINE__);
         else {
             /* round to F32 on the host (the flow's F32 storage) */
             float *hf = static_cast<float *>(malloc((size_t)n * 4));
@@ -1870,12 +1885,17 @@ extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const b
             else {
                 for (int64_t i = 0; i < n; i++)
                     hf[i] = (float)h[i];
-                st = bk_cuda_status(cudaMemcpy(h_dev, hf, (size_t)n * 4, cudaMemcpyHostToDevice),
-                                    "upload", __FILE__, __LINE__);
+                st = bk_cuda_status(
+                    cudaMemcpyAsync(h_dev, hf, (size_t)n * 4, cudaMemcpyHostToDevice, cs),
+                    "upload", __FILE__, __LINE__);
+                if (st == BK_OK) /* hf is freed next */
+                    st = bk_cuda_status(cudaStreamSynchronize(cs), "upload", __FILE__, __LINE__);
                 free(hf);
             }
         }
     }
+    if (st == BK_OK)
+        st = bk_cuda_status(cudaStreamSynchronize(cs), "upload", __FILE__, __LINE__);
     if (st == BK_OK) {
         if (g->fp64)
             st = head_run<double>(g, static_cast<double *>(h_dev), S, seq0, tokens, fisher, seed,
@@ -1885,18 +1905,18 @@ extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const b
                                  NULL, dh ? static_cast<float *>(dh_dev) : NULL, loss, labels);
     }
     if (st == BK_OK && dh) {
-        if (g->fp64)
-            st = bk_cuda_status(cudaMemcpy(dh, dh_dev, (size_t)n * 8, cudaMemcpyDeviceToHost),
-                                "download", __FILE__, __LINE__);
-        else {
-            k_to_f64<float><<<grid_for(n), 256, 0, g->c->stream>>>(
-                hd_dev, static_cast<const float *>(dh_dev), n);
-            st = bk_cuda_status(cudaStreamSynchronize(g->c->stream), "convert", __FILE__,
-                                __LINE__);
-            if (st == BK_OK)
-                st = bk_cuda_status(cudaMemcpy(dh, hd_dev, (size_t)n * 8, cudaMemcpyDeviceToHost),
-                                    "download", __FILE__, __LINE__);
+        const void *src = dh_dev;
+        if (!g->fp64) {
+            k_to_f64<float><<<grid_for(n), 256, 0, cs>>>(hd_dev, static_cast<const float *>(dh_dev),
+                                                        n);
+            st = BK_LAUNCHED_OK();
+            src = hd_dev;
         }
+        if (st == BK_OK)
+            st = bk_cuda_status(cudaMemcpyAsync(dh, src, (size_t)n * 8, cudaMemcpyDeviceToHost, cs),
+                                "download", __FILE__, __LINE__);
+        if (st == BK_OK)
+            st = bk_cuda_status(cudaStreamSynchronize(cs), "download", __FILE__, __LINE__);
     }
     dfree(g, h_dev);
     dfree(g, dh_dev);

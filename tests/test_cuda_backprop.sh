@@ -17,7 +17,8 @@
 #  - backprop-shampoo --leaf-size 2 --fisher empirical: codes as the CPU's
 #    (fp32 rule);
 #  - errors: --gpu-pipeline with a backprop kind, a device memory limit:
-#    one line, exit status 1 (usage, refused by the plan) / 3, no output
+#    one error line naming the option, exit status 1 (usage, refused by the
+#    plan) / 3, no output
 #    folder.
 set -u
 B=${BK_BAKRON:?}
@@ -145,15 +146,18 @@ run "$W/sg" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backen
     die "shampoo GPU: $(tail -1 "$W/sg.log")"
 codes "$W/sg" "$W/sref" "backprop-shampoo leaf 2 empirical: GPU backward fp32 vs CPU" || fail=1
 
-# --- errors: one line, exit status, nothing left ---------------------------------
+# --- errors: one error line, exit status, nothing left ---------------------------------
 expect() { # expected-exit needle args...
     local want=$1 needle=$2
     shift 2
     "$@" >/dev/null 2>"$W/err"
     local rc=$?
     [ "$rc" -eq "$want" ] || { cat "$W/err"; die "$*: exit $rc, expected $want"; return; }
-    [ "$(wc -l <"$W/err")" -eq 1 ] || { cat "$W/err"; die "$*: not one line"; return; }
-    grep -q -- "$needle" "$W/err" || { cat "$W/err"; die "$*: message lacks '$needle'"; }
+    # exactly one error line (a run refused after it started has printed its
+    # banner line before it), naming the option to change
+    [ "$(grep -c 'error:' "$W/err")" -eq 1 ] || { cat "$W/err"; die "$*: not one error line"; return; }
+    grep 'error:' "$W/err" | grep -q -- "$needle" ||
+        { cat "$W/err"; die "$*: the error line lacks '$needle'"; }
 }
 expect 1 "--gpu-pipeline" "$B" quantize "$M" $CAL --hessian backprop-kfac --backend cuda \
     --gpu-pipeline --out "$W/x"

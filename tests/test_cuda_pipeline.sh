@@ -223,7 +223,8 @@ expect 3 "$W/e3" "device memory limit of 1 MB" \
     env BK_CUDA_MEM_LIMIT=1000000 "$B" quantize "$M" $CAL --hessian gptq --backend cuda \
     --gpu-pipeline --out "$W/e3"
 grep -q "cpu-stages" "$W/x.err" || die "the out-of-memory message does not say what to change"
-expect 2 "$W/e4" "--gpu-pipeline with --cpu-stages" \
+# conflicting options are a usage error (exit 1, issue 14 point 11)
+expect 1 "$W/e4" "--gpu-pipeline with --cpu-stages" \
     "$B" quantize "$M" $CAL --hessian gptq --backend cuda --gpu-pipeline --cpu-stages --out "$W/e4"
 # --activations with the CUDA backend: CPU stages, GPU solves
 if "$B" quantize "$M" --activations "$W/acts" --hessian gptq --backend cuda --out "$W/act" >"$W/act.log" 2>&1; then
