@@ -17,6 +17,8 @@
 #include "outdir.h"
 #include "pipeline_gpu.h"
 #include "pipeline_internal.h"
+#include "resume.h"
+#include "st_internal.h"
 #include "util.h"
 
 static volatile sig_atomic_t g_stop;
@@ -102,6 +104,8 @@ typedef struct job {
     bk_st_stream *out;
     bk_outdir od; /* the output folder: lock, work folder (od.work), commit */
     int layer_begin, layer_end;
+    bk_resume *rs;   /* journal of finished layers (src/resume.c); NULL for backprop */
+    int first_layer; /* first layer to quantize: layer_begin, or after the kept ones */
     /* calibration */
     int32_t *tokens;
     int64_t S, T, N, batch;
@@ -142,8 +146,9 @@ typedef struct job {
         pthread_cond_t cv;
         struct wjob {
             int layer;
-            bk_module mod;
+            bk_module mod;     /* BK_MOD_COUNT: the layer is complete (journal it) */
             bk_solve_result r;
+            char *entries;     /* the layer's report entries (journal) */
         } q[2]; /* WQ_CAP */
         int head, count;
         bk_status st;
@@ -282,7 +287,37 @@ static bk_status write_module_checked(job *j, int layer, bk_module mod, const bk
     if (fault && fault[0] && ++j->wr.nwrites == strtol(fault, NULL, 10))
         return bk_error(BK_ERR_WRITE, "model.layers.%d.%s: writing failed (injected fault, "
                         "BK_FAULT_WRITE_MODULE)", layer, bk_module_name(mod));
-    return bk__write_module(j->out, j->o, j->cfg, j->model, layer, mod, r);
+    bk_status st = bk__write_module(j->out, j->o, j->cfg, j->model, layer, mod, r);
+    if (st == BK_OK) /* the codes the forward pass of a resumed run needs */
+        st = bk_resume_save_module(j->rs, &j->o->solve.quant, layer, mod, r);
+    return st;
+}
+
+/* Test hook (tests/test_resume.sh): BK_FAULT_KILL_AT=journal-K kills the
+ * process just before / after=journal-K-after the K-th journal line (1-based)
+ * is written; module-K before the K-th module write. */
+static void resume_kill_point(const char *what, long k)
+{
+    const char *e = getenv("BK_FAULT_KILL_AT");
+    char want[64];
+    snprintf(want, sizeof want, "%s-%ld", what, k);
+    if (e && !strcmp(e, want))
+        raise(SIGKILL);
+}
+
+/* The writer's work item: a module, or a layer's end (journal line). */
+static bk_status writer_do(job *j, struct wjob *w)
+{
+    if (w->mod == BK_MOD_COUNT) {
+        const long k = bk_resume_layers_done(j->rs) + 1;
+        resume_kill_point("journal", k);
+        bk_status st = bk_resume_layer_done(j->rs, j->out, w->layer, w->entries);
+        resume_kill_point("journal-after", k);
+        return st;
+    }
+    static long nmod;
+    resume_kill_point("module", ++nmod);
+    return write_module_checked(j, w->layer, w->mod, &w->r);
 }
 
 static void *writer_main(void *arg)
@@ -300,10 +335,11 @@ static void *writer_main(void *arg)
         bk_status st = BK_OK;
         double t = bk_now();
         if (!failed) /* after a failure the rest is only freed */
-            st = write_module_checked(j, w.layer, w.mod, &w.r);
+            st = writer_do(j, &w);
         const double dt = bk_now() - t;
         bk_prof_add("writer.write (thread)", dt);
         bk_solve_result_free(&w.r);
+        free(w.entries);
         pthread_mutex_lock(&j->wr.mu);
         j->wr.busy_s += dt;
         if (st != BK_OK && !j->wr.failed) {
@@ -326,11 +362,14 @@ static bk_status writer_error(job *j)
 
 /* Hand r over to the writer (r is emptied); without a writer thread, write
  * here. Fails with the writer's first error. */
-static bk_status writer_put(job *j, int layer, bk_module mod, bk_solve_result *r)
+static bk_status writer_put(job *j, int layer, bk_module mod, bk_solve_result *r,
+                            char *entries)
 {
     if (!j->wr.started) {
-        bk_status st = write_module_checked(j, layer, mod, r);
+        struct wjob w = {layer, mod, *r, entries};
+        bk_status st = writer_do(j, &w);
         bk_solve_result_free(r);
+        free(entries);
         return st;
     }
     pthread_mutex_lock(&j->wr.mu);
@@ -339,12 +378,14 @@ static bk_status writer_put(job *j, int layer, bk_module mod, bk_solve_result *r
     if (j->wr.failed) {
         pthread_mutex_unlock(&j->wr.mu);
         bk_solve_result_free(r);
+        free(entries);
         return writer_error(j);
     }
     struct wjob *w = &j->wr.q[(j->wr.head + j->wr.count) % WQ_CAP];
     w->layer = layer;
     w->mod = mod;
     w->r = *r;
+    w->entries = entries;
     memset(r, 0, sizeof *r);
     j->wr.count++;
     pthread_cond_broadcast(&j->wr.cv);
@@ -385,6 +426,42 @@ static bk_status writer_finish(job *j, int abandon)
     if (j->wr.failed && !abandon)
         return writer_error(j);
     return BK_OK;
+}
+
+/* Wait until the writer has done everything queued (its first error). */
+static bk_status writer_drain(job *j)
+{
+    if (!j->wr.started)
+        return BK_OK;
+    pthread_mutex_lock(&j->wr.mu);
+    while (j->wr.count > 0 && !j->wr.failed)
+        pthread_cond_wait(&j->wr.cv, &j->wr.mu);
+    const int failed = j->wr.failed;
+    pthread_mutex_unlock(&j->wr.mu);
+    return failed ? writer_error(j) : BK_OK;
+}
+
+/* Layer l is complete: after its modules, the writer fsyncs the shards and
+ * appends the layer's journal line (with its report entries). */
+static bk_status journal_layer(job *j, int l)
+{
+    if (!j->rs)
+        return BK_OK;
+    cJSON *arr = cJSON_CreateArray();
+    const cJSON *e;
+    cJSON_ArrayForEach(e, j->report_modules)
+    {
+        const cJSON *le = cJSON_GetObjectItemCaseSensitive(e, "layer");
+        if (cJSON_IsNumber(le) && le->valueint == l)
+            cJSON_AddItemToArray(arr, cJSON_Duplicate(e, 1));
+    }
+    char *text = cJSON_PrintUnformatted(arr);
+    cJSON_Delete(arr);
+    if (!text)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    bk_solve_result none;
+    memset(&none, 0, sizeof none);
+    return writer_put(j, l, BK_MOD_COUNT, &none, text);
 }
 
 /* ------------------------------------------------------------------ solving */
@@ -505,7 +582,7 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     bk_prof_add("pipe.report", bk_now() - t);
     /* packing and writing overlap the next module (writer thread) */
     t = bk_now();
-    st = writer_put(j, layer, mod, &r);
+    st = writer_put(j, layer, mod, &r, NULL);
     j->t_io += bk_now() - t;
     bk_prof_add("pipe.writer_put", bk_now() - t);
     if (st != BK_OK)
@@ -910,6 +987,41 @@ done:
     return st;
 }
 
+/* Resume: the calibration state after finished layer l, rebuilt: the layer's
+ * forward pass with the weights its modules were quantized to (saved codes and
+ * scales; the original weights with --no-sequential, whose modules all saw
+ * full-precision inputs). The same forward functions on the same micro-batches
+ * as the run that quantized it, so the same bits. */
+static bk_status layer_rebuild(job *j, int l)
+{
+    bk_layer_weights orig, qw;
+    memset(&orig, 0, sizeof orig);
+    memset(&qw, 0, sizeof qw);
+    double t = bk_now();
+    bk_status st = prefetch_take(j, l, &orig);
+    if (st == BK_OK)
+        prefetch_start(j, l + 1);
+    const bk_layer_weights *use = &orig;
+    if (st == BK_OK && j->o->sequential) {
+        st = layer_weights_copy(j->cfg, &orig, &qw);
+        if (st == BK_OK)
+            st = bk_resume_load_weights(j->rs, &j->o->solve.quant, j->cfg, l, &qw);
+        use = &qw;
+    }
+    j->t_io += bk_now() - t;
+    if (st == BK_OK)
+        st = j->ops->layer_begin(j->ops_ctx, use, use, 0);
+    if (st == BK_OK) {
+        st = run_stage(j, BK_STAGE_FULL);
+        j->ops->layer_end(j->ops_ctx);
+    }
+    bk_layer_weights_free(&orig);
+    bk_layer_weights_free(&qw);
+    if (st != BK_OK)
+        return bk_error_prefix(st, "--resume: rebuilding the calibration state");
+    return BK_OK;
+}
+
 /* ------------------------------------- backprop kinds: the flow drives the layers */
 
 static void bp_add_flow_time(job *j)
@@ -1111,9 +1223,14 @@ static bk_status write_config_and_report(job *j)
         }
     }
     char *out = cJSON_Print(cfg);
+    st = bk__write_model_card(j->od.work, cfg);
     cJSON_Delete(cfg);
     if (!out)
         return bk_error(BK_ERR_NOMEM, "out of memory writing config.json");
+    if (st != BK_OK) {
+        free(out);
+        return st;
+    }
     st = bk_path_join(path, sizeof path, j->od.work, "config.json");
     if (st == BK_OK)
         st = bk_write_file_atomic(path, out, strlen(out));
@@ -1247,6 +1364,8 @@ static void job_free(job *j)
     if (j->model)
         bk_model_close(j->model);
     cJSON_Delete(j->report_modules);
+    bk_resume_free(j->rs);
+    j->rs = NULL;
 }
 
 bk_status bk_quantize(const bk_quantize_opts *o)
@@ -1257,6 +1376,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->t0 = bk_now();
     g_stop = 0;
     bk_status st;
+    int adopted = 0;
 
     if (!o->model_dir || !o->out_dir)
         return bk_error(BK_ERR_INVALID_ARG, "quantize: model folder and output folder are required");
@@ -1275,6 +1395,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                       bk_hessian_name(o->hessian));
         goto fail;
     }
+    if (j->bp && o->resume) {
+        st = bk_error(BK_ERR_USAGE,
+                      "quantize: --resume: --hessian %s runs cannot be resumed (the backward "
+                      "flow keeps no journal); run without --resume",
+                      bk_hessian_name(o->hessian));
+        goto fail;
+    }
     if (j->bp && o->leaf_size < 1) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
@@ -1285,10 +1412,15 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                                 o->activations_dir ? o->activations_dir : "",
                                 o->config_path ? o->config_path : "", NULL};
         bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
-                             .what = "quantize", .note = job_note, .user = j};
-        st = bk_outdir_open(&j->od, &os, NULL);
+                             .what = "quantize", .note = job_note, .user = j,
+                             .resume = o->resume, .resumable = bk_resume_is_resumable};
+        st = bk_outdir_open(&j->od, &os, &adopted);
         if (st != BK_OK)
             goto fail;
+        if (o->resume && !adopted)
+            emit(j, BK_EV_NOTE, 0, NULL,
+                 "--resume: no interrupted run of this output was found; starting from the "
+                 "first layer");
     }
     st = bk_model_open(o->model_dir, &j->model);
     if (st != BK_OK)
@@ -1453,15 +1585,39 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             goto fail;
     }
     j->report_modules = cJSON_CreateArray();
+    j->first_layer = j->layer_begin;
+
+    /* the journal of finished layers; a resumed run is checked against the
+     * interrupted one's arguments, model and calibration */
+    if (!j->bp) {
+        bk_resume_source src = {
+            .o = o, .backend = bk_backend_name(j->backend), .stages = j->ops->name,
+            .gpu_math = bk_gemm_math_name(j->gemm_math), .S = j->S, .T = j->T,
+            .batch = j->batch, .layer_begin = j->layer_begin, .layer_end = j->layer_end,
+            .tokens = j->tokens};
+        st = bk_resume_open(j->od.work, adopted, &src, j->tokens && o->sequential, &j->rs);
+        if (st != BK_OK) {
+            if (adopted) /* left for a rerun with what it was made with */
+                j->od.keep_work = 1;
+            goto fail;
+        }
+    }
 
     /* output */
-    st = bk_st_stream_begin(j->od.work, "model", o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull,
-                            &j->out);
+    const uint64_t shard = o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull;
+    st = j->rs ? bk_st_stream_begin_resumable(j->od.work, "model", shard, &j->out)
+               : bk_st_stream_begin(j->od.work, "model", shard, &j->out);
     if (st != BK_OK)
         goto fail;
     st = declare_outputs(j);
+    int reused = 0;
+    if (st == BK_OK && j->rs)
+        st = bk_st_stream_open_files(j->out, &reused);
     if (st == BK_OK)
         st = write_passthrough(j);
+    if (st == BK_OK && j->rs)
+        st = bk_resume_restore(j->rs, j->out, reused, j->report_modules, &j->quantized_params,
+                               &j->first_layer, job_note, j);
     if (st != BK_OK)
         goto fail;
     writer_start(j);
@@ -1492,7 +1648,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                 goto fail;
         } else {
             for (int l = 0; l < j->layer_end; l++) {
-                st = layer_tokens(j, l);
+                const int kept = layer_in_range(j, l) && l < j->first_layer;
+                st = kept ? layer_rebuild(j, l) : layer_tokens(j, l);
+                if (st == BK_OK && !kept && layer_in_range(j, l))
+                    st = journal_layer(j, l);
                 if (st == BK_OK) /* the checkpoint is not changing under the run */
                     st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
                 if (st != BK_OK)
@@ -1500,12 +1659,19 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             }
         }
     } else {
-        for (int l = j->layer_begin; l < j->layer_end; l++) {
-            if (j->acts)
+        for (int l = j->first_layer; l < j->layer_end; l++) {
+            if (j->acts) {
                 st = layer_acts(j, l);
-            else
+            } else {
                 st = bk__layer_rtn(j->model, j->backend, j->out, o, j->cfg, l,
                                    j->report_modules, &j->quantized_params);
+                if (st == BK_OK) /* (written on this thread: the journal after them) */
+                    st = writer_drain(j);
+            }
+            if (st == BK_OK)
+                st = journal_layer(j, l);
+            if (st == BK_OK && !j->acts)
+                st = writer_drain(j);
             if (st == BK_OK) /* the checkpoint is not changing under the run */
                 st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
             if (st != BK_OK)
@@ -1534,6 +1700,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             st = bk__copy_aux_files(o->model_dir, j->od.work);
         if (st == BK_OK) /* nothing read has changed since it was opened */
             st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
+        if (st == BK_OK) /* the journal goes before the folder becomes the output */
+            st = bk_resume_finish(j->rs);
         if (st == BK_OK)
             st = bk_outdir_commit(&j->od);
         j->t_io += bk_now() - t;
@@ -1549,6 +1717,27 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     return BK_OK;
 
 fail:
+    /* a runtime failure (interrupted, disk full, out of memory, device) keeps
+     * the work folder with its finished layers for --resume */
+    if (j->rs && j->out && bk_status_exit_code(st) == 3) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", bk_last_error());
+        writer_finish(j, 0); /* (queued journal lines too) */
+        bk_error(st, "%s", why);
+    }
+    if (j->rs && j->out && bk_status_exit_code(st) == 3 && bk_resume_layers_done(j->rs) > 0) {
+        bk_st_stream_keep(j->out);
+        j->out = NULL;
+        j->od.keep_work = 1;
+        char msg[BK_PATH_MAX + 200];
+        snprintf(msg, sizeof msg,
+                 "kept %.3500s with %d finished layer(s): the same command with --resume continues "
+                 "from there",
+                 j->od.work, bk_resume_layers_done(j->rs)); /* (msg: work is < 4096) */
+        emit(j, BK_EV_NOTE, 0, NULL, msg);
+    }
+    if (adopted && !j->rs) /* failed before the killed run's state was checked: kept */
+        j->od.keep_work = 1;
     writer_finish(j, 1);
     if (j->out)
         bk_st_stream_abort(j->out);
