@@ -13,6 +13,8 @@
 
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
+#include "backward_gpu.h"
+#include "backward_internal.h"
 #include "bk_config.h"
 #include "outdir.h"
 #include "pipeline_gpu.h"
@@ -137,6 +139,8 @@ typedef struct job {
     int bp_leaf_lo;             /* first layer of the current leaf */
     bk_bwd_flow_stats bp_stats;
     double bp_time_counted;     /* flow time already added to t_forward */
+    int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
+                                   (cuda/backward.cu); the input-side stages on the CPU */
     /* output writer: quantized modules are packed and written by a helper
      * thread while the next module is solved (queue of WQ_CAP results) */
     struct {
@@ -179,8 +183,11 @@ static void emit(job *j, bk_event_kind kind, int layer, const char *module, cons
     ev.n_layers = j->layer_end - j->layer_begin;
     ev.module = module;
     ev.elapsed_s = bk_now() - j->t0;
-    int done = layer - j->layer_begin + (kind == BK_EV_LAYER_DONE ? 1 : 0);
-    ev.eta_s = (done > 0 && ev.n_layers > done) ? ev.elapsed_s / done * (ev.n_layers - done) : 0;
+    ev.layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0;
+    /* (a resumed run: the layers it does itself) */
+    int done = layer - j->first_layer + (kind == BK_EV_LAYER_DONE ? 1 : 0);
+    int todo = j->layer_end - j->first_layer;
+    ev.eta_s = (done > 0 && todo > done) ? ev.elapsed_s / done * (todo - done) : 0;
     ev.t_forward = j->t_forward;
     ev.t_hessian = j->t_hessian;
     ev.t_factor = j->t_factor;
@@ -202,6 +209,7 @@ static void emit_module(job *j, int layer, bk_module mod, const bk_solve_result 
     ev.module = bk_module_name(mod);
     ev.rows = r->m;
     ev.cols = r->n;
+    ev.layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0;
     ev.loss = r->loss_two_sided;
     ev.loss_gptq = loss_gptq;
     ev.damp_a = r->damp_a;
@@ -1070,6 +1078,25 @@ static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk
     return st;
 }
 
+#if BK_HAVE_CUDA
+/* GPU flow: a leaf layer's output-gradient Grams over the whole calibration set */
+static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G, const double *gw,
+                          int64_t S)
+{
+    job *j = user;
+    if (!layer_in_range(j, layer))
+        return BK_OK;
+    int k = layer - j->bp_leaf_lo;
+    if (k < 0 || k >= j->bp_leaf)
+        return bk_error(BK_ERR_INTERNAL, "backprop: layer %d outside the leaf at %d", layer,
+                        j->bp_leaf_lo);
+    double t0 = bk_now();
+    bk_status st = bk__hess_add_grad_gram(j->bp_acc[k], layer, mod, G, gw, S);
+    j->t_hessian += bk_now() - t0;
+    return st;
+}
+#endif
+
 static bk_status bp_leaf_done(void *user, int lo, int hi)
 {
     job *j = user;
@@ -1092,8 +1119,22 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
 static bk_status run_backprop(job *j)
 {
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
-    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done};
-    bk_status st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
+    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0};
+    bk_status st;
+#if BK_HAVE_CUDA
+    if (j->bp_gpu) {
+        bk_gbwd_opts go;
+        bk_gbwd_opts_default(&go);
+        go.fp64 = j->o->bwd_fp64;
+        /* the Grams on the device, not the taps on the host */
+        cb.grads = NULL;
+        cb.grams = bp_grams;
+        cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
+        st = bk_cuda_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo, &go, &cb,
+                                  &j->bp_stats);
+    } else
+#endif
+        st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
     bp_add_flow_time(j);
     return st;
 }
@@ -1268,6 +1309,8 @@ static bk_status write_config_and_report(job *j)
         const bk_bwd_flow_stats *bs = &j->bp_stats;
         cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
         cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
+        cJSON_AddStringToObject(b, "device", j->bp_gpu ? "cuda" : "cpu");
+        cJSON_AddStringToObject(b, "precision", (!j->bp_gpu || o->bwd_fp64) ? "fp64" : "fp32");
         cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
         cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
         cJSON_AddNumberToObject(b, "seed", (double)o->seed);
@@ -1276,7 +1319,10 @@ static bk_status write_config_and_report(job *j)
         cJSON_AddNumberToObject(b, "layer_forwards", (double)bs->layer_forwards);
         cJSON_AddNumberToObject(b, "layer_backwards", (double)bs->layer_backwards);
         cJSON_AddNumberToObject(b, "peak_boundary_host_bytes", (double)bs->peak_boundary_bytes);
-        cJSON_AddNumberToObject(b, "micro_batch_host_bytes", (double)bs->micro_bytes);
+        /* CPU: the flow's micro-batch buffers in host memory; GPU: its device buffers
+         * (micro-batch, LM head), the layer weights aside */
+        cJSON_AddNumberToObject(b, j->bp_gpu ? "micro_batch_device_bytes" : "micro_batch_host_bytes",
+                                (double)bs->micro_bytes);
         cJSON_AddNumberToObject(b, "peak_boundary_device_bytes", 0);
         cJSON *bt = cJSON_AddObjectToObject(b, "times_s");
         cJSON_AddNumberToObject(bt, "forward", bs->time_forward_s);
@@ -1380,17 +1426,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
 
     if (!o->model_dir || !o->out_dir)
         return bk_error(BK_ERR_INVALID_ARG, "quantize: model folder and output folder are required");
-    if (o->calib_path && o->activations_dir)
-        return bk_error(BK_ERR_INVALID_ARG, "quantize: give either calibration tokens or activations, not both");
-    if (!o->calib_path && !o->activations_dir && o->hessian != BK_HESS_RTN)
+    if (!!o->calib_path + !!o->calib_text + !!o->activations_dir > 1)
+        return bk_error(BK_ERR_INVALID_ARG, "quantize: give one of calibration tokens, text or activations, not several");
+    if (!o->calib_path && !o->calib_text && !o->activations_dir && o->hessian != BK_HESS_RTN)
         return bk_error(BK_ERR_INVALID_ARG,
-                        "quantize: --hessian %s needs calibration data (--calib or --activations)",
+                        "quantize: --hessian %s needs calibration data (--calib-text, --calib or --activations)",
                         bk_hessian_name(o->hessian));
 
     j->bp = bk_hessian_is_backprop(o->hessian);
-    if (j->bp && !o->calib_path) {
+    if (j->bp && !o->calib_path && !o->calib_text) {
         st = bk_error(BK_ERR_INVALID_ARG,
-                      "quantize: --hessian %s needs calibration token ids (--calib): the "
+                      "quantize: --hessian %s needs calibration tokens (--calib-text or --calib): the "
                       "backward pass runs the model",
                       bk_hessian_name(o->hessian));
         goto fail;
@@ -1409,6 +1455,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     {
         /* the output folder first: refused (unsafe, exists), locked, leftovers cleaned */
         const char *inputs[] = {o->model_dir, o->calib_path ? o->calib_path : "",
+                                o->calib_text ? o->calib_text : "",
                                 o->activations_dir ? o->activations_dir : "",
                                 o->config_path ? o->config_path : "", NULL};
         bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
@@ -1433,6 +1480,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->layer_begin = o->layer_begin < 0 ? 0 : o->layer_begin;
     j->layer_end = (o->layer_end <= 0 || o->layer_end > j->cfg->n_layers) ? (int)j->cfg->n_layers
                                                                           : o->layer_end;
+    j->first_layer = j->layer_begin;
     if (j->layer_begin >= j->layer_end) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: empty layer range %d:%d (model has %lld layers)",
                       o->layer_begin, o->layer_end, (long long)j->cfg->n_layers);
@@ -1441,17 +1489,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     st = bk__check_export(o, j->cfg);
     if (st != BK_OK)
         goto fail;
-    /* fail fast: every tensor of the checkpoint must be finite before any work */
-    {
-        const bk_st_set *in = bk_model_tensors(j->model);
-        double t = bk_now();
-        st = bk_st_set_check_finite(in);
-        j->t_io += bk_now() - t;
-        bk_prof_add("io.scan_finite", bk_now() - t);
-        if (st != BK_OK)
-            goto fail;
-    }
-
     /* calibration */
     if (o->calib_path) {
         st = bk_load_tokens(o->calib_path, j->cfg->vocab, o->samples, o->seqlen, &j->tokens,
@@ -1463,6 +1500,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                           o->calib_path, (long long)j->T, (long long)j->cfg->max_positions);
             goto fail;
         }
+    } else if (o->calib_text) {
+        int64_t T = o->seqlen > 0 ? o->seqlen : bk_text_default_seqlen(j->cfg->max_positions);
+        if (j->cfg->max_positions > 0 && T > j->cfg->max_positions) {
+            st = bk_error(BK_ERR_CALIB, "--seqlen %lld exceeds the model's max_position_embeddings %lld",
+                          (long long)T, (long long)j->cfg->max_positions);
+            goto fail;
+        }
+        st = bk_load_text_tokens(o->model_dir, o->calib_text, j->cfg->vocab, j->cfg->bos_token_id,
+                                 o->samples, T, &j->tokens, &j->S, &j->T);
+        if (st != BK_OK)
+            goto fail;
     } else if (o->activations_dir) {
         const char *note = NULL;
         st = bk__act_open(o->activations_dir, j->model, o->samples, &j->acts, &j->S, &j->T,
@@ -1474,6 +1522,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     } else {
         j->S = 0;
         j->T = 1;
+    }
+    /* fail fast: every tensor of the checkpoint must be finite before any work
+     * (after the calibration data, whose mistakes are found sooner) */
+    {
+        const bk_st_set *in = bk_model_tensors(j->model);
+        double t = bk_now();
+        st = bk_st_set_check_finite(in);
+        j->t_io += bk_now() - t;
+        bk_prof_add("io.scan_finite", bk_now() - t);
+        if (st != BK_OK)
+            goto fail;
     }
     j->N = j->S * j->T;
     j->batch = o->batch > 0 ? o->batch : bk__auto_batch(j->cfg, j->T);
@@ -1496,11 +1555,16 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     const int cpu_stages = o->cpu_stages || bk_cpu_stages_env();
     if (j->bp && want_gpu) {
         st = bk_error(BK_ERR_UNSUPPORTED,
-                      "quantize: --hessian %s runs its forward, backward and Hessian stages on "
-                      "the CPU (not on the GPU yet): drop --gpu-pipeline / BK_GPU_PIPELINE=1",
+                      "quantize: --hessian %s runs its input-side stages on the CPU (its "
+                      "backward passes run on the GPU with the CUDA backend): drop "
+                      "--gpu-pipeline / BK_GPU_PIPELINE=1",
                       bk_hessian_name(o->hessian));
         goto fail;
     }
+    /* backprop kinds: the forward + backward passes of the flow on the GPU with
+     * the CUDA backend, unless --cpu-stages (the CPU's flow, the reference) */
+    j->bp_gpu = BK_HAVE_CUDA && j->bp && !cpu_stages && j->tokens &&
+                strcmp(bk_backend_name(j->backend), "cuda") == 0;
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline (BK_GPU_PIPELINE=1) and --cpu-stages "
