@@ -1,7 +1,8 @@
 # Shared by scripts/*.sh: dependency installation and the build.
 # shellcheck shell=bash
 
-BK_DEBIAN_PACKAGES="meson ninja-build pkg-config gcc python3 libcjson-dev libzstd-dev libcmocka-dev libopenblas-dev liblapacke-dev"
+# libopenmpi-dev + openmpi-bin: MPI ranks (optional at build time; tests/test_mpi.sh needs them)
+BK_DEBIAN_PACKAGES="meson ninja-build pkg-config gcc python3 libcjson-dev libzstd-dev libcmocka-dev libopenblas-dev liblapacke-dev libopenmpi-dev openmpi-bin"
 
 bk_log() { printf '==> %s\n' "$*" >&2; }
 

@@ -21,6 +21,12 @@ bk_status bk_cmd_merge(int argc, char **argv);
 
 /* --- helpers (cli_util.c) --- */
 
+/* Set by ranks other than 0 of an MPI job: main() prints no error line (rank
+ * 0 prints the job's one line). */
+extern int cli_quiet_errors;
+/* The one error line: "bakron CMD: error: MESSAGE". */
+void cli_print_error(const char *cmd, bk_status st);
+
 /* Usage error with a message (exit 1). */
 #if defined(__GNUC__)
 __attribute__((format(printf, 1, 2)))

@@ -7,6 +7,19 @@
 
 #include "cli.h"
 
+int cli_quiet_errors;
+
+void cli_print_error(const char *cmd, bk_status st)
+{
+    const char *msg = bk_last_error();
+    if (st == BK_ERR_USAGE)
+        fprintf(stderr, "bakron %s: error: %s (see 'bakron %s --help')\n", cmd,
+                msg[0] ? msg : bk_status_name(st), cmd);
+    else
+        fprintf(stderr, "bakron %s: error: %s\n", cmd, msg[0] ? msg : bk_status_name(st));
+    fflush(stderr);
+}
+
 bk_status cli_usage_error(const char *fmt, ...)
 {
     char buf[768];

@@ -73,22 +73,20 @@ int main(int argc, char **argv)
         return 0;
     }
     if (!strcmp(cmd, "--version") || !strcmp(cmd, "-V") || !strcmp(cmd, "version")) {
-        printf("bakron %s (CUDA backend: %s)\n", bk_version(),
-               bk_cuda_compiled() ? "compiled" : "not compiled");
+        printf("bakron %s (CUDA backend: %s; MPI: %s%s%s; NCCL: %s%s%s)\n", bk_version(),
+               bk_cuda_compiled() ? "compiled" : "not compiled",
+               bk_dist_mpi_compiled() ? "compiled" : "not compiled",
+               bk_dist_mpi_compiled() ? ", " : "", bk_dist_mpi_version(),
+               bk_dist_nccl_compiled() ? "compiled" : "not compiled",
+               bk_dist_nccl_compiled() ? ", " : "", bk_dist_nccl_version());
         return 0;
     }
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
         if (!strcmp(cmd, commands[i].name)) {
             bk_clear_error();
             bk_status st = commands[i].fn(argc - 1, argv + 1);
-            if (st != BK_OK) {
-                const char *msg = bk_last_error();
-                if (st == BK_ERR_USAGE)
-                    fprintf(stderr, "bakron %s: error: %s (see 'bakron %s --help')\n", cmd,
-                            msg[0] ? msg : bk_status_name(st), cmd);
-                else
-                    fprintf(stderr, "bakron %s: error: %s\n", cmd, msg[0] ? msg : bk_status_name(st));
-            }
+            if (st != BK_OK && !cli_quiet_errors)
+                cli_print_error(cmd, st);
             return bk_status_exit_code(st);
         }
     }
