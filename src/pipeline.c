@@ -1327,7 +1327,7 @@ static bk_status write_config_and_report(job *j)
     st = bk_path_join(path, sizeof path, o->model_dir, "config.json");
     if (st != BK_OK)
         return st;
-    st = bk_read_file(path, 16u << 20, &text, NULL);
+    st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &text, NULL);
     if (st != BK_OK)
         return st;
     cJSON *cfg = cJSON_Parse(text);
@@ -1362,9 +1362,14 @@ static bk_status write_config_and_report(job *j)
         }
     }
     char *out = cJSON_Print(cfg);
+    st = bk__write_model_card(j->od.work, cfg);
     cJSON_Delete(cfg);
     if (!out)
         return bk_error(BK_ERR_NOMEM, "out of memory writing config.json");
+    if (st != BK_OK) {
+        free(out);
+        return st;
+    }
     st = bk_path_join(path, sizeof path, j->od.work, "config.json");
     if (st == BK_OK)
         st = bk_write_file_atomic(path, out, strlen(out));

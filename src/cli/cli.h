@@ -46,6 +46,32 @@ bk_status cli_split_tensor_ref(const char *opt, const char *arg, char *file, siz
 /* 1 if argv contains -h / --help (before any "--"). */
 int cli_wants_help(int argc, char **argv);
 
+/* A model given as users give it: the folder, or a file inside it (its
+ * model.safetensors or any *.safetensors shard, model.safetensors.index.json,
+ * config.json) all mean the folder. Returns `path` itself, or the folder
+ * written into buf. */
+const char *cli_model_dir(const char *path, char *buf, size_t cap);
+
+/* `bakron eval` of a bakron output folder: record the measured perplexity in
+ * its model card (README.md written by quantize; one row per tokens file and
+ * size, replaced when measured again). Returns 1 when recorded, 0 when the
+ * folder has no bakron card, -1 when it could not be written (message in
+ * bk_last_error()). */
+int cli_card_record_eval(const char *dir, const char *tokens, int64_t S, int64_t T, double ppl,
+                         double nll);
+
+/* --- every mistake of a run, each on its own line (main prints them) ---
+ * A command that checks everything before the work adds each failure with
+ * cli_diag_add(status) (the message is bk_last_error()) and returns
+ * cli_diag_status(). main() prints one line per entry; the exit code is the
+ * lowest category present (usage 1 before bad input 2 before runtime 3). */
+void cli_diag_add(bk_status st);
+int cli_diag_count(void);
+bk_status cli_diag_status(void);
+/* entry i: status and message */
+bk_status cli_diag_get(int i, const char **msg);
+void cli_diag_clear(void);
+
 /* --- solver options shared by `solve` and `bench` (cmd_solve.c) --- */
 typedef struct cli_solver_args {
     bk_solve_opts opts;

@@ -6,19 +6,10 @@
 #include <string.h>
 
 #include "cli.h"
+#include "util.h"
 
 int cli_quiet_errors;
 
-void cli_print_error(const char *cmd, bk_status st)
-{
-    const char *msg = bk_last_error();
-    if (st == BK_ERR_USAGE)
-        fprintf(stderr, "bakron %s: error: %s (see 'bakron %s --help')\n", cmd,
-                msg[0] ? msg : bk_status_name(st), cmd);
-    else
-        fprintf(stderr, "bakron %s: error: %s\n", cmd, msg[0] ? msg : bk_status_name(st));
-    fflush(stderr);
-}
 
 bk_status cli_usage_error(const char *fmt, ...)
 {
@@ -94,4 +85,135 @@ int cli_wants_help(int argc, char **argv)
             return 1;
     }
     return 0;
+}
+
+const char *cli_model_dir(const char *path, char *buf, size_t cap)
+{
+    if (!path || !path[0] || !bk_is_file(path))
+        return path;
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    if (!bk_ends_with(base, ".safetensors") && !bk_ends_with(base, ".safetensors.index.json") &&
+        strcmp(base, "config.json") != 0)
+        return path;
+    size_t l = (size_t)(base - path);
+    if (l == 0)
+        return ".";
+    while (l > 1 && path[l - 1] == '/')
+        l--;
+    if (l + 1 > cap)
+        return path;
+    memcpy(buf, path, l);
+    buf[l] = '\0';
+    return buf;
+}
+
+/* ------------------------------------------------------------- diagnostics */
+
+#define CLI_DIAG_MAX 32
+static struct {
+    bk_status st;
+    char msg[1024];
+} diag[CLI_DIAG_MAX];
+static int n_diag, n_diag_dropped;
+
+void cli_diag_add(bk_status st)
+{
+    if (st == BK_OK)
+        return;
+    if (n_diag >= CLI_DIAG_MAX) {
+        n_diag_dropped++;
+        return;
+    }
+    const char *m = bk_last_error();
+    diag[n_diag].st = st;
+    snprintf(diag[n_diag].msg, sizeof diag[n_diag].msg, "%s", m[0] ? m : bk_status_name(st));
+    n_diag++;
+}
+
+int cli_diag_count(void)
+{
+    return n_diag;
+}
+
+bk_status cli_diag_status(void)
+{
+    bk_status best = BK_OK;
+    for (int i = 0; i < n_diag; i++) {
+        if (best == BK_OK ||
+            bk_status_exit_code(diag[i].st) < bk_status_exit_code(best))
+            best = diag[i].st;
+    }
+    return best;
+}
+
+bk_status cli_diag_get(int i, const char **msg)
+{
+    *msg = diag[i].msg;
+    return diag[i].st;
+}
+
+void cli_diag_clear(void)
+{
+    n_diag = n_diag_dropped = 0;
+}
+
+/* ------------------------------------------------------------ model card */
+
+int cli_card_record_eval(const char *dir, const char *tokens, int64_t S, int64_t T, double ppl,
+                         double nll)
+{
+    char path[4096];
+    char *text = NULL;
+    size_t len = 0;
+    if (bk_path_join(path, sizeof path, dir, "README.md") != BK_OK || !bk_is_file(path) ||
+        bk_read_file(path, 1u << 20, &text, &len) != BK_OK)
+        return 0;
+    const char *head = "## Measured perplexity\n";
+    char *sec = strstr(text, head);
+    if (!strstr(text, "<!-- bakron model card -->") || !sec) {
+        free(text);
+        return 0;
+    }
+    const char *base = strrchr(tokens, '/');
+    base = base && base[1] ? base + 1 : tokens;
+    char key[600], row[800];
+    snprintf(key, sizeof key, "| %s | %lld x %lld |", base, (long long)S, (long long)T);
+    snprintf(row, sizeof row, "%s %.4f | %.6f |\n", key, ppl, nll);
+    /* the new text: everything, the row of the same key replaced or appended */
+    size_t cap = len + strlen(row) + 2;
+    char *out = malloc(cap);
+    if (!out) {
+        free(text);
+        bk_error(BK_ERR_NOMEM, "out of memory");
+        return -1;
+    }
+    size_t n = 0;
+    int done = 0;
+    for (char *line = text; *line;) {
+        char *nl = strchr(line, '\n');
+        size_t ll = nl ? (size_t)(nl - line) + 1 : strlen(line);
+        if (line > sec && !strncmp(line, key, strlen(key))) {
+            if (!done) {
+                memcpy(out + n, row, strlen(row));
+                n += strlen(row);
+                done = 1;
+            }
+        } else {
+            memcpy(out + n, line, ll);
+            n += ll;
+            if (!nl) {
+                out[n++] = '\n';
+            }
+        }
+        line += ll;
+    }
+    if (!done) {
+        memcpy(out + n, row, strlen(row));
+        n += strlen(row);
+    }
+    bk_status st = bk_write_file_atomic(path, out, n);
+    free(out);
+    free(text);
+    return st == BK_OK ? 1 : -1;
 }
