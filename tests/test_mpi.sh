@@ -179,7 +179,7 @@ chmod +x killone.sh
 # (the launcher sends SIGTERM, then SIGKILL after odls_base_sigkill_timeout s:
 # given the time, rank 0 prints its line and removes its work folder)
 refused "a rank killed" any "stopped by a signal" -- \
-    -np 2 --mca odls_base_sigkill_timeout 60 ./killone.sh "$B" quantize "$M" \
+    -np 2 --mca odls_base_sigkill_timeout 20 ./killone.sh "$B" quantize "$M" \
     --calib "$M/calib.safetensors" --samples 32 --batch 2 --backend cpu \
     --hessian fullylocal-shampoo --json --out bad
 # with Open MPI's default (SIGKILL 1 s after SIGTERM) rank 0 may die before it can
