@@ -153,8 +153,9 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
         failed(c, bk_error(BK_ERR_USAGE, "--gpu-pipeline and --cpu-stages contradict each other"));
     if (o->gpu_pipeline && bp)
         failed(c, bk_error(BK_ERR_USAGE,
-                           "--gpu-pipeline: --hessian %s runs its forward, backward and Hessian "
-                           "stages on the CPU (not on the GPU yet)",
+                           "--gpu-pipeline: --hessian %s runs its input-side stages on the CPU "
+                           "(its backward passes run on the GPU with --backend cuda); drop "
+                           "--gpu-pipeline",
                            bk_hessian_name(o->hessian)));
     if (o->gpu_pipeline && o->activations_dir && !o->calib_path)
         failed(c, bk_error(BK_ERR_USAGE,
@@ -290,7 +291,8 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
         bk_status st = bk_outdir_check(&os, &p->free_bytes);
         if (st != BK_OK)
             failed(c, st);
-        else if (p->output_bytes && p->free_bytes && p->free_bytes < p->output_bytes)
+        else if (!o->resume && /* (a killed run's work folder holds the space already) */
+                 p->output_bytes && p->free_bytes && p->free_bytes < p->output_bytes)
             failed(c, bk_error(BK_ERR_WRITE,
                                "--out %s: the output needs about %.1f MiB and %.1f MiB are free "
                                "there",

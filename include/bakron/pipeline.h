@@ -48,6 +48,8 @@ typedef struct bk_event {
     double elapsed_s, eta_s;
     double t_forward, t_hessian, t_factor, t_solve, t_io; /* cumulative stage times */
     const char *message;         /* free text (START / WRITE / DONE) */
+    int layers_kept;             /* --resume: layers the interrupted run finished (not redone;
+                                    elapsed_s and eta_s count this run's work only) */
 } bk_event;
 
 typedef void (*bk_event_fn)(void *user, const bk_event *ev);
@@ -101,6 +103,11 @@ typedef struct bk_quantize_opts {
     /* MPI ranks (bakron/dist.h); NULL: one process */
     struct bk_dist *dist;
     bk_dist_reduce dist_reduce;
+    int bwd_fp64;                 /* the backward pass on the GPU (CUDA backend without
+                                     cpu_stages) in double (parity with the CPU's); 0 (default):
+                                     F32 GEMMs, double reductions. The CPU's is always double. */
+    int resume;                   /* continue a killed run of the same OUT_DIR from its work
+                                     folder (README --resume, docs/formats.md "Work folder") */
 } bk_quantize_opts;
 
 void bk_quantize_opts_default(bk_quantize_opts *o);
@@ -111,7 +118,8 @@ bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want);
 
 /* Quantize a model. The output folder is built under a temporary name and
  * renamed into place only when complete; on any failure (or interruption,
- * see bk_request_stop) nothing is left under OUT_DIR. */
+ * see bk_request_stop) nothing is left under OUT_DIR (a runtime failure after
+ * finished layers keeps the work folder for o->resume). */
 bk_status bk_quantize(const bk_quantize_opts *o);
 
 /* ------------------------------------------------ checks before the work */

@@ -56,6 +56,8 @@ static const char *quantize_usage =
     "                        naive: a forward + backward pass per leaf, O(l^2), no boundaries\n"
     "  --leaf-size S         layers whose output gradients one pass delivers (default 1;\n"
     "                        larger: fewer passes, S layers' Hessians held at once)\n"
+    "  --bwd-precision P     fp32 (default) | fp64: arithmetic of the backward pass on the GPU\n"
+    "                        (the CPU's is fp64)\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied); layers are\n"
     "                        numbered from 0 as in model.layers.N, in progress and errors too\n"
     "  --backend B           auto|cpu|cuda (default auto: cuda when a GPU is present). With\n"
@@ -73,6 +75,9 @@ static const char *quantize_usage =
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
     "  --max-shard-size B    bytes per safetensors shard (default 5e9)\n"
     "  --overwrite           replace a non-empty output folder\n"
+    "  --resume              continue a killed run of the same --out (same arguments, model\n"
+    "                        and calibration) from its finished layers; without a killed\n"
+    "                        run: start from the first layer\n"
     "  --config NAME|FILE    JSON preset: an installed one by name (paper-2.81bit-gptq, ...)\n"
     "                        or a file; the command line overrides it field by field\n"
     "                        (--levels replaces the preset's bits/group)\n"
@@ -92,8 +97,8 @@ enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
-    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN,
-    O_DREDUCE, O_DTIMEOUT
+    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN, O_RESUME,
+    O_BWDPREC, O_DREDUCE, O_DTIMEOUT
 };
 
 static const struct option quantize_opts[] = {
@@ -123,6 +128,7 @@ static const struct option quantize_opts[] = {
     {"backend", required_argument, NULL, O_BACKEND},
     {"max-shard-size", required_argument, NULL, O_SHARD},
     {"overwrite", no_argument, NULL, O_OVERWRITE},
+    {"resume", no_argument, NULL, O_RESUME},
     {"gpu-pipeline", no_argument, NULL, O_GPUPIPE},
     {"cpu-stages", no_argument, NULL, O_CPUSTAGES},
     {"gpu-math", required_argument, NULL, O_GPUMATH},
@@ -130,6 +136,7 @@ static const struct option quantize_opts[] = {
     {"seed", required_argument, NULL, O_SEED},
     {"bwd-flow", required_argument, NULL, O_BWDFLOW},
     {"leaf-size", required_argument, NULL, O_LEAF},
+    {"bwd-precision", required_argument, NULL, O_BWDPREC},
     {"dry-run", no_argument, NULL, O_DRYRUN},
     {"dist-reduce", required_argument, NULL, O_DREDUCE},
     {"dist-timeout", required_argument, NULL, O_DTIMEOUT},
@@ -286,6 +293,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         o->max_shard_bytes = (uint64_t)dv;
         break;
     case O_OVERWRITE: o->overwrite = 1; break;
+    case O_RESUME: o->resume = 1; break;
     case O_GPUPIPE: o->gpu_pipeline = 1; break;
     case O_CPUSTAGES: o->cpu_stages = 1; break;
     case O_GPUMATH:
@@ -322,6 +330,14 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         if ((st = cli_parse_double("--dist-timeout", arg, 0.1, 1e7, &dv)) != BK_OK)
             return st;
         q->dist_timeout = dv;
+        break;
+    case O_BWDPREC:
+        if (!strcmp(arg, "fp32"))
+            o->bwd_fp64 = 0;
+        else if (!strcmp(arg, "fp64"))
+            o->bwd_fp64 = 1;
+        else
+            return cli_usage_error("--bwd-precision: expected fp32 or fp64, got '%s'", arg);
         break;
     default: return cli_usage_error("unknown option");
     }
@@ -413,7 +429,7 @@ static bk_status apply_preset(qargs *q, const char *path)
             if (!strcmp(p->name, key))
                 opt = p;
         if (!opt || opt->val == O_CONFIG || opt->val == O_HELP || opt->val == O_OUT ||
-            opt->val == O_JSON || opt->val == O_DRYRUN) {
+            opt->val == O_JSON || opt->val == O_DRYRUN || opt->val == O_RESUME) {
             st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: unknown or not allowed preset key '%s'", path,
                           line, col, key);
             break;
@@ -587,7 +603,8 @@ static double progress_eta(progress *p, const bk_event *ev)
 {
     if (p->total_work <= 0 || p->done_work <= 0)
         return ev->eta_s;
-    double left = p->total_work - p->done_work;
+    /* (--resume: the kept layers' work is not part of this run) */
+    double left = p->total_work - p->layer_work * ev->layers_kept - p->done_work;
     return left <= 0 ? 0 : ev->elapsed_s * left / p->done_work;
 }
 
