@@ -1255,29 +1255,27 @@ done:
  * as the run that quantized it, so the same bits. */
 static bk_status layer_rebuild(job *j, int l)
 {
-    bk_layer_weights orig, qw;
-    memset(&orig, 0, sizeof orig);
-    memset(&qw, 0, sizeof qw);
+    bk_layer_weights w; /* the original weights; then the quantized ones in place */
+    memset(&w, 0, sizeof w);
     double t = bk_now();
-    bk_status st = prefetch_take(j, l, &orig);
+    bk_status st = prefetch_take(j, l, &w);
     if (st == BK_OK)
         prefetch_start(j, l + 1);
-    const bk_layer_weights *use = &orig;
-    if (st == BK_OK && j->o->sequential) {
-        st = layer_weights_copy(j->cfg, &orig, &qw);
-        if (st == BK_OK)
-            st = bk_resume_load_weights(j->rs, &j->o->solve.quant, j->cfg, l, &qw);
-        use = &qw;
-    }
+    bk_prof_add("resume.load", bk_now() - t);
+    double t1 = bk_now();
+    if (st == BK_OK && j->o->sequential)
+        st = bk_resume_load_weights(j->rs, &j->o->solve.quant, j->cfg, l, &w);
+    bk_prof_add("resume.dequantize", bk_now() - t1);
     j->t_io += bk_now() - t;
+    t1 = bk_now();
     if (st == BK_OK)
-        st = j->ops->layer_begin(j->ops_ctx, use, use, 0);
+        st = j->ops->layer_begin(j->ops_ctx, &w, &w, 0);
+    bk_prof_add("resume.layer_begin", bk_now() - t1);
     if (st == BK_OK) {
         st = run_stage(j, BK_STAGE_FULL);
         j->ops->layer_end(j->ops_ctx);
     }
-    bk_layer_weights_free(&orig);
-    bk_layer_weights_free(&qw);
+    bk_layer_weights_free(&w);
     if (st != BK_OK)
         return bk_error_prefix(st, "--resume: rebuilding the calibration state");
     return BK_OK;
@@ -1702,17 +1700,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
 
     if (!o->model_dir || !o->out_dir)
         return bk_error(BK_ERR_INVALID_ARG, "quantize: model folder and output folder are required");
-    if (o->calib_path && o->activations_dir)
-        return bk_error(BK_ERR_INVALID_ARG, "quantize: give either calibration tokens or activations, not both");
-    if (!o->calib_path && !o->activations_dir && o->hessian != BK_HESS_RTN)
+    if (!!o->calib_path + !!o->calib_text + !!o->activations_dir > 1)
+        return bk_error(BK_ERR_INVALID_ARG, "quantize: give one of calibration tokens, text or activations, not several");
+    if (!o->calib_path && !o->calib_text && !o->activations_dir && o->hessian != BK_HESS_RTN)
         return bk_error(BK_ERR_INVALID_ARG,
-                        "quantize: --hessian %s needs calibration data (--calib or --activations)",
+                        "quantize: --hessian %s needs calibration data (--calib-text, --calib or --activations)",
                         bk_hessian_name(o->hessian));
 
     j->bp = bk_hessian_is_backprop(o->hessian);
-    if (j->bp && !o->calib_path) {
+    if (j->bp && !o->calib_path && !o->calib_text) {
         st = bk_error(BK_ERR_INVALID_ARG,
-                      "quantize: --hessian %s needs calibration token ids (--calib): the "
+                      "quantize: --hessian %s needs calibration tokens (--calib-text or --calib): the "
                       "backward pass runs the model",
                       bk_hessian_name(o->hessian));
         goto fail;
@@ -1738,6 +1736,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     if (j->rank == 0) {
         /* the output folder first: refused (unsafe, exists), locked, leftovers cleaned */
         const char *inputs[] = {o->model_dir, o->calib_path ? o->calib_path : "",
+                                o->calib_text ? o->calib_text : "",
                                 o->activations_dir ? o->activations_dir : "",
                                 o->config_path ? o->config_path : "", NULL};
         bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
@@ -1771,17 +1770,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     st = bk__check_export(o, j->cfg);
     if (st != BK_OK)
         goto fail;
-    /* fail fast: every tensor of the checkpoint must be finite before any work */
-    {
-        const bk_st_set *in = bk_model_tensors(j->model);
-        double t = bk_now();
-        st = bk_st_set_check_finite(in);
-        j->t_io += bk_now() - t;
-        bk_prof_add("io.scan_finite", bk_now() - t);
-        if (st != BK_OK)
-            goto fail;
-    }
-
     /* calibration */
     if (o->calib_path) {
         st = bk_load_tokens(o->calib_path, j->cfg->vocab, o->samples, o->seqlen, &j->tokens,
@@ -1793,6 +1781,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                           o->calib_path, (long long)j->T, (long long)j->cfg->max_positions);
             goto fail;
         }
+    } else if (o->calib_text) {
+        int64_t T = o->seqlen > 0 ? o->seqlen : bk_text_default_seqlen(j->cfg->max_positions);
+        if (j->cfg->max_positions > 0 && T > j->cfg->max_positions) {
+            st = bk_error(BK_ERR_CALIB, "--seqlen %lld exceeds the model's max_position_embeddings %lld",
+                          (long long)T, (long long)j->cfg->max_positions);
+            goto fail;
+        }
+        st = bk_load_text_tokens(o->model_dir, o->calib_text, j->cfg->vocab, j->cfg->bos_token_id,
+                                 o->samples, T, &j->tokens, &j->S, &j->T);
+        if (st != BK_OK)
+            goto fail;
     } else if (o->activations_dir) {
         const char *note = NULL;
         st = bk__act_open(o->activations_dir, j->model, o->samples, &j->acts, &j->S, &j->T,
@@ -1804,6 +1803,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     } else {
         j->S = 0;
         j->T = 1;
+    }
+    /* fail fast: every tensor of the checkpoint must be finite before any work
+     * (after the calibration data, whose mistakes are found sooner) */
+    {
+        const bk_st_set *in = bk_model_tensors(j->model);
+        double t = bk_now();
+        st = bk_st_set_check_finite(in);
+        j->t_io += bk_now() - t;
+        bk_prof_add("io.scan_finite", bk_now() - t);
+        if (st != BK_OK)
+            goto fail;
     }
     j->N = j->S * j->T;
     j->batch = o->batch > 0 ? o->batch : bk__auto_batch(j->cfg, j->T);
@@ -1975,9 +1985,12 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             st = bk_st_stream_open_files(j->out, &reused);
         if (st == BK_OK)
             st = write_passthrough(j);
-        if (st == BK_OK && j->rs)
+        if (st == BK_OK && j->rs) {
+            double t = bk_now();
             st = bk_resume_restore(j->rs, j->out, reused, j->report_modules, &j->quantized_params,
                                    &j->first_layer, job_note, j);
+            bk_prof_add("resume.restore (digests)", bk_now() - t);
+        }
         if (st != BK_OK)
             goto fail;
         writer_start(j);

@@ -2,7 +2,7 @@
 # shellcheck shell=bash
 
 # libopenmpi-dev + openmpi-bin: MPI ranks (optional at build time; tests/test_mpi.sh needs them)
-BK_DEBIAN_PACKAGES="meson ninja-build pkg-config gcc python3 libcjson-dev libzstd-dev libcmocka-dev libopenblas-dev liblapacke-dev libopenmpi-dev openmpi-bin"
+BK_DEBIAN_PACKAGES="meson ninja-build pkg-config gcc python3 libcjson-dev libzstd-dev libcmocka-dev libopenblas-dev liblapacke-dev libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin"
 
 bk_log() { printf '==> %s\n' "$*" >&2; }
 
