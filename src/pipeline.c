@@ -634,7 +634,8 @@ static bk_status solve_apply(job *j, int layer, bk_module mod, bk_layer_weights 
     if (st != BK_OK)
         return st;
     if (bk__stop_requested())
-        return bk_error(BK_ERR_INTERRUPTED, "interrupted at layer %d %s", layer,
+        return bk_error(BK_ERR_INTERRUPTED, "interrupted at layer %d (%d/%d) %s", layer,
+                        layer - j->layer_begin + 1, j->layer_end - j->layer_begin,
                         bk_module_name(mod));
     return BK_OK;
 }
@@ -1360,7 +1361,8 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
             st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
         bk_hess_acc_reset(j->acc);
         if (st == BK_OK && bk__stop_requested())
-            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d", l);
+            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d (%d/%d)", l,
+                          l - j->layer_begin + 1, j->layer_end - j->layer_begin);
     }
     j->acc = j->bp_acc[0];
     return st;
@@ -2055,7 +2057,9 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             if (st != BK_OK)
                 goto fail;
             if (bk__stop_requested()) {
-                st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d", l);
+                /* numbered as the progress lines: index, then (k/selected) */
+                st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d (%d/%d)", l,
+                              l - j->layer_begin + 1, j->layer_end - j->layer_begin);
                 goto fail;
             }
         }
