@@ -35,6 +35,7 @@ void bk_dump_opts_default(bk_dump_opts *o)
     memset(o, 0, sizeof *o);
     o->dtype = BK_DT_F32;
     o->zstd_level = 3;
+    bk_backend_params_default(&o->backend_params);
 }
 
 /* ------------------------------------------------------------------ reader */
@@ -327,7 +328,7 @@ static bk_status gdump_setup(gdump *g, const bk_dump_opts *o, const bk_model *mo
                              const bk_model_config *c, int64_t N,
                              int64_t B, int64_t T, const int64_t *widths)
 {
-    bk_status st = bk_backend_create(BK_BACKEND_CUDA, &g->b);
+    bk_status st = bk_backend_create_params(BK_BACKEND_CUDA, &o->backend_params, &g->b);
     if (st != BK_OK)
         return st;
     bk_backend_set_gemm_math(g->b, bk_gemm_math_resolve(model, o->gemm_math));
@@ -399,7 +400,7 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
                       o->calib_path, (long long)T, (long long)c->max_positions);
         goto done;
     }
-    int64_t N = S * T, B = o->batch > 0 ? o->batch : bk__auto_batch(c, T);
+    int64_t N = S * T, B = o->batch > 0 ? o->batch : bk_fwd_auto_batch(c, S, T);
     if (B > S)
         B = S;
     int64_t widths[4] = {c->hidden, c->n_heads * c->head_dim, c->hidden, c->intermediate};

@@ -31,18 +31,6 @@ int bk__stop_requested(void)
     return g_stop != 0;
 }
 
-int bk_gpu_pipeline_env(void)
-{
-    const char *e = getenv("BK_GPU_PIPELINE");
-    return e && !strcmp(e, "1");
-}
-
-int bk_cpu_stages_env(void)
-{
-    const char *e = getenv("BK_CPU_STAGES");
-    return e && !strcmp(e, "1");
-}
-
 const char *bk_export_name(bk_export_format f)
 {
     switch (f) {
@@ -87,6 +75,7 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     o->leaf_size = 1;
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
+    bk_backend_params_default(&o->backend_params);
 }
 
 /* ------------------------------------------------------------------ job state */
@@ -1203,11 +1192,11 @@ static bk_status job_buffers(job *j)
                         (long long)j->N);
     /* keep the down_proj inputs between stages DOWN and OUT (saves recomputing
      * gate/up: a third of the forward work) when they take at most a quarter
-     * of the physical memory; BK_KEEP_DOWN=0 turns it off */
-    const char *kd_env = getenv("BK_KEEP_DOWN");
+     * of the physical memory; setting keep_down=0 turns it off */
+    const int keep_down = bk_backend_get_params(j->backend)->keep_down;
     const long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
     const double need = (double)j->N * (double)c->intermediate * sizeof(float);
-    if (j->tokens && j->o->sequential && !(kd_env && !strcmp(kd_env, "0")) && pages > 0 &&
+    if (j->tokens && j->o->sequential && keep_down && pages > 0 &&
         psize > 0 && need <= 0.25 * (double)pages * (double)psize)
         j->D = bk_alloc((size_t)(j->N * c->intermediate), sizeof(float)); /* NULL: recompute */
     return BK_OK;
@@ -1338,13 +1327,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         j->T = 1;
     }
     j->N = j->S * j->T;
-    j->batch = o->batch > 0 ? o->batch : bk__auto_batch(j->cfg, j->T);
+    j->batch = o->batch > 0 ? o->batch : bk_fwd_auto_batch(j->cfg, 0, j->T);
     if (j->S > 0 && j->batch > j->S)
         j->batch = j->S;
     if (j->batch < 1)
         j->batch = 1;
 
-    st = bk_backend_create(o->backend, &j->backend);
+    st = bk_backend_create_params(o->backend, &o->backend_params, &j->backend);
     if (st != BK_OK)
         goto fail;
     j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
@@ -1354,19 +1343,18 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * the activations are rounded as a BF16 framework would), else TF32 */
     j->gemm_math = bk_gemm_math_resolve(j->model, o->gemm_math);
     bk_backend_set_gemm_math(j->backend, j->gemm_math);
-    const int want_gpu = o->gpu_pipeline || bk_gpu_pipeline_env();
-    const int cpu_stages = o->cpu_stages || bk_cpu_stages_env();
+    const int want_gpu = o->gpu_pipeline;
+    const int cpu_stages = o->cpu_stages;
     if (j->bp && want_gpu) {
         st = bk_error(BK_ERR_UNSUPPORTED,
                       "quantize: --hessian %s runs its forward, backward and Hessian stages on "
-                      "the CPU (not on the GPU yet): drop --gpu-pipeline / BK_GPU_PIPELINE=1",
+                      "the CPU (not on the GPU yet): drop --gpu-pipeline",
                       bk_hessian_name(o->hessian));
         goto fail;
     }
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
-                      "quantize: --gpu-pipeline (BK_GPU_PIPELINE=1) and --cpu-stages "
-                      "(BK_CPU_STAGES=1) contradict each other");
+                      "quantize: --gpu-pipeline and --cpu-stages contradict each other");
         goto fail;
     }
     /* forward + Hessians on the GPU: asked for, or the default of the CUDA
@@ -1376,14 +1364,14 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         /* forward + Hessians on the GPU (opt-in, docs/DEVICE.md) */
         if (!j->tokens) {
             st = bk_error(BK_ERR_INVALID_ARG,
-                          "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) "
+                          "quantize: the GPU pipeline (--gpu-pipeline) "
                           "needs token calibration (--calib), not --activations");
             goto fail;
         }
 #if BK_HAVE_CUDA
         if (strcmp(bk_backend_name(j->backend), "cuda") != 0) {
             st = bk_error(BK_ERR_NO_DEVICE,
-                          "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) needs "
+                          "quantize: the GPU pipeline (--gpu-pipeline) needs "
                           "the CUDA backend (--backend cuda or auto with a GPU; backend is %s)",
                           bk_backend_name(j->backend));
             goto fail;
@@ -1404,7 +1392,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         j->batch = gb;
 #else
         st = bk_error(BK_ERR_NO_DEVICE,
-                      "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) needs a "
+                      "quantize: the GPU pipeline (--gpu-pipeline) needs a "
                       "build with the CUDA backend");
         goto fail;
 #endif

@@ -78,12 +78,6 @@ typedef struct bk_stage_ops {
     const char *(*describe)(void *ctx);
 } bk_stage_ops;
 
-/* BK_GPU_PIPELINE=1 in the environment, or --gpu-pipeline, asks for it;
- * BK_CPU_STAGES=1 (or --cpu-stages) keeps the stages on the CPU with a CUDA
- * backend (the GPU stages are its default for token calibration). */
-int bk_gpu_pipeline_env(void);
-int bk_cpu_stages_env(void);
-
 /* ------------------------------------------------------- GPU forward pass */
 
 typedef struct bk_gfwd bk_gfwd;

@@ -28,7 +28,6 @@ bk_status bk__write_module(bk_st_stream *s, const bk_quantize_opts *o, const bk_
 cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config *cfg, int64_t S,
                                int64_t T, int layer_begin, int layer_end);
 bk_status bk__copy_aux_files(const char *model_dir, const char *out_dir);
-int64_t bk__auto_batch(const bk_model_config *cfg, int64_t T);
 /* RTN without calibration data: quantize one layer's modules. */
 bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
                         const bk_quantize_opts *o, const bk_model_config *cfg, int layer,

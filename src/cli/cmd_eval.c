@@ -17,7 +17,7 @@
 static const char *eval_usage =
     "usage: bakron eval MODEL_OR_OUT_DIR --tokens FILE [--samples N] [--batch B] [--json]\n"
     "                   [--logits-out FILE.safetensors] [--backend auto|cpu|cuda]\n"
-    "                   [--gpu-math fp32|tf32|bf16|auto]\n"
+    "                   [--gpu-math fp32|tf32|bf16|auto] [--setting KEY=VALUE]\n"
     "\n"
     "Perplexity of a model (a Hugging Face checkpoint folder, or an output folder of\n"
     "`bakron quantize`) computed with the native forward pass (F32):\n"
@@ -32,6 +32,8 @@ static const char *eval_usage =
     "                  (default: cuda when a GPU is present, else cpu)\n"
     "  --gpu-math M    fp32 (default: matches the CPU to ~1e-6), tf32 or bf16 (tensor cores),\n"
     "                  auto (bf16 for a BF16 checkpoint, else tf32)\n"
+    "  --setting K=V   backend setting (repeatable; README \"Settings\"): device=N,\n"
+    "                  mem_limit=BYTES\n"
     "  --json          print one JSON object on stdout instead of text\n"
     "  --logits-out F  also write the F32 logits [sequences*seqlen, vocab] of the\n"
     "                  evaluated sequences to the safetensors file F (tensor \"logits\",\n"
@@ -111,6 +113,8 @@ bk_status bk_cmd_eval(int argc, char **argv)
     int json = 0;
     bk_backend_kind bkind = BK_BACKEND_AUTO;
     bk_gemm_math gmath = BK_GEMM_FP32;
+    bk_backend_params bparams;
+    bk_backend_params_default(&bparams);
     bk_status st = BK_OK;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
@@ -136,6 +140,11 @@ bk_status bk_cmd_eval(int argc, char **argv)
         } else if ((r = opt_value(argc, argv, &i, "--gpu-math", &v)) != 0) {
             if (r < 0 || bk_gemm_math_from_name(v, &gmath) != BK_OK)
                 return cli_usage_error("--gpu-math: expected fp32, tf32, bf16 or auto");
+        } else if ((r = opt_value(argc, argv, &i, "--setting", &v)) != 0) {
+            if (r < 0)
+                return cli_usage_error("--setting needs KEY=VALUE");
+            if ((st = cli_setting(&bparams, v)) != BK_OK)
+                return st;
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
             if (r < 0)
                 return cli_usage_error("--batch needs a number");
@@ -182,7 +191,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
     }
     if (bkind == BK_BACKEND_CUDA || (bkind == BK_BACKEND_AUTO && bk_cuda_device_count() > 0)) {
         /* the forward pass on the GPU: --backend cuda, or auto with a GPU */
-        if ((st = bk_backend_create(BK_BACKEND_CUDA, &gpu)) != BK_OK)
+        if ((st = bk_backend_create_params(BK_BACKEND_CUDA, &bparams, &gpu)) != BK_OK)
             goto done;
         bk_backend_set_gemm_math(gpu, bk_gemm_math_resolve(m, gmath));
     }
