@@ -1,9 +1,12 @@
 /* Activation dumps: writing (bakron dump-activations) and reading
  * (bakron quantize --activations). Format: docs/activations.md. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -13,10 +16,12 @@
 #include "outdir.h"
 #include "pipeline_internal.h"
 #include "pipeline_gpu.h"
+#include "st_internal.h"
 #include "util.h"
 
 #define ACT_FORMAT "bakron-activations"
-#define ACT_VERSION 1
+#define ACT_VERSION 2    /* written; 1 (no identity digests) is still read */
+#define ACT_MAX_HEADER ((uint64_t)1 << 20) /* a layer file's header: a few hundred bytes */
 
 static const char *act_names[4] = {"attn_in", "o_in", "mlp_in", "down_in"};
 
@@ -26,8 +31,11 @@ struct bk_act_reader {
     int64_t n_layers;
     bk_dtype dtype;
     int zstd;
+    int version;
     char **files;
+    uint64_t *image_bytes; /* each file's exact size once decompressed (zstd) */
     const bk_model_config *cfg;
+    char cfg_sha[65], w_sha[65], calib_sha[65]; /* from the manifest (version 2) */
 };
 
 void bk_dump_opts_default(bk_dump_opts *o)
@@ -52,6 +60,17 @@ static int json_int(const cJSON *obj, const char *key, int64_t *out)
     return 1;
 }
 
+/* a 64-hex-digit digest under `key`, copied into out */
+static int json_sha(const cJSON *obj, const char *key, char out[65])
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!cJSON_IsString(v) || strlen(v->valuestring) != 64 ||
+        strspn(v->valuestring, "0123456789abcdef") != 64)
+        return 0;
+    memcpy(out, v->valuestring, 65);
+    return 1;
+}
+
 void bk__act_close(bk_act_reader *r)
 {
     if (!r)
@@ -61,13 +80,199 @@ void bk__act_close(bk_act_reader *r)
             free(r->files[i]);
         free(r->files);
     }
+    free(r->image_bytes);
     free(r);
 }
 
-bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samples,
-                       bk_act_reader **out, int64_t *S, int64_t *T)
+/* The header JSON of a plain .safetensors file (read, not mapped). */
+static bk_status read_plain_header(const char *path, char **json)
+{
+    *json = NULL;
+    struct stat sb;
+    int fd = bk_open_regular(path, &sb);
+    if (fd < 0)
+        return BK_ERR_IO;
+    unsigned char len8[8];
+    bk_status st = BK_OK;
+    if (pread(fd, len8, 8, 0) != 8) {
+        close(fd);
+        return bk_error(BK_ERR_ST_TOO_SHORT, "%s: shorter than the 8-byte header length", path);
+    }
+    uint64_t n = 0;
+    for (int i = 0; i < 8; i++)
+        n |= (uint64_t)len8[i] << (8 * i);
+    if (n > ACT_MAX_HEADER || 8 + n > (uint64_t)sb.st_size) {
+        close(fd);
+        return bk_error(BK_ERR_ST_HEADER_BOUNDS,
+                        "%s: header length %llu is not a layer file's (file of %lld bytes)", path,
+                        (unsigned long long)n, (long long)sb.st_size);
+    }
+    char *j = malloc((size_t)n + 1);
+    if (!j) {
+        close(fd);
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    }
+    if (pread(fd, j, (size_t)n, 8) != (ssize_t)n) {
+        st = bk_error(BK_ERR_IO, "%s: cannot read the header: %s", path, strerror(errno));
+        free(j);
+        j = NULL;
+    } else {
+        j[n] = '\0';
+    }
+    close(fd);
+    *json = j;
+    return st;
+}
+
+/* The short form of a digest for messages. */
+static const char *short_sha(const char *hex, char buf[17])
+{
+    memcpy(buf, hex, 16);
+    buf[16] = '\0';
+    return buf;
+}
+
+/* Check layer file `i` from its header alone (before any layer is processed):
+ * the layer it holds, the model and calibration it was made from (version 2),
+ * exactly the five tensors with the manifest's dtype and the model's shapes.
+ * Sets *image to 8 + header + data bytes: the file's exact (decompressed) size. */
+static bk_status check_layer_header(bk_act_reader *r, int64_t i, const char *path,
+                                    const char *json, uint64_t *image)
+{
+    cJSON *h = cJSON_ParseWithLength(json, strlen(json));
+    bk_status st = BK_OK;
+    if (!cJSON_IsObject(h)) {
+        st = bk_error(BK_ERR_CALIB, "%s: the safetensors header is not a JSON object", path);
+        goto out;
+    }
+    const cJSON *meta = cJSON_GetObjectItemCaseSensitive(h, "__metadata__");
+    const cJSON *lay = cJSON_GetObjectItemCaseSensitive(meta, "layer");
+    if (!cJSON_IsString(lay)) {
+        st = bk_error(BK_ERR_CALIB, "%s: no \"layer\" in the file's __metadata__ (not a layer "
+                      "file of an activation dump)", path);
+        goto out;
+    }
+    char *end = NULL;
+    long long lv = strtoll(lay->valuestring, &end, 10);
+    if (!lay->valuestring[0] || *end || lv < 0) {
+        st = bk_error(BK_ERR_CALIB, "%s: __metadata__ \"layer\" is not a layer index", path);
+        goto out;
+    }
+    if (lv != i) {
+        st = bk_error(BK_ERR_CALIB,
+                      "%s: holds the activations of layer %lld, but the manifest lists it as "
+                      "layer %lld's file (files[%lld]): swapped or redirected dump files",
+                      path, lv, (long long)i, (long long)i);
+        goto out;
+    }
+    if (r->version >= 2) {
+        struct {
+            const char *key, *want, *what;
+        } ids[] = {
+            {"config_sha256", r->cfg_sha, "another model (its config.json differs)"},
+            {"weights_sha256", r->w_sha, "another model (its weights differ)"},
+            {"calibration_sha256", r->calib_sha, "other calibration tokens"},
+        };
+        for (size_t k = 0; k < 3; k++) {
+            char got[65], a[17], b[17];
+            if (!json_sha(meta, ids[k].key, got)) {
+                st = bk_error(BK_ERR_CALIB, "%s: __metadata__ \"%s\" missing or not a SHA-256 "
+                              "(a version 2 dump's files carry it)", path, ids[k].key);
+                goto out;
+            }
+            if (strcmp(got, ids[k].want) != 0) {
+                st = bk_error(BK_ERR_CALIB,
+                              "%s: made from %s than the rest of the dump (%s %s..., "
+                              "manifest.json says %s...)",
+                              path, ids[k].what, ids[k].key, short_sha(got, a),
+                              short_sha(ids[k].want, b));
+                goto out;
+            }
+        }
+    }
+    const bk_model_config *c = r->cfg;
+    const int64_t widths[4] = {c->hidden, c->n_heads * c->head_dim, c->hidden, c->intermediate};
+    const int64_t N = r->file_S * r->T;
+    const uint64_t esz = bk_dtype_bits(r->dtype) / 8;
+    uint64_t data = 0;
+    int seen = 0;
+    for (const cJSON *e = h->child; e; e = e->next) {
+        if (!strcmp(e->string, "__metadata__"))
+            continue;
+        int k = -1;
+        for (int a = 0; a < 4; a++)
+            if (!strcmp(e->string, act_names[a]))
+                k = a;
+        if (!strcmp(e->string, "position_ids"))
+            k = 4;
+        if (k < 0) {
+            st = bk_error(BK_ERR_CALIB, "%s: unexpected tensor '%s' (a layer file holds %s, %s, "
+                          "%s, %s and position_ids)", path, e->string, act_names[0],
+                          act_names[1], act_names[2], act_names[3]);
+            goto out;
+        }
+        seen |= 1 << k;
+        const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+        const cJSON *shp = cJSON_GetObjectItemCaseSensitive(e, "shape");
+        bk_dtype d;
+        if (!cJSON_IsString(dt) || bk_dtype_from_name(dt->valuestring, &d) != BK_OK ||
+            !cJSON_IsArray(shp)) {
+            st = bk_error(BK_ERR_CALIB, "%s: tensor '%s' has no valid dtype / shape", path,
+                          e->string);
+            goto out;
+        }
+        int64_t want0 = N, want1 = k < 4 ? widths[k] : -1;
+        int nd = cJSON_GetArraySize(shp);
+        int64_t dims[2] = {-1, -1};
+        for (int a = 0; a < 2 && a < nd; a++) {
+            const cJSON *x = cJSON_GetArrayItem(shp, a);
+            if (cJSON_IsNumber(x) && x->valuedouble >= 0 && x->valuedouble <= 9007199254740992.0 &&
+                floor(x->valuedouble) == x->valuedouble)
+                dims[a] = (int64_t)x->valuedouble;
+        }
+        const int64_t d0 = dims[0], d1 = dims[1];
+        if (k < 4) {
+            if (d != r->dtype) {
+                st = bk_error(BK_ERR_CALIB, "%s: tensor '%s' is %s, the manifest says %s", path,
+                              e->string, bk_dtype_name(d), bk_dtype_name(r->dtype));
+                goto out;
+            }
+            if (nd != 2 || d0 != want0 || d1 != want1) {
+                st = bk_error(BK_ERR_CALIB,
+                              "%s: tensor '%s' must be [%lld, %lld] (sequences x seqlen, width "
+                              "of layer %lld of this model)",
+                              path, e->string, (long long)want0, (long long)want1, (long long)i);
+                goto out;
+            }
+            data += (uint64_t)N * (uint64_t)want1 * esz;
+        } else {
+            if ((d != BK_DT_I32 && d != BK_DT_I64) || nd != 1 || d0 != want0) {
+                st = bk_error(BK_ERR_CALIB, "%s: 'position_ids' must be I32/I64 [%lld]", path,
+                              (long long)N);
+                goto out;
+            }
+            data += (uint64_t)N * (d == BK_DT_I32 ? 4u : 8u);
+        }
+    }
+    for (int k = 0; k < 5; k++) {
+        if (!(seen & (1 << k))) {
+            st = bk_error(BK_ERR_CALIB, "%s: tensor '%s' is missing", path,
+                          k < 4 ? act_names[k] : "position_ids");
+            goto out;
+        }
+    }
+    *image = 8 + strlen(json) + data;
+out:
+    cJSON_Delete(h);
+    return st;
+}
+
+bk_status bk__act_open(const char *dir, const bk_model *model, int64_t samples,
+                       bk_act_reader **out, int64_t *S, int64_t *T, const char **note)
 {
     *out = NULL;
+    *note = NULL;
+    const bk_model_config *cfg = bk_model_get_config(model);
     char path[4096];
     bk_status st = bk_path_join(path, sizeof path, dir, "manifest.json");
     if (st != BK_OK)
@@ -90,12 +295,13 @@ bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samp
     const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(j, "format");
     int64_t ver = 0;
     if (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, ACT_FORMAT) != 0 ||
-        !json_int(j, "version", &ver) || ver != ACT_VERSION) {
-        st = bk_error(BK_ERR_CALIB, "%s: not a '%s' version %d manifest", path, ACT_FORMAT,
+        !json_int(j, "version", &ver) || ver < 1 || ver > ACT_VERSION) {
+        st = bk_error(BK_ERR_CALIB, "%s: not a '%s' version 1 or %d manifest", path, ACT_FORMAT,
                       ACT_VERSION);
         goto fail;
     }
-    const cJSON *model = cJSON_GetObjectItemCaseSensitive(j, "model");
+    r->version = (int)ver;
+    const cJSON *model_j = cJSON_GetObjectItemCaseSensitive(j, "model");
     struct {
         const char *key;
         int64_t want;
@@ -104,13 +310,13 @@ bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samp
         {"intermediate_size", cfg->intermediate}, {"num_attention_heads", cfg->n_heads},
         {"num_key_value_heads", cfg->n_kv_heads}, {"head_dim", cfg->head_dim},
     };
-    if (!cJSON_IsObject(model)) {
+    if (!cJSON_IsObject(model_j)) {
         st = bk_error(BK_ERR_CALIB, "%s: missing 'model' object", path);
         goto fail;
     }
     for (size_t i = 0; i < sizeof checks / sizeof checks[0]; i++) {
         int64_t v;
-        if (!json_int(model, checks[i].key, &v)) {
+        if (!json_int(model_j, checks[i].key, &v)) {
             st = bk_error(BK_ERR_CALIB, "%s: model.%s missing or not an integer", path, checks[i].key);
             goto fail;
         }
@@ -119,6 +325,37 @@ bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samp
                           path, checks[i].key, (long long)v, (long long)checks[i].want);
             goto fail;
         }
+    }
+    if (r->version >= 2) {
+        /* the identity of the model and calibration the dump was made from */
+        char mc[65], mw[65], a[17], b[17];
+        if (!json_sha(model_j, "config_sha256", r->cfg_sha) ||
+            !json_sha(model_j, "weights_sha256", r->w_sha) ||
+            !json_sha(j, "calibration_sha256", r->calib_sha)) {
+            st = bk_error(BK_ERR_CALIB, "%s: model.config_sha256, model.weights_sha256 or "
+                          "calibration_sha256 missing or not a SHA-256 (version 2 manifest)",
+                          path);
+            goto fail;
+        }
+        if ((st = bk__model_digest(model, mc, mw)) != BK_OK)
+            goto fail;
+        if (strcmp(mc, r->cfg_sha) != 0) {
+            st = bk_error(BK_ERR_CALIB,
+                          "%s: dumped from another model: config.json differs (config_sha256 "
+                          "%s... in the dump, %s... for %s/config.json)",
+                          path, short_sha(r->cfg_sha, a), short_sha(mc, b), bk_model_dir(model));
+            goto fail;
+        }
+        if (strcmp(mw, r->w_sha) != 0) {
+            st = bk_error(BK_ERR_CALIB,
+                          "%s: dumped from another model: the weights differ (weights_sha256 "
+                          "%s... in the dump, %s... for the checkpoint in %s)",
+                          path, short_sha(r->w_sha, a), short_sha(mw, b), bk_model_dir(model));
+            goto fail;
+        }
+    } else {
+        *note = "activation dump of version 1: no model or calibration digests to check "
+                "(layer indices, tensor names and shapes are checked); re-dump to get them";
     }
     int64_t layers;
     if (!json_int(j, "sequences", &r->file_S) || !json_int(j, "seqlen", &r->T) ||
@@ -134,6 +371,11 @@ bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samp
     if (r->T > cfg->max_positions) {
         st = bk_error(BK_ERR_CALIB, "%s: seqlen %lld exceeds max_position_embeddings %lld", path,
                       (long long)r->T, (long long)cfg->max_positions);
+        goto fail;
+    }
+    if (r->file_S > ((int64_t)1 << 40) / r->T) {
+        st = bk_error(BK_ERR_CALIB, "%s: %lld sequences of %lld tokens is not a dump size", path,
+                      (long long)r->file_S, (long long)r->T);
         goto fail;
     }
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(j, "dtype");
@@ -156,7 +398,8 @@ bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samp
     }
     r->n_layers = layers;
     r->files = calloc((size_t)layers, sizeof(char *));
-    if (!r->files) {
+    r->image_bytes = calloc((size_t)layers, sizeof(uint64_t));
+    if (!r->files || !r->image_bytes) {
         st = bk_error(BK_ERR_NOMEM, "out of memory");
         goto fail;
     }
@@ -164,6 +407,12 @@ bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samp
         const cJSON *f = cJSON_GetArrayItem(files, (int)i);
         if (!cJSON_IsString(f) || strchr(f->valuestring, '/') || f->valuestring[0] == '.') {
             st = bk_error(BK_ERR_CALIB, "%s: files[%lld] must be a plain file name", path, (long long)i);
+            goto fail;
+        }
+        if (bk_ends_with(f->valuestring, ".zst") != r->zstd) {
+            st = bk_error(BK_ERR_CALIB, "%s: files[%lld] '%s' %s a .zst name but compression is "
+                          "\"%s\"", path, (long long)i, f->valuestring,
+                          r->zstd ? "is not" : "is", r->zstd ? "zstd" : "none");
             goto fail;
         }
         char p[4096];
@@ -187,14 +436,38 @@ bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samp
     }
     cJSON_Delete(j);
     j = NULL;
-    /* check every layer file's tensors now (cheap for plain files: only the
-     * headers are read), so a bad dump fails before any work is done; a
-     * compressed dump is checked on its first layer here, the others when
-     * they are reached */
-    for (int64_t l = 0; l < (r->zstd ? 1 : layers); l++) {
-        bk_act_layer al;
-        st = bk__act_layer_open(r, (int)l, &al);
-        bk__act_layer_close(&al);
+    /* every layer file's header now (cheap: a compressed file is decompressed
+     * only as far as its header), so that a swapped, redirected or foreign file
+     * fails before any work is done; a plain file is also opened and validated
+     * whole (only its header is read), a compressed one when its layer is reached */
+    /* the largest image the manifest's shapes allow (header at its limit, I64
+     * positions): a frame that declares more is refused before decoding */
+    uint64_t max_image = 8 + ACT_MAX_HEADER;
+    {
+        const uint64_t N = (uint64_t)(r->file_S * r->T), esz = bk_dtype_bits(r->dtype) / 8;
+        max_image += N * 8 + N * esz * (uint64_t)(2 * cfg->hidden + cfg->n_heads * cfg->head_dim +
+                                                  cfg->intermediate);
+    }
+    for (int64_t l = 0; l < layers; l++) {
+        char *hdr = NULL;
+        uint64_t declared = UINT64_MAX;
+        st = r->zstd ? bk_st_zst_header(r->files[l], ACT_MAX_HEADER, max_image,
+                                        "the manifest's shapes", &hdr, &declared)
+                     : read_plain_header(r->files[l], &hdr);
+        if (st == BK_OK)
+            st = check_layer_header(r, l, r->files[l], hdr, &r->image_bytes[l]);
+        free(hdr);
+        if (st == BK_OK && r->zstd && declared != UINT64_MAX && declared != r->image_bytes[l])
+            st = bk_error(BK_ERR_CALIB,
+                          "%s: the zstd frame declares %llu decompressed bytes, the manifest's "
+                          "shapes give %llu",
+                          r->files[l], (unsigned long long)declared,
+                          (unsigned long long)r->image_bytes[l]);
+        if (st == BK_OK && !r->zstd) {
+            bk_act_layer al;
+            st = bk__act_layer_open(r, (int)l, &al);
+            bk__act_layer_close(&al);
+        }
         if (st != BK_OK)
             goto fail;
     }
@@ -212,7 +485,11 @@ bk_status bk__act_layer_open(bk_act_reader *r, int layer, bk_act_layer *al)
 {
     memset(al, 0, sizeof *al);
     const char *path = r->files[layer];
-    bk_status st = bk_st_open_any(path, &al->file);
+    /* a compressed file's image is exactly the size its header (checked at
+     * open) implies: no larger buffer is ever allocated */
+    bk_status st = r->zstd ? bk_st_open_zst_max(path, r->image_bytes[layer],
+                                                "the manifest's shapes", &al->file)
+                           : bk_st_open(path, &al->file);
     if (st != BK_OK)
         return st;
     const bk_model_config *c = r->cfg;
@@ -400,6 +677,11 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
                       o->calib_path, (long long)T, (long long)c->max_positions);
         goto done;
     }
+    /* the identity of what the dump is made from, in the manifest and every file */
+    char cfg_sha[65], w_sha[65], calib_sha[65];
+    if ((st = bk__model_digest(model, cfg_sha, w_sha)) != BK_OK)
+        goto done;
+    bk__calib_digest(tokens, S, T, calib_sha);
     int64_t N = S * T, B = o->batch > 0 ? o->batch : bk_fwd_auto_batch(c, S, T);
     if (B > S)
         B = S;
@@ -456,12 +738,15 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     cJSON_AddNumberToObject(mj, "num_key_value_heads", (double)c->n_kv_heads);
     cJSON_AddNumberToObject(mj, "head_dim", (double)c->head_dim);
     cJSON_AddNumberToObject(mj, "vocab_size", (double)c->vocab);
+    cJSON_AddStringToObject(mj, "config_sha256", cfg_sha);
+    cJSON_AddStringToObject(mj, "weights_sha256", w_sha);
     cJSON_AddNumberToObject(man, "sequences", (double)S);
     cJSON_AddNumberToObject(man, "seqlen", (double)T);
     cJSON_AddStringToObject(man, "dtype", bk_dtype_name(o->dtype));
     cJSON_AddStringToObject(man, "compression", o->zstd ? "zstd" : "none");
     cJSON_AddNumberToObject(man, "layers", (double)c->n_layers);
     cJSON_AddStringToObject(man, "calibration", o->calib_path);
+    cJSON_AddStringToObject(man, "calibration_sha256", calib_sha);
     cJSON_AddStringToObject(man, "device", gpu ? bk_backend_device(gd.b) : "cpu");
     if (gpu)
         cJSON_AddStringToObject(man, "gpu_math",
@@ -533,6 +818,12 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
         snprintf(lbuf, sizeof lbuf, "%d", l);
         if (st == BK_OK)
             st = bk_st_writer_set_meta(w, "layer", lbuf);
+        if (st == BK_OK)
+            st = bk_st_writer_set_meta(w, "config_sha256", cfg_sha);
+        if (st == BK_OK)
+            st = bk_st_writer_set_meta(w, "weights_sha256", w_sha);
+        if (st == BK_OK)
+            st = bk_st_writer_set_meta(w, "calibration_sha256", calib_sha);
         if (st == BK_OK)
             st = o->zstd ? bk_st_writer_save_zst(w, path, o->zstd_level) : bk_st_writer_save(w, path);
         bk_st_writer_free(w);

@@ -1319,9 +1319,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             goto fail;
         }
     } else if (o->activations_dir) {
-        st = bk__act_open(o->activations_dir, j->cfg, o->samples, &j->acts, &j->S, &j->T);
+        const char *note = NULL;
+        st = bk__act_open(o->activations_dir, j->model, o->samples, &j->acts, &j->S, &j->T,
+                          &note);
         if (st != BK_OK)
             goto fail;
+        if (note)
+            job_note(j, note);
     } else {
         j->S = 0;
         j->T = 1;

@@ -33,6 +33,11 @@ bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
                         const bk_quantize_opts *o, const bk_model_config *cfg, int layer,
                         cJSON *report, int64_t *params);
 
+/* bakron merge (src/merge.c): the merged output of the part folders dirs[n]
+ * written into the folder work (which exists). */
+bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
+                         uint64_t max_shard_bytes);
+
 /* Activation dumps (src/activations.c). */
 typedef struct bk_act_reader bk_act_reader;
 typedef struct bk_act_layer {
@@ -40,13 +45,22 @@ typedef struct bk_act_layer {
     const bk_tensor_info *t[4]; /* attn_in, o_in, mlp_in, down_in */
 } bk_act_layer;
 
-bk_status bk__act_open(const char *dir, const bk_model_config *cfg, int64_t samples,
-                       bk_act_reader **out, int64_t *S, int64_t *T);
+/* Open and check a dump for `model` (docs/activations.md "Checks"): the
+ * manifest, every layer file's header (layer index, tensor names, dtypes and
+ * shapes, model and calibration digests). *note: a line for the user or NULL. */
+bk_status bk__act_open(const char *dir, const bk_model *model, int64_t samples,
+                       bk_act_reader **out, int64_t *S, int64_t *T, const char **note);
 void bk__act_close(bk_act_reader *r);
 bk_status bk__act_layer_open(bk_act_reader *r, int layer, bk_act_layer *al);
 void bk__act_layer_close(bk_act_layer *al);
 /* Rows [r0, r0+nr) of tensor `name` ("attn_in", ...) as F32 into dst [nr, width]. */
 bk_status bk__act_rows(const bk_act_layer *al, const char *name, int64_t r0, int64_t nr,
                        int64_t width, float *dst);
+
+/* Identity digests (src/digest.c): SHA-256 of config.json's bytes, and of every
+ * tensor's name, dtype, shape and a sample of its bytes (docs/activations.md);
+ * of the calibration tokens [S, T] actually used. 64 hex digits + NUL. */
+bk_status bk__model_digest(const bk_model *m, char config_hex[65], char weights_hex[65]);
+void bk__calib_digest(const int32_t *tokens, int64_t S, int64_t T, char hex[65]);
 
 #endif

@@ -781,8 +781,18 @@ bk_status bk_st_check_unchanged(const bk_st_file *f)
 
 bk_status bk_st_open_zst(const char *path, bk_st_file **out)
 {
+    return bk_st_open_zst_max(path, BK_ST_ZST_MAX_BYTES, NULL, out);
+}
+
+bk_status bk_st_open_zst_max(const char *path, uint64_t max_bytes, const char *bound_why,
+                             bk_st_file **out)
+{
     if (!out || !path)
         return bk_error(BK_ERR_INVALID_ARG, "bk_st_open_zst: NULL argument");
+    if (max_bytes > BK_ST_ZST_MAX_BYTES)
+        max_bytes = BK_ST_ZST_MAX_BYTES;
+    if (!bound_why)
+        bound_why = "the reader's limit";
     *out = NULL;
     bk_status st = BK_OK;
     unsigned char *dbuf = NULL;
@@ -815,16 +825,18 @@ bk_status bk_st_open_zst(const char *path, bk_st_file **out)
     }
     size_t first = ZSTD_findFrameCompressedSize(cmap, clen);
     int known = want != ZSTD_CONTENTSIZE_UNKNOWN && !ZSTD_isError(first) && first == clen;
-    if (known && want > BK_ST_ZST_MAX_BYTES) {
+    if (known && want > max_bytes) {
+        /* before any allocation: a tiny file may declare any size */
         st = bk_error(BK_ERR_ZSTD,
-                      "%s: decompressed size too large (got %llu bytes, limit %llu)", path, want,
-                      BK_ST_ZST_MAX_BYTES);
+                      "%s: the zstd frame declares %llu decompressed bytes, more than the "
+                      "%llu bytes allowed by %s",
+                      path, want, (unsigned long long)max_bytes, bound_why);
         goto done;
     }
     /* with a known size, one spare byte makes any excess output visible */
     size_t cap = known ? (size_t)want + 1 : (clen < (1u << 20) ? (1u << 20) : clen * 4);
-    if (!known && cap > BK_ST_ZST_MAX_BYTES)
-        cap = BK_ST_ZST_MAX_BYTES;
+    if (!known && cap > max_bytes)
+        cap = (size_t)max_bytes + 1;
     dbuf = malloc(cap);
     dctx = ZSTD_createDCtx();
     if (!dbuf || !dctx) {
@@ -861,12 +873,13 @@ bk_status bk_st_open_zst(const char *path, bk_st_file **out)
             continue;
         }
         /* output full: grow (only possible when the size is unknown) */
-        if (cap >= BK_ST_ZST_MAX_BYTES) {
-            st = bk_error(BK_ERR_ZSTD, "%s: decompressed size exceeds the limit of %llu bytes",
-                          path, BK_ST_ZST_MAX_BYTES);
+        if (cap > max_bytes) {
+            st = bk_error(BK_ERR_ZSTD,
+                          "%s: decompressed size exceeds the %llu bytes allowed by %s", path,
+                          (unsigned long long)max_bytes, bound_why);
             goto done;
         }
-        size_t ncap = cap > BK_ST_ZST_MAX_BYTES / 2 ? BK_ST_ZST_MAX_BYTES : cap * 2;
+        size_t ncap = cap > max_bytes / 2 ? (size_t)max_bytes + 1 : cap * 2;
         unsigned char *nb = realloc(dbuf, ncap);
         if (!nb) {
             st = bk_error(BK_ERR_NOMEM, "%s: out of memory growing to %zu bytes", path, ncap);
@@ -919,6 +932,108 @@ bk_status bk_st_open_any(const char *path, bk_st_file **out)
     if (path && bk_ends_with(path, ".zst"))
         return bk_st_open_zst(path, out);
     return bk_st_open(path, out);
+}
+
+bk_status bk_st_zst_header(const char *path, uint64_t max_header, uint64_t max_image,
+                           const char *bound_why, char **json, uint64_t *declared)
+{
+    *json = NULL;
+    *declared = UINT64_MAX;
+    bk_status st = BK_OK;
+    struct stat sb;
+    int fd = bk_open_regular(path, &sb);
+    if (fd < 0)
+        return BK_ERR_IO;
+    size_t clen = (size_t)sb.st_size;
+    if (clen == 0) {
+        close(fd);
+        return bk_error(BK_ERR_ZSTD, "%s: empty file is not a zstd stream", path);
+    }
+    void *cmap = mmap(NULL, clen, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (cmap == MAP_FAILED) {
+        int e = errno;
+        close(fd);
+        return bk_error(BK_ERR_IO, "%s: cannot map %zu bytes: %s", path, clen, strerror(e));
+    }
+    const int guard = bk_mapguard_add(cmap, clen);
+    unsigned char *buf = NULL;
+    ZSTD_DCtx *dctx = NULL;
+    unsigned long long want = ZSTD_getFrameContentSize(cmap, clen);
+    if (want == ZSTD_CONTENTSIZE_ERROR) {
+        st = bk_error(BK_ERR_ZSTD, "%s: not a zstd stream (bad or truncated frame header)", path);
+        goto done;
+    }
+    size_t first = ZSTD_findFrameCompressedSize(cmap, clen);
+    if (want != ZSTD_CONTENTSIZE_UNKNOWN && !ZSTD_isError(first) && first == clen)
+        *declared = want;
+    if (want != ZSTD_CONTENTSIZE_UNKNOWN && want > max_image) {
+        /* before decoding anything: a tiny file may declare any size */
+        st = bk_error(BK_ERR_ZSTD,
+                      "%s: the zstd frame declares %llu decompressed bytes, more than the "
+                      "%llu bytes allowed by %s",
+                      path, want, (unsigned long long)max_image, bound_why);
+        goto done;
+    }
+    /* decode the 8-byte length, then the header it announces, and stop */
+    size_t cap = 8;
+    buf = malloc(8 + max_header + 1);
+    dctx = ZSTD_createDCtx();
+    if (!buf || !dctx) {
+        st = bk_error(BK_ERR_NOMEM, "%s: out of memory", path);
+        goto done;
+    }
+    ZSTD_inBuffer in = {cmap, clen, 0};
+    size_t got = 0;
+    for (int phase = 0; phase < 2; phase++) {
+        while (got < cap) {
+            ZSTD_outBuffer ob = {buf, cap, got};
+            size_t before = in.pos;
+            size_t ret = ZSTD_decompressStream(dctx, &ob, &in);
+            if (ZSTD_isError(ret)) {
+                st = bk_error(BK_ERR_ZSTD, "%s: corrupt zstd stream: %s", path,
+                              ZSTD_getErrorName(ret));
+                goto done;
+            }
+            if (ob.pos == got && (in.pos == in.size || in.pos == before)) {
+                st = bk_error(BK_ERR_ZSTD,
+                              "%s: the stream ends after %zu bytes, inside the safetensors "
+                              "header",
+                              path, ob.pos);
+                goto done;
+            }
+            got = ob.pos;
+        }
+        if (phase == 0) {
+            uint64_t n = 0;
+            for (int i = 0; i < 8; i++)
+                n |= (uint64_t)buf[i] << (8 * i);
+            if (n > max_header) {
+                st = bk_error(BK_ERR_ST_HEADER_TOO_LARGE,
+                              "%s: header length %llu exceeds the %llu bytes allowed here", path,
+                              (unsigned long long)n, (unsigned long long)max_header);
+                goto done;
+            }
+            cap = 8 + (size_t)n;
+        }
+    }
+    {
+        size_t n = cap - 8;
+        char *j = malloc(n + 1);
+        if (!j) {
+            st = bk_error(BK_ERR_NOMEM, "%s: out of memory", path);
+            goto done;
+        }
+        memcpy(j, buf + 8, n);
+        j[n] = '\0';
+        *json = j;
+    }
+done:
+    ZSTD_freeDCtx(dctx);
+    free(buf);
+    bk_mapguard_remove(guard);
+    munmap(cmap, clen);
+    close(fd);
+    return st;
 }
 
 /* ------------------------------------------------------------- accessors */

@@ -14,6 +14,20 @@
 /* Largest decompressed image bk_st_open_zst will build (64 GiB). */
 #define BK_ST_ZST_MAX_BYTES (64ull << 30)
 
+/* bk_st_open_zst with a smaller bound on the decompressed image (checked
+ * against the frame's declared size before anything is allocated); bound_why
+ * names where the bound comes from in the error ("the manifest's shapes"). */
+bk_status bk_st_open_zst_max(const char *path, uint64_t max_bytes, const char *bound_why,
+                             bk_st_file **out);
+/* Decompress only the start of a .safetensors.zst file: its header JSON
+ * (at most max_header bytes; NUL-terminated copy in *json, to free) and the
+ * image size the frame declares (*declared; UINT64_MAX when not recorded). A
+ * first frame that declares more than max_image bytes is refused before
+ * anything is decoded (BK_ERR_ZSTD, bound_why names the bound's origin). The
+ * header is not validated. */
+bk_status bk_st_zst_header(const char *path, uint64_t max_header, uint64_t max_image,
+                           const char *bound_why, char **json, uint64_t *declared);
+
 /* Offset of the first invalid UTF-8 sequence in s[0..n), or n if it is valid
  * (rejects overlong forms, surrogates and code points above U+10FFFF). */
 size_t bk_utf8_invalid_at(const unsigned char *s, size_t n);

@@ -126,6 +126,25 @@ void bk_dump_opts_default(bk_dump_opts *o);
  * every linear module per layer (docs/activations.md). */
 bk_status bk_dump_activations(const bk_dump_opts *o);
 
+/* bakron merge: assemble the outputs of layer-range runs (quantize
+ * --activations DIR --layers A:B) into the checkpoint one full run writes,
+ * byte for byte (report.json: the parts' modules and times merged). Refused
+ * (bad input): ranges that overlap or leave layers out, parts made with
+ * different settings, model or calibration, parts made from --calib tokens
+ * with the sequential flow (their inputs depend on the layers before). */
+typedef struct bk_merge_opts {
+    const char *const *parts;     /* the part output folders, any order */
+    int n_parts;
+    const char *out_dir;
+    int overwrite;
+    uint64_t max_shard_bytes;     /* 0 = 5 GB (give the parts' --max-shard-size) */
+    bk_event_fn on_event;         /* NOTE and DONE events */
+    void *user;
+} bk_merge_opts;
+
+void bk_merge_opts_default(bk_merge_opts *o);
+bk_status bk_merge(const bk_merge_opts *o);
+
 /* Ask a running job to stop at the next module boundary (async-signal-safe);
  * the job then returns BK_ERR_INTERRUPTED and removes its temporary output. */
 void bk_request_stop(void);

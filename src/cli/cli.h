@@ -17,6 +17,7 @@ bk_status bk_cmd_bench(int argc, char **argv);
 bk_status bk_cmd_quantize(int argc, char **argv);
 bk_status bk_cmd_dump(int argc, char **argv);
 bk_status bk_cmd_eval(int argc, char **argv);
+bk_status bk_cmd_merge(int argc, char **argv);
 
 /* --- helpers (cli_util.c) --- */
 

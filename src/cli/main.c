@@ -18,6 +18,7 @@ static const command commands[] = {
     {"quantize", bk_cmd_quantize, "quantize a checkpoint layer by layer (GPTQ / BaKron)"},
     {"eval", bk_cmd_eval, "perplexity of a model on token sequences (native forward)"},
     {"dump-activations", bk_cmd_dump, "write the calibration inputs of every linear module"},
+    {"merge", bk_cmd_merge, "assemble layer-range outputs (--layers A:B) into one checkpoint"},
     {"inspect", bk_cmd_inspect, "describe a checkpoint: architecture, sizes, dtypes, tensors"},
     {"solve", bk_cmd_solve, "quantize one weight matrix under given Hessian factors"},
     {"bench", bk_cmd_bench, "time the solvers on random problems"},

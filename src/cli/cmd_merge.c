@@ -1,0 +1,99 @@
+/* bakron merge */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bakron/pipeline.h"
+#include "cli.h"
+
+static const char *merge_usage =
+    "usage: bakron merge PART_DIR... --out OUT_DIR [options]\n"
+    "\n"
+    "Assemble the outputs of layer-range runs (bakron quantize --activations DIR --layers A:B)\n"
+    "into the checkpoint one full run writes, byte for byte (report.json: the parts' modules\n"
+    "and times merged). The parts must cover every layer exactly once and be made with the\n"
+    "same settings, model and activations; otherwise nothing is written (exit 2).\n"
+    "docs/DISTRIBUTED.md.\n"
+    "\n"
+    "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
+    "  --max-shard-size B    bytes per safetensors shard (default 5e9; give the parts' value)\n"
+    "  --overwrite           replace a non-empty output folder\n"
+    "  --json                one JSON object per event on stdout\n";
+
+static void on_event(void *user, const bk_event *ev)
+{
+    int json = *(int *)user;
+    const char *msg = ev->message ? ev->message : "";
+    if (json) {
+        fputs(ev->kind == BK_EV_DONE ? "{\"event\":\"done\",\"out\":\"" : "{\"event\":\"note\",\"message\":\"", stdout);
+        for (const char *p = msg; *p; p++) {
+            if (*p == '"' || *p == '\\')
+                fputc('\\', stdout);
+            if ((unsigned char)*p >= 0x20)
+                fputc(*p, stdout);
+        }
+        printf("\",\"elapsed_s\":%.3f}\n", ev->elapsed_s);
+        fflush(stdout);
+        return;
+    }
+    if (ev->kind == BK_EV_DONE)
+        fprintf(stderr, "bakron: merged into %s in %.1fs\n", msg, ev->elapsed_s);
+    else
+        fprintf(stderr, "bakron: %s\n", msg);
+}
+
+bk_status bk_cmd_merge(int argc, char **argv)
+{
+    if (cli_wants_help(argc, argv)) {
+        fputs(merge_usage, stdout);
+        return BK_OK;
+    }
+    static const struct option opts[] = {
+        {"out", required_argument, NULL, 'o'},
+        {"max-shard-size", required_argument, NULL, 's'},
+        {"overwrite", no_argument, NULL, 'w'},
+        {"json", no_argument, NULL, 'j'},
+        {NULL, 0, NULL, 0},
+    };
+    bk_merge_opts o;
+    bk_merge_opts_default(&o);
+    const char **parts = calloc((size_t)argc + 1, sizeof *parts);
+    if (!parts)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    int n = 0, json = 0, c;
+    double dv;
+    bk_status st = BK_OK;
+    optind = 0;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "-", opts, NULL)) != -1) {
+        switch (c) {
+        case 1: parts[n++] = optarg; break;
+        case 'o': o.out_dir = optarg; break;
+        case 's':
+            if ((st = cli_parse_double("--max-shard-size", optarg, 1e3, 1e15, &dv)) != BK_OK)
+                goto done;
+            o.max_shard_bytes = (uint64_t)dv;
+            break;
+        case 'w': o.overwrite = 1; break;
+        case 'j': json = 1; break;
+        default: st = cli_usage_error("bad option '%s'", argv[optind - 1]); goto done;
+        }
+    }
+    if (n < 1) {
+        st = cli_usage_error("at least one PART_DIR is required");
+        goto done;
+    }
+    if (!o.out_dir) {
+        st = cli_usage_error("--out OUT_DIR is required");
+        goto done;
+    }
+    o.parts = parts;
+    o.n_parts = n;
+    o.on_event = on_event;
+    o.user = &json;
+    st = bk_merge(&o);
+done:
+    free(parts);
+    return st;
+}
