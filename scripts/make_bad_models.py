@@ -114,8 +114,8 @@ CONFIGS = {
     "dtype_number.json": cfg(torch_dtype=DROP, dtype=16),
     "eos_string.json": cfg(eos_token_id="</s>"),
     "eos_list_negative.json": cfg(eos_token_id=[2, -1]),
-    "quantized_gptq.json": cfg(quantization_config={"quant_method": "gptq", "bits": 4,
-                                                    "group_size": 128}),
+    "quantized_awq.json": cfg(quantization_config={"quant_method": "awq", "bits": 4,
+                                                   "group_size": 128}),
     "quantization_config_no_method.json": cfg(quantization_config={"bits": 4}),
 }
 

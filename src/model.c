@@ -15,7 +15,6 @@
 
 #include "util.h"
 
-#define CONFIG_MAX_BYTES ((size_t)64 << 20)
 #define JSON_MAX_WHOLE 9007199254740992.0 /* 2^53 */
 
 /* Sane upper bounds for sizes read from config.json. */
@@ -600,16 +599,17 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
                           label, json_type_name(qm));
             goto done;
         }
-        if (strcmp(qm->valuestring, "bakron") != 0) {
+        const int gptq = !strcmp(qm->valuestring, "gptq");
+        if (strcmp(qm->valuestring, "bakron") != 0 && !gptq) {
             st = bk_error(BK_ERR_UNSUPPORTED,
                           "%s: quantization_config.quant_method '%.40s': the checkpoint is "
-                          "already quantized (only unquantized checkpoints and bakron native "
-                          "exports are supported)",
+                          "already quantized (only unquantized checkpoints, bakron native and "
+                          "GPTQ v1 checkpoints are supported)",
                           label, qm->valuestring);
             goto done;
         }
         if (quantized)
-            *quantized = 1;
+            *quantized = gptq ? 2 : 1;
     }
 
 done:
@@ -631,9 +631,16 @@ static bk_status load_config(const char *path, bk_model_config *cfg, int *quanti
 {
     char *buf = NULL;
     size_t len = 0;
-    bk_status st = bk_read_file(path, CONFIG_MAX_BYTES, &buf, &len);
+    bk_status st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &buf, &len);
     if (st != BK_OK)
         return st;
+    const char *nul = memchr(buf, '\0', len);
+    if (nul) {
+        st = bk_error(BK_ERR_CONFIG, "%s: a NUL byte at offset %zu (JSON text has none)", path,
+                      (size_t)(nul - buf));
+        free(buf);
+        return st;
+    }
     st = parse_config(buf, len, path, cfg, quantized);
     free(buf);
     return st;
@@ -849,8 +856,9 @@ struct bk_model {
     char *dir;
     bk_model_config cfg;
     bk_st_set *set;
-    int quantized;
-    int64_t q_group; /* native quantized: input columns per scale group, 0 = one per row */
+    int quantized;   /* 0 no, 1 bakron native, 2 GPTQ v1 */
+    int64_t q_group; /* quantized: input columns per scale group, 0 = one per row */
+    int q_bits;      /* GPTQ: bits per code */
 };
 
 static int is_float_dtype(bk_dtype dt)
@@ -866,7 +874,7 @@ static bk_status read_native_qconfig(const char *path, int64_t *group)
 {
     char *text = NULL;
     size_t len = 0;
-    bk_status st = bk_read_file(path, 64u << 20, &text, &len);
+    bk_status st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &text, &len);
     if (st != BK_OK)
         return st;
     cJSON *root = cJSON_ParseWithLength(text, len);
@@ -886,6 +894,40 @@ static bk_status read_native_qconfig(const char *path, int64_t *group)
         st = bk_error(BK_ERR_CONFIG,
                       "%s: quantization_config.group_size must be -1 or a positive integer", path);
     } else {
+        *group = gs->valuedouble < 0 ? 0 : (int64_t)gs->valuedouble;
+    }
+    cJSON_Delete(root);
+    return st;
+}
+
+/* quantization_config of a GPTQ checkpoint: bits 2/3/4/8, group_size -1 or
+ * > 0, checkpoint_format absent or "gptq" (v1: zero points stored minus 1). */
+static bk_status read_gptq_qconfig(const char *path, int64_t *group, int *bits)
+{
+    char *text = NULL;
+    size_t len = 0;
+    bk_status st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &text, &len);
+    if (st != BK_OK)
+        return st;
+    cJSON *root = cJSON_ParseWithLength(text, len);
+    free(text);
+    const cJSON *qc = root ? cJSON_GetObjectItemCaseSensitive(root, "quantization_config") : NULL;
+    const cJSON *b = qc ? cJSON_GetObjectItemCaseSensitive(qc, "bits") : NULL;
+    const cJSON *gs = qc ? cJSON_GetObjectItemCaseSensitive(qc, "group_size") : NULL;
+    const cJSON *cf = qc ? cJSON_GetObjectItemCaseSensitive(qc, "checkpoint_format") : NULL;
+    if (cf && (!cJSON_IsString(cf) || strcmp(cf->valuestring, "gptq") != 0)) {
+        st = bk_error(BK_ERR_UNSUPPORTED,
+                      "%s: quantization_config.checkpoint_format: only \"gptq\" (v1) is read",
+                      path);
+    } else if (!cJSON_IsNumber(b) || !(b->valuedouble == 2 || b->valuedouble == 3 ||
+                                       b->valuedouble == 4 || b->valuedouble == 8)) {
+        st = bk_error(BK_ERR_CONFIG, "%s: quantization_config.bits must be 2, 3, 4 or 8", path);
+    } else if (!cJSON_IsNumber(gs) || floor(gs->valuedouble) != gs->valuedouble ||
+               !(gs->valuedouble == -1.0 || (gs->valuedouble >= 1 && gs->valuedouble <= 1e9))) {
+        st = bk_error(BK_ERR_CONFIG,
+                      "%s: quantization_config.group_size must be -1 or a positive integer", path);
+    } else {
+        *bits = (int)b->valuedouble;
         *group = gs->valuedouble < 0 ? 0 : (int64_t)gs->valuedouble;
     }
     cJSON_Delete(root);
@@ -924,6 +966,34 @@ static bk_status check_native_module(const bk_model *m, int64_t l, int mod, int 
                         "%s: %s: neither %s.weight nor %s.qweight + %s.scales is present", m->dir,
                         pre, pre, pre, pre);
     int64_t g = q_groups(m, in);
+    if (m->quantized == 2) {
+        /* GPTQ v1: qweight I32 [in*b/32, out], qzeros I32 [g, out*b/32],
+         * scales float [g, out], g_idx I32 [in] (optional) */
+        const int b = m->q_bits;
+        const bk_tensor_info *gi = find_mod(m, l, mod, "g_idx");
+        if ((in * b) % 32 || (o * b) % 32)
+            return bk_error(BK_ERR_SHAPE, "%s: %s is [%lld, %lld]: %d-bit GPTQ packing needs "
+                            "dimensions whose bit count is a multiple of 32", m->dir, pre,
+                            (long long)o, (long long)in, b);
+        if (q->ndim != 2 || q->shape[0] != in * b / 32 || q->shape[1] != o || q->dtype != BK_DT_I32)
+            return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected I32 [%lld, %lld] (GPTQ %d-bit "
+                            "packed codes)", q->file, q->name, (long long)(in * b / 32),
+                            (long long)o, b);
+        if (!z)
+            return bk_error(BK_ERR_MISSING_TENSOR, "%s: %s.qzeros is missing (GPTQ)", m->dir, pre);
+        if (z->ndim != 2 || z->shape[0] != g || z->shape[1] != o * b / 32 || z->dtype != BK_DT_I32)
+            return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected I32 [%lld, %lld] (GPTQ packed "
+                            "zero points, group_size %lld)", z->file, z->name, (long long)g,
+                            (long long)(o * b / 32), (long long)m->q_group);
+        if (sc->ndim != 2 || sc->shape[0] != g || sc->shape[1] != o || !is_float_dtype(sc->dtype))
+            return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected float [%lld, %lld] scales "
+                            "(GPTQ, group_size %lld)", sc->file, sc->name, (long long)g,
+                            (long long)o, (long long)m->q_group);
+        if (gi && (gi->ndim != 1 || gi->shape[0] != in || gi->dtype != BK_DT_I32))
+            return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected I32 [%lld] (GPTQ g_idx)",
+                            gi->file, gi->name, (long long)in);
+        return BK_OK;
+    }
     if (q->ndim != 2 || q->shape[0] != o || q->shape[1] != in ||
         (q->dtype != BK_DT_I8 && q->dtype != BK_DT_U8))
         return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected I8 or U8 [%lld, %lld] codes", q->file,
@@ -947,8 +1017,74 @@ static bk_status check_native_module(const bk_model *m, int64_t l, int mod, int 
     return BK_OK;
 }
 
+/* `bits` bits (LSB first) at bit position `bit` of a packed column whose
+ * 32-bit words are `stride` apart (GPTQ packing). */
+static uint32_t unpack_bits(const uint8_t *words, int64_t stride, int64_t bit, int bits)
+{
+    int64_t w = bit / 32;
+    int off = (int)(bit % 32);
+    uint32_t lo, hi = 0;
+    memcpy(&lo, words + (size_t)(w * stride) * 4, 4);
+    uint64_t v = lo >> off;
+    if (off + bits > 32) {
+        memcpy(&hi, words + (size_t)((w + 1) * stride) * 4, 4);
+        v |= (uint64_t)hi << (32 - off);
+    }
+    return (uint32_t)(v & ((1u << bits) - 1));
+}
+
+/* GPTQ v1: w[i][j] = scales[g][i] * (q[j][i] - (qzeros[g][i] + 1)), g = g_idx[j]. */
+static bk_status gptq_linear_f32(const bk_model *m, int layer, int mod, float *dst)
+{
+    int64_t o, in;
+    bk_module_shape(&m->cfg, (bk_module)mod, &o, &in);
+    const bk_tensor_info *q = find_mod(m, layer, mod, "qweight");
+    const bk_tensor_info *sc = find_mod(m, layer, mod, "scales");
+    const bk_tensor_info *z = find_mod(m, layer, mod, "qzeros");
+    const bk_tensor_info *gi = find_mod(m, layer, mod, "g_idx");
+    const int b = m->q_bits;
+    int64_t g = q_groups(m, in), gs = m->q_group > 0 ? m->q_group : in;
+    float *s = malloc((size_t)(o * g) * sizeof(float));
+    int32_t *gidx = malloc((size_t)in * sizeof(int32_t));
+    bk_status st = BK_OK;
+    if (!s || !gidx) {
+        st = bk_error(BK_ERR_NOMEM, "%s: out of memory", q->name);
+        goto done;
+    }
+    if ((st = bk_tensor_to_f32(sc, s)) != BK_OK)
+        goto done;
+    for (int64_t j = 0; j < in; j++) {
+        int32_t v = (int32_t)(j / gs);
+        if (gi) {
+            memcpy(&v, (const uint8_t *)gi->data + (size_t)j * 4, 4);
+            if (v < 0 || v >= g) {
+                st = bk_error(BK_ERR_SHAPE, "%s: tensor %s: value %d at %lld is not a group "
+                              "index (%lld groups)", gi->file, gi->name, (int)v, (long long)j,
+                              (long long)g);
+                goto done;
+            }
+        }
+        gidx[j] = v;
+    }
+    for (int64_t i = 0; i < o; i++) {
+        for (int64_t j = 0; j < in; j++) {
+            int64_t k = gidx[j];
+            uint32_t c = unpack_bits((const uint8_t *)q->data + (size_t)i * 4, o, j * b, b);
+            uint32_t zz = unpack_bits((const uint8_t *)z->data + (size_t)(k * (o * b / 32)) * 4,
+                                      1, i * b, b);
+            dst[i * in + j] = ((float)c - (float)(zz + 1)) * s[k * o + i];
+        }
+    }
+done:
+    free(s);
+    free(gidx);
+    return st;
+}
+
 static bk_status native_linear_f32(const bk_model *m, int layer, int mod, float *dst)
 {
+    if (m->quantized == 2)
+        return gptq_linear_f32(m, layer, mod, dst);
     int64_t o, in;
     bk_module_shape(&m->cfg, (bk_module)mod, &o, &in);
     const bk_tensor_info *q = find_mod(m, layer, mod, "qweight");
@@ -1158,7 +1294,8 @@ static bk_status cross_check(const bk_model *m)
                     size_t lm = strlen(mn);
                     known = !strncmp(rest, mn, lm) && rest[lm] == '.' &&
                             (!strcmp(rest + lm, ".weight") || !strcmp(rest + lm, ".qweight") ||
-                             !strcmp(rest + lm, ".scales") || !strcmp(rest + lm, ".qzeros"));
+                             !strcmp(rest + lm, ".scales") || !strcmp(rest + lm, ".qzeros") ||
+                             (m->quantized == 2 && !strcmp(rest + lm, ".g_idx")));
                 } else {
                     known = !strcmp(rest, slot_suffix[s]);
                 }
@@ -1221,7 +1358,9 @@ bk_status bk_model_open(const char *dir, bk_model **out)
     }
     if ((st = load_config(path, &m->cfg, &m->quantized)) != BK_OK)
         goto fail;
-    if (m->quantized && (st = read_native_qconfig(path, &m->q_group)) != BK_OK)
+    if (m->quantized == 1 && (st = read_native_qconfig(path, &m->q_group)) != BK_OK)
+        goto fail;
+    if (m->quantized == 2 && (st = read_gptq_qconfig(path, &m->q_group, &m->q_bits)) != BK_OK)
         goto fail;
     if ((st = bk_st_set_open(m->dir, &m->set)) != BK_OK)
         goto fail;
@@ -1257,6 +1396,13 @@ const bk_st_set *bk_model_tensors(const bk_model *m)
 const char *bk_model_dir(const bk_model *m)
 {
     return m ? m->dir : NULL;
+}
+
+const char *bk_model_quant_format(const bk_model *m)
+{
+    if (!m || !m->quantized)
+        return NULL;
+    return m->quantized == 2 ? "GPTQ v1" : "bakron native";
 }
 
 int bk_model_is_quantized(const bk_model *m)

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -537,6 +538,102 @@ fail:
     release_lock(d);
     d->work[0] = '\0';
     return st;
+}
+
+bk_status bk_outdir_check(const bk_outdir_spec *s, uint64_t *free_bytes)
+{
+    bk_outdir dd, *d = &dd;
+    memset(d, 0, sizeof *d);
+    if (free_bytes)
+        *free_bytes = 0;
+    const char *out = s->out;
+    if (!out || !out[0])
+        return bk_error(BK_ERR_USAGE, "--out: empty path");
+    size_t len = strlen(out);
+    while (len > 1 && out[len - 1] == '/')
+        len--;
+    if (len + 32 >= sizeof d->final)
+        return too_long(out);
+    memcpy(d->final, out, len);
+    d->final[len] = '\0';
+    struct stat sb;
+    int exists = lstat(d->final, &sb) == 0;
+    if (exists && S_ISLNK(sb.st_mode))
+        return bk_error(BK_ERR_USAGE,
+                        "--out %s: is a symbolic link; give the folder itself (the output "
+                        "folder is replaced as a whole)",
+                        d->final);
+    if (exists && !S_ISDIR(sb.st_mode))
+        return bk_error(BK_ERR_USAGE, "--out %s: exists and is %s, not a folder", d->final,
+                        bk_file_kind(sb.st_mode));
+    bk_status st = bk_path_canonical(d->final, d->canon, sizeof d->canon);
+    if (st != BK_OK)
+        return st;
+    inputs in = {0};
+    in.p = malloc(sizeof *in.p * MAX_INPUTS);
+    in.given = malloc(sizeof *in.given * MAX_INPUTS);
+    if (!in.p || !in.given) {
+        free(in.p);
+        free(in.given);
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    }
+    st = collect_inputs(s->inputs, &in);
+    if (st == BK_OK)
+        st = check_safe(d, s, &in);
+    free(in.p);
+    free(in.given);
+    if (st != BK_OK)
+        return st;
+    /* with leftovers of a killed run next to it, bk_outdir_open decides
+     * (it restores or removes them first, with a message) */
+    int leftovers = 0;
+    {
+        char par[BK_PATH_MAX];
+        memcpy(par, d->canon, sizeof par);
+        par[sizeof par - 1] = '\0';
+        char *slash = strrchr(par, '/');
+        char base[BK_PATH_MAX];
+        snprintf(base, sizeof base, "%s", slash ? slash + 1 : par);
+        if (slash == par)
+            par[1] = '\0';
+        else if (slash)
+            *slash = '\0';
+        DIR *pd = opendir(par);
+        struct dirent *e;
+        long pid;
+        while (pd && (e = readdir(pd)) != NULL)
+            if (leftover_kind(e->d_name, base, &pid))
+                leftovers = 1;
+        if (pd)
+            closedir(pd);
+    }
+    if (exists && !s->overwrite && !leftovers && !dir_is_empty(d->final))
+        return bk_error(BK_ERR_USAGE,
+                        "--out %s: exists and is not empty (--overwrite replaces it when the "
+                        "new output is complete)",
+                        d->final);
+    /* the nearest existing ancestor must let us create the work folder */
+    char anc[BK_PATH_MAX];
+    memcpy(anc, d->canon, sizeof anc);
+    anc[sizeof anc - 1] = '\0';
+    do {
+        char *slash = strrchr(anc, '/');
+        if (slash == anc)
+            anc[1] = '\0';
+        else if (slash)
+            *slash = '\0';
+        else
+            break;
+    } while (strcmp(anc, "/") != 0 && lstat(anc, &sb) != 0);
+    if (stat(anc, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return bk_error(BK_ERR_WRITE, "--out %s: %s is not a folder", d->final, anc);
+    if (access(anc, W_OK | X_OK) != 0)
+        return bk_error(BK_ERR_WRITE, "--out %s: cannot create the output in %s: %s", d->final,
+                        anc, strerror(errno));
+    struct statvfs vf;
+    if (free_bytes && statvfs(anc, &vf) == 0)
+        *free_bytes = (uint64_t)vf.f_bavail * (uint64_t)vf.f_frsize;
+    return BK_OK;
 }
 
 bk_status bk_outdir_commit(bk_outdir *d)

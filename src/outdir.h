@@ -16,6 +16,7 @@
 #define BK_OUTDIR_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "bakron/status.h"
 
@@ -60,6 +61,12 @@ typedef struct bk_outdir_spec {
  * failure nothing is held. */
 bk_status bk_outdir_open(bk_outdir *d, const bk_outdir_spec *spec, int *adopted);
 bk_status bk_outdir_commit(bk_outdir *d);
+/* The checks of bk_outdir_open without its side effects (no lock taken, no
+ * folder created, nothing removed): an empty, unsafe or existing non-empty
+ * --out without overwrite (BK_ERR_USAGE), an output that cannot be created
+ * where asked (BK_ERR_WRITE). *free_bytes (when not NULL): free space of the
+ * filesystem the output goes to, 0 when unknown. */
+bk_status bk_outdir_check(const bk_outdir_spec *s, uint64_t *free_bytes);
 void bk_outdir_close(bk_outdir *d);
 
 /* Canonical absolute form of a path that may not exist yet: the existing

@@ -1063,7 +1063,7 @@ static bk_status write_config_and_report(job *j)
     st = bk_path_join(path, sizeof path, o->model_dir, "config.json");
     if (st != BK_OK)
         return st;
-    st = bk_read_file(path, 16u << 20, &text, NULL);
+    st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &text, NULL);
     if (st != BK_OK)
         return st;
     cJSON *cfg = cJSON_Parse(text);

@@ -54,6 +54,10 @@ bk_status bk_path_join(char *dst, size_t cap, const char *a, const char *b);
 /* 1 if path is an existing directory / regular file. */
 int bk_is_dir(const char *path);
 int bk_is_file(const char *path);
+
+/* The one size limit for config.json, wherever it is read (the model reader,
+ * the output's re-read, inspect, the checks before the work). */
+#define BK_CONFIG_MAX_BYTES ((size_t)64 << 20)
 /* Does name end with suffix? */
 int bk_ends_with(const char *name, const char *suffix);
 

@@ -70,7 +70,7 @@ expect 1 "--fisher" q --hessian backprop-kfac --fisher nope --out "$T/x"
 expect 1 "--bwd-flow" q --hessian backprop-kfac --bwd-flow yaqa --out "$T/x"
 expect 1 "--leaf-size" q --hessian backprop-kfac --leaf-size 0 --out "$T/x"
 mkdir -p "$T/acts"
-expect 2 "--calib" "$B" quantize "$K" --activations "$T/acts" --hessian backprop-kfac --out "$T/x"
+expect 1 "--calib" "$B" quantize "$K" --activations "$T/acts" --hessian backprop-kfac --out "$T/x"
 expect 2 "lm_head" "$B" quantize "$BAD/missing_lm_head" --calib "$K/calib.safetensors" \
     --hessian backprop-kfac --out "$T/x"
 [ ! -e "$T/x" ] || fail "a failed run left $T/x behind"

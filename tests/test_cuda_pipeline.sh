@@ -225,7 +225,7 @@ expect() { # rc out label cmd...
 }
 "$B" dump-activations "$M" --calib "$M/calib.safetensors" --samples 4 --out "$W/acts" >/dev/null 2>&1 ||
     die "dump-activations"
-expect 2 "$W/e1" "--gpu-pipeline with --activations" \
+expect 1 "$W/e1" "--gpu-pipeline with --activations" \
     "$B" quantize "$M" --activations "$W/acts" --hessian gptq --gpu-pipeline --out "$W/e1"
 expect 3 "$W/e2" "--gpu-pipeline with --backend cpu" \
     "$B" quantize "$M" $CAL --hessian gptq --backend cpu --gpu-pipeline --out "$W/e2"

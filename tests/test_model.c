@@ -461,7 +461,7 @@ static const bad_case bad_configs[] = {
     {"dtype_number.json", BK_ERR_CONFIG, "dtype"},
     {"eos_string.json", BK_ERR_CONFIG, "eos_token_id"},
     {"eos_list_negative.json", BK_ERR_CONFIG, "eos_token_id[1]"},
-    {"quantized_gptq.json", BK_ERR_UNSUPPORTED, "gptq"},
+    {"quantized_awq.json", BK_ERR_UNSUPPORTED, "awq"},
     {"quantization_config_no_method.json", BK_ERR_CONFIG, "quant_method"},
 };
 

@@ -99,15 +99,20 @@ typedef struct bk_model bk_model;
  * cross-check every tensor the config implies (present, right shape, numeric
  * dtype) and that no unexpected linear weight is present. Also opens folders
  * written by `bakron quantize --export native` (quantization_config with
- * quant_method "bakron"), whose linear weights are stored as codes + scales. */
+ * quant_method "bakron"), whose linear weights are stored as codes + scales,
+ * and GPTQ v1 checkpoints (quant_method "gptq", `--export gptq`: packed I32
+ * qweight/qzeros, scales, g_idx). */
 bk_status bk_model_open(const char *dir, bk_model **out);
 void bk_model_close(bk_model *m);
 
 const bk_model_config *bk_model_get_config(const bk_model *m);
 const bk_st_set *bk_model_tensors(const bk_model *m);
 const char *bk_model_dir(const bk_model *m);
-/* 1 when the linear weights are stored quantized (native export). */
+/* Non-zero when the linear weights are stored quantized (a native or GPTQ v1
+ * export; read back dequantized by bk_model_linear_f32). */
 int bk_model_is_quantized(const bk_model *m);
+/* "bakron native", "GPTQ v1", or NULL when not quantized. */
+const char *bk_model_quant_format(const bk_model *m);
 
 /* Tensor "model.layers.{layer}.{suffix}" (layer < 0: "model.{suffix}" or the
  * bare name, e.g. "lm_head.weight"); NULL when absent. */

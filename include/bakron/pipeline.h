@@ -102,6 +102,43 @@ bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want);
  * see bk_request_stop) nothing is left under OUT_DIR. */
 bk_status bk_quantize(const bk_quantize_opts *o);
 
+/* ------------------------------------------------ checks before the work */
+
+/* What a quantize job would do, from its options and the model's files alone
+ * (nothing is computed): filled by bk_quantize_check, printed by --dry-run. */
+typedef struct bk_quantize_plan {
+    int model_ok;                   /* the model folder opened and cross-checked */
+    bk_model_config cfg;            /* its config (when model_ok) */
+    const char *model_dtype;        /* dtype of the linear weights ("BF16", ...) */
+    int layers_total;               /* the model's depth */
+    int layer_begin, layer_end;     /* layers quantized: [begin, end), numbered from 0 */
+    int64_t S, T;                   /* calibration sequences x tokens (0 x 0: none) */
+    struct {
+        int64_t rows, cols;         /* [out, in] */
+        int two_sided;              /* Hessian A ⊗ B with B != I */
+    } modules[BK_MOD_COUNT];
+    uint64_t input_bytes;           /* tensor bytes of the checkpoint */
+    uint64_t output_bytes;          /* estimated size of the output folder */
+    uint64_t host_bytes;            /* estimated peak host memory of the job */
+    uint64_t free_bytes;            /* free space where the output goes (0: unknown) */
+} bk_quantize_plan;
+
+/* Called once per failed check; the message is bk_last_error(). */
+typedef void (*bk_check_fn)(void *user, bk_status st);
+
+/* Every check bk_quantize makes before its first layer, without stopping at
+ * the first failure and without side effects (no lock, no folder created):
+ * required options and their conflicts (usage, BK_ERR_USAGE), the model
+ * folder, the layer range, the export's shape rules (GPTQ: dimensions
+ * divisible by 32 and by the group size), the calibration file or activation
+ * folder, config.json as the output will re-read it, the output folder
+ * (safe, not an existing non-empty folder without overwrite, writable) and its
+ * free space against the estimated output size. Each failure goes to
+ * report(user, status); returns BK_OK when none failed, else the status of
+ * the first. `plan` (may be NULL) receives what is known. */
+bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
+                            bk_check_fn report, void *user);
+
 typedef struct bk_dump_opts {
     const char *model_dir;
     const char *calib_path;

@@ -44,6 +44,24 @@ bk_status cli_setting(bk_backend_params *p, const char *arg);
 /* 1 if argv contains -h / --help (before any "--"). */
 int cli_wants_help(int argc, char **argv);
 
+/* A model given as users give it: the folder, or a file inside it (its
+ * model.safetensors or any *.safetensors shard, model.safetensors.index.json,
+ * config.json) all mean the folder. Returns `path` itself, or the folder
+ * written into buf. */
+const char *cli_model_dir(const char *path, char *buf, size_t cap);
+
+/* --- every mistake of a run, each on its own line (main prints them) ---
+ * A command that checks everything before the work adds each failure with
+ * cli_diag_add(status) (the message is bk_last_error()) and returns
+ * cli_diag_status(). main() prints one line per entry; the exit code is the
+ * lowest category present (usage 1 before bad input 2 before runtime 3). */
+void cli_diag_add(bk_status st);
+int cli_diag_count(void);
+bk_status cli_diag_status(void);
+/* entry i: status and message */
+bk_status cli_diag_get(int i, const char **msg);
+void cli_diag_clear(void);
+
 /* --- solver options shared by `solve` and `bench` (cmd_solve.c) --- */
 typedef struct cli_solver_args {
     bk_solve_opts opts;

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "util.h"
 
 bk_status cli_usage_error(const char *fmt, ...)
 {
@@ -88,4 +89,75 @@ bk_status cli_setting(bk_backend_params *p, const char *arg)
     if (bk_backend_params_parse(p, arg) != BK_OK)
         return cli_usage_error("--setting: %s", bk_last_error());
     return BK_OK;
+}
+
+const char *cli_model_dir(const char *path, char *buf, size_t cap)
+{
+    if (!path || !path[0] || !bk_is_file(path))
+        return path;
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    if (!bk_ends_with(base, ".safetensors") && !bk_ends_with(base, ".safetensors.index.json") &&
+        strcmp(base, "config.json") != 0)
+        return path;
+    size_t l = (size_t)(base - path);
+    if (l == 0)
+        return ".";
+    while (l > 1 && path[l - 1] == '/')
+        l--;
+    if (l + 1 > cap)
+        return path;
+    memcpy(buf, path, l);
+    buf[l] = '\0';
+    return buf;
+}
+
+/* ------------------------------------------------------------- diagnostics */
+
+#define CLI_DIAG_MAX 32
+static struct {
+    bk_status st;
+    char msg[1024];
+} diag[CLI_DIAG_MAX];
+static int n_diag, n_diag_dropped;
+
+void cli_diag_add(bk_status st)
+{
+    if (st == BK_OK)
+        return;
+    if (n_diag >= CLI_DIAG_MAX) {
+        n_diag_dropped++;
+        return;
+    }
+    const char *m = bk_last_error();
+    diag[n_diag].st = st;
+    snprintf(diag[n_diag].msg, sizeof diag[n_diag].msg, "%s", m[0] ? m : bk_status_name(st));
+    n_diag++;
+}
+
+int cli_diag_count(void)
+{
+    return n_diag;
+}
+
+bk_status cli_diag_status(void)
+{
+    bk_status best = BK_OK;
+    for (int i = 0; i < n_diag; i++) {
+        if (best == BK_OK ||
+            bk_status_exit_code(diag[i].st) < bk_status_exit_code(best))
+            best = diag[i].st;
+    }
+    return best;
+}
+
+bk_status cli_diag_get(int i, const char **msg)
+{
+    *msg = diag[i].msg;
+    return diag[i].st;
+}
+
+void cli_diag_clear(void)
+{
+    n_diag = n_diag_dropped = 0;
 }

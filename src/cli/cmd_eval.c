@@ -166,6 +166,8 @@ bk_status bk_cmd_eval(int argc, char **argv)
     }
     if (!model_dir)
         return cli_usage_error("MODEL_OR_OUT_DIR is required");
+    static char model_buf[4096];
+    model_dir = cli_model_dir(model_dir, model_buf, sizeof model_buf);
     if (!tokens_path)
         return cli_usage_error("--tokens FILE is required");
 

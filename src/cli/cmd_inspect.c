@@ -51,6 +51,7 @@ typedef struct report {
     bk_model_config cfg;  /* K_MODEL, K_CONFIG */
     int have_cfg;
     int quantized;
+    const char *qformat;
     char arch[128];       /* architectures[0] of config.json, or "" */
     const bk_tensor_info **t; /* natural order */
     size_t n;
@@ -108,7 +109,7 @@ static void read_architecture(const char *config_path, char *out, size_t cap)
     out[0] = '\0';
     char *buf = NULL;
     size_t len = 0;
-    if (bk_read_file(config_path, (size_t)64 << 20, &buf, &len) != BK_OK) {
+    if (bk_read_file(config_path, BK_CONFIG_MAX_BYTES, &buf, &len) != BK_OK) {
         bk_clear_error();
         return;
     }
@@ -168,7 +169,8 @@ static bk_status open_report(report *r)
                 return st;
             r->cfg = *bk_model_get_config(r->model);
             r->have_cfg = 1;
-            r->quantized = bk_model_is_quantized(r->model);
+            r->quantized = bk_model_is_quantized(r->model) != 0;
+            r->qformat = bk_model_quant_format(r->model);
             read_architecture(cfg_path, r->arch, sizeof r->arch);
         } else {
             r->k = K_CHECKPOINT;
@@ -398,7 +400,8 @@ static void print_text(const report *r)
     if (r->have_cfg)
         print_config_text(r);
     if (r->k == K_MODEL)
-        ROW("quantized", "%s", r->quantized ? "yes (bakron native)" : "no");
+        ROW("quantized", "%s%s%s", r->quantized ? "yes (" : "no",
+            r->quantized && r->qformat ? r->qformat : "", r->quantized ? ")" : "");
     if (r->k != K_CONFIG)
         print_tensors_text(r);
 }
@@ -572,6 +575,8 @@ static bk_status print_json(const report *r)
         json_config(&b, root, r);
     if (r->k == K_MODEL)
         jbool(&b, root, "quantized", r->quantized);
+    if (r->k == K_MODEL && r->quantized && r->qformat)
+        jstr(&b, root, "quantization_format", r->qformat);
     if (r->k != K_CONFIG)
         json_tensors(&b, root, r);
     char *text = b.oom ? NULL : cJSON_Print(root);

@@ -1,24 +1,30 @@
 /* bakron quantize / bakron dump-activations */
+#include <dirent.h>
 #include <getopt.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
 #include "bakron/pipeline.h"
+#include "bk_config.h"
 #include "cli.h"
 #include "util.h"
 
 static const char *quantize_usage =
-    "usage: bakron quantize MODEL_DIR (--calib TOKENS.safetensors | --activations DIR)\n"
+    "usage: bakron quantize MODEL (--calib TOKENS.safetensors | --activations DIR)\n"
     "         --hessian rtn|gptq|mlplocal-kfac|mlplocal-shampoo|fullylocal-kfac|fullylocal-shampoo|\n"
     "                   backprop-kfac|backprop-shampoo\n"
     "         --out OUT_DIR [options]\n"
     "\n"
-    "Quantize every linear module of a Llama/Qwen checkpoint layer by layer.\n"
+    "Quantize every linear module of a Llama/Qwen checkpoint layer by layer. MODEL is the\n"
+    "model folder, or its model.safetensors, model.safetensors.index.json or config.json.\n"
+    "Every option, file and the output folder are checked before the work; each mistake is\n"
+    "reported on its own line (exit 1 usage, 2 bad input, 3 runtime).\n"
     "\n"
     "calibration:\n"
     "  --calib FILE          token ids: safetensors with I32/I64 input_ids [sequences, seqlen]\n"
@@ -49,7 +55,8 @@ static const char *quantize_usage =
     "                        naive: a forward + backward pass per leaf, O(l^2), no boundaries\n"
     "  --leaf-size S         layers whose output gradients one pass delivers (default 1;\n"
     "                        larger: fewer passes, S layers' Hessians held at once)\n"
-    "  --layers A:B          quantize layers A..B-1 only (others are copied)\n"
+    "  --layers A:B          quantize layers A..B-1 only (others are copied); layers are\n"
+    "                        numbered from 0 as in model.layers.N, in progress and errors too\n"
     "  --backend B           auto|cpu|cuda (default auto: cuda when a GPU is present). With\n"
     "                        cuda and --calib the whole job runs on the GPU (forward passes,\n"
     "                        Hessians, solves; docs/DEVICE.md)\n"
@@ -70,14 +77,21 @@ static const char *quantize_usage =
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
     "  --max-shard-size B    bytes per safetensors shard (default 5e9)\n"
     "  --overwrite           replace a non-empty output folder\n"
-    "  --config FILE         JSON preset (configs/); options given on the command line win\n"
-    "  --json                one JSON object per event on stdout instead of progress on stderr\n";
+    "  --config NAME|FILE    JSON preset: an installed one by name (paper-2.81bit-gptq, ...)\n"
+    "                        or a file; the command line overrides it field by field\n"
+    "                        (--levels replaces the preset's bits/group)\n"
+    "  --dry-run             check everything, print the plan (modules, shapes, Hessians,\n"
+    "                        estimated memory and output size) and exit without computing\n"
+    "  --json                one JSON object per event on stdout instead of progress on stderr\n"
+    "                        (errors and interrupts too: events error, interrupted)\n"
+    "  --version             print the version and exit\n";
 
 enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
-    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_SETTING
+    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN,
+    O_SETTING
 };
 
 static const struct option quantize_opts[] = {
@@ -114,17 +128,31 @@ static const struct option quantize_opts[] = {
     {"seed", required_argument, NULL, O_SEED},
     {"bwd-flow", required_argument, NULL, O_BWDFLOW},
     {"leaf-size", required_argument, NULL, O_LEAF},
+    {"dry-run", no_argument, NULL, O_DRYRUN},
     {"setting", required_argument, NULL, O_SETTING},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0},
 };
 
+/* The quantizer fields as one source gave them (a preset, the command line):
+ * combined field by field by resolve_quant. */
+typedef struct qsrc {
+    int levels, bits, asym;
+    int64_t group;
+    int have_levels, have_bits, have_group, have_asym;
+} qsrc;
+
+#define MAX_PRESET_STRINGS 64
+
 typedef struct qargs {
     bk_quantize_opts o;
-    int json;
-    int have_levels, have_bits;
-    char *preset_strings[8];
+    int json, dry_run;
+    qsrc src[2];     /* 0: the preset, 1: the command line */
+    int from;        /* the source apply() is reading */
+    char *preset_strings[MAX_PRESET_STRINGS];
     int n_preset_strings;
+    char preset_path[4096];
+    char model_buf[4096];
 } qargs;
 
 static bk_status set_layers(const char *s, bk_quantize_opts *o)
@@ -173,25 +201,28 @@ static bk_status apply(qargs *q, int opt, const char *arg)
     case O_LEVELS:
         if ((st = cli_parse_int("--levels", arg, 1, 127, &iv)) != BK_OK)
             return st;
-        o->solve.quant.kind = BK_Q_LEVELS;
-        o->solve.quant.levels = iv;
-        q->have_levels = 1;
+        q->src[q->from].levels = iv;
+        q->src[q->from].have_levels = 1;
         break;
     case O_BITS:
         if ((st = cli_parse_int("--bits", arg, 2, 8, &iv)) != BK_OK)
             return st;
         if (iv != 2 && iv != 3 && iv != 4 && iv != 8)
             return cli_usage_error("--bits: expected 2, 3, 4 or 8, got %d", iv);
-        o->solve.quant.kind = BK_Q_UNIFORM;
-        o->solve.quant.bits = iv;
-        q->have_bits = 1;
+        q->src[q->from].bits = iv;
+        q->src[q->from].have_bits = 1;
         break;
     case O_GROUP:
         if ((st = cli_parse_i64("--group", arg, 0, 1 << 30, &lv)) != BK_OK)
             return st;
-        o->solve.quant.group = lv;
+        q->src[q->from].group = lv;
+        q->src[q->from].have_group = 1;
         break;
-    case O_ASYM: o->solve.quant.asym = 1; break;
+    case O_ASYM:
+        q->src[q->from].asym = arg ? 0 : 1; /* arg: "false" from a preset */
+        q->src[q->from].have_asym = 1;
+        break;
+    case O_DRYRUN: q->dry_run = 1; break;
     case O_NOMSE: o->solve.quant.mse = 0; break;
     case O_DAMP:
         if ((st = cli_parse_double("--damp", arg, 0.0, 1e6, &dv)) != BK_OK)
@@ -281,45 +312,103 @@ static bk_status apply(qargs *q, int opt, const char *arg)
     return BK_OK;
 }
 
+/* line:column (1-based) of byte offset `off` in text */
+static void line_col(const char *text, size_t off, int *line, int *col)
+{
+    int l = 1, c = 1;
+    for (size_t i = 0; i < off && text[i]; i++) {
+        if (text[i] == '\n') {
+            l++;
+            c = 1;
+        } else if (((unsigned char)text[i] & 0xC0) != 0x80) {
+            c++;
+        }
+    }
+    *line = l;
+    *col = c;
+}
+
+/* Where key "name" is written in the preset (its first occurrence as a key). */
+static size_t key_offset(const char *text, const char *name)
+{
+    size_t ln = strlen(name);
+    for (const char *p = text; (p = strchr(p, '"')) != NULL; p++) {
+        if (!strncmp(p + 1, name, ln) && p[1 + ln] == '"') {
+            const char *r = p + 2 + ln;
+            while (*r == ' ' || *r == '\t' || *r == '\n' || *r == '\r')
+                r++;
+            if (*r == ':')
+                return (size_t)(p - text);
+        }
+    }
+    return 0;
+}
+
 /* A preset: {"hessian": "...", "levels": 3, "damp": 0.5, ...} with the long
- * option names as keys (without "--"); booleans for flags. */
+ * option names as keys (without "--"); booleans for flags. Errors name the
+ * file and the line:column of the offending key. */
 static bk_status apply_preset(qargs *q, const char *path)
 {
     char *text = NULL;
-    bk_status st = bk_read_file(path, 1u << 20, &text, NULL);
+    size_t len = 0;
+    bk_status st = bk_read_file(path, 1u << 20, &text, &len);
     if (st != BK_OK)
         return st;
-    cJSON *j = cJSON_Parse(text);
-    free(text);
+    int line, col;
+    const char *nul = memchr(text, '\0', len);
+    if (nul) {
+        line_col(text, (size_t)(nul - text), &line, &col);
+        st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: a NUL byte (not JSON text)", path, line, col);
+        free(text);
+        return st;
+    }
+    const char *end = NULL;
+    cJSON *j = cJSON_ParseWithOpts(text, &end, 1);
+    if (!j) {
+        const char *at = cJSON_GetErrorPtr();
+        size_t off = (at && at >= text && at <= text + len) ? (size_t)(at - text) : len;
+        line_col(text, off, &line, &col);
+        st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: invalid JSON%s", path, line, col,
+                      off >= len ? " (the file ends early)" : "");
+        free(text);
+        return st;
+    }
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);
-        return bk_error(BK_ERR_CONFIG, "%s: not a JSON object", path);
+        free(text);
+        return bk_error(BK_ERR_CONFIG, "%s:1:1: a preset is one JSON object {\"option\": value}",
+                        path);
     }
+    q->from = 0;
     cJSON *it;
     cJSON_ArrayForEach(it, j)
     {
         const char *key = it->string;
         if (!strcmp(key, "description") || key[0] == '_')
             continue;
+        line_col(text, key_offset(text, key), &line, &col);
         const struct option *opt = NULL;
         for (const struct option *p = quantize_opts; p->name; p++)
             if (!strcmp(p->name, key))
                 opt = p;
         if (!opt || opt->val == O_CONFIG || opt->val == O_HELP || opt->val == O_OUT ||
-            opt->val == O_JSON) {
-            st = bk_error(BK_ERR_CONFIG, "%s: unknown or not allowed preset key '%s'", path, key);
+            opt->val == O_JSON || opt->val == O_DRYRUN) {
+            st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: unknown or not allowed preset key '%s'", path,
+                          line, col, key);
             break;
         }
         if (opt->has_arg == no_argument) {
             if (!cJSON_IsBool(it)) {
-                st = bk_error(BK_ERR_CONFIG, "%s: '%s' must be true or false", path, key);
+                st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: '%s' must be true or false", path, line,
+                              col, key);
                 break;
             }
             if (cJSON_IsTrue(it))
                 st = apply(q, opt->val, NULL);
-            else if (opt->val == O_NOMSE || opt->val == O_NOSEQ || opt->val == O_ASYM ||
-                     opt->val == O_HFP64 || opt->val == O_OVERWRITE || opt->val == O_GPUPIPE ||
-                     opt->val == O_CPUSTAGES)
+            else if (opt->val == O_ASYM)
+                st = apply(q, opt->val, "false");
+            else if (opt->val == O_NOMSE || opt->val == O_NOSEQ || opt->val == O_HFP64 ||
+                     opt->val == O_OVERWRITE || opt->val == O_GPUPIPE || opt->val == O_CPUSTAGES)
                 st = BK_OK; /* false = the default */
         } else {
             char buf[64];
@@ -330,11 +419,12 @@ static bk_status apply_preset(qargs *q, const char *path)
                 snprintf(buf, sizeof buf, "%.17g", it->valuedouble);
                 arg = buf;
             } else {
-                st = bk_error(BK_ERR_CONFIG, "%s: '%s' must be a string or a number", path, key);
+                st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: '%s' must be a string or a number", path,
+                              line, col, key);
                 break;
             }
-            if (q->n_preset_strings >= 8) {
-                st = bk_error(BK_ERR_CONFIG, "%s: too many string options", path);
+            if (q->n_preset_strings >= MAX_PRESET_STRINGS) {
+                st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: too many options", path, line, col);
                 break;
             }
             char *dup = strdup(arg);
@@ -346,13 +436,66 @@ static bk_status apply_preset(qargs *q, const char *path)
             st = apply(q, opt->val, dup);
         }
         if (st != BK_OK) {
-            if (st == BK_ERR_USAGE)
-                st = bk_error_prefix(BK_ERR_CONFIG, path);
+            if (st == BK_ERR_USAGE) {
+                char pre[4200];
+                snprintf(pre, sizeof pre, "%s:%d:%d", path, line, col);
+                st = bk_error_prefix(BK_ERR_CONFIG, pre);
+            }
             break;
         }
     }
+    if (st == BK_OK && q->src[0].have_levels && q->src[0].have_bits) {
+        line_col(text, key_offset(text, "bits"), &line, &col);
+        st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: 'levels' and 'bits' are exclusive", path, line,
+                      col);
+    }
+    if (st == BK_OK && q->src[0].have_levels && (q->src[0].have_group || q->src[0].asym)) {
+        line_col(text, key_offset(text, q->src[0].have_group ? "group" : "asym"), &line, &col);
+        st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: 'group' and 'asym' need 'bits', not 'levels'",
+                      path, line, col);
+    }
     cJSON_Delete(j);
+    free(text);
+    q->from = 1;
     return st;
+}
+
+/* The quantizer, field by field: the command line wins over the preset.
+ * --levels on the command line replaces the preset's bits/group/asym; --bits
+ * replaces its levels and keeps its group/asym unless given too. */
+static bk_status resolve_quant(qargs *q, const char *preset)
+{
+    const qsrc *pre = &q->src[0], *cmd = &q->src[1];
+    bk_quant_spec *qs = &q->o.solve.quant;
+    if (cmd->have_levels && cmd->have_bits)
+        return cli_usage_error("--levels and --bits are exclusive");
+    int uniform;
+    if (cmd->have_levels)
+        uniform = 0;
+    else if (cmd->have_bits)
+        uniform = 1;
+    else
+        uniform = pre->have_bits;
+    if (!uniform) {
+        if (cmd->have_group || (cmd->have_asym && cmd->asym)) {
+            if (!cmd->have_levels && pre->have_levels && preset)
+                return cli_usage_error("--group and --asym need --bits (the preset %s uses "
+                                       "levels %d; add --bits B)",
+                                       preset, pre->levels);
+            return cli_usage_error("--group and --asym need --bits (--levels chooses the "
+                                   "symmetric alphabet {-L..L}, one scale per row)");
+        }
+        qs->kind = BK_Q_LEVELS;
+        qs->levels = cmd->have_levels ? cmd->levels : pre->have_levels ? pre->levels : qs->levels;
+        qs->group = 0;
+        qs->asym = 0;
+        return BK_OK;
+    }
+    qs->kind = BK_Q_UNIFORM;
+    qs->bits = cmd->have_bits ? cmd->bits : pre->bits;
+    qs->group = cmd->have_group ? cmd->group : pre->have_bits ? pre->group : 0;
+    qs->asym = cmd->have_asym ? cmd->asym : pre->have_bits ? pre->asym : 0;
+    return BK_OK;
 }
 
 /* ------------------------------------------------------------ progress */
@@ -382,14 +525,107 @@ static void fmt_time(double s, char *buf, size_t cap)
         snprintf(buf, cap, "%dh%02dm", (int)(s / 3600), (int)fmod(s / 60, 60));
 }
 
+/* Progress of a quantize run as the CLI reports it: layers numbered from 0
+ * as in the checkpoint's tensor names (model.layers.N) and in --layers A:B,
+ * with "(k/n)" counting the selected layers; the ETA from the share of the
+ * selected modules' weights done so far. */
+typedef struct progress {
+    int json;
+    int have_plan;
+    bk_quantize_plan plan;
+    int cur_layer;       /* the layer being processed (-1: none yet) */
+    int cur_module;      /* index of the next module of that layer (-1: none) */
+    double layer_work, total_work, done_work;
+    double last_eta;
+} progress;
+
+static int module_index(const char *name)
+{
+    for (int m = 0; name && m < BK_MOD_COUNT; m++)
+        if (!strcmp(bk_module_name((bk_module)m), name))
+            return m;
+    return -1;
+}
+
+static void progress_init(progress *p, int json, const bk_quantize_plan *plan)
+{
+    memset(p, 0, sizeof *p);
+    p->json = json;
+    p->cur_layer = -1;
+    p->cur_module = -1;
+    if (plan && plan->model_ok) {
+        p->have_plan = 1;
+        p->plan = *plan;
+        for (int m = 0; m < BK_MOD_COUNT; m++)
+            p->layer_work += (double)plan->modules[m].rows * (double)plan->modules[m].cols;
+        p->total_work = p->layer_work * (plan->layer_end - plan->layer_begin);
+    }
+}
+
+static double progress_eta(progress *p, const bk_event *ev)
+{
+    if (p->total_work <= 0 || p->done_work <= 0)
+        return ev->eta_s;
+    double left = p->total_work - p->done_work;
+    return left <= 0 ? 0 : ev->elapsed_s * left / p->done_work;
+}
+
+static void json_error_event(const progress *p, bk_status st, const char *msg)
+{
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "event", st == BK_ERR_INTERRUPTED ? "interrupted" : "error");
+    cJSON_AddStringToObject(j, "code", bk_status_name(st));
+    cJSON_AddNumberToObject(j, "exit_code", bk_status_exit_code(st));
+    cJSON_AddStringToObject(j, "message", msg);
+    if (p && p->cur_layer >= 0)
+        cJSON_AddNumberToObject(j, "layer", p->cur_layer);
+    else
+        cJSON_AddNullToObject(j, "layer");
+    if (p && p->cur_layer >= 0 && p->cur_module >= 0 && p->cur_module < BK_MOD_COUNT)
+        cJSON_AddStringToObject(j, "module", bk_module_name((bk_module)p->cur_module));
+    else
+        cJSON_AddNullToObject(j, "module");
+    char *s = cJSON_PrintUnformatted(j);
+    if (s) {
+        fputs(s, stdout);
+        fputc('\n', stdout);
+        fflush(stdout);
+        free(s);
+    }
+    cJSON_Delete(j);
+}
+
 static void on_event(void *user, const bk_event *ev)
 {
-    int json = *(int *)user;
-    if (json) {
+    progress *p = user;
+    /* where the run is (for the error event) and how much is done (ETA) */
+    if (ev->kind == BK_EV_LAYER_BEGIN) {
+        p->cur_layer = ev->layer;
+        p->cur_module = 0;
+    } else if (ev->kind == BK_EV_MODULE_DONE) {
+        int mi = module_index(ev->module);
+        p->cur_layer = ev->layer;
+        p->cur_module = mi + 1;
+        p->done_work += (double)ev->rows * (double)ev->cols;
+    } else if (ev->kind == BK_EV_LAYER_DONE && !(ev->module == NULL && ev->message)) {
+        p->cur_module = -1;
+    } else if (ev->kind == BK_EV_WRITE || ev->kind == BK_EV_DONE) {
+        p->cur_layer = -1;
+        p->cur_module = -1;
+    }
+    const int total = p->have_plan ? p->plan.layers_total : ev->n_layers;
+    const int begin = p->have_plan ? p->plan.layer_begin : 0;
+    const int selected = p->have_plan ? p->plan.layer_end - p->plan.layer_begin : ev->n_layers;
+    double eta = progress_eta(p, ev);
+    if (ev->kind == BK_EV_DONE)
+        eta = 0;
+    if (p->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "event", ev_name(ev->kind));
         cJSON_AddNumberToObject(j, "layer", ev->layer);
-        cJSON_AddNumberToObject(j, "layers", ev->n_layers);
+        cJSON_AddNumberToObject(j, "layers_total", total);
+        cJSON_AddNumberToObject(j, "layers_selected", selected);
+        cJSON_AddNumberToObject(j, "layer_begin", begin);
         if (ev->module)
             cJSON_AddStringToObject(j, "module", ev->module);
         if (ev->kind == BK_EV_MODULE_DONE) {
@@ -403,7 +639,7 @@ static void on_event(void *user, const bk_event *ev)
             cJSON_AddNumberToObject(j, "damp_b", ev->damp_b);
         }
         cJSON_AddNumberToObject(j, "elapsed_s", ev->elapsed_s);
-        cJSON_AddNumberToObject(j, "eta_s", ev->eta_s);
+        cJSON_AddNumberToObject(j, "eta_s", eta);
         cJSON *t = cJSON_AddObjectToObject(j, "stage_s");
         cJSON_AddNumberToObject(t, "forward", ev->t_forward);
         cJSON_AddNumberToObject(t, "hessian", ev->t_hessian);
@@ -422,27 +658,27 @@ static void on_event(void *user, const bk_event *ev)
         cJSON_Delete(j);
         return;
     }
-    char el[32], eta[32];
+    char el[32], et[32];
     fmt_time(ev->elapsed_s, el, sizeof el);
-    fmt_time(ev->eta_s, eta, sizeof eta);
+    fmt_time(eta, et, sizeof et);
+    const int k = ev->layer - begin + 1; /* among the selected layers */
     switch (ev->kind) {
     case BK_EV_START: fprintf(stderr, "bakron: %s\n", ev->message); break;
     case BK_EV_LAYER_BEGIN: break;
     case BK_EV_MODULE_DONE:
-        fprintf(stderr, "  layer %d/%d %-18s [%lld x %lld]  loss %.4g  (gptq loss %.4g)  %s\n",
-                ev->layer + 1, ev->n_layers, ev->module, (long long)ev->rows, (long long)ev->cols,
+        fprintf(stderr, "  layer %d (%d/%d) %-18s [%lld x %lld]  loss %.4g  (gptq loss %.4g)  %s\n",
+                ev->layer, k, selected, ev->module, (long long)ev->rows, (long long)ev->cols,
                 ev->loss, ev->loss_gptq, el);
         break;
     case BK_EV_LAYER_DONE:
         if (ev->module == NULL && ev->message)
-            fprintf(stderr, "  layer %d/%d %s  elapsed %s  ETA %s\n", ev->layer + 1, ev->n_layers,
-                    ev->message, el, eta);
+            fprintf(stderr, "  layer %d %s  elapsed %s\n", ev->layer, ev->message, el);
         else
             fprintf(stderr,
-                    "layer %d/%d done  elapsed %s  ETA %s  (forward %.1fs, hessian %.1fs, "
+                    "layer %d done (%d/%d)  elapsed %s  ETA %s  (forward %.1fs, hessian %.1fs, "
                     "cholesky %.1fs, solve %.1fs, io %.1fs)\n",
-                    ev->layer + 1, ev->n_layers, el, eta, ev->t_forward, ev->t_hessian,
-                    ev->t_factor, ev->t_solve, ev->t_io);
+                    ev->layer, k, selected, el, et, ev->t_forward, ev->t_hessian, ev->t_factor,
+                    ev->t_solve, ev->t_io);
         break;
     case BK_EV_WRITE:
     case BK_EV_NOTE: fprintf(stderr, "bakron: %s\n", ev->message); break;
@@ -470,71 +706,246 @@ static void install_signals(void)
     sigaction(SIGHUP, &sa, NULL);
 }
 
+/* --config NAME: a path to a JSON file, or the name of an installed preset
+ * (NAME or NAME.json in the installed presets folder, next to the executable
+ * as DIR/../share/bakron/configs, or the source tree's configs/ when bakron
+ * runs from its build folder). */
+static bk_status find_preset(const char *name, char *out, size_t cap)
+{
+    if (strchr(name, '/') || bk_is_file(name)) {
+        if (!bk_is_file(name))
+            return bk_error(BK_ERR_IO, "--config %s: no such file", name);
+        snprintf(out, cap, "%s", name);
+        return BK_OK;
+    }
+    char dirs[3][4096];
+    int nd = 0;
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+        exe[n] = '\0';
+        char *slash = strrchr(exe, '/');
+        if (slash)
+            *slash = '\0';
+        if (!strcmp(exe, BK_BUILD_ROOT))
+            snprintf(dirs[nd++], sizeof dirs[0], "%.4000s/configs", BK_SOURCE_ROOT);
+        snprintf(dirs[nd++], sizeof dirs[0], "%.4000s/../share/bakron/configs", exe);
+    }
+    snprintf(dirs[nd++], sizeof dirs[0], "%s", BK_PRESET_DIR);
+    const char *ext = bk_ends_with(name, ".json") ? "" : ".json";
+    for (int i = 0; i < nd; i++) {
+        int w = snprintf(out, cap, "%s/%s%s", dirs[i], name, ext);
+        if (w > 0 && (size_t)w < cap && bk_is_file(out))
+            return BK_OK;
+    }
+    /* list what there is */
+    char names[1024] = "";
+    for (int i = 0; i < nd && !names[0]; i++) {
+        DIR *d = opendir(dirs[i]);
+        if (!d)
+            continue;
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            size_t l = strlen(e->d_name);
+            if (l > 5 && !strcmp(e->d_name + l - 5, ".json") &&
+                strlen(names) + l + 3 < sizeof names) {
+                if (names[0])
+                    strcat(names, ", ");
+                strncat(names, e->d_name, l - 5);
+            }
+        }
+        closedir(d);
+    }
+    return bk_error(BK_ERR_USAGE, "--config %s: no such file or installed preset (presets: %s)",
+                    name, names[0] ? names : "none found");
+}
+
+static void diag_cb(void *user, bk_status st)
+{
+    (void)user;
+    cli_diag_add(st);
+}
+
+static void fmt_bytes(uint64_t b, char *buf, size_t cap)
+{
+    if (b >= (1ull << 30))
+        snprintf(buf, cap, "%.2f GiB", (double)b / (1 << 30));
+    else if (b >= (1ull << 20))
+        snprintf(buf, cap, "%.1f MiB", (double)b / (1 << 20));
+    else
+        snprintf(buf, cap, "%.1f KiB", (double)b / 1024);
+}
+
+static void print_plan(const qargs *q, const bk_quantize_plan *p)
+{
+    const bk_quantize_opts *o = &q->o;
+    char qd[128], mem[32], outb[32], inb[32], fr[32];
+    cli_quant_describe(&o->solve.quant, qd, sizeof qd);
+    fmt_bytes(p->host_bytes, mem, sizeof mem);
+    fmt_bytes(p->output_bytes, outb, sizeof outb);
+    fmt_bytes(p->input_bytes, inb, sizeof inb);
+    fmt_bytes(p->free_bytes, fr, sizeof fr);
+    if (q->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "event", "plan");
+        cJSON_AddStringToObject(j, "model", o->model_dir);
+        cJSON_AddStringToObject(j, "dtype", p->model_dtype ? p->model_dtype : "?");
+        cJSON_AddNumberToObject(j, "layers_total", p->layers_total);
+        cJSON_AddNumberToObject(j, "layers_selected", p->layer_end - p->layer_begin);
+        cJSON_AddNumberToObject(j, "layer_begin", p->layer_begin);
+        cJSON_AddNumberToObject(j, "layer_end", p->layer_end);
+        cJSON_AddNumberToObject(j, "sequences", (double)p->S);
+        cJSON_AddNumberToObject(j, "seqlen", (double)p->T);
+        cJSON_AddStringToObject(j, "hessian", bk_hessian_name(o->hessian));
+        cJSON_AddStringToObject(j, "quantizer", qd);
+        cJSON_AddStringToObject(j, "export", bk_export_name(o->export_format));
+        cJSON *ms = cJSON_AddArrayToObject(j, "modules");
+        for (int m = 0; m < BK_MOD_COUNT; m++) {
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddStringToObject(e, "module", bk_module_name((bk_module)m));
+            cJSON_AddNumberToObject(e, "rows", (double)p->modules[m].rows);
+            cJSON_AddNumberToObject(e, "cols", (double)p->modules[m].cols);
+            cJSON_AddStringToObject(e, "hessian_factors",
+                                    o->hessian == BK_HESS_RTN ? "none"
+                                    : p->modules[m].two_sided ? "two-sided"
+                                                              : "one-sided");
+            cJSON_AddItemToArray(ms, e);
+        }
+        cJSON_AddNumberToObject(j, "estimated_host_bytes", (double)p->host_bytes);
+        cJSON_AddNumberToObject(j, "estimated_output_bytes", (double)p->output_bytes);
+        cJSON_AddNumberToObject(j, "free_bytes", (double)p->free_bytes);
+        char *s = cJSON_PrintUnformatted(j);
+        if (s)
+            printf("%s\n", s);
+        free(s);
+        cJSON_Delete(j);
+        return;
+    }
+    printf("bakron quantize: dry run (checks passed; nothing computed or written)\n");
+    printf("  model         %s: %s %s, %d layers, %s of tensors\n", o->model_dir,
+           p->cfg.model_type, p->model_dtype ? p->model_dtype : "?", p->layers_total, inb);
+    printf("  layers        %d..%d (%d of %d; numbered from 0 as in model.layers.N)\n",
+           p->layer_begin, p->layer_end - 1, p->layer_end - p->layer_begin, p->layers_total);
+    if (o->calib_path)
+        printf("  calibration   %s: %lld sequences x %lld tokens\n", o->calib_path,
+               (long long)p->S, (long long)p->T);
+    else if (o->activations_dir)
+        printf("  calibration   activations %s: %lld sequences x %lld tokens\n",
+               o->activations_dir, (long long)p->S, (long long)p->T);
+    else
+        printf("  calibration   none (rtn)\n");
+    printf("  hessian       %s, algorithm %s\n", bk_hessian_name(o->hessian),
+           bk_algorithm_name(o->solve.algorithm));
+    printf("  quantizer     %s\n", qd);
+    printf("  export        %s -> %s\n", bk_export_name(o->export_format), o->out_dir);
+    printf("  modules of each layer:\n");
+    for (int m = 0; m < BK_MOD_COUNT; m++)
+        printf("    %-18s [%lld x %lld]  %s\n", bk_module_name((bk_module)m),
+               (long long)p->modules[m].rows, (long long)p->modules[m].cols,
+               o->hessian == BK_HESS_RTN ? "no Hessian (round to nearest)"
+               : p->modules[m].two_sided ? "two-sided Hessian A (x) B"
+                                         : "one-sided Hessian A (x) I");
+    printf("  estimated host memory  %s\n", mem);
+    printf("  estimated output size  %s (%s free there)\n", outb, p->free_bytes ? fr : "?");
+}
+
 bk_status bk_cmd_quantize(int argc, char **argv)
 {
     if (cli_wants_help(argc, argv)) {
         fputs(quantize_usage, stdout);
         return BK_OK;
     }
-    qargs q;
+    static qargs q;
     memset(&q, 0, sizeof q);
     bk_quantize_opts_default(&q.o);
     bk_status st = BK_OK;
     const char *preset = NULL;
-    int c;
-    /* pass 1: the preset */
+    int c, json_early = 0;
+    /* pass 1: the preset (and --json, so that errors become events) */
     optind = 0; /* GNU getopt: full re-initialization */
     opterr = 0;
-    while ((c = getopt_long(argc, argv, "-", quantize_opts, NULL)) != -1)
-        if (c == O_CONFIG)
+    while ((c = getopt_long(argc, argv, "-", quantize_opts, NULL)) != -1) {
+        if (c == O_CONFIG) {
+            if (preset)
+                cli_diag_add(cli_usage_error("--config given twice ('%s', '%s')", preset, optarg));
             preset = optarg;
-    if (preset && (st = apply_preset(&q, preset)) != BK_OK)
-        goto done;
-    q.o.config_path = preset;
-    q.have_levels = q.have_bits = 0; /* the command line may switch the preset's alphabet */
-    /* pass 2: the command line */
+        }
+        if (c == O_JSON)
+            json_early = 1;
+    }
+    if (preset) {
+        if ((st = find_preset(preset, q.preset_path, sizeof q.preset_path)) != BK_OK)
+            cli_diag_add(st);
+        else if ((st = apply_preset(&q, q.preset_path)) != BK_OK)
+            cli_diag_add(st);
+        q.o.config_path = q.preset_path[0] ? q.preset_path : NULL;
+    }
+    /* pass 2: the command line (every mistake is collected) */
+    q.from = 1;
     optind = 0;
     opterr = 0;
     const char *model = NULL;
     while ((c = getopt_long(argc, argv, "-", quantize_opts, NULL)) != -1) {
         if (c == 1) { /* a non-option argument, in order */
-            if (model) {
-                st = cli_usage_error("unexpected argument '%s'", optarg);
-                goto done;
-            }
-            model = optarg;
+            if (model)
+                cli_diag_add(cli_usage_error("unexpected argument '%s' (one MODEL_DIR only)",
+                                             optarg));
+            else
+                model = optarg;
             continue;
         }
         if (c == '?' || c == ':') {
-            st = cli_usage_error("bad option '%s'", argv[optind - 1]);
-            goto done;
+            const char *bad = argv[optind - 1];
+            if (optopt && strncmp(bad, "--", 2) == 0 && c == '?' && strchr(bad, '=') == NULL) {
+                /* a known option without its value */
+                int known = 0;
+                for (const struct option *p = quantize_opts; p->name; p++)
+                    if (!strcmp(p->name, bad + 2))
+                        known = 1;
+                if (known) {
+                    cli_diag_add(cli_usage_error("%s needs a value", bad));
+                    continue;
+                }
+            }
+            cli_diag_add(cli_usage_error("unknown option '%s'", bad));
+            continue;
         }
         if (c == O_CONFIG)
             continue;
         if ((st = apply(&q, c, optarg)) != BK_OK)
-            goto done;
+            cli_diag_add(st);
     }
-    if (!model) {
-        st = cli_usage_error("MODEL_DIR is required");
+    if ((st = resolve_quant(&q, q.o.config_path)) != BK_OK)
+        cli_diag_add(st);
+    q.o.model_dir = model ? cli_model_dir(model, q.model_buf, sizeof q.model_buf) : NULL;
+
+    /* every other check before the work, each failure on its own line */
+    bk_quantize_plan plan;
+    bk_quantize_check(&q.o, &plan, diag_cb, NULL);
+    if (cli_diag_count() > 0) {
+        if (json_early || q.json) {
+            for (int k = 0; k < cli_diag_count(); k++) {
+                const char *msg;
+                bk_status sk = cli_diag_get(k, &msg);
+                json_error_event(NULL, sk, msg);
+            }
+        }
+        st = cli_diag_status();
         goto done;
     }
-    if (!q.o.out_dir) {
-        st = cli_usage_error("--out OUT_DIR is required");
+    if (q.dry_run) {
+        print_plan(&q, &plan);
+        st = BK_OK;
         goto done;
     }
-    if (q.have_levels && q.have_bits) {
-        st = cli_usage_error("--levels and --bits are exclusive");
-        goto done;
-    }
-    if ((q.o.solve.quant.group || q.o.solve.quant.asym) && q.o.solve.quant.kind != BK_Q_UNIFORM) {
-        st = cli_usage_error("--group and --asym need --bits");
-        goto done;
-    }
-    q.o.model_dir = model;
+    static progress prog;
+    progress_init(&prog, q.json, &plan);
     q.o.on_event = on_event;
-    q.o.user = &q.json;
+    q.o.user = &prog;
     install_signals();
     st = bk_quantize(&q.o);
+    if (st != BK_OK && q.json)
+        json_error_event(&prog, st, bk_last_error());
 done:
     for (int i = 0; i < q.n_preset_strings; i++)
         free(q.preset_strings[i]);
@@ -583,6 +994,7 @@ bk_status bk_cmd_dump(int argc, char **argv)
     int json = 0, c;
     bk_status st;
     const char *model = NULL;
+    static char model_buf[4096];
     optind = 0;
     opterr = 0;
     while ((c = getopt_long(argc, argv, "-", opts, NULL)) != -1) {
@@ -640,9 +1052,11 @@ bk_status bk_cmd_dump(int argc, char **argv)
         return cli_usage_error("--calib TOKENS.safetensors is required");
     if (!o.out_dir)
         return cli_usage_error("--out DIR is required");
-    o.model_dir = model;
+    o.model_dir = cli_model_dir(model, model_buf, sizeof model_buf);
+    static progress prog;
+    progress_init(&prog, json, NULL);
     o.on_event = on_event;
-    o.user = &json;
+    o.user = &prog;
     install_signals();
     return bk_dump_activations(&o);
 }
