@@ -5,6 +5,7 @@
 
 #include "cuda_internal.cuh"
 #include "backend_impl.h"
+#include "pipeline_gpu.h"
 
 extern "C" bk_status bk_cuda_describe_device(int dev, char *buf, size_t cap);
 
@@ -113,11 +114,22 @@ void cuda_destroy(void *vctx)
     bk_cuda_ctx_destroy(static_cast<bk_cuda_ctx *>(vctx));
 }
 
+bk_status cuda_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
+                             const bk_stage_ops **ops, void **ctx)
+{
+    return bk_gpu_stages_create(b, p->model, p->kind, p->fp64, p->keep_plain, p->fully,
+                                p->codes_only, p->S, p->T, batch, ops, ctx);
+}
+
 const bk_backend_ops cuda_ops = {
     "cuda",
     cuda_solve,
     cuda_peak,
     cuda_reset_peak,
+    bk_cuda_model_nll,
+    bk_cuda_model_logits,
+    bk_cuda_layer_fwd_create,
+    cuda_stages_create,
     cuda_destroy,
 };
 

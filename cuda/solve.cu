@@ -768,16 +768,8 @@ bk_status alloc_host(solve_state *s, bk_solve_result *r, const void *W, bk_dtype
 bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
                         bk_solve_result *r)
 {
-    if (!p || !o || !r)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: problem, options and result must not be NULL");
-    memset(r, 0, sizeof *r);
-    r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
-    const char *lw = p->label_w ? p->label_w : "W";
-    const char *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
-    const char *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
-    bk_status st = bk_solve_check_opts(o);
-    if (st == BK_OK)
-        st = bk_solve_check_problem(p, o, lw, la, lb);
+    const char *lw = NULL, *la = NULL, *lb = NULL;
+    bk_status st = bk_solve_begin(p, o, r, &lw, &la, &lb);
     if (st != BK_OK)
         return st;
     if (!p->A && !p->LA) /* rtn without a Hessian: nothing for the GPU to do */

@@ -15,7 +15,7 @@
 #include "bakron/pipeline.h"
 #include "bk_config.h"
 #include "outdir.h"
-#include "pipeline_gpu.h"
+#include "backend_impl.h"
 #include "pipeline_internal.h"
 #include "util.h"
 
@@ -1114,7 +1114,7 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddStringToObject(rep, "model", o->model_dir);
     cJSON_AddStringToObject(rep, "backend", bk_backend_name(j->backend));
     cJSON_AddStringToObject(rep, "device", bk_backend_device(j->backend));
-    if (j->ops && !strcmp(j->ops->name, "cuda"))
+    if (j->ops && j->ops != &cpu_stage_ops) /* the backend's own stages */
         cJSON_AddStringToObject(rep, "gpu_math", bk_gemm_math_name(j->gemm_math));
     cJSON_AddStringToObject(rep, "stages", j->ops ? j->ops->name : "cpu");
     if (j->ops && j->ops->describe(j->ops_ctx)[0])
@@ -1361,45 +1361,45 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                       "quantize: --gpu-pipeline and --cpu-stages contradict each other");
         goto fail;
     }
-    /* forward + Hessians on the GPU: asked for, or the default of the CUDA
-     * backend with token calibration (docs/DEVICE.md) */
-    if (j->S > 0 && !j->bp && (want_gpu || (!cpu_stages && j->tokens &&
-                                  strcmp(bk_backend_name(j->backend), "cuda") == 0))) {
-        /* forward + Hessians on the GPU (opt-in, docs/DEVICE.md) */
+    /* forward + Hessians on the backend's own stages (the GPU's): asked for,
+     * or the default of a backend that has them, with token calibration
+     * (docs/DEVICE.md); else the CPU stages below */
+    const int own_stages = bk_backend_supports(j->backend, BK_OP_STAGES);
+    if (j->S > 0 && !j->bp && (want_gpu || (!cpu_stages && j->tokens && own_stages))) {
         if (!j->tokens) {
             st = bk_error(BK_ERR_INVALID_ARG,
                           "quantize: the GPU pipeline (--gpu-pipeline) "
                           "needs token calibration (--calib), not --activations");
             goto fail;
         }
-#if BK_HAVE_CUDA
-        if (strcmp(bk_backend_name(j->backend), "cuda") != 0) {
-            st = bk_error(BK_ERR_NO_DEVICE,
-                          "quantize: the GPU pipeline (--gpu-pipeline) needs "
-                          "the CUDA backend (--backend cuda or auto with a GPU; backend is %s)",
-                          bk_backend_name(j->backend));
+        if (!own_stages) {
+            if (bk_cuda_compiled())
+                st = bk_error(BK_ERR_NO_DEVICE,
+                              "quantize: the GPU pipeline (--gpu-pipeline) needs "
+                              "the CUDA backend (--backend cuda or auto with a GPU; backend is %s)",
+                              bk_backend_name(j->backend));
+            else
+                st = bk_error(BK_ERR_NO_DEVICE,
+                              "quantize: the GPU pipeline (--gpu-pipeline) needs a "
+                              "build with the CUDA backend");
             goto fail;
         }
-        bk_hessian_kind hk = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian;
-        int shampoo = o->hessian == BK_HESS_MLPLOCAL_SHAMPOO ||
-                      o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
-        const bk_stage_ops *gops = NULL;
-        void *gctx = NULL;
+        const bk_stage_params sp = {
+            .model = j->model,
+            .kind = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian,
+            .fp64 = o->hessian_fp64,
+            .keep_plain = o->hessian == BK_HESS_MLPLOCAL_SHAMPOO ||
+                          o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO,
+            .fully = j->fully,
+            .codes_only = o->export_format != BK_EXPORT_DEQUANTIZED,
+            .S = j->S,
+            .T = j->T,
+        };
         int64_t gb = o->batch > 0 ? j->batch : 0;
-        st = bk_gpu_stages_create(j->backend, j->model, hk, o->hessian_fp64, shampoo, j->fully,
-                                  o->export_format != BK_EXPORT_DEQUANTIZED, j->S, j->T, &gb,
-                                  &gops, &gctx);
+        st = bk_backend_stages_create(j->backend, &sp, &gb, &j->ops, &j->ops_ctx);
         if (st != BK_OK)
             goto fail;
-        j->ops = gops;
-        j->ops_ctx = gctx;
         j->batch = gb;
-#else
-        st = bk_error(BK_ERR_NO_DEVICE,
-                      "quantize: the GPU pipeline (--gpu-pipeline) needs a "
-                      "build with the CUDA backend");
-        goto fail;
-#endif
     } else if (j->S > 0) {
         st = bk_fwd_create(j->cfg, j->batch, j->T, &j->fwd);
         if (st != BK_OK)

@@ -383,16 +383,8 @@ static int family_two_sided(bk_algorithm a)
 
 bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_result *r)
 {
-    if (!p || !o || !r)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: problem, options and result must not be NULL");
-    memset(r, 0, sizeof *r);
-    r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
-    const char *lw = p->label_w ? p->label_w : "W";
-    const char *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
-    const char *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
-    bk_status st = bk_solve_check_opts(o);
-    if (st == BK_OK)
-        st = bk_solve_check_problem(p, o, lw, la, lb);
+    const char *lw = NULL, *la = NULL, *lb = NULL;
+    bk_status st = bk_solve_begin(p, o, r, &lw, &la, &lb);
     if (st != BK_OK)
         return st;
     const int64_t m = p->m, n = p->n;

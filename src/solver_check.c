@@ -4,6 +4,7 @@
 
 #include <math.h>
 #include <stddef.h>
+#include <string.h>
 
 #include "bakron/status.h"
 
@@ -125,4 +126,20 @@ bk_status bk_solve_damp_escalate(const bk_solve_opts *o, double mean, const char
     *add = a;
     *retries = attempt;
     return BK_OK;
+}
+
+bk_status bk_solve_begin(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_result *r,
+                         const char **lw, const char **la, const char **lb)
+{
+    if (!p || !o || !r)
+        return bk_error(BK_ERR_INVALID_ARG, "solve: problem, options and result must not be NULL");
+    memset(r, 0, sizeof *r);
+    r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
+    *lw = p->label_w ? p->label_w : "W";
+    *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
+    *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
+    bk_status st = bk_solve_check_opts(o);
+    if (st == BK_OK)
+        st = bk_solve_check_problem(p, o, *lw, *la, *lb);
+    return st;
 }

@@ -17,6 +17,11 @@ extern "C" {
 #define BK_SYM_TOL 1e-3
 
 bk_status bk_solve_check_opts(const bk_solve_opts *o);
+/* The start of every backend's solve: the NULL checks, r emptied (losses
+ * NAN), the labels (defaults "W", "A"/"LA", "B"/"LB"), bk_solve_check_opts
+ * and bk_solve_check_problem. */
+bk_status bk_solve_begin(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_result *r,
+                         const char **lw, const char **la, const char **lb);
 /* Shapes, dtype, which inputs are given. A (or LA) may be absent only for
  * the rtn algorithm (no Hessian: no statistics). */
 bk_status bk_solve_check_problem(const bk_solve_problem *p, const bk_solve_opts *o, const char *lw,

@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 
+#include "bakron/model.h"
 #include "bakron/solver.h"
 #include "bakron/status.h"
 
@@ -68,6 +69,15 @@ const char *bk_backend_device(const bk_backend *b);
  * lacks returns BK_ERR_UNSUPPORTED naming it. */
 bk_status bk_backend_solve(bk_backend *b, const bk_solve_problem *p, const bk_solve_opts *o,
                            bk_solve_result *r);
+
+/* The whole model on token sequences [S, T] on this backend, layer-streamed:
+ * as bk_model_nll / bk_model_logits (bakron/forward.h), which the CPU backend
+ * runs. A backend without its own whole-model pass runs the CPU's. */
+bk_status bk_backend_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                               int64_t S, int64_t T, int64_t batch, double *nll_sum,
+                               int64_t *count);
+bk_status bk_backend_model_logits(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                  int64_t S, int64_t T, float *logits);
 
 /* Peak device memory (bytes) used since creation; 0 on the CPU backend. */
 /* Arithmetic of the large GEMMs of the GPU forward pass and Hessian

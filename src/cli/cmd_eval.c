@@ -9,9 +9,7 @@
 #include "bakron/forward.h"
 #include "bakron/model.h"
 #include "bakron/pipeline.h"
-#include "bk_config.h"
 #include "cli.h"
-#include "pipeline_gpu.h"
 #include "util.h"
 
 static const char *eval_usage =
@@ -60,7 +58,7 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
 }
 
 /* --logits-out: logits of all evaluated sequences, one micro-batch. */
-static bk_status write_logits(const bk_model *m, bk_backend *gpu, const int32_t *ids, int64_t S,
+static bk_status write_logits(const bk_model *m, bk_backend *be, const int32_t *ids, int64_t S,
                               int64_t T, const char *path)
 {
     const bk_model_config *cfg = bk_model_get_config(m);
@@ -78,14 +76,7 @@ static bk_status write_logits(const bk_model *m, bk_backend *gpu, const int32_t 
     bk_st_writer *w = NULL;
     int64_t shape[2] = {(int64_t)rows, cfg->vocab};
     bk_status st;
-#if BK_HAVE_CUDA
-    if (gpu)
-        st = bk_cuda_model_logits(gpu, m, ids, S, T, logits);
-    else
-#else
-    (void)gpu;
-#endif
-        st = bk_model_logits(m, ids, S, T, logits);
+    st = bk_backend_model_logits(be, m, ids, S, T, logits);
     if (st == BK_OK)
         st = bk_st_writer_create(&w);
     if (st == BK_OK)
@@ -172,7 +163,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         return cli_usage_error("--tokens FILE is required");
 
     bk_model *m = NULL;
-    bk_backend *gpu = NULL;
+    bk_backend *be = NULL;
     int32_t *ids = NULL;
     int64_t S = 0, T = 0;
     double nll_sum = 0.0;
@@ -191,19 +182,13 @@ bk_status bk_cmd_eval(int argc, char **argv)
                       tokens_path, (long long)T, (long long)cfg->max_positions, model_dir);
         goto done;
     }
-    if (bkind == BK_BACKEND_CUDA || (bkind == BK_BACKEND_AUTO && bk_cuda_device_count() > 0)) {
-        /* the forward pass on the GPU: --backend cuda, or auto with a GPU */
-        if ((st = bk_backend_create_params(BK_BACKEND_CUDA, &bparams, &gpu)) != BK_OK)
-            goto done;
-        bk_backend_set_gemm_math(gpu, bk_gemm_math_resolve(m, gmath));
-    }
+    /* the forward pass on the backend: --backend cuda, or auto with a GPU, runs
+     * on the GPU */
+    if ((st = bk_backend_create_params(bkind, &bparams, &be)) != BK_OK)
+        goto done;
+    bk_backend_set_gemm_math(be, bk_gemm_math_resolve(m, gmath));
     double t0 = bk_now();
-#if BK_HAVE_CUDA
-    if (gpu)
-        st = bk_cuda_model_nll(gpu, m, ids, S, T, batch, &nll_sum, &count);
-    else
-#endif
-        st = bk_model_nll(m, ids, S, T, batch, &nll_sum, &count);
+    st = bk_backend_model_nll(be, m, ids, S, T, batch, &nll_sum, &count);
     double secs = bk_now() - t0;
     if (st != BK_OK) {
         char pre[1200];
@@ -211,7 +196,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         bk_error_prefix(st, pre);
         goto done;
     }
-    if (logits_out && (st = write_logits(m, gpu, ids, S, T, logits_out)) != BK_OK)
+    if (logits_out && (st = write_logits(m, be, ids, S, T, logits_out)) != BK_OK)
         goto done;
     double nll = nll_sum / (double)count;
     double ppl = exp(nll);
@@ -226,7 +211,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
             !cJSON_AddNumberToObject(j, "nll", nll) ||
             !cJSON_AddNumberToObject(j, "nll_sum", nll_sum) ||
             !cJSON_AddNumberToObject(j, "perplexity", ppl) ||
-            !cJSON_AddStringToObject(j, "backend", gpu ? "cuda" : "cpu") ||
+            !cJSON_AddStringToObject(j, "backend", bk_backend_name(be)) ||
             !cJSON_AddNumberToObject(j, "seconds", secs)) {
             st = bk_error(BK_ERR_NOMEM, "eval: out of memory building the JSON output");
             goto done;
@@ -252,7 +237,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         st = bk_error(BK_ERR_WRITE, "eval: cannot write to stdout");
 done:
     cJSON_Delete(j);
-    bk_backend_destroy(gpu);
+    bk_backend_destroy(be);
     free(ids);
     bk_model_close(m);
     return st;
