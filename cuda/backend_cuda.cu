@@ -5,6 +5,7 @@
 
 #include "cuda_internal.cuh"
 #include "backend_impl.h"
+#include "backward_gpu.h"
 #include "pipeline_gpu.h"
 
 extern "C" bk_status bk_cuda_describe_device(int dev, char *buf, size_t cap);
@@ -121,6 +122,16 @@ bk_status cuda_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *b
                                 p->codes_only, p->S, p->T, batch, ops, ctx);
 }
 
+bk_status cuda_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
+                            int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                            const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats)
+{
+    bk_gbwd_opts go;
+    bk_gbwd_opts_default(&go);
+    go.fp64 = fp64;
+    return bk_cuda_bwd_flow_run(b, m, tokens, S, T, o, &go, cb, stats);
+}
+
 const bk_backend_ops cuda_ops = {
     "cuda",
     cuda_solve,
@@ -130,6 +141,7 @@ const bk_backend_ops cuda_ops = {
     bk_cuda_model_logits,
     bk_cuda_layer_fwd_create,
     cuda_stages_create,
+    cuda_bwd_flow_run,
     cuda_destroy,
 };
 

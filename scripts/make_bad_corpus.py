@@ -202,6 +202,9 @@ def index_cases():
     cases["path_escape"] = dict(base, **{"model.safetensors.index.json": idx({"a.weight": "../" + s1, "b.weight": s1, "c.bias": s2})})
     cases["absolute_path"] = dict(base, **{"model.safetensors.index.json": idx({"a.weight": "/etc/" + s1, "b.weight": s1, "c.bias": s2})})
     cases["truncated_shard"] = {s1: base[s1][:-2], s2: base[s2], "model.safetensors.index.json": idx(ok_map)}
+    # a NUL in a tensor or shard name would be cut at it (issue 14 point 11)
+    cases["name_with_nul"] = dict(base, **{"model.safetensors.index.json": idx({"a.weight\x00x": s1, "b.weight": s1, "c.bias": s2})})
+    cases["shard_name_with_nul"] = dict(base, **{"model.safetensors.index.json": idx({"a.weight": s1 + "\x00.txt", "b.weight": s1, "c.bias": s2})})
     cases["shard_bad_header"] = {s1: base[s1], s2: image(b'{"c.bias":' + b"\xff" + b"}"), "model.safetensors.index.json": idx(ok_map)}
     return cases
 

@@ -88,6 +88,8 @@ CONFIGS = {
     "rms_eps_string.json": cfg(rms_norm_eps="1e-5"),
     "rope_theta_string.json": cfg(rope_theta="10000"),
     "rope_theta_negative.json": cfg(rope_theta=-1.0),
+    # float32 frequencies 1/theta^(2i/d) overflow (issue 14 point 12)
+    "rope_theta_underflow.json": cfg(rope_theta=1e-50),
     "rope_scaling_yarn.json": cfg(rope_scaling={"type": "yarn", "factor": 4.0,
                                                 "original_max_position_embeddings": 2048}),
     "rope_scaling_dynamic.json": cfg(rope_scaling={"type": "dynamic", "factor": 2.0}),
@@ -114,6 +116,11 @@ CONFIGS = {
     "dtype_number.json": cfg(torch_dtype=DROP, dtype=16),
     "eos_string.json": cfg(eos_token_id="</s>"),
     "eos_list_negative.json": cfg(eos_token_id=[2, -1]),
+    "bos_outside_vocab.json": cfg(bos_token_id=100),
+    "eos_list_outside_vocab.json": cfg(eos_token_id=[2, 1000]),
+    # a NUL in a key would cut it to "rope_theta" (issue 14 point 11)
+    "key_with_nul.json": cfg(**{"rope_theta": DROP, "rope_theta\x00junk": 500000.0}),
+    "raw_nul_in_string.json": json.dumps(cfg()).replace('"silu"', '"silu\x00gelu"'),
     "quantized_awq.json": cfg(quantization_config={"quant_method": "awq", "bits": 4,
                                                    "group_size": 128}),
     "quantization_config_no_method.json": cfg(quantization_config={"bits": 4}),

@@ -9,21 +9,32 @@ cd "$(dirname "$0")/.."
 
 bk_install_deps
 bk_cuda_path
-bk_build build
+# On a machine without a GPU the CUDA backend would only run on the CPU: build
+# the CPU-only configuration (build-cpu/, seconds instead of minutes). CI and
+# scripts/test.sh still compile the CUDA backend whenever nvcc is present.
+if bk_have_gpu; then
+    builddir=build
+    bk_log "GPU found: building with the CUDA backend (when nvcc is present) in $builddir"
+    bk_build "$builddir"
+else
+    builddir=build-cpu
+    bk_log "no GPU found: building the CPU-only configuration in $builddir (-Dcuda=disabled)"
+    bk_build "$builddir" -Dcuda=disabled
+fi
 
 model=examples/kerneldocs-1.6m
 out=${BAKRON_QUICKSTART_OUT:-out/kerneldocs-1.6m-mlplocal-kfac-2.81bit}
 
 bk_log "bakron inspect $model"
-./build/bakron inspect "$model" | sed -n '1,20p'
+./"$builddir"/bakron inspect "$model" | sed -n '1,20p'
 
 bk_log "bakron quantize $model --hessian mlplocal-kfac --levels 3 -> $out"
-./build/bakron quantize "$model" --calib "$model/calib.safetensors" \
+./"$builddir"/bakron quantize "$model" --calib "$model/calib.safetensors" \
     --hessian mlplocal-kfac --levels 3 --out "$out" --overwrite
 
 bk_log "perplexity on $model/eval.safetensors"
 echo "full precision (BF16):"
-./build/bakron eval "$model" --tokens "$model/eval.safetensors" | grep -E "perplexity|NLL"
+./"$builddir"/bakron eval "$model" --tokens "$model/eval.safetensors" | grep -E "perplexity|NLL"
 echo "2.81-bit, mlplocal-kfac:"
-./build/bakron eval "$out" --tokens "$model/eval.safetensors" | grep -E "perplexity|NLL"
-bk_log "quantized checkpoint: $out (report: $out/report.json)"
+./"$builddir"/bakron eval "$out" --tokens "$model/eval.safetensors" | grep -E "perplexity|NLL"
+bk_log "quantized checkpoint: $out (report: $out/report.json, model card: $out/README.md)"

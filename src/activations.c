@@ -278,10 +278,15 @@ bk_status bk__act_open(const char *dir, const bk_model *model, int64_t samples,
     if (st != BK_OK)
         return st;
     char *text = NULL;
-    st = bk_read_file(path, 16u << 20, &text, NULL);
+    size_t tlen = 0;
+    st = bk_read_file(path, 16u << 20, &text, &tlen);
     if (st != BK_OK)
         return st;
-    cJSON *j = cJSON_Parse(text);
+    if ((st = bk_json_check_text(text, tlen, path, BK_ERR_CALIB)) != BK_OK) {
+        free(text);
+        return st;
+    }
+    cJSON *j = cJSON_ParseWithLength(text, tlen);
     free(text);
     if (!j)
         return bk_error(BK_ERR_CALIB, "%s: not valid JSON", path);

@@ -293,7 +293,7 @@ int bk_backend_supports(const bk_backend *b, bk_backend_op op)
     case BK_OP_MODEL_LOGITS: return o->model_logits != NULL;
     case BK_OP_LAYER_FWD: return o->layer_fwd_create != NULL;
     case BK_OP_STAGES: return o->stages_create != NULL;
-    case BK_OP_BACKWARD: return 0;
+    case BK_OP_BACKWARD: return o->bwd_flow_run != NULL;
     }
     return 0;
 }
@@ -331,4 +331,13 @@ bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int6
     if (!b->ops->stages_create)
         return bk_error(BK_ERR_UNSUPPORTED, "backend %s: no stages of its own", b->ops->name);
     return b->ops->stages_create(b, p, batch, ops, ctx);
+}
+
+bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                  int64_t S, int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                                  const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats)
+{
+    if (b->ops->bwd_flow_run)
+        return b->ops->bwd_flow_run(b, m, tokens, S, T, o, fp64, cb, stats);
+    return bk_bwd_flow_run(m, tokens, S, T, o, cb, stats);
 }

@@ -133,6 +133,7 @@ static const bk_backend_ops cpu_ops = {
     .model_logits = cpu_model_logits,
     .layer_fwd_create = bk_cpu_layer_fwd_create,
     .stages_create = NULL, /* the driver's own CPU stages (src/pipeline.c) */
+    .bwd_flow_run = NULL,  /* the CPU's flow, bk_bwd_flow_run (the dispatcher's fallback) */
     .destroy = cpu_destroy,
 };
 

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "bakron/backend.h"
+#include "bakron/backward.h"
 #include "bakron/forward.h"
 #include "bakron/hessian.h"
 #include "bakron/model.h"
@@ -121,8 +122,7 @@ typedef enum bk_backend_op {
     BK_OP_MODEL_LOGITS, /* whole-model logits (eval --logits-out) */
     BK_OP_LAYER_FWD,    /* layer forward with taps (dump-activations) */
     BK_OP_STAGES,       /* the quantize stages: forward, Hessians, factors, solves */
-    BK_OP_BACKWARD      /* reserved: the backward pass of the Backprop Hessians (no backend
-                           has a table entry yet; the CPU runs it in src/backward*.c) */
+    BK_OP_BACKWARD      /* the backward flow of the Backprop Hessians */
 } bk_backend_op;
 
 typedef struct bk_backend_ops {
@@ -148,6 +148,13 @@ typedef struct bk_backend_ops {
      * NULL: the driver's own CPU stages (src/pipeline.c). */
     bk_status (*stages_create)(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                const bk_stage_ops **ops, void **ctx);
+    /* The backward flow of the Backprop Hessians, as bk_bwd_flow_run
+     * (src/backward_flow.c, the CPU's). fp64: double arithmetic on a device
+     * (else F32 GEMMs). A device may hand each leaf layer's output-gradient
+     * Grams to cb->grams (when set) instead of the taps to cb->grads. */
+    bk_status (*bwd_flow_run)(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
+                              int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                              const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats);
     /* Required. */
     void (*destroy)(void *ctx);
 } bk_backend_ops;
@@ -164,6 +171,10 @@ bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t 
                                       int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
 bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                    const bk_stage_ops **ops, void **ctx);
+/* NULL entry: the CPU's flow (bk_bwd_flow_run; cb->grads, fp64 ignored). */
+bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                  int64_t S, int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                                  const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats);
 
 /* The CPU implementation of the layer forward with taps (src/backend_cpu.c;
  * also the fallback of other backends). */

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "bakron/backward.h"
+#include "bakron/hessian.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -24,6 +25,13 @@ void bk__bwd_set_perturb(bk_bwd *b, const bk_bwd_perturb *p);
 
 /* The uniform in [0, 1) that picks the sampled label of (sequence, position). */
 double bk__bwd_uniform(uint64_t seed, int64_t seq, int64_t pos);
+
+/* As bk_hess_add_grad (bakron/hessian.h) with the micro-batches' Gram already
+ * formed (by the GPU flow): G [out, out] row-major, upper triangle read, is
+ * Σ g gᵀ (K-FAC) or Σ |a_fp|² g gᵀ (Shampoo) over the N = S*T tokens; gw [N]
+ * the |g|² of each token in order (Shampoo; ignored for K-FAC). */
+bk_status bk__hess_add_grad_gram(bk_hess_acc *a, int layer, bk_module mod, const double *G,
+                                 const double *gw, int64_t S);
 
 /* BK_OK when the model has the LM head and final norm the backward needs;
  * else a one-line error. */

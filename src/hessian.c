@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backward_internal.h"
 #include "hess_blocks.h"
 #include "rope.h"
 #include "util.h"
@@ -1109,6 +1110,71 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
         }
         free(buf);
     }
+    a->gcount[mod] += N;
+    return BK_OK;
+}
+
+bk_status bk__hess_add_grad_gram(bk_hess_acc *a, int layer, bk_module mod, const double *G,
+                                 const double *gw, int64_t S)
+{
+    bk_status st;
+    int64_t N = 0;
+    if (!a)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
+    if (!a->bp)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: gradient Grams only enter the backprop kinds (Hessian is %s)",
+                        bk_hessian_name(a->kind));
+    if ((unsigned)mod >= BK_MOD_COUNT)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown module %d", (int)mod);
+    if ((st = check_broken(a, "bk__hess_add_grad_gram")) != BK_OK)
+        return st;
+    if (a->layer >= 0 && layer != a->layer)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: gradient Gram of layer %d given to an accumulator holding "
+                        "layer %d (call bk_hess_acc_reset between layers)",
+                        layer, a->layer);
+    if (!G || (a->shampoo && !gw))
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d %s: NULL Gram or token weights",
+                        layer, bk_module_name(mod));
+    int64_t m, n;
+    bk_module_shape(&a->cfg, mod, &m, &n);
+    if ((st = batch_rows(a, S, 1, "gradient Gram", &N)) != BK_OK)
+        return st;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = i; j < m; j++)
+            if (!isfinite(G[i * m + j]))
+                return bk_error(BK_ERR_NONFINITE,
+                                "hessian: layer %d %s: non-finite output gradient (in the Gram, "
+                                "row %lld)",
+                                layer, bk_module_name(mod), (long long)i);
+    if (!a->gB[mod]) {
+        a->gB[mod] = bk_calloc((size_t)(m * m), sizeof(double));
+        if (!a->gB[mod])
+            return bk_error(BK_ERR_NOMEM,
+                            "hessian: layer %d %s: out of memory for the output factor [%lld, "
+                            "%lld]",
+                            layer, bk_module_name(mod), (long long)m, (long long)m);
+    }
+    if (a->shampoo) {
+        int64_t need = a->gcount[mod] + N;
+        if (need > a->gw_cap[mod]) {
+            int64_t cap = a->gw_cap[mod] ? a->gw_cap[mod] : 1024;
+            while (cap < need)
+                cap *= 2;
+            double *nw = realloc(a->gw[mod], (size_t)cap * sizeof(double));
+            if (!nw)
+                return bk_error(BK_ERR_NOMEM, "hessian: out of memory for token weights");
+            a->gw[mod] = nw;
+            a->gw_cap[mod] = cap;
+        }
+        memcpy(a->gw[mod] + a->gcount[mod], gw, (size_t)N * sizeof(double));
+    }
+    a->layer = layer;
+    double *gb = a->gB[mod];
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = i; j < m; j++)
+            gb[i * m + j] += G[i * m + j];
     a->gcount[mod] += N;
     return BK_OK;
 }

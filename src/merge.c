@@ -440,7 +440,8 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
         goto done;
     /* config.json (and quantize_config.json for gptq) with the whole range */
     set_layers(ps[0].b, 0, (int)L);
-    if ((st = write_json(work, "config.json", ps[0].config)) != BK_OK)
+    if ((st = write_json(work, "config.json", ps[0].config)) != BK_OK ||
+        (st = bk__write_model_card(work, ps[0].config)) != BK_OK)
         goto done;
     if (ps[0].b != ps[0].qc && (st = write_json(work, "quantize_config.json", ps[0].qc)) != BK_OK)
         goto done;

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "rope.h"
 #include "util.h"
 
 #define JSON_MAX_WHOLE 9007199254740992.0 /* 2^53 */
@@ -166,29 +167,35 @@ static bk_status opt_bool(const char *label, const cJSON *root, const char *key,
 }
 
 /* bos_token_id / eos_token_id: an integer, a list of integers (the first is
- * kept) or null. */
-static bk_status token_id(const char *label, const cJSON *root, const char *key, int64_t *out)
+ * kept) or null; every id inside the vocabulary [0, vocab). */
+static bk_status token_id(const char *label, const cJSON *root, const char *key, int64_t vocab,
+                          int64_t *out)
 {
     const cJSON *v = get(root, key);
     if (!v)
         return BK_OK;
-    if (cJSON_IsArray(v)) {
-        char k[64];
-        int i = 0;
-        int64_t first = -1;
-        for (const cJSON *e = v->child; e; e = e->next, i++) {
-            int64_t x = 0;
+    char k[64];
+    int i = 0;
+    int64_t first = -1;
+    int list = cJSON_IsArray(v);
+    for (const cJSON *e = list ? v->child : v; e; e = list ? e->next : NULL, i++) {
+        int64_t x = 0;
+        if (list)
             snprintf(k, sizeof k, "%s[%d]", key, i);
-            bk_status st = json_i64(label, k, e, 0, (int64_t)JSON_MAX_WHOLE, &x);
-            if (st != BK_OK)
-                return st;
-            if (i == 0)
-                first = x;
-        }
-        *out = first;
-        return BK_OK;
+        else
+            snprintf(k, sizeof k, "%s", key);
+        bk_status st = json_i64(label, k, e, 0, (int64_t)JSON_MAX_WHOLE, &x);
+        if (st != BK_OK)
+            return st;
+        if (x >= vocab)
+            return bk_error(BK_ERR_CONFIG,
+                            "%s: %s = %lld is outside the vocabulary [0, %lld) (vocab_size)",
+                            label, k, (long long)x, (long long)vocab);
+        if (i == 0)
+            first = x;
     }
-    return json_i64(label, key, v, 0, (int64_t)JSON_MAX_WHOLE, out);
+    *out = first;
+    return BK_OK;
 }
 
 static bk_status parse_dtype(const char *label, const cJSON *root, bk_dtype *out)
@@ -371,6 +378,10 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
     if (!json)
         return bk_error(BK_ERR_INVALID_ARG, "%s: no text to parse", label);
 
+    /* a NUL (raw or \u0000) would cut a key or value short: refused, as are raw
+     * control characters */
+    if ((st = bk_json_check_text(json, len, label, BK_ERR_CONFIG)) != BK_OK)
+        return st;
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(json, len, &end, 0);
     if (!root) {
@@ -513,6 +524,9 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
 
     if ((st = parse_rope(label, root, c)) != BK_OK)
         goto done;
+    /* every RoPE frequency and angle finite (a tiny rope_theta underflows) */
+    if ((st = bk_rope_check_config(c, c->max_positions, label)) != BK_OK)
+        goto done;
 
     /* structure */
     /* sliding-window attention: Mistral's sliding_window (int or null); Qwen2
@@ -576,8 +590,8 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
 
     c->bos_token_id = ai->bos;
     c->eos_token_id = ai->eos;
-    if ((st = token_id(label, root, "bos_token_id", &c->bos_token_id)) != BK_OK ||
-        (st = token_id(label, root, "eos_token_id", &c->eos_token_id)) != BK_OK)
+    if ((st = token_id(label, root, "bos_token_id", c->vocab, &c->bos_token_id)) != BK_OK ||
+        (st = token_id(label, root, "eos_token_id", c->vocab, &c->eos_token_id)) != BK_OK)
         goto done;
 
     /* already-quantized checkpoints */

@@ -417,8 +417,7 @@ static bk_status clean_leftovers(bk_outdir *d, const bk_outdir_spec *s, const in
             if (kind == 't' && s->resume && adopted && !*adopted && s->resumable &&
                 s->resumable(s->resumable_user, path)) {
                 if (rename(path, d->work) == 0) {
-                    *adopted = 1;
-                    note(d, "resuming the run left in %s", shown);
+                    *adopted = 1; /* (the caller says what it keeps of it) */
                     continue;
                 }
             }

@@ -13,10 +13,13 @@
 
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
+#include "backward_internal.h"
 #include "bk_config.h"
 #include "outdir.h"
 #include "backend_impl.h"
 #include "pipeline_internal.h"
+#include "resume.h"
+#include "st_internal.h"
 #include "util.h"
 
 static volatile sig_atomic_t g_stop;
@@ -91,6 +94,8 @@ typedef struct job {
     bk_st_stream *out;
     bk_outdir od; /* the output folder: lock, work folder (od.work), commit */
     int layer_begin, layer_end;
+    bk_resume *rs;   /* journal of finished layers (src/resume.c); NULL for backprop */
+    int first_layer; /* first layer to quantize: layer_begin, or after the kept ones */
     /* calibration */
     int32_t *tokens;
     int64_t S, T, N, batch;
@@ -122,6 +127,8 @@ typedef struct job {
     int bp_leaf_lo;             /* first layer of the current leaf */
     bk_bwd_flow_stats bp_stats;
     double bp_time_counted;     /* flow time already added to t_forward */
+    int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
+                                   (cuda/backward.cu); the input-side stages on the CPU */
     /* output writer: quantized modules are packed and written by a helper
      * thread while the next module is solved (queue of WQ_CAP results) */
     struct {
@@ -131,8 +138,9 @@ typedef struct job {
         pthread_cond_t cv;
         struct wjob {
             int layer;
-            bk_module mod;
+            bk_module mod;     /* BK_MOD_COUNT: the layer is complete (journal it) */
             bk_solve_result r;
+            char *entries;     /* the layer's report entries (journal) */
         } q[2]; /* WQ_CAP */
         int head, count;
         bk_status st;
@@ -271,7 +279,37 @@ static bk_status write_module_checked(job *j, int layer, bk_module mod, const bk
     if (fault && fault[0] && ++j->wr.nwrites == strtol(fault, NULL, 10))
         return bk_error(BK_ERR_WRITE, "model.layers.%d.%s: writing failed (injected fault, "
                         "BK_FAULT_WRITE_MODULE)", layer, bk_module_name(mod));
-    return bk__write_module(j->out, j->o, j->cfg, j->model, layer, mod, r);
+    bk_status st = bk__write_module(j->out, j->o, j->cfg, j->model, layer, mod, r);
+    if (st == BK_OK) /* the codes the forward pass of a resumed run needs */
+        st = bk_resume_save_module(j->rs, &j->o->solve.quant, layer, mod, r);
+    return st;
+}
+
+/* Test hook (tests/test_resume.sh): BK_FAULT_KILL_AT=journal-K kills the
+ * process just before / after=journal-K-after the K-th journal line (1-based)
+ * is written; module-K before the K-th module write. */
+static void resume_kill_point(const char *what, long k)
+{
+    const char *e = getenv("BK_FAULT_KILL_AT");
+    char want[64];
+    snprintf(want, sizeof want, "%s-%ld", what, k);
+    if (e && !strcmp(e, want))
+        raise(SIGKILL);
+}
+
+/* The writer's work item: a module, or a layer's end (journal line). */
+static bk_status writer_do(job *j, struct wjob *w)
+{
+    if (w->mod == BK_MOD_COUNT) {
+        const long k = bk_resume_layers_done(j->rs) + 1;
+        resume_kill_point("journal", k);
+        bk_status st = bk_resume_layer_done(j->rs, j->out, w->layer, w->entries);
+        resume_kill_point("journal-after", k);
+        return st;
+    }
+    static long nmod;
+    resume_kill_point("module", ++nmod);
+    return write_module_checked(j, w->layer, w->mod, &w->r);
 }
 
 static void *writer_main(void *arg)
@@ -289,10 +327,11 @@ static void *writer_main(void *arg)
         bk_status st = BK_OK;
         double t = bk_now();
         if (!failed) /* after a failure the rest is only freed */
-            st = write_module_checked(j, w.layer, w.mod, &w.r);
+            st = writer_do(j, &w);
         const double dt = bk_now() - t;
         bk_prof_add("writer.write (thread)", dt);
         bk_solve_result_free(&w.r);
+        free(w.entries);
         pthread_mutex_lock(&j->wr.mu);
         j->wr.busy_s += dt;
         if (st != BK_OK && !j->wr.failed) {
@@ -315,11 +354,14 @@ static bk_status writer_error(job *j)
 
 /* Hand r over to the writer (r is emptied); without a writer thread, write
  * here. Fails with the writer's first error. */
-static bk_status writer_put(job *j, int layer, bk_module mod, bk_solve_result *r)
+static bk_status writer_put(job *j, int layer, bk_module mod, bk_solve_result *r,
+                            char *entries)
 {
     if (!j->wr.started) {
-        bk_status st = write_module_checked(j, layer, mod, r);
+        struct wjob w = {layer, mod, *r, entries};
+        bk_status st = writer_do(j, &w);
         bk_solve_result_free(r);
+        free(entries);
         return st;
     }
     pthread_mutex_lock(&j->wr.mu);
@@ -328,12 +370,14 @@ static bk_status writer_put(job *j, int layer, bk_module mod, bk_solve_result *r
     if (j->wr.failed) {
         pthread_mutex_unlock(&j->wr.mu);
         bk_solve_result_free(r);
+        free(entries);
         return writer_error(j);
     }
     struct wjob *w = &j->wr.q[(j->wr.head + j->wr.count) % WQ_CAP];
     w->layer = layer;
     w->mod = mod;
     w->r = *r;
+    w->entries = entries;
     memset(r, 0, sizeof *r);
     j->wr.count++;
     pthread_cond_broadcast(&j->wr.cv);
@@ -374,6 +418,42 @@ static bk_status writer_finish(job *j, int abandon)
     if (j->wr.failed && !abandon)
         return writer_error(j);
     return BK_OK;
+}
+
+/* Wait until the writer has done everything queued (its first error). */
+static bk_status writer_drain(job *j)
+{
+    if (!j->wr.started)
+        return BK_OK;
+    pthread_mutex_lock(&j->wr.mu);
+    while (j->wr.count > 0 && !j->wr.failed)
+        pthread_cond_wait(&j->wr.cv, &j->wr.mu);
+    const int failed = j->wr.failed;
+    pthread_mutex_unlock(&j->wr.mu);
+    return failed ? writer_error(j) : BK_OK;
+}
+
+/* Layer l is complete: after its modules, the writer fsyncs the shards and
+ * appends the layer's journal line (with its report entries). */
+static bk_status journal_layer(job *j, int l)
+{
+    if (!j->rs)
+        return BK_OK;
+    cJSON *arr = cJSON_CreateArray();
+    const cJSON *e;
+    cJSON_ArrayForEach(e, j->report_modules)
+    {
+        const cJSON *le = cJSON_GetObjectItemCaseSensitive(e, "layer");
+        if (cJSON_IsNumber(le) && le->valueint == l)
+            cJSON_AddItemToArray(arr, cJSON_Duplicate(e, 1));
+    }
+    char *text = cJSON_PrintUnformatted(arr);
+    cJSON_Delete(arr);
+    if (!text)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    bk_solve_result none;
+    memset(&none, 0, sizeof none);
+    return writer_put(j, l, BK_MOD_COUNT, &none, text);
 }
 
 /* ------------------------------------------------------------------ solving */
@@ -494,7 +574,7 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     bk_prof_add("pipe.report", bk_now() - t);
     /* packing and writing overlap the next module (writer thread) */
     t = bk_now();
-    st = writer_put(j, layer, mod, &r);
+    st = writer_put(j, layer, mod, &r, NULL);
     j->t_io += bk_now() - t;
     bk_prof_add("pipe.writer_put", bk_now() - t);
     if (st != BK_OK)
@@ -898,6 +978,41 @@ done:
     return st;
 }
 
+/* Resume: the calibration state after finished layer l, rebuilt: the layer's
+ * forward pass with the weights its modules were quantized to (saved codes and
+ * scales; the original weights with --no-sequential, whose modules all saw
+ * full-precision inputs). The same forward functions on the same micro-batches
+ * as the run that quantized it, so the same bits. */
+static bk_status layer_rebuild(job *j, int l)
+{
+    bk_layer_weights orig, qw;
+    memset(&orig, 0, sizeof orig);
+    memset(&qw, 0, sizeof qw);
+    double t = bk_now();
+    bk_status st = prefetch_take(j, l, &orig);
+    if (st == BK_OK)
+        prefetch_start(j, l + 1);
+    const bk_layer_weights *use = &orig;
+    if (st == BK_OK && j->o->sequential) {
+        st = layer_weights_copy(j->cfg, &orig, &qw);
+        if (st == BK_OK)
+            st = bk_resume_load_weights(j->rs, &j->o->solve.quant, j->cfg, l, &qw);
+        use = &qw;
+    }
+    j->t_io += bk_now() - t;
+    if (st == BK_OK)
+        st = j->ops->layer_begin(j->ops_ctx, use, use, 0);
+    if (st == BK_OK) {
+        st = run_stage(j, BK_STAGE_FULL);
+        j->ops->layer_end(j->ops_ctx);
+    }
+    bk_layer_weights_free(&orig);
+    bk_layer_weights_free(&qw);
+    if (st != BK_OK)
+        return bk_error_prefix(st, "--resume: rebuilding the calibration state");
+    return BK_OK;
+}
+
 /* ------------------------------------- backprop kinds: the flow drives the layers */
 
 static void bp_add_flow_time(job *j)
@@ -946,6 +1061,23 @@ static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk
     return st;
 }
 
+/* A device's flow: a leaf layer's output-gradient Grams over the whole calibration set */
+static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G, const double *gw,
+                          int64_t S)
+{
+    job *j = user;
+    if (!layer_in_range(j, layer))
+        return BK_OK;
+    int k = layer - j->bp_leaf_lo;
+    if (k < 0 || k >= j->bp_leaf)
+        return bk_error(BK_ERR_INTERNAL, "backprop: layer %d outside the leaf at %d", layer,
+                        j->bp_leaf_lo);
+    double t0 = bk_now();
+    bk_status st = bk__hess_add_grad_gram(j->bp_acc[k], layer, mod, G, gw, S);
+    j->t_hessian += bk_now() - t0;
+    return st;
+}
+
 static bk_status bp_leaf_done(void *user, int lo, int hi)
 {
     job *j = user;
@@ -967,8 +1099,18 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
 static bk_status run_backprop(job *j)
 {
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
-    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done};
-    bk_status st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
+    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0};
+    bk_status st;
+    if (j->bp_gpu) {
+        /* the Grams on the device, not the taps on the host */
+        cb.grads = NULL;
+        cb.grams = bp_grams;
+        cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
+        st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo,
+                                     j->o->bwd_fp64, &cb, &j->bp_stats);
+    } else {
+        st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
+    }
     bp_add_flow_time(j);
     return st;
 }
@@ -1098,9 +1240,14 @@ static bk_status write_config_and_report(job *j)
         }
     }
     char *out = cJSON_Print(cfg);
+    st = bk__write_model_card(j->od.work, cfg);
     cJSON_Delete(cfg);
     if (!out)
         return bk_error(BK_ERR_NOMEM, "out of memory writing config.json");
+    if (st != BK_OK) {
+        free(out);
+        return st;
+    }
     st = bk_path_join(path, sizeof path, j->od.work, "config.json");
     if (st == BK_OK)
         st = bk_write_file_atomic(path, out, strlen(out));
@@ -1138,6 +1285,8 @@ static bk_status write_config_and_report(job *j)
         const bk_bwd_flow_stats *bs = &j->bp_stats;
         cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
         cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
+        cJSON_AddStringToObject(b, "device", j->bp_gpu ? bk_backend_name(j->backend) : "cpu");
+        cJSON_AddStringToObject(b, "precision", (!j->bp_gpu || o->bwd_fp64) ? "fp64" : "fp32");
         cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
         cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
         cJSON_AddNumberToObject(b, "seed", (double)o->seed);
@@ -1146,7 +1295,10 @@ static bk_status write_config_and_report(job *j)
         cJSON_AddNumberToObject(b, "layer_forwards", (double)bs->layer_forwards);
         cJSON_AddNumberToObject(b, "layer_backwards", (double)bs->layer_backwards);
         cJSON_AddNumberToObject(b, "peak_boundary_host_bytes", (double)bs->peak_boundary_bytes);
-        cJSON_AddNumberToObject(b, "micro_batch_host_bytes", (double)bs->micro_bytes);
+        /* CPU: the flow's micro-batch buffers in host memory; GPU: its device buffers
+         * (micro-batch, LM head), the layer weights aside */
+        cJSON_AddNumberToObject(b, j->bp_gpu ? "micro_batch_device_bytes" : "micro_batch_host_bytes",
+                                (double)bs->micro_bytes);
         cJSON_AddNumberToObject(b, "peak_boundary_device_bytes", 0);
         cJSON *bt = cJSON_AddObjectToObject(b, "times_s");
         cJSON_AddNumberToObject(bt, "forward", bs->time_forward_s);
@@ -1234,6 +1386,8 @@ static void job_free(job *j)
     if (j->model)
         bk_model_close(j->model);
     cJSON_Delete(j->report_modules);
+    bk_resume_free(j->rs);
+    j->rs = NULL;
 }
 
 bk_status bk_quantize(const bk_quantize_opts *o)
@@ -1244,6 +1398,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->t0 = bk_now();
     g_stop = 0;
     bk_status st;
+    int adopted = 0;
 
     if (!o->model_dir || !o->out_dir)
         return bk_error(BK_ERR_INVALID_ARG, "quantize: model folder and output folder are required");
@@ -1262,6 +1417,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                       bk_hessian_name(o->hessian));
         goto fail;
     }
+    if (j->bp && o->resume) {
+        st = bk_error(BK_ERR_USAGE,
+                      "quantize: --resume: --hessian %s runs cannot be resumed (the backward "
+                      "flow keeps no journal); run without --resume",
+                      bk_hessian_name(o->hessian));
+        goto fail;
+    }
     if (j->bp && o->leaf_size < 1) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
@@ -1272,10 +1434,15 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                                 o->activations_dir ? o->activations_dir : "",
                                 o->config_path ? o->config_path : "", NULL};
         bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
-                             .what = "quantize", .note = job_note, .user = j};
-        st = bk_outdir_open(&j->od, &os, NULL);
+                             .what = "quantize", .note = job_note, .user = j,
+                             .resume = o->resume, .resumable = bk_resume_is_resumable};
+        st = bk_outdir_open(&j->od, &os, &adopted);
         if (st != BK_OK)
             goto fail;
+        if (o->resume && !adopted)
+            emit(j, BK_EV_NOTE, 0, NULL,
+                 "--resume: no interrupted run of this output was found; starting from the "
+                 "first layer");
     }
     st = bk_model_open(o->model_dir, &j->model);
     if (st != BK_OK)
@@ -1351,11 +1518,16 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     const int cpu_stages = o->cpu_stages;
     if (j->bp && want_gpu) {
         st = bk_error(BK_ERR_UNSUPPORTED,
-                      "quantize: --hessian %s runs its forward, backward and Hessian stages on "
-                      "the CPU (not on the GPU yet): drop --gpu-pipeline",
+                      "quantize: --hessian %s runs its input-side stages on the CPU (its "
+                      "backward passes run on the GPU with the CUDA backend): drop "
+                      "--gpu-pipeline",
                       bk_hessian_name(o->hessian));
         goto fail;
     }
+    /* backprop kinds: the forward + backward passes of the flow on the GPU with
+     * the CUDA backend, unless --cpu-stages (the CPU's flow, the reference) */
+    j->bp_gpu = j->bp && !cpu_stages && j->tokens &&
+                bk_backend_supports(j->backend, BK_OP_BACKWARD);
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline and --cpu-stages contradict each other");
@@ -1439,15 +1611,39 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             goto fail;
     }
     j->report_modules = cJSON_CreateArray();
+    j->first_layer = j->layer_begin;
+
+    /* the journal of finished layers; a resumed run is checked against the
+     * interrupted one's arguments, model and calibration */
+    if (!j->bp) {
+        bk_resume_source src = {
+            .o = o, .backend = bk_backend_name(j->backend), .stages = j->ops->name,
+            .gpu_math = bk_gemm_math_name(j->gemm_math), .S = j->S, .T = j->T,
+            .batch = j->batch, .layer_begin = j->layer_begin, .layer_end = j->layer_end,
+            .tokens = j->tokens};
+        st = bk_resume_open(j->od.work, adopted, &src, j->tokens && o->sequential, &j->rs);
+        if (st != BK_OK) {
+            if (adopted) /* left for a rerun with what it was made with */
+                j->od.keep_work = 1;
+            goto fail;
+        }
+    }
 
     /* output */
-    st = bk_st_stream_begin(j->od.work, "model", o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull,
-                            &j->out);
+    const uint64_t shard = o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull;
+    st = j->rs ? bk_st_stream_begin_resumable(j->od.work, "model", shard, &j->out)
+               : bk_st_stream_begin(j->od.work, "model", shard, &j->out);
     if (st != BK_OK)
         goto fail;
     st = declare_outputs(j);
+    int reused = 0;
+    if (st == BK_OK && j->rs)
+        st = bk_st_stream_open_files(j->out, &reused);
     if (st == BK_OK)
         st = write_passthrough(j);
+    if (st == BK_OK && j->rs)
+        st = bk_resume_restore(j->rs, j->out, reused, j->report_modules, &j->quantized_params,
+                               &j->first_layer, job_note, j);
     if (st != BK_OK)
         goto fail;
     writer_start(j);
@@ -1478,7 +1674,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                 goto fail;
         } else {
             for (int l = 0; l < j->layer_end; l++) {
-                st = layer_tokens(j, l);
+                const int kept = layer_in_range(j, l) && l < j->first_layer;
+                st = kept ? layer_rebuild(j, l) : layer_tokens(j, l);
+                if (st == BK_OK && !kept && layer_in_range(j, l))
+                    st = journal_layer(j, l);
                 if (st == BK_OK) /* the checkpoint is not changing under the run */
                     st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
                 if (st != BK_OK)
@@ -1486,12 +1685,19 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             }
         }
     } else {
-        for (int l = j->layer_begin; l < j->layer_end; l++) {
-            if (j->acts)
+        for (int l = j->first_layer; l < j->layer_end; l++) {
+            if (j->acts) {
                 st = layer_acts(j, l);
-            else
+            } else {
                 st = bk__layer_rtn(j->model, j->backend, j->out, o, j->cfg, l,
                                    j->report_modules, &j->quantized_params);
+                if (st == BK_OK) /* (written on this thread: the journal after them) */
+                    st = writer_drain(j);
+            }
+            if (st == BK_OK)
+                st = journal_layer(j, l);
+            if (st == BK_OK && !j->acts)
+                st = writer_drain(j);
             if (st == BK_OK) /* the checkpoint is not changing under the run */
                 st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
             if (st != BK_OK)
@@ -1518,6 +1724,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             st = bk__copy_aux_files(o->model_dir, j->od.work);
         if (st == BK_OK) /* nothing read has changed since it was opened */
             st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
+        if (st == BK_OK) /* the journal goes before the folder becomes the output */
+            st = bk_resume_finish(j->rs);
         if (st == BK_OK)
             st = bk_outdir_commit(&j->od);
         j->t_io += bk_now() - t;
@@ -1533,6 +1741,27 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     return BK_OK;
 
 fail:
+    /* a runtime failure (interrupted, disk full, out of memory, device) keeps
+     * the work folder with its finished layers for --resume */
+    if (j->rs && j->out && bk_status_exit_code(st) == 3) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", bk_last_error());
+        writer_finish(j, 0); /* (queued journal lines too) */
+        bk_error(st, "%s", why);
+    }
+    if (j->rs && j->out && bk_status_exit_code(st) == 3 && bk_resume_layers_done(j->rs) > 0) {
+        bk_st_stream_keep(j->out);
+        j->out = NULL;
+        j->od.keep_work = 1;
+        char msg[BK_PATH_MAX + 200];
+        snprintf(msg, sizeof msg,
+                 "kept %.3500s with %d finished layer(s): the same command with --resume continues "
+                 "from there",
+                 j->od.work, bk_resume_layers_done(j->rs)); /* (msg: work is < 4096) */
+        emit(j, BK_EV_NOTE, 0, NULL, msg);
+    }
+    if (adopted && !j->rs) /* failed before the killed run's state was checked: kept */
+        j->od.keep_work = 1;
     writer_finish(j, 1);
     if (j->out)
         bk_st_stream_abort(j->out);

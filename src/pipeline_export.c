@@ -2,6 +2,7 @@
  * checkpoints, and GPTQ (v1) packed checkpoints (docs/formats.md). */
 #include <dirent.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -338,6 +339,152 @@ cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config 
     return c;
 }
 
+static const char *jstr(const cJSON *o, const char *k, const char *dflt)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    return cJSON_IsString(v) ? v->valuestring : dflt;
+}
+
+static double jnum(const cJSON *o, const char *k, double dflt)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    return cJSON_IsNumber(v) ? v->valuedouble : dflt;
+}
+
+static const char *base_name(const char *p)
+{
+    const char *s = strrchr(p, '/');
+    return s && s[1] ? s + 1 : p;
+}
+
+/* appends printf output to a growing buffer */
+typedef struct card_buf {
+    char *p;
+    size_t len, cap;
+    int oom;
+} card_buf;
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void cb_printf(card_buf *b, const char *fmt, ...)
+{
+    va_list ap;
+    for (;;) {
+        size_t room = b->cap - b->len;
+        va_start(ap, fmt);
+        int n = b->p ? vsnprintf(b->p + b->len, room, fmt, ap) : -1;
+        va_end(ap);
+        if (n >= 0 && (size_t)n < room) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t nc = b->cap ? b->cap * 2 : 4096;
+        if (n >= 0 && nc < b->len + (size_t)n + 1)
+            nc = b->len + (size_t)n + 1;
+        char *q = realloc(b->p, nc);
+        if (!q) {
+            b->oom = 1;
+            return;
+        }
+        b->p = q;
+        b->cap = nc;
+    }
+}
+
+bk_status bk__write_model_card(const char *out_dir, const cJSON *config)
+{
+    const cJSON *qc = cJSON_GetObjectItemCaseSensitive(config, "quantization_config");
+    int deq = 0;
+    if (!qc) {
+        qc = cJSON_GetObjectItemCaseSensitive(config, "bakron_dequantized_from");
+        deq = 1;
+    }
+    if (!cJSON_IsObject(qc))
+        return bk_error(BK_ERR_INTERNAL, "model card: config.json has no quantization settings");
+    const int gptq = !strcmp(jstr(qc, "quant_method", ""), "gptq");
+    const cJSON *b = gptq ? cJSON_GetObjectItemCaseSensitive(qc, "bakron") : qc;
+    const char *src = jstr(config, "_name_or_path", NULL);
+    const char *hess = jstr(b, "hessian", "?");
+    card_buf cb = {0};
+    cb_printf(&cb, "---\n");
+    if (src && src[0])
+        cb_printf(&cb, "base_model: %s\n", src);
+    cb_printf(&cb, "tags:\n- bakron\n- quantized\n- %s\n---\n%s\n\n",
+              deq ? "dequantized" : gptq ? "gptq" : "bakron-native", BK_MODEL_CARD_MARK);
+    if (src && src[0])
+        cb_printf(&cb, "# %s, quantized with bakron\n\n", src);
+    else
+        cb_printf(&cb, "# A %s model quantized with bakron\n\n", jstr(config, "model_type", "?"));
+    cb_printf(&cb, "Quantized by bakron %s (GPTQ-style adaptive rounding under a "
+                   "Kronecker-factored Hessian). The source model's own card is not copied: "
+                   "see the source for its license, training and intended use.\n\n",
+              jstr(b, "bakron_version", "?"));
+    cb_printf(&cb, "| setting | value |\n|---|---|\n");
+    cb_printf(&cb, "| Hessian | %s |\n", hess);
+    cb_printf(&cb, "| solver | %s, %s |\n", jstr(b, "algorithm", "?"), jstr(b, "precision", "?"));
+    if (!strcmp(jstr(b, "alphabet", ""), "levels"))
+        cb_printf(&cb, "| quantizer | symmetric levels {-%g..%g}, %.2f bits per weight, one scale "
+                       "per row%s |\n",
+                  jnum(b, "levels", 0), jnum(b, "levels", 0), jnum(b, "bits_per_weight", 0),
+                  cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(b, "mse_scales")) ? " (MSE scales)"
+                                                                                : "");
+    else {
+        double g = jnum(gptq ? qc : b, "group_size", -1);
+        const cJSON *sym = cJSON_GetObjectItemCaseSensitive(gptq ? qc : b, "sym");
+        cb_printf(&cb, "| quantizer | uniform %g-bit, %s, ", jnum(b, "bits", 0),
+                  cJSON_IsFalse(sym) ? "asymmetric" : "symmetric");
+        if (g > 0)
+            cb_printf(&cb, "groups of %g input columns", g);
+        else
+            cb_printf(&cb, "one scale per row");
+        cb_printf(&cb, "%s |\n",
+                  cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(b, "mse_scales")) ? " (MSE scales)"
+                                                                                : "");
+    }
+    cb_printf(&cb, "| damping | %g", jnum(b, "damp", 0));
+    if (cJSON_GetObjectItemCaseSensitive(b, "damp_b"))
+        cb_printf(&cb, " (output factors %g)", jnum(b, "damp_b", 0));
+    cb_printf(&cb, " |\n| order | %s |\n",
+              cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(b, "sequential"))
+                  ? "every module from full-precision inputs"
+                  : "sequential (each module sees the quantized ones before it)");
+    const cJSON *lr = cJSON_GetObjectItemCaseSensitive(b, "layers");
+    if (cJSON_IsArray(lr) && cJSON_GetArraySize(lr) == 2)
+        cb_printf(&cb, "| layers | %g..%g of %g (numbered from 0) |\n",
+                  cJSON_GetArrayItem(lr, 0)->valuedouble,
+                  cJSON_GetArrayItem(lr, 1)->valuedouble - 1,
+                  jnum(config, "num_hidden_layers", 0));
+    const cJSON *cal = cJSON_GetObjectItemCaseSensitive(b, "calibration");
+    if (jnum(cal, "sequences", 0) > 0) {
+        const char *t = jstr(cal, "tokens", NULL), *a = jstr(cal, "activations", NULL);
+        cb_printf(&cb, "| calibration | %s%s: %g sequences x %g tokens |\n",
+                  t ? "" : "activations ", base_name(t ? t : a ? a : "?"),
+                  jnum(cal, "sequences", 0), jnum(cal, "seqlen", 0));
+    } else {
+        cb_printf(&cb, "| calibration | none (round to nearest) |\n");
+    }
+    if (jstr(b, "preset", NULL))
+        cb_printf(&cb, "| preset | %s |\n", base_name(jstr(b, "preset", "")));
+    cb_printf(&cb, "| format | %s |\n",
+              deq ? "dequantized: an ordinary checkpoint in the original dtype"
+              : gptq ? "GPTQ v1 (packed int32 qweight/qzeros, F16 scales; transformers, vLLM)"
+                     : "bakron native (int8 codes + float scales; `bakron eval`)");
+    cb_printf(&cb, "\nThe exact settings are in config.json; per-module proxy losses, damping "
+                   "and stage times in report.json.\n\n## Measured perplexity\n\n"
+                   "| tokens | sequences x tokens | perplexity | mean NLL |\n|---|---|---|---|\n");
+    if (cb.oom) {
+        free(cb.p);
+        return bk_error(BK_ERR_NOMEM, "out of memory writing README.md");
+    }
+    char path[4096];
+    bk_status st = bk_path_join(path, sizeof path, out_dir, "README.md");
+    if (st == BK_OK)
+        st = bk_write_file_atomic(path, cb.p, cb.len);
+    free(cb.p);
+    return st;
+}
+
 bk_status bk__copy_aux_files(const char *model_dir, const char *out_dir)
 {
     DIR *d = opendir(model_dir);
@@ -347,7 +494,8 @@ bk_status bk__copy_aux_files(const char *model_dir, const char *out_dir)
     bk_status st = BK_OK;
     while ((e = readdir(d)) != NULL && st == BK_OK) {
         const char *nm = e->d_name;
-        if (nm[0] == '.' || !strcmp(nm, "config.json") || bk_ends_with(nm, ".safetensors") ||
+        if (nm[0] == '.' || !strcmp(nm, "config.json") || !strcmp(nm, "README.md") ||
+            bk_ends_with(nm, ".safetensors") ||
             bk_ends_with(nm, ".safetensors.index.json") || !strcmp(nm, "quantize_config.json") ||
             !strcmp(nm, "report.json"))
             continue;

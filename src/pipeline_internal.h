@@ -28,6 +28,14 @@ bk_status bk__write_module(bk_st_stream *s, const bk_quantize_opts *o, const bk_
 cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config *cfg, int64_t S,
                                int64_t T, int layer_begin, int layer_end);
 bk_status bk__copy_aux_files(const char *model_dir, const char *out_dir);
+/* README.md of an output folder: a short model card made from its config.json
+ * object (quantization_config or bakron_dequantized_from: method, settings,
+ * calibration), deterministic (no times, no folders). The source model's
+ * README.md is not copied (bk__copy_aux_files skips it). `bakron eval`
+ * records measured perplexities in it (BK_MODEL_CARD_MARK, "## Measured
+ * perplexity"). */
+#define BK_MODEL_CARD_MARK "<!-- bakron model card -->"
+bk_status bk__write_model_card(const char *out_dir, const cJSON *config);
 /* RTN without calibration data: quantize one layer's modules. */
 bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
                         const bk_quantize_opts *o, const bk_model_config *cfg, int layer,

@@ -290,12 +290,13 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
         bk_status st = bk_outdir_check(&os, &p->free_bytes);
         if (st != BK_OK)
             failed(c, st);
-        else if (p->output_bytes && p->free_bytes && p->free_bytes < p->output_bytes)
+        else if (!o->resume && /* (a killed run's work folder holds the space already) */
+                 p->output_bytes && p->free_bytes && p->free_bytes < p->output_bytes)
             failed(c, bk_error(BK_ERR_WRITE,
-                               "--out %s: the output needs about %.2f GB and %.2f GB are free "
+                               "--out %s: the output needs about %.1f MiB and %.1f MiB are free "
                                "there",
-                               o->out_dir, (double)p->output_bytes / 1e9,
-                               (double)p->free_bytes / 1e9));
+                               o->out_dir, (double)p->output_bytes / 1048576.0,
+                               (double)p->free_bytes / 1048576.0));
     }
     if (m)
         bk_model_close(m);

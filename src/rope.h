@@ -21,6 +21,10 @@ typedef struct bk_rope {
 
 bk_status bk_rope_init(bk_rope *r, const bk_model_config *cfg, int64_t max_pos);
 void bk_rope_free(bk_rope *r);
+/* CONFIG naming `label` and the field when a RoPE frequency or its angle at
+ * position max_pos - 1 is not finite in float32 (a rope_theta that underflows:
+ * below ~1e-38 the frequencies overflow), BK_OK otherwise. */
+bk_status bk_rope_check_config(const bk_model_config *cfg, int64_t max_pos, const char *label);
 
 /* Rotate n_heads consecutive head vectors of one token at position pos, in
  * place (sign = +1), or apply the inverse rotation (sign = -1). */

@@ -219,42 +219,6 @@ static void merge_sort(size_t *idx, size_t *tmp, size_t n, const raw_tensor *bas
     memcpy(idx, tmp, n * sizeof *idx);
 }
 
-/* Lexical checks cJSON does not make: raw control characters are not allowed
- * inside strings, and outside them only as whitespace (TAB, LF, CR). Also finds
- * the escape \u0000, which cJSON would silently cut a string at (a name with a
- * NUL in it cannot be represented in bakron's C strings).
- * Returns the offset of the first problem (or n) and its kind in *kind:
- * 1 control character in a string, 2 outside strings, 3 \u0000. */
-static size_t json_lexical_problem_at(const unsigned char *s, size_t n, int *kind)
-{
-    int in_str = 0, esc = 0;
-    for (size_t i = 0; i < n; i++) {
-        unsigned c = s[i];
-        if (in_str) {
-            if (esc) {
-                esc = 0;
-                if (c == 'u' && n - i > 4 && !memcmp(s + i + 1, "0000", 4)) {
-                    *kind = 3;
-                    return i - 1;
-                }
-            } else if (c == '\\') {
-                esc = 1;
-            } else if (c == '"') {
-                in_str = 0;
-            } else if (c < 0x20) {
-                *kind = 1;
-                return i;
-            }
-        } else if (c == '"') {
-            in_str = 1;
-        } else if (c < 0x20 && c != '\t' && c != '\n' && c != '\r') {
-            *kind = 2;
-            return i;
-        }
-    }
-    return n;
-}
-
 static int is_json_ws(unsigned char c)
 {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r';
@@ -425,7 +389,7 @@ static bk_status validate(bk_st_file *f)
                         label, h[bad], bad);
     /* rule 5: JSON */
     int kind = 0;
-    bad = json_lexical_problem_at(h, (size_t)n, &kind);
+    bad = bk_json_problem_at(h, (size_t)n, &kind);
     if (bad < n && kind == 3)
         return bk_error(BK_ERR_UNSUPPORTED,
                         "%s: header string contains the escape \\u0000 at header offset %zu "
@@ -1249,6 +1213,8 @@ static bk_status set_index(const char *path, bk_st_set **out)
                       path, (unsigned char)text[bad], bad);
         goto fail;
     }
+    if ((st = bk_json_check_text(text, tlen, path, BK_ERR_ST_INDEX)) != BK_OK)
+        goto fail;
     const char *end = NULL;
     root = cJSON_ParseWithLengthOpts(text, tlen, &end, 0);
     if (!root) {

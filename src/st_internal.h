@@ -54,4 +54,29 @@ void bk_sb_printf(bk_strbuf *b, const char *fmt, ...)
 void bk_sb_json_string(bk_strbuf *b, const char *s);
 void bk_sb_free(bk_strbuf *b);
 
+/* 64-bit digest of bytes (not cryptographic: detects torn or changed data;
+ * docs/formats.md "Work folder"). Chain calls with the previous value as seed. */
+uint64_t bk_digest64(const void *p, size_t n, uint64_t seed);
+
+/* Resumable streams (bakron quantize --resume; docs/formats.md "Work
+ * folder"): each shard is built under the fixed name SHARD.partial instead of
+ * a random temporary name, so that a later process can find it. */
+bk_status bk_st_stream_begin_resumable(const char *dir, const char *basename,
+                                       uint64_t max_shard_bytes, bk_st_stream **out);
+/* Fix the layout now (after the last declare) and open the shards: an
+ * existing SHARD.partial with the planned size and the same header bytes is
+ * kept with its contents (*reused = 1 when every shard was), any other is
+ * created anew at full size. */
+bk_status bk_st_stream_open_files(bk_st_stream *s, int *reused);
+/* fsync every shard (what was written so far is on disk). */
+bk_status bk_st_stream_sync(bk_st_stream *s);
+/* Digest of the names and the bytes, as they are in the files, of every
+ * declared tensor whose name starts with prefix (in declaration order). */
+bk_status bk_st_stream_digest(bk_st_stream *s, const char *prefix, uint64_t *digest);
+/* Count every tensor whose name starts with prefix as written (its bytes are
+ * in the reused files already). */
+void bk_st_stream_mark_written(bk_st_stream *s, const char *prefix);
+/* Close the files and free s, leaving the .partial files in place. */
+void bk_st_stream_keep(bk_st_stream *s);
+
 #endif /* BK_ST_INTERNAL_H */

@@ -426,6 +426,36 @@ static bk_status out_create(outfile *o, const char *final_path)
     return BK_OK;
 }
 
+/* The fixed temporary name FINAL.partial (resumable streams): opened, created
+ * when missing; *existing = 1 when it was there. */
+static bk_status out_open_fixed(outfile *o, const char *final_path, int *existing)
+{
+    memset(o, 0, sizeof *o);
+    o->fd = -1;
+    *existing = 0;
+    size_t l = strlen(final_path);
+    o->final_path = strdup(final_path);
+    o->tmp_path = malloc(l + 9);
+    if (!o->final_path || !o->tmp_path)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    memcpy(o->tmp_path, final_path, l);
+    memcpy(o->tmp_path + l, ".partial", 9);
+    o->fd = open(o->tmp_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (o->fd >= 0) {
+        *existing = 1;
+        return BK_OK;
+    }
+    o->fd = open(o->tmp_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (o->fd < 0) {
+        int e = errno;
+        free(o->tmp_path);
+        o->tmp_path = NULL;
+        return bk_error(BK_ERR_WRITE, "%s: cannot create %s.partial: %s", final_path,
+                        final_path, strerror(e));
+    }
+    return BK_OK;
+}
+
 /* Remove the temporary (and, if asked, an already renamed final) file. */
 static void out_discard(outfile *o, int remove_final)
 {
@@ -827,6 +857,8 @@ struct bk_st_stream {
     char **names;     /* shard file names */
     outfile *outs;    /* one per shard */
     uint64_t *hdr_len; /* 8 + N per shard */
+    int fixed;         /* resumable: shards built as NAME.partial */
+    int reused;        /* every shard's .partial file was reused */
 };
 
 static void stream_free(bk_st_stream *s, int remove_final)
@@ -834,8 +866,11 @@ static void stream_free(bk_st_stream *s, int remove_final)
     if (!s)
         return;
     if (s->outs)
-        for (size_t i = 0; i < s->nsh; i++)
-            out_discard(&s->outs[i], remove_final);
+        for (size_t i = 0; i < s->nsh; i++) {
+            if (remove_final < 0 && s->outs[i].tmp_path) /* keep: forget the temporary */
+                s->outs[i].renamed = 1;
+            out_discard(&s->outs[i], remove_final > 0);
+        }
     if (s->names)
         for (size_t i = 0; i < s->nsh; i++)
             free(s->names[i]);
@@ -917,6 +952,7 @@ static bk_status stream_freeze(bk_st_stream *s)
         s->outs[i].fd = -1;
     s->nsh = nsh;
     s->frozen = 1;
+    s->reused = s->fixed;
     for (size_t i = 0; i < nsh; i++) {
         char p[4096];
         bk_strbuf h;
@@ -927,7 +963,9 @@ static bk_status stream_freeze(bk_st_stream *s)
         bk_status st = bk_path_join(p, sizeof p, s->dir, s->names[i]);
         if (st != BK_OK)
             return st;
-        if ((st = out_create(&s->outs[i], p)) != BK_OK)
+        int existing = 0;
+        if ((st = s->fixed ? out_open_fixed(&s->outs[i], p, &existing)
+                           : out_create(&s->outs[i], p)) != BK_OK)
             return st;
         if ((st = build_header(&s->L, i, &h, &data_bytes)) != BK_OK)
             return bk_error_prefix(st, p);
@@ -936,6 +974,28 @@ static bk_status stream_freeze(bk_st_stream *s)
         if (total > (uint64_t)INT64_MAX) {
             bk_sb_free(&h);
             return bk_error(BK_ERR_INVALID_ARG, "%s: shard too large", p);
+        }
+        if (existing) {
+            /* a killed run's shard: kept when its size and header are ours */
+            struct stat sb;
+            int same = fstat(s->outs[i].fd, &sb) == 0 && (uint64_t)sb.st_size == total;
+            char *old = same ? malloc(h.len) : NULL;
+            same = old && pread(s->outs[i].fd, old, h.len, 0) == (ssize_t)h.len &&
+                   !memcmp(old, h.p, h.len);
+            free(old);
+            if (same) {
+                bk_sb_free(&h);
+                continue;
+            }
+            s->reused = 0;
+            if (ftruncate(s->outs[i].fd, 0) != 0) {
+                int e = errno;
+                bk_sb_free(&h);
+                return bk_error(BK_ERR_WRITE, "%s: cannot truncate: %s", s->outs[i].tmp_path,
+                                strerror(e));
+            }
+        } else {
+            s->reused = 0;
         }
         int e = posix_fallocate(s->outs[i].fd, 0, (off_t)total);
         if (e == EOPNOTSUPP || e == EINVAL || e == ENOSYS)
@@ -1042,4 +1102,127 @@ bk_status bk_st_stream_finish(bk_st_stream *s)
     out_discard(&idx, st != BK_OK);
     stream_free(s, st != BK_OK);
     return st;
+}
+
+/* ------------------------------------------------ resumable streams */
+
+uint64_t bk_digest64(const void *p, size_t n, uint64_t seed)
+{
+    /* four lanes of multiply-rotate over 8-byte words, then a final mix */
+    const uint64_t K1 = 0x9e3779b185ebca87ull, K2 = 0xc2b2ae3d27d4eb4full;
+    const unsigned char *b = p;
+    uint64_t v[4] = {seed ^ K1, seed ^ K2, seed + (uint64_t)n, ~seed};
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        for (int k = 0; k < 4; k++) {
+            uint64_t w;
+            memcpy(&w, b + i + 8 * k, 8);
+            v[k] += w * K2;
+            v[k] = (v[k] << 31) | (v[k] >> 33);
+            v[k] *= K1;
+        }
+    }
+    uint64_t h = v[0] ^ ((v[1] << 7) | (v[1] >> 57)) ^ ((v[2] << 12) | (v[2] >> 52)) ^
+                 ((v[3] << 18) | (v[3] >> 46));
+    for (; i < n; i++) {
+        h ^= b[i] * K1;
+        h = ((h << 11) | (h >> 53)) * K2;
+    }
+    h ^= (uint64_t)n;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 33;
+    return h;
+}
+
+bk_status bk_st_stream_begin_resumable(const char *dir, const char *basename,
+                                       uint64_t max_shard_bytes, bk_st_stream **out)
+{
+    bk_status st = bk_st_stream_begin(dir, basename, max_shard_bytes, out);
+    if (st == BK_OK)
+        (*out)->fixed = 1;
+    return st;
+}
+
+bk_status bk_st_stream_open_files(bk_st_stream *s, int *reused)
+{
+    if (!s)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_st_stream_open_files: NULL stream");
+    int was = s->frozen;
+    bk_status st = stream_freeze(s);
+    if (st != BK_OK) {
+        s->failed = 1;
+        return st;
+    }
+    if (reused)
+        *reused = !was && s->fixed && s->reused;
+    return BK_OK;
+}
+
+bk_status bk_st_stream_sync(bk_st_stream *s)
+{
+    if (!s || !s->frozen)
+        return BK_OK;
+    for (size_t i = 0; i < s->nsh; i++)
+        if (s->outs[i].fd >= 0 && fsync(s->outs[i].fd) != 0)
+            return bk_error(BK_ERR_WRITE, "%s: fsync failed: %s", s->outs[i].final_path,
+                            strerror(errno));
+    return BK_OK;
+}
+
+bk_status bk_st_stream_digest(bk_st_stream *s, const char *prefix, uint64_t *digest)
+{
+    if (!s || !prefix || !digest)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_st_stream_digest: NULL argument");
+    if (!s->frozen)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_st_stream_digest: no files yet");
+    const size_t lp = strlen(prefix);
+    const size_t cap = (size_t)1 << 22;
+    unsigned char *buf = malloc(cap);
+    if (!buf)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    uint64_t h = 0x62616b726f6eull; /* "bakron" */
+    for (size_t i = 0; i < s->L.n; i++) {
+        const entry *e = &s->L.e[i];
+        if (strncmp(e->name, prefix, lp) != 0)
+            continue;
+        h = bk_digest64(e->name, strlen(e->name) + 1, h);
+        const outfile *o = &s->outs[e->shard];
+        uint64_t off = s->hdr_len[e->shard] + e->offset, left = e->nbytes;
+        while (left > 0) {
+            size_t chunk = left < cap ? (size_t)left : cap;
+            ssize_t r = pread(o->fd, buf, chunk, (off_t)off);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0) {
+                int er = r < 0 ? errno : EIO;
+                free(buf);
+                return bk_error(BK_ERR_IO, "%s: cannot read tensor '%s' back: %s",
+                                o->final_path, e->name, r < 0 ? strerror(er) : "short file");
+            }
+            h = bk_digest64(buf, (size_t)r, h);
+            off += (uint64_t)r;
+            left -= (uint64_t)r;
+        }
+    }
+    free(buf);
+    *digest = h;
+    return BK_OK;
+}
+
+void bk_st_stream_mark_written(bk_st_stream *s, const char *prefix)
+{
+    if (!s || !prefix)
+        return;
+    const size_t lp = strlen(prefix);
+    for (size_t i = 0; i < s->L.n; i++)
+        if (!strncmp(s->L.e[i].name, prefix, lp))
+            s->L.e[i].written = 1;
+}
+
+void bk_st_stream_keep(bk_st_stream *s)
+{
+    stream_free(s, -1);
 }

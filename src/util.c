@@ -378,3 +378,55 @@ double bk_rng_normal(bk_rng *r)
         u1 = 1e-300;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
+
+/* Lexical checks cJSON does not make: raw control characters are not allowed
+ * inside strings, and outside them only as whitespace (TAB, LF, CR). Also finds
+ * the escape \u0000, which cJSON would silently cut a string at (a name with a
+ * NUL in it cannot be represented in bakron's C strings).
+ * Returns the offset of the first problem (or n) and its kind in *kind:
+ * 1 control character in a string, 2 outside strings, 3 \u0000. */
+size_t bk_json_problem_at(const unsigned char *s, size_t n, int *kind)
+{
+    int in_str = 0, esc = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned c = s[i];
+        if (in_str) {
+            if (esc) {
+                esc = 0;
+                if (c == 'u' && n - i > 4 && !memcmp(s + i + 1, "0000", 4)) {
+                    *kind = 3;
+                    return i - 1;
+                }
+            } else if (c == '\\') {
+                esc = 1;
+            } else if (c == '"') {
+                in_str = 0;
+            } else if (c < 0x20) {
+                *kind = 1;
+                return i;
+            }
+        } else if (c == '"') {
+            in_str = 1;
+        } else if (c < 0x20 && c != '\t' && c != '\n' && c != '\r') {
+            *kind = 2;
+            return i;
+        }
+    }
+    return n;
+}
+
+bk_status bk_json_check_text(const char *text, size_t len, const char *label, bk_status code)
+{
+    int kind = 0;
+    size_t bad = bk_json_problem_at((const unsigned char *)text, len, &kind);
+    if (bad == len)
+        return BK_OK;
+    if (kind == 3)
+        return bk_error(code,
+                        "%s: a JSON string holds the escape \\u0000 at byte %zu (a name or value "
+                        "with a NUL character is refused, not cut short)",
+                        label, bad);
+    return bk_error(code, "%s: not valid JSON (raw control character 0x%02x %s at byte %zu)",
+                    label, (unsigned char)text[bad],
+                    kind == 1 ? "inside a string" : "between tokens", bad);
+}

@@ -49,6 +49,14 @@ int bk_open_regular(const char *path, struct stat *sb);
  * Refuses files larger than max_bytes. */
 bk_status bk_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
 
+/* Lexical checks of JSON text that cJSON does not make: the offset of the
+ * first raw control character inside a string (*kind 1) or between tokens
+ * other than TAB/LF/CR (2), or of a \u0000 escape (3), which cJSON would cut a
+ * string at; n when there is none. */
+size_t bk_json_problem_at(const unsigned char *s, size_t n, int *kind);
+/* The same as an error with status `code` naming `label` (BK_OK when clean). */
+bk_status bk_json_check_text(const char *text, size_t len, const char *label, bk_status code);
+
 /* dst = a "/" b (a may be "" or end in '/'). BK_ERR_INVALID_ARG if too long. */
 bk_status bk_path_join(char *dst, size_t cap, const char *a, const char *b);
 /* 1 if path is an existing directory / regular file. */

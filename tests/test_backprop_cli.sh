@@ -1,6 +1,7 @@
 #!/bin/sh
 # bakron quantize --hessian backprop-kfac / backprop-shampoo end to end on the
-# example model (a subset of the calibration set):
+# example model (a subset of the calibration set), --backend cpu (the GPU flow:
+# test_cuda_backprop.sh):
 #  - recursive halving and naive I write the same bytes (the flows deliver the
 #    same gradients; naive is the reference);
 #  - a rerun with the same seed is identical, another seed is not;
@@ -16,7 +17,7 @@ BAD=${BK_TEST_DATA:-tests/data}/bad/models
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
-q() { "$B" quantize "$K" --calib "$K/calib.safetensors" --samples 4 --seqlen 64 --batch 3 "$@"; }
+q() { "$B" quantize "$K" --calib "$K/calib.safetensors" --samples 4 --seqlen 64 --batch 3 --backend cpu "$@"; }
 
 q --hessian backprop-kfac --out "$T/h" --json >"$T/h.json"
 q --hessian backprop-kfac --bwd-flow naive --out "$T/n" 2>/dev/null
@@ -33,6 +34,7 @@ h = json.load(open(f"{T}/h/report.json"))["backprop"]
 n = json.load(open(f"{T}/n/report.json"))["backprop"]
 # 4 layers, leaf 1: splits [0,4) [0,2) [2,4) + 4 leaves; naive: 4 sweeps
 assert (h["flow"], h["passes"], h["max_depth"]) == ("halving", 7, 2), h
+assert (h["device"], h["precision"]) == ("cpu", "fp64"), h  # --backend cpu: the CPU flow
 assert (n["flow"], n["passes"], n["peak_boundary_host_bytes"]) == ("naive", 4, 0), n
 # boundaries of 4 x 64 tokens x 192 doubles: at most X_mid, G_mid, G_L of the root and the two
 # of a child alive at once
@@ -69,6 +71,7 @@ expect() { # expected-exit needle args...
 expect 1 "--fisher" q --hessian backprop-kfac --fisher nope --out "$T/x"
 expect 1 "--bwd-flow" q --hessian backprop-kfac --bwd-flow yaqa --out "$T/x"
 expect 1 "--leaf-size" q --hessian backprop-kfac --leaf-size 0 --out "$T/x"
+expect 1 "--bwd-precision" q --hessian backprop-kfac --bwd-precision fp16 --out "$T/x"
 mkdir -p "$T/acts"
 expect 1 "--calib" "$B" quantize "$K" --activations "$T/acts" --hessian backprop-kfac --out "$T/x"
 expect 2 "lm_head" "$B" quantize "$BAD/missing_lm_head" --calib "$K/calib.safetensors" \

@@ -523,7 +523,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->N = S * T;
     k->T = T;
     bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 42, batch};
-    bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf};
+    bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf, NULL, 0};
     if (bk_bwd_flow_run(m, tok, S, T, &o, &cb, st) != BK_OK)
         fail_msg("%s", bk_last_error());
     assert_int_equal(k->done_next, (int)k->c->n_layers);
@@ -685,7 +685,7 @@ static void test_bad_input(void **state)
     /* the empirical Fisher has no label in sequences of one token */
     int32_t tok[2] = {1, 2};
     bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_EMPIRICAL, 0, 1};
-    bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL};
+    bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL, NULL, 0};
     bk_bwd_flow_stats st;
     assert_int_equal(bk_bwd_flow_run(m, tok, 2, 1, &o, &cb, &st), BK_ERR_CALIB);
     assert_non_null(strstr(bk_last_error(), "--fisher empirical"));
@@ -828,6 +828,79 @@ static void test_backprop_factors(void **state)
             assert_true(worst <= 1e-5 * scale);
             free(H);
         }
+        /* the same factors from the Grams the GPU flow forms
+         * (bk__hess_add_grad_gram: Σ g gᵀ or Σ |a|² g gᵀ per micro-batch, |g|² per token) */
+        {
+            bk_hess_acc *acc2 = NULL;
+            assert_int_equal(bk_hess_acc_create(&c, shampoo ? BK_HESS_BACKPROP_SHAMPOO
+                                                             : BK_HESS_BACKPROP_KFAC,
+                                                shampoo, T, &acc2),
+                             BK_OK);
+            for (int64_t s = 0; s < S; s++)
+                for (int i = 0; i < BK_MOD_COUNT; i++) {
+                    const int64_t n = mod_in(&c, i), m = mod_out(&c, i);
+                    double *G = calloc((size_t)(m * m), sizeof(double));
+                    double *gw = calloc((size_t)T, sizeof(double));
+                    assert_true(G && gw);
+                    for (int64_t t = s * T; t < (s + 1) * T; t++) {
+                        double na = 0, ng = 0;
+                        for (int64_t l = 0; l < n; l++)
+                            na += ad[i][t * n + l] * ad[i][t * n + l];
+                        for (int64_t l = 0; l < m; l++)
+                            ng += gd[i][t * m + l] * gd[i][t * m + l];
+                        gw[t - s * T] = ng;
+                        for (int64_t i1 = 0; i1 < m; i1++)
+                            for (int64_t i2 = i1; i2 < m; i2++) /* upper triangle only */
+                                G[i1 * m + i2] += (shampoo ? na : 1.0) * gd[i][t * m + i1] *
+                                                  gd[i][t * m + i2];
+                    }
+                    assert_int_equal(bk__hess_add_grad_gram(acc2, 0, (bk_module)i, G, gw, 1),
+                                     BK_OK);
+                    free(G);
+                    free(gw);
+                }
+            for (int64_t s = 0; s < S; s++) {
+                assert_int_equal(bk_hess_add_attn(acc2, &lw, af[BK_MOD_Q] + s * T * c.hidden,
+                                                  NULL, NULL, 1),
+                                 BK_OK);
+                assert_int_equal(bk_hess_add_o(acc2, af[BK_MOD_O] + s * T * 4, 1), BK_OK);
+                assert_int_equal(
+                    bk_hess_add_mlp(acc2, &lw, af[BK_MOD_GATE] + s * T * c.hidden, 1), BK_OK);
+                assert_int_equal(bk_hess_add_down(acc2, af[BK_MOD_DOWN] + s * T * 6, 1), BK_OK);
+            }
+            for (int i = 0; i < BK_MOD_COUNT; i++) {
+                const int64_t n = mod_in(&c, i), m = mod_out(&c, i);
+                const float *A1, *B1, *A2, *B2;
+                assert_int_equal(bk_hess_factors(acc, &lw, (bk_module)i, &A1, &B1), BK_OK);
+                assert_int_equal(bk_hess_factors(acc2, &lw, (bk_module)i, &A2, &B2), BK_OK);
+                double wa = 0, sa = 0, wb = 0, sb = 0;
+                for (int64_t k = 0; k < n * n; k++) {
+                    wa = fmax(wa, fabs((double)A1[k] - (double)A2[k]));
+                    sa = fmax(sa, fabs((double)A1[k]));
+                }
+                for (int64_t k = 0; k < m * m; k++) {
+                    wb = fmax(wb, fabs((double)B1[k] - (double)B2[k]));
+                    sb = fmax(sb, fabs((double)B1[k]));
+                }
+                assert_true(wa <= 1e-6 * sa && wb <= 1e-6 * sb);
+            }
+            /* errors: a non-finite Gram, Shampoo without token weights, another layer */
+            bk_hess_acc_reset(acc2);
+            double *G = calloc(64, sizeof(double)), gw[3] = {1, 1, 1};
+            G[1] = NAN;
+            assert_int_equal(bk__hess_add_grad_gram(acc2, 0, BK_MOD_K, G, gw, 1),
+                             BK_ERR_NONFINITE);
+            assert_non_null(strstr(bk_last_error(), "layer 0 self_attn.k_proj"));
+            G[1] = 0;
+            if (shampoo)
+                assert_int_equal(bk__hess_add_grad_gram(acc2, 0, BK_MOD_K, G, NULL, 1),
+                                 BK_ERR_INVALID_ARG);
+            assert_int_equal(bk__hess_add_grad_gram(acc2, 0, BK_MOD_K, G, gw, 1), BK_OK);
+            assert_int_equal(bk__hess_add_grad_gram(acc2, 1, BK_MOD_K, G, gw, 1),
+                             BK_ERR_INVALID_ARG);
+            free(G);
+            bk_hess_acc_free(acc2);
+        }
         /* errors: a gradient of another layer; factors after reset */
         assert_int_equal(bk_hess_add_grad(acc, 1, BK_MOD_Q, gd[0], ad[0], 1), BK_ERR_INVALID_ARG);
         bk_hess_acc_reset(acc);
@@ -845,6 +918,10 @@ static void test_backprop_factors(void **state)
     bk_hess_acc *gptq = NULL;
     assert_int_equal(bk_hess_acc_create(&c, BK_HESS_GPTQ, 0, T, &gptq), BK_OK);
     assert_int_equal(bk_hess_add_grad(gptq, 0, BK_MOD_Q, gd[0], ad[0], 1), BK_ERR_INVALID_ARG);
+    {
+        double G[64] = {0}, gw[3] = {1, 1, 1};
+        assert_int_equal(bk__hess_add_grad_gram(gptq, 0, BK_MOD_Q, G, gw, 1), BK_ERR_INVALID_ARG);
+    }
     bk_hess_acc_free(gptq);
     for (int i = 0; i < BK_MOD_COUNT; i++) {
         free(af[i]);

@@ -107,6 +107,17 @@ if [ "$(id -u)" -ne 0 ]; then
     expect_err "cannot create the output in .*ro"
     chmod 755 "$tmp/ro"
 fi
+label="not enough free space for the estimated output (exit 3, before any work)"
+mkdir -p "$tmp/small"
+if [ "$(id -u)" -eq 0 ] && mount -t tmpfs -o size=1m tmpfs "$tmp/small" 2>/dev/null; then
+    run quantize "$M" --hessian rtn --export dequantized --out "$tmp/small/q"
+    expect_rc 3
+    expect_err "--out .*small/q: the output needs about [0-9.]+ MiB and [0-9.]+ MiB are free there"
+    [ -z "$(ls -A "$tmp/small")" ] || fail "something was written: $(ls -A "$tmp/small")"
+    umount "$tmp/small"
+else
+    echo "skipped: free-space check (needs root and tmpfs)"
+fi
 label="config.json with a NUL byte in a key: refused at the start (exit 2)"
 mkdir -p "$tmp/nulmodel"
 cp "$M/model.safetensors" "$tmp/nulmodel/"
@@ -119,6 +130,18 @@ run quantize "$tmp/nulmodel" --calib "$CAL" --out "$tmp/o3"
 expect_rc 2
 expect_err "config\.json: a NUL byte at offset [0-9]+"
 no_output_folder "$tmp/o3"
+
+label="a 17 MB config.json: one size limit, read at the start and by the output alike"
+mkdir -p "$tmp/bigcfg"
+cp "$M/model.safetensors" "$tmp/bigcfg/"
+python3 -c '
+import sys
+t = open(sys.argv[1]).read().rstrip()
+open(sys.argv[2], "w").write(t[:-1] + " " * (17 << 20) + "}\n")' "$M/config.json" "$tmp/bigcfg/config.json"
+run quantize "$tmp/bigcfg" --hessian rtn --backend cpu --out "$tmp/o-big"
+expect_rc 0
+[ -f "$tmp/o-big/config.json" ] || fail "no output config.json"
+rm -rf "$tmp/bigcfg" "$tmp/o-big"
 
 label="--dry-run prints the plan, computes nothing, exits 0"
 run quantize "$M" --calib "$CAL" --hessian fullylocal-kfac --samples 8 --out "$tmp/o4" --dry-run
@@ -181,6 +204,8 @@ if command -v meson >/dev/null 2>&1 &&
     exe=$(find "$tmp/inst" -path '*/bin/bakron' -type f | head -1)
     preset=$(find "$tmp/inst" -path '*/share/bakron/configs/paper-2.81bit-gptq.json' | head -1)
     [ -n "$preset" ] || fail "configs/ not installed under share/bakron/configs"
+    man=$(find "$tmp/inst" -path '*/man1/bakron.1' | head -1)
+    [ -n "$man" ] || fail "no man page installed (man1/bakron.1)"
     if [ -n "$exe" ]; then
         "$exe" quantize "$M" --calib "$CAL" --config paper-2.81bit-gptq --out "$tmp/o7" --dry-run \
             >"$tmp/out" 2>"$tmp/err"
@@ -340,6 +365,51 @@ assert worst < 1e-2, worst
 print("unpacked", checked, "modules, worst relative difference", worst)
 PY
 
+# ------------------------- 11. model card, activation dumps' dtype and summary
+label="quantized outputs carry their own model card, not the source README"
+for e in native gptq dequantized; do
+    cmp -s "$M/README.md" "$tmp/x-$e/README.md" && fail "$e: the source README was copied"
+    grep -q "<!-- bakron model card -->" "$tmp/x-$e/README.md" || fail "$e: no model card"
+    grep -Eq "^\| Hessian \| gptq \|" "$tmp/x-$e/README.md" || fail "$e: card lacks the Hessian"
+    grep -Eq "^\| quantizer \| uniform 4-bit, symmetric, groups of 64 input columns" "$tmp/x-$e/README.md" ||
+        fail "$e: card lacks the quantizer"
+    grep -Eq "^\| calibration \| calib\.safetensors: 4 sequences x 64 tokens \|" "$tmp/x-$e/README.md" ||
+        fail "$e: card lacks the calibration"
+done
+grep -Eq "^\| eval\.safetensors \| 8 x 256 \| [0-9.]+ \| [0-9.]+ \|$" "$tmp/x-gptq/README.md" ||
+    fail "eval did not record its perplexity in the card: $(tail -3 "$tmp/x-gptq/README.md")"
+label="eval again with the same tokens replaces the row"
+run eval "$tmp/x-gptq" --tokens "$M/eval.safetensors" --samples 8 --backend cpu
+expect_rc 0
+expect_out "^recorded +in .*x-gptq/README\.md"
+[ "$(grep -c '^| eval\.safetensors | 8 x 256 |' "$tmp/x-gptq/README.md")" -eq 1 ] || fail "duplicate rows"
+label="eval of a plain checkpoint writes nothing into it"
+cp -r "$M" "$tmp/plain"
+run eval "$tmp/plain" --tokens "$M/eval.safetensors" --samples 2 --backend cpu
+expect_rc 0
+cmp -s "$M/README.md" "$tmp/plain/README.md" || fail "the source README was changed by eval"
+
+label="dump-activations: BF16 by default for a BF16 model, closing summary"
+run dump-activations "$M" --calib "$CAL" --samples 2 --seqlen 32 --backend cpu --out "$tmp/d1"
+expect_rc 0
+grep -q '"dtype":[[:space:]]*"BF16"' "$tmp/d1/manifest.json" || fail "default dtype is not BF16"
+nf=$(find "$tmp/d1" -type f | wc -l)
+nb=$(find "$tmp/d1" -type f -printf '%s\n' | awk '{s += $1} END {print s}')
+expect_err "^bakron: dumped .*d1: $nf files, [0-9.]+ (KiB|MiB|GiB) \(BF16\) in [0-9.]+s$"
+run dump-activations "$M" --calib "$CAL" --samples 2 --seqlen 32 --backend cpu --dtype f32 --json --out "$tmp/d2"
+expect_rc 0
+grep -q '"dtype":[[:space:]]*"F32"' "$tmp/d2/manifest.json" || fail "--dtype f32 not honoured"
+python3 -c '
+import json, sys
+e = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+assert e["event"] == "summary" and e["dtype"] == "F32" and e["files"] == int(sys.argv[2]), e' \
+    "$tmp/out" "$(find "$tmp/d2" -type f | wc -l)" || fail "no summary event: $(tail -1 "$tmp/out")"
+d1b=$nb
+d2b=$(find "$tmp/d2" -type f -printf '%s\n' | awk '{s += $1} END {print s}')
+[ "$d2b" -gt $((d1b * 3 / 2)) ] || fail "the F32 dump ($d2b bytes) is not about twice the BF16 one ($d1b)"
+run dump-activations "$M" --calib "$CAL" --dtype f64 --out "$tmp/d3"
+expect_rc 1
+
 # -------------------------------------------------- 12. --version
 for cmd in quantize eval dump-activations inspect solve bench; do
     label="$cmd --version"
@@ -347,6 +417,22 @@ for cmd in quantize eval dump-activations inspect solve bench; do
     expect_rc 0
     expect_out "^bakron [0-9]+\.[0-9]+\.[0-9]+"
 done
+
+label="the man page: every command's help text"
+manp="$BK_BUILD_ROOT/bakron.1"
+if [ -f "$manp" ]; then
+    grep -q '^\.TH BAKRON 1' "$manp" || fail "no .TH line"
+    for cmd in quantize eval dump-activations merge inspect solve bench; do
+        grep -q "^\.SS \"bakron $cmd\"" "$manp" || fail "no section for $cmd"
+    done
+    grep -q -- 'dry\\-run\|dry-run' "$manp" || fail "quantize's --dry-run is not in the man page"
+    if command -v man >/dev/null 2>&1; then
+        MANWIDTH=80 man -l "$manp" >"$tmp/man.txt" 2>"$tmp/man.err" || fail "man -l: $(cat "$tmp/man.err")"
+        grep -q "EXIT STATUS" "$tmp/man.txt" || fail "man -l: no EXIT STATUS section"
+    fi
+else
+    fail "no man page built at $manp"
+fi
 
 echo "cli_quantize: $checks runs, $failures failure(s)"
 [ "$failures" -eq 0 ]

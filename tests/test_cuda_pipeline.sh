@@ -180,7 +180,7 @@ else
 fi
 
 # --- dump-activations on the GPU against the CPU ----------------------------------
-DA="--calib $M/calib.safetensors --samples 6 --batch 4"
+DA="--calib $M/calib.safetensors --samples 6 --batch 4 --dtype f32"
 if "$B" dump-activations "$M" $DA --backend cuda --out "$W/dg" >"$W/dg.log" 2>&1 &&
    "$B" dump-activations "$M" $DA --backend cpu --out "$W/dc" >"$W/dc.log" 2>&1; then
     PYTHONPATH="$SRC/tests" python3 - "$W/dg" "$W/dc" <<'EOF3' || fail=1

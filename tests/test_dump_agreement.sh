@@ -9,6 +9,6 @@ python3 -c "import torch, transformers, safetensors, numpy" 2>/dev/null || { ech
 M=$SRC/examples/kerneldocs-1.6m
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
-"$B" dump-activations "$M" --calib "$M/calib.safetensors" --samples 4 --out "$W/native" || exit 1
+"$B" dump-activations "$M" --calib "$M/calib.safetensors" --samples 4 --dtype f32 --out "$W/native" || exit 1
 python3 "$SRC/scripts/dump_activations.py" "$M" --calib "$M/calib.safetensors" --samples 4 --out "$W/hf" || exit 1
 python3 "$SRC/scripts/compare_activations.py" "$W/native" "$W/hf" --tol 1e-4

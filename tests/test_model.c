@@ -255,7 +255,7 @@ static void test_config_variants(void **state)
     /* transformers 4.x Llama-3.1 style: rope_theta top level, rope_scaling */
     assert_int_equal(parse_str("{\"model_type\": \"llama\", " SIZES
                                "\"num_attention_heads\": 8, \"num_key_value_heads\": 2, "
-                               "\"vocab_size\": 1000, \"rope_theta\": 500000.0, "
+                               "\"vocab_size\": 128256, \"rope_theta\": 500000.0, "
                                "\"max_position_embeddings\": 131072, \"rope_scaling\": {"
                                "\"factor\": 8.0, \"low_freq_factor\": 1.0, "
                                "\"high_freq_factor\": 4.0, "
@@ -445,6 +445,7 @@ static const bad_case bad_configs[] = {
     {"rms_eps_string.json", BK_ERR_CONFIG, "rms_norm_eps"},
     {"rope_theta_string.json", BK_ERR_CONFIG, "rope_theta"},
     {"rope_theta_negative.json", BK_ERR_CONFIG, "rope_theta"},
+    {"rope_theta_underflow.json", BK_ERR_CONFIG, "rope_theta = 1e-50 makes a RoPE frequency non-finite"},
     {"rope_scaling_yarn.json", BK_ERR_UNSUPPORTED, "'yarn'"},
     {"rope_scaling_dynamic.json", BK_ERR_UNSUPPORTED, "'dynamic'"},
     {"rope_parameters_longrope.json", BK_ERR_UNSUPPORTED, "'longrope'"},
@@ -461,6 +462,10 @@ static const bad_case bad_configs[] = {
     {"dtype_number.json", BK_ERR_CONFIG, "dtype"},
     {"eos_string.json", BK_ERR_CONFIG, "eos_token_id"},
     {"eos_list_negative.json", BK_ERR_CONFIG, "eos_token_id[1]"},
+    {"bos_outside_vocab.json", BK_ERR_CONFIG, "bos_token_id = 100 is outside the vocabulary [0, 100)"},
+    {"eos_list_outside_vocab.json", BK_ERR_CONFIG, "eos_token_id[1] = 1000 is outside the vocabulary"},
+    {"key_with_nul.json", BK_ERR_CONFIG, "\\u0000"},
+    {"raw_nul_in_string.json", BK_ERR_CONFIG, "a NUL byte"},
     {"quantized_awq.json", BK_ERR_UNSUPPORTED, "awq"},
     {"quantization_config_no_method.json", BK_ERR_CONFIG, "quant_method"},
 };

@@ -157,7 +157,7 @@ else
 fi
 
 # activation dumps -> quantize
-if "$B" dump-activations "$M" $CAL --out "$W/acts" --zstd 2>"$W/err-dump"; then
+if "$B" dump-activations "$M" $CAL --dtype f32 --out "$W/acts" --zstd 2>"$W/err-dump"; then
     [ -f "$W/acts/manifest.json" ] || die "no manifest"
     [ -f "$W/acts/layer.0003.safetensors.zst" ] || die "no zstd layer file"
     if "$B" quantize "$M" --activations "$W/acts" --hessian mlplocal-kfac --out "$W/q-acts" \

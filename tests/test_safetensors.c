@@ -352,6 +352,7 @@ static const bad_case bad_index[] = {
     {"in_two_shards", BK_ERR_ST_INDEX},     {"absent_tensor", BK_ERR_ST_INDEX},
     {"path_escape", BK_ERR_ST_INDEX},       {"absolute_path", BK_ERR_ST_INDEX},
     {"truncated_shard", BK_ERR_ST_FILE_SIZE}, {"shard_bad_header", BK_ERR_ST_UTF8},
+    {"name_with_nul", BK_ERR_ST_INDEX},     {"shard_name_with_nul", BK_ERR_ST_INDEX},
 };
 
 static void test_bad_index(void **state)
@@ -399,6 +400,11 @@ static void test_bad_index(void **state)
     snprintf(path, sizeof path, "%s/listed_twice", dir);
     assert_int_equal(bk_st_set_open(path, &s), BK_ERR_ST_INDEX);
     assert_non_null(strstr(bk_last_error(), "'a.weight'"));
+    /* a NUL in a name is refused, not cut at */
+    snprintf(path, sizeof path, "%s/name_with_nul", dir);
+    assert_int_equal(bk_st_set_open(path, &s), BK_ERR_ST_INDEX);
+    assert_non_null(strstr(bk_last_error(), "\\u0000"));
+    assert_non_null(strstr(bk_last_error(), "model.safetensors.index.json"));
     snprintf(path, sizeof path, "%s/truncated_shard", dir);
     assert_int_equal(bk_st_set_open(path, &s), BK_ERR_ST_FILE_SIZE);
     assert_non_null(strstr(bk_last_error(), "model-00001-of-00002.safetensors"));

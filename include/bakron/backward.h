@@ -118,6 +118,16 @@ typedef struct bk_bwd_flow_cb {
     /* every micro-batch of the leaf [lo, hi) was delivered: the caller may now
      * quantize those layers. Leaves come in increasing layer order. */
     bk_status (*leaf_done)(void *user, int lo, int hi);
+    /* Optional, GPU flow only (src/backward_gpu.h; the CPU flow calls grads):
+     * when set, the GPU flow forms each leaf layer's output-gradient Grams on
+     * the device over the whole calibration set and, before leaf_done, calls
+     * this once per layer and module, in layer then module order:
+     * G [out, out] (upper triangle) = Σ g gᵀ, or Σ |a|² g gᵀ when
+     * gram_weighted (Shampoo), and gw [S*T] = |g|² of each token; for
+     * bk__hess_add_grad_gram (src/backward_internal.h). */
+    bk_status (*grams)(void *user, int layer, bk_module mod, const double *G, const double *gw,
+                       int64_t S);
+    int gram_weighted;
 } bk_bwd_flow_cb;
 
 typedef struct bk_bwd_flow_stats {

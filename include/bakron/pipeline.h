@@ -89,6 +89,11 @@ typedef struct bk_quantize_opts {
     uint64_t seed;                /* seed of the sampled labels (default 0) */
     bk_bwd_flow_kind bwd_flow;    /* halving (default) or naive */
     int leaf_size;                /* layers per leaf of the flow (default 1) */
+    int bwd_fp64;                 /* the backward pass on the GPU (CUDA backend without
+                                     cpu_stages) in double (parity with the CPU's); 0 (default):
+                                     F32 GEMMs, double reductions. The CPU's is always double. */
+    int resume;                   /* continue a killed run of the same OUT_DIR from its work
+                                     folder (README --resume, docs/formats.md "Work folder") */
 } bk_quantize_opts;
 
 void bk_quantize_opts_default(bk_quantize_opts *o);
@@ -99,7 +104,8 @@ bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want);
 
 /* Quantize a model. The output folder is built under a temporary name and
  * renamed into place only when complete; on any failure (or interruption,
- * see bk_request_stop) nothing is left under OUT_DIR. */
+ * see bk_request_stop) nothing is left under OUT_DIR (a runtime failure after
+ * finished layers keeps the work folder for o->resume). */
 bk_status bk_quantize(const bk_quantize_opts *o);
 
 /* ------------------------------------------------ checks before the work */

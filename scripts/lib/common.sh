@@ -46,6 +46,11 @@ bk_build() {
         bk_log "meson setup $dir $*"
         meson setup "$dir" "$@" >/dev/null
     fi
-    bk_log "building in $dir"
-    ninja -C "$dir" >/dev/null || ninja -C "$dir"
+    bk_log "building in $dir (ninja prints [done/total] per step)"
+    ninja -C "$dir"
+}
+
+# 1 when an NVIDIA GPU answers (nvidia-smi lists one), else 0.
+bk_have_gpu() {
+    command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
 }

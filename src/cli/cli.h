@@ -50,6 +50,14 @@ int cli_wants_help(int argc, char **argv);
  * written into buf. */
 const char *cli_model_dir(const char *path, char *buf, size_t cap);
 
+/* `bakron eval` of a bakron output folder: record the measured perplexity in
+ * its model card (README.md written by quantize; one row per tokens file and
+ * size, replaced when measured again). Returns 1 when recorded, 0 when the
+ * folder has no bakron card, -1 when it could not be written (message in
+ * bk_last_error()). */
+int cli_card_record_eval(const char *dir, const char *tokens, int64_t S, int64_t T, double ppl,
+                         double nll);
+
 /* --- every mistake of a run, each on its own line (main prints them) ---
  * A command that checks everything before the work adds each failure with
  * cli_diag_add(status) (the message is bk_last_error()) and returns

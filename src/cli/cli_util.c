@@ -161,3 +161,63 @@ void cli_diag_clear(void)
 {
     n_diag = n_diag_dropped = 0;
 }
+
+/* ------------------------------------------------------------ model card */
+
+int cli_card_record_eval(const char *dir, const char *tokens, int64_t S, int64_t T, double ppl,
+                         double nll)
+{
+    char path[4096];
+    char *text = NULL;
+    size_t len = 0;
+    if (bk_path_join(path, sizeof path, dir, "README.md") != BK_OK || !bk_is_file(path) ||
+        bk_read_file(path, 1u << 20, &text, &len) != BK_OK)
+        return 0;
+    const char *head = "## Measured perplexity\n";
+    char *sec = strstr(text, head);
+    if (!strstr(text, "<!-- bakron model card -->") || !sec) {
+        free(text);
+        return 0;
+    }
+    const char *base = strrchr(tokens, '/');
+    base = base && base[1] ? base + 1 : tokens;
+    char key[600], row[800];
+    snprintf(key, sizeof key, "| %s | %lld x %lld |", base, (long long)S, (long long)T);
+    snprintf(row, sizeof row, "%s %.4f | %.6f |\n", key, ppl, nll);
+    /* the new text: everything, the row of the same key replaced or appended */
+    size_t cap = len + strlen(row) + 2;
+    char *out = malloc(cap);
+    if (!out) {
+        free(text);
+        bk_error(BK_ERR_NOMEM, "out of memory");
+        return -1;
+    }
+    size_t n = 0;
+    int done = 0;
+    for (char *line = text; *line;) {
+        char *nl = strchr(line, '\n');
+        size_t ll = nl ? (size_t)(nl - line) + 1 : strlen(line);
+        if (line > sec && !strncmp(line, key, strlen(key))) {
+            if (!done) {
+                memcpy(out + n, row, strlen(row));
+                n += strlen(row);
+                done = 1;
+            }
+        } else {
+            memcpy(out + n, line, ll);
+            n += ll;
+            if (!nl) {
+                out[n++] = '\n';
+            }
+        }
+        line += ll;
+    }
+    if (!done) {
+        memcpy(out + n, row, strlen(row));
+        n += strlen(row);
+    }
+    bk_status st = bk_write_file_atomic(path, out, n);
+    free(out);
+    free(text);
+    return st == BK_OK ? 1 : -1;
+}

@@ -235,6 +235,13 @@ bk_status bk_cmd_eval(int argc, char **argv)
     }
     if (fflush(stdout) != 0)
         st = bk_error(BK_ERR_WRITE, "eval: cannot write to stdout");
+    /* a bakron output folder: the perplexity goes into its model card */
+    int rec = st == BK_OK ? cli_card_record_eval(model_dir, tokens_path, S, T, ppl, nll) : 0;
+    if (rec > 0 && !json)
+        printf("recorded    in %s/README.md\n", model_dir);
+    else if (rec < 0)
+        fprintf(stderr, "bakron eval: note: the perplexity was not recorded in %s/README.md: %s\n",
+                model_dir, bk_last_error());
 done:
     cJSON_Delete(j);
     bk_backend_destroy(be);

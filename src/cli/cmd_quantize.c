@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -55,6 +56,8 @@ static const char *quantize_usage =
     "                        naive: a forward + backward pass per leaf, O(l^2), no boundaries\n"
     "  --leaf-size S         layers whose output gradients one pass delivers (default 1;\n"
     "                        larger: fewer passes, S layers' Hessians held at once)\n"
+    "  --bwd-precision P     fp32 (default) | fp64: arithmetic of the backward pass on the GPU\n"
+    "                        (the CPU's is fp64)\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied); layers are\n"
     "                        numbered from 0 as in model.layers.N, in progress and errors too\n"
     "  --backend B           auto|cpu|cuda (default auto: cuda when a GPU is present). With\n"
@@ -77,6 +80,9 @@ static const char *quantize_usage =
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
     "  --max-shard-size B    bytes per safetensors shard (default 5e9)\n"
     "  --overwrite           replace a non-empty output folder\n"
+    "  --resume              continue a killed run of the same --out (same arguments, model\n"
+    "                        and calibration) from its finished layers; without a killed\n"
+    "                        run: start from the first layer\n"
     "  --config NAME|FILE    JSON preset: an installed one by name (paper-2.81bit-gptq, ...)\n"
     "                        or a file; the command line overrides it field by field\n"
     "                        (--levels replaces the preset's bits/group)\n"
@@ -90,8 +96,8 @@ enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
-    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN,
-    O_SETTING
+    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN, O_RESUME,
+    O_BWDPREC, O_SETTING
 };
 
 static const struct option quantize_opts[] = {
@@ -121,6 +127,7 @@ static const struct option quantize_opts[] = {
     {"backend", required_argument, NULL, O_BACKEND},
     {"max-shard-size", required_argument, NULL, O_SHARD},
     {"overwrite", no_argument, NULL, O_OVERWRITE},
+    {"resume", no_argument, NULL, O_RESUME},
     {"gpu-pipeline", no_argument, NULL, O_GPUPIPE},
     {"cpu-stages", no_argument, NULL, O_CPUSTAGES},
     {"gpu-math", required_argument, NULL, O_GPUMATH},
@@ -128,6 +135,7 @@ static const struct option quantize_opts[] = {
     {"seed", required_argument, NULL, O_SEED},
     {"bwd-flow", required_argument, NULL, O_BWDFLOW},
     {"leaf-size", required_argument, NULL, O_LEAF},
+    {"bwd-precision", required_argument, NULL, O_BWDPREC},
     {"dry-run", no_argument, NULL, O_DRYRUN},
     {"setting", required_argument, NULL, O_SETTING},
     {"help", no_argument, NULL, O_HELP},
@@ -282,6 +290,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         o->max_shard_bytes = (uint64_t)dv;
         break;
     case O_OVERWRITE: o->overwrite = 1; break;
+    case O_RESUME: o->resume = 1; break;
     case O_SETTING: return cli_setting(&o->backend_params, arg);
     case O_GPUPIPE: o->gpu_pipeline = 1; break;
     case O_CPUSTAGES: o->cpu_stages = 1; break;
@@ -306,6 +315,14 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         if ((st = cli_parse_int("--leaf-size", arg, 1, 100000, &iv)) != BK_OK)
             return st;
         o->leaf_size = iv;
+        break;
+    case O_BWDPREC:
+        if (!strcmp(arg, "fp32"))
+            o->bwd_fp64 = 0;
+        else if (!strcmp(arg, "fp64"))
+            o->bwd_fp64 = 1;
+        else
+            return cli_usage_error("--bwd-precision: expected fp32 or fp64, got '%s'", arg);
         break;
     default: return cli_usage_error("unknown option");
     }
@@ -362,6 +379,11 @@ static bk_status apply_preset(qargs *q, const char *path)
         free(text);
         return st;
     }
+    /* a \u0000 escape would cut a key short; raw control characters are not JSON */
+    if ((st = bk_json_check_text(text, len, path, BK_ERR_CONFIG)) != BK_OK) {
+        free(text);
+        return st;
+    }
     const char *end = NULL;
     cJSON *j = cJSON_ParseWithOpts(text, &end, 1);
     if (!j) {
@@ -392,7 +414,7 @@ static bk_status apply_preset(qargs *q, const char *path)
             if (!strcmp(p->name, key))
                 opt = p;
         if (!opt || opt->val == O_CONFIG || opt->val == O_HELP || opt->val == O_OUT ||
-            opt->val == O_JSON || opt->val == O_DRYRUN) {
+            opt->val == O_JSON || opt->val == O_DRYRUN || opt->val == O_RESUME) {
             st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: unknown or not allowed preset key '%s'", path,
                           line, col, key);
             break;
@@ -962,7 +984,8 @@ static const char *dump_usage =
     "\n"
     "  --samples N       use the first N sequences\n"
     "  --seqlen T        use the first T tokens of each sequence\n"
-    "  --dtype D         F32 (default), BF16 or F16\n"
+    "  --dtype D         bf16, f16 or f32 (default: the checkpoint's dtype when BF16 or F16,\n"
+    "                    else f32; docs/activations.md says what it changes)\n"
     "  --zstd            compress each layer file (layer.NNNN.safetensors.zst)\n"
     "  --zstd-level L    zstd level (default 3)\n"
     "  --batch B         sequences per micro-batch\n"
@@ -991,10 +1014,11 @@ bk_status bk_cmd_dump(int argc, char **argv)
     };
     bk_dump_opts o;
     bk_dump_opts_default(&o);
-    int json = 0, c;
+    int json = 0, c, have_dtype = 0;
     bk_status st;
     const char *model = NULL;
     static char model_buf[4096];
+    double t0 = bk_now();
     optind = 0;
     opterr = 0;
     while ((c = getopt_long(argc, argv, "-", opts, NULL)) != -1) {
@@ -1015,11 +1039,18 @@ bk_status bk_cmd_dump(int argc, char **argv)
             if ((st = cli_parse_i64("--seqlen", optarg, 2, (int64_t)1 << 30, &o.seqlen)) != BK_OK)
                 return st;
             break;
-        case 'd':
-            if (bk_dtype_from_name(optarg, &o.dtype) != BK_OK ||
+        case 'd': {
+            char up[16];
+            size_t k = 0;
+            for (; optarg[k] && k + 1 < sizeof up; k++)
+                up[k] = (char)((optarg[k] >= 'a' && optarg[k] <= 'z') ? optarg[k] - 32 : optarg[k]);
+            up[k] = '\0';
+            if (bk_dtype_from_name(up, &o.dtype) != BK_OK ||
                 (o.dtype != BK_DT_F32 && o.dtype != BK_DT_BF16 && o.dtype != BK_DT_F16))
-                return cli_usage_error("--dtype: expected F32, BF16 or F16, got '%s'", optarg);
+                return cli_usage_error("--dtype: expected bf16, f16 or f32, got '%s'", optarg);
+            have_dtype = 1;
             break;
+        }
         case 'z': o.zstd = 1; break;
         case 'l':
             if ((st = cli_parse_int("--zstd-level", optarg, 1, 19, &o.zstd_level)) != BK_OK)
@@ -1053,10 +1084,53 @@ bk_status bk_cmd_dump(int argc, char **argv)
     if (!o.out_dir)
         return cli_usage_error("--out DIR is required");
     o.model_dir = cli_model_dir(model, model_buf, sizeof model_buf);
+    if (!have_dtype) {
+        /* the checkpoint's own precision when it is BF16 or F16 */
+        bk_model *m = NULL;
+        if ((st = bk_model_open(o.model_dir, &m)) != BK_OK)
+            return st;
+        const bk_tensor_info *t = bk_model_find(m, 0, "self_attn.q_proj.weight");
+        o.dtype = t && (t->dtype == BK_DT_BF16 || t->dtype == BK_DT_F16) ? t->dtype : BK_DT_F32;
+        bk_model_close(m);
+    }
     static progress prog;
     progress_init(&prog, json, NULL);
     o.on_event = on_event;
     o.user = &prog;
     install_signals();
-    return bk_dump_activations(&o);
+    st = bk_dump_activations(&o);
+    if (st != BK_OK) {
+        if (json)
+            json_error_event(&prog, st, bk_last_error());
+        return st;
+    }
+    /* closing summary: files, bytes, time */
+    long files = 0;
+    unsigned long long bytes = 0;
+    DIR *d = opendir(o.out_dir);
+    struct dirent *e;
+    while (d && (e = readdir(d)) != NULL) {
+        char p[4096];
+        struct stat sb;
+        if (e->d_name[0] == '.' || bk_path_join(p, sizeof p, o.out_dir, e->d_name) != BK_OK ||
+            stat(p, &sb) != 0 || !S_ISREG(sb.st_mode))
+            continue;
+        files++;
+        bytes += (unsigned long long)sb.st_size;
+    }
+    if (d)
+        closedir(d);
+    double secs = bk_now() - t0;
+    if (json) {
+        printf("{\"event\":\"summary\",\"files\":%ld,\"bytes\":%llu,\"dtype\":\"%s\","
+               "\"zstd\":%s,\"seconds\":%.3f}\n",
+               files, bytes, bk_dtype_name(o.dtype), o.zstd ? "true" : "false", secs);
+        fflush(stdout);
+    } else {
+        char bb[32];
+        fmt_bytes(bytes, bb, sizeof bb);
+        fprintf(stderr, "bakron: dumped %s: %ld files, %s (%s%s) in %.1fs\n", o.out_dir, files,
+                bb, bk_dtype_name(o.dtype), o.zstd ? ", zstd" : "", secs);
+    }
+    return BK_OK;
 }

@@ -1,0 +1,1906 @@
+/* CUDA backend — the backward pass and its flows on the GPU
+ * (src/backward_gpu.h; docs/hessians.md "Backprop", "On the GPU").
+ *
+ * src/backward.c and src/backward_flow.c step for step, on one micro-batch
+ * at a time, templated on the storage type R (double: parity mode, float:
+ * F32 GEMMs; see src/backward_gpu.h for the arithmetic of each):
+ *
+ *   GEMMs        cuBLAS DGEMM / SGEMM (default math: no TF32) on row-major
+ *                arrays (C = op(A) op(B) is col-major Cᵀ = op(B)ᵀ op(A)ᵀ);
+ *   attention    per query head j, strided-batched over the sequences of the
+ *                micro-batch: P = scale Q_j K_gᵀ, causal softmax one warp per
+ *                row (max subtraction, double sums), O_j = P V_g; the backward
+ *                recomputes P and forms dV_g += Pᵀ dO_j, dP = dO_j V_gᵀ,
+ *                dS = P ⊙ (dP - rowsum(P ⊙ dP)), dQ_j = scale dS K_g,
+ *                dK_g += scale dSᵀ Q_j (the CPU's order of heads);
+ *   RMSNorm      one warp per row, sums in double, the saved 1/rms in double;
+ *   RoPE         src/rope.c's float tables; the adjoint is the transposed
+ *                rotation;
+ *   head         final norm, LM head (lm_head, or embed_tokens when tied)
+ *                resident in R, logits in the CPU's vocabulary blocks: per
+ *                row the running max and Σ exp(l - max) in double; sampled
+ *                labels by the inverse CDF, one warp per row scanning the
+ *                vocabulary in order (a warp prefix sum per 32 entries)
+ *                against U·Σ with the CPU's uniforms U = bk__bwd_uniform(seed,
+ *                sequence, position) computed on the host; then
+ *                dlogits = softmax - onehot and dxf += dlogits W_block;
+ *   flows        naive I and recursive halving as src/backward_flow.c,
+ *                micro-batch by micro-batch; the boundary matrices X_mid,
+ *                G_mid, G_L in pinned host memory in R, copied in and out per
+ *                micro-batch.
+ *
+ * Deterministic: the same kernels and GEMMs in the same order for a
+ * micro-batch whichever flow runs it, no atomics on values (the only atomic
+ * is the index of the first non-finite entry), so recursive halving and
+ * naive I deliver the same bits and a rerun with the same seed is identical.
+ */
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "backend_impl.h"
+#include "backward_gpu.h"
+#include "cuda_internal.cuh"
+#include "forward_internal.h"
+
+extern "C" {
+#include "backward_internal.h"
+#include "rope.h"
+#include "util.h"
+}
+
+#include "bakron/safetensors.h"
+
+namespace {
+
+/* Logit blocks of at most this many entries, head rows per block at most
+ * this many (as src/backward.c, so the blocks are the CPU's). */
+const int64_t LOGIT_BLOCK = (int64_t)1 << 22;
+const int64_t HEAD_BLOCK = (int64_t)1 << 21;
+
+inline unsigned grid_for(int64_t n)
+{
+    int64_t b = (n + 255) / 256;
+    if (b < 1)
+        b = 1;
+    if (b > 65535 * 16)
+        b = 65535 * 16;
+    return (unsigned)b;
+}
+
+/* warps of 32 in blocks of 256: one warp per row */
+inline unsigned warp_grid(int64_t rows)
+{
+    int64_t b = (rows + 7) / 8;
+    return (unsigned)(b < 1 ? 1 : b);
+}
+
+#define GSTRIDE(i, n)                                                                    \
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n);            \
+         i += (int64_t)gridDim.x * blockDim.x)
+
+__device__ inline double warp_sum(double v)
+{
+    for (int o = 16; o; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ inline double warp_max(double v)
+{
+    for (int o = 16; o; o >>= 1)
+        v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* ---------------------------------------------------------------- kernels */
+
+template <typename R> __global__ void k_from_f32(R *dst, const float *src, int64_t n)
+{
+    GSTRIDE(i, n) dst[i] = (R)src[i];
+}
+
+template <typename R> __global__ void k_to_f64(double *dst, const R *src, int64_t n)
+{
+    GSTRIDE(i, n) dst[i] = (double)src[i];
+}
+
+template <typename R> __global__ void k_bias(R *Y, int64_t rows, int64_t cols, const R *b)
+{
+    GSTRIDE(i, rows * cols) Y[i] = (R)((double)Y[i] + (double)b[i % cols]);
+}
+
+/* out = a + b */
+template <typename R> __global__ void k_add(R *out, const R *a, const R *b, int64_t n)
+{
+    GSTRIDE(i, n) out[i] = (R)((double)a[i] + (double)b[i]);
+}
+
+/* y = w ⊙ x r, r = (mean(x²) + eps)^(-1/2) per row; r saved */
+template <typename R>
+__global__ void k_rms_fwd(const R *x, int64_t rows, int64_t n, const R *w, double eps, double *r,
+                          R *y)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const R *xr = x + row * n;
+    R *yr = y + row * n;
+    double ss = 0;
+    for (int64_t k = lane; k < n; k += 32) {
+        double v = (double)xr[k];
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const double inv = 1.0 / sqrt(ss / (double)n + eps);
+    if (lane == 0)
+        r[row] = inv;
+    for (int64_t k = lane; k < n; k += 32)
+        yr[k] = (R)((double)w[k] * ((double)xr[k] * inv));
+}
+
+/* dx (= or +=) r (w ⊙ dy) - r³ x (Σ w dy x) / n */
+template <typename R>
+__global__ void k_rms_back(const R *x, const double *r, int64_t rows, int64_t n, const R *w,
+                           const R *dy, int accumulate, R *dx)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const R *xr = x + row * n, *dyr = dy + row * n;
+    R *dxr = dx + row * n;
+    double dot = 0;
+    for (int64_t k = lane; k < n; k += 32)
+        dot += (double)w[k] * (double)dyr[k] * (double)xr[k];
+    dot = warp_sum(dot);
+    const double ri = r[row];
+    const double c = ri * ri * ri * dot / (double)n;
+    for (int64_t k = lane; k < n; k += 32) {
+        double v = ri * (double)w[k] * (double)dyr[k] - c * (double)xr[k];
+        dxr[k] = (R)(accumulate ? (double)dxr[k] + v : v);
+    }
+}
+
+/* rotate the heads of every row (token n at position n % T); sign -1: the
+ * transposed rotation */
+template <typename R>
+__global__ void k_rope(R *x, int64_t N, int64_t T, int64_t heads, int64_t hd, const float *cs,
+                       const float *sn, int sign)
+{
+    const int64_t h2 = hd / 2;
+    GSTRIDE(idx, N * heads * h2)
+    {
+        const int64_t i = idx % h2, rr = idx / h2;
+        const int64_t head = rr % heads, n = rr / heads, pos = n % T;
+        R *v = x + n * heads * hd + head * hd;
+        double a = (double)v[i], b = (double)v[i + h2];
+        double s = sign > 0 ? (double)sn[pos * h2 + i] : -(double)sn[pos * h2 + i];
+        double c = (double)cs[pos * h2 + i];
+        v[i] = (R)(a * c - b * s);
+        v[i + h2] = (R)(b * c + a * s);
+    }
+}
+
+/* causal softmax of the rows of [batch, T, T] (row t keeps u <= t) */
+template <typename R> __global__ void k_softmax(R *P, int64_t rows, int64_t T)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const int64_t t = row % T;
+    R *pr = P + row * T;
+    double mx = -INFINITY;
+    for (int64_t u = lane; u <= t; u += 32)
+        mx = fmax(mx, (double)pr[u]);
+    mx = warp_max(mx);
+    double sum = 0;
+    for (int64_t u = lane; u <= t; u += 32)
+        sum += exp((double)pr[u] - mx);
+    sum = warp_sum(sum);
+    for (int64_t u = lane; u < T; u += 32)
+        pr[u] = u <= t ? (R)(exp((double)pr[u] - mx) / sum) : (R)0;
+}
+
+/* dS = P ⊙ (dP - rowsum(P ⊙ dP)), into dP, zero above the diagonal */
+template <typename R> __global__ void k_dsoftmax(const R *P, R *dP, int64_t rows, int64_t T)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const int64_t t = row % T;
+    const R *pr = P + row * T;
+    R *dr = dP + row * T;
+    double dot = 0;
+    for (int64_t u = lane; u <= t; u += 32)
+        dot += (double)pr[u] * (double)dr[u];
+    dot = warp_sum(dot);
+    for (int64_t u = lane; u < T; u += 32)
+        dr[u] = u <= t ? (R)((double)pr[u] * ((double)dr[u] - dot)) : (R)0;
+}
+
+__device__ inline double sigm(double z)
+{
+    return 1.0 / (1.0 + exp(-z));
+}
+
+template <typename R> __global__ void k_swiglu(const R *zg, const R *zu, R *m, int64_t n)
+{
+    GSTRIDE(i, n)
+    {
+        double z = (double)zg[i];
+        m[i] = (R)(z * sigm(z) * (double)zu[i]);
+    }
+}
+
+template <typename R>
+__global__ void k_swiglu_back(const R *zg, const R *zu, const R *dm, R *dzg, R *dzu, int64_t n)
+{
+    GSTRIDE(i, n)
+    {
+        double z = (double)zg[i], sg = sigm(z), d = (double)dm[i];
+        dzu[i] = (R)(d * z * sg);
+        dzg[i] = (R)(d * (double)zu[i] * sg * (1.0 + z * (1.0 - sg)));
+    }
+}
+
+/* index of the first non-finite entry (atomicMin; *flag starts at ~0) */
+template <typename R>
+__global__ void k_first_bad(const R *x, int64_t n, unsigned long long *flag)
+{
+    GSTRIDE(i, n)
+    if (!isfinite((double)x[i]))
+        atomicMin(flag, (unsigned long long)i);
+}
+
+/* Σ x² per row (double), one warp per row */
+template <typename R> __global__ void k_row_sq(const R *x, int64_t rows, int64_t n, double *out)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    double ss = 0;
+    for (int64_t k = lane; k < n; k += 32) {
+        double v = (double)x[row * n + k];
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0)
+        out[row] = ss;
+}
+
+/* out = sqrt(w[row]) g (w NULL: 1), in double */
+template <typename R>
+__global__ void k_scale_rows(const R *g, int64_t rows, int64_t m, const double *w, double *out)
+{
+    GSTRIDE(i, rows * m)
+    {
+        const double v = (double)g[i];
+        out[i] = w ? sqrt(w[i / m]) * v : v;
+    }
+}
+
+/* ---- head */
+
+__global__ void k_lse_init(double *mx, double *se, int64_t N)
+{
+    GSTRIDE(r, N)
+    {
+        mx[r] = -INFINITY;
+        se[r] = 0;
+    }
+}
+
+/* one vocabulary block of n logits per row: the CPU's running max / sum */
+template <typename R>
+__global__ void k_lse_block(const R *lg, int64_t N, int64_t n, double *mx, double *se)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= N)
+        return;
+    const R *pr = lg + row * n;
+    double cm = -INFINITY;
+    for (int64_t j = lane; j < n; j += 32)
+        cm = fmax(cm, (double)pr[j]);
+    cm = warp_max(cm);
+    double m0 = mx[row], s0 = se[row];
+    if (cm > m0) {
+        s0 *= exp(m0 - cm);
+        m0 = cm;
+    }
+    double acc = 0;
+    for (int64_t j = lane; j < n; j += 32)
+        acc += exp((double)pr[j] - m0);
+    acc = warp_sum(acc);
+    if (lane == 0) {
+        mx[row] = m0;
+        se[row] = s0 + acc;
+    }
+}
+
+/* target U·Σ, running sum 0, fallback V - 1, no label yet */
+__global__ void k_sample_init(const double *U, const double *se, double *tg, double *cum,
+                              int32_t *last, int32_t *lab, int64_t N, int64_t V)
+{
+    GSTRIDE(r, N)
+    {
+        tg[r] = U[r] * se[r];
+        cum[r] = 0;
+        last[r] = (int32_t)(V - 1);
+        lab[r] = -1;
+    }
+}
+
+/* inverse CDF over one block: the first v with Σ_{u<=v} exp(l_u - max) > U·Σ */
+template <typename R>
+__global__ void k_sample_block(const R *lg, int64_t N, int64_t n, int64_t v0, const double *mx,
+                               const double *tg, double *cum, int32_t *last, int32_t *lab)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= N || lab[row] >= 0)
+        return;
+    const R *pr = lg + row * n;
+    const double m = mx[row], target = tg[row];
+    double c = cum[row];
+    int32_t lst = last[row];
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+        const int64_t j = j0 + lane;
+        const double e = j < n ? exp((double)pr[j] - m) : 0.0;
+        double s = e;
+        for (int o = 1; o < 32; o <<= 1) {
+            double t = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o)
+                s += t;
+        }
+        const unsigned pos = __ballot_sync(0xffffffffu, j < n && e > 0);
+        const unsigned hit = __ballot_sync(0xffffffffu, j < n && c + s > target);
+        if (hit) {
+            if (lane == 0)
+                lab[row] = (int32_t)(v0 + j0 + (__ffs(hit) - 1));
+            return;
+        }
+        if (pos)
+            lst = (int32_t)(v0 + j0 + (31 - __clz(pos)));
+        c += __shfl_sync(0xffffffffu, s, 31);
+    }
+    if (lane == 0) {
+        cum[row] = c;
+        last[row] = lst;
+    }
+}
+
+__global__ void k_sample_finish(int32_t *lab, const int32_t *last, int64_t N)
+{
+    GSTRIDE(r, N)
+    if (lab[r] < 0)
+        lab[r] = last[r];
+}
+
+__global__ void k_lse(const double *mx, const double *se, double *lse, int64_t N)
+{
+    GSTRIDE(r, N) lse[r] = mx[r] + log(se[r]);
+}
+
+/* dlogits = softmax - onehot over one block (rows without a label: 0); the
+ * target's logit saved for the loss */
+template <typename R>
+__global__ void k_head_grad(R *lg, int64_t N, int64_t n, int64_t v0, const int32_t *lab,
+                            const double *lse, double *tgl)
+{
+    GSTRIDE(i, N * n)
+    {
+        const int64_t r = i / n, j = i % n;
+        const int32_t y = lab[r];
+        if (y < 0) {
+            lg[i] = (R)0;
+            continue;
+        }
+        const double l = (double)lg[i];
+        if (v0 + j == y)
+            tgl[r] = l;
+        lg[i] = (R)(exp(l - lse[r]) - (v0 + j == y ? 1.0 : 0.0));
+    }
+}
+
+/* ---------------------------------------------------------------- GEMMs */
+
+/* row-major C[M, N] = alpha op(A) op(B) + beta C (cblas RowMajor semantics) */
+cublasStatus_t rm_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                       double alpha, const double *A, int64_t lda, const double *B, int64_t ldb,
+                       double beta, double *C, int64_t ldc)
+{
+    return cublasDgemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N,
+                       (int)M, (int)K, &alpha, B, (int)ldb, A, (int)lda, &beta, C, (int)ldc);
+}
+
+cublasStatus_t rm_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                       double alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
+                       double beta, float *C, int64_t ldc)
+{
+    float a = (float)alpha, b = (float)beta;
+    return cublasSgemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N,
+                       (int)M, (int)K, &a, B, (int)ldb, A, (int)lda, &b, C, (int)ldc);
+}
+
+cublasStatus_t rm_gemm_b(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                         double alpha, const double *A, int64_t lda, int64_t sa, const double *B,
+                         int64_t ldb, int64_t sb, double beta, double *C, int64_t ldc, int64_t sc,
+                         int64_t batch)
+{
+    return cublasDgemmStridedBatched(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                     ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M, (int)K, &alpha,
+                                     B, (int)ldb, sb, A, (int)lda, sa, &beta, C, (int)ldc, sc,
+                                     (int)batch);
+}
+
+cublasStatus_t rm_gemm_b(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                         double alpha, const float *A, int64_t lda, int64_t sa, const float *B,
+                         int64_t ldb, int64_t sb, double beta, float *C, int64_t ldc, int64_t sc,
+                         int64_t batch)
+{
+    float a = (float)alpha, b = (float)beta;
+    return cublasSgemmStridedBatched(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                     ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M, (int)K, &a, B,
+                                     (int)ldb, sb, A, (int)lda, sa, &b, C, (int)ldc, sc,
+                                     (int)batch);
+}
+
+#define GEMM_CHECK(call) BK_CUBLAS_CHECK(call)
+#define LAUNCH_CHECK(what) BK_CUDA_CHECK(cudaGetLastError())
+#define BK_LAUNCHED_OK() bk_cuda_status(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+#define TRY(x)                                                                                    \
+    if ((st = (x)) != BK_OK)                                                                      \
+    return st
+
+/* ---------------------------------------------------------------- context */
+
+/* one layer's weights on the device, in R */
+struct gslot {
+    int layer;
+    int64_t used; /* tick of the last use */
+    void *w[BK_MOD_COUNT], *b[BK_MOD_COUNT];
+    void *an, *mn, *qn, *kn;
+};
+
+struct gbwd {
+    bk_cuda_ctx *c;
+    cublasHandle_t blas;
+    int fp64;
+    size_t es; /* sizeof(R) */
+    const bk_model *m;
+    bk_model_config cfg;
+    int L;
+    int64_t B, T, R, d, H, G, hd, NI, qd, kvd, rep, V;
+    double eps;
+    float *cos, *sin;
+    /* one layer's forward (saved) and backward, [R, width] in R */
+    void *xa, *zq, *zk, *zv, *qr, *kr, *o, *h1, *xm, *zg, *zu, *mm, *tmp;
+    void *dh1, *dx, *dm, *dzg, *dzu, *dob, *dq, *dk, *dv, *cpy;
+    void *P, *dP; /* [B, T, T] */
+    double *r1, *r2, *rq, *rk;
+    /* head */
+    void *headw, *headn; /* [V, d], [d] */
+    int64_t vc;
+    void *xf, *dxf, *lg;
+    double *rf, *mx, *se, *tg, *cum, *lse, *tgl, *U;
+    int32_t *lab, *last;
+    unsigned long long *flags; /* [8] */
+    /* weights: host copies (loaded on first use) and the device cache */
+    bk_layer_weights *hw;
+    int *hloaded;
+    gslot *slots;
+    int nslots;
+    int64_t tick;
+    float *wstage; /* device F32 staging of one tensor (fp64 mode) */
+    int64_t wstage_elems;
+    /* host: pinned staging [R, max width] in R; tap copies in double */
+    void *hstage;
+    size_t hstage_bytes;
+    double *ha[4];  /* xa, o, xm, m */
+    double *hg[BK_MOD_COUNT];
+    size_t dev_bytes; /* device bytes of the buffers above (one micro-batch) */
+};
+
+void gb_free(gbwd *g);
+
+bk_status dalloc(gbwd *g, void **p, int64_t elems, size_t es, const char *what)
+{
+    uint64_t bytes;
+    *p = NULL;
+    if (elems < 0 || bk_mul_u64((uint64_t)elems, (uint64_t)es, &bytes))
+        return bk_error(BK_ERR_DEVICE_OOM, "GPU backward: %s: size overflows", what);
+    bk_status st = bk_dev_alloc(g->c, p, (size_t)(bytes ? bytes : es), what);
+    if (st == BK_OK)
+        g->dev_bytes += (size_t)bytes;
+    return st;
+}
+
+void dfree(gbwd *g, void *p)
+{
+    if (p)
+        bk_dev_free(g->c, p);
+}
+
+const char *head_name(const bk_model_config *c)
+{
+    return c->tie_embeddings ? "embed_tokens.weight" : "lm_head.weight";
+}
+
+/* rows [r0, r1) of a [rows, cols] tensor converted to R on the host, then
+ * uploaded to dst */
+bk_status upload_rows(gbwd *g, const bk_tensor_info *t, int64_t r0, int64_t r1, void *dst)
+{
+    const size_t esrc = bk_dtype_bits(t->dtype) / 8;
+    const int64_t cols = t->ndim == 2 ? t->shape[1] : t->shape[0];
+    const int64_t per = (int64_t)(g->hstage_bytes / g->es) / cols;
+    if (per < 1)
+        return bk_error(BK_ERR_INTERNAL, "GPU backward: staging smaller than one row of %s",
+                        t->name ? t->name : "?");
+    for (int64_t a = r0; a < r1; a += per) {
+        int64_t n = r1 - a < per ? r1 - a : per;
+        const unsigned char *src = (const unsigned char *)t->data + (size_t)a * cols * esrc;
+        bk_status st = bk_convert(src, t->dtype, g->hstage, g->fp64 ? BK_DT_F64 : BK_DT_F32,
+                                  (size_t)(n * cols));
+        if (st != BK_OK)
+            return bk_error_prefix(st, t->name ? t->name : "tensor");
+        BK_CUDA_CHECK(cudaMemcpyAsync((char *)dst + (size_t)(a - r0) * cols * g->es, g->hstage,
+                                      (size_t)(n * cols) * g->es, cudaMemcpyHostToDevice,
+                                      g->c->stream));
+        BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+    }
+    return BK_OK;
+}
+
+/* a host F32 array of n into the device array dst in R */
+bk_status upload_f32(gbwd *g, const float *src, int64_t n, void *dst)
+{
+    if (!g->fp64) {
+        BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * 4, cudaMemcpyHostToDevice,
+                                      g->c->stream));
+        return BK_OK;
+    }
+    if (n > g->wstage_elems)
+        return bk_error(BK_ERR_INTERNAL, "GPU backward: weight staging too small");
+    BK_CUDA_CHECK(cudaMemcpyAsync(g->wstage, src, (size_t)n * 4, cudaMemcpyHostToDevice,
+                                  g->c->stream));
+    k_from_f32<double><<<grid_for(n), 256, 0, g->c->stream>>>((double *)dst, g->wstage, n);
+    LAUNCH_CHECK("k_from_f32");
+    return BK_OK;
+}
+
+bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const bk_gbwd_opts *go,
+                 int need_layers, gbwd **out)
+{
+    *out = NULL;
+    if (!b || b->kind != BK_BACKEND_CUDA || !b->ops || strcmp(b->ops->name, "cuda") != 0)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU backward: needs the CUDA backend");
+    const bk_model_config *c = bk_model_get_config(m);
+    uint64_t rows;
+    if (B < 1 || bk_mul_u64((uint64_t)B, (uint64_t)T, &rows) || rows > (uint64_t)INT32_MAX)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "GPU backward: micro-batch of %lld sequences x %lld tokens is invalid",
+                        (long long)B, (long long)T);
+    gbwd *g = static_cast<gbwd *>(calloc(1, sizeof(gbwd)));
+    if (!g)
+        return bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
+    g->c = static_cast<bk_cuda_ctx *>(b->ctx);
+    g->fp64 = go ? go->fp64 : 0;
+    g->es = g->fp64 ? sizeof(double) : sizeof(float);
+    g->m = m;
+    g->cfg = *c;
+    g->L = (int)c->n_layers;
+    g->B = B;
+    g->T = T;
+    g->R = (int64_t)rows;
+    g->d = c->hidden;
+    g->H = c->n_heads;
+    g->G = c->n_kv_heads;
+    g->hd = c->head_dim;
+    g->NI = c->intermediate;
+    g->qd = g->H * g->hd;
+    g->kvd = g->G * g->hd;
+    g->rep = g->H / g->G;
+    g->V = c->vocab;
+    g->eps = c->rms_eps;
+    bk_status st = BK_OK;
+    {
+        cublasStatus_t cs = cublasCreate(&g->blas);
+        if (cs == CUBLAS_STATUS_SUCCESS)
+            cs = cublasSetStream(g->blas, g->c->stream);
+        if (cs == CUBLAS_STATUS_SUCCESS)
+            cs = cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH);
+        if (cs != CUBLAS_STATUS_SUCCESS) {
+            st = bk_cublas_status(cs, "GPU backward: cuBLAS handle", __FILE__, __LINE__);
+            if (g->blas)
+                cublasDestroy(g->blas);
+            free(g);
+            return st;
+        }
+    }
+    const int64_t R = g->R, d = g->d, qd = g->qd, kvd = g->kvd, NI = g->NI, es = (int64_t)g->es;
+    int64_t vc = LOGIT_BLOCK / R;
+    if (vc > HEAD_BLOCK / d)
+        vc = HEAD_BLOCK / d;
+    if (vc < 16)
+        vc = 16;
+    if (vc > g->V)
+        vc = g->V;
+    g->vc = vc;
+    int64_t wmax = qd > kvd ? qd : kvd;
+    struct {
+        void **p;
+        int64_t n;
+        size_t es;
+        const char *what;
+    } bufs[] = {
+        {&g->xa, R * d, (size_t)es, "backward buffers"},   {&g->zq, R * qd, (size_t)es, "backward buffers"},
+        {&g->zk, R * kvd, (size_t)es, "backward buffers"}, {&g->zv, R * kvd, (size_t)es, "backward buffers"},
+        {&g->qr, R * qd, (size_t)es, "backward buffers"},  {&g->kr, R * kvd, (size_t)es, "backward buffers"},
+        {&g->o, R * qd, (size_t)es, "backward buffers"},   {&g->h1, R * d, (size_t)es, "backward buffers"},
+        {&g->xm, R * d, (size_t)es, "backward buffers"},   {&g->zg, R * NI, (size_t)es, "backward buffers"},
+        {&g->zu, R * NI, (size_t)es, "backward buffers"},  {&g->mm, R * NI, (size_t)es, "backward buffers"},
+        {&g->tmp, R * d, (size_t)es, "backward buffers"},  {&g->dh1, R * d, (size_t)es, "backward buffers"},
+        {&g->dx, R * d, (size_t)es, "backward buffers"},   {&g->dm, R * NI, (size_t)es, "backward buffers"},
+        {&g->dzg, R * NI, (size_t)es, "backward buffers"}, {&g->dzu, R * NI, (size_t)es, "backward buffers"},
+        {&g->dob, R * qd, (size_t)es, "backward buffers"}, {&g->dq, R * qd, (size_t)es, "backward buffers"},
+        {&g->dk, R * kvd, (size_t)es, "backward buffers"}, {&g->dv, R * kvd, (size_t)es, "backward buffers"},
+        {&g->cpy, R * wmax, (size_t)es, "backward buffers"},
+        {&g->P, B * T * T, (size_t)es, "attention probabilities"},
+        {&g->dP, B * T * T, (size_t)es, "attention probabilities"},
+        {(void **)&g->r1, R, 8, "backward buffers"},        {(void **)&g->r2, R, 8, "backward buffers"},
+        {(void **)&g->rq, R * g->H, 8, "backward buffers"}, {(void **)&g->rk, R * g->G, 8, "backward buffers"},
+        {&g->headw, g->V * d, (size_t)es, "LM head"},       {&g->headn, d, (size_t)es, "final norm"},
+        {&g->xf, R * d, (size_t)es, "head buffers"},        {&g->dxf, R * d, (size_t)es, "head buffers"},
+        {&g->lg, R * vc, (size_t)es, "logit block"},
+        {(void **)&g->rf, R, 8, "head buffers"},  {(void **)&g->mx, R, 8, "head buffers"},
+        {(void **)&g->se, R, 8, "head buffers"},  {(void **)&g->tg, R, 8, "head buffers"},
+        {(void **)&g->cum, R, 8, "head buffers"}, {(void **)&g->lse, R, 8, "head buffers"},
+        {(void **)&g->tgl, R, 8, "head buffers"}, {(void **)&g->U, R, 8, "head buffers"},
+        {(void **)&g->lab, R, 4, "head buffers"}, {(void **)&g->last, R, 4, "head buffers"},
+        {(void **)&g->flags, 8, 8, "flags"},
+        {(void **)&g->cos, T * (g->hd / 2), 4, "RoPE tables"},
+        {(void **)&g->sin, T * (g->hd / 2), 4, "RoPE tables"},
+    };
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
+        st = dalloc(g, bufs[i].p, bufs[i].n, bufs[i].es, bufs[i].what);
+    /* F32 staging of the largest weight (fp64 mode) */
+    int64_t wbig = 0;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        if (o * in > wbig)
+            wbig = o * in;
+    }
+    g->wstage_elems = wbig;
+    if (st == BK_OK && g->fp64)
+        st = dalloc(g, (void **)&g->wstage, wbig, 4, "weight staging");
+    if (st == BK_ERR_DEVICE_OOM) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", bk_last_error());
+        st = bk_error(BK_ERR_DEVICE_OOM,
+                      "%s (GPU backward of micro-batches of %lld x %lld tokens: use a smaller "
+                      "--batch)",
+                      msg, (long long)B, (long long)T);
+    }
+    /* host: pinned staging of one micro-batch's widest array (and at least 1 MiB) */
+    if (st == BK_OK) {
+        int64_t wide = d > NI ? d : NI;
+        wide = wide > wmax ? wide : wmax;
+        g->hstage_bytes = (size_t)(R * wide) * g->es;
+        if (g->hstage_bytes < ((size_t)1 << 20))
+            g->hstage_bytes = (size_t)1 << 20;
+        if ((size_t)d * g->es > g->hstage_bytes)
+            g->hstage_bytes = (size_t)d * g->es;
+        if (cudaMallocHost(&g->hstage, g->hstage_bytes) != cudaSuccess) {
+            cudaGetLastError();
+            g->hstage = NULL;
+            st = bk_error(BK_ERR_NOMEM,
+                          "GPU backward: out of pinned host memory for %.1f MiB of staging (use "
+                          "a smaller --batch)",
+                          (double)g->hstage_bytes / 1048576.0);
+        }
+    }
+    if (st == BK_OK && need_layers) {
+        const int64_t ws[4] = {d, qd, d, NI};
+        for (int i = 0; i < 4 && st == BK_OK; i++)
+            if (!(g->ha[i] = (double *)bk_alloc((size_t)(R * ws[i]), sizeof(double))))
+                st = BK_ERR_NOMEM;
+        for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
+            int64_t o, in;
+            bk_module_shape(c, (bk_module)i, &o, &in);
+            if (!(g->hg[i] = (double *)bk_alloc((size_t)(R * o), sizeof(double))))
+                st = BK_ERR_NOMEM;
+        }
+        if (st != BK_OK)
+            st = bk_error(BK_ERR_NOMEM,
+                          "GPU backward: out of host memory for the module inputs and gradients "
+                          "of one micro-batch (use a smaller --batch)");
+        g->hw = static_cast<bk_layer_weights *>(calloc((size_t)g->L, sizeof(bk_layer_weights)));
+        g->hloaded = static_cast<int *>(calloc((size_t)g->L, sizeof(int)));
+        if (st == BK_OK && (!g->hw || !g->hloaded))
+            st = bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
+    }
+    /* RoPE tables */
+    if (st == BK_OK) {
+        bk_rope rope;
+        memset(&rope, 0, sizeof rope);
+        st = bk_rope_init(&rope, c, T);
+        if (st == BK_OK) {
+            size_t nb = (size_t)(T * (g->hd / 2)) * 4;
+            cudaError_t e = cudaMemcpy(g->cos, rope.cos, nb, cudaMemcpyHostToDevice);
+            if (e == cudaSuccess)
+                e = cudaMemcpy(g->sin, rope.sin, nb, cudaMemcpyHostToDevice);
+            st = bk_cuda_status(e, "GPU backward: RoPE tables", __FILE__, __LINE__);
+        }
+        bk_rope_free(&rope);
+    }
+    /* final norm and LM head in R */
+    if (st == BK_OK) {
+        const bk_tensor_info *t = bk_model_find(m, -1, head_name(c));
+        const bk_tensor_info *nt = bk_model_find(m, -1, "norm.weight");
+        st = bk__bwd_head_check(m);
+        if (st == BK_OK && (!t || t->ndim != 2 || t->shape[0] != g->V || t->shape[1] != d ||
+                            !nt || nt->ndim != 1 || nt->shape[0] != d))
+            st = bk_error(BK_ERR_SHAPE, "%s / model.norm.weight: expected shapes [%lld, %lld] "
+                          "and [%lld]", head_name(c), (long long)g->V, (long long)d, (long long)d);
+        if (st == BK_OK)
+            st = upload_rows(g, t, 0, g->V, g->headw);
+        if (st == BK_OK)
+            st = upload_rows(g, nt, 0, 1, g->headn);
+    }
+    if (st != BK_OK) {
+        gb_free(g);
+        return st;
+    }
+    *out = g;
+    return BK_OK;
+}
+
+void slot_free(gbwd *g, gslot *s)
+{
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        dfree(g, s->w[i]);
+        dfree(g, s->b[i]);
+    }
+    dfree(g, s->an);
+    dfree(g, s->mn);
+    dfree(g, s->qn);
+    dfree(g, s->kn);
+    memset(s, 0, sizeof *s);
+    s->layer = -1;
+}
+
+void gb_free(gbwd *g)
+{
+    if (!g)
+        return;
+    if (g->c)
+        cudaStreamSynchronize(g->c->stream);
+    void *bufs[] = {g->xa,  g->zq,  g->zk,  g->zv,  g->qr,    g->kr,   g->o,    g->h1,  g->xm,
+                    g->zg,  g->zu,  g->mm,  g->tmp, g->dh1,   g->dx,   g->dm,   g->dzg, g->dzu,
+                    g->dob, g->dq,  g->dk,  g->dv,  g->cpy,   g->P,    g->dP,   g->r1,  g->r2,
+                    g->rq,  g->rk,  g->headw, g->headn, g->xf, g->dxf,  g->lg,  g->rf,
+                    g->mx,  g->se,  g->tg,  g->cum, g->lse,   g->tgl,  g->U,    g->lab, g->last,
+                    g->flags, g->cos, g->sin, g->wstage};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        dfree(g, bufs[i]);
+    if (g->slots) {
+        for (int k = 0; k < g->nslots; k++)
+            slot_free(g, &g->slots[k]);
+        free(g->slots);
+    }
+    if (g->hw)
+        for (int l = 0; l < g->L; l++)
+            if (g->hloaded && g->hloaded[l])
+                bk_layer_weights_free(&g->hw[l]);
+    free(g->hw);
+    free(g->hloaded);
+    for (int i = 0; i < 4; i++)
+        free(g->ha[i]);
+    for (int i = 0; i < BK_MOD_COUNT; i++)
+        free(g->hg[i]);
+    if (g->hstage)
+        cudaFreeHost(g->hstage);
+    if (g->blas)
+        cublasDestroy(g->blas);
+    free(g);
+}
+
+/* bytes of one layer's weights in R */
+int64_t layer_elems(const gbwd *g)
+{
+    int64_t n = 0;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
+        n += o * in + o;
+    }
+    return n + 2 * g->d + 2 * g->hd;
+}
+
+bk_status slots_init(gbwd *g, int want)
+{
+    int n = want;
+    if (n <= 0) {
+        size_t fr = 0, tot = 0;
+        if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+            cudaGetLastError();
+            fr = 0;
+        }
+        double per = (double)layer_elems(g) * (double)g->es;
+        n = (int)(0.5 * (double)fr / per);
+    }
+    if (n < 1)
+        n = 1;
+    if (n > g->L)
+        n = g->L;
+    g->slots = static_cast<gslot *>(calloc((size_t)n, sizeof(gslot)));
+    if (!g->slots)
+        return bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
+    g->nslots = n;
+    for (int k = 0; k < n; k++)
+        g->slots[k].layer = -1;
+    return BK_OK;
+}
+
+/* layer l's weights on the device (uploaded when not resident; the least
+ * recently used slot is replaced) */
+bk_status weights(gbwd *g, int l, const gslot **out)
+{
+    g->tick++;
+    for (int k = 0; k < g->nslots; k++)
+        if (g->slots[k].layer == l) {
+            g->slots[k].used = g->tick;
+            *out = &g->slots[k];
+            return BK_OK;
+        }
+    if (!g->hloaded[l]) {
+        bk_status st = bk_layer_weights_load(g->m, l, &g->hw[l]);
+        if (st != BK_OK)
+            return st;
+        g->hloaded[l] = 1;
+    }
+    const bk_layer_weights *lw = &g->hw[l];
+    for (int i = 0; i < BK_MOD_COUNT; i++)
+        if (!lw->w[i])
+            return bk_error(BK_ERR_INVALID_ARG, "GPU backward: layer %d lacks %s", l,
+                            bk_module_name((bk_module)i));
+    if (!lw->attn_norm || !lw->mlp_norm || (g->cfg.qk_norm && (!lw->q_norm || !lw->k_norm)))
+        return bk_error(BK_ERR_INVALID_ARG, "GPU backward: layer %d lacks its norms", l);
+    /* an empty slot, else the least recently used */
+    int v = -1;
+    for (int k = 0; k < g->nslots && v < 0; k++)
+        if (g->slots[k].layer < 0)
+            v = k;
+    if (v < 0) {
+        v = 0;
+        for (int k = 1; k < g->nslots; k++)
+            if (g->slots[k].used < g->slots[v].used)
+                v = k;
+    }
+    gslot *s = &g->slots[v];
+    const int fresh = s->w[0] == NULL;
+    /* make sure nothing still reads the slot, then overwrite it (every layer
+     * has the same shapes: the buffers are allocated once per slot) */
+    BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+    s->layer = -1;
+    bk_status st = BK_OK;
+    for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
+        int64_t o, in;
+        bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
+        if (!s->w[i])
+            st = dalloc(g, &s->w[i], o * in, g->es, "layer weights");
+        if (st == BK_OK)
+            st = upload_f32(g, lw->w[i], o * in, s->w[i]);
+        if (st == BK_OK && lw->b[i]) {
+            if (!s->b[i])
+                st = dalloc(g, &s->b[i], o, g->es, "layer biases");
+            if (st == BK_OK)
+                st = upload_f32(g, lw->b[i], o, s->b[i]);
+        } else if (st == BK_OK && s->b[i]) {
+            dfree(g, s->b[i]); /* (no bias in this layer) */
+            s->b[i] = NULL;
+        }
+    }
+    if (st == BK_OK && !s->an)
+        st = dalloc(g, &s->an, g->d, g->es, "layer norms");
+    if (st == BK_OK)
+        st = upload_f32(g, lw->attn_norm, g->d, s->an);
+    if (st == BK_OK && !s->mn)
+        st = dalloc(g, &s->mn, g->d, g->es, "layer norms");
+    if (st == BK_OK)
+        st = upload_f32(g, lw->mlp_norm, g->d, s->mn);
+    if (st == BK_OK && g->cfg.qk_norm) {
+        if (!s->qn)
+            st = dalloc(g, &s->qn, g->hd, g->es, "layer norms");
+        if (st == BK_OK)
+            st = upload_f32(g, lw->q_norm, g->hd, s->qn);
+        if (st == BK_OK && !s->kn)
+            st = dalloc(g, &s->kn, g->hd, g->es, "layer norms");
+        if (st == BK_OK)
+            st = upload_f32(g, lw->k_norm, g->hd, s->kn);
+    }
+    /* the slot's bytes are weights, not micro-batch buffers */
+    if (st == BK_OK)
+        st = bk_cuda_status(cudaStreamSynchronize(g->c->stream), "GPU backward: weight upload",
+                            __FILE__, __LINE__);
+    if (st != BK_OK) {
+        slot_free(g, s);
+        if (st == BK_ERR_DEVICE_OOM && fresh && v > 0) {
+            /* fewer layers fit than estimated: keep the v slots that did */
+            g->nslots = v;
+            return weights(g, l, out);
+        }
+        if (st == BK_ERR_DEVICE_OOM) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", bk_last_error());
+            return bk_error(BK_ERR_DEVICE_OOM,
+                            "%s (GPU backward: layer %d's weights do not fit beside the "
+                            "micro-batch: use a smaller --batch)",
+                            msg, l);
+        }
+        return st;
+    }
+    s->layer = l;
+    s->used = g->tick;
+    *out = s;
+    return BK_OK;
+}
+
+/* the first non-finite entries of up to 8 device arrays: one readback */
+template <typename R>
+bk_status first_bad(gbwd *g, int n, const R *const *x, const int64_t *len,
+                    unsigned long long *idx)
+{
+    BK_CUDA_CHECK(cudaMemsetAsync(g->flags, 0xff, 8 * sizeof(unsigned long long), g->c->stream));
+    for (int i = 0; i < n; i++) {
+        k_first_bad<R><<<grid_for(len[i]), 256, 0, g->c->stream>>>(x[i], len[i], g->flags + i);
+        LAUNCH_CHECK("k_first_bad");
+    }
+    BK_CUDA_CHECK(cudaMemcpyAsync(idx, g->flags, (size_t)n * sizeof(unsigned long long),
+                                  cudaMemcpyDeviceToHost, g->c->stream));
+    BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+    return BK_OK;
+}
+
+bk_status bad_grad(int layer, const char *what, unsigned long long i, int64_t cols)
+{
+    return bk_error(BK_ERR_NONFINITE,
+                    "backward: layer %d %s: non-finite gradient at token row %lld, column %lld",
+                    layer, what, (long long)(i / (unsigned long long)cols),
+                    (long long)(i % (unsigned long long)cols));
+}
+
+/* ---------------------------------------------------------------- one layer */
+
+#define RP(p) static_cast<R *>(p)
+#define CRP(p) static_cast<const R *>(p)
+
+template <typename R>
+bk_status lin(gbwd *g, const R *X, int64_t N, int64_t in, const R *W, int64_t out, const R *b,
+              R *Y)
+{
+    GEMM_CHECK(rm_gemm(g->blas, false, true, N, out, in, 1.0, X, in, W, in, 0.0, Y, out));
+    if (b) {
+        k_bias<R><<<grid_for(N * out), 256, 0, g->c->stream>>>(Y, N, out, b);
+        LAUNCH_CHECK("k_bias");
+    }
+    return BK_OK;
+}
+
+template <typename R>
+bk_status lin_back(gbwd *g, const R *dY, int64_t N, int64_t out, const R *W, int64_t in,
+                   double beta, R *dX)
+{
+    GEMM_CHECK(rm_gemm(g->blas, false, false, N, in, out, 1.0, dY, out, W, in, beta, dX, in));
+    return BK_OK;
+}
+
+template <typename R>
+bk_status rms_fwd(gbwd *g, const R *x, int64_t rows, int64_t n, const R *w, double *r, R *y)
+{
+    k_rms_fwd<R><<<warp_grid(rows), 256, 0, g->c->stream>>>(x, rows, n, w, g->eps, r, y);
+    LAUNCH_CHECK("k_rms_fwd");
+    return BK_OK;
+}
+
+template <typename R>
+bk_status rms_back(gbwd *g, const R *x, const double *r, int64_t rows, int64_t n, const R *w,
+                   const R *dy, int acc, R *dx)
+{
+    k_rms_back<R><<<warp_grid(rows), 256, 0, g->c->stream>>>(x, r, rows, n, w, dy, acc, dx);
+    LAUNCH_CHECK("k_rms_back");
+    return BK_OK;
+}
+
+template <typename R> bk_status rope(gbwd *g, R *x, int64_t N, int64_t heads, int sign)
+{
+    k_rope<R><<<grid_for(N * heads * (g->hd / 2)), 256, 0, g->c->stream>>>(
+        x, N, g->T, heads, g->hd, g->cos, g->sin, sign);
+    LAUNCH_CHECK("k_rope");
+    return BK_OK;
+}
+
+/* P[s] = causal softmax(scale Q_j K_gᵀ) for every sequence s of the micro-batch */
+template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
+{
+    const int64_t T = g->T, qd = g->qd, kvd = g->kvd, hd = g->hd, gi = j / g->rep;
+    const double scale = 1.0 / sqrt((double)hd);
+    GEMM_CHECK(rm_gemm_b(g->blas, false, true, T, T, hd, scale, RP(g->qr) + j * hd, qd, T * qd,
+                         RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->P), T, T * T, S));
+    k_softmax<R><<<warp_grid(S * T), 256, 0, g->c->stream>>>(RP(g->P), S * T, T);
+    LAUNCH_CHECK("k_softmax");
+    return BK_OK;
+}
+
+/* the layer's forward from hin (saving what the backward needs); hout (may
+ * equal hin, or be NULL) receives the output */
+template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, const R *hin, R *hout)
+{
+    const int64_t T = g->T, N = S * T, d = g->d, qd = g->qd, kvd = g->kvd, hd = g->hd,
+                  NI = g->NI;
+    bk_status st;
+    TRY(rms_fwd<R>(g, hin, N, d, CRP(w->an), g->r1, RP(g->xa)));
+    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_Q]), qd, CRP(w->b[BK_MOD_Q]), RP(g->zq)));
+    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_K]), kvd, CRP(w->b[BK_MOD_K]), RP(g->zk)));
+    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_V]), kvd, CRP(w->b[BK_MOD_V]), RP(g->zv)));
+    if (w->qn) {
+        TRY(rms_fwd<R>(g, RP(g->zq), N * g->H, hd, CRP(w->qn), g->rq, RP(g->qr)));
+        TRY(rms_fwd<R>(g, RP(g->zk), N * g->G, hd, CRP(w->kn), g->rk, RP(g->kr)));
+    } else {
+        BK_CUDA_CHECK(cudaMemcpyAsync(g->qr, g->zq, (size_t)(N * qd) * g->es,
+                                      cudaMemcpyDeviceToDevice, g->c->stream));
+        BK_CUDA_CHECK(cudaMemcpyAsync(g->kr, g->zk, (size_t)(N * kvd) * g->es,
+                                      cudaMemcpyDeviceToDevice, g->c->stream));
+    }
+    TRY(rope<R>(g, RP(g->qr), N, g->H, +1));
+    TRY(rope<R>(g, RP(g->kr), N, g->G, +1));
+    for (int64_t j = 0; j < g->H; j++) {
+        const int64_t gi = j / g->rep;
+        TRY(attn_probs<R>(g, S, j));
+        GEMM_CHECK(rm_gemm_b(g->blas, false, false, T, hd, T, 1.0, RP(g->P), T, T * T,
+                             RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->o) + j * hd, qd, T * qd,
+                             S));
+    }
+    TRY(lin<R>(g, RP(g->o), N, qd, CRP(w->w[BK_MOD_O]), d, CRP(w->b[BK_MOD_O]), RP(g->tmp)));
+    k_add<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(RP(g->h1), hin, RP(g->tmp), N * d);
+    LAUNCH_CHECK("k_add");
+    TRY(rms_fwd<R>(g, RP(g->h1), N, d, CRP(w->mn), g->r2, RP(g->xm)));
+    TRY(lin<R>(g, RP(g->xm), N, d, CRP(w->w[BK_MOD_GATE]), NI, CRP(w->b[BK_MOD_GATE]), RP(g->zg)));
+    TRY(lin<R>(g, RP(g->xm), N, d, CRP(w->w[BK_MOD_UP]), NI, CRP(w->b[BK_MOD_UP]), RP(g->zu)));
+    k_swiglu<R><<<grid_for(N * NI), 256, 0, g->c->stream>>>(RP(g->zg), RP(g->zu), RP(g->mm), N * NI);
+    LAUNCH_CHECK("k_swiglu");
+    if (!hout)
+        return BK_OK;
+    TRY(lin<R>(g, RP(g->mm), N, NI, CRP(w->w[BK_MOD_DOWN]), d, CRP(w->b[BK_MOD_DOWN]), RP(g->tmp)));
+    k_add<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(hout, RP(g->h1), RP(g->tmp), N * d);
+    LAUNCH_CHECK("k_add");
+    return BK_OK;
+}
+
+/* backward through one layer: dh = dL/d(output) on entry, dL/d(input) on
+ * return; the module output gradients stay in dq, dk, dv, dh1, dzg, dzu and
+ * (g_down) the entry value of dh, copied to tmp */
+template <typename R>
+bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin, R *dh)
+{
+    const int64_t T = g->T, N = S * T, d = g->d, qd = g->qd, kvd = g->kvd, hd = g->hd,
+                  NI = g->NI;
+    bk_status st;
+    TRY(layer_fwd<R>(g, w, S, hin, (R *)NULL));
+    /* MLP: g_down = dh (kept in tmp) */
+    BK_CUDA_CHECK(cudaMemcpyAsync(g->tmp, dh, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
+                                  g->c->stream));
+    TRY(lin_back<R>(g, dh, N, d, CRP(w->w[BK_MOD_DOWN]), NI, 0.0, RP(g->dm)));
+    k_swiglu_back<R><<<grid_for(N * NI), 256, 0, g->c->stream>>>(
+        RP(g->zg), RP(g->zu), RP(g->dm), RP(g->dzg), RP(g->dzu), N * NI);
+    LAUNCH_CHECK("k_swiglu_back");
+    TRY(lin_back<R>(g, RP(g->dzg), N, NI, CRP(w->w[BK_MOD_GATE]), d, 0.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dzu), N, NI, CRP(w->w[BK_MOD_UP]), d, 1.0, RP(g->dx)));
+    /* dh1 = dh2 + RMSNorm_2 adjoint */
+    BK_CUDA_CHECK(cudaMemcpyAsync(g->dh1, dh, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
+                                  g->c->stream));
+    TRY(rms_back<R>(g, RP(g->h1), g->r2, N, d, CRP(w->mn), RP(g->dx), 1, RP(g->dh1)));
+    /* attention: g_o = dh1 */
+    TRY(lin_back<R>(g, RP(g->dh1), N, d, CRP(w->w[BK_MOD_O]), qd, 0.0, RP(g->dob)));
+    BK_CUDA_CHECK(cudaMemsetAsync(g->dq, 0, (size_t)(N * qd) * g->es, g->c->stream));
+    BK_CUDA_CHECK(cudaMemsetAsync(g->dk, 0, (size_t)(N * kvd) * g->es, g->c->stream));
+    BK_CUDA_CHECK(cudaMemsetAsync(g->dv, 0, (size_t)(N * kvd) * g->es, g->c->stream));
+    const double scale = 1.0 / sqrt((double)hd);
+    for (int64_t j = 0; j < g->H; j++) {
+        const int64_t gi = j / g->rep;
+        TRY(attn_probs<R>(g, S, j));
+        /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
+        GEMM_CHECK(rm_gemm_b(g->blas, true, false, T, hd, T, 1.0, RP(g->P), T, T * T,
+                             RP(g->dob) + j * hd, qd, T * qd, 1.0, RP(g->dv) + gi * hd, kvd,
+                             T * kvd, S));
+        GEMM_CHECK(rm_gemm_b(g->blas, false, true, T, T, hd, 1.0, RP(g->dob) + j * hd, qd, T * qd,
+                             RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->dP), T, T * T, S));
+        k_dsoftmax<R><<<warp_grid(S * T), 256, 0, g->c->stream>>>(RP(g->P), RP(g->dP), S * T, T);
+        LAUNCH_CHECK("k_dsoftmax");
+        /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
+        GEMM_CHECK(rm_gemm_b(g->blas, false, false, T, hd, T, scale, RP(g->dP), T, T * T,
+                             RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->dq) + j * hd, qd,
+                             T * qd, S));
+        GEMM_CHECK(rm_gemm_b(g->blas, true, false, T, hd, T, scale, RP(g->dP), T, T * T,
+                             RP(g->qr) + j * hd, qd, T * qd, 1.0, RP(g->dk) + gi * hd, kvd,
+                             T * kvd, S));
+    }
+    /* RoPE adjoint, then the q/k norm adjoints: dq, dk become the gradients
+     * of the q_proj / k_proj outputs */
+    TRY(rope<R>(g, RP(g->dq), N, g->H, -1));
+    TRY(rope<R>(g, RP(g->dk), N, g->G, -1));
+    if (w->qn) {
+        BK_CUDA_CHECK(cudaMemcpyAsync(g->cpy, g->dq, (size_t)(N * qd) * g->es,
+                                      cudaMemcpyDeviceToDevice, g->c->stream));
+        TRY(rms_back<R>(g, RP(g->zq), g->rq, N * g->H, hd, CRP(w->qn), RP(g->cpy), 0, RP(g->dq)));
+        BK_CUDA_CHECK(cudaMemcpyAsync(g->cpy, g->dk, (size_t)(N * kvd) * g->es,
+                                      cudaMemcpyDeviceToDevice, g->c->stream));
+        TRY(rms_back<R>(g, RP(g->zk), g->rk, N * g->G, hd, CRP(w->kn), RP(g->cpy), 0, RP(g->dk)));
+    }
+    /* dxa = dq Wq + dk Wk + dv Wv; dh = dh1 + RMSNorm_1 adjoint */
+    TRY(lin_back<R>(g, RP(g->dq), N, qd, CRP(w->w[BK_MOD_Q]), d, 0.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dk), N, kvd, CRP(w->w[BK_MOD_K]), d, 1.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dv), N, kvd, CRP(w->w[BK_MOD_V]), d, 1.0, RP(g->dx)));
+    BK_CUDA_CHECK(cudaMemcpyAsync(dh, g->dh1, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
+                                  g->c->stream));
+    TRY(rms_back<R>(g, hin, g->r1, N, d, CRP(w->an), RP(g->dx), 1, dh));
+
+    /* every module's output gradient must be finite (the CPU's order) */
+    const R *gs[8] = {RP(g->dq), RP(g->dk), RP(g->dv), RP(g->dh1), RP(g->dzg), RP(g->dzu),
+                      RP(g->tmp), dh};
+    int64_t cols[8];
+    int64_t len[8];
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
+        cols[i] = o;
+    }
+    cols[7] = d;
+    for (int i = 0; i < 8; i++)
+        len[i] = N * cols[i];
+    unsigned long long idx[8];
+    TRY(first_bad<R>(g, 8, gs, len, idx));
+    for (int i = 0; i < 8; i++)
+        if (idx[i] != ~0ull)
+            return bad_grad(layer,
+                            i < 7 ? bk_module_name((bk_module)i)
+                                  : "input_layernorm (gradient of the layer's input)",
+                            idx[i], cols[i]);
+    return BK_OK;
+}
+
+/* host double copies of the taps of the last layer_bwd (S sequences) */
+template <typename R> bk_status download_taps(gbwd *g, int64_t S, bk_grad_taps *t)
+{
+    const int64_t N = S * g->T;
+    const void *as[4] = {g->xa, g->o, g->xm, g->mm};
+    const int64_t aw[4] = {g->d, g->qd, g->d, g->NI};
+    const void *gs[BK_MOD_COUNT] = {g->dq, g->dk, g->dv, g->dh1, g->dzg, g->dzu, g->tmp};
+    for (int k = 0; k < 4 + BK_MOD_COUNT; k++) {
+        const void *src;
+        double *dst;
+        int64_t n;
+        if (k < 4) {
+            src = as[k];
+            dst = g->ha[k];
+            n = N * aw[k];
+        } else {
+            int64_t o, in;
+            bk_module_shape(&g->cfg, (bk_module)(k - 4), &o, &in);
+            src = gs[k - 4];
+            dst = g->hg[k - 4];
+            n = N * o;
+        }
+        if (g->fp64) {
+            BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * 8, cudaMemcpyDeviceToHost,
+                                          g->c->stream));
+        } else {
+            if ((size_t)n * 4 > g->hstage_bytes)
+                return bk_error(BK_ERR_INTERNAL, "GPU backward: tap staging too small");
+            BK_CUDA_CHECK(cudaMemcpyAsync(g->hstage, src, (size_t)n * 4, cudaMemcpyDeviceToHost,
+                                          g->c->stream));
+            BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+            const float *h = static_cast<const float *>(g->hstage);
+            for (int64_t i = 0; i < n; i++)
+                dst[i] = (double)h[i];
+        }
+    }
+    BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+    t->a[BK_MOD_Q] = t->a[BK_MOD_K] = t->a[BK_MOD_V] = g->ha[0];
+    t->a[BK_MOD_O] = g->ha[1];
+    t->a[BK_MOD_GATE] = t->a[BK_MOD_UP] = g->ha[2];
+    t->a[BK_MOD_DOWN] = g->ha[3];
+    for (int i = 0; i < BK_MOD_COUNT; i++)
+        t->g[i] = g->hg[i];
+    return BK_OK;
+}
+
+/* ---------------------------------------------------------------- head */
+
+/* h [S*T, d] (device) of sequences seq0.. -> labels (device g->lab; host copy
+ * in labels_out when not NULL), dh (device, may be NULL) and *loss (may be
+ * NULL). tokens: host, this micro-batch's. */
+template <typename R>
+bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *tokens,
+                   bk_fisher_kind fisher, uint64_t seed, const int32_t *given_labels, R *dh,
+                   double *loss, int32_t *labels_out)
+{
+    const int64_t T = g->T, N = S * T, V = g->V, d = g->d;
+    cudaStream_t s = g->c->stream;
+    bk_status st;
+    TRY(rms_fwd<R>(g, h, N, d, CRP(g->headn), g->rf, RP(g->xf)));
+    k_lse_init<<<grid_for(N), 256, 0, s>>>(g->mx, g->se, N);
+    LAUNCH_CHECK("k_lse_init");
+    for (int64_t v0 = 0; v0 < V; v0 += g->vc) {
+        const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
+        GEMM_CHECK(rm_gemm(g->blas, false, true, N, n, d, 1.0, RP(g->xf), d,
+                           CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n));
+        k_lse_block<R><<<warp_grid(N), 256, 0, s>>>(RP(g->lg), N, n, g->mx, g->se);
+        LAUNCH_CHECK("k_lse_block");
+    }
+    /* finite logits (as the CPU) */
+    {
+        double *hm = static_cast<double *>(malloc((size_t)N * 2 * sizeof(double)));
+        if (!hm)
+            return bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
+        cudaError_t e = cudaMemcpyAsync(hm, g->mx, (size_t)N * 8, cudaMemcpyDeviceToHost, s);
+        if (e == cudaSuccess)
+            e = cudaMemcpyAsync(hm + N, g->se, (size_t)N * 8, cudaMemcpyDeviceToHost, s);
+        if (e == cudaSuccess)
+            e = cudaStreamSynchronize(s);
+        st = bk_cuda_status(e, "GPU backward: log-sum-exp", __FILE__, __LINE__);
+        for (int64_t r = 0; r < N && st == BK_OK; r++)
+            if (!std::isfinite(hm[r]) || !std::isfinite(hm[N + r]) || !(hm[N + r] > 0))
+                st = bk_error(BK_ERR_NONFINITE,
+                              "backward: non-finite logits at token row %lld (the model "
+                              "produced NaN/Inf)",
+                              (long long)r);
+        free(hm);
+        if (st != BK_OK)
+            return st;
+    }
+    int32_t *hl = static_cast<int32_t *>(malloc((size_t)N * sizeof(int32_t)));
+    double *hd_ = static_cast<double *>(malloc((size_t)N * 2 * sizeof(double)));
+    if (!hl || !hd_) {
+        free(hl);
+        free(hd_);
+        return bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
+    }
+    st = BK_OK;
+    if (given_labels) {
+        memcpy(hl, given_labels, (size_t)N * sizeof(int32_t));
+        st = bk_cuda_status(cudaMemcpyAsync(g->lab, hl, (size_t)N * 4, cudaMemcpyHostToDevice, s),
+                            "GPU backward: labels", __FILE__, __LINE__);
+    } else if (fisher == BK_FISHER_EMPIRICAL) {
+        for (int64_t r = 0; r < N; r++)
+            hl[r] = (r % T == T - 1) ? -1 : tokens[r + 1];
+        st = bk_cuda_status(cudaMemcpyAsync(g->lab, hl, (size_t)N * 4, cudaMemcpyHostToDevice, s),
+                            "GPU backward: labels", __FILE__, __LINE__);
+    } else {
+        /* the CPU's uniforms, then the inverse CDF on the device */
+        for (int64_t r = 0; r < N; r++)
+            hd_[r] = bk__bwd_uniform(seed, seq0 + r / T, r % T);
+        st = bk_cuda_status(cudaMemcpyAsync(g->U, hd_, (size_t)N * 8, cudaMemcpyHostToDevice, s),
+                            "GPU backward: uniforms", __FILE__, __LINE__);
+        if (st == BK_OK) {
+            k_sample_init<<<grid_for(N), 256, 0, s>>>(g->U, g->se, g->tg, g->cum, g->last, g->lab,
+                                                      N, V);
+            st = BK_LAUNCHED_OK();
+        }
+        for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += g->vc) {
+            const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
+            st = bk_cublas_status(rm_gemm(g->blas, false, true, N, n, d, 1.0, RP(g->xf), d,
+                                          CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n),
+                                  "GPU backward: logits", __FILE__, __LINE__);
+            if (st == BK_OK) {
+                k_sample_block<R><<<warp_grid(N), 256, 0, s>>>(RP(g->lg), N, n, v0, g->mx, g->tg,
+                                                               g->cum, g->last, g->lab);
+                st = BK_LAUNCHED_OK();
+            }
+        }
+        if (st == BK_OK) {
+            k_sample_finish<<<grid_for(N), 256, 0, s>>>(g->lab, g->last, N);
+            st = BK_LAUNCHED_OK();
+        }
+        if (st == BK_OK)
+            st = bk_cuda_status(cudaMemcpyAsync(hl, g->lab, (size_t)N * 4, cudaMemcpyDeviceToHost, s),
+                                "GPU backward: labels", __FILE__, __LINE__);
+    }
+    /* gradient of the summed cross entropy */
+    if (st == BK_OK) {
+        k_lse<<<grid_for(N), 256, 0, s>>>(g->mx, g->se, g->lse, N);
+        st = BK_LAUNCHED_OK();
+    }
+    if (st == BK_OK && dh)
+        st = bk_cuda_status(cudaMemsetAsync(g->dxf, 0, (size_t)(N * d) * g->es, s),
+                            "GPU backward: head", __FILE__, __LINE__);
+    if (st == BK_OK)
+        st = bk_cuda_status(cudaMemsetAsync(g->tgl, 0, (size_t)N * 8, s), "GPU backward: head",
+                            __FILE__, __LINE__);
+    for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += g->vc) {
+        const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
+        st = bk_cublas_status(rm_gemm(g->blas, false, true, N, n, d, 1.0, RP(g->xf), d,
+                                      CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n),
+                              "GPU backward: logits", __FILE__, __LINE__);
+        if (st == BK_OK) {
+            k_head_grad<R><<<grid_for(N * n), 256, 0, s>>>(RP(g->lg), N, n, v0, g->lab, g->lse,
+                                                           g->tgl);
+            st = BK_LAUNCHED_OK();
+        }
+        if (st == BK_OK && dh)
+            st = bk_cublas_status(rm_gemm(g->blas, false, false, N, d, n, 1.0, RP(g->lg), n,
+                                          CRP(g->headw) + v0 * d, d, 1.0, RP(g->dxf), d),
+                                  "GPU backward: head gradient", __FILE__, __LINE__);
+    }
+    if (st == BK_OK && dh)
+        st = rms_back<R>(g, h, g->rf, N, d, CRP(g->headn), RP(g->dxf), 0, dh);
+    if (st == BK_OK && (loss || labels_out)) {
+        cudaError_t e = cudaMemcpyAsync(hd_, g->lse, (size_t)N * 8, cudaMemcpyDeviceToHost, s);
+        if (e == cudaSuccess)
+            e = cudaMemcpyAsync(hd_ + N, g->tgl, (size_t)N * 8, cudaMemcpyDeviceToHost, s);
+        if (e == cudaSuccess)
+            e = cudaStreamSynchronize(s);
+        st = bk_cuda_status(e, "GPU backward: loss", __FILE__, __LINE__);
+        if (st == BK_OK && loss) {
+            double sum = 0;
+            for (int64_t r = 0; r < N; r++)
+                if (hl[r] >= 0)
+                    sum += hd_[r] - hd_[N + r];
+            *loss += sum;
+        }
+        if (st == BK_OK && labels_out)
+            memcpy(labels_out, hl, (size_t)N * sizeof(int32_t));
+    }
+    free(hl);
+    free(hd_);
+    if (st == BK_OK && dh) {
+        const R *x[1] = {dh};
+        int64_t len[1] = {N * d};
+        unsigned long long idx[1];
+        TRY(first_bad<R>(g, 1, x, len, idx));
+        if (idx[0] != ~0ull)
+            return bad_grad((int)g->cfg.n_layers, "model.norm (gradient of the last layer's output)",
+                            idx[0], d);
+    }
+    return st;
+}
+
+/* embedding rows of S sequences into the device array h (R) */
+bk_status embed(gbwd *g, const int32_t *tokens, int64_t S, void *h)
+{
+    const bk_tensor_info *t = bk_model_find(g->m, -1, "embed_tokens.weight");
+    if (!t || t->ndim != 2 || t->shape[0] != g->V || t->shape[1] != g->d)
+        return bk_error(BK_ERR_MISSING_TENSOR, "embed_tokens.weight: missing or of a wrong shape");
+    const size_t esrc = bk_dtype_bits(t->dtype) / 8, row = (size_t)g->d * g->es;
+    const int64_t per = (int64_t)(g->hstage_bytes / row);
+    const int64_t N = S * g->T;
+    for (int64_t a = 0; a < N; a += per) {
+        const int64_t n = N - a < per ? N - a : per;
+        for (int64_t i = 0; i < n; i++) {
+            const unsigned char *src =
+                (const unsigned char *)t->data + (size_t)tokens[a + i] * (size_t)g->d * esrc;
+            bk_status st = bk_convert(src, t->dtype, (char *)g->hstage + (size_t)i * row,
+                                      g->fp64 ? BK_DT_F64 : BK_DT_F32, (size_t)g->d);
+            if (st != BK_OK)
+                return bk_error_prefix(st, t->name ? t->name : "embed_tokens.weight");
+        }
+        BK_CUDA_CHECK(cudaMemcpyAsync((char *)h + (size_t)a * row, g->hstage, (size_t)n * row,
+                                      cudaMemcpyHostToDevice, g->c->stream));
+        BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+    }
+    return BK_OK;
+}
+
+/* ---------------------------------------------------------------- flows */
+
+struct flow {
+    gbwd *g;
+    const bk_model *m;
+    const int32_t *tokens;
+    int64_t S, T, B, d;
+    const bk_bwd_flow_opts *o;
+    const bk_bwd_flow_cb *cb;
+    bk_bwd_flow_stats *st;
+    void *h, *dh;    /* device [B*T, d] */
+    void *acts;      /* device [acts_layers, B*T, d] */
+    int64_t acts_layers;
+    uint64_t cur_bytes;
+    /* cb->grams: the leaf's output-gradient Grams on the device, [leaf][module]
+     * [out, out] double; |g|² per token on the host [leaf][module][S*T] */
+    int gleaf;
+    double *gram[64][BK_MOD_COUNT];
+    double *hgw[64][BK_MOD_COUNT];
+    double *gscr, *rn_g, *rn_a; /* device [B*T, max out], [B*T], [B*T] */
+    double *hG;                 /* host [max out²] */
+};
+
+uint64_t boundary_bytes(const flow *f)
+{
+    return (uint64_t)f->S * (uint64_t)f->T * (uint64_t)f->d * f->g->es;
+}
+
+bk_status boundary_alloc(flow *f, int depth, void **out)
+{
+    const uint64_t nb = boundary_bytes(f);
+    *out = NULL;
+    if (nb > SIZE_MAX || cudaMallocHost(out, (size_t)nb) != cudaSuccess) {
+        cudaGetLastError();
+        *out = NULL;
+        return bk_error(BK_ERR_NOMEM,
+                        "backprop flow: out of pinned host memory for a boundary matrix of %.1f "
+                        "MiB at recursion depth %d (%.1f MiB held): use a larger --leaf-size, "
+                        "--bwd-flow naive or fewer --samples",
+                        (double)nb / 1048576.0, depth, (double)f->cur_bytes / 1048576.0);
+    }
+    f->cur_bytes += nb;
+    if (f->cur_bytes > f->st->peak_boundary_bytes)
+        f->st->peak_boundary_bytes = f->cur_bytes;
+    return BK_OK;
+}
+
+void boundary_free(flow *f, void *p)
+{
+    if (!p)
+        return;
+    cudaStreamSynchronize(f->g->c->stream);
+    cudaFreeHost(p);
+    f->cur_bytes -= boundary_bytes(f);
+}
+
+bk_status h2d(flow *f, void *dst, const void *src, size_t n)
+{
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, f->g->c->stream));
+    return BK_OK;
+}
+
+bk_status d2h(flow *f, void *dst, const void *src, size_t n)
+{
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, f->g->c->stream));
+    return BK_OK;
+}
+
+bk_status d2d(flow *f, void *dst, const void *src, size_t n)
+{
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, f->g->c->stream));
+    return BK_OK;
+}
+
+bk_status sync(flow *f)
+{
+    BK_CUDA_CHECK(cudaStreamSynchronize(f->g->c->stream));
+    return BK_OK;
+}
+
+/* this micro-batch's (sequences s0 .. s0+sb) output gradients of the last
+ * layer_bwd into the Grams of leaf layer k */
+template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
+{
+    gbwd *g = f->g;
+    cudaStream_t s = g->c->stream;
+    const int64_t N = sb * f->T;
+    const void *gs[BK_MOD_COUNT] = {g->dq, g->dk, g->dv, g->dh1, g->dzg, g->dzu, g->tmp};
+    const void *as[BK_MOD_COUNT] = {g->xa, g->xa, g->xa, g->o, g->xm, g->xm, g->mm};
+    const double one = 1.0;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t m, n;
+        bk_module_shape(&g->cfg, (bk_module)i, &m, &n);
+        k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(gs[i]), N, m, f->rn_g);
+        LAUNCH_CHECK("k_row_sq");
+        if (f->cb->gram_weighted) {
+            k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(as[i]), N, n, f->rn_a);
+            LAUNCH_CHECK("k_row_sq");
+        }
+        k_scale_rows<R><<<grid_for(N * m), 256, 0, s>>>(
+            CRP(gs[i]), N, m, f->cb->gram_weighted ? f->rn_a : (const double *)NULL, f->gscr);
+        LAUNCH_CHECK("k_scale_rows");
+        /* row-major upper triangle of Σ x xᵀ = cuBLAS's column-major lower */
+        GEMM_CHECK(cublasDsyrk(g->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)m, (int)N, &one,
+                               f->gscr, (int)m, &one, f->gram[k][i], (int)m));
+        BK_CUDA_CHECK(cudaMemcpyAsync(f->hgw[k][i] + s0 * f->T, f->rn_g, (size_t)N * 8,
+                                      cudaMemcpyDeviceToHost, s));
+    }
+    BK_CUDA_CHECK(cudaStreamSynchronize(s));
+    return BK_OK;
+}
+
+/* the Grams of the leaf [lo, hi) to cb->grams, then zeroed */
+bk_status grams_deliver(flow *f, int lo, int hi)
+{
+    gbwd *g = f->g;
+    for (int l = lo; l < hi; l++)
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            int64_t m, n;
+            bk_module_shape(&g->cfg, (bk_module)i, &m, &n);
+            double *Gd = f->gram[l - lo][i];
+            BK_CUDA_CHECK(cudaMemcpyAsync(f->hG, Gd, (size_t)(m * m) * 8, cudaMemcpyDeviceToHost,
+                                          g->c->stream));
+            BK_CUDA_CHECK(cudaMemsetAsync(Gd, 0, (size_t)(m * m) * 8, g->c->stream));
+            BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+            bk_status st = f->cb->grams(f->cb->user, l, (bk_module)i, f->hG, f->hgw[l - lo][i], f->S);
+            if (st != BK_OK)
+                return st;
+        }
+    return BK_OK;
+}
+
+/* as src/backward_flow.c's sweep, with X_from / X_save / G_to / G_head /
+ * G_out pinned host arrays */
+template <typename R>
+bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save, int to,
+                const void *G_to, void *G_head, int grad_lo, void *G_out, int taps_hi)
+{
+    gbwd *g = f->g;
+    const int64_t T = f->T, d = f->d, rows_seq = T * d;
+    const size_t es = g->es;
+    double t;
+    bk_status st = BK_OK;
+    for (int64_t s0 = 0; s0 < f->S && st == BK_OK; s0 += f->B) {
+        const int64_t sb = f->S - s0 < f->B ? f->S - s0 : f->B;
+        const size_t mb = (size_t)(sb * rows_seq) * es;
+        const size_t off = (size_t)(s0 * rows_seq) * es;
+        t = bk_now();
+        if (X_from)
+            st = h2d(f, f->h, (const char *)X_from + off, mb);
+        else
+            st = embed(g, f->tokens + s0 * T, sb, f->h);
+        for (int l = from; l < to && st == BK_OK; l++) {
+            const gslot *w;
+            if (l == save_at && (st = d2h(f, (char *)X_save + off, f->h, mb)) != BK_OK)
+                break;
+            if (l >= grad_lo &&
+                (st = d2d(f, (char *)f->acts + (size_t)(l - grad_lo) * f->B * rows_seq * es, f->h,
+                          mb)) != BK_OK)
+                break;
+            if ((st = weights(g, l, &w)) == BK_OK)
+                st = layer_fwd<R>(g, w, sb, RP(f->h), RP(f->h));
+        }
+        if (st == BK_OK)
+            st = sync(f);
+        f->st->time_forward_s += bk_now() - t;
+        if (st != BK_OK)
+            break;
+        t = bk_now();
+        if (G_to) {
+            st = h2d(f, f->dh, (const char *)G_to + off, mb);
+        } else {
+            st = head_run<R>(g, RP(f->h), sb, s0, f->tokens + s0 * T, f->o->fisher, f->o->seed,
+                             NULL, RP(f->dh), NULL, NULL);
+            if (st == BK_OK && G_head)
+                st = d2h(f, (char *)G_head + off, f->dh, mb);
+        }
+        if (st == BK_OK)
+            st = sync(f);
+        f->st->time_head_s += bk_now() - t;
+        if (st != BK_OK)
+            break;
+        t = bk_now();
+        for (int l = to - 1; l >= grad_lo && st == BK_OK; l--) {
+            const gslot *w;
+            const int want = l < taps_hi;
+            if ((st = weights(g, l, &w)) != BK_OK)
+                break;
+            st = layer_bwd<R>(g, w, l, sb,
+                              RP(f->acts) + (size_t)(l - grad_lo) * f->B * rows_seq, RP(f->dh));
+            if (st == BK_OK && want && f->cb->grams) {
+                double tc = bk_now();
+                st = gram_add<R>(f, l - grad_lo, s0, sb);
+                t += bk_now() - tc;
+            }
+            if (st == BK_OK && want && f->cb->grads) {
+                bk_grad_taps taps;
+                double tc = bk_now();
+                st = download_taps<R>(g, sb, &taps);
+                if (st == BK_OK)
+                    st = f->cb->grads(f->cb->user, l, s0, sb, &taps);
+                t += bk_now() - tc; /* the transfer and the consumer are not the backward */
+            }
+        }
+        if (st == BK_OK && G_out)
+            st = d2h(f, (char *)G_out + off, f->dh, mb);
+        if (st == BK_OK)
+            st = sync(f);
+        f->st->time_backward_s += bk_now() - t;
+    }
+    if (st == BK_OK) {
+        f->st->passes++;
+        f->st->layer_forwards += (to - from) + (to - grad_lo);
+        f->st->layer_backwards += to - grad_lo;
+    }
+    return st;
+}
+
+void pass_begin(flow *f, int depth, int lo, int hi, int leaf)
+{
+    if (depth > f->st->max_depth)
+        f->st->max_depth = depth;
+    if (!f->cb->pass_begin)
+        return;
+    bk_bwd_pass_info info = {f->st->passes, depth, lo, hi, leaf};
+    f->cb->pass_begin(f->cb->user, &info);
+}
+
+bk_status leaf_done(flow *f, int lo, int hi)
+{
+    if (f->cb->grams) {
+        bk_status st = grams_deliver(f, lo, hi);
+        if (st != BK_OK)
+            return st;
+    }
+    if (!f->cb->leaf_done)
+        return BK_OK;
+    return f->cb->leaf_done(f->cb->user, lo, hi);
+}
+
+template <typename R>
+bk_status node(flow *f, int lo, int hi, const void *X_lo, const void *G_hi, int depth)
+{
+    const int L = f->g->L;
+    bk_status st;
+    if (hi - lo <= f->o->leaf) {
+        pass_begin(f, depth, lo, hi, 1);
+        st = sweep<R>(f, lo, X_lo, -1, NULL, hi, G_hi, NULL, lo, NULL, hi);
+        return st == BK_OK ? leaf_done(f, lo, hi) : st;
+    }
+    const int mid = lo + (hi - lo) / 2;
+    void *X_mid = NULL, *G_mid = NULL, *G_L = NULL;
+    st = boundary_alloc(f, depth, &X_mid);
+    if (st == BK_OK)
+        st = boundary_alloc(f, depth, &G_mid);
+    if (st == BK_OK && !G_hi && hi == L)
+        st = boundary_alloc(f, depth, &G_L);
+    if (st == BK_OK) {
+        pass_begin(f, depth, mid, hi, 0);
+        st = sweep<R>(f, lo, X_lo, mid, X_mid, hi, G_hi, G_L, mid, G_mid, mid);
+    }
+    if (st == BK_OK)
+        st = node<R>(f, lo, mid, X_lo, G_mid, depth + 1);
+    boundary_free(f, G_mid);
+    G_mid = NULL;
+    if (st == BK_OK)
+        st = node<R>(f, mid, hi, X_mid, G_hi ? G_hi : G_L, depth + 1);
+    boundary_free(f, X_mid);
+    boundary_free(f, G_L);
+    return st;
+}
+
+template <typename R> bk_status flow_run(flow *f)
+{
+    const int L = f->g->L;
+    bk_status st = BK_OK;
+    if (f->o->flow == BK_FLOW_NAIVE) {
+        for (int lo = 0; lo < L && st == BK_OK; lo += f->o->leaf) {
+            int hi = lo + f->o->leaf < L ? lo + f->o->leaf : L;
+            pass_begin(f, 0, lo, hi, 1);
+            st = sweep<R>(f, 0, NULL, -1, NULL, L, NULL, NULL, lo, NULL, hi);
+            if (st == BK_OK)
+                st = leaf_done(f, lo, hi);
+        }
+    } else {
+        st = node<R>(f, 0, L, NULL, NULL, 0);
+    }
+    return st;
+}
+
+} // namespace
+
+extern "C" void bk_gbwd_opts_default(bk_gbwd_opts *o)
+{
+    memset(o, 0, sizeof *o);
+}
+
+extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                          int64_t S, int64_t T, const bk_bwd_flow_opts *o,
+                                          const bk_gbwd_opts *go, const bk_bwd_flow_cb *cb,
+                                          bk_bwd_flow_stats *stats)
+{
+    if (!b || !m || !tokens || !o || !cb || !stats)
+        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: NULL argument");
+    memset(stats, 0, sizeof *stats);
+    const bk_model_config *c = bk_model_get_config(m);
+    if (o->leaf < 1)
+        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: leaf size %d must be >= 1", o->leaf);
+    if (o->batch < 1)
+        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: micro-batch %lld must be >= 1",
+                        (long long)o->batch);
+    if (o->flow != BK_FLOW_HALVING && o->flow != BK_FLOW_NAIVE)
+        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: unknown flow %d", (int)o->flow);
+    bk_status st =
+        bk_fwd_check_sequences(c, tokens, S, T, o->fisher == BK_FISHER_EMPIRICAL ? 2 : 1);
+    if (st != BK_OK) {
+        if (o->fisher == BK_FISHER_EMPIRICAL && T < 2)
+            return bk_error(BK_ERR_CALIB,
+                            "calibration sequences of %lld token have no next-token label "
+                            "(--fisher empirical needs --seqlen >= 2)",
+                            (long long)T);
+        return st;
+    }
+    st = bk__bwd_head_check(m);
+    if (st != BK_OK)
+        return st;
+    /* the CPU forward's checks of the configuration (RoPE, sliding window) */
+    {
+        bk_fwd *probe = NULL;
+        st = bk_fwd_create(c, 1, T, &probe);
+        bk_fwd_free(probe);
+        if (st != BK_OK)
+            return bk_error_prefix(st, "backward");
+    }
+    flow f;
+    memset(&f, 0, sizeof f);
+    f.m = m;
+    f.tokens = tokens;
+    f.S = S;
+    f.T = T;
+    f.B = o->batch < S ? o->batch : S;
+    f.d = c->hidden;
+    f.o = o;
+    f.cb = cb;
+    f.st = stats;
+    const int L = (int)c->n_layers;
+    f.acts_layers = o->flow == BK_FLOW_NAIVE ? L : (L + 1) / 2;
+    if (o->leaf > f.acts_layers)
+        f.acts_layers = o->leaf < L ? o->leaf : L;
+    bk_gbwd_opts dflt;
+    bk_gbwd_opts_default(&dflt);
+    if (!go)
+        go = &dflt;
+    st = create(b, m, f.B, T, go, 1, &f.g);
+    if (st != BK_OK)
+        return st;
+    gbwd *g = f.g;
+    const int64_t mrow = f.B * T * f.d;
+    st = dalloc(g, &f.h, mrow, g->es, "micro-batch hidden states");
+    if (st == BK_OK)
+        st = dalloc(g, &f.dh, mrow, g->es, "micro-batch gradients");
+    if (st == BK_OK)
+        st = dalloc(g, &f.acts, mrow * f.acts_layers, g->es, "micro-batch layer inputs");
+    stats->micro_bytes = (uint64_t)g->dev_bytes;
+    if (st == BK_ERR_DEVICE_OOM) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", bk_last_error());
+        st = bk_error(BK_ERR_DEVICE_OOM,
+                      "%s (GPU backward: the inputs of %lld layers of one micro-batch are kept: "
+                      "use a smaller --batch, or a smaller --leaf-size)",
+                      msg, (long long)f.acts_layers);
+    }
+    if (st == BK_OK && cb->grams) {
+        f.gleaf = o->leaf < L ? o->leaf : L;
+        if (f.gleaf > 64)
+            st = bk_error(BK_ERR_INVALID_ARG,
+                          "GPU backward: --leaf-size %d: at most 64 layers' Grams on the device",
+                          o->leaf);
+        int64_t mo = 0;
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            int64_t mm, nn;
+            bk_module_shape(c, (bk_module)i, &mm, &nn);
+            mo = mm > mo ? mm : mo;
+        }
+        if (st == BK_OK)
+            st = dalloc(g, (void **)&f.gscr, f.B * T * mo, 8, "gradient Gram scratch");
+        if (st == BK_OK)
+            st = dalloc(g, (void **)&f.rn_g, f.B * T, 8, "gradient norms");
+        if (st == BK_OK)
+            st = dalloc(g, (void **)&f.rn_a, f.B * T, 8, "gradient norms");
+        for (int k = 0; k < f.gleaf && st == BK_OK; k++)
+            for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
+                int64_t mm, nn;
+                bk_module_shape(c, (bk_module)i, &mm, &nn);
+                st = dalloc(g, (void **)&f.gram[k][i], mm * mm, 8, "output-gradient Grams");
+                if (st == BK_OK &&
+                    !(f.hgw[k][i] = static_cast<double *>(bk_alloc((size_t)(S * T), sizeof(double)))))
+                    st = bk_error(BK_ERR_NOMEM,
+                                  "GPU backward: out of host memory for token weights (use a "
+                                  "smaller --leaf-size)");
+            }
+        if (st == BK_OK && !(f.hG = static_cast<double *>(bk_alloc((size_t)(mo * mo), sizeof(double)))))
+            st = bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
+        if (st == BK_ERR_DEVICE_OOM) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", bk_last_error());
+            st = bk_error(BK_ERR_DEVICE_OOM,
+                          "%s (GPU backward: the output-gradient Grams of %d layers are held on "
+                          "the device: use a smaller --leaf-size, or a smaller --batch)",
+                          msg, f.gleaf);
+        }
+        stats->micro_bytes = (uint64_t)g->dev_bytes;
+    }
+    if (st == BK_OK)
+        st = slots_init(g, go->max_resident_layers);
+    if (st == BK_OK)
+        st = g->fp64 ? flow_run<double>(&f) : flow_run<float>(&f);
+    dfree(g, f.h);
+    dfree(g, f.dh);
+    dfree(g, f.acts);
+    dfree(g, f.gscr);
+    dfree(g, f.rn_g);
+    dfree(g, f.rn_a);
+    for (int k = 0; k < 64; k++)
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            dfree(g, f.gram[k][i]);
+            free(f.hgw[k][i]);
+        }
+    free(f.hG);
+    gb_free(g);
+    return st;
+}
+
+extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const bk_gbwd_opts *go,
+                                       int64_t T, const double *h, const int32_t *tokens,
+                                       int64_t S, int64_t seq0, bk_fisher_kind fisher,
+                                       uint64_t seed, int32_t *labels, double *dh, double *loss)
+{
+    if (!b || !m || !go || !h || !tokens || !labels)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU backward head: NULL argument");
+    bk_status st = bk__bwd_head_check(m);
+    if (st != BK_OK)
+        return st;
+    gbwd *g = NULL;
+    st = create(b, m, S, T, go, 0, &g);
+    if (st != BK_OK)
+        return st;
+    const int64_t n = S * T * g->d;
+    void *dh_dev = NULL, *h_dev = NULL;
+    st = dalloc(g, &h_dev, n, g->es, "test hidden states");
+    if (st == BK_OK)
+        st = dalloc(g, &dh_dev, n, g->es, "test gradients");
+    /* h: double on the host -> R on the device (through a double buffer) */
+    double *hd_dev = NULL;
+    if (st == BK_OK)
+        st = dalloc(g, (void **)&hd_dev, n, 8, "test staging");
+    if (st == BK_OK)
+        st = bk_cuda_status(cudaMemcpy(hd_dev, h, (size_t)n * 8, cudaMemcpyHostToDevice),
+                            "upload", __FILE__, __LINE__);
+    if (st == BK_OK) {
+        if (g->fp64)
+            st = bk_cuda_status(cudaMemcpy(h_dev, hd_dev, (size_t)n * 8, cudaMemcpyDeviceToDevice),
+                                "copy", __FILE__, __LINE__);
+        else {
+            /* round to F32 on the host (the flow's F32 storage) */
+            float *hf = static_cast<float *>(malloc((size_t)n * 4));
+            if (!hf)
+                st = bk_error(BK_ERR_NOMEM, "out of memory");
+            else {
+                for (int64_t i = 0; i < n; i++)
+                    hf[i] = (float)h[i];
+                st = bk_cuda_status(cudaMemcpy(h_dev, hf, (size_t)n * 4, cudaMemcpyHostToDevice),
+                                    "upload", __FILE__, __LINE__);
+                free(hf);
+            }
+        }
+    }
+    if (st == BK_OK) {
+        if (g->fp64)
+            st = head_run<double>(g, static_cast<double *>(h_dev), S, seq0, tokens, fisher, seed,
+                                  NULL, dh ? static_cast<double *>(dh_dev) : NULL, loss, labels);
+        else
+            st = head_run<float>(g, static_cast<float *>(h_dev), S, seq0, tokens, fisher, seed,
+                                 NULL, dh ? static_cast<float *>(dh_dev) : NULL, loss, labels);
+    }
+    if (st == BK_OK && dh) {
+        if (g->fp64)
+            st = bk_cuda_status(cudaMemcpy(dh, dh_dev, (size_t)n * 8, cudaMemcpyDeviceToHost),
+                                "download", __FILE__, __LINE__);
+        else {
+            k_to_f64<float><<<grid_for(n), 256, 0, g->c->stream>>>(
+                hd_dev, static_cast<const float *>(dh_dev), n);
+            st = bk_cuda_status(cudaStreamSynchronize(g->c->stream), "convert", __FILE__,
+                                __LINE__);
+            if (st == BK_OK)
+                st = bk_cuda_status(cudaMemcpy(dh, hd_dev, (size_t)n * 8, cudaMemcpyDeviceToHost),
+                                    "download", __FILE__, __LINE__);
+        }
+    }
+    dfree(g, h_dev);
+    dfree(g, dh_dev);
+    dfree(g, hd_dev);
+    gb_free(g);
+    return st;
+}

@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# --resume (issue 14): a quantize run killed at any point (kill -9 at random
+# times, deterministic fault points before/after a layer's journal line and
+# inside a layer, SIGINT) and then continued with --resume writes exactly the
+# bytes of an uninterrupted run (report.json: times aside); a resume with other
+# arguments, a changed model or other calibration is refused with one line
+# naming what differs, and leaves the work folder for the right command.
+# The bundled example model, a few short sequences (fast).
+set -u
+B=${BK_BAKRON:?}
+SRC=${BK_SOURCE_ROOT:?}
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fail=0
+die() { echo "FAIL: $*"; fail=1; }
+cp -r "$SRC/examples/kerneldocs-1.6m" "$W/m"
+cp "$W/m/calib.safetensors" "$W/c.safetensors"
+cd "$W" || exit 1
+export OPENBLAS_NUM_THREADS=1 # (many short runs)
+CAL=(--calib c.safetensors --samples 4 --seqlen 32 --backend cpu)
+
+# same DIR REF: the same files, byte for byte; report.json without its times
+same() {
+    [ -d "$1" ] || { echo "missing $1"; return 1; }
+    [ "$(cd "$1" && ls -A)" = "$(cd "$2" && ls -A)" ] ||
+        { echo "files: $(cd "$1" && ls -A | tr '\n' ' ') vs $(cd "$2" && ls -A | tr '\n' ' ')"; return 1; }
+    for f in $(cd "$2" && ls -A); do
+        if [ "$f" = report.json ]; then
+            python3 - "$1/$f" "$2/$f" <<'EOF' || return 1
+import json, sys
+def strip(x):
+    if isinstance(x, dict):
+        return {k: strip(v) for k, v in x.items() if not k.endswith("_s")}
+    if isinstance(x, list):
+        return [strip(v) for v in x]
+    return x
+a, b = (strip(json.load(open(p))) for p in sys.argv[1:3])
+if a != b:
+    print("report.json differs"); sys.exit(1)
+EOF
+        else
+            cmp -s "$1/$f" "$2/$f" || { echo "$f differs"; return 1; }
+        fi
+    done
+}
+clean() { # no work folder, lock or resume state left
+    ls -A | grep -q -E '\.(tmp|old)-|\.lock$' && { echo "left: $(ls -A | tr '\n' ' ')"; return 1; }
+    [ -e q/.resume ] && { echo "q/.resume left"; return 1; }
+    return 0
+}
+
+# resume_until_done NAME ARGS...: --resume until the run exits 0 (at most 4 times)
+resume_until_done() {
+    local name=$1; shift
+    for _ in 1 2 3 4; do
+        "$B" quantize m "$@" --out q --resume >/dev/null 2>err && return 0
+        local rc=$?
+        [ $rc -eq 137 ] || [ $rc -eq 3 ] || { die "$name: resume exit $rc: $(tail -1 err)"; return 1; }
+    done
+    die "$name: never finished"
+}
+
+check() { # name ref
+    local why
+    why=$(same q "$2") || die "$1: output differs from the uninterrupted run: $why"
+    why=$(clean) || die "$1: $why"
+    rm -rf q
+}
+
+configs=(
+    "gptq native|--hessian gptq --levels 3 ${CAL[*]}"
+    "mlplocal-kfac gptq-export sharded|--hessian mlplocal-kfac --bits 4 --group 64 --export gptq --max-shard-size 300000 ${CAL[*]}"
+    "fullylocal-shampoo dequantized layers 1:3|--hessian fullylocal-shampoo --export dequantized --layers 1:3 --batch 2 ${CAL[*]}"
+    "mlplocal-kfac no-sequential asym|--hessian mlplocal-kfac --bits 3 --asym --no-sequential ${CAL[*]}"
+    "rtn no calibration|--hessian rtn --levels 2"
+)
+"$B" dump-activations m --calib c.safetensors --samples 4 --seqlen 32 --backend cpu --out acts \
+    2>err >/dev/null || die "dump-activations: $(cat err)"
+configs+=("activations|--hessian mlplocal-kfac --levels 3 --activations acts --backend cpu")
+
+n=0
+for c in "${configs[@]}"; do
+    name=${c%%|*}
+    read -r -a args <<<"${c#*|}"
+    n=$((n + 1))
+    ref=ref$n
+    "$B" quantize m "${args[@]}" --out $ref 2>err >/dev/null || { die "$name: reference: $(cat err)"; continue; }
+    # deterministic points: before / after a journal line, inside a layer (all
+    # of them for the first configuration)
+    points="module-9"
+    [ $n -eq 1 ] && points="journal-1 journal-after-1 journal-3 journal-after-4 module-2 module-9 module-20"
+    for pt in $points; do
+        case "$name" in rtn*) case $pt in module-*) pt=journal-2 ;; esac ;; esac
+        BK_FAULT_KILL_AT=$pt "$B" quantize m "${args[@]}" --out q >/dev/null 2>err
+        rc=$?
+        if [ $rc -ne 137 ]; then
+            # a point the run does not reach (fewer layers) finishes it
+            [ $rc -eq 0 ] || die "$name $pt: exit $rc: $(tail -1 err)"
+        else
+            resume_until_done "$name $pt" "${args[@]}"
+            grep -q -E "layers? .*kept|continuing|no interrupted run|starting from" err ||
+                die "$name $pt: no resume message: $(cat err)"
+        fi
+        check "$name $pt" $ref
+    done
+    # killed again while resuming: journal-2, then journal-4 in the resumed run
+    [ $n -le 2 ] || continue
+    BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${args[@]}" --out q >/dev/null 2>&1
+    BK_FAULT_KILL_AT=journal-4 "$B" quantize m "${args[@]}" --out q --resume >/dev/null 2>&1
+    resume_until_done "$name twice" "${args[@]}"
+    check "$name killed twice" $ref
+done
+
+# random kill -9 times (gptq native), each followed by --resume
+read -r -a args <<<"${configs[0]#*|}"
+"$B" quantize m "${args[@]}" --out q 2>/dev/null >/dev/null # warm-up: how long a run takes
+for i in 1 2 3 4 5; do
+    "$B" quantize m "${args[@]}" --out q >/dev/null 2>&1 &
+    pid=$!
+    sleep "$((RANDOM % 2)).$((RANDOM % 10))$((RANDOM % 10))"
+    kill -9 $pid 2>/dev/null
+    wait $pid 2>/dev/null
+    if [ -d q ] && ! ls -A | grep -q 'q\.tmp-'; then
+        : # finished before the kill
+    else
+        resume_until_done "random kill $i" "${args[@]}"
+    fi
+    check "random kill $i" ref1
+done
+
+# SIGINT: exit 3, the work folder kept with a message, --resume finishes it
+"$B" quantize m "${args[@]}" --out q >/dev/null 2>err &
+pid=$!
+for _ in $(seq 600); do grep -q "layer 2/4 done" err && break; sleep 0.1; done
+kill -INT $pid
+wait $pid
+rc=$?
+if [ $rc -eq 0 ]; then
+    echo "SIGINT came after the end (not tested this time)"
+else
+    [ $rc -eq 3 ] || die "SIGINT: exit $rc"
+    grep -q "with --resume continues" err || die "SIGINT: no hint at --resume: $(cat err)"
+    ls -A | grep -q 'q\.tmp-' || die "SIGINT: the work folder was not kept"
+    resume_until_done "SIGINT" "${args[@]}"
+fi
+check "SIGINT" ref1
+
+# --- refusals: other arguments, model or calibration ----------------------
+BK_FAULT_KILL_AT=journal-3 "$B" quantize m "${args[@]}" --out q >/dev/null 2>&1
+refused() { # why rc what args...
+    local why=$1 want=$2 what=$3; shift 3
+    "$B" quantize m "$@" --out q --resume >/dev/null 2>err
+    local rc=$?
+    [ $rc -eq "$want" ] || die "$why: exit $rc, expected $want: $(cat err)"
+    # (a kill -9 leaves its lock file: the note about clearing it aside)
+    [ "$(grep -v "cleared a stale lock" err | grep -c .)" -eq 1 ] || die "$why: not one line: $(cat err)"
+    grep -q -- "$what" err || die "$why: does not name $what: $(cat err)"
+    ls -A | grep -q 'q\.tmp-' || die "$why: the work folder is gone"
+    [ -d q ] && die "$why: an output appeared"
+    echo "refused ($why): $(grep -v "stale lock" err | cut -c1-160)"
+}
+refused "other levels" 1 "--levels" --hessian gptq --levels 2 "${CAL[@]}"
+refused "other hessian" 1 "--hessian" --hessian mlplocal-kfac --levels 3 "${CAL[@]}"
+refused "other samples" 1 "sequences" --hessian gptq --levels 3 --calib c.safetensors --samples 3 \
+    --seqlen 32 --backend cpu
+refused "other export" 1 "--export" --hessian gptq --levels 3 --export dequantized "${CAL[@]}"
+touch -r m/model.safetensors stamp
+touch -d '2001-01-01' m/model.safetensors
+refused "model changed" 2 "model.safetensors" "${args[@]}"
+touch -r stamp m/model.safetensors
+cp c.safetensors c.keep
+cp m/eval.safetensors c.safetensors
+refused "calibration changed" 2 "calibration" "${args[@]}"
+cp c.keep c.safetensors
+"$B" quantize m --hessian backprop-kfac --levels 3 "${CAL[@]}" --out q --resume >/dev/null 2>err
+rc=$?
+[ $rc -eq 1 ] && [ "$(grep -v "stale lock" err | grep -c .)" -eq 1 ] && grep -q "cannot be resumed" err ||
+    die "backprop --resume: exit $rc: $(cat err)"
+# the right command continues
+resume_until_done "after refusals" "${args[@]}"
+check "after refusals" ref1
+
+# without --resume a killed run's folder is removed (with a message)
+BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${args[@]}" --out q >/dev/null 2>&1
+"$B" quantize m "${args[@]}" --out q >/dev/null 2>err || die "without --resume: $(cat err)"
+grep -q "would continue; starting over" err && grep -q "left by a killed run" err ||
+    die "without --resume: no message: $(cat err)"
+check "without --resume" ref1
+# --resume with nothing to resume: starts from the first layer
+"$B" quantize m "${args[@]}" --out q --resume >/dev/null 2>err || die "nothing to resume: $(cat err)"
+grep -q "no interrupted run" err || die "nothing to resume: no message: $(cat err)"
+check "nothing to resume" ref1
+exit $fail
