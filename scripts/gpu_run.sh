@@ -27,7 +27,7 @@ OUT=${1:?usage: scripts/gpu_run.sh OUTDIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
-if [ -d .debs ] && ! pkg-config --exists libcjson 2>/dev/null; then
+if [ -d .debs ] && ! pkg-config --exists libcjson libpcre2-8 libutf8proc 2>/dev/null; then
     # shellcheck source=/dev/null
     source scripts/device-env.sh
 fi

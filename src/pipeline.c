@@ -171,8 +171,11 @@ static void emit(job *j, bk_event_kind kind, int layer, const char *module, cons
     ev.n_layers = j->layer_end - j->layer_begin;
     ev.module = module;
     ev.elapsed_s = bk_now() - j->t0;
-    int done = layer - j->layer_begin + (kind == BK_EV_LAYER_DONE ? 1 : 0);
-    ev.eta_s = (done > 0 && ev.n_layers > done) ? ev.elapsed_s / done * (ev.n_layers - done) : 0;
+    ev.layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0;
+    /* (a resumed run: the layers it does itself) */
+    int done = layer - j->first_layer + (kind == BK_EV_LAYER_DONE ? 1 : 0);
+    int todo = j->layer_end - j->first_layer;
+    ev.eta_s = (done > 0 && todo > done) ? ev.elapsed_s / done * (todo - done) : 0;
     ev.t_forward = j->t_forward;
     ev.t_hessian = j->t_hessian;
     ev.t_factor = j->t_factor;
@@ -194,6 +197,7 @@ static void emit_module(job *j, int layer, bk_module mod, const bk_solve_result 
     ev.module = bk_module_name(mod);
     ev.rows = r->m;
     ev.cols = r->n;
+    ev.layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0;
     ev.loss = r->loss_two_sided;
     ev.loss_gptq = loss_gptq;
     ev.damp_a = r->damp_a;
@@ -1402,17 +1406,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
 
     if (!o->model_dir || !o->out_dir)
         return bk_error(BK_ERR_INVALID_ARG, "quantize: model folder and output folder are required");
-    if (o->calib_path && o->activations_dir)
-        return bk_error(BK_ERR_INVALID_ARG, "quantize: give either calibration tokens or activations, not both");
-    if (!o->calib_path && !o->activations_dir && o->hessian != BK_HESS_RTN)
+    if (!!o->calib_path + !!o->calib_text + !!o->activations_dir > 1)
+        return bk_error(BK_ERR_INVALID_ARG, "quantize: give one of calibration tokens, text or activations, not several");
+    if (!o->calib_path && !o->calib_text && !o->activations_dir && o->hessian != BK_HESS_RTN)
         return bk_error(BK_ERR_INVALID_ARG,
-                        "quantize: --hessian %s needs calibration data (--calib or --activations)",
+                        "quantize: --hessian %s needs calibration data (--calib-text, --calib or --activations)",
                         bk_hessian_name(o->hessian));
 
     j->bp = bk_hessian_is_backprop(o->hessian);
-    if (j->bp && !o->calib_path) {
+    if (j->bp && !o->calib_path && !o->calib_text) {
         st = bk_error(BK_ERR_INVALID_ARG,
-                      "quantize: --hessian %s needs calibration token ids (--calib): the "
+                      "quantize: --hessian %s needs calibration tokens (--calib-text or --calib): the "
                       "backward pass runs the model",
                       bk_hessian_name(o->hessian));
         goto fail;
@@ -1431,6 +1435,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     {
         /* the output folder first: refused (unsafe, exists), locked, leftovers cleaned */
         const char *inputs[] = {o->model_dir, o->calib_path ? o->calib_path : "",
+                                o->calib_text ? o->calib_text : "",
                                 o->activations_dir ? o->activations_dir : "",
                                 o->config_path ? o->config_path : "", NULL};
         bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
@@ -1455,6 +1460,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->layer_begin = o->layer_begin < 0 ? 0 : o->layer_begin;
     j->layer_end = (o->layer_end <= 0 || o->layer_end > j->cfg->n_layers) ? (int)j->cfg->n_layers
                                                                           : o->layer_end;
+    j->first_layer = j->layer_begin;
     if (j->layer_begin >= j->layer_end) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: empty layer range %d:%d (model has %lld layers)",
                       o->layer_begin, o->layer_end, (long long)j->cfg->n_layers);
@@ -1463,17 +1469,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     st = bk__check_export(o, j->cfg);
     if (st != BK_OK)
         goto fail;
-    /* fail fast: every tensor of the checkpoint must be finite before any work */
-    {
-        const bk_st_set *in = bk_model_tensors(j->model);
-        double t = bk_now();
-        st = bk_st_set_check_finite(in);
-        j->t_io += bk_now() - t;
-        bk_prof_add("io.scan_finite", bk_now() - t);
-        if (st != BK_OK)
-            goto fail;
-    }
-
     /* calibration */
     if (o->calib_path) {
         st = bk_load_tokens(o->calib_path, j->cfg->vocab, o->samples, o->seqlen, &j->tokens,
@@ -1485,6 +1480,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                           o->calib_path, (long long)j->T, (long long)j->cfg->max_positions);
             goto fail;
         }
+    } else if (o->calib_text) {
+        int64_t T = o->seqlen > 0 ? o->seqlen : bk_text_default_seqlen(j->cfg->max_positions);
+        if (j->cfg->max_positions > 0 && T > j->cfg->max_positions) {
+            st = bk_error(BK_ERR_CALIB, "--seqlen %lld exceeds the model's max_position_embeddings %lld",
+                          (long long)T, (long long)j->cfg->max_positions);
+            goto fail;
+        }
+        st = bk_load_text_tokens(o->model_dir, o->calib_text, j->cfg->vocab, j->cfg->bos_token_id,
+                                 o->samples, T, &j->tokens, &j->S, &j->T);
+        if (st != BK_OK)
+            goto fail;
     } else if (o->activations_dir) {
         const char *note = NULL;
         st = bk__act_open(o->activations_dir, j->model, o->samples, &j->acts, &j->S, &j->T,
@@ -1496,6 +1502,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     } else {
         j->S = 0;
         j->T = 1;
+    }
+    /* fail fast: every tensor of the checkpoint must be finite before any work
+     * (after the calibration data, whose mistakes are found sooner) */
+    {
+        const bk_st_set *in = bk_model_tensors(j->model);
+        double t = bk_now();
+        st = bk_st_set_check_finite(in);
+        j->t_io += bk_now() - t;
+        bk_prof_add("io.scan_finite", bk_now() - t);
+        if (st != BK_OK)
+            goto fail;
     }
     j->N = j->S * j->T;
     j->batch = o->batch > 0 ? o->batch : bk_fwd_auto_batch(j->cfg, 0, j->T);

@@ -323,6 +323,10 @@ cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config 
     cJSON *cal = cJSON_AddObjectToObject(b, "calibration");
     if (o->calib_path)
         cJSON_AddStringToObject(cal, "tokens", o->calib_path);
+    if (o->calib_text) {
+        cJSON_AddStringToObject(cal, "text", o->calib_text);
+        cJSON_AddStringToObject(cal, "tokenizer", "tokenizer.json of the model");
+    }
     if (o->activations_dir)
         cJSON_AddStringToObject(cal, "activations", o->activations_dir);
     cJSON_AddNumberToObject(cal, "sequences", (double)S);
@@ -458,9 +462,11 @@ bk_status bk__write_model_card(const char *out_dir, const cJSON *config)
     const cJSON *cal = cJSON_GetObjectItemCaseSensitive(b, "calibration");
     if (jnum(cal, "sequences", 0) > 0) {
         const char *t = jstr(cal, "tokens", NULL), *a = jstr(cal, "activations", NULL);
-        cb_printf(&cb, "| calibration | %s%s: %g sequences x %g tokens |\n",
-                  t ? "" : "activations ", base_name(t ? t : a ? a : "?"),
-                  jnum(cal, "sequences", 0), jnum(cal, "seqlen", 0));
+        const char *x = jstr(cal, "text", NULL);
+        cb_printf(&cb, "| calibration | %s%s%s: %g sequences x %g tokens |\n",
+                  t ? "" : x ? "text " : "activations ", base_name(t ? t : x ? x : a ? a : "?"),
+                  x ? " (the model's tokenizer.json)" : "", jnum(cal, "sequences", 0),
+                  jnum(cal, "seqlen", 0));
     } else {
         cb_printf(&cb, "| calibration | none (round to nearest) |\n");
     }

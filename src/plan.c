@@ -135,16 +135,17 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
     else if (!o->out_dir[0])
         failed(c, bk_error(BK_ERR_USAGE, "--out: empty path"));
     const int bp = bk_hessian_is_backprop(o->hessian);
-    if (o->calib_path && o->activations_dir)
-        failed(c, bk_error(BK_ERR_USAGE, "give either --calib or --activations, not both"));
-    if (!o->calib_path && !o->activations_dir && o->hessian != BK_HESS_RTN)
+    if (!!o->calib_path + !!o->calib_text + !!o->activations_dir > 1)
         failed(c, bk_error(BK_ERR_USAGE,
-                           "--hessian %s needs calibration data (--calib TOKENS or "
-                           "--activations DIR; only --hessian rtn runs without)",
+                           "give one of --calib-text, --calib or --activations, not several"));
+    if (!o->calib_path && !o->calib_text && !o->activations_dir && o->hessian != BK_HESS_RTN)
+        failed(c, bk_error(BK_ERR_USAGE,
+                           "--hessian %s needs calibration data (--calib-text TEXT, --calib "
+                           "TOKENS or --activations DIR; only --hessian rtn runs without)",
                            bk_hessian_name(o->hessian)));
     else if (bp && o->activations_dir)
         failed(c, bk_error(BK_ERR_USAGE,
-                           "--hessian %s needs calibration token ids (--calib), not "
+                           "--hessian %s needs calibration tokens (--calib-text or --calib), not "
                            "--activations: the backward pass runs the model",
                            bk_hessian_name(o->hessian)));
     if (bp && o->leaf_size < 1)
@@ -153,12 +154,14 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
         failed(c, bk_error(BK_ERR_USAGE, "--gpu-pipeline and --cpu-stages contradict each other"));
     if (o->gpu_pipeline && bp)
         failed(c, bk_error(BK_ERR_USAGE,
-                           "--gpu-pipeline: --hessian %s runs its forward, backward and Hessian "
-                           "stages on the CPU (not on the GPU yet)",
+                           "--gpu-pipeline: --hessian %s runs its input-side stages on the CPU "
+                           "(its backward passes run on the GPU with --backend cuda); drop "
+                           "--gpu-pipeline",
                            bk_hessian_name(o->hessian)));
-    if (o->gpu_pipeline && o->activations_dir && !o->calib_path)
+    if (o->gpu_pipeline && o->activations_dir && !o->calib_path && !o->calib_text)
         failed(c, bk_error(BK_ERR_USAGE,
-                           "--gpu-pipeline needs token calibration (--calib), not --activations"));
+                           "--gpu-pipeline needs token calibration (--calib-text or --calib), not "
+                           "--activations"));
     const bk_quant_spec *q = &o->solve.quant;
     if (q->kind == BK_Q_INTEGER)
         failed(c, bk_error(BK_ERR_USAGE, "the unbounded integer alphabet cannot be exported"));
@@ -254,6 +257,19 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
                                "%s: sequence length %lld exceeds the model's "
                                "max_position_embeddings %lld",
                                o->calib_path, (long long)p->T, (long long)p->cfg.max_positions));
+    } else if (o->calib_text && !o->calib_path && !o->activations_dir && m) {
+        /* tokenized here and again by the job (~1 s per few MB of text) */
+        int32_t *tok = NULL;
+        int64_t T = o->seqlen > 0 ? o->seqlen : bk_text_default_seqlen(p->cfg.max_positions);
+        if (p->cfg.max_positions > 0 && T > p->cfg.max_positions)
+            failed(c, bk_error(BK_ERR_CALIB,
+                               "--seqlen %lld exceeds the model's max_position_embeddings %lld",
+                               (long long)T, (long long)p->cfg.max_positions));
+        else
+            failed(c, bk_load_text_tokens(o->model_dir, o->calib_text, p->cfg.vocab,
+                                          p->cfg.bos_token_id, o->samples, T, &tok, &p->S,
+                                          &p->T));
+        free(tok);
     } else if (o->activations_dir && !o->calib_path && m && !bp) {
         bk_act_reader *r = NULL;
         const char *note = NULL;
@@ -283,6 +299,7 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
     }
     if (o->out_dir && o->out_dir[0]) {
         const char *inputs[] = {o->model_dir ? o->model_dir : "", o->calib_path ? o->calib_path : "",
+                                o->calib_text ? o->calib_text : "",
                                 o->activations_dir ? o->activations_dir : "",
                                 o->config_path ? o->config_path : "", NULL};
         bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,

@@ -96,6 +96,7 @@ static cJSON *args_of(const bk_resume_source *s)
     cJSON *a = cJSON_CreateObject();
     add_str(a, "model folder", o->model_dir);
     add_str(a, "--calib", o->calib_path);
+    add_str(a, "--calib-text", o->calib_text);
     add_str(a, "--activations", o->activations_dir);
     add_str(a, "--config", o->config_path);
     add_str(a, "--hessian", bk_hessian_name(o->hessian));

@@ -97,6 +97,14 @@ for c in "${configs[@]}"; do
             # a point the run does not reach (fewer layers) finishes it
             [ $rc -eq 0 ] || die "$name $pt: exit $rc: $(tail -1 err)"
         else
+            # the saved modules are codes and scales: the weights rebuilt from them
+            # were the solver's (else the module file carries a float copy)
+            if [ $pt = module-9 ]; then
+                for f in q.tmp-*/.resume/L*.safetensors; do
+                    [ -e "$f" ] || continue
+                    "$B" inspect "$f" 2>&1 | grep -q "^ *weight " && die "$name: $f needed a float copy"
+                done
+            fi
             resume_until_done "$name $pt" "${args[@]}"
             grep -q -E "layers? .*kept|continuing|no interrupted run|starting from" err ||
                 die "$name $pt: no resume message: $(cat err)"

@@ -48,6 +48,8 @@ typedef struct bk_event {
     double elapsed_s, eta_s;
     double t_forward, t_hessian, t_factor, t_solve, t_io; /* cumulative stage times */
     const char *message;         /* free text (START / WRITE / DONE) */
+    int layers_kept;             /* --resume: layers the interrupted run finished (not redone;
+                                    elapsed_s and eta_s count this run's work only) */
 } bk_event;
 
 typedef void (*bk_event_fn)(void *user, const bk_event *ev);
@@ -55,12 +57,14 @@ typedef void (*bk_event_fn)(void *user, const bk_event *ev);
 typedef struct bk_quantize_opts {
     const char *model_dir;
     const char *calib_path;       /* token ids (.safetensors with input_ids), or NULL */
+    const char *calib_text;       /* plain text (a file or a folder) tokenized with the model's
+                                     tokenizer.json (bk_load_text_tokens), or NULL */
     const char *activations_dir;  /* pre-dumped activations, or NULL */
     const char *out_dir;
     bk_hessian_kind hessian;
     bk_solve_opts solve;          /* algorithm, precision, quantizer, damping */
     int64_t samples;              /* 0 = all sequences */
-    int64_t seqlen;               /* 0 = as in the file */
+    int64_t seqlen;               /* 0 = as in the file (text: bk_text_default_seqlen) */
     int layer_begin, layer_end;   /* quantize layers [begin, end); end <= 0 = all */
     int sequential;               /* 1 (default): each module sees the quantized ones before it */
     int hessian_fp64;             /* accumulate Hessians in double */
@@ -197,6 +201,21 @@ void bk_request_stop(void);
  * sequences / T tokens. Checks 0 <= id < vocab. *tokens is malloc'd. */
 bk_status bk_load_tokens(const char *path, int64_t vocab, int64_t samples, int64_t seqlen,
                          int32_t **tokens, int64_t *S, int64_t *T);
+
+/* Calibration windows from plain text (a file, or every file under a folder),
+ * tokenized with MODEL_DIR/tokenizer.json (bakron/tokenizer.h) as
+ * scripts/tokenize.py does: documents sorted by path, each followed by the
+ * tokens of "\n\n", concatenated, cut into consecutive windows of seqlen
+ * tokens that start with bos_id (< 0: no BOS); the first `samples` windows
+ * (0 = all). Checks 0 <= id < vocab. *tokens is malloc'd [S, T = seqlen].
+ * No tokenizer.json -> BK_ERR_CALIB naming it. */
+/* Window length for text when none is given: 2048, or max_positions when
+ * that is smaller (and positive). */
+int64_t bk_text_default_seqlen(int64_t max_positions);
+
+bk_status bk_load_text_tokens(const char *model_dir, const char *text_path, int64_t vocab,
+                              int64_t bos_id, int64_t samples, int64_t seqlen, int32_t **tokens,
+                              int64_t *S, int64_t *T);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,7 @@
 # Shared by scripts/*.sh: dependency installation and the build.
 # shellcheck shell=bash
 
-BK_DEBIAN_PACKAGES="meson ninja-build pkg-config gcc python3 libcjson-dev libzstd-dev libcmocka-dev libopenblas-dev liblapacke-dev"
+BK_DEBIAN_PACKAGES="meson ninja-build pkg-config gcc python3 libcjson-dev libzstd-dev libcmocka-dev libopenblas-dev liblapacke-dev libpcre2-dev libutf8proc-dev"
 
 bk_log() { printf '==> %s\n' "$*" >&2; }
 

@@ -13,7 +13,8 @@
 #include "util.h"
 
 static const char *eval_usage =
-    "usage: bakron eval MODEL_OR_OUT_DIR --tokens FILE [--samples N] [--batch B] [--json]\n"
+    "usage: bakron eval MODEL_OR_OUT_DIR (--tokens FILE | --text TEXT [--seqlen T])\n"
+    "                   [--samples N] [--batch B] [--json]\n"
     "                   [--logits-out FILE.safetensors] [--backend auto|cpu|cuda]\n"
     "                   [--gpu-math fp32|tf32|bf16|auto] [--setting KEY=VALUE]\n"
     "\n"
@@ -24,6 +25,10 @@ static const char *eval_usage =
     "\n"
     "options:\n"
     "  --tokens FILE   safetensors with an I32 or I64 tensor input_ids [sequences, seqlen]\n"
+    "  --text TEXT     plain text (a file or a folder), tokenized with the model's tokenizer.json\n"
+    "                  into windows of --seqlen tokens (default 2048 or the model's context),\n"
+    "                  BOS first, as `quantize --calib-text` does (docs/tokenizer.md)\n"
+    "  --seqlen T      window length for --text\n"
     "  --samples N     use the first N sequences (default: all)\n"
     "  --batch B       sequences per micro-batch (default: automatic)\n"
     "  --backend B     cpu, cuda (the forward pass on the GPU; docs/DEVICE.md) or auto\n"
@@ -99,8 +104,8 @@ bk_status bk_cmd_eval(int argc, char **argv)
         fputs(eval_usage, stdout);
         return BK_OK;
     }
-    const char *model_dir = NULL, *tokens_path = NULL, *logits_out = NULL;
-    int64_t samples = 0, batch = 0;
+    const char *model_dir = NULL, *tokens_path = NULL, *logits_out = NULL, *text_path = NULL;
+    int64_t samples = 0, batch = 0, seqlen = 0;
     int json = 0;
     bk_backend_kind bkind = BK_BACKEND_AUTO;
     bk_gemm_math gmath = BK_GEMM_FP32;
@@ -116,6 +121,15 @@ bk_status bk_cmd_eval(int argc, char **argv)
             if (r < 0)
                 return cli_usage_error("--tokens needs a FILE");
             tokens_path = v;
+        } else if ((r = opt_value(argc, argv, &i, "--text", &v)) != 0) {
+            if (r < 0 || !v[0])
+                return cli_usage_error("--text needs a FILE or folder");
+            text_path = v;
+        } else if ((r = opt_value(argc, argv, &i, "--seqlen", &v)) != 0) {
+            if (r < 0)
+                return cli_usage_error("--seqlen needs a number");
+            if ((st = cli_parse_i64("--seqlen", v, 2, (int64_t)1 << 30, &seqlen)) != BK_OK)
+                return st;
         } else if ((r = opt_value(argc, argv, &i, "--logits-out", &v)) != 0) {
             if (r < 0 || !v[0])
                 return cli_usage_error("--logits-out needs a FILE");
@@ -159,8 +173,13 @@ bk_status bk_cmd_eval(int argc, char **argv)
         return cli_usage_error("MODEL_OR_OUT_DIR is required");
     static char model_buf[4096];
     model_dir = cli_model_dir(model_dir, model_buf, sizeof model_buf);
-    if (!tokens_path)
-        return cli_usage_error("--tokens FILE is required");
+    if (!tokens_path && !text_path)
+        return cli_usage_error("--text TEXT or --tokens FILE is required");
+    if (tokens_path && text_path)
+        return cli_usage_error("--text and --tokens are exclusive");
+    if (seqlen && !text_path)
+        return cli_usage_error("--seqlen goes with --text (a token file has its own length)");
+    const char *input = text_path ? text_path : tokens_path;
 
     bk_model *m = NULL;
     bk_backend *be = NULL;
@@ -173,13 +192,24 @@ bk_status bk_cmd_eval(int argc, char **argv)
     if (st != BK_OK)
         goto done;
     const bk_model_config *cfg = bk_model_get_config(m);
-    st = bk_load_tokens(tokens_path, cfg->vocab, samples, 0, &ids, &S, &T);
+    if (text_path) {
+        int64_t tt = seqlen > 0 ? seqlen : bk_text_default_seqlen(cfg->max_positions);
+        if (cfg->max_positions > 0 && tt > cfg->max_positions) {
+            st = bk_error(BK_ERR_CALIB, "--seqlen %lld exceeds max_position_embeddings %lld of %s",
+                          (long long)tt, (long long)cfg->max_positions, model_dir);
+            goto done;
+        }
+        st = bk_load_text_tokens(model_dir, text_path, cfg->vocab, cfg->bos_token_id, samples, tt,
+                                 &ids, &S, &T);
+    } else {
+        st = bk_load_tokens(tokens_path, cfg->vocab, samples, 0, &ids, &S, &T);
+    }
     if (st != BK_OK)
         goto done;
     if (cfg->max_positions > 0 && T > cfg->max_positions) {
         st = bk_error(BK_ERR_CALIB,
                       "%s: sequence length %lld exceeds max_position_embeddings %lld of %s",
-                      tokens_path, (long long)T, (long long)cfg->max_positions, model_dir);
+                      input, (long long)T, (long long)cfg->max_positions, model_dir);
         goto done;
     }
     /* the forward pass on the backend: --backend cuda, or auto with a GPU, runs
@@ -192,7 +222,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
     double secs = bk_now() - t0;
     if (st != BK_OK) {
         char pre[1200];
-        snprintf(pre, sizeof pre, "%s on %s", model_dir, tokens_path);
+        snprintf(pre, sizeof pre, "%s on %s", model_dir, input);
         bk_error_prefix(st, pre);
         goto done;
     }
@@ -204,7 +234,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         j = cJSON_CreateObject();
         if (!j || !cJSON_AddStringToObject(j, "model", model_dir) ||
             !cJSON_AddBoolToObject(j, "quantized", bk_model_is_quantized(m) ? 1 : 0) ||
-            !cJSON_AddStringToObject(j, "tokens_file", tokens_path) ||
+            !cJSON_AddStringToObject(j, text_path ? "text" : "tokens_file", input) ||
             !cJSON_AddNumberToObject(j, "sequences", (double)S) ||
             !cJSON_AddNumberToObject(j, "seqlen", (double)T) ||
             !cJSON_AddNumberToObject(j, "tokens", (double)count) ||
@@ -225,7 +255,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         free(txt);
     } else {
         printf("model       %s%s\n", model_dir, bk_model_is_quantized(m) ? " (quantized)" : "");
-        printf("tokens      %s: %lld sequences x %lld tokens\n", tokens_path, (long long)S,
+        printf("tokens      %s: %lld sequences x %lld tokens\n", input, (long long)S,
                (long long)T);
         printf("perplexity  %.4f\n", ppl);
         printf("mean NLL    %.6f nats/token over %lld predicted tokens\n", nll,
@@ -236,7 +266,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
     if (fflush(stdout) != 0)
         st = bk_error(BK_ERR_WRITE, "eval: cannot write to stdout");
     /* a bakron output folder: the perplexity goes into its model card */
-    int rec = st == BK_OK ? cli_card_record_eval(model_dir, tokens_path, S, T, ppl, nll) : 0;
+    int rec = st == BK_OK ? cli_card_record_eval(model_dir, input, S, T, ppl, nll) : 0;
     if (rec > 0 && !json)
         printf("recorded    in %s/README.md\n", model_dir);
     else if (rec < 0)

@@ -17,7 +17,8 @@
 #include "util.h"
 
 static const char *quantize_usage =
-    "usage: bakron quantize MODEL (--calib TOKENS.safetensors | --activations DIR)\n"
+    "usage: bakron quantize MODEL (--calib-text TEXT | --calib TOKENS.safetensors |\n"
+    "                              --activations DIR)\n"
     "         --hessian rtn|gptq|mlplocal-kfac|mlplocal-shampoo|fullylocal-kfac|fullylocal-shampoo|\n"
     "                   backprop-kfac|backprop-shampoo\n"
     "         --out OUT_DIR [options]\n"
@@ -28,10 +29,15 @@ static const char *quantize_usage =
     "reported on its own line (exit 1 usage, 2 bad input, 3 runtime).\n"
     "\n"
     "calibration:\n"
+    "  --calib-text TEXT     plain text, a file or a folder of files, tokenized with the model's\n"
+    "                        tokenizer.json into windows of --seqlen tokens (default 2048 or the\n"
+    "                        model's context), BOS first, documents separated by a blank line\n"
+    "                        (docs/tokenizer.md)\n"
     "  --calib FILE          token ids: safetensors with I32/I64 input_ids [sequences, seqlen]\n"
     "  --activations DIR     pre-dumped activations (docs/activations.md)\n"
-    "  --samples N           use the first N sequences (default: all)\n"
-    "  --seqlen T            use the first T tokens of each sequence (default: all)\n"
+    "  --samples N           use the first N sequences / text windows (default: all)\n"
+    "  --seqlen T            use the first T tokens of each sequence; with --calib-text the\n"
+    "                        window length (default: all / 2048)\n"
     "  --no-sequential       full-precision inputs for every module (default: each module\n"
     "                        sees the already-quantized modules before it)\n"
     "  --batch B             sequences per micro-batch (default: automatic)\n"
@@ -97,11 +103,12 @@ enum {
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
     O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN, O_RESUME,
-    O_BWDPREC, O_SETTING
+    O_BWDPREC, O_CALIBTEXT, O_SETTING
 };
 
 static const struct option quantize_opts[] = {
     {"calib", required_argument, NULL, O_CALIB},
+    {"calib-text", required_argument, NULL, O_CALIBTEXT},
     {"activations", required_argument, NULL, O_ACTS},
     {"hessian", required_argument, NULL, O_HESSIAN},
     {"algorithm", required_argument, NULL, O_ALG},
@@ -197,6 +204,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
     double dv;
     switch (opt) {
     case O_CALIB: o->calib_path = arg; break;
+    case O_CALIBTEXT: o->calib_text = arg; break;
     case O_ACTS: o->activations_dir = arg; break;
     case O_HESSIAN:
         if (bk_hessian_from_name(arg, &o->hessian) != BK_OK)
@@ -588,7 +596,8 @@ static double progress_eta(progress *p, const bk_event *ev)
 {
     if (p->total_work <= 0 || p->done_work <= 0)
         return ev->eta_s;
-    double left = p->total_work - p->done_work;
+    /* (--resume: the kept layers' work is not part of this run) */
+    double left = p->total_work - p->layer_work * ev->layers_kept - p->done_work;
     return left <= 0 ? 0 : ev->elapsed_s * left / p->done_work;
 }
 
@@ -851,6 +860,10 @@ static void print_plan(const qargs *q, const bk_quantize_plan *p)
     if (o->calib_path)
         printf("  calibration   %s: %lld sequences x %lld tokens\n", o->calib_path,
                (long long)p->S, (long long)p->T);
+    else if (o->calib_text)
+        printf("  calibration   text %s (tokenizer.json of the model): %lld windows x %lld "
+               "tokens\n",
+               o->calib_text, (long long)p->S, (long long)p->T);
     else if (o->activations_dir)
         printf("  calibration   activations %s: %lld sequences x %lld tokens\n",
                o->activations_dir, (long long)p->S, (long long)p->T);

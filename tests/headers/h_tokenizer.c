@@ -1,0 +1,7 @@
+/* tokenizer.h must compile on its own. */
+#include "bakron/tokenizer.h"
+
+int main(void)
+{
+    return 0;
+}
