@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the tests need, build (the CUDA backend is compiled when nvcc
 # exists), run the whole test suite, then the CPU suite again under
-# AddressSanitizer + UndefinedBehaviorSanitizer. Exits non-zero on any failure.
+# AddressSanitizer + UndefinedBehaviorSanitizer, then each libFuzzer target for a
+# fixed number of executions. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/common.sh
@@ -21,5 +22,8 @@ bk_log "meson test under sanitizers (suite cpu)"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     meson test -C build-asan --suite cpu --no-suite slow --print-errorlogs --num-processes "$jobs" \
     --timeout-multiplier 4
+
+bk_log "fuzz targets: 5000 executions each (clang, libFuzzer, ASan + UBSan; docs/FUZZING.md)"
+scripts/fuzz.sh --runs 5000
 
 bk_log "all tests passed"

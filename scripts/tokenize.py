@@ -13,6 +13,11 @@ order, or sampled with a fixed seed (--shuffle).
     scripts/tokenize.py --model MODEL_DIR --seqlen 512 --samples 128 \
         --out calib.safetensors docs/*.txt
 
+`bakron quantize --calib-text` and `bakron eval --text` make the same windows
+in C from the model's tokenizer.json (default options: in order, BOS from
+config.json, documents separated by a blank line; docs/tokenizer.md), so this
+script is needed only for --shuffle, --bos, --doc-sep or --byte-level.
+
 Note: this file's name shadows the standard library's `tokenize` module for
 scripts run from this folder; scripts/ is removed from sys.path below.
 """

@@ -768,7 +768,8 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
             o->on_event(o->user, &ev);
         }
         if (st == BK_OK && bk__stop_requested())
-            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d", l);
+            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d (%d/%lld)", l, l + 1,
+                          (long long)c->n_layers);
     }
     free(pos);
     if (st != BK_OK)

@@ -284,6 +284,58 @@ static bk_status check_finite(const float *a, uint64_t n, const char *name)
     return BK_OK;
 }
 
+/* ---------------------------------------------- non-finite activations */
+
+/* A weight that feeds an operation: its name (without "model.layers.L.") and
+ * values, for the message when the operation's output is not finite. */
+typedef struct fwd_src {
+    const char *name;
+    const float *w;
+    int64_t n;
+} fwd_src;
+
+/* BK_ERR_NONFINITE naming the layer, the operation whose output a[rows, cols]
+ * holds the first NaN/Inf, where, and the largest-magnitude weight among the
+ * operation's sources (the usual cause: a weight near the float range's end,
+ * e.g. at the BF16 maximum, overflowing float32). The forward pass checks each
+ * operation's output this way, so the first operation that produced a
+ * non-finite value is the one named. */
+static bk_status fwd_check(const float *a, int64_t rows, int64_t cols, int layer, const char *op,
+                           const fwd_src *src, int nsrc)
+{
+    int64_t n = rows * cols, i = 0;
+    for (; i < n; i++)
+        if (!isfinite(a[i]))
+            break;
+    if (i == n)
+        return BK_OK;
+    const char *wname = NULL;
+    float wmax = 0.0f;
+    int64_t wat = 0;
+    for (int k = 0; k < nsrc; k++) {
+        if (!src[k].w)
+            continue;
+        for (int64_t e = 0; e < src[k].n; e++) {
+            float v = fabsf(src[k].w[e]);
+            if (!wname || v > wmax) {
+                wname = src[k].name;
+                wmax = v;
+                wat = e;
+            }
+        }
+    }
+    char cause[200] = "";
+    if (wname)
+        snprintf(cause, sizeof cause,
+                 "; the largest weight feeding it is model.layers.%d.%s = %g (element %lld)",
+                 layer, wname, (double)wmax, (long long)wat);
+    return bk_error(BK_ERR_NONFINITE,
+                    "layer %d %s: non-finite value %g at row %lld, column %lld: the float32 "
+                    "forward pass overflowed here%s",
+                    layer, op, (double)a[i], (long long)(i / cols), (long long)(i % cols),
+                    cause);
+}
+
 /* A 1-D tensor of n elements as F32 (finite). */
 static bk_status load_vec(const bk_model *m, int layer, const char *suffix, int64_t n,
                           float **out)
@@ -483,7 +535,9 @@ bk_status bk_fwd_attn_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, 
     if (st != BK_OK)
         return st;
     rmsnorm_rows(h, S * f->T, f->hidden, lw->attn_norm, f->eps, x);
-    return BK_OK;
+    const fwd_src src[] = {{"input_layernorm.weight", lw->attn_norm, f->hidden}};
+    return fwd_check(x, S * f->T, f->hidden, lw->layer, "q/k/v_proj input (input_layernorm)",
+                     src, 1);
 }
 
 bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
@@ -498,9 +552,23 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
     if (st != BK_OK)
         return st;
     const int64_t T = f->T, N = S * T, hd = f->hd, qd = f->qdim, kd = f->kvdim;
+    const fwd_src sq[] = {{"self_attn.q_proj.weight", lw->w[BK_MOD_Q], qd * f->hidden},
+                          {"self_attn.q_proj.bias", lw->b[BK_MOD_Q], qd},
+                          {"self_attn.q_norm.weight", lw->q_norm, hd}};
+    const fwd_src sk[] = {{"self_attn.k_proj.weight", lw->w[BK_MOD_K], kd * f->hidden},
+                          {"self_attn.k_proj.bias", lw->b[BK_MOD_K], kd},
+                          {"self_attn.k_norm.weight", lw->k_norm, hd}};
+    const fwd_src sv[] = {{"self_attn.v_proj.weight", lw->w[BK_MOD_V], kd * f->hidden},
+                          {"self_attn.v_proj.bias", lw->b[BK_MOD_V], kd}};
     linear(x, N, f->hidden, lw->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], f->q);
+    if ((st = fwd_check(f->q, N, qd, lw->layer, "q_proj output", sq, 2)) != BK_OK)
+        return st;
     linear(x, N, f->hidden, lw->w[BK_MOD_K], kd, lw->b[BK_MOD_K], f->k);
+    if ((st = fwd_check(f->k, N, kd, lw->layer, "k_proj output", sk, 2)) != BK_OK)
+        return st;
     linear(x, N, f->hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v);
+    if ((st = fwd_check(f->v, N, kd, lw->layer, "v_proj output", sv, 2)) != BK_OK)
+        return st;
     if (lw->q_norm)
         rmsnorm_rows(f->q, N * f->nh, hd, lw->q_norm, f->eps, f->q);
     if (lw->k_norm)
@@ -510,6 +578,9 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
         bk_rope_apply(&f->rope, f->q + n * qd, f->nh, pos, +1);
         bk_rope_apply(&f->rope, f->k + n * kd, f->nkv, pos, +1);
     }
+    if ((st = fwd_check(f->q, N, qd, lw->layer, "queries (q_norm, RoPE)", sq, 3)) != BK_OK ||
+        (st = fwd_check(f->k, N, kd, lw->layer, "keys (k_norm, RoPE)", sk, 3)) != BK_OK)
+        return st;
     if (q_rot)
         memcpy(q_rot, f->q, (size_t)(N * qd) * sizeof(float));
     if (k_rot)
@@ -536,7 +607,9 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
                         os + hh * hd, (blasint)qd);
         }
     }
-    return BK_OK;
+    const fwd_src sa[] = {sq[0], sk[0], sv[0], sq[1], sk[1], sv[1], sq[2], sk[2]};
+    return fwd_check(o_in, N, qd, lw->layer, "o_proj input (attention: softmax(q k^T) v)", sa,
+                     8);
 }
 
 bk_status bk_fwd_attn_out(bk_fwd *f, const bk_layer_weights *lw, const float *o_in, int64_t S,
@@ -551,8 +624,12 @@ bk_status bk_fwd_attn_out(bk_fwd *f, const bk_layer_weights *lw, const float *o_
         return st;
     int64_t N = S * f->T;
     linear(o_in, N, f->qdim, lw->w[BK_MOD_O], f->hidden, lw->b[BK_MOD_O], f->tmp);
+    const fwd_src so[] = {{"self_attn.o_proj.weight", lw->w[BK_MOD_O], f->hidden * f->qdim},
+                          {"self_attn.o_proj.bias", lw->b[BK_MOD_O], f->hidden}};
+    if ((st = fwd_check(f->tmp, N, f->hidden, lw->layer, "o_proj output", so, 2)) != BK_OK)
+        return st;
     add_into(h, f->tmp, N * f->hidden);
-    return BK_OK;
+    return fwd_check(h, N, f->hidden, lw->layer, "residual stream after attention", so, 2);
 }
 
 bk_status bk_fwd_mlp_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
@@ -567,7 +644,9 @@ bk_status bk_fwd_mlp_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, i
     if (st != BK_OK)
         return st;
     rmsnorm_rows(h, S * f->T, f->hidden, lw->mlp_norm, f->eps, x);
-    return BK_OK;
+    const fwd_src src[] = {{"post_attention_layernorm.weight", lw->mlp_norm, f->hidden}};
+    return fwd_check(x, S * f->T, f->hidden, lw->layer,
+                     "gate/up_proj input (post_attention_layernorm)", src, 1);
 }
 
 bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
@@ -584,13 +663,22 @@ bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *
     int64_t N = S * f->T, ni = f->inter;
     float *g = gate_pre ? gate_pre : f->gate;
     float *u = up_pre ? up_pre : f->up;
+    const fwd_src sg[] = {{"mlp.gate_proj.weight", lw->w[BK_MOD_GATE], ni * f->hidden},
+                          {"mlp.gate_proj.bias", lw->b[BK_MOD_GATE], ni}};
+    const fwd_src su[] = {{"mlp.up_proj.weight", lw->w[BK_MOD_UP], ni * f->hidden},
+                          {"mlp.up_proj.bias", lw->b[BK_MOD_UP], ni}};
     linear(x, N, f->hidden, lw->w[BK_MOD_GATE], ni, lw->b[BK_MOD_GATE], g);
+    if ((st = fwd_check(g, N, ni, lw->layer, "gate_proj output", sg, 2)) != BK_OK)
+        return st;
     linear(x, N, f->hidden, lw->w[BK_MOD_UP], ni, lw->b[BK_MOD_UP], u);
+    if ((st = fwd_check(u, N, ni, lw->layer, "up_proj output", su, 2)) != BK_OK)
+        return st;
     for (int64_t i = 0; i < N * ni; i++) {
         float z = g[i];
         down_in[i] = (z / (1.0f + expf(-z))) * u[i];
     }
-    return BK_OK;
+    const fwd_src sd[] = {sg[0], su[0], sg[1], su[1]};
+    return fwd_check(down_in, N, ni, lw->layer, "down_proj input (silu(gate) * up)", sd, 4);
 }
 
 bk_status bk_fwd_mlp_out(bk_fwd *f, const bk_layer_weights *lw, const float *down_in, int64_t S,
@@ -606,8 +694,12 @@ bk_status bk_fwd_mlp_out(bk_fwd *f, const bk_layer_weights *lw, const float *dow
         return st;
     int64_t N = S * f->T;
     linear(down_in, N, f->inter, lw->w[BK_MOD_DOWN], f->hidden, lw->b[BK_MOD_DOWN], f->tmp);
+    const fwd_src sd[] = {{"mlp.down_proj.weight", lw->w[BK_MOD_DOWN], f->hidden * f->inter},
+                          {"mlp.down_proj.bias", lw->b[BK_MOD_DOWN], f->hidden}};
+    if ((st = fwd_check(f->tmp, N, f->hidden, lw->layer, "down_proj output", sd, 2)) != BK_OK)
+        return st;
     add_into(h, f->tmp, N * f->hidden);
-    return BK_OK;
+    return fwd_check(h, N, f->hidden, lw->layer, "residual stream after the MLP", sd, 2);
 }
 
 bk_status bk_fwd_layer(bk_fwd *f, const bk_layer_weights *lw, int64_t S, float *h,
@@ -632,6 +724,8 @@ bk_status bk_fwd_layer(bk_fwd *f, const bk_layer_weights *lw, int64_t S, float *
         st = bk_fwd_mlp_hidden(f, lw, x2, S, d, NULL, NULL);
     if (st == BK_OK)
         st = bk_fwd_mlp_out(f, lw, d, S, h);
+    if (st == BK_ERR_NONFINITE)
+        return st; /* the message names the layer and the operation */
     if (st != BK_OK) {
         char pre[64];
         snprintf(pre, sizeof pre, "layer %d", lw ? lw->layer : -1);

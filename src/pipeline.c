@@ -584,7 +584,8 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     if (st != BK_OK)
         return st;
     if (bk__stop_requested())
-        return bk_error(BK_ERR_INTERRUPTED, "interrupted at layer %d %s", layer,
+        return bk_error(BK_ERR_INTERRUPTED, "interrupted at layer %d (%d/%d) %s", layer,
+                        layer - j->layer_begin + 1, j->layer_end - j->layer_begin,
                         bk_module_name(mod));
     return BK_OK;
 }
@@ -989,29 +990,27 @@ done:
  * as the run that quantized it, so the same bits. */
 static bk_status layer_rebuild(job *j, int l)
 {
-    bk_layer_weights orig, qw;
-    memset(&orig, 0, sizeof orig);
-    memset(&qw, 0, sizeof qw);
+    bk_layer_weights w; /* the original weights; then the quantized ones in place */
+    memset(&w, 0, sizeof w);
     double t = bk_now();
-    bk_status st = prefetch_take(j, l, &orig);
+    bk_status st = prefetch_take(j, l, &w);
     if (st == BK_OK)
         prefetch_start(j, l + 1);
-    const bk_layer_weights *use = &orig;
-    if (st == BK_OK && j->o->sequential) {
-        st = layer_weights_copy(j->cfg, &orig, &qw);
-        if (st == BK_OK)
-            st = bk_resume_load_weights(j->rs, &j->o->solve.quant, j->cfg, l, &qw);
-        use = &qw;
-    }
+    bk_prof_add("resume.load", bk_now() - t);
+    double t1 = bk_now();
+    if (st == BK_OK && j->o->sequential)
+        st = bk_resume_load_weights(j->rs, &j->o->solve.quant, j->cfg, l, &w);
+    bk_prof_add("resume.dequantize", bk_now() - t1);
     j->t_io += bk_now() - t;
+    t1 = bk_now();
     if (st == BK_OK)
-        st = j->ops->layer_begin(j->ops_ctx, use, use, 0);
+        st = j->ops->layer_begin(j->ops_ctx, &w, &w, 0);
+    bk_prof_add("resume.layer_begin", bk_now() - t1);
     if (st == BK_OK) {
         st = run_stage(j, BK_STAGE_FULL);
         j->ops->layer_end(j->ops_ctx);
     }
-    bk_layer_weights_free(&orig);
-    bk_layer_weights_free(&qw);
+    bk_layer_weights_free(&w);
     if (st != BK_OK)
         return bk_error_prefix(st, "--resume: rebuilding the calibration state");
     return BK_OK;
@@ -1094,7 +1093,8 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
             st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
         bk_hess_acc_reset(j->acc);
         if (st == BK_OK && bk__stop_requested())
-            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d", l);
+            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d (%d/%d)", l,
+                          l - j->layer_begin + 1, j->layer_end - j->layer_begin);
     }
     j->acc = j->bp_acc[0];
     return st;
@@ -1658,9 +1658,12 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = bk_st_stream_open_files(j->out, &reused);
     if (st == BK_OK)
         st = write_passthrough(j);
-    if (st == BK_OK && j->rs)
+    if (st == BK_OK && j->rs) {
+        double t = bk_now();
         st = bk_resume_restore(j->rs, j->out, reused, j->report_modules, &j->quantized_params,
                                &j->first_layer, job_note, j);
+        bk_prof_add("resume.restore (digests)", bk_now() - t);
+    }
     if (st != BK_OK)
         goto fail;
     writer_start(j);
@@ -1720,7 +1723,9 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             if (st != BK_OK)
                 goto fail;
             if (bk__stop_requested()) {
-                st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d", l);
+                /* numbered as the progress lines: index, then (k/selected) */
+                st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d (%d/%d)", l,
+                              l - j->layer_begin + 1, j->layer_end - j->layer_begin);
                 goto fail;
             }
         }

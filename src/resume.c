@@ -595,26 +595,41 @@ bk_status bk_resume_save_module(bk_resume *r, const bk_quant_spec *q, int layer,
     return st;
 }
 
-void bk_resume_dequantize(const bk_quant_spec *q, const int16_t *codes, const float *scales,
-                          const float *zeros, int64_t m, int64_t n, int64_t groups, float *w)
+/* value of code c of group entry gi */
+#define DQ_VALUE(c)                                                                     \
+    (q->kind == BK_Q_UNIFORM ? scales[gi] * ((float)(c) - (zeros ? zeros[gi] : zsym))   \
+     : q->kind == BK_Q_LEVELS ? (float)(c) * scales[gi] : (float)(c))
+
+/* codes of type T (int8_t, uint8_t, int16_t) -> w */
+#define DQ_LOOP(T)                                                                      \
+    for (int64_t i = 0; i < m; i++)                                                     \
+        for (int64_t j = 0; j < n; j++) {                                               \
+            const int64_t gi = i * groups + j / gsz;                                    \
+            T c;                                                                        \
+            memcpy(&c, (const char *)codes + (size_t)(i * n + j) * sizeof(T), sizeof(T)); \
+            w[i * n + j] = DQ_VALUE(c);                                                 \
+        }
+
+static void dequantize_any(const bk_quant_spec *q, bk_dtype dt, const void *codes,
+                           const float *scales, const float *zeros, int64_t m, int64_t n,
+                           int64_t groups, float *w)
 {
     const int64_t gw = groups > 1 ? (n + groups - 1) / groups : n;
     const int64_t gsz = (q->kind == BK_Q_UNIFORM && q->group > 0) ? q->group : gw;
     const float zsym = q->kind == BK_Q_UNIFORM ? (float)(1 << (q->bits - 1)) : 0.0f;
-    for (int64_t i = 0; i < m; i++) {
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t gi = i * groups + j / gsz;
-            const float c = (float)codes[i * n + j];
-            if (q->kind == BK_Q_UNIFORM) {
-                const float z = zeros ? zeros[gi] : zsym;
-                w[i * n + j] = scales[gi] * (c - z);
-            } else if (q->kind == BK_Q_LEVELS) {
-                w[i * n + j] = c * scales[gi];
-            } else {
-                w[i * n + j] = c;
-            }
-        }
+    if (dt == BK_DT_I8) {
+        DQ_LOOP(int8_t)
+    } else if (dt == BK_DT_U8) {
+        DQ_LOOP(uint8_t)
+    } else {
+        DQ_LOOP(int16_t)
     }
+}
+
+void bk_resume_dequantize(const bk_quant_spec *q, const int16_t *codes, const float *scales,
+                          const float *zeros, int64_t m, int64_t n, int64_t groups, float *w)
+{
+    dequantize_any(q, BK_DT_I16, codes, scales, zeros, m, n, groups, w);
 }
 
 bk_status bk_resume_layer_done(bk_resume *r, bk_st_stream *out, int layer, const char *entries)
@@ -703,36 +718,24 @@ bk_status bk_resume_load_weights(bk_resume *r, const bk_quant_spec *q, const bk_
                             "over without --resume)",
                             p, (long long)m, (long long)n);
         }
+        const int64_t g = ts->shape[1];
+        float *sc = NULL, *zs = NULL;
         if (tw) {
             memcpy(lw->w[mod], tw->data, (size_t)(m * n) * sizeof(float));
+        } else if (!(sc = malloc((size_t)(m * g) * sizeof(float))) ||
+                   (tz && !(zs = malloc((size_t)(m * g) * sizeof(float))))) {
+            free(sc);
+            bk_st_close(f);
+            return bk_error(BK_ERR_NOMEM, "out of memory");
         } else {
-            int16_t *c = malloc((size_t)(m * n) * sizeof(int16_t));
-            const int64_t g = ts->shape[1];
-            float *sc = malloc((size_t)(m * g) * sizeof(float));
-            float *zs = tz ? malloc((size_t)(m * g) * sizeof(float)) : NULL;
-            if (!c || !sc || (tz && !zs)) {
-                free(c);
-                free(sc);
-                free(zs);
-                bk_st_close(f);
-                return bk_error(BK_ERR_NOMEM, "out of memory");
-            }
-            for (int64_t i = 0; i < m * n; i++) {
-                if (tc->dtype == BK_DT_I8)
-                    c[i] = ((const int8_t *)tc->data)[i];
-                else if (tc->dtype == BK_DT_U8)
-                    c[i] = ((const uint8_t *)tc->data)[i];
-                else
-                    memcpy(&c[i], (const char *)tc->data + 2 * i, 2);
-            }
+            /* (scales and zeros copied: the mapped data need not be aligned) */
             memcpy(sc, ts->data, (size_t)(m * g) * sizeof(float));
             if (zs)
                 memcpy(zs, tz->data, (size_t)(m * g) * sizeof(float));
-            bk_resume_dequantize(q, c, sc, zs, m, n, g, lw->w[mod]);
-            free(c);
-            free(sc);
-            free(zs);
+            dequantize_any(q, tc->dtype, tc->data, sc, zs, m, n, g, lw->w[mod]);
         }
+        free(sc);
+        free(zs);
         bk_st_close(f);
     }
     return st;

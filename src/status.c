@@ -71,25 +71,96 @@ void bk_clear_error(void)
     errbuf[0] = '\0';
 }
 
+/* Length of the valid UTF-8 sequence at s (n bytes left), 0 if invalid
+ * (overlong forms, surrogates and code points above U+10FFFF are invalid). */
+static size_t utf8_len(const unsigned char *s, size_t n)
+{
+    unsigned c = s[0];
+    size_t len;
+    unsigned cp, min;
+    if (c < 0x80)
+        return 1;
+    if (c >= 0xC2 && c <= 0xDF) {
+        len = 2;
+        cp = c & 0x1F;
+        min = 0x80;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3;
+        cp = c & 0x0F;
+        min = 0x800;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4;
+        cp = c & 0x07;
+        min = 0x10000;
+    } else {
+        return 0;
+    }
+    if (n < len)
+        return 0;
+    for (size_t i = 1; i < len; i++) {
+        if ((s[i] & 0xC0) != 0x80)
+            return 0;
+        cp = cp << 6 | (s[i] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+        return 0;
+    return len;
+}
+
+size_t bk_escape_message(const char *in, char *out, size_t cap)
+{
+    static const char hex[] = "0123456789abcdef";
+    const unsigned char *s = (const unsigned char *)in;
+    size_t n = strlen(in), o = 0;
+    if (cap == 0)
+        return 0;
+    for (size_t i = 0; i < n;) {
+        size_t l = utf8_len(s + i, n - i);
+        char esc[5];
+        size_t el = 0;
+        if (l == 0 || (l == 1 && (s[i] < 0x20 || s[i] == 0x7f))) {
+            unsigned c = s[i];
+            esc[el++] = '\\';
+            if (c == '\n' || c == '\t' || c == '\r') {
+                esc[el++] = c == '\n' ? 'n' : c == '\t' ? 't' : 'r';
+            } else {
+                esc[el++] = 'x';
+                esc[el++] = hex[c >> 4];
+                esc[el++] = hex[c & 15];
+            }
+            l = 1;
+        } else {
+            memcpy(esc, s + i, l);
+            el = l;
+        }
+        if (o + el + 1 > cap)
+            break; /* never a sequence cut in half */
+        memcpy(out + o, esc, el);
+        o += el;
+        i += l;
+    }
+    out[o] = '\0';
+    return o;
+}
+
 bk_status bk_error(bk_status s, const char *fmt, ...)
 {
+    char raw[BK_ERRBUF];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(errbuf, sizeof errbuf, fmt, ap);
+    vsnprintf(raw, sizeof raw, fmt, ap);
     va_end(ap);
-    /* one line: fold any newline the caller let through */
-    for (char *p = errbuf; *p; p++)
-        if (*p == '\n' || *p == '\r')
-            *p = ' ';
+    /* one line of valid UTF-8: control characters (a newline the caller let
+     * through, text echoed from an input file) and invalid bytes escaped */
+    bk_escape_message(raw, errbuf, sizeof errbuf);
     return s;
 }
 
-bk_status bk_error_prefix(bk_status s, const char *prefix)
+bk_status bk_error_prefix(bk_status s, const char *prefix_raw)
 {
-    char tmp[BK_ERRBUF];
+    char tmp[BK_ERRBUF], prefix[BK_ERRBUF / 2];
+    bk_escape_message(prefix_raw, prefix, sizeof prefix);
     size_t lp = strlen(prefix);
-    if (lp > BK_ERRBUF / 2)
-        lp = BK_ERRBUF / 2;
     memcpy(tmp, prefix, lp);
     tmp[lp] = ':';
     tmp[lp + 1] = ' ';

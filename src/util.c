@@ -322,15 +322,16 @@ bk_status bk_copy_file(const char *src, const char *dst)
     bk_status st = BK_OK;
     while ((r = fread(buf, 1, sizeof buf, in)) > 0) {
         if (fwrite(buf, 1, r, out) != r) {
-            st = bk_error(BK_ERR_WRITE, "%s: write failed", dst);
+            st = bk_error(BK_ERR_WRITE, "%s: write failed: %s", dst, strerror(errno));
             break;
         }
     }
     if (ferror(in))
-        st = bk_error(BK_ERR_IO, "%s: read failed", src);
+        st = bk_error(BK_ERR_IO, "%s: read failed: %s", src, strerror(errno));
     fclose(in);
+    /* buffered data reach the file here: a full disk shows up at the close */
     if (fclose(out) != 0 && st == BK_OK)
-        st = bk_error(BK_ERR_WRITE, "%s: write failed", dst);
+        st = bk_error(BK_ERR_WRITE, "%s: write failed: %s", dst, strerror(errno));
     if (st != BK_OK)
         unlink(dst);
     return st;

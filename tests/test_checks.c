@@ -10,12 +10,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "bakron/bakron.h"
 #include "bakron/safetensors.h"
 #include "sha256.h"
 #include "st_internal.h"
+#include "util.h"
 
 static void test_sha256_vectors(void **state)
 {
@@ -95,11 +97,87 @@ static void test_zst_bound(void **state)
     unlink(path);
 }
 
+/* Messages are one line of valid UTF-8: control characters and invalid bytes
+ * from input files are escaped (issue 14 point 12). */
+static void test_escape(void **state)
+{
+    (void)state;
+    char out[64];
+    bk_escape_message("a\nb\tc\rd\x1b[31m\x7f", out, sizeof out);
+    assert_string_equal(out, "a\\nb\\tc\\rd\\x1b[31m\\x7f");
+    /* valid UTF-8 kept; invalid bytes, overlong forms and surrogates escaped byte by byte */
+    bk_escape_message("\xc3\xa9 \xe2\x80\x94 \xff \xc0\xaf \xed\xa0\x80 \xe2\x80", out, sizeof out);
+    assert_string_equal(out, "\xc3\xa9 \xe2\x80\x94 \\xff \\xc0\\xaf \\xed\\xa0\\x80 \\xe2\\x80");
+    /* never an escape or a character cut in half at the end */
+    char small[6];
+    bk_escape_message("ab\x01" "cd", small, sizeof small);
+    assert_string_equal(small, "ab");
+    char five[5];
+    bk_escape_message("abc\xc3\xa9", five, sizeof five);
+    assert_string_equal(five, "abc");
+    /* through bk_error and bk_error_prefix */
+    bk_error(BK_ERR_CONFIG, "x '%s'", "bad\x1b\xfe");
+    assert_string_equal(bk_last_error(), "x 'bad\\x1b\\xfe'");
+    bk_error_prefix(BK_ERR_CONFIG, "p\n");
+    assert_string_equal(bk_last_error(), "p\\n: x 'bad\\x1b\\xfe'");
+    /* a config.json echoing a value with an escape character and a raw invalid byte */
+    const char cfg[] = "{\"model_type\": \"gpt\\u001b[31m\xff\", \"hidden_size\": 8}";
+    bk_model_config c;
+    assert_int_equal(bk_model_config_parse(cfg, sizeof cfg - 1, "c.json", &c), BK_ERR_UNSUPPORTED);
+    assert_non_null(strstr(bk_last_error(), "model_type 'gpt\\x1b[31m\\xff'"));
+    for (const unsigned char *p = (const unsigned char *)bk_last_error(); *p; p++)
+        assert_true(*p >= 0x20 && *p < 0x7f);
+}
+
+/* Write failures say why (issue 14 point 12: "README.md: write failed"). */
+static void test_copy_reason(void **state)
+{
+    (void)state;
+    if (access("/dev/full", W_OK) != 0)
+        skip();
+    char src[] = "/tmp/bk-copy-XXXXXX";
+    int fd = mkstemp(src);
+    assert_true(fd >= 0);
+    char buf[4096];
+    memset(buf, 'r', sizeof buf);
+    assert_int_equal(write(fd, buf, sizeof buf), (ssize_t)sizeof buf);
+    close(fd);
+    assert_int_equal(bk_copy_file(src, "/dev/full"), BK_ERR_WRITE);
+    assert_non_null(strstr(bk_last_error(), "/dev/full: write failed: No space left on device"));
+    unlink(src);
+}
+
+/* A shard that is a folder is named as one, not "which does not exist". */
+static void test_shard_is_folder(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/bk-idx-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char p[256], sub[256];
+    snprintf(sub, sizeof sub, "%s/model-00001-of-00001.safetensors", dir);
+    assert_int_equal(mkdir(sub, 0755), 0);
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    FILE *f = fopen(p, "w");
+    assert_non_null(f);
+    fputs("{\"weight_map\": {\"a.weight\": \"model-00001-of-00001.safetensors\"}}", f);
+    fclose(f);
+    bk_st_set *s = NULL;
+    assert_int_equal(bk_st_set_open(dir, &s), BK_ERR_ST_INDEX);
+    assert_non_null(strstr(bk_last_error(), "which is a folder, not a file"));
+    assert_null(strstr(bk_last_error(), "does not exist"));
+    unlink(p);
+    rmdir(sub);
+    rmdir(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sha256_vectors),
         cmocka_unit_test(test_zst_bound),
+        cmocka_unit_test(test_escape),
+        cmocka_unit_test(test_copy_reason),
+        cmocka_unit_test(test_shard_is_folder),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

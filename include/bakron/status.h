@@ -8,6 +8,8 @@
 #ifndef BAKRON_STATUS_H
 #define BAKRON_STATUS_H
 
+#include <stddef.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -72,6 +74,13 @@ const char *bk_last_error(void);
 __attribute__((format(printf, 2, 3)))
 #endif
 bk_status bk_error(bk_status s, const char *fmt, ...);
+
+/* Copy the NUL-terminated text `in` into out (cap bytes, NUL-terminated) as
+ * one line of valid UTF-8: control characters become \n, \t, \r or \xNN and
+ * each byte of an invalid UTF-8 sequence \xNN; a sequence is never cut in
+ * half at the end. Returns the length written. bk_error and bk_error_prefix
+ * pass every message through it. */
+size_t bk_escape_message(const char *in, char *out, size_t cap);
 
 /* Prefix the current message with "prefix: " (to add context while unwinding);
  * returns s. */

@@ -2,6 +2,9 @@
 # shellcheck shell=bash
 
 BK_DEBIAN_PACKAGES="meson ninja-build pkg-config gcc python3 libcjson-dev libzstd-dev libcmocka-dev libopenblas-dev liblapacke-dev libpcre2-dev libutf8proc-dev"
+# the fuzz targets (scripts/fuzz.sh, docs/FUZZING.md): clang and libFuzzer's
+# runtime (libclang_rt.fuzzer, Debian 12: libclang-rt-14-dev)
+BK_DEBIAN_PACKAGES="$BK_DEBIAN_PACKAGES clang libclang-rt-14-dev"
 
 bk_log() { printf '==> %s\n' "$*" >&2; }
 

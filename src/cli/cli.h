@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "bakron/bakron.h"
+#include "bakron/pipeline.h"
 
 typedef bk_status (*bk_cmd_fn)(int argc, char **argv);
 
@@ -18,6 +19,10 @@ bk_status bk_cmd_quantize(int argc, char **argv);
 bk_status bk_cmd_dump(int argc, char **argv);
 bk_status bk_cmd_eval(int argc, char **argv);
 bk_status bk_cmd_merge(int argc, char **argv);
+
+/* Read and apply a `--config` preset (a configs/ file) to default options, as
+ * `quantize --config` does (used by the preset fuzz target). */
+bk_status cli_preset_check(const char *path, bk_quantize_opts *out);
 
 /* --- helpers (cli_util.c) --- */
 

@@ -528,6 +528,21 @@ static bk_status resolve_quant(qargs *q, const char *preset)
     return BK_OK;
 }
 
+bk_status cli_preset_check(const char *path, bk_quantize_opts *out)
+{
+    qargs q;
+    memset(&q, 0, sizeof q);
+    bk_quantize_opts_default(&q.o);
+    bk_status st = apply_preset(&q, path);
+    if (st == BK_OK)
+        st = resolve_quant(&q, path);
+    if (out)
+        *out = q.o; /* its strings are freed below: only the scalar settings stay valid */
+    for (int i = 0; i < q.n_preset_strings; i++)
+        free(q.preset_strings[i]);
+    return st;
+}
+
 /* ------------------------------------------------------------ progress */
 
 static const char *ev_name(bk_event_kind k)

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Error messages name what caused them (issue 14 point 12): a weight at the BF16
+# maximum names the tensor and the first forward operation that overflowed; a
+# rope_theta that underflows names config.json and rope_theta; an interrupt is
+# numbered like the progress lines; control characters and invalid UTF-8 read
+# from an input are escaped, never echoed raw.
+set -u
+B=${BK_BAKRON:?}
+SRC=${BK_SOURCE_ROOT:?}
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fail=0
+die() { echo "FAIL: $*"; fail=1; }
+M="$SRC/examples/kerneldocs-1.6m"
+cd "$W" || exit 1
+
+# expect RC PATTERN CMD...: exit RC, one line on stderr matching PATTERN
+expect() {
+    local rc=$1 pat=$2; shift 2
+    "$@" >"$W/out" 2>"$W/err"
+    local got=$?
+    [ $got -eq "$rc" ] || die "$*: exit $got, expected $rc ($(tail -1 "$W/err"))"
+    local last
+    last=$(grep -v '^  \|^layer \|^bakron: ' "$W/err" | tail -1)
+    grep -qE -- "$pat" <<<"$last" || die "$*: message does not match '$pat': $last"
+    echo "ok: $(cut -c1-220 <<<"$last")"
+}
+
+# --- a weight at the BF16 maximum (finite, so the start-up scan accepts it)
+set_bf16_max() { # model tensor how (row0 | elem0)
+    python3 - "$1/model.safetensors" "$2" "$3" <<'EOF'
+import json, struct, sys
+p, name, how = sys.argv[1:]
+b = bytearray(open(p, "rb").read())
+n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+t = h[name]; assert t["dtype"] == "BF16", t["dtype"]
+o = 8 + n + t["data_offsets"][0]
+cols = t["shape"][-1] if how == "row0" else 1
+for k in range(cols):
+    struct.pack_into("<H", b, o + 2 * k, 0x7F7F)   # 3.3895e38, the largest finite BF16
+open(p, "wb").write(b)
+EOF
+}
+Q=(quantize --calib "$M/calib.safetensors" --samples 2 --hessian gptq --backend cpu)
+cp -r "$M" m1 && set_bf16_max m1 model.layers.0.self_attn.v_proj.weight row0
+expect 2 "layer 0 v_proj output: non-finite value .*: the float32 forward pass overflowed here; the largest weight feeding it is model\.layers\.0\.self_attn\.v_proj\.weight = 3\.3895[0-9]*e\+38" \
+    "$B" "${Q[@]}" m1 --out o1
+cp -r "$M" m2 && set_bf16_max m2 model.layers.1.post_attention_layernorm.weight elem0
+expect 2 "layer 1 gate/up_proj input \(post_attention_layernorm\): non-finite value .* model\.layers\.1\.post_attention_layernorm\.weight = 3\.3895[0-9]*e\+38 \(element 0\)" \
+    "$B" "${Q[@]}" m2 --out o2
+[ -e o1 ] || [ -e o2 ] && die "an output folder was left"
+
+# --- rope_theta that underflows: config.json and the field, before any work
+cp -r "$M" m3
+python3 - m3/config.json <<'EOF'
+import json, sys
+p = sys.argv[1]; c = json.load(open(p))
+if "rope_parameters" in c: c["rope_parameters"]["rope_theta"] = 1e-50
+else: c["rope_theta"] = 1e-50
+json.dump(c, open(p, "w"))
+EOF
+expect 2 "m3/config\.json: rope_theta = 1e-50 makes a RoPE frequency non-finite" "$B" "${Q[@]}" m3 --out o3
+
+# --- control characters and invalid UTF-8 from an input file are escaped
+printf '{"model_type": "gpt\\u001b[31m\xff", "hidden_size": 8}' >esc.json
+"$B" inspect esc.json >/dev/null 2>err; rc=$?
+[ $rc -eq 2 ] || die "inspect esc.json: exit $rc"
+grep -q 'gpt\\x1b\[31m\\xff' err || die "escaped model_type not in the message: $(cat -v err)"
+LC_ALL=C grep -q $'\x1b' err && die "a raw ESC byte reached stderr"
+LC_ALL=C grep -q $'\xff' err && die "a raw 0xff byte reached stderr"
+echo "ok: $(cat err)"
+
+# --- an interrupt is numbered like the progress lines: "layer L (k/n)"
+"$B" quantize "$M" --calib "$M/calib.safetensors" --samples 16 --hessian gptq --backend cpu \
+    --out o4 >/dev/null 2>int.err &
+pid=$!
+for _ in $(seq 1200); do
+    grep -q "done (1/4)" int.err 2>/dev/null && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.02
+done
+kill -INT $pid 2>/dev/null
+wait $pid; rc=$?
+if grep -q "interrupted" int.err; then
+    [ $rc -eq 3 ] || die "interrupt: exit $rc"
+    msg=$(grep "interrupted" int.err | tail -1)
+    L=$(sed -nE 's/.*interrupted (after|at) layer ([0-9]+) \(([0-9]+)\/4\).*/\2 \3/p' <<<"$msg")
+    [ -n "$L" ] || die "interrupt message not numbered 'layer L (k/4)': $msg"
+    set -- $L
+    [ "$2" -eq $(($1 + 1)) ] || die "interrupt message '$msg': k is not layer + 1 with all layers selected"
+    grep -qE "^(  )?layer $1 (done )?\($2/4\)" int.err ||
+        die "no progress line numbered 'layer $1 ($2/4)' before the interrupt '$msg'"
+    echo "ok: $msg (progress: $(grep -E "^(  )?layer $1 (done )?\($2/4\)" int.err | tail -1 | cut -c1-60))"
+else
+    echo "interrupt: the run ended before the signal (exit $rc); numbering not checked this time"
+fi
+
+[ $fail -eq 0 ] && echo "all message checks passed"
+exit $fail
