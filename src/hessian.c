@@ -587,6 +587,75 @@ void bk_hess_acc_reset(bk_hess_acc *a)
     }
 }
 
+/* ------------------------------------------------------ sums (MPI ranks) */
+
+static bk_status sums_gram(bk_hess_acc *a, gram *g, bk_hess_sum_fn fn, void *user)
+{
+    if (!g->s)
+        return BK_OK;
+    return fn(user, g->s, (size_t)g->n * (size_t)g->n, a->fp64);
+}
+
+bk_status bk_hess_acc_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, void *user)
+{
+    if (!a)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
+    if (a->bp)
+        return bk_error(BK_ERR_UNSUPPORTED, "hessian: the sums of the backprop kinds are not "
+                        "exchanged between ranks");
+    int grp[G_COUNT] = {0};
+    for (int m = 0; m < BK_MOD_COUNT; m++)
+        if (modules & (1u << m))
+            grp[module_group((bk_module)m)] = 1;
+    bk_status st = BK_OK;
+    const size_t hh = (size_t)(a->hd * a->hd);
+    if (grp[G_ATTN]) {
+        if (st == BK_OK)
+            st = sums_gram(a, &a->x_attn, fn, user);
+        if (st == BK_OK)
+            st = sums_gram(a, &a->a_q, fn, user);
+        if (st == BK_OK)
+            st = sums_gram(a, &a->a_k, fn, user);
+        if (st == BK_OK && a->bq)
+            st = fn(user, a->bq, (size_t)a->H * hh, 1);
+        if (st == BK_OK && a->bk)
+            st = fn(user, a->bk, (size_t)a->G * hh, 1);
+    }
+    if (grp[G_O] && st == BK_OK)
+        st = sums_gram(a, &a->x_o, fn, user);
+    if (grp[G_MLP]) {
+        gram *gs[] = {&a->x_mlp, &a->a_gate, &a->a_up, &a->b_gate, &a->b_up};
+        for (size_t i = 0; i < sizeof gs / sizeof gs[0] && st == BK_OK; i++)
+            st = sums_gram(a, gs[i], fn, user);
+    }
+    if (grp[G_DOWN] && st == BK_OK)
+        st = sums_gram(a, &a->x_down, fn, user);
+    if (st != BK_OK)
+        return st;
+    /* counts and scalar sums of the groups */
+    double sc[G_COUNT + 2];
+    size_t k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            sc[k++] = (double)a->count[g];
+    if (grp[G_ATTN]) {
+        sc[k++] = (double)a->n_pairs;
+        sc[k++] = a->v_wb;
+    }
+    st = fn(user, sc, k, 1);
+    if (st != BK_OK)
+        return st;
+    k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            a->count[g] = (int64_t)sc[k++];
+    if (grp[G_ATTN]) {
+        a->n_pairs = (int64_t)sc[k++];
+        a->v_wb = sc[k++];
+    }
+    return BK_OK;
+}
+
 /* ------------------------------------------------------ power-step starts */
 
 bk_status bk_hess_set_start(bk_hess_acc *a, bk_module mod, const float *A0, int64_t n,

@@ -20,6 +20,7 @@
 #include <cjson/cJSON.h>
 
 #include "bakron/bakron.h"
+#include "bakron/dist.h"
 #include "bakron/pipeline.h"
 #include "outdir.h"
 #include "pipeline_internal.h"
@@ -505,5 +506,139 @@ bk_status bk_merge(const bk_merge_opts *o)
         ev.elapsed_s = bk_now() - t0;
         o->on_event(o->user, &ev);
     }
+    return st;
+}
+
+/* ------------------------------------------- MPI ranks, layer parallel */
+
+static void ranks_note(void *user, const char *msg)
+{
+    const bk_quantize_opts *o = user;
+    if (!o->on_event)
+        return;
+    bk_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = BK_EV_NOTE;
+    ev.message = msg;
+    o->on_event(o->user, &ev);
+}
+
+/* rank 0's part run: its progress, not its DONE (the merged output's comes later) */
+static void part_event(void *user, const bk_event *ev)
+{
+    const bk_quantize_opts *o = user;
+    if (ev->kind != BK_EV_DONE && o->on_event)
+        o->on_event(o->user, ev);
+}
+
+bk_status bk__quantize_layer_ranks(const bk_quantize_opts *o)
+{
+    bk_dist *d = o->dist;
+    const int rank = bk_dist_rank(d), size = bk_dist_size(d);
+    const double t0 = bk_now();
+    bk_status st = BK_OK;
+    bk_outdir od;
+    memset(&od, 0, sizeof od);
+    od.lock_fd = -1;
+    char work[BK_PATH_MAX] = "", part[BK_PATH_MAX] = "";
+    int64_t L = 0;
+    if (o->layer_begin > 0 || o->layer_end > 0)
+        st = bk_error(BK_ERR_INVALID_ARG,
+                      "quantize: --layers with MPI ranks: the ranks split all layers between them "
+                      "(for ranges of your own, run single processes and bakron merge)");
+    if (st == BK_OK && !o->out_dir)
+        st = bk_error(BK_ERR_INVALID_ARG, "quantize: an output folder is required");
+    /* rank 0: the output folder (lock, work folder); every rank: the layer count */
+    if (st == BK_OK && rank == 0) {
+        const char *inputs[] = {o->model_dir, o->activations_dir ? o->activations_dir : "",
+                                o->config_path ? o->config_path : "", NULL};
+        bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
+                             .what = "quantize", .note = ranks_note, .user = (void *)o};
+        st = bk_outdir_open(&od, &os, NULL);
+        if (st == BK_OK)
+            snprintf(work, sizeof work, "%s", od.work);
+        if (st == BK_OK && (st = bk_path_join(part, sizeof part, work, ".parts")) == BK_OK)
+            st = bk_mkdir_p(part);
+    }
+    if (st == BK_OK) {
+        bk_model *m = NULL;
+        st = bk_model_open(o->model_dir, &m);
+        if (st == BK_OK) {
+            L = bk_model_get_config(m)->n_layers;
+            bk_model_close(m);
+        }
+    }
+    st = bk_dist_sync(d, st);
+    if (st == BK_OK)
+        st = bk_dist_bcast(d, work, sizeof work, 0);
+    if (st != BK_OK)
+        goto done;
+    /* this rank's layers */
+    const int lo = (int)(L * rank / size), hi = (int)(L * (rank + 1) / size);
+    if (lo < hi) {
+        char name[64];
+        snprintf(name, sizeof name, ".parts/rank-%05d", rank);
+        st = bk_path_join(part, sizeof part, work, name);
+        if (st == BK_OK) {
+            bk_quantize_opts po = *o;
+            po.dist = NULL;
+            po.layer_begin = lo;
+            po.layer_end = hi;
+            po.out_dir = part;
+            po.overwrite = 0;
+            po.on_event = rank == 0 ? part_event : NULL;
+            po.user = (void *)o;
+            st = bk_quantize(&po);
+        }
+    }
+    st = bk_dist_sync(d, st);
+    if (st != BK_OK)
+        goto done;
+    /* rank 0: merge the parts into the work folder, then commit */
+    if (rank == 0) {
+        char **dirs = calloc((size_t)size, sizeof *dirs);
+        int n = 0;
+        if (!dirs)
+            st = bk_error(BK_ERR_NOMEM, "out of memory");
+        for (int r = 0; r < size && st == BK_OK; r++) {
+            if (L * r / size == L * (r + 1) / size)
+                continue;
+            char name[64];
+            snprintf(name, sizeof name, ".parts/rank-%05d", r);
+            if (!(dirs[n] = malloc(BK_PATH_MAX)))
+                st = bk_error(BK_ERR_NOMEM, "out of memory");
+            else if ((st = bk_path_join(dirs[n], BK_PATH_MAX, work, name)) == BK_OK &&
+                     !bk_is_dir(dirs[n]))
+                st = bk_error(BK_ERR_IO,
+                              "%s: rank %d's part is not visible on rank 0 (--out must be on a "
+                              "file system every rank shares)",
+                              dirs[n], r);
+            n++;
+        }
+        if (st == BK_OK)
+            st = bk__merge_into((const char *const *)dirs, n, work, o->max_shard_bytes);
+        for (int i = 0; dirs && i < n; i++)
+            free(dirs[i]);
+        free(dirs);
+        if (st == BK_OK) {
+            char parts[BK_PATH_MAX];
+            if (bk_path_join(parts, sizeof parts, work, ".parts") == BK_OK)
+                bk_remove_tree(parts);
+            st = bk_outdir_commit(&od);
+        }
+    }
+    st = bk_dist_sync(d, st);
+    if (st == BK_OK && rank == 0 && o->on_event) {
+        bk_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = BK_EV_DONE;
+        ev.layer = (int)L;
+        ev.n_layers = (int)L;
+        ev.message = o->out_dir;
+        ev.elapsed_s = bk_now() - t0;
+        o->on_event(o->user, &ev);
+    }
+done:
+    bk_outdir_close(&od);
     return st;
 }

@@ -588,8 +588,10 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
     if ((st = parse_dtype(label, root, &c->dtype)) != BK_OK)
         goto done;
 
-    c->bos_token_id = ai->bos;
-    c->eos_token_id = ai->eos;
+    /* the architecture's default ids, where the vocabulary holds them (a config
+     * with vocab_size 1 and no ids has none: found by the config fuzz target) */
+    c->bos_token_id = ai->bos < c->vocab ? ai->bos : -1;
+    c->eos_token_id = ai->eos < c->vocab ? ai->eos : -1;
     if ((st = token_id(label, root, "bos_token_id", c->vocab, &c->bos_token_id)) != BK_OK ||
         (st = token_id(label, root, "eos_token_id", c->vocab, &c->eos_token_id)) != BK_OK)
         goto done;

@@ -119,6 +119,11 @@ typedef struct job {
     double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
     int64_t quantized_params;
     bk_gemm_math gemm_math; /* the GPU stages' arithmetic (auto resolved) */
+    /* MPI ranks (docs/DISTRIBUTED.md): this rank's sequences [s_lo, s_hi) (all
+     * of them in one process); agreed: the failure is known to every rank */
+    bk_dist *dist;
+    int rank, nranks, agreed;
+    int64_t s_lo, s_hi;
     /* backprop kinds: one accumulator per layer of a leaf of the flow
      * (j->acc points at the one of the layer being quantized) */
     int bp;
@@ -361,6 +366,11 @@ static bk_status writer_error(job *j)
 static bk_status writer_put(job *j, int layer, bk_module mod, bk_solve_result *r,
                             char *entries)
 {
+    if (!j->out) { /* MPI ranks other than 0: rank 0 writes */
+        bk_solve_result_free(r);
+        free(entries);
+        return BK_OK;
+    }
     if (!j->wr.started) {
         struct wjob w = {layer, mod, *r, entries};
         bk_status st = writer_do(j, &w);
@@ -462,8 +472,16 @@ static bk_status journal_layer(job *j, int l)
 
 /* ------------------------------------------------------------------ solving */
 
-static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights *lw,
-                              const bk_layer_weights *orig)
+/* A module's solve, before it is applied (MPI ranks: computed by one rank,
+ * applied by all). */
+typedef struct solved {
+    bk_solve_result r;
+    double loss_gptq;
+    int alg, two_sided;
+} solved;
+
+static bk_status solve_compute(job *j, int layer, bk_module mod, const bk_layer_weights *orig,
+                               solved *sv)
 {
     const char *A = NULL, *B = NULL;
     const float *fa = NULL, *fb = NULL, *fa_gptq = NULL;
@@ -516,10 +534,7 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
         bk_solve_result_free(&r);
         return bk_error_prefix(st, label);
     }
-    j->t_factor += r.time_factor_s;
-    j->t_solve += r.time_solve_s + r.time_stats_s;
     bk_prof_add("pipe.solve", bk_now() - t);
-    t = bk_now();
 
     /* the GPTQ proxy loss tr(E A E^T) with A = E[xx^T] (undamped), for every
      * module (computed by solve_dev on the device) */
@@ -538,6 +553,29 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
             return st;
         }
     }
+    sv->r = r;
+    sv->loss_gptq = loss_gptq;
+    sv->alg = (int)so.algorithm;
+    sv->two_sided = fb != NULL;
+    return BK_OK;
+}
+
+/* Apply a solve: the working copy, the report, the progress event, the
+ * output (sv->r is handed over). */
+static bk_status solve_apply(job *j, int layer, bk_module mod, bk_layer_weights *lw, solved *sv)
+{
+    bk_status st = BK_OK;
+    int64_t m, n;
+    bk_module_shape(j->cfg, mod, &m, &n);
+    char label[256];
+    snprintf(label, sizeof label, "model.layers.%d.%s", layer, bk_module_name(mod));
+    const int dev = j->ops->factors_dev && j->ops->solve_dev;
+    bk_solve_result r = sv->r;
+    memset(&sv->r, 0, sizeof sv->r);
+    const double loss_gptq = sv->loss_gptq;
+    j->t_factor += r.time_factor_s;
+    j->t_solve += r.time_solve_s + r.time_stats_s;
+    double t = bk_now();
 
     /* the quantized weight replaces the working copy for what follows */
     if (!dev) { /* (the device stages updated their working copy in solve_dev) */
@@ -554,8 +592,8 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
     cJSON_AddStringToObject(e, "module", bk_module_name(mod));
     cJSON_AddNumberToObject(e, "rows", (double)m);
     cJSON_AddNumberToObject(e, "cols", (double)n);
-    cJSON_AddStringToObject(e, "algorithm", bk_algorithm_name(so.algorithm));
-    cJSON_AddBoolToObject(e, "two_sided", fb != NULL);
+    cJSON_AddStringToObject(e, "algorithm", bk_algorithm_name((bk_algorithm)sv->alg));
+    cJSON_AddBoolToObject(e, "two_sided", sv->two_sided);
     if (isfinite(r.loss_two_sided))
         cJSON_AddNumberToObject(e, "loss", r.loss_two_sided);
     else
@@ -588,6 +626,18 @@ static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights
                         layer - j->layer_begin + 1, j->layer_end - j->layer_begin,
                         bk_module_name(mod));
     return BK_OK;
+}
+
+static bk_status solve_module(job *j, int layer, bk_module mod, bk_layer_weights *lw,
+                              const bk_layer_weights *orig)
+{
+    solved sv;
+    memset(&sv, 0, sizeof sv);
+    bk_status st = solve_compute(j, layer, mod, orig, &sv);
+    if (st == BK_OK)
+        st = solve_apply(j, layer, mod, lw, &sv);
+    bk_solve_result_free(&sv.r);
+    return st;
 }
 
 /* Feed one micro-batch of every module's inputs to the accumulators (the
@@ -834,11 +884,211 @@ nomem:
 
 /* ------------------------------------------------- one layer, token calibration */
 
+/* The micro-batches of this rank's sequences [s_lo, s_hi) (all sequences in
+ * one process). */
 #define MB_LOOP(j, s0, sb)                                                          \
-    for (int64_t s0 = 0, sb = 0; s0 < (j)->S && ((sb = ((j)->S - s0 < (j)->batch ? (j)->S - s0 : (j)->batch)), 1); \
+    for (int64_t s0 = (j)->s_lo, sb = 0; s0 < (j)->s_hi && ((sb = ((j)->s_hi - s0 < (j)->batch ? (j)->s_hi - s0 : (j)->batch)), 1); \
          s0 += sb)
 
-/* One stage over every micro-batch. */
+/* ------------------------------------------- MPI ranks, data parallel
+ * (docs/DISTRIBUTED.md). Every rank holds the layer and runs the stages on
+ * its share of the sequences (whole micro-batches, the single process's
+ * boundaries); the Hessian sums of a stage are combined (ordered: passed
+ * from rank to rank, each adding its micro-batches, so the sums are formed in
+ * the single process's order; sum: partial sums added in rank order), then
+ * known to every rank; the stage's module solves are spread over the ranks
+ * and every result is broadcast, so all ranks continue with the same
+ * quantized weights. Failures: every collective is preceded by a status
+ * exchange (jsync) at a point all ranks reach in the same order; a rank that
+ * fails goes on to the next exchange, where every rank learns it. */
+
+/* bk_dist_sync, remembering that the failure is known to every rank. */
+static bk_status jsync(job *j, bk_status st)
+{
+    if (j->nranks <= 1)
+        return st;
+    st = bk_dist_sync(j->dist, st);
+    if (st != BK_OK)
+        j->agreed = 1;
+    return st;
+}
+
+static unsigned stage_modules(bk_stage stage)
+{
+    switch (stage) {
+    case BK_STAGE_QKV: return 1u << BK_MOD_Q | 1u << BK_MOD_K | 1u << BK_MOD_V;
+    case BK_STAGE_O: return 1u << BK_MOD_O;
+    case BK_STAGE_MLP: return 1u << BK_MOD_GATE | 1u << BK_MOD_UP;
+    case BK_STAGE_DOWN: return 1u << BK_MOD_DOWN;
+    case BK_STAGE_TAPS: return (1u << BK_MOD_COUNT) - 1;
+    default: return 0;
+    }
+}
+
+typedef struct sum_ctx {
+    job *j;
+    int op, peer; /* op: 0 receive from peer, 1 send to peer, 2 broadcast from peer, 3 sum */
+} sum_ctx;
+
+static bk_status sum_one(void *user, void *buf, size_t n, int f64)
+{
+    sum_ctx *c = user;
+    const size_t bytes = n * (f64 ? sizeof(double) : sizeof(float));
+    switch (c->op) {
+    case 0: return bk_dist_recv(c->j->dist, buf, bytes, c->peer, 11);
+    case 1: return bk_dist_send(c->j->dist, buf, bytes, c->peer, 11);
+    case 2: return bk_dist_bcast(c->j->dist, buf, bytes, c->peer);
+    default: return bk_dist_sum_ordered(c->j->dist, buf, n, f64);
+    }
+}
+
+static bk_status acc_sums(job *j, unsigned mods, int op, int peer)
+{
+    sum_ctx c = {j, op, peer};
+    bk_status st = BK_OK;
+    if (j->acc)
+        st = bk_hess_acc_sums(j->acc, mods, sum_one, &c);
+    if (st == BK_OK && j->acc_gptq)
+        st = bk_hess_acc_sums(j->acc_gptq, mods, sum_one, &c);
+    return st;
+}
+
+/* A Hessian stage over several ranks: agree, (ordered) receive the sums from
+ * the rank before, run this rank's micro-batches, pass them on, agree, and
+ * make the complete sums known to every rank. */
+static bk_status run_stage_ranks(job *j, bk_stage stage)
+{
+    const unsigned mods = stage_modules(stage);
+    const int ordered = j->o->dist_reduce == BK_DIST_ORDERED;
+    bk_status st = jsync(j, BK_OK);
+    if (st != BK_OK)
+        return st;
+    int ok = 1; /* ordered: the ranks before succeeded */
+    if (ordered && j->rank > 0) {
+        st = bk_dist_recv(j->dist, &ok, sizeof ok, j->rank - 1, 10);
+        if (st == BK_OK && ok)
+            st = acc_sums(j, mods, 0, j->rank - 1);
+        if (st != BK_OK)
+            return st; /* the communication is broken: every later call fails */
+    }
+    if (ok) {
+        MB_LOOP(j, s0, sb) {
+            st = j->ops->run(j->ops_ctx, stage, s0, sb, &j->t_forward, &j->t_hessian);
+            if (st != BK_OK)
+                break;
+        }
+    }
+    if (ordered && j->rank + 1 < j->nranks) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", bk_last_error());
+        int pass = ok && st == BK_OK;
+        bk_status cs = bk_dist_send(j->dist, &pass, sizeof pass, j->rank + 1, 10);
+        if (cs == BK_OK && pass)
+            cs = acc_sums(j, mods, 1, j->rank + 1);
+        if (cs != BK_OK)
+            return cs;
+        if (st != BK_OK)
+            bk_error(st, "%s", msg);
+    }
+    if ((st = jsync(j, st)) != BK_OK)
+        return st;
+    double t = bk_now();
+    st = ordered ? acc_sums(j, mods, 2, j->nranks - 1) : acc_sums(j, mods, 3, 0);
+    bk_prof_add("dist.hessian_sums", bk_now() - t);
+    return st;
+}
+
+/* The owner's result, broadcast to every rank (header, then arrays). */
+static bk_status share_solved(job *j, bk_module mod, int owner, solved *sv)
+{
+    struct {
+        int64_t m, n, groups, dead_columns, clamped;
+        double damp_a, damp_b, loss_two_sided, loss_one_sided, bound, tf, ts, tst, loss_gptq;
+        int32_t damp_retries, alg, two_sided, has_zeros, has_codes, has_scales, has_weight;
+    } h;
+    memset(&h, 0, sizeof h);
+    bk_solve_result *r = &sv->r;
+    if (j->rank == owner) {
+        h.m = r->m, h.n = r->n, h.groups = r->groups, h.dead_columns = r->dead_columns;
+        h.clamped = r->clamped, h.damp_a = r->damp_a, h.damp_b = r->damp_b;
+        h.loss_two_sided = r->loss_two_sided, h.loss_one_sided = r->loss_one_sided;
+        h.bound = r->bound, h.tf = r->time_factor_s, h.ts = r->time_solve_s;
+        h.tst = r->time_stats_s, h.loss_gptq = sv->loss_gptq, h.damp_retries = r->damp_retries;
+        h.alg = sv->alg, h.two_sided = sv->two_sided, h.has_zeros = r->zeros != NULL;
+        h.has_codes = r->codes != NULL, h.has_scales = r->scales != NULL;
+        h.has_weight = r->weight != NULL;
+    }
+    bk_status st = bk_dist_bcast(j->dist, &h, sizeof h, owner);
+    if (st != BK_OK)
+        return st;
+    if (j->rank != owner) {
+        int64_t m, n;
+        bk_module_shape(j->cfg, mod, &m, &n);
+        if (h.m != m || h.n != n || h.groups < 0 || h.groups > n)
+            return bk_error(BK_ERR_INTERNAL, "rank %d: %s: a solve of shape %lldx%lld arrived",
+                            j->rank, bk_module_name(mod), (long long)h.m, (long long)h.n);
+        memset(sv, 0, sizeof *sv);
+        r->m = h.m, r->n = h.n, r->groups = h.groups, r->dead_columns = h.dead_columns;
+        r->clamped = h.clamped, r->damp_a = h.damp_a, r->damp_b = h.damp_b;
+        r->loss_two_sided = h.loss_two_sided, r->loss_one_sided = h.loss_one_sided;
+        r->bound = h.bound, r->time_factor_s = h.tf, r->time_solve_s = h.ts;
+        r->time_stats_s = h.tst, sv->loss_gptq = h.loss_gptq, r->damp_retries = h.damp_retries;
+        sv->alg = h.alg, sv->two_sided = h.two_sided;
+        const size_t mn = (size_t)(h.m * h.n), mg = (size_t)(h.m * h.groups);
+        if ((h.has_codes && !(r->codes = bk_alloc(mn, sizeof *r->codes))) ||
+            (h.has_scales && !(r->scales = bk_alloc(mg, sizeof *r->scales))) ||
+            (h.has_zeros && !(r->zeros = bk_alloc(mg, sizeof *r->zeros))) ||
+            (h.has_weight && !(r->weight = bk_alloc(mn, sizeof *r->weight))))
+            return bk_error(BK_ERR_NOMEM, "rank %d: out of memory for a solve", j->rank);
+    }
+    const size_t mn = (size_t)(h.m * h.n), mg = (size_t)(h.m * h.groups);
+    if (st == BK_OK && h.has_weight)
+        st = bk_dist_bcast(j->dist, r->weight, mn * sizeof *r->weight, owner);
+    if (st == BK_OK && h.has_codes)
+        st = bk_dist_bcast(j->dist, r->codes, mn * sizeof *r->codes, owner);
+    if (st == BK_OK && h.has_scales)
+        st = bk_dist_bcast(j->dist, r->scales, mg * sizeof *r->scales, owner);
+    if (st == BK_OK && h.has_zeros)
+        st = bk_dist_bcast(j->dist, r->zeros, mg * sizeof *r->zeros, owner);
+    return st;
+}
+
+/* Solve modules m0..m1 of a layer (independent: one stage's sums). One
+ * process: in order. Ranks: module m is solved by rank m % ranks, then every
+ * result is broadcast and applied on every rank in module order. */
+static bk_status solve_group(job *j, int l, int m0, int m1, bk_layer_weights *lw,
+                             const bk_layer_weights *orig)
+{
+    bk_status st = BK_OK;
+    if (j->nranks <= 1) {
+        for (int m = m0; m <= m1 && st == BK_OK; m++)
+            st = solve_module(j, l, (bk_module)m, lw, orig);
+        return st;
+    }
+    solved sv[BK_MOD_COUNT];
+    memset(sv, 0, sizeof sv);
+    double t = bk_now();
+    for (int m = m0; m <= m1 && st == BK_OK; m++)
+        if (m % j->nranks == j->rank)
+            st = solve_compute(j, l, (bk_module)m, orig, &sv[m]);
+    bk_prof_add("dist.solve_own", bk_now() - t);
+    st = jsync(j, st);
+    t = bk_now();
+    bk_status ap = BK_OK; /* a failure applying: known at the next exchange */
+    for (int m = m0; m <= m1 && st == BK_OK; m++) {
+        st = share_solved(j, (bk_module)m, m % j->nranks, &sv[m]);
+        if (st == BK_OK && ap == BK_OK)
+            ap = solve_apply(j, l, (bk_module)m, lw, &sv[m]);
+    }
+    bk_prof_add("dist.solve_share", bk_now() - t);
+    for (int m = m0; m <= m1; m++)
+        bk_solve_result_free(&sv[m].r);
+    if (st != BK_OK)
+        return st;
+    return jsync(j, ap);
+}
+
+/* One stage over every micro-batch (of this rank). */
 static bk_status run_stage(job *j, bk_stage stage)
 {
     static const char *const fk[] = {"fwd.qkv", "fwd.o", "fwd.mlp", "fwd.down", "fwd.out",
@@ -846,11 +1096,18 @@ static bk_status run_stage(job *j, bk_stage stage)
     static const char *const hk[] = {"hess.qkv", "hess.o", "hess.mlp", "hess.down", "hess.out",
                                      "hess.full", "hess.taps"};
     const double f0 = j->t_forward, h0 = j->t_hessian;
-    MB_LOOP(j, s0, sb) {
-        bk_status st = j->ops->run(j->ops_ctx, stage, s0, sb, &j->t_forward, &j->t_hessian);
+    if (j->nranks > 1 && stage_modules(stage)) {
+        bk_status st = run_stage_ranks(j, stage);
         if (st != BK_OK)
             return st;
+    } else {
+        MB_LOOP(j, s0, sb) {
+            bk_status st = j->ops->run(j->ops_ctx, stage, s0, sb, &j->t_forward, &j->t_hessian);
+            if (st != BK_OK)
+                return st;
+        }
     }
+
     if ((unsigned)stage < sizeof fk / sizeof fk[0]) {
         bk_prof_add(fk[stage], j->t_forward - f0);
         bk_prof_add(hk[stage], j->t_hessian - h0);
@@ -945,28 +1202,25 @@ static bk_status layer_tokens(job *j, int l)
     if (!j->o->sequential) {
         if ((st = run_stage(j, BK_STAGE_TAPS)) != BK_OK)
             goto done;
-        for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++)
-            st = solve_module(j, l, (bk_module)m, &lw, &orig);
+        st = solve_group(j, l, 0, BK_MOD_COUNT - 1, &lw, &orig);
         goto done;
     }
     /* stage 1: q, k, v from attn_in */
     if ((st = run_stage(j, BK_STAGE_QKV)) != BK_OK)
         goto done;
-    for (int m = BK_MOD_Q; m <= BK_MOD_V; m++)
-        if ((st = solve_module(j, l, (bk_module)m, &lw, &orig)) != BK_OK)
-            goto done;
+    if ((st = solve_group(j, l, BK_MOD_Q, BK_MOD_V, &lw, &orig)) != BK_OK)
+        goto done;
     /* stage 2: o_proj sees the quantized q/k/v */
     if ((st = run_stage(j, BK_STAGE_O)) != BK_OK ||
-        (st = solve_module(j, l, BK_MOD_O, &lw, &orig)) != BK_OK)
+        (st = solve_group(j, l, BK_MOD_O, BK_MOD_O, &lw, &orig)) != BK_OK)
         goto done;
     /* stage 3: residual with the quantized o_proj; gate/up from mlp_in */
     if ((st = run_stage(j, BK_STAGE_MLP)) != BK_OK ||
-        (st = solve_module(j, l, BK_MOD_GATE, &lw, &orig)) != BK_OK ||
-        (st = solve_module(j, l, BK_MOD_UP, &lw, &orig)) != BK_OK)
+        (st = solve_group(j, l, BK_MOD_GATE, BK_MOD_UP, &lw, &orig)) != BK_OK)
         goto done;
     /* stage 4: down_proj sees the quantized gate/up */
     if ((st = run_stage(j, BK_STAGE_DOWN)) != BK_OK ||
-        (st = solve_module(j, l, BK_MOD_DOWN, &lw, &orig)) != BK_OK)
+        (st = solve_group(j, l, BK_MOD_DOWN, BK_MOD_DOWN, &lw, &orig)) != BK_OK)
         goto done;
     /* stage 5: the layer's output with every module quantized */
     st = run_stage(j, BK_STAGE_OUT);
@@ -1285,6 +1539,13 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddNumberToObject(times, "write_overlapped", j->wr.busy_s);
     cJSON_AddNumberToObject(times, "io", j->t_io);
     cJSON_AddNumberToObject(rep, "quantized_parameters", (double)j->quantized_params);
+    if (j->dist) {
+        cJSON *mp = cJSON_AddObjectToObject(rep, "mpi");
+        cJSON_AddNumberToObject(mp, "ranks", j->nranks);
+        cJSON_AddStringToObject(mp, "mode", "data parallel");
+        cJSON_AddStringToObject(mp, "reduce",
+                                o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "sum");
+    }
     if (j->bp) {
         const bk_bwd_flow_stats *bs = &j->bp_stats;
         cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
@@ -1403,6 +1664,23 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     g_stop = 0;
     bk_status st;
     int adopted = 0;
+    /* MPI ranks: rank 0 alone reports and writes */
+    bk_quantize_opts ranked;
+    j->dist = o->dist;
+    j->rank = bk_dist_rank(o->dist);
+    j->nranks = bk_dist_size(o->dist);
+    if (j->nranks > 1) {
+        if (o->resume)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "quantize: --resume with several MPI ranks is not supported (the "
+                            "journal of finished layers is a single process's)");
+        if (o->activations_dir || !o->calib_path)
+            return bk__quantize_layer_ranks(o);
+        ranked = *o;
+        if (j->rank != 0)
+            ranked.on_event = NULL;
+        j->o = o = &ranked;
+    }
 
     if (!o->model_dir || !o->out_dir)
         return bk_error(BK_ERR_INVALID_ARG, "quantize: model folder and output folder are required");
@@ -1432,7 +1710,14 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
     }
-    {
+    if (j->bp && j->nranks > 1) {
+        st = bk_error(BK_ERR_UNSUPPORTED,
+                      "quantize: --hessian %s with several MPI ranks is not implemented yet (run "
+                      "one process)",
+                      bk_hessian_name(o->hessian));
+        goto fail;
+    }
+    if (j->rank == 0) {
         /* the output folder first: refused (unsafe, exists), locked, leftovers cleaned */
         const char *inputs[] = {o->model_dir, o->calib_path ? o->calib_path : "",
                                 o->calib_text ? o->calib_text : "",
@@ -1520,6 +1805,23 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         j->batch = j->S;
     if (j->batch < 1)
         j->batch = 1;
+    j->s_lo = 0;
+    j->s_hi = j->S;
+    if (j->nranks > 1) {
+        /* this rank's micro-batches: a contiguous share, the single process's boundaries */
+        const int64_t nmb = (j->S + j->batch - 1) / j->batch;
+        if (nmb < j->nranks) {
+            st = bk_error(BK_ERR_INVALID_ARG,
+                          "quantize: %d MPI ranks but only %lld micro-batches of %lld sequences "
+                          "(every rank needs one): use fewer ranks or a smaller --batch",
+                          j->nranks, (long long)nmb, (long long)j->batch);
+            goto fail;
+        }
+        j->s_lo = nmb * j->rank / j->nranks * j->batch;
+        j->s_hi = nmb * (j->rank + 1) / j->nranks * j->batch;
+        if (j->s_hi > j->S)
+            j->s_hi = j->S;
+    }
 
     st = bk_backend_create_params(o->backend, &o->backend_params, &j->backend);
     if (st != BK_OK)
@@ -1555,6 +1857,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * (docs/DEVICE.md); else the CPU stages below */
     const int own_stages = bk_backend_supports(j->backend, BK_OP_STAGES);
     if (j->S > 0 && !j->bp && (want_gpu || (!cpu_stages && j->tokens && own_stages))) {
+        if (j->nranks > 1) {
+            st = bk_error(BK_ERR_UNSUPPORTED,
+                          "quantize: the GPU stages with several MPI ranks are not implemented "
+                          "yet: add --cpu-stages (forward passes and Hessians on the CPU, solves "
+                          "on the GPU), or run one rank");
+            goto fail;
+        }
         if (!j->tokens) {
             st = bk_error(BK_ERR_INVALID_ARG,
                           "quantize: the GPU pipeline (--gpu-pipeline) "
@@ -1632,7 +1941,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
 
     /* the journal of finished layers; a resumed run is checked against the
      * interrupted one's arguments, model and calibration */
-    if (!j->bp) {
+    if (!j->bp && j->nranks <= 1) { /* (MPI ranks: no journal, --resume refused) */
         bk_resume_source src = {
             .o = o, .backend = bk_backend_name(j->backend), .stages = j->ops->name,
             .gpu_math = bk_gemm_math_name(j->gemm_math), .S = j->S, .T = j->T,
@@ -1646,35 +1955,41 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         }
     }
 
-    /* output */
-    const uint64_t shard = o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull;
-    st = j->rs ? bk_st_stream_begin_resumable(j->od.work, "model", shard, &j->out)
-               : bk_st_stream_begin(j->od.work, "model", shard, &j->out);
-    if (st != BK_OK)
-        goto fail;
-    st = declare_outputs(j);
-    int reused = 0;
-    if (st == BK_OK && j->rs)
-        st = bk_st_stream_open_files(j->out, &reused);
-    if (st == BK_OK)
-        st = write_passthrough(j);
-    if (st == BK_OK && j->rs) {
-        double t = bk_now();
-        st = bk_resume_restore(j->rs, j->out, reused, j->report_modules, &j->quantized_params,
-                               &j->first_layer, job_note, j);
-        bk_prof_add("resume.restore (digests)", bk_now() - t);
+    /* output (rank 0) */
+    if (j->rank == 0) {
+        const uint64_t shard = o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull;
+        st = j->rs ? bk_st_stream_begin_resumable(j->od.work, "model", shard, &j->out)
+                   : bk_st_stream_begin(j->od.work, "model", shard, &j->out);
+        if (st != BK_OK)
+            goto fail;
+        st = declare_outputs(j);
+        int reused = 0;
+        if (st == BK_OK && j->rs)
+            st = bk_st_stream_open_files(j->out, &reused);
+        if (st == BK_OK)
+            st = write_passthrough(j);
+        if (st == BK_OK && j->rs) {
+            double t = bk_now();
+            st = bk_resume_restore(j->rs, j->out, reused, j->report_modules, &j->quantized_params,
+                                   &j->first_layer, job_note, j);
+            bk_prof_add("resume.restore (digests)", bk_now() - t);
+        }
+        if (st != BK_OK)
+            goto fail;
+        writer_start(j);
     }
-    if (st != BK_OK)
-        goto fail;
-    writer_start(j);
 
     {
         char msg[512];
         const char *sd = j->ops ? j->ops->describe(j->ops_ctx) : "";
-        snprintf(msg, sizeof msg, "%s: %lld layers, hessian %s, %s, calibration %lld x %lld, backend %s%s%s",
+        char rk[96] = "";
+        if (j->nranks > 1)
+            snprintf(rk, sizeof rk, "; %d MPI ranks, data parallel (%s sums)", j->nranks,
+                     o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "rank-order");
+        snprintf(msg, sizeof msg, "%s: %lld layers, hessian %s, %s, calibration %lld x %lld, backend %s%s%s%s",
                  o->model_dir, (long long)j->cfg->n_layers, bk_hessian_name(o->hessian),
                  bk_algorithm_name(o->solve.algorithm), (long long)j->S, (long long)j->T,
-                 bk_backend_device(j->backend), sd[0] ? "; " : "", sd);
+                 bk_backend_device(j->backend), sd[0] ? "; " : "", sd, rk);
         emit(j, BK_EV_START, j->layer_begin, NULL, msg);
     }
 
@@ -1732,7 +2047,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
 
     emit(j, BK_EV_WRITE, j->layer_end - 1, NULL, "writing config.json, report.json, tokenizer files");
-    {
+    if (j->rank != 0) { /* rank 0 writes; every rank learns how that went */
+        if ((st = jsync(j, BK_OK)) != BK_OK || (st = jsync(j, BK_OK)) != BK_OK)
+            goto fail;
+    } else {
         double t = bk_now();
         st = writer_finish(j, 0);
         if (st == BK_OK)
@@ -1746,10 +2064,14 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             st = bk__copy_aux_files(o->model_dir, j->od.work);
         if (st == BK_OK) /* nothing read has changed since it was opened */
             st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
+        if (st == BK_OK) /* every rank finished */
+            st = jsync(j, st);
         if (st == BK_OK) /* the journal goes before the folder becomes the output */
             st = bk_resume_finish(j->rs);
         if (st == BK_OK)
             st = bk_outdir_commit(&j->od);
+        if (j->nranks > 1 && !j->agreed)
+            st = jsync(j, st);
         j->t_io += bk_now() - t;
         bk_prof_add("io.finish", bk_now() - t);
         if (st != BK_OK)
@@ -1763,6 +2085,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     return BK_OK;
 
 fail:
+    if (j->nranks > 1 && st == BK_ERR_INTERRUPTED && !strstr(bk_last_error(), "by a signal"))
+        bk_error_prefix(st, "stopped by a signal (mpirun and srun stop every rank when one dies)");
+    if (j->nranks > 1 && !j->agreed) /* the other ranks learn it at their next exchange */
+        st = jsync(j, st);
     /* a runtime failure (interrupted, disk full, out of memory, device) keeps
      * the work folder with its finished layers for --resume */
     if (j->rs && j->out && bk_status_exit_code(st) == 3) {

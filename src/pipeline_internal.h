@@ -45,6 +45,10 @@ bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
  * written into the folder work (which exists). */
 bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
                          uint64_t max_shard_bytes);
+/* MPI ranks with --activations (or rtn without calibration): every rank
+ * quantizes a contiguous layer range into a part folder inside rank 0's work
+ * folder, rank 0 merges them (src/merge.c). */
+bk_status bk__quantize_layer_ranks(const bk_quantize_opts *o);
 
 /* Activation dumps (src/activations.c). */
 typedef struct bk_act_reader bk_act_reader;

@@ -46,6 +46,7 @@ const char *bk_status_name(bk_status s)
     case BK_ERR_INTERRUPTED: return "INTERRUPTED";
     case BK_ERR_INTERNAL: return "INTERNAL";
     case BK_ERR_BUSY: return "BUSY";
+    case BK_ERR_PEER: return "PEER";
     }
     return "UNKNOWN";
 }

@@ -139,7 +139,7 @@ done
 # SIGINT: exit 3, the work folder kept with a message, --resume finishes it
 "$B" quantize m "${args[@]}" --out q >/dev/null 2>err &
 pid=$!
-for _ in $(seq 600); do grep -q "layer 2/4 done" err && break; sleep 0.1; done
+for _ in $(seq 600); do grep -q "done (2/4)" err && break; sleep 0.1; done
 kill -INT $pid
 wait $pid
 rc=$?

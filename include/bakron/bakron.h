@@ -3,6 +3,7 @@
 #define BAKRON_BAKRON_H
 
 #include "bakron/backend.h"
+#include "bakron/dist.h"
 #include "bakron/forward.h"
 #include "bakron/hessian.h"
 #include "bakron/model.h"

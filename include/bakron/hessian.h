@@ -8,6 +8,7 @@
 #ifndef BAKRON_HESSIAN_H
 #define BAKRON_HESSIAN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "bakron/forward.h"
@@ -78,6 +79,15 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
  * added for that module. */
 bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module mod,
                           const float **A, const float **B);
+
+/* The running sums of the modules in `modules` (bit m = bk_module m; a
+ * module shares its sums with the others fed by the same add), one buffer at
+ * a time: fn may read, overwrite or add to the buffer (MPI ranks: pass the
+ * sums along or add them up, src/pipeline.c). f64: double elements, else
+ * float. The token counts come as doubles and are written back. Not for
+ * the backprop kinds. */
+typedef bk_status (*bk_hess_sum_fn)(void *user, void *buf, size_t n, int f64);
+bk_status bk_hess_acc_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, void *user);
 
 /* Shampoo kinds, two-sided modules: continue the power iteration of
  * appendix A.2. The next pass accumulates A = E[tr(bᵀ B0 b) a aᵀ] and

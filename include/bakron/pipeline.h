@@ -54,6 +54,17 @@ typedef struct bk_event {
 
 typedef void (*bk_event_fn)(void *user, const bk_event *ev);
 
+struct bk_dist; /* bakron/dist.h */
+
+/* How the ranks of an MPI job combine their Hessian sums (docs/DISTRIBUTED.md). */
+typedef enum bk_dist_reduce {
+    BK_DIST_ORDERED = 0, /* the sums are passed from rank to rank, each adding its sequences:
+                            the single process's summation order, bit-identical output; the
+                            stages' forward passes and Hessian adds do not overlap */
+    BK_DIST_SUM          /* every rank sums its sequences at once, the partial sums are added
+                            in rank order: parallel, differs from one process by rounding */
+} bk_dist_reduce;
+
 typedef struct bk_quantize_opts {
     const char *model_dir;
     const char *calib_path;       /* token ids (.safetensors with input_ids), or NULL */
@@ -93,6 +104,9 @@ typedef struct bk_quantize_opts {
     uint64_t seed;                /* seed of the sampled labels (default 0) */
     bk_bwd_flow_kind bwd_flow;    /* halving (default) or naive */
     int leaf_size;                /* layers per leaf of the flow (default 1) */
+    /* MPI ranks (bakron/dist.h); NULL: one process */
+    struct bk_dist *dist;
+    bk_dist_reduce dist_reduce;
     int bwd_fp64;                 /* the backward pass on the GPU (CUDA backend without
                                      cpu_stages) in double (parity with the CPU's); 0 (default):
                                      F32 GEMMs, double reductions. The CPU's is always double. */

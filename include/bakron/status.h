@@ -56,7 +56,8 @@ typedef enum bk_status {
     BK_ERR_NO_DEVICE,            /* a GPU backend was requested but none is usable */
     BK_ERR_INTERRUPTED,          /* stopped by a signal */
     BK_ERR_INTERNAL,             /* a bug: an invariant did not hold */
-    BK_ERR_BUSY                  /* the output folder is locked by another running job */
+    BK_ERR_BUSY,                 /* the output folder is locked by another running job */
+    BK_ERR_PEER                  /* another rank of an MPI job failed, died or did not answer */
 } bk_status;
 
 /* Short stable identifier of a status, e.g. "ST_LAYOUT". */

@@ -5,6 +5,8 @@ BK_DEBIAN_PACKAGES="meson ninja-build pkg-config gcc python3 libcjson-dev libzst
 # the fuzz targets (scripts/fuzz.sh, docs/FUZZING.md): clang and libFuzzer's
 # runtime (libclang_rt.fuzzer, Debian 12: libclang-rt-14-dev)
 BK_DEBIAN_PACKAGES="$BK_DEBIAN_PACKAGES clang libclang-rt-14-dev"
+# libopenmpi-dev + openmpi-bin: MPI ranks (optional at build time; tests/test_mpi.sh needs them)
+BK_DEBIAN_PACKAGES="$BK_DEBIAN_PACKAGES libopenmpi-dev openmpi-bin"
 
 bk_log() { printf '==> %s\n' "$*" >&2; }
 

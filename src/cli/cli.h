@@ -26,6 +26,12 @@ bk_status cli_preset_check(const char *path, bk_quantize_opts *out);
 
 /* --- helpers (cli_util.c) --- */
 
+/* Set by ranks other than 0 of an MPI job: main() prints no error line (rank
+ * 0 prints the job's one line). */
+extern int cli_quiet_errors;
+/* The one error line: "bakron CMD: error: MESSAGE". */
+void cli_print_error(const char *cmd, bk_status st);
+
 /* Usage error with a message (exit 1). */
 #if defined(__GNUC__)
 __attribute__((format(printf, 1, 2)))

@@ -8,6 +8,42 @@
 #include "cli.h"
 #include "util.h"
 
+int cli_quiet_errors;
+
+static void print_error_line(const char *cmd, bk_status st, const char *msg, int hint)
+{
+    size_t lc = strlen(cmd);
+    if (!strncmp(msg, cmd, lc) && msg[lc] == ':' && msg[lc + 1] == ' ')
+        msg += lc + 2;
+    if (st == BK_ERR_USAGE && hint)
+        fprintf(stderr, "bakron %s: error: %s (see 'bakron %s --help')\n", cmd, msg, cmd);
+    else
+        fprintf(stderr, "bakron %s: error: %s\n", cmd, msg);
+}
+
+void cli_print_error(const char *cmd, bk_status st)
+{
+    if (cli_diag_count() > 0) {
+        /* the --help hint once, on the last usage line */
+        int last_usage = -1;
+        for (int k = 0; k < cli_diag_count(); k++) {
+            const char *msg;
+            if (cli_diag_get(k, &msg) == BK_ERR_USAGE)
+                last_usage = k;
+        }
+        for (int k = 0; k < cli_diag_count(); k++) {
+            const char *msg;
+            bk_status sk = cli_diag_get(k, &msg);
+            print_error_line(cmd, sk, msg, k == last_usage);
+        }
+    } else {
+        const char *msg = bk_last_error();
+        print_error_line(cmd, st, msg[0] ? msg : bk_status_name(st), 1);
+    }
+    fflush(stderr);
+}
+
+
 bk_status cli_usage_error(const char *fmt, ...)
 {
     char buf[768];

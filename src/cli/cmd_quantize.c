@@ -96,14 +96,20 @@ static const char *quantize_usage =
     "                        estimated memory and output size) and exit without computing\n"
     "  --json                one JSON object per event on stdout instead of progress on stderr\n"
     "                        (errors and interrupts too: events error, interrupted)\n"
-    "  --version             print the version and exit\n";
+    "  --version             print the version and exit\n"
+    "MPI ranks (mpirun -np N bakron quantize ..., srun --mpi=pmix; docs/DISTRIBUTED.md):\n"
+    "  --dist-reduce R       ordered (default): the Hessian sums pass from rank to rank in the\n"
+    "                        single process's order (bit-identical output); sum: every rank sums\n"
+    "                        its sequences at once, partial sums added in rank order (parallel,\n"
+    "                        differs from one process by rounding)\n"
+    "  --dist-timeout S      longest wait for the other ranks, seconds (default 1800)\n";
 
 enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
     O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN, O_RESUME,
-    O_BWDPREC, O_CALIBTEXT, O_SETTING
+    O_BWDPREC, O_CALIBTEXT, O_DREDUCE, O_DTIMEOUT, O_SETTING
 };
 
 static const struct option quantize_opts[] = {
@@ -144,6 +150,8 @@ static const struct option quantize_opts[] = {
     {"leaf-size", required_argument, NULL, O_LEAF},
     {"bwd-precision", required_argument, NULL, O_BWDPREC},
     {"dry-run", no_argument, NULL, O_DRYRUN},
+    {"dist-reduce", required_argument, NULL, O_DREDUCE},
+    {"dist-timeout", required_argument, NULL, O_DTIMEOUT},
     {"setting", required_argument, NULL, O_SETTING},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0},
@@ -162,6 +170,7 @@ typedef struct qsrc {
 typedef struct qargs {
     bk_quantize_opts o;
     int json, dry_run;
+    double dist_timeout;
     qsrc src[2];     /* 0: the preset, 1: the command line */
     int from;        /* the source apply() is reading */
     char *preset_strings[MAX_PRESET_STRINGS];
@@ -323,6 +332,19 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         if ((st = cli_parse_int("--leaf-size", arg, 1, 100000, &iv)) != BK_OK)
             return st;
         o->leaf_size = iv;
+        break;
+    case O_DREDUCE:
+        if (!strcmp(arg, "ordered"))
+            o->dist_reduce = BK_DIST_ORDERED;
+        else if (!strcmp(arg, "sum"))
+            o->dist_reduce = BK_DIST_SUM;
+        else
+            return cli_usage_error("--dist-reduce: expected ordered or sum, got '%s'", arg);
+        break;
+    case O_DTIMEOUT:
+        if ((st = cli_parse_double("--dist-timeout", arg, 0.1, 1e7, &dv)) != BK_OK)
+            return st;
+        q->dist_timeout = dv;
         break;
     case O_BWDPREC:
         if (!strcmp(arg, "fp32"))
@@ -910,7 +932,38 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     bk_quantize_opts_default(&q.o);
     bk_status st = BK_OK;
     const char *preset = NULL;
-    int c, json_early = 0;
+    int c, ran = 0, json_early = 0;
+    /* MPI ranks: started by mpirun / srun (environment), else one process and
+     * no MPI call at all. Every rank must get the same command line. */
+    bk_dist *dist = NULL;
+    int launched = bk_dist_launched();
+    if (launched < 0)
+        return BK_ERR_USAGE;
+    if (launched) {
+        if ((st = bk_dist_init(0, &dist)) != BK_OK)
+            return st;
+        if (bk_dist_rank(dist) != 0)
+            cli_quiet_errors = 1; /* rank 0 prints the job's one line */
+        size_t len = 0;
+        for (int i = 0; i < argc; i++)
+            len += strlen(argv[i]) + 1;
+        char *all = malloc(len + 1), *p = all;
+        if (!all) {
+            st = bk_error(BK_ERR_NOMEM, "out of memory");
+        } else {
+            for (int i = 0; i < argc; i++) {
+                size_t l = strlen(argv[i]) + 1;
+                memcpy(p, argv[i], l);
+                p += l;
+            }
+            st = bk_dist_same(dist, all, len, "arguments");
+            free(all);
+        }
+        if (st != BK_OK) {
+            ran = 1; /* known to every rank */
+            goto done;
+        }
+    }
     /* pass 1: the preset (and --json, so that errors become events) */
     optind = 0; /* GNU getopt: full re-initialization */
     opterr = 0;
@@ -973,7 +1026,7 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     bk_quantize_plan plan;
     bk_quantize_check(&q.o, &plan, diag_cb, NULL);
     if (cli_diag_count() > 0) {
-        if (json_early || q.json) {
+        if ((json_early || q.json) && !cli_quiet_errors) {
             for (int k = 0; k < cli_diag_count(); k++) {
                 const char *msg;
                 bk_status sk = cli_diag_get(k, &msg);
@@ -992,11 +1045,25 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     progress_init(&prog, q.json, &plan);
     q.o.on_event = on_event;
     q.o.user = &prog;
+    q.o.dist = dist;
+    if (dist && q.dist_timeout > 0)
+        bk_dist_set_timeout(dist, q.dist_timeout);
     install_signals();
+    ran = 1;
     st = bk_quantize(&q.o);
-    if (st != BK_OK && q.json)
+    if (st != BK_OK && q.json && !cli_quiet_errors)
         json_error_event(&prog, st, bk_last_error());
 done:
+    if (dist && !ran) /* a command-line error: the other ranks learn it at their next exchange */
+        st = bk_dist_sync(dist, st);
+    if (dist) {
+        /* rank 0's line before the ranks part: once one exits, the launcher may
+         * stop the others */
+        if (st != BK_OK && bk_dist_rank(dist) == 0)
+            cli_print_error("quantize", st);
+        cli_quiet_errors = 1;
+        bk_dist_finalize(dist);
+    }
     for (int i = 0; i < q.n_preset_strings; i++)
         free(q.preset_strings[i]);
     return st;

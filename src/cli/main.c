@@ -62,23 +62,16 @@ static void configure_malloc(void)
 
 static void print_version(void)
 {
-    printf("bakron %s (CUDA backend: %s)\n", bk_version(),
-           bk_cuda_compiled() ? "compiled" : "not compiled");
+    printf("bakron %s (CUDA backend: %s; MPI: %s%s%s; NCCL: %s%s%s)\n", bk_version(),
+           bk_cuda_compiled() ? "compiled" : "not compiled",
+           bk_dist_mpi_compiled() ? "compiled" : "not compiled",
+           bk_dist_mpi_compiled() ? ", " : "", bk_dist_mpi_version(),
+           bk_dist_nccl_compiled() ? "compiled" : "not compiled",
+           bk_dist_nccl_compiled() ? ", " : "", bk_dist_nccl_version());
 }
 
 /* One line per error: "bakron CMD: error: MESSAGE". Library messages that
  * start with the command's own name ("quantize: ...") lose it (one prefix). */
-static void print_error(const char *cmd, bk_status st, const char *msg, int hint)
-{
-    size_t lc = strlen(cmd);
-    if (!strncmp(msg, cmd, lc) && msg[lc] == ':' && msg[lc + 1] == ' ')
-        msg += lc + 2;
-    if (st == BK_ERR_USAGE && hint)
-        fprintf(stderr, "bakron %s: error: %s (see 'bakron %s --help')\n", cmd, msg, cmd);
-    else
-        fprintf(stderr, "bakron %s: error: %s\n", cmd, msg);
-}
-
 int main(int argc, char **argv)
 {
     configure_malloc();
@@ -106,25 +99,8 @@ int main(int argc, char **argv)
             bk_clear_error();
             cli_diag_clear();
             bk_status st = commands[i].fn(argc - 1, argv + 1);
-            if (st != BK_OK) {
-                if (cli_diag_count() > 0) {
-                    /* the --help hint once, on the last usage line */
-                    int last_usage = -1;
-                    for (int k = 0; k < cli_diag_count(); k++) {
-                        const char *msg;
-                        if (cli_diag_get(k, &msg) == BK_ERR_USAGE)
-                            last_usage = k;
-                    }
-                    for (int k = 0; k < cli_diag_count(); k++) {
-                        const char *msg;
-                        bk_status sk = cli_diag_get(k, &msg);
-                        print_error(cmd, sk, msg, k == last_usage);
-                    }
-                } else {
-                    const char *msg = bk_last_error();
-                    print_error(cmd, st, msg[0] ? msg : bk_status_name(st), 1);
-                }
-            }
+            if (st != BK_OK && !cli_quiet_errors)
+                cli_print_error(cmd, st);
             return bk_status_exit_code(st);
         }
     }

@@ -1,0 +1,88 @@
+/* bakron — ranks of an MPI job (docs/DISTRIBUTED.md).
+ *
+ * A quantize job started by mpirun or srun runs as one process per rank.
+ * bk_dist is the job's context: rank, size and the few collectives the
+ * driver needs. Every wait is polled against a deadline and the stop flag
+ * (bk_request_stop), so a rank that dies or hangs ends the job with one
+ * error instead of a hang; after such a failure the context is broken and
+ * every later call fails at once.
+ *
+ * Without an MPI launcher in the environment nothing here calls MPI
+ * (bk_dist_launched() is 0 and the job runs as one process, as always).
+ */
+#ifndef BAKRON_DIST_H
+#define BAKRON_DIST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bakron/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct bk_dist bk_dist;
+
+/* 1 if this build has MPI / NCCL. */
+int bk_dist_mpi_compiled(void);
+int bk_dist_nccl_compiled(void);
+/* "Open MPI v4.1.4 ..." / "NCCL 2.x.y" (or "" when not compiled). */
+const char *bk_dist_mpi_version(void);
+const char *bk_dist_nccl_version(void);
+
+/* Whether the environment says an MPI launcher started this process:
+ * OMPI_COMM_WORLD_SIZE (mpirun of Open MPI), PMIX_RANK (srun --mpi=pmix,
+ * PMIx launchers), PMI_RANK / PMI_SIZE (srun --mpi=pmi2, MPICH's Hydra).
+ * Returns 1 if so, 0 if not; -1 (with the error set, BK_ERR_USAGE) for srun
+ * with several tasks but no MPI process-management interface (each task
+ * would run alone). */
+int bk_dist_launched(void);
+
+/* MPI_Init (threads: funneled) and the job's communicator. timeout_s: the
+ * longest wait of any collective (a peer that does not answer in time ends
+ * the job). Fails with BK_ERR_UNSUPPORTED in a build without MPI. */
+bk_status bk_dist_init(double timeout_s, bk_dist **out);
+/* MPI_Finalize, or, when the context is broken (a peer died or hung), exit
+ * without it (a finalize could wait forever; the launcher ends the others). */
+void bk_dist_finalize(bk_dist *d);
+void bk_dist_set_timeout(bk_dist *d, double timeout_s);
+int bk_dist_broken(const bk_dist *d);
+
+int bk_dist_rank(const bk_dist *d);
+int bk_dist_size(const bk_dist *d);
+
+/* Every rank gives its status; all return the failure of the lowest failing
+ * rank (its message prefixed "rank R: " unless R is 0), or BK_OK. A
+ * collective: every rank must call it at the same point. */
+bk_status bk_dist_sync(bk_dist *d, bk_status st);
+
+/* All ranks must hold the same bytes (e.g. their command lines): BK_ERR_USAGE
+ * naming the first rank that differs from rank 0 and `what`. */
+bk_status bk_dist_same(bk_dist *d, const void *data, size_t len, const char *what);
+
+/* Broadcast len bytes from root. */
+bk_status bk_dist_bcast(bk_dist *d, void *buf, size_t len, int root);
+/* Point to point, len bytes (the tag keeps concurrent messages apart). */
+bk_status bk_dist_send(bk_dist *d, const void *buf, size_t len, int to, int tag);
+bk_status bk_dist_recv(bk_dist *d, void *buf, size_t len, int from, int tag);
+
+/* Sum over the ranks, in rank order ((x0 + x1) + x2) + ..., the same on
+ * every rank (rank 0 adds, then broadcasts): deterministic for a given
+ * number of ranks. f64: double elements, else float. */
+bk_status bk_dist_sum_ordered(bk_dist *d, void *buf, size_t n, int f64);
+
+/* NCCL (builds with the CUDA backend and NCCL): sum n elements of a DEVICE
+ * buffer over the ranks in place (float, or double with f64), on the CUDA
+ * stream `stream` (NULL: the default stream), waited for with the deadline.
+ * The first call sets up the NCCL communicator (its id goes out over MPI;
+ * one GPU per rank: the caller's current device). NCCL's ring order: the
+ * same from run to run for a given machine and rank count, not the CPU's
+ * order. BK_ERR_UNSUPPORTED in builds without NCCL. Not used by the
+ * quantize driver yet (docs/DISTRIBUTED.md). */
+bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* BAKRON_DIST_H */
