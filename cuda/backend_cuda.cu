@@ -5,6 +5,8 @@
 
 #include "cuda_internal.cuh"
 #include "backend_impl.h"
+#include "backward_gpu.h"
+#include "pipeline_gpu.h"
 
 extern "C" bk_status bk_cuda_describe_device(int dev, char *buf, size_t cap);
 
@@ -33,91 +35,18 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
     free(c);
 }
 
-/* Knobs read from the environment (docs/DEVICE.md):
- *   BK_CUDA_TILE       BaKron tile size, 32 or 64 (default 64)
- *   BK_CUDA_MEM_LIMIT  refuse device allocations beyond this many bytes
- *                      (tests the out-of-memory path without filling the GPU)
- *   BK_CUDA_FACTOR_FP64=1  damping + Cholesky in fp64 also for fp32 solves
- *                      (the CPU factors in the solve precision)
- *   BK_CUDA_PUSH_GROUP BaKron: far pushes every N tile anti-diagonals
- *                      (default 4; 0 = every push eager)
- *   BK_CUDA_SOLVE_WC   BaKron tile solve v3: columns per warp, 16 (8 warps per 64-tile,
- *                      the default) or 8 (16 warps)
- *   BK_CUDA_OVERLAP    BaKron: 1 (default) runs most of the far pushes on a second,
- *                      low-priority stream while the next diagonals are solved
- *   BK_CUDA_PARTITION  BaKron: SMs kept free of that stream (partition.cu): auto
- *                      (default), 0 (no partition) or a number of SMs
- *   BK_CUDA_SIDE_BAND  BaKron: the overlapped push in two launches, the next
- *                      flush's band first: auto (with the partition), 0, 1
- *   BK_CUDA_PUSH_SPLIT BaKron: critical-path pushes in 2 x 2 parts per target
- *                      tile (2, default) or whole (1)
- *   BK_CUDA_FAR_ASYNC  BaKron: the overlapped pushes load with cp.async (1, default) */
-/* A knob with two values a, b (and "auto" = -1 when auto_ok); def when unset. */
-static bk_status env_choice(const char *name, int def, int a, int b, int auto_ok, int *out)
+/* The solver variants (bk_cuda_tuning: their defaults are settled, only the
+ * dev harness and the parity test change them). */
+void bk_cuda_ctx_tune(bk_cuda_ctx *c, const bk_cuda_tuning *t)
 {
-    const char *v = getenv(name);
-    *out = def;
-    if (!v || !*v)
-        return BK_OK;
-    char sa[16], sb[16];
-    snprintf(sa, sizeof sa, "%d", a);
-    snprintf(sb, sizeof sb, "%d", b);
-    if (auto_ok && !strcmp(v, "auto"))
-        *out = -1;
-    else if (!strcmp(v, sa))
-        *out = a;
-    else if (!strcmp(v, sb))
-        *out = b;
-    else
-        return bk_error(BK_ERR_INVALID_ARG, "%s: expected %s%s or %s (got '%s')", name,
-                        auto_ok ? "auto, " : "", sa, sb, v);
-    return BK_OK;
-}
-
-static bk_status read_env(bk_cuda_ctx *c)
-{
-    bk_status st;
-    if ((st = env_choice("BK_CUDA_TILE", 64, 32, 64, 0, &c->tile)) != BK_OK ||
-        (st = env_choice("BK_CUDA_SOLVE_WC", 16, 8, 16, 0, &c->solve_wc)) != BK_OK ||
-        (st = env_choice("BK_CUDA_OVERLAP", 1, 0, 1, 0, &c->overlap)) != BK_OK ||
-        (st = env_choice("BK_CUDA_SIDE_BAND", -1, 0, 1, 1, &c->side_band)) != BK_OK ||
-        (st = env_choice("BK_CUDA_FAR_ASYNC", 1, 0, 1, 0, &c->far_async)) != BK_OK ||
-        (st = env_choice("BK_CUDA_PUSH_SPLIT", 2, 1, 2, 0, &c->push_split)) != BK_OK)
-        return st;
-    const char *g = getenv("BK_CUDA_PUSH_GROUP");
-    c->push_group = 4;
-    if (g && *g) {
-        char *end = NULL;
-        long v = strtol(g, &end, 10);
-        if (end == g || *end || v < 0 || v > 64)
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "BK_CUDA_PUSH_GROUP: expected an integer in [0, 64] (got '%s')", g);
-        c->push_group = (int)v;
-    }
-    const char *pa = getenv("BK_CUDA_PARTITION");
-    c->partition = -1;
-    if (pa && *pa && strcmp(pa, "auto")) {
-        char *end = NULL;
-        long v = strtol(pa, &end, 10);
-        if (end == pa || *end || v < 0 || v > 4096)
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "BK_CUDA_PARTITION: expected auto, 0 or a number of SMs (got '%s')",
-                            pa);
-        c->partition = (int)v;
-    }
-    const char *f = getenv("BK_CUDA_FACTOR_FP64");
-    c->factor_fp64 = f && !strcmp(f, "1");
-    const char *l = getenv("BK_CUDA_MEM_LIMIT");
-    c->mem_limit = 0;
-    if (l && *l) {
-        char *end = NULL;
-        unsigned long long v = strtoull(l, &end, 10);
-        if (end == l || *end)
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "BK_CUDA_MEM_LIMIT: expected a number of bytes (got '%s')", l);
-        c->mem_limit = (size_t)v;
-    }
-    return BK_OK;
+    c->tile = t->tile;
+    c->solve_wc = t->solve_wc;
+    c->overlap = t->overlap;
+    c->side_band = t->side_band;
+    c->far_async = t->far_async;
+    c->push_split = t->push_split;
+    c->push_group = t->push_group;
+    c->partition = t->partition;
 }
 
 bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out)
@@ -126,9 +55,12 @@ bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out)
     bk_cuda_ctx *c = static_cast<bk_cuda_ctx *>(calloc(1, sizeof(bk_cuda_ctx)));
     if (!c)
         return bk_error(BK_ERR_NOMEM, "out of memory creating the CUDA backend");
-    bk_status st = read_env(c);
-    if (st != BK_OK)
-        goto fail;
+    bk_status st = BK_OK;
+    {
+        bk_cuda_tuning t;
+        bk_cuda_tuning_default(&t);
+        bk_cuda_ctx_tune(c, &t);
+    }
     c->device = device;
     BK_CUDA_GOTO(cudaSetDevice(c->device), st, fail);
     {
@@ -183,11 +115,33 @@ void cuda_destroy(void *vctx)
     bk_cuda_ctx_destroy(static_cast<bk_cuda_ctx *>(vctx));
 }
 
+bk_status cuda_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
+                             const bk_stage_ops **ops, void **ctx)
+{
+    return bk_gpu_stages_create(b, p->model, p->kind, p->fp64, p->keep_plain, p->fully,
+                                p->codes_only, p->S, p->T, batch, ops, ctx);
+}
+
+bk_status cuda_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
+                            int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                            const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats)
+{
+    bk_gbwd_opts go;
+    bk_gbwd_opts_default(&go);
+    go.fp64 = fp64;
+    return bk_cuda_bwd_flow_run(b, m, tokens, S, T, o, &go, cb, stats);
+}
+
 const bk_backend_ops cuda_ops = {
     "cuda",
     cuda_solve,
     cuda_peak,
     cuda_reset_peak,
+    bk_cuda_model_nll,
+    bk_cuda_model_logits,
+    bk_cuda_layer_fwd_create,
+    cuda_stages_create,
+    cuda_bwd_flow_run,
     cuda_destroy,
 };
 
@@ -196,9 +150,11 @@ const bk_backend_ops cuda_ops = {
 extern "C" bk_status bk_cuda_backend_init(bk_backend *b)
 {
     bk_cuda_ctx *c = NULL;
-    bk_status st = bk_cuda_ctx_create(0, &c);
+    bk_status st = bk_cuda_ctx_create(b->params.device, &c);
     if (st != BK_OK)
         return st;
+    c->factor_fp64 = b->params.factor_fp64;
+    c->mem_limit = b->params.mem_limit;
     st = bk_cuda_describe_device(c->device, b->device, sizeof b->device);
     if (st != BK_OK) {
         bk_cuda_ctx_destroy(c);
@@ -206,5 +162,16 @@ extern "C" bk_status bk_cuda_backend_init(bk_backend *b)
     }
     b->ops = &cuda_ops;
     b->ctx = c;
+    return BK_OK;
+}
+
+extern "C" bk_status bk_cuda_backend_tune(bk_backend *b, const bk_cuda_tuning *t)
+{
+    if (!b || b->ops != &cuda_ops)
+        return bk_error(BK_ERR_INVALID_ARG, "CUDA tuning: not a CUDA backend");
+    bk_status st = bk_cuda_tuning_check(t);
+    if (st != BK_OK)
+        return st;
+    bk_cuda_ctx_tune(static_cast<bk_cuda_ctx *>(b->ctx), t);
     return BK_OK;
 }

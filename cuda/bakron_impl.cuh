@@ -221,128 +221,19 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         }
 }
 
-/* ------------------------------------------------------- tile solve, v2 */
-
-/* The previous tile solve (dev comparison, bk-cuda-dev --variants). Warp (ab, bb) owns the 32 rows 32 ab + lane and
- * the WC = 16 columns 16 bb .. 16 bb + 15 of the tile; lane p keeps its row's
- * 16 accumulators skewed: register slot s holds column q with
- * (p + q) mod 16 = s. On entry anti-diagonal k every active entry of every
- * lane is therefore in the same slot, k mod 16 (a compile-time index once the
- * k loop is unrolled by 16): one rounding pass per warp, no gathers. The
- * newest error of each row and the newest completed R of each column go
- * through double-buffered shared arrays (one barrier per anti-diagonal).
- * E and R^ (transposed) are written to global memory as they are produced. */
-template <typename R, int T> struct Solve2Cfg {
-    static constexpr int WC = 16;
-    static constexpr int NWC = T / WC;
-    static constexpr int NW = (T / 32) * NWC; /* 8 warps for T = 64, 2 for T = 32 */
-    static constexpr int LS = T + 1;
-    static constexpr size_t smem = sizeof(R) * (size_t)(2 * T * LS + 2 * T * T + 4 * T);
-};
-
-template <typename R, int T>
-__global__ void __launch_bounds__(Solve2Cfg<R, T>::NW * 32)
-    k_tile_solve2(TileArgs<R> a, int K, int i_lo)
-{
-    using C = Solve2Cfg<R, T>;
-    constexpr int WC = C::WC, NWC = C::NWC, NW = C::NW, LS = C::LS;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    R *LAs = reinterpret_cast<R *>(smem_raw); /* [T][LS] */
-    R *LBs = LAs + T * LS;                    /* [T][LS] */
-    R *Sc = LBs + T * LS;                     /* [T][T] scale of each entry */
-    R *Zc = Sc + T * T;                       /* [T][T] zero point of each entry */
-    R *Erow = Zc + T * T;                     /* [2][T] newest error of each row */
-    R *Rcol = Erow + 2 * T;                   /* [2][T] newest completed R of each column */
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int ab = warp / NWC, bb = warp % NWC;
-    const int I = i_lo + (int)blockIdx.x, J = K - I;
-    const int64_t r0 = (int64_t)I * T, c0 = (int64_t)J * T;
-    const int p = 32 * ab + lane, qlo = WC * bb;
-    const int64_t gp = r0 + p;
-    const bool rowin = gp < a.m;
-
-    for (int idx = tid; idx < T * T; idx += NW * 32) {
-        const int r = idx / T, cc = idx % T;
-        LAs[r * LS + cc] = a.LA[(c0 + r) * a.ldla + c0 + cc];
-        LBs[r * LS + cc] = a.LB ? a.LB[(r0 + r) * a.ldlb + r0 + cc] : (r == cc ? R(1) : R(0));
-        R sc = R(1), z = R(0);
-        const int64_t gr = r0 + r, gc = c0 + cc;
-        if (a.q.kind != BK_Q_INTEGER && gr < a.m && gc < a.n) {
-            const int64_t gi = gr * a.q.groups + gc / a.q.group;
-            sc = a.q.scale[gi];
-            if (a.q.zero)
-                z = a.q.zero[gi];
-        }
-        Sc[idx] = sc;
-        Zc[idx] = z;
-    }
-    int qs[WC];
-    R x[WC], y[WC];
-#pragma unroll
-    for (int s = 0; s < WC; s++) {
-        qs[s] = qlo + ((s - lane) & (WC - 1));
-        x[s] = a.Rp[gp * a.ldr + c0 + qs[s]];
-        y[s] = a.W[gp * a.ldw + c0 + qs[s]];
-    }
-    int cnt[3] = {0, 0, 0};
-    __syncthreads();
-
-    for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
-#pragma unroll
-        for (int u = 0; u < WC; u++) {
-            const int k = k0 + u;
-            if (k >= 2 * T - 1)
-                break;
-            R *Er = Erow + (u & 1) * T;
-            R *Rc = Rcol + (u & 1) * T;
-            /* A. the active entry (p, k - p), when this warp owns its column:
-             *    it sits in slot u */
-            const int q = k - p;
-            if (q >= qlo && q < qlo + WC) {
-                const R wt = y[u] + x[u];
-                R e = R(0);
-                const int64_t gq = c0 + q;
-                if (rowin && gq < a.n) {
-                    int16_t code;
-                    const R v = a.q.round_sz(wt, Sc[p * T + q], Zc[p * T + q], &code, cnt);
-                    e = v - wt;
-                    a.codes[gp * a.n + gq] = code;
-                    a.weight[gp * a.n + gq] = (float)v;
-                }
-                x[u] += e; /* L_A[q,q] = 1: now R[p,q] */
-                Er[p] = e;
-                Rc[q] = x[u];
-                a.W[gp * a.ldw + gq] = e;
-                a.Rp[(r0 + q) * a.ldr + c0 + p] = x[u];
-            }
-            __syncthreads();
-            /* B. the terms of anti-diagonal k for every later entry:
-             *    X[p,q] += E[p,k-p] L_A[q,k-p] (k-p < q),
-             *    Y[p,q] += L_B[p,k-q] R[k-q,q] (k-q < p). */
-            const int jj = k - p;
-            if (jj >= 0 && jj < T - 1) {
-                const R er = Er[p];
-#pragma unroll
-                for (int s = 0; s < WC; s++)
-                    if (jj < qs[s])
-                        x[s] += er * LAs[qs[s] * LS + jj];
-            }
-            if (a.LB) {
-#pragma unroll
-                for (int s = 0; s < WC; s++) {
-                    const int ii = k - qs[s];
-                    if (ii >= 0 && ii < p)
-                        y[s] += LBs[p * LS + ii] * Rc[qs[s]];
-                }
-            }
-        }
-    }
-    bk_counts_add_warp(a.counts, cnt);
-}
-
 /* ------------------------------------------------------- tile solve, v3 */
 
-/* v2 with a shorter path per entry anti-diagonal: the scale and zero of
+/* Warp (ab, bb) owns the 32 rows 32 ab + lane and the WC columns WC bb ..
+ * WC bb + WC - 1 of the tile; lane p keeps its row's WC accumulators skewed:
+ * register slot s holds column q with (p + q) mod WC = s. On entry
+ * anti-diagonal k every active entry of every lane is therefore in the same
+ * slot (a compile-time index once the k loop is unrolled): one rounding pass
+ * per warp, no gathers. The newest error of each row and the newest completed
+ * R of each column go through double-buffered shared arrays (one barrier per
+ * anti-diagonal).
+ *
+ * Compared with the previous version (v2, removed; in git history and
+ * cuda/dev/NOTES.md), a shorter path per entry anti-diagonal: the scale and zero of
  * each slot in registers; the diagonals of the L_A / L_B blocks zeroed in
  * shared memory and L_B's rows padded with zeros on both sides, so that the
  * terms need no predicates (a zero factor stands for "not yet" or "not this
@@ -683,7 +574,6 @@ void launch_far(const bk_cuda_ctx *c, const TileArgs<R> &ta, dim3 grid, cudaStre
 template <typename R, int T>
 bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
 {
-    using S2 = Solve2Cfg<R, T>;
     using S3 = Solve3Cfg<R, T, 16>;
     using S8 = Solve3Cfg<R, T, 8>;
     using PC = PushCfg<R, T>;
@@ -717,8 +607,6 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S8::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 8, BK_Q_INTEGER>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S8::smem));
-    BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve2<R, T>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S2::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push<R, T, 2>,
@@ -779,17 +667,11 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
-        if (c->solve_v2)
-            k_tile_solve2<R, T><<<ntiles, S2::NW * 32, S2::smem, c->stream>>>(ta, K, i_lo);
-        else if (c->solve_wc == 16)
+        if (c->solve_wc == 16)
             launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);
         else
             launch_solve3<R, T, 8>(ta, K, i_lo, ntiles, c->stream);
         BK_CUDA_CHECK(cudaGetLastError());
-        /* skip_push (timing experiments, wrong results): bit 0 every push,
-         * 1 the near pushes, 2 the flush's next-run part, 3 the rest of it */
-        if (c->skip_push & 1)
-            continue;
         const int Kf = G ? (K / G) * G + G - 1 : never;
         int nx = 0;
         for (int I = i_lo; I <= i_hi; I++) {
@@ -799,7 +681,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
                 t += std::min(MT - 1, Kf - J) - I;
             nx = std::max(nx, t);
         }
-        if (nx > 0 && !(c->skip_push & 2)) {
+        if (nx > 0) {
             if (c->push_split == 2)
                 k_push<R, T, 2><<<dim3(nx, ntiles, 4), PC::NTH, PC::smem, c->stream>>>(
                     ta, K, i_lo, MT, NT, Kf);
@@ -811,24 +693,21 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
         if (G && K == Kf && K < MT + NT - 2) {
             const int lines = MT + (ta.LB ? NT : 0), targets = std::max(MT, NT);
             if (!ovl) {
-                if (!(c->skip_push & 8))
-                    launch_far<R, T>(c, ta, dim3(lines, targets), c->stream, Kf, G, MT, NT, 0);
+                launch_far<R, T>(c, ta, dim3(lines, targets), c->stream, Kf, G, MT, NT, 0);
                 BK_CUDA_CHECK(cudaGetLastError());
             } else {
                 /* the targets of the next run now (the previous overlapped
                  * push wrote some of them: wait for it), the rest on the side
                  * stream while the next G diagonals are solved */
                 BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
-                if (!(c->skip_push & 4)) {
-                    if (c->push_split == 2)
-                        k_push_far<R, T, true, 2><<<dim3(lines, G, 4), PC::NTH, PC::smem,
-                                                    c->stream>>>(ta, Kf, G, MT, NT, 1);
-                    else
-                        k_push_far<R, T, true><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
-                            ta, Kf, G, MT, NT, 1);
-                }
+                if (c->push_split == 2)
+                    k_push_far<R, T, true, 2><<<dim3(lines, G, 4), PC::NTH, PC::smem,
+                                                c->stream>>>(ta, Kf, G, MT, NT, 1);
+                else
+                    k_push_far<R, T, true><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
+                        ta, Kf, G, MT, NT, 1);
                 BK_CUDA_CHECK(cudaGetLastError());
-                if (Kf + G < MT + NT - 2 && !(c->skip_push & 8)) {
+                if (Kf + G < MT + NT - 2) {
                     BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));
                     BK_CUDA_CHECK(cudaStreamWaitEvent(side, c->ev_main_ready, 0));
                     if (band) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "backend_impl.h"
 #include "bakron/solver.h"
 
 #define BK_CUDA_PAD 128
@@ -28,31 +29,27 @@ typedef struct bk_cuda_ctx {
     cudaEvent_t ev_start, ev_stop; /* the algorithms record these around their core */
     cudaStream_t side;    /* BaKron: a low-priority stream for the overlapped pushes */
     cudaEvent_t ev_main_ready, ev_side_done; /* its ordering with `stream` */
-    int overlap;          /* BaKron: overlap the far pushes with the solves
-                             (BK_CUDA_OVERLAP, default 1) */
+    /* BaKron's variant selectors: bk_cuda_tuning (src/backend_impl.h) */
+    int overlap;          /* overlap the far pushes with the solves (default 1) */
     size_t mem_current;   /* bytes held through bk_dev_alloc */
     size_t mem_peak;      /* high-water mark of mem_current (plus library workspaces) */
-    size_t mem_limit;     /* 0 = none; else refuse allocations beyond it (BK_CUDA_MEM_LIMIT) */
-    int tile;             /* BaKron tile size: 32 or 64 (BK_CUDA_TILE, default 64) */
-    int factor_fp64;      /* BK_CUDA_FACTOR_FP64=1: factor in fp64 also for fp32 solves */
+    size_t mem_limit;     /* 0 = none; else refuse allocations beyond it (setting mem_limit) */
+    int tile;             /* BaKron tile size: 32 or 64 (default 64) */
+    int factor_fp64;      /* setting factor_fp64=1: factor in fp64 also for fp32 solves */
     int push_group;       /* BaKron lazy pushes: far updates every this many tile
-                             anti-diagonals (BK_CUDA_PUSH_GROUP, default 4; 0 = eager) */
-    int solve_v2;         /* dev comparison: the previous tile-solve kernel */
+                             anti-diagonals (default 4; 0 = eager) */
     int solve_wc;         /* tile solve: columns per warp, 16 (8 warps per 64-tile) or 8
-                             (16 warps) (BK_CUDA_SOLVE_WC, default 16) */
-    int skip_push;        /* timing experiments only (bk-cuda-dev): wrong results */
+                             (16 warps) (default 16) */
     int side_band;        /* BaKron: the overlapped push in two launches, the band the
                              next flush needs first; that flush waits for the band
-                             only (BK_CUDA_SIDE_BAND: -1 auto = with the SM
-                             partition (default), 0 never, 1 always) */
-    int far_async;        /* BaKron: the far push loads with cp.async (BK_CUDA_FAR_ASYNC,
-                             default 1) */
+                             only (-1 auto = with the SM partition (default), 0 never,
+                             1 always) */
+    int far_async;        /* BaKron: the far push loads with cp.async (default 1) */
     int push_split;       /* BaKron: the critical-path pushes split each target tile
                              into this many parts per side, one per CTA: 1 or 2
-                             (BK_CUDA_PUSH_SPLIT, default 2) */
+                             (default 2) */
     /* BaKron: the side stream confined to an SM partition (partition.cu) */
-    int partition;        /* SMs kept free of it: -1 auto (default), 0 never, N
-                             (BK_CUDA_PARTITION) */
+    int partition;        /* SMs kept free of it: -1 auto (default), 0 never, N */
     void *green;          /* CUgreenCtx of the partition, or NULL */
     cudaStream_t part_stream; /* the partition's side stream */
     cudaEvent_t part_done;    /* recorded on it (an event of its context) */
@@ -81,7 +78,10 @@ static inline void bk_cuda_pmark(cudaStream_t s, double *t, const char *key)
     }
 }
 
+/* The default solver variants (bk_cuda_tuning_default); no settings. */
 bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out);
+/* Set the solver variants (unchecked: bk_cuda_tuning_check first). */
+void bk_cuda_ctx_tune(bk_cuda_ctx *c, const bk_cuda_tuning *t);
 void bk_cuda_ctx_destroy(bk_cuda_ctx *c);
 
 /* Tracked device allocation (zero-filled). Failure: BK_ERR_DEVICE_OOM naming

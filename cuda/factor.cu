@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "cuda_internal.cuh"
+#include "solver_check.h"
 
 namespace {
 
@@ -272,9 +273,24 @@ done:
     return st;
 }
 
-const char *const factor_step[] = {
-    "", "the Cholesky factorization of the damped matrix", "the inverse of its Cholesky factor",
-    "the Cholesky factor of its inverse (a diagonal entry is not positive)"};
+/* One damping attempt (bk_solve_damp_escalate, src/solver_check.c): L =
+ * dXd + add I in the working precision (padded), factored. */
+template <typename R> struct damp_try {
+    bk_cuda_ctx *c;
+    bk_dside *s;
+    R *L;
+    const double *dXd;
+    int64_t k, kpad;
+};
+
+template <typename R> bk_status cuda_damp_try(void *user, double add, int *step)
+{
+    damp_try<R> *d = static_cast<damp_try<R> *>(user);
+    k_fill_rev<R><<<blocks(d->kpad * d->kpad), 256, 0, d->c->stream>>>(d->L, d->kpad, d->dXd,
+                                                                      d->k, d->kpad, add);
+    BK_CUDA_CHECK(cudaGetLastError());
+    return factor_inverse<R>(d->c, d->L, d->k, d->kpad, d->s->rdiag, step);
+}
 
 /* Damp and factor from the device double matrix dXd [k, k] (symmetric, zero
  * diagonals already replaced); dXd is consumed: it becomes s->dtil (with the
@@ -291,29 +307,12 @@ bk_status from_matrix(bk_cuda_ctx *c, bk_dside *s, double *dXd, int64_t k, int64
     if (st != BK_OK)
         goto fail;
     {
-        double delta = o->damp, add = 0.0;
-        int step = 0, attempt;
-        for (attempt = 0;; attempt++) {
-            add = delta * mean;
-            k_fill_rev<R><<<blocks(kpad * kpad), 256, 0, c->stream>>>(L, kpad, dXd, k, kpad,
-                                                                      add);
-            BK_CUDA_GOTO(cudaGetLastError(), st, fail);
-            st = factor_inverse<R>(c, L, k, kpad, s->rdiag, &step);
-            if (st != BK_OK)
-                goto fail;
-            if (step == 0)
-                break;
-            if (attempt >= o->max_damp_retries) {
-                st = bk_error(BK_ERR_NOT_PD,
-                              "%s: not positive definite even with relative damping %g (%d "
-                              "escalation%s): %s failed",
-                              label, delta, attempt, attempt == 1 ? "" : "s", factor_step[step]);
-                goto fail;
-            }
-            delta = delta == 0.0 ? 1e-2 : delta * 10.0;
-        }
-        s->damp = delta;
-        s->retries = attempt;
+        double add = 0.0;
+        damp_try<R> dt = {c, s, L, dXd, k, kpad};
+        st = bk_solve_damp_escalate(o, mean, label, cuda_damp_try<R>, &dt, &s->damp, &add,
+                                    &s->retries);
+        if (st != BK_OK)
+            goto fail;
         for (int64_t j = 0; j < k; j++)
             s->rdiag[j] = 1.0 / s->rdiag[j];
         if (keep_til) {

@@ -30,6 +30,7 @@
 
 #include "fwd_internal.cuh"
 #include "hess_attn.cuh"
+#include "hess_blocks.h"
 
 extern "C" {
 #include "util.h"
@@ -271,22 +272,6 @@ double trace_h(const double *M, int64_t h)
     for (int64_t i = 0; i < h; i++)
         s += M[i * h + i];
     return s;
-}
-
-/* dst [m, m] = scale · blockdiag of nb h×h blocks (symmetrized), as
- * src/hessian.c's blocks_out. */
-void blocks_out(const double *blk, int64_t nb, int64_t h, double scale, float *dst)
-{
-    const int64_t m = nb * h;
-    memset(dst, 0, (size_t)(m * m) * sizeof(float));
-    for (int64_t b = 0; b < nb; b++) {
-        const double *s = blk + b * h * h;
-        for (int64_t i = 0; i < h; i++)
-            for (int64_t j = 0; j < h; j++) {
-                const double v = 0.5 * (s[i * h + j] + s[j * h + i]);
-                dst[(b * h + i) * m + b * h + j] = (float)(scale * v);
-            }
-    }
 }
 
 } // namespace
@@ -1084,23 +1069,16 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
             break;
         if (mod == BK_MOD_K) {
             if ((st = blocks_to_host(a, a->bk, a->G, &blk)) == BK_OK)
-                blocks_out(blk, a->G, h, 1.0 / P, fb);
+                bk_hess_head_blocks(fb, blk, hh, a->G, 1, h, 1.0 / P, 1.0);
             b_on_host = 1;
         } else if (a->qknorm) {
             if ((st = blocks_to_host(a, a->bq, a->H, &blk)) == BK_OK)
-                blocks_out(blk, a->H, h, 1.0 / P, fb);
+                bk_hess_head_blocks(fb, blk, hh, a->H, 1, h, 1.0 / P, 1.0);
             b_on_host = 1;
         } else if ((st = blocks_to_host(a, a->bq, a->G, &blk)) == BK_OK) {
             b_on_host = 1;
             /* every head of a group has its group's block */
-            memset(fb, 0, (size_t)(m * m) * sizeof(float));
-            for (int64_t j = 0; j < a->H; j++) {
-                const double *s = blk + (j / a->r) * hh;
-                for (int64_t i = 0; i < h; i++)
-                    for (int64_t c = 0; c < h; c++)
-                        fb[(j * h + i) * m + j * h + c] =
-                            (float)(0.5 * (s[i * h + c] + s[c * h + i]) / P);
-            }
+            bk_hess_head_blocks(fb, blk, hh, a->H, a->r, h, 1.0, P);
         }
         break;
     case BK_MOD_V:
@@ -1122,12 +1100,12 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
             for (int64_t b = 0; b < a->G; b++)
                 wa += trace_h(blk + b * hh, h);
             st = gram_to_host(a, &a->x_attn, wa / N, fa, dev);
-            blocks_out(blk, a->G, h, a->v_wb / N, fb);
+            bk_hess_head_blocks(fb, blk, hh, a->G, 1, h, a->v_wb / N, 1.0);
             b_on_host = 1;
             plain = &a->x_attn;
         } else {
             st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
-            blocks_out(blk, a->G, h, 1.0, fb);
+            bk_hess_head_blocks(fb, blk, hh, a->G, 1, h, 1.0, 1.0);
             b_on_host = 1;
         }
         break;

@@ -1,5 +1,5 @@
 /* CUDA backend — tracked device allocations (for bk_backend_peak_memory and
- * the optional BK_CUDA_MEM_LIMIT used to test the out-of-memory path) and
+ * the optional limit (setting mem_limit) used to test the out-of-memory path) and
  * the row-major GEMM wrapper over cuBLAS. */
 #include <cstdio>
 #include <cstdlib>
@@ -19,7 +19,7 @@ bk_status bk_dev_alloc(bk_cuda_ctx *c, void **p, size_t bytes, const char *what)
     if (c->mem_limit && c->mem_current + total > c->mem_limit)
         return bk_error(BK_ERR_DEVICE_OOM,
                         "CUDA out of memory: %s needs %zu bytes, %zu of the %zu-byte limit "
-                        "(BK_CUDA_MEM_LIMIT) in use",
+                        "(setting mem_limit) in use",
                         what, bytes, c->mem_current, c->mem_limit);
     unsigned char *raw = NULL;
     cudaError_t e = cudaMalloc((void **)&raw, total);

@@ -486,9 +486,8 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         st = bk_gpu_mem_info(g->f, &fr, &tot);
         const uint64_t reserve = device_reserve(&g->cfg, 2, 1);
         g->resident = st == BK_OK && (uint64_t)fr > reserve && (uint64_t)fr - reserve >= need;
-        /* BK_GPU_RESIDUAL=host forces the pinned-host stream (tests, measurements) */
-        const char *e = getenv("BK_GPU_RESIDUAL");
-        if (e && !strcmp(e, "host"))
+        /* setting residual=host forces the pinned-host stream (tests, measurements) */
+        if (bk_backend_get_params(b)->residual_host)
             g->resident = 0;
     }
     uint64_t dneed = 0;
@@ -498,12 +497,11 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
             st = falloc(g, &g->O, (int64_t)N, g->qd, "o_proj inputs of all sequences");
         /* the down_proj inputs of all sequences too when they fit with the same
          * reserve (saves recomputing gate/up in stage OUT: a third of the
-         * forward work); BK_GPU_KEEP_DOWN=0 turns it off */
+         * forward work); setting keep_down=0 turns it off */
         size_t fr = 0, tot = 0;
-        const char *kd = getenv("BK_GPU_KEEP_DOWN");
         dneed = N * (uint64_t)g->cfg.intermediate * 4u;
         const uint64_t reserve = device_reserve(&g->cfg, 4, 2);
-        if (st == BK_OK && !(kd && !strcmp(kd, "0")) && bk_gpu_mem_info(g->f, &fr, &tot) == BK_OK &&
+        if (st == BK_OK && bk_backend_get_params(b)->keep_down && bk_gpu_mem_info(g->f, &fr, &tot) == BK_OK &&
             (uint64_t)fr > reserve && (uint64_t)fr - reserve >= dneed) {
             bk_status sd = falloc(g, &g->D, (int64_t)N, g->cfg.intermediate,
                                   "down_proj inputs of all sequences");

@@ -34,17 +34,15 @@ extern "C" {
 
 namespace {
 
-#define BK_SYM_TOL 1e-3 /* as solver.c */
-
 inline double in_at(const void *p, bk_dtype dt, size_t idx)
 {
     return dt == BK_DT_F64 ? static_cast<const double *>(p)[idx]
                            : (double)static_cast<const float *>(p)[idx];
 }
 
-/* side_from_matrix's host part: symmetry check, mirrored lower triangle,
- * negative diagonal -> NOT_PD, zero diagonal -> 1 (input side: a dead
- * column, zeroed in Wd), mean diagonal. */
+/* side_from_matrix's host part (src/solver_check.c): symmetry check,
+ * mirrored lower triangle, negative diagonal -> NOT_PD, zero diagonal -> 1
+ * (input side: a dead column, zeroed in Wd), mean diagonal. */
 bk_status prepare_matrix(const void *X, bk_dtype dt, int64_t n, const char *label, int input_side,
                          double *Wd, int64_t m, int64_t *dead, double **out, double *mean_out)
 {
@@ -53,68 +51,21 @@ bk_status prepare_matrix(const void *X, bk_dtype dt, int64_t n, const char *labe
     if (!Xd)
         return bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] factor", label,
                         (long long)n, (long long)n);
-    double maxabs = 0.0;
-    for (size_t t = 0; t < nn; t++)
-        maxabs = fmax(maxabs, fabs(in_at(X, dt, t)));
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j <= i; j++) {
-            const double lo = in_at(X, dt, (size_t)(i * n + j));
-            const double up = in_at(X, dt, (size_t)(j * n + i));
-            if (fabs(lo - up) > BK_SYM_TOL * maxabs) {
-                free(Xd);
-                return bk_error(BK_ERR_INVALID_ARG,
-                                "%s: not symmetric: [%lld, %lld] = %.9g but [%lld, %lld] = %.9g "
-                                "(tolerance %g relative to max |entry| %g)",
-                                label, (long long)i, (long long)j, lo, (long long)j, (long long)i,
-                                up, BK_SYM_TOL, maxabs);
-            }
-            Xd[i * n + j] = lo;
-            Xd[j * n + i] = lo;
-        }
-    double mean = 0.0;
-    for (int64_t j = 0; j < n; j++) {
-        double d = Xd[j * n + j];
-        if (d < 0) {
-            free(Xd);
-            return bk_error(BK_ERR_NOT_PD,
-                            "%s: diagonal entry [%lld, %lld] = %g is negative: not positive "
-                            "semi-definite",
-                            label, (long long)j, (long long)j, d);
-        }
-        if (d == 0) {
-            Xd[j * n + j] = 1.0;
-            if (input_side) {
-                (*dead)++;
-                for (int64_t i = 0; i < m; i++)
-                    Wd[i * n + j] = 0.0;
-            }
-        }
-        mean += Xd[j * n + j];
+    bk_status st = bk_solve_mirror_matrix(X, dt, n, label, input_side, Wd, m, dead, Xd, mean_out);
+    if (st != BK_OK) {
+        free(Xd);
+        return st;
     }
-    *mean_out = mean / (double)n;
     *out = Xd;
     return BK_OK;
 }
 
-/* side_from_factor's checks; the factor as host double. */
+/* side_from_factor's checks (src/solver_check.c); the factor as host double. */
 bk_status prepare_factor(const void *LX, bk_dtype dt, int64_t n, const char *label, double **out)
 {
-    for (int64_t i = 0; i < n; i++) {
-        for (int64_t j = i + 1; j < n; j++) {
-            double v = in_at(LX, dt, (size_t)(i * n + j));
-            if (v != 0.0)
-                return bk_error(BK_ERR_INVALID_ARG,
-                                "%s: a precomputed factor must be lower triangular: [%lld, %lld] "
-                                "= %g is above the diagonal",
-                                label, (long long)i, (long long)j, v);
-        }
-        double d = in_at(LX, dt, (size_t)(i * n + i));
-        if (!(d > 0))
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "%s: a precomputed Cholesky factor needs a positive diagonal: "
-                            "[%lld, %lld] = %g",
-                            label, (long long)i, (long long)i, d);
-    }
+    bk_status st = bk_solve_check_factor(LX, dt, n, label);
+    if (st != BK_OK)
+        return st;
     const size_t nn = (size_t)n * (size_t)n;
     double *L = static_cast<double *>(bk_alloc(nn, sizeof(double)));
     if (!L)
@@ -438,34 +389,13 @@ bk_status prepare_dmatrix(bk_cuda_ctx *c, const float *X, int64_t k, double maxa
                                      c->stream),
                      st, fail);
         BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
-        st = bk_error(BK_ERR_INVALID_ARG,
-                      "%s: not symmetric: [%lld, %lld] = %.9g but [%lld, %lld] = %.9g "
-                      "(tolerance %g relative to max |entry| %g)",
-                      label, (long long)i, (long long)j, (double)lo, (long long)j, (long long)i,
-                      (double)up, BK_SYM_TOL, maxabs);
+        st = bk_solve_error_not_symmetric(label, i, j, (double)lo, (double)up, maxabs);
         goto fail;
     }
-    for (int64_t j = 0; j < k; j++) {
-        const double d = hd[j];
-        if (d < 0) {
-            st = bk_error(BK_ERR_NOT_PD,
-                          "%s: diagonal entry [%lld, %lld] = %g is negative: not positive "
-                          "semi-definite",
-                          label, (long long)j, (long long)j, d);
-            goto fail;
-        }
-        if (d == 0) {
-            hd[j] = 1.0;
-            zeros++;
-            if (input_side) {
-                (*dead)++;
-                if (Wd) /* NULL: the caller rebuilds W_d from the diagonal (fast path) */
-                    for (int64_t i = 0; i < m; i++)
-                        Wd[i * k + j] = 0.0;
-            }
-        }
-        mean += hd[j];
-    }
+    /* Wd NULL: the caller rebuilds W_d from the diagonal (fast path) */
+    st = bk_solve_fix_diagonal(hd, 1, k, label, input_side, Wd, m, dead, &zeros, &mean);
+    if (st != BK_OK)
+        goto fail;
     if (zeros > 0) {
         BK_CUDA_GOTO(cudaMemcpyAsync(dd, hd, sizeof(double) * (size_t)k, cudaMemcpyHostToDevice,
                                      c->stream),
@@ -476,7 +406,7 @@ bk_status prepare_dmatrix(bk_cuda_ctx *c, const float *X, int64_t k, double maxa
     }
     free(hd);
     bk_dev_free(c, dd);
-    *mean_out = mean / (double)k;
+    *mean_out = mean;
     *out = dX;
     return BK_OK;
 fail:
@@ -838,16 +768,8 @@ bk_status alloc_host(solve_state *s, bk_solve_result *r, const void *W, bk_dtype
 bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
                         bk_solve_result *r)
 {
-    if (!p || !o || !r)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: problem, options and result must not be NULL");
-    memset(r, 0, sizeof *r);
-    r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
-    const char *lw = p->label_w ? p->label_w : "W";
-    const char *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
-    const char *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
-    bk_status st = bk_solve_check_opts(o);
-    if (st == BK_OK)
-        st = bk_solve_check_problem(p, o, lw, la, lb);
+    const char *lw = NULL, *la = NULL, *lb = NULL;
+    bk_status st = bk_solve_begin(p, o, r, &lw, &la, &lb);
     if (st != BK_OK)
         return st;
     if (!p->A && !p->LA) /* rtn without a Hessian: nothing for the GPU to do */

@@ -9,8 +9,8 @@
 #                   build,validate,bench_core,test,test_slow,bench
 #                   (default: all of them, in that order)
 #   BK_GPU_BUILD    build folder (default build-gpu)
-#   BK_GPU_TARGETS  ninja targets to build (default: the CLI, the cuda tests and
-#                   the dev harness; "all" for everything)
+#   BK_GPU_TARGETS  ninja targets to build (default: the CLI, the dev harness and
+#                   every program of the cuda test suite; "all" for everything)
 #   BK_BENCH_SHAPES shapes for `bakron bench` (default: the paper's Table 3 set)
 #   BK_BENCH_REPEAT repeats per measurement (default 3)
 #   BK_ANTIDIAG_SHAPES shapes on which antidiag is also timed (default up to 4096x4096)
@@ -64,8 +64,23 @@ if has build; then
     else
         meson setup "$B" -Dcuda=enabled -Dbuildtype=release > "$OUT/build.log" 2>&1
     fi
-    # only what the GPU stages run (the whole tree with BK_GPU_TARGETS=all)
-    TARGETS=${BK_GPU_TARGETS:-bakron tests/bk-cuda-dev tests/test_cuda_parity}
+    # only what the GPU stages run: the CLI, the dev harness and every program of
+    # the cuda test suite, as meson lists them (the whole tree with BK_GPU_TARGETS=all)
+    if [ -z "${BK_GPU_TARGETS:-}" ]; then
+        TARGETS="bakron tests/bk-cuda-dev $(meson introspect "$B" --tests | python3 -c '
+import json, os, sys
+build = os.path.realpath(sys.argv[1])
+out = set()
+for t in json.load(sys.stdin):
+    if not any(s.split(":")[-1] == "cuda" for s in t["suite"]):
+        continue
+    exe = os.path.realpath(t["cmd"][0])
+    if exe.startswith(build + os.sep):
+        out.add(os.path.relpath(exe, build))
+print(" ".join(sorted(out)))' "$B")" || TARGETS=
+    else
+        TARGETS=$BK_GPU_TARGETS
+    fi
     [ "$TARGETS" = all ] && TARGETS=
     # shellcheck disable=SC2086
     if ! ninja -C "$B" -j "$JOBS" $TARGETS >> "$OUT/build.log" 2>&1; then

@@ -13,9 +13,9 @@
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
 #include "bk_config.h"
+#include "backend_impl.h"
 #include "outdir.h"
 #include "pipeline_internal.h"
-#include "pipeline_gpu.h"
 #include "st_internal.h"
 #include "util.h"
 
@@ -43,6 +43,7 @@ void bk_dump_opts_default(bk_dump_opts *o)
     memset(o, 0, sizeof *o);
     o->dtype = BK_DT_F32;
     o->zstd_level = 3;
+    bk_backend_params_default(&o->backend_params);
 }
 
 /* ------------------------------------------------------------------ reader */
@@ -582,51 +583,6 @@ bk_status bk__act_rows(const bk_act_layer *al, const char *name, int64_t r0, int
 
 /* ------------------------------------------------------------------ writer */
 
-/* The GPU side of a dump: the residual stream of all sequences on the
- * device, the four taps of one micro-batch, downloaded into the host arrays. */
-typedef struct gdump {
-    bk_backend *b;
-    bk_gfwd *f;
-    float *H, *tap[4];
-} gdump;
-
-static void gdump_free(gdump *g)
-{
-#if BK_HAVE_CUDA
-    if (g->f) {
-        bk_gpu_free(g->f, g->H);
-        for (int i = 0; i < 4; i++)
-            bk_gpu_free(g->f, g->tap[i]);
-        bk_gfwd_free(g->f);
-    }
-#endif
-    bk_backend_destroy(g->b);
-    memset(g, 0, sizeof *g);
-}
-
-#if BK_HAVE_CUDA
-static bk_status gdump_setup(gdump *g, const bk_dump_opts *o, const bk_model *model,
-                             const bk_model_config *c, int64_t N,
-                             int64_t B, int64_t T, const int64_t *widths)
-{
-    bk_status st = bk_backend_create(BK_BACKEND_CUDA, &g->b);
-    if (st != BK_OK)
-        return st;
-    bk_backend_set_gemm_math(g->b, bk_gemm_math_resolve(model, o->gemm_math));
-    st = bk_gfwd_create(g->b, c, B, T, &g->f);
-    if (st == BK_OK)
-        st = bk_gpu_alloc(g->f, (void **)&g->H, (size_t)(N * c->hidden) * sizeof(float),
-                          "residual stream of all sequences");
-    for (int i = 0; i < 4 && st == BK_OK; i++)
-        st = bk_gpu_alloc(g->f, (void **)&g->tap[i], (size_t)(B * T * widths[i]) * sizeof(float),
-                          "activation taps");
-    if (st == BK_ERR_DEVICE_OOM)
-        bk_error_prefix(st, "dump-activations on the GPU (use fewer --samples, a smaller --batch "
-                            "or --backend cpu)");
-    return st;
-}
-#endif
-
 static void dump_note(void *user, const char *msg)
 {
     const bk_dump_opts *o = user;
@@ -642,13 +598,11 @@ static void dump_note(void *user, const char *msg)
 bk_status bk_dump_activations(const bk_dump_opts *o)
 {
     bk_model *model = NULL;
-    bk_fwd *fwd = NULL;
-    gdump gd;
-    memset(&gd, 0, sizeof gd);
-    int gpu = o->backend == BK_BACKEND_CUDA ||
-              (o->backend == BK_BACKEND_AUTO && bk_cuda_device_count() > 0);
+    bk_backend *be = NULL;
+    const bk_layer_fwd_ops *fo = NULL; /* the backend's layer forward with taps */
+    void *fc = NULL;
     int32_t *tokens = NULL;
-    float *h = NULL, *acts[4] = {NULL, NULL, NULL, NULL};
+    float *acts[4] = {NULL, NULL, NULL, NULL};
     void *conv = NULL;
     cJSON *man = NULL;
     bk_outdir od;
@@ -686,46 +640,31 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     if ((st = bk__model_digest(model, cfg_sha, w_sha)) != BK_OK)
         goto done;
     bk__calib_digest(tokens, S, T, calib_sha);
-    int64_t N = S * T, B = o->batch > 0 ? o->batch : bk__auto_batch(c, T);
+    int64_t N = S * T, B = o->batch > 0 ? o->batch : bk_fwd_auto_batch(c, S, T);
     if (B > S)
         B = S;
     int64_t widths[4] = {c->hidden, c->n_heads * c->head_dim, c->hidden, c->intermediate};
-    if (gpu) {
-#if BK_HAVE_CUDA
-        st = gdump_setup(&gd, o, model, c, N, B, T, widths);
-#else
-        st = bk_error(BK_ERR_NO_DEVICE, "dump-activations --backend cuda: this build has no CUDA "
-                      "backend (rebuild with -Dcuda=enabled); use --backend cpu");
-#endif
-        if (st != BK_OK)
-            goto done;
-    }
-    st = bk_fwd_create(c, B, T, &fwd); /* also the configuration's checks for the GPU */
+    /* the forward pass on the backend (auto: the GPU when present), the
+     * residual stream of all sequences held there */
+    st = bk_backend_create_params(o->backend, &o->backend_params, &be);
     if (st != BK_OK)
         goto done;
-    if (!gpu) /* the GPU keeps the residual stream on the device */
-        h = bk_alloc((size_t)(N * c->hidden), sizeof(float));
+    bk_backend_set_gemm_math(be, bk_gemm_math_resolve(model, o->gemm_math));
+    st = bk_backend_layer_fwd_create(be, model, S, T, B, &fo, &fc);
+    if (st != BK_OK)
+        goto done;
     for (int i = 0; i < 4; i++)
         acts[i] = bk_alloc((size_t)(N * widths[i]), sizeof(float));
     conv = bk_alloc((size_t)(N * c->intermediate), 2);
-    if ((!gpu && !h) || !acts[0] || !acts[1] || !acts[2] || !acts[3] || !conv) {
+    if (!acts[0] || !acts[1] || !acts[2] || !acts[3] || !conv) {
         st = bk_error(BK_ERR_NOMEM, "dump-activations: out of memory for %lld tokens", (long long)N);
         goto done;
     }
     for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
         int64_t sb = S - s0 < B ? S - s0 : B;
-#if BK_HAVE_CUDA
-        if (gpu) {
-            st = bk_gfwd_embed(gd.f, model, tokens + s0 * T, sb, gd.H + s0 * T * c->hidden);
-            continue;
-        }
-#endif
-        st = bk_fwd_embed(fwd, model, tokens + s0 * T, sb, h + s0 * T * c->hidden);
+        st = fo->embed(fc, tokens, s0, sb);
     }
-#if BK_HAVE_CUDA
-    if (gpu)
-        bk_gfwd_embed_release(gd.f);
-#endif
+    fo->embed_end(fc);
     if (st != BK_OK)
         goto done;
 
@@ -751,8 +690,8 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     cJSON_AddNumberToObject(man, "layers", (double)c->n_layers);
     cJSON_AddStringToObject(man, "calibration", o->calib_path);
     cJSON_AddStringToObject(man, "calibration_sha256", calib_sha);
-    cJSON_AddStringToObject(man, "device", gpu ? bk_backend_device(gd.b) : "cpu");
-    if (gpu)
+    cJSON_AddStringToObject(man, "device", fo->device(fc));
+    if (fo->uses_gemm_math)
         cJSON_AddStringToObject(man, "gpu_math",
                                 bk_gemm_math_name(bk_gemm_math_resolve(model, o->gemm_math)));
     cJSON *files = cJSON_AddArrayToObject(man, "files");
@@ -771,29 +710,15 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
         st = bk_layer_weights_load(model, l, &lw);
         if (st == BK_OK) /* the checkpoint is not changing under the run */
             st = bk_st_set_check_unchanged(bk_model_tensors(model));
-#if BK_HAVE_CUDA
-        if (gpu) {
-            bk_glayer *gl = NULL;
-            if (st == BK_OK)
-                st = bk_glayer_upload(gd.f, &lw, &gl);
+        if (st == BK_OK && (st = fo->layer_begin(fc, &lw)) == BK_OK) {
             for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
                 int64_t sb = S - s0 < B ? S - s0 : B;
-                bk_layer_taps taps = {.attn_in = gd.tap[0], .o_in = gd.tap[1],
-                                      .mlp_in = gd.tap[2], .down_in = gd.tap[3]};
-                st = bk_gfwd_layer(gd.f, gl, sb, gd.H + s0 * T * c->hidden, &taps);
-                for (int i = 0; i < 4 && st == BK_OK; i++)
-                    st = bk_gpu_download(gd.f, acts[i] + s0 * T * widths[i], gd.tap[i],
-                                         (size_t)(sb * T * widths[i]) * sizeof(float));
+                float *const taps[4] = {acts[0] + s0 * T * widths[0], acts[1] + s0 * T * widths[1],
+                                        acts[2] + s0 * T * widths[2],
+                                        acts[3] + s0 * T * widths[3]};
+                st = fo->layer_taps(fc, s0, sb, taps);
             }
-            bk_glayer_free(gd.f, gl);
-        } else
-#endif
-        for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
-            int64_t sb = S - s0 < B ? S - s0 : B;
-            bk_layer_taps taps = {
-                .attn_in = acts[0] + s0 * T * widths[0], .o_in = acts[1] + s0 * T * widths[1],
-                .mlp_in = acts[2] + s0 * T * widths[2], .down_in = acts[3] + s0 * T * widths[3]};
-            st = bk_fwd_layer(fwd, &lw, sb, h + s0 * T * c->hidden, &taps);
+            fo->layer_end(fc);
         }
         bk_layer_weights_free(&lw);
         if (st != BK_OK)
@@ -871,11 +796,10 @@ done:
     free(conv);
     for (int i = 0; i < 4; i++)
         free(acts[i]);
-    free(h);
     free(tokens);
-    if (fwd)
-        bk_fwd_free(fwd);
-    gdump_free(&gd);
+    if (fo)
+        fo->destroy(fc);
+    bk_backend_destroy(be);
     if (model)
         bk_model_close(model);
     return st;

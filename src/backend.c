@@ -67,22 +67,155 @@ int bk_cuda_device_count(void)
 #endif
 }
 
-bk_status bk_backend_create(bk_backend_kind kind, bk_backend **out)
+void bk_backend_params_default(bk_backend_params *p)
+{
+    memset(p, 0, sizeof *p);
+    p->device = 0;
+    p->factor_fp64 = 0;
+    p->mem_limit = 0;
+    p->keep_down = 1;
+    p->residual_host = 0;
+}
+
+/* "0" or "1" */
+static bk_status parse_bool(const char *key, const char *v, int *out)
+{
+    if (!strcmp(v, "0") || !strcmp(v, "1")) {
+        *out = v[0] == '1';
+        return BK_OK;
+    }
+    return bk_error(BK_ERR_INVALID_ARG, "setting %s: expected 0 or 1 (got '%s')", key, v);
+}
+
+bk_status bk_backend_params_set(bk_backend_params *p, const char *key, const char *value)
+{
+    if (!strcmp(key, "device")) {
+        char *end = NULL;
+        long v = strtol(value, &end, 10);
+        if (end == value || *end || v < 0 || v > 1023)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "setting device: expected a device number in [0, 1023] (got '%s')",
+                            value);
+        p->device = (int)v;
+        return BK_OK;
+    }
+    if (!strcmp(key, "factor_fp64"))
+        return parse_bool(key, value, &p->factor_fp64);
+    if (!strcmp(key, "keep_down"))
+        return parse_bool(key, value, &p->keep_down);
+    if (!strcmp(key, "mem_limit")) {
+        char *end = NULL;
+        unsigned long long v = 0;
+        if (value[0] >= '0' && value[0] <= '9') /* strtoull would take "-1" */
+            v = strtoull(value, &end, 10);
+        if (!end || *end)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "setting mem_limit: expected a number of bytes (got '%s')", value);
+        p->mem_limit = (size_t)v;
+        return BK_OK;
+    }
+    if (!strcmp(key, "residual")) {
+        if (!strcmp(value, "auto"))
+            p->residual_host = 0;
+        else if (!strcmp(value, "host"))
+            p->residual_host = 1;
+        else
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "setting residual: expected auto or host (got '%s')", value);
+        return BK_OK;
+    }
+    return bk_error(BK_ERR_INVALID_ARG,
+                    "unknown setting '%s' (expected device, factor_fp64, mem_limit, keep_down "
+                    "or residual)",
+                    key);
+}
+
+bk_status bk_backend_params_parse(bk_backend_params *p, const char *key_value)
+{
+    const char *eq = strchr(key_value, '=');
+    char key[64];
+    if (!eq || eq == key_value || (size_t)(eq - key_value) >= sizeof key)
+        return bk_error(BK_ERR_INVALID_ARG, "setting '%s': expected KEY=VALUE", key_value);
+    memcpy(key, key_value, (size_t)(eq - key_value));
+    key[eq - key_value] = 0;
+    return bk_backend_params_set(p, key, eq + 1);
+}
+
+void bk_cuda_tuning_default(bk_cuda_tuning *t)
+{
+    t->tile = 64;
+    t->solve_wc = 16;
+    t->overlap = 1;
+    t->side_band = -1;
+    t->far_async = 1;
+    t->push_split = 2;
+    t->push_group = 4;
+    t->partition = -1;
+}
+
+bk_status bk_cuda_tuning_check(const bk_cuda_tuning *t)
+{
+    const char *bad = NULL, *want = NULL;
+    int v = 0;
+    if (t->tile != 32 && t->tile != 64)
+        bad = "tile", want = "32 or 64", v = t->tile;
+    else if (t->solve_wc != 8 && t->solve_wc != 16)
+        bad = "solve_wc", want = "8 or 16", v = t->solve_wc;
+    else if (t->overlap != 0 && t->overlap != 1)
+        bad = "overlap", want = "0 or 1", v = t->overlap;
+    else if (t->side_band < -1 || t->side_band > 1)
+        bad = "side_band", want = "-1 (auto), 0 or 1", v = t->side_band;
+    else if (t->far_async != 0 && t->far_async != 1)
+        bad = "far_async", want = "0 or 1", v = t->far_async;
+    else if (t->push_split != 1 && t->push_split != 2)
+        bad = "push_split", want = "1 or 2", v = t->push_split;
+    else if (t->push_group < 0 || t->push_group > 64)
+        bad = "push_group", want = "an integer in [0, 64]", v = t->push_group;
+    else if (t->partition < -1 || t->partition > 4096)
+        bad = "partition", want = "-1 (auto), 0 or a number of SMs up to 4096", v = t->partition;
+    if (bad)
+        return bk_error(BK_ERR_INVALID_ARG, "CUDA tuning %s: expected %s (got %d)", bad, want, v);
+    return BK_OK;
+}
+
+#if !BK_HAVE_CUDA
+bk_status bk_cuda_backend_tune(bk_backend *b, const bk_cuda_tuning *t)
+{
+    (void)b;
+    (void)t;
+    return bk_error(BK_ERR_INVALID_ARG, "CUDA tuning: not a CUDA backend (no CUDA in this build)");
+}
+#endif
+
+bk_status bk_backend_create_params(bk_backend_kind kind, const bk_backend_params *params,
+                                   bk_backend **out)
 {
     *out = NULL;
     bk_backend *b = calloc(1, sizeof *b);
     if (!b)
         return bk_error(BK_ERR_NOMEM, "out of memory creating a backend");
+    if (params)
+        b->params = *params;
+    else
+        bk_backend_params_default(&b->params);
     bk_status st;
     if (kind == BK_BACKEND_AUTO)
         kind = bk_cuda_device_count() > 0 ? BK_BACKEND_CUDA : BK_BACKEND_CPU;
     if (kind == BK_BACKEND_CUDA) {
 #if BK_HAVE_CUDA
-        if (bk_cuda_count_devices() <= 0) {
+        const int nd = bk_cuda_count_devices();
+        if (nd <= 0) {
             free(b);
             return bk_error(BK_ERR_NO_DEVICE,
                             "backend cuda: no usable CUDA device (no GPU or no driver); "
                             "use --backend cpu");
+        }
+        if (b->params.device >= nd) {
+            const int d = b->params.device;
+            free(b);
+            return bk_error(BK_ERR_NO_DEVICE,
+                            "backend cuda: setting device=%d, but there %s %d CUDA device%s", d,
+                            nd == 1 ? "is" : "are", nd, nd == 1 ? "" : "s");
         }
         st = bk_cuda_backend_init(b);
 #else
@@ -101,6 +234,16 @@ bk_status bk_backend_create(bk_backend_kind kind, bk_backend **out)
     b->kind = kind;
     *out = b;
     return BK_OK;
+}
+
+bk_status bk_backend_create(bk_backend_kind kind, bk_backend **out)
+{
+    return bk_backend_create_params(kind, NULL, out);
+}
+
+const bk_backend_params *bk_backend_get_params(const bk_backend *b)
+{
+    return &b->params;
 }
 
 void bk_backend_destroy(bk_backend *b)
@@ -139,4 +282,62 @@ void bk_backend_reset_peak_memory(bk_backend *b)
 {
     if (b->ops->reset_peak_memory)
         b->ops->reset_peak_memory(b->ctx);
+}
+
+int bk_backend_supports(const bk_backend *b, bk_backend_op op)
+{
+    const bk_backend_ops *o = b->ops;
+    switch (op) {
+    case BK_OP_SOLVE: return o->solve != NULL;
+    case BK_OP_MODEL_NLL: return o->model_nll != NULL;
+    case BK_OP_MODEL_LOGITS: return o->model_logits != NULL;
+    case BK_OP_LAYER_FWD: return o->layer_fwd_create != NULL;
+    case BK_OP_STAGES: return o->stages_create != NULL;
+    case BK_OP_BACKWARD: return o->bwd_flow_run != NULL;
+    }
+    return 0;
+}
+
+bk_status bk_backend_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                               int64_t S, int64_t T, int64_t batch, double *nll_sum,
+                               int64_t *count)
+{
+    if (b->ops->model_nll)
+        return b->ops->model_nll(b, m, tokens, S, T, batch, nll_sum, count);
+    return bk_model_nll(m, tokens, S, T, batch, nll_sum, count);
+}
+
+bk_status bk_backend_model_logits(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                  int64_t S, int64_t T, float *logits)
+{
+    if (b->ops->model_logits)
+        return b->ops->model_logits(b, m, tokens, S, T, logits);
+    return bk_model_logits(m, tokens, S, T, logits);
+}
+
+bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
+                                      int64_t B, const bk_layer_fwd_ops **ops, void **ctx)
+{
+    if (b->ops->layer_fwd_create)
+        return b->ops->layer_fwd_create(b, m, S, T, B, ops, ctx);
+    return bk_cpu_layer_fwd_create(b, m, S, T, B, ops, ctx);
+}
+
+bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
+                                   const bk_stage_ops **ops, void **ctx)
+{
+    *ops = NULL;
+    *ctx = NULL;
+    if (!b->ops->stages_create)
+        return bk_error(BK_ERR_UNSUPPORTED, "backend %s: no stages of its own", b->ops->name);
+    return b->ops->stages_create(b, p, batch, ops, ctx);
+}
+
+bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                  int64_t S, int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                                  const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats)
+{
+    if (b->ops->bwd_flow_run)
+        return b->ops->bwd_flow_run(b, m, tokens, S, T, o, fp64, cb, stats);
+    return bk_bwd_flow_run(m, tokens, S, T, o, cb, stats);
 }

@@ -5,13 +5,118 @@
 #include <cblas.h>
 
 #include "backend_impl.h"
+#include "bakron/forward.h"
 #include "bakron/solver.h"
+#include "util.h"
 
 static bk_status cpu_solve(void *ctx, const bk_solve_problem *p, const bk_solve_opts *o,
                            bk_solve_result *r)
 {
     (void)ctx;
     return bk_solve(p, o, r);
+}
+
+static bk_status cpu_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                               int64_t S, int64_t T, int64_t batch, double *nll_sum,
+                               int64_t *count)
+{
+    (void)b;
+    return bk_model_nll(m, tokens, S, T, batch, nll_sum, count);
+}
+
+static bk_status cpu_model_logits(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                  int64_t S, int64_t T, float *logits)
+{
+    (void)b;
+    return bk_model_logits(m, tokens, S, T, logits);
+}
+
+/* ------------------------------------------ the layer forward with taps */
+
+typedef struct cpu_lfwd {
+    bk_fwd *f;
+    const bk_model *m;
+    int64_t T, hidden;
+    float *h; /* [S*T, hidden] the residual stream */
+    const bk_layer_weights *lw;
+} cpu_lfwd;
+
+static void lfwd_destroy(void *ctx)
+{
+    cpu_lfwd *c = ctx;
+    if (!c)
+        return;
+    if (c->f)
+        bk_fwd_free(c->f);
+    free(c->h);
+    free(c);
+}
+
+static bk_status lfwd_embed(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb)
+{
+    cpu_lfwd *c = ctx;
+    return bk_fwd_embed(c->f, c->m, tokens + s0 * c->T, sb, c->h + s0 * c->T * c->hidden);
+}
+
+static void lfwd_embed_end(void *ctx)
+{
+    (void)ctx;
+}
+
+static bk_status lfwd_layer_begin(void *ctx, const bk_layer_weights *lw)
+{
+    ((cpu_lfwd *)ctx)->lw = lw;
+    return BK_OK;
+}
+
+static bk_status lfwd_layer_taps(void *ctx, int64_t s0, int64_t sb, float *const taps[4])
+{
+    cpu_lfwd *c = ctx;
+    bk_layer_taps t = {.attn_in = taps[0], .o_in = taps[1], .mlp_in = taps[2],
+                       .down_in = taps[3]};
+    return bk_fwd_layer(c->f, c->lw, sb, c->h + s0 * c->T * c->hidden, &t);
+}
+
+static void lfwd_layer_end(void *ctx)
+{
+    ((cpu_lfwd *)ctx)->lw = NULL;
+}
+
+static const char *lfwd_device(void *ctx)
+{
+    (void)ctx;
+    return "cpu";
+}
+
+static const bk_layer_fwd_ops cpu_lfwd_ops = {
+    lfwd_embed, lfwd_embed_end, lfwd_layer_begin, lfwd_layer_taps,
+    lfwd_layer_end, lfwd_destroy, lfwd_device, 0,
+};
+
+bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
+                                  int64_t B, const bk_layer_fwd_ops **ops, void **ctx)
+{
+    (void)b;
+    *ops = NULL;
+    *ctx = NULL;
+    const bk_model_config *cfg = bk_model_get_config(m);
+    cpu_lfwd *c = calloc(1, sizeof *c);
+    if (!c)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    c->m = m;
+    c->T = T;
+    c->hidden = cfg->hidden;
+    bk_status st = bk_fwd_create(cfg, B, T, &c->f);
+    if (st == BK_OK && !(c->h = bk_alloc((size_t)(S * T * cfg->hidden), sizeof(float))))
+        st = bk_error(BK_ERR_NOMEM, "out of memory for the residual stream of %lld tokens",
+                      (long long)(S * T));
+    if (st != BK_OK) {
+        lfwd_destroy(c);
+        return st;
+    }
+    *ops = &cpu_lfwd_ops;
+    *ctx = c;
+    return BK_OK;
 }
 
 static void cpu_destroy(void *ctx)
@@ -24,6 +129,11 @@ static const bk_backend_ops cpu_ops = {
     .solve = cpu_solve,
     .peak_memory = NULL,
     .reset_peak_memory = NULL,
+    .model_nll = cpu_model_nll,
+    .model_logits = cpu_model_logits,
+    .layer_fwd_create = bk_cpu_layer_fwd_create,
+    .stages_create = NULL, /* the driver's own CPU stages (src/pipeline.c) */
+    .bwd_flow_run = NULL,  /* the CPU's flow, bk_bwd_flow_run (the dispatcher's fallback) */
     .destroy = cpu_destroy,
 };
 

@@ -1,10 +1,129 @@
-/* The backend interface: a table of operations plus a context (internal). */
+/* The backend interface (internal): one table of operations plus a context.
+ *
+ * Every operation whose implementation differs between the CPU and a device
+ * is an entry here. The CPU backend (src/backend_cpu.c) is the oracle; a
+ * device backend (cuda/backend_cuda.cu) fills the entries it accelerates and
+ * leaves the others NULL: the driver then runs the CPU implementation of
+ * that operation (bk_backend_supports, and the bk_backend_* dispatchers of
+ * src/backend.c, which fall back by themselves where they can). A backend
+ * that spans several devices is one more table with its own context.
+ * docs/DEVELOPING.md "Architecture" maps who owns what.
+ */
 #ifndef BK_BACKEND_IMPL_H
 #define BK_BACKEND_IMPL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "bakron/backend.h"
+#include "bakron/backward.h"
+#include "bakron/forward.h"
+#include "bakron/hessian.h"
+#include "bakron/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------- the layer driver's stages */
+
+/* The per-layer sequence of a token-calibrated quantize job (src/pipeline.c
+ * runs it; docs/DEVICE.md "Pipeline on the GPU"). */
+typedef enum bk_stage {
+    BK_STAGE_QKV = 0, /* x = attn_in(orig); fully-local: FP queries/keys; add_attn */
+    BK_STAGE_O,       /* attention with the quantized q/k/v -> o_in (kept); add_o */
+    BK_STAGE_MLP,     /* h += o_proj(o_in); x = mlp_in; add_mlp (original gate/up) */
+    BK_STAGE_DOWN,    /* down_in = mlp_hidden(mlp_in(h)); add_down */
+    BK_STAGE_OUT,     /* h += down_proj(mlp_hidden(mlp_in(h))) */
+    BK_STAGE_FULL,    /* the whole layer with the original weights, no Hessians */
+    BK_STAGE_TAPS     /* the whole layer with the original weights; every add */
+} bk_stage;
+
+/* What the stages of one quantize job do on one micro-batch: the residual
+ * stream of all sequences, one layer's weights (original + working copy) and
+ * one layer's Hessian accumulators held by the backend. */
+typedef struct bk_stage_ops {
+    const char *name; /* the backend's name */
+    /* Embed sequences [s0, s0+sb) (tokens: the whole [S, T] array). */
+    bk_status (*embed)(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb);
+    /* A layer starts: orig = full-precision weights, lw = the working copy
+     * (equal to orig now). hessians = 1: reset the accumulators. */
+    bk_status (*layer_begin)(void *ctx, const bk_layer_weights *orig, const bk_layer_weights *lw,
+                             int hessians);
+    /* One stage on sequences [s0, s0+sb); adds the time spent to *t_forward
+     * and *t_hessian. */
+    bk_status (*run)(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_forward,
+                     double *t_hessian);
+    /* Host factors of module mod (valid until the next call): A, B (NULL =
+     * identity) and A_plain = E[x x^T] (the GPTQ proxy loss; may equal A).
+     * rtn: all NULL. */
+    bk_status (*factors)(void *ctx, bk_module mod, const float **A, const float **B,
+                         const float **A_plain);
+    /* The quantized weight w [out, in] replaces lw's module mod. */
+    bk_status (*weight_updated)(void *ctx, bk_module mod, const float *w);
+    /* Optional (NULL: factors + bk_backend_solve on host arrays): the factors
+     * as DEVICE arrays (same contract as factors otherwise), and the solve of
+     * module mod with them: p->W is the host original weight, p->A / p->B the
+     * device factors from factors_dev, A_plain the device E[x x^T] or NULL.
+     * Fills r as bk_backend_solve does and *loss_gptq = tr(E A_plain E^T)
+     * (NAN without A_plain); the device working copy gets the quantized
+     * weight (weight_updated is not called). */
+    bk_status (*factors_dev)(void *ctx, bk_module mod, const float **A, const float **B,
+                             const float **A_plain);
+    bk_status (*solve_dev)(void *ctx, bk_module mod, const bk_solve_problem *p,
+                           const float *A_plain, const bk_solve_opts *o, bk_solve_result *r,
+                           double *loss_gptq);
+    /* The layer is done (its weights are released by the caller). */
+    void (*layer_end)(void *ctx);
+    void (*destroy)(void *ctx);
+    /* One line for the log and report.json ("" for the CPU). */
+    const char *(*describe)(void *ctx);
+} bk_stage_ops;
+
+/* What a backend's stages are created for. */
+typedef struct bk_stage_params {
+    const bk_model *model;
+    bk_hessian_kind kind; /* rtn: gptq (the factors are not used) */
+    int fp64;             /* Hessians in double */
+    int keep_plain;       /* also E[x x^T] of mlp_in for the Shampoo kinds (A_plain of gate/up) */
+    int fully;            /* fully-local: FP queries/keys in stage QKV */
+    int codes_only;       /* the export needs codes and scales only (solve_dev leaves r->weight
+                             NULL) */
+    int64_t S, T;         /* calibration sequences and tokens per sequence */
+} bk_stage_params;
+
+/* --------------------------------------- the layer forward with taps (dump) */
+
+/* The forward pass of whole layers with the original weights over the
+ * residual stream of S sequences held by the backend, the inputs of the
+ * linear modules handed out (dump-activations). */
+typedef struct bk_layer_fwd_ops {
+    /* Embed sequences [s0, s0+sb) (tokens: the whole [S, T] array). */
+    bk_status (*embed)(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb);
+    /* The embedding is done (a device may release its table). */
+    void (*embed_end)(void *ctx);
+    bk_status (*layer_begin)(void *ctx, const bk_layer_weights *lw);
+    /* The layer on sequences [s0, s0+sb) in place; taps[0..3]: host arrays
+     * [sb*T, width] for attn_in, o_in, mlp_in and down_in. */
+    bk_status (*layer_taps)(void *ctx, int64_t s0, int64_t sb, float *const taps[4]);
+    void (*layer_end)(void *ctx);
+    void (*destroy)(void *ctx);
+    /* The device line of the dump's manifest ("cpu" on the CPU). */
+    const char *(*device)(void *ctx);
+    int uses_gemm_math; /* the backend's GEMM arithmetic applies (the manifest says which) */
+} bk_layer_fwd_ops;
+
+/* ------------------------------------------------------- the backend table */
+
+/* The operations, for bk_backend_supports. */
+typedef enum bk_backend_op {
+    BK_OP_SOLVE = 0,    /* solve one module from host factors */
+    BK_OP_MODEL_NLL,    /* whole-model NLL (eval) */
+    BK_OP_MODEL_LOGITS, /* whole-model logits (eval --logits-out) */
+    BK_OP_LAYER_FWD,    /* layer forward with taps (dump-activations) */
+    BK_OP_STAGES,       /* the quantize stages: forward, Hessians, factors, solves */
+    BK_OP_BACKWARD      /* the backward flow of the Backprop Hessians */
+} bk_backend_op;
 
 typedef struct bk_backend_ops {
     const char *name;
@@ -15,26 +134,90 @@ typedef struct bk_backend_ops {
     size_t (*peak_memory)(void *ctx);
     /* Optional: restart the high-water mark at the current usage. */
     void (*reset_peak_memory)(void *ctx);
+    /* Whole model, layer-streamed, as bk_model_nll / bk_model_logits. */
+    bk_status (*model_nll)(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
+                           int64_t T, int64_t batch, double *nll_sum, int64_t *count);
+    bk_status (*model_logits)(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                              int64_t S, int64_t T, float *logits);
+    /* The layer forward with taps for S sequences of T tokens in micro-batches
+     * of at most B. */
+    bk_status (*layer_fwd_create)(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
+                                  int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
+    /* The quantize stages. *batch: the micro-batch asked for (0 = automatic),
+     * reduced when the memory is short; the value used is returned.
+     * NULL: the driver's own CPU stages (src/pipeline.c). */
+    bk_status (*stages_create)(bk_backend *b, const bk_stage_params *p, int64_t *batch,
+                               const bk_stage_ops **ops, void **ctx);
+    /* The backward flow of the Backprop Hessians, as bk_bwd_flow_run
+     * (src/backward_flow.c, the CPU's). fp64: double arithmetic on a device
+     * (else F32 GEMMs). A device may hand each leaf layer's output-gradient
+     * Grams to cb->grams (when set) instead of the taps to cb->grads. */
+    bk_status (*bwd_flow_run)(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
+                              int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                              const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats);
     /* Required. */
     void (*destroy)(void *ctx);
 } bk_backend_ops;
+
+/* Whether backend b has its own implementation of op (else the driver runs
+ * the CPU one). */
+int bk_backend_supports(const bk_backend *b, bk_backend_op op);
+
+/* Dispatchers (layer_fwd_create falls back to the CPU implementation;
+ * stages_create: BK_ERR_UNSUPPORTED, the driver then runs its own CPU stages).
+ * bk_backend_solve, bk_backend_model_nll and bk_backend_model_logits are
+ * public (bakron/backend.h). */
+bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
+                                      int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
+bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
+                                   const bk_stage_ops **ops, void **ctx);
+/* NULL entry: the CPU's flow (bk_bwd_flow_run; cb->grads, fp64 ignored). */
+bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                  int64_t S, int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                                  const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats);
+
+/* The CPU implementation of the layer forward with taps (src/backend_cpu.c;
+ * also the fallback of other backends). */
+bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
+                                  int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
 
 struct bk_backend {
     const bk_backend_ops *ops;
     void *ctx;
     bk_backend_kind kind;
     bk_gemm_math gemm_math; /* forward/Hessian GEMMs of the GPU pipeline and eval */
+    bk_backend_params params; /* the settings it was created with */
     char device[256];
 };
 
-/* Fill b (ops, ctx, device). */
+/* Fill b (ops, ctx, device); b->params is set. */
 bk_status bk_cpu_backend_init(bk_backend *b);
 
-#ifdef __cplusplus
-extern "C" {
-#endif
-/* Implemented in cuda/ when BK_HAVE_CUDA. */
+/* Variant selectors of the CUDA BaKron solver. Their defaults are settled by
+ * the measurements in cuda/dev/NOTES.md; only the dev harness (bk-cuda-dev)
+ * and the GPU parity test change them (bk_cuda_backend_tune), the product
+ * never does. */
+typedef struct bk_cuda_tuning {
+    int tile;       /* tile size: 32 or 64 (64) */
+    int solve_wc;   /* tile solve: columns per warp, 8 (16 warps per 64-tile) or 16 (16) */
+    int overlap;    /* far pushes on a second, low-priority stream: 0 or 1 (1) */
+    int side_band;  /* the overlapped push in two launches, the next flush's band first:
+                       -1 auto = with the SM partition, 0 or 1 (-1) */
+    int far_async;  /* the overlapped pushes load with cp.async: 0 or 1 (1) */
+    int push_split; /* critical-path pushes in 2 x 2 parts per target tile (2) or whole (1) */
+    int push_group; /* far pushes every this many tile anti-diagonals, 0..64 (4; 0 = eager) */
+    int partition;  /* SMs kept free of the side stream: -1 auto, 0 none, 1..4096 (-1) */
+} bk_cuda_tuning;
+
+void bk_cuda_tuning_default(bk_cuda_tuning *t);
+/* Check t (BK_ERR_INVALID_ARG naming the field and its accepted values). */
+bk_status bk_cuda_tuning_check(const bk_cuda_tuning *t);
+
+/* Implemented in cuda/ in builds with the CUDA backend. b->params is set. */
 bk_status bk_cuda_backend_init(bk_backend *b);
+/* Replace the solver variants of a CUDA backend (dev harness and tests only);
+ * BK_ERR_INVALID_ARG for another backend or a bad value. */
+bk_status bk_cuda_backend_tune(bk_backend *b, const bk_cuda_tuning *t);
 int bk_cuda_count_devices(void);
 #ifdef __cplusplus
 }

@@ -23,7 +23,7 @@
  * back through), the layer weights in use (a small cache of layers,
  * bk_gbwd_opts.max_resident_layers) and the LM head.
  *
- * Only in CUDA builds (BK_HAVE_CUDA). */
+ * Only in builds with the CUDA backend. */
 #ifndef BK_BACKWARD_GPU_H
 #define BK_BACKWARD_GPU_H
 

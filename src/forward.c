@@ -925,17 +925,17 @@ bk_status bk_fwd_check_sequences(const bk_model_config *c, const int32_t *tokens
     return BK_OK;
 }
 
-/* Sequences per micro-batch when the caller leaves it to us: the activation
- * buffers of one micro-batch stay around 256 MiB. */
-static int64_t auto_batch(const bk_model_config *c, int64_t S, int64_t T)
+int64_t bk_fwd_auto_batch(const bk_model_config *c, int64_t S, int64_t T)
 {
-    double per_row = 4.0 * (double)(2 * c->n_heads * c->head_dim + 2 * c->n_kv_heads * c->head_dim +
-                                    2 * c->hidden + 3 * c->intermediate);
-    double per_seq = per_row * (double)T;
-    int64_t b = (int64_t)((256.0 * 1024 * 1024) / per_seq);
+    /* keep one micro-batch's widest activation (intermediate) and attention
+     * scores around 64 MiB */
+    int64_t per_seq = T * (c->intermediate + 4 * c->hidden) * 4 + c->n_heads * T * T * 4;
+    int64_t b = (int64_t)(64ll << 20) / (per_seq > 0 ? per_seq : 1);
     if (b < 1)
         b = 1;
-    if (b > S)
+    if (b > 64)
+        b = 64;
+    if (S > 0 && b > S)
         b = S;
     return b;
 }
@@ -978,7 +978,7 @@ bk_status bk_model_nll(const bk_model *m, const int32_t *tokens, int64_t S, int6
     if (batch < 0)
         return bk_error(BK_ERR_INVALID_ARG, "model nll: batch %lld must be >= 0",
                         (long long)batch);
-    int64_t B = batch > 0 ? (batch < S ? batch : S) : auto_batch(c, S, T);
+    int64_t B = batch > 0 ? (batch < S ? batch : S) : bk_fwd_auto_batch(c, S, T);
     bk_fwd *f = NULL;
     float *H = NULL;
     st = bk_fwd_create(c, B, T, &f);

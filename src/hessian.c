@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "backward_internal.h"
+#include "hess_blocks.h"
 #include "rope.h"
 #include "util.h"
 
@@ -1502,20 +1503,17 @@ static float *out_buf(float **slot, int64_t n)
     return *slot;
 }
 
-/* dst [m, m] = scale · blockdiag of nb h×h double blocks (block b used for
- * heads b*rep .. b*rep+rep-1 when src_stride selects one block per group). */
-static void blocks_out(const double *blk, int64_t nb, int64_t h, int64_t rep, double scale,
-                       float *dst)
+void bk_hess_head_blocks(float *dst, const double *blk, int64_t blk_stride, int64_t heads,
+                         int64_t rep, int64_t h, double mul, double div)
 {
-    int64_t m = nb * rep * h;
+    const int64_t m = heads * h;
     memset(dst, 0, (size_t)(m * m) * sizeof(float));
-    for (int64_t b = 0; b < nb * rep; b++) {
-        const double *s = blk + (b / rep) * h * h;
+    for (int64_t j = 0; j < heads; j++) {
+        const double *s = blk + (j / rep) * blk_stride;
         for (int64_t i = 0; i < h; i++)
-            for (int64_t j = 0; j < h; j++) {
-                /* symmetrize: rounding in the sandwiches leaves ~1 ulp asymmetry */
-                double v = 0.5 * (s[i * h + j] + s[j * h + i]);
-                dst[(b * h + i) * m + b * h + j] = (float)(scale * v);
+            for (int64_t c = 0; c < h; c++) {
+                const double v = 0.5 * (s[i * h + c] + s[c * h + i]);
+                dst[(j * h + i) * m + j * h + c] = (float)(mul * v / div);
             }
     }
 }
@@ -1578,22 +1576,12 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
         else
             gram_out(a, &a->x_attn, 1.0 / N, fa);
         if (mod == BK_MOD_K)
-            blocks_out(a->bk, a->G, h, 1, 1.0 / P, fb);
+            bk_hess_head_blocks(fb, a->bk, h * h, a->G, 1, h, 1.0 / P, 1.0);
         else if (a->qknorm)
-            blocks_out(a->bq, a->H, h, 1, 1.0 / P, fb);
-        else {
-            /* without q_norm every head of a group has the same block, stored
-             * at the group's first head */
-            int64_t hh = h * h;
-            memset(fb, 0, (size_t)(m * m) * sizeof(float));
-            for (int64_t j = 0; j < a->H; j++) {
-                const double *s = a->bq + (j / a->r) * a->r * hh;
-                for (int64_t i = 0; i < h; i++)
-                    for (int64_t c = 0; c < h; c++)
-                        fb[(j * h + i) * m + j * h + c] =
-                            (float)(0.5 * (s[i * h + c] + s[c * h + i]) / P);
-            }
-        }
+            bk_hess_head_blocks(fb, a->bq, h * h, a->H, 1, h, 1.0 / P, 1.0);
+        else /* without q_norm every head of a group has the same block, stored
+              * at the group's first head */
+            bk_hess_head_blocks(fb, a->bq, a->r * h * h, a->H, a->r, h, 1.0, P);
         break;
     case BK_MOD_V:
         if (!two) {
@@ -1608,10 +1596,10 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
                 wa += B0 ? frob_dot(B0 + b * h * h, a->bv + b * h * h, h * h)
                          : trace(a->bv + b * h * h, h);
             gram_out(a, &a->x_attn, wa / N, fa);
-            blocks_out(a->bv, a->G, h, 1, a->v_wb / N, fb);
+            bk_hess_head_blocks(fb, a->bv, h * h, a->G, 1, h, a->v_wb / N, 1.0);
         } else {
             gram_out(a, &a->x_attn, 1.0 / N, fa);
-            blocks_out(a->bv, a->G, h, 1, 1.0, fb);
+            bk_hess_head_blocks(fb, a->bv, h * h, a->G, 1, h, 1.0, 1.0);
         }
         break;
     case BK_MOD_O:

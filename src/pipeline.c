@@ -13,11 +13,10 @@
 
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
-#include "backward_gpu.h"
 #include "backward_internal.h"
 #include "bk_config.h"
 #include "outdir.h"
-#include "pipeline_gpu.h"
+#include "backend_impl.h"
 #include "pipeline_internal.h"
 #include "resume.h"
 #include "st_internal.h"
@@ -33,18 +32,6 @@ void bk_request_stop(void)
 int bk__stop_requested(void)
 {
     return g_stop != 0;
-}
-
-int bk_gpu_pipeline_env(void)
-{
-    const char *e = getenv("BK_GPU_PIPELINE");
-    return e && !strcmp(e, "1");
-}
-
-int bk_cpu_stages_env(void)
-{
-    const char *e = getenv("BK_CPU_STAGES");
-    return e && !strcmp(e, "1");
 }
 
 const char *bk_export_name(bk_export_format f)
@@ -91,6 +78,7 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     o->leaf_size = 1;
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
+    bk_backend_params_default(&o->backend_params);
 }
 
 /* ------------------------------------------------------------------ job state */
@@ -1330,8 +1318,7 @@ static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk
     return st;
 }
 
-#if BK_HAVE_CUDA
-/* GPU flow: a leaf layer's output-gradient Grams over the whole calibration set */
+/* A device's flow: a leaf layer's output-gradient Grams over the whole calibration set */
 static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G, const double *gw,
                           int64_t S)
 {
@@ -1347,7 +1334,6 @@ static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G,
     j->t_hessian += bk_now() - t0;
     return st;
 }
-#endif
 
 static bk_status bp_leaf_done(void *user, int lo, int hi)
 {
@@ -1373,20 +1359,16 @@ static bk_status run_backprop(job *j)
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
     bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0};
     bk_status st;
-#if BK_HAVE_CUDA
     if (j->bp_gpu) {
-        bk_gbwd_opts go;
-        bk_gbwd_opts_default(&go);
-        go.fp64 = j->o->bwd_fp64;
         /* the Grams on the device, not the taps on the host */
         cb.grads = NULL;
         cb.grams = bp_grams;
         cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
-        st = bk_cuda_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo, &go, &cb,
-                                  &j->bp_stats);
-    } else
-#endif
+        st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo,
+                                     j->o->bwd_fp64, &cb, &j->bp_stats);
+    } else {
         st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
+    }
     bp_add_flow_time(j);
     return st;
 }
@@ -1537,7 +1519,7 @@ static bk_status write_config_and_report(job *j)
     cJSON_AddStringToObject(rep, "model", o->model_dir);
     cJSON_AddStringToObject(rep, "backend", bk_backend_name(j->backend));
     cJSON_AddStringToObject(rep, "device", bk_backend_device(j->backend));
-    if (j->ops && !strcmp(j->ops->name, "cuda"))
+    if (j->ops && j->ops != &cpu_stage_ops) /* the backend's own stages */
         cJSON_AddStringToObject(rep, "gpu_math", bk_gemm_math_name(j->gemm_math));
     cJSON_AddStringToObject(rep, "stages", j->ops ? j->ops->name : "cpu");
     if (j->ops && j->ops->describe(j->ops_ctx)[0])
@@ -1568,7 +1550,7 @@ static bk_status write_config_and_report(job *j)
         const bk_bwd_flow_stats *bs = &j->bp_stats;
         cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
         cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
-        cJSON_AddStringToObject(b, "device", j->bp_gpu ? "cuda" : "cpu");
+        cJSON_AddStringToObject(b, "device", j->bp_gpu ? bk_backend_name(j->backend) : "cpu");
         cJSON_AddStringToObject(b, "precision", (!j->bp_gpu || o->bwd_fp64) ? "fp64" : "fp32");
         cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
         cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
@@ -1627,11 +1609,11 @@ static bk_status job_buffers(job *j)
                         (long long)j->N);
     /* keep the down_proj inputs between stages DOWN and OUT (saves recomputing
      * gate/up: a third of the forward work) when they take at most a quarter
-     * of the physical memory; BK_KEEP_DOWN=0 turns it off */
-    const char *kd_env = getenv("BK_KEEP_DOWN");
+     * of the physical memory; setting keep_down=0 turns it off */
+    const int keep_down = bk_backend_get_params(j->backend)->keep_down;
     const long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
     const double need = (double)j->N * (double)c->intermediate * sizeof(float);
-    if (j->tokens && j->o->sequential && !(kd_env && !strcmp(kd_env, "0")) && pages > 0 &&
+    if (j->tokens && j->o->sequential && keep_down && pages > 0 &&
         psize > 0 && need <= 0.25 * (double)pages * (double)psize)
         j->D = bk_alloc((size_t)(j->N * c->intermediate), sizeof(float)); /* NULL: recompute */
     return BK_OK;
@@ -1818,7 +1800,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             goto fail;
     }
     j->N = j->S * j->T;
-    j->batch = o->batch > 0 ? o->batch : bk__auto_batch(j->cfg, j->T);
+    j->batch = o->batch > 0 ? o->batch : bk_fwd_auto_batch(j->cfg, 0, j->T);
     if (j->S > 0 && j->batch > j->S)
         j->batch = j->S;
     if (j->batch < 1)
@@ -1841,7 +1823,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             j->s_hi = j->S;
     }
 
-    st = bk_backend_create(o->backend, &j->backend);
+    st = bk_backend_create_params(o->backend, &o->backend_params, &j->backend);
     if (st != BK_OK)
         goto fail;
     j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
@@ -1851,31 +1833,30 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * the activations are rounded as a BF16 framework would), else TF32 */
     j->gemm_math = bk_gemm_math_resolve(j->model, o->gemm_math);
     bk_backend_set_gemm_math(j->backend, j->gemm_math);
-    const int want_gpu = o->gpu_pipeline || bk_gpu_pipeline_env();
-    const int cpu_stages = o->cpu_stages || bk_cpu_stages_env();
+    const int want_gpu = o->gpu_pipeline;
+    const int cpu_stages = o->cpu_stages;
     if (j->bp && want_gpu) {
         st = bk_error(BK_ERR_UNSUPPORTED,
                       "quantize: --hessian %s runs its input-side stages on the CPU (its "
                       "backward passes run on the GPU with the CUDA backend): drop "
-                      "--gpu-pipeline / BK_GPU_PIPELINE=1",
+                      "--gpu-pipeline",
                       bk_hessian_name(o->hessian));
         goto fail;
     }
     /* backprop kinds: the forward + backward passes of the flow on the GPU with
      * the CUDA backend, unless --cpu-stages (the CPU's flow, the reference) */
-    j->bp_gpu = BK_HAVE_CUDA && j->bp && !cpu_stages && j->tokens &&
-                strcmp(bk_backend_name(j->backend), "cuda") == 0;
+    j->bp_gpu = j->bp && !cpu_stages && j->tokens &&
+                bk_backend_supports(j->backend, BK_OP_BACKWARD);
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
-                      "quantize: --gpu-pipeline (BK_GPU_PIPELINE=1) and --cpu-stages "
-                      "(BK_CPU_STAGES=1) contradict each other");
+                      "quantize: --gpu-pipeline and --cpu-stages contradict each other");
         goto fail;
     }
-    /* forward + Hessians on the GPU: asked for, or the default of the CUDA
-     * backend with token calibration (docs/DEVICE.md) */
-    if (j->S > 0 && !j->bp && (want_gpu || (!cpu_stages && j->tokens &&
-                                  strcmp(bk_backend_name(j->backend), "cuda") == 0))) {
-        /* forward + Hessians on the GPU (opt-in, docs/DEVICE.md) */
+    /* forward + Hessians on the backend's own stages (the GPU's): asked for,
+     * or the default of a backend that has them, with token calibration
+     * (docs/DEVICE.md); else the CPU stages below */
+    const int own_stages = bk_backend_supports(j->backend, BK_OP_STAGES);
+    if (j->S > 0 && !j->bp && (want_gpu || (!cpu_stages && j->tokens && own_stages))) {
         if (j->nranks > 1) {
             st = bk_error(BK_ERR_UNSUPPORTED,
                           "quantize: the GPU stages with several MPI ranks are not implemented "
@@ -1885,38 +1866,38 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         }
         if (!j->tokens) {
             st = bk_error(BK_ERR_INVALID_ARG,
-                          "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) "
+                          "quantize: the GPU pipeline (--gpu-pipeline) "
                           "needs token calibration (--calib), not --activations");
             goto fail;
         }
-#if BK_HAVE_CUDA
-        if (strcmp(bk_backend_name(j->backend), "cuda") != 0) {
-            st = bk_error(BK_ERR_NO_DEVICE,
-                          "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) needs "
-                          "the CUDA backend (--backend cuda or auto with a GPU; backend is %s)",
-                          bk_backend_name(j->backend));
+        if (!own_stages) {
+            if (bk_cuda_compiled())
+                st = bk_error(BK_ERR_NO_DEVICE,
+                              "quantize: the GPU pipeline (--gpu-pipeline) needs "
+                              "the CUDA backend (--backend cuda or auto with a GPU; backend is %s)",
+                              bk_backend_name(j->backend));
+            else
+                st = bk_error(BK_ERR_NO_DEVICE,
+                              "quantize: the GPU pipeline (--gpu-pipeline) needs a "
+                              "build with the CUDA backend");
             goto fail;
         }
-        bk_hessian_kind hk = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian;
-        int shampoo = o->hessian == BK_HESS_MLPLOCAL_SHAMPOO ||
-                      o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
-        const bk_stage_ops *gops = NULL;
-        void *gctx = NULL;
+        const bk_stage_params sp = {
+            .model = j->model,
+            .kind = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian,
+            .fp64 = o->hessian_fp64,
+            .keep_plain = o->hessian == BK_HESS_MLPLOCAL_SHAMPOO ||
+                          o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO,
+            .fully = j->fully,
+            .codes_only = o->export_format != BK_EXPORT_DEQUANTIZED,
+            .S = j->S,
+            .T = j->T,
+        };
         int64_t gb = o->batch > 0 ? j->batch : 0;
-        st = bk_gpu_stages_create(j->backend, j->model, hk, o->hessian_fp64, shampoo, j->fully,
-                                  o->export_format != BK_EXPORT_DEQUANTIZED, j->S, j->T, &gb,
-                                  &gops, &gctx);
+        st = bk_backend_stages_create(j->backend, &sp, &gb, &j->ops, &j->ops_ctx);
         if (st != BK_OK)
             goto fail;
-        j->ops = gops;
-        j->ops_ctx = gctx;
         j->batch = gb;
-#else
-        st = bk_error(BK_ERR_NO_DEVICE,
-                      "quantize: the GPU pipeline (--gpu-pipeline / BK_GPU_PIPELINE=1) needs a "
-                      "build with the CUDA backend");
-        goto fail;
-#endif
     } else if (j->S > 0) {
         st = bk_fwd_create(j->cfg, j->batch, j->T, &j->fwd);
         if (st != BK_OK)

@@ -515,19 +515,6 @@ bk_status bk__copy_aux_files(const char *model_dir, const char *out_dir)
     return st;
 }
 
-int64_t bk__auto_batch(const bk_model_config *cfg, int64_t T)
-{
-    /* keep one micro-batch's widest activation (intermediate) and attention
-     * scores around 64 MiB */
-    int64_t per_seq = T * (cfg->intermediate + 4 * cfg->hidden) * 4 + cfg->n_heads * T * T * 4;
-    int64_t b = (int64_t)(64ll << 20) / (per_seq > 0 ? per_seq : 1);
-    if (b < 1)
-        b = 1;
-    if (b > 64)
-        b = 64;
-    return b;
-}
-
 bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
                         const bk_quantize_opts *o, const bk_model_config *cfg, int layer,
                         cJSON *report, int64_t *params)

@@ -1,16 +1,12 @@
-/* Internal (not public API): the quantization job's stage table, and the
- * forward pass and Hessian accumulation on the GPU (cuda/forward.cu,
- * cuda/hessian.cu, cuda/pipeline_cuda.cu; docs/DEVICE.md "Pipeline on the
- * GPU").
- *
- * One driver (src/pipeline.c) runs the sequential 5-stage flow; what each
- * stage does on one micro-batch goes through a bk_stage_ops table: the CPU
- * one (src/pipeline.c, over bk_fwd / bk_hess_acc) or the CUDA one
- * (cuda/pipeline_cuda.cu, over bk_gfwd / bk_ghess below).
+/* Internal (not public API): the forward pass and Hessian accumulation on
+ * the GPU (cuda/forward.cu, cuda/hessian.cu, cuda/pipeline_cuda.cu;
+ * docs/DEVICE.md "Pipeline on the GPU"), behind the CUDA backend's table
+ * entries (src/backend_impl.h: stages_create, layer_fwd_create, model_nll,
+ * model_logits). Only cuda/ and the GPU tests include this header.
  *
  * The GPU functions mirror bakron/forward.h and bakron/hessian.h with device
  * pointers (F32, same layouts: S sequences of T tokens, N = S*T rows,
- * row-major). They exist only in CUDA builds (BK_HAVE_CUDA).
+ * row-major). They exist only in builds with the CUDA backend.
  */
 #ifndef BK_PIPELINE_GPU_H
 #define BK_PIPELINE_GPU_H
@@ -18,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend_impl.h"
 #include "bakron/backend.h"
 #include "bakron/forward.h"
 #include "bakron/hessian.h"
@@ -27,62 +24,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ------------------------------------------------------------ stage table */
-
-typedef enum bk_stage {
-    BK_STAGE_QKV = 0, /* x = attn_in(orig); fully-local: FP queries/keys; add_attn */
-    BK_STAGE_O,       /* attention with the quantized q/k/v -> o_in (kept); add_o */
-    BK_STAGE_MLP,     /* h += o_proj(o_in); x = mlp_in; add_mlp (original gate/up) */
-    BK_STAGE_DOWN,    /* down_in = mlp_hidden(mlp_in(h)); add_down */
-    BK_STAGE_OUT,     /* h += down_proj(mlp_hidden(mlp_in(h))) */
-    BK_STAGE_FULL,    /* the whole layer with the original weights, no Hessians */
-    BK_STAGE_TAPS     /* the whole layer with the original weights; every add */
-} bk_stage;
-
-typedef struct bk_stage_ops {
-    const char *name; /* "cpu" or "cuda" */
-    /* Embed sequences [s0, s0+sb) (tokens: the whole [S, T] array). */
-    bk_status (*embed)(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb);
-    /* A layer starts: orig = full-precision weights, lw = the working copy
-     * (equal to orig now). hessians = 1: reset the accumulators. */
-    bk_status (*layer_begin)(void *ctx, const bk_layer_weights *orig, const bk_layer_weights *lw,
-                             int hessians);
-    /* One stage on sequences [s0, s0+sb); adds the time spent to *t_forward
-     * and *t_hessian. */
-    bk_status (*run)(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_forward,
-                     double *t_hessian);
-    /* Host factors of module mod (valid until the next call): A, B (NULL =
-     * identity) and A_plain = E[x x^T] (the GPTQ proxy loss; may equal A).
-     * rtn: all NULL. */
-    bk_status (*factors)(void *ctx, bk_module mod, const float **A, const float **B,
-                         const float **A_plain);
-    /* The quantized weight w [out, in] replaces lw's module mod. */
-    bk_status (*weight_updated)(void *ctx, bk_module mod, const float *w);
-    /* Optional (NULL: factors + bk_backend_solve on host arrays): the factors
-     * as DEVICE arrays (same contract as factors otherwise), and the solve of
-     * module mod with them: p->W is the host original weight, p->A / p->B the
-     * device factors from factors_dev, A_plain the device E[x x^T] or NULL.
-     * Fills r as bk_backend_solve does and *loss_gptq = tr(E A_plain E^T)
-     * (NAN without A_plain); the device working copy gets the quantized
-     * weight (weight_updated is not called). */
-    bk_status (*factors_dev)(void *ctx, bk_module mod, const float **A, const float **B,
-                             const float **A_plain);
-    bk_status (*solve_dev)(void *ctx, bk_module mod, const bk_solve_problem *p,
-                           const float *A_plain, const bk_solve_opts *o, bk_solve_result *r,
-                           double *loss_gptq);
-    /* The layer is done (its weights are released by the caller). */
-    void (*layer_end)(void *ctx);
-    void (*destroy)(void *ctx);
-    /* One line for the log and report.json ("" for the CPU). */
-    const char *(*describe)(void *ctx);
-} bk_stage_ops;
-
-/* BK_GPU_PIPELINE=1 in the environment, or --gpu-pipeline, asks for it;
- * BK_CPU_STAGES=1 (or --cpu-stages) keeps the stages on the CPU with a CUDA
- * backend (the GPU stages are its default for token calibration). */
-int bk_gpu_pipeline_env(void);
-int bk_cpu_stages_env(void);
 
 /* ------------------------------------------------------- GPU forward pass */
 
@@ -144,6 +85,11 @@ bk_status bk_gfwd_logits(bk_gfwd *f, const bk_model *m, const float *d_h, int64_
  * device at the first call and kept until bk_gfwd_free. */
 bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h, const int32_t *tokens,
                       int64_t S, double *nll_sum, int64_t *count);
+
+/* The layer forward with taps on the GPU (cuda/layer_fwd.cu; the CUDA
+ * backend's layer_fwd_create). */
+bk_status bk_cuda_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
+                                   int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
 
 /* Whole-model counterparts of bk_model_nll / bk_model_logits on the GPU
  * (layer-streamed, hidden states of all sequences on the device). */

@@ -36,7 +36,6 @@ bk_status bk__copy_aux_files(const char *model_dir, const char *out_dir);
  * perplexity"). */
 #define BK_MODEL_CARD_MARK "<!-- bakron model card -->"
 bk_status bk__write_model_card(const char *out_dir, const cJSON *config);
-int64_t bk__auto_batch(const bk_model_config *cfg, int64_t T);
 /* RTN without calibration data: quantize one layer's modules. */
 bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
                         const bk_quantize_opts *o, const bk_model_config *cfg, int layer,

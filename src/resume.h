@@ -43,7 +43,7 @@ int bk_resume_is_resumable(void *user, const char *work_dir);
 typedef struct bk_resume_source {
     const bk_quantize_opts *o;
     const char *backend;  /* resolved backend name */
-    const char *stages;   /* "cpu" or "cuda" */
+    const char *stages;   /* the stages' backend name (bk_stage_ops.name) */
     const char *gpu_math; /* resolved GEMM arithmetic */
     int64_t S, T, batch;
     int layer_begin, layer_end;

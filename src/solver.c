@@ -16,9 +16,6 @@
 #include "solver_impl.h"
 #include "util.h"
 
-/* Relative tolerance of the symmetry check: |X_ij - X_ji| <= tol * max |X|. */
-#define BK_SYM_TOL 1e-3
-
 static const char *const alg_names[BK_ALG_COUNT] = {
     [BK_ALG_BAKRON] = "bakron", [BK_ALG_RECURSIVE] = "recursive", [BK_ALG_ANTIDIAG] = "antidiag",
     [BK_ALG_NAIVE] = "naive",   [BK_ALG_GPTQ] = "gptq",           [BK_ALG_RTN] = "rtn",
@@ -121,10 +118,35 @@ static int factor_inverse(void *X, int64_t n, double *diag, bk_precision prec)
                                 : bk_factor_inverse_f(X, n, diag);
 }
 
-static const char *const factor_step[] = {
-    "", "the Cholesky factorization of the damped matrix",
-    "the inverse of its Cholesky factor", "the Cholesky factor of its inverse (a diagonal entry "
-    "is not positive)"};
+/* One damping attempt (bk_solve_damp_escalate): s->L = Xd + add I in the
+ * working precision, factored. */
+typedef struct damp_try {
+    side *s;
+    const double *Xd;
+    bk_precision prec;
+} damp_try;
+
+static bk_status cpu_damp_try(void *user, double add, int *step)
+{
+    const damp_try *d = user;
+    side *s = d->s;
+    const int64_t n = s->n;
+    const size_t nn = (size_t)n * (size_t)n;
+    if (d->prec == BK_PREC_FP64) {
+        double *L = s->L;
+        memcpy(L, d->Xd, nn * sizeof(double));
+        for (int64_t j = 0; j < n; j++)
+            L[j * n + j] += add;
+    } else {
+        float *L = s->L;
+        for (size_t t = 0; t < nn; t++)
+            L[t] = (float)d->Xd[t];
+        for (int64_t j = 0; j < n; j++)
+            L[j * n + j] = (float)(d->Xd[j * n + j] + add);
+    }
+    *step = factor_inverse(s->L, n, s->rdiag, d->prec);
+    return BK_OK;
+}
 
 /* From a symmetric PSD matrix X: mirror its lower triangle (after a loose
  * symmetry check), fix zero diagonals (input side: dead columns, also zeroed
@@ -146,76 +168,15 @@ static bk_status side_from_matrix(side *s, const void *X, bk_dtype dt, int64_t n
                       (long long)n, (long long)n);
         goto fail;
     }
-    double maxabs = 0.0;
-    for (size_t t = 0; t < nn; t++)
-        maxabs = fmax(maxabs, fabs(in_at(X, dt, t)));
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j <= i; j++) {
-            const double lo = in_at(X, dt, (size_t)(i * n + j));
-            const double up = in_at(X, dt, (size_t)(j * n + i));
-            if (fabs(lo - up) > BK_SYM_TOL * maxabs) {
-                st = bk_error(BK_ERR_INVALID_ARG,
-                              "%s: not symmetric: [%lld, %lld] = %.9g but [%lld, %lld] = %.9g "
-                              "(tolerance %g relative to max |entry| %g)",
-                              label, (long long)i, (long long)j, lo, (long long)j, (long long)i,
-                              up, BK_SYM_TOL, maxabs);
-                goto fail;
-            }
-            Xd[i * n + j] = lo;
-            Xd[j * n + i] = lo;
-        }
-    double mean = 0.0;
-    for (int64_t j = 0; j < n; j++) {
-        double d = Xd[j * n + j];
-        if (d < 0) {
-            st = bk_error(BK_ERR_NOT_PD,
-                          "%s: diagonal entry [%lld, %lld] = %g is negative: not positive "
-                          "semi-definite",
-                          label, (long long)j, (long long)j, d);
-            goto fail;
-        }
-        if (d == 0) {
-            Xd[j * n + j] = 1.0;
-            if (input_side) {
-                (*dead)++;
-                for (int64_t i = 0; i < m; i++)
-                    Wd[i * n + j] = 0.0;
-            }
-        }
-        mean += Xd[j * n + j];
-    }
-    mean /= (double)n;
-
-    double delta = o->damp, add = 0.0;
-    int step = 0, attempt;
-    for (attempt = 0;; attempt++) {
-        add = delta * mean;
-        if (o->precision == BK_PREC_FP64) {
-            double *L = s->L;
-            memcpy(L, Xd, nn * sizeof(double));
-            for (int64_t j = 0; j < n; j++)
-                L[j * n + j] += add;
-        } else {
-            float *L = s->L;
-            for (size_t t = 0; t < nn; t++)
-                L[t] = (float)Xd[t];
-            for (int64_t j = 0; j < n; j++)
-                L[j * n + j] = (float)(Xd[j * n + j] + add);
-        }
-        step = factor_inverse(s->L, n, s->rdiag, o->precision);
-        if (step == 0)
-            break;
-        if (attempt >= o->max_damp_retries) {
-            st = bk_error(BK_ERR_NOT_PD,
-                          "%s: not positive definite even with relative damping %g (%d "
-                          "escalation%s): %s failed",
-                          label, delta, attempt, attempt == 1 ? "" : "s", factor_step[step]);
-            goto fail;
-        }
-        delta = delta == 0.0 ? 1e-2 : delta * 10.0;
-    }
-    s->damp = delta;
-    s->retries = attempt;
+    double mean = 0.0, add = 0.0;
+    st = bk_solve_mirror_matrix(X, dt, n, label, input_side, Wd, m, dead, Xd, &mean);
+    if (st != BK_OK)
+        goto fail;
+    damp_try dtry = {s, Xd, o->precision};
+    st = bk_solve_damp_escalate(o, mean, label, cpu_damp_try, &dtry, &s->damp, &add,
+                                &s->retries);
+    if (st != BK_OK)
+        goto fail;
     for (int64_t j = 0; j < n; j++)
         s->rdiag[j] = 1.0 / s->rdiag[j];
     if (keep_til) {
@@ -241,22 +202,9 @@ static bk_status side_from_factor(side *s, const void *LX, bk_dtype dt, int64_t 
     const size_t nn = (size_t)n * (size_t)n;
     memset(s, 0, sizeof *s);
     s->n = n;
-    for (int64_t i = 0; i < n; i++) {
-        for (int64_t j = i + 1; j < n; j++) {
-            double v = in_at(LX, dt, (size_t)(i * n + j));
-            if (v != 0.0)
-                return bk_error(BK_ERR_INVALID_ARG,
-                                "%s: a precomputed factor must be lower triangular: [%lld, %lld] "
-                                "= %g is above the diagonal",
-                                label, (long long)i, (long long)j, v);
-        }
-        double d = in_at(LX, dt, (size_t)(i * n + i));
-        if (!(d > 0))
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "%s: a precomputed Cholesky factor needs a positive diagonal: "
-                            "[%lld, %lld] = %g",
-                            label, (long long)i, (long long)i, d);
-    }
+    st = bk_solve_check_factor(LX, dt, n, label);
+    if (st != BK_OK)
+        return st;
     s->rdiag = bk_alloc((size_t)n, sizeof(double));
     s->L = bk_alloc(nn, prec == BK_PREC_FP64 ? sizeof(double) : sizeof(float));
     if (keep_til)
@@ -435,16 +383,8 @@ static int family_two_sided(bk_algorithm a)
 
 bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_result *r)
 {
-    if (!p || !o || !r)
-        return bk_error(BK_ERR_INVALID_ARG, "solve: problem, options and result must not be NULL");
-    memset(r, 0, sizeof *r);
-    r->loss_two_sided = r->loss_one_sided = r->bound = NAN;
-    const char *lw = p->label_w ? p->label_w : "W";
-    const char *la = p->label_a ? p->label_a : (p->LA ? "LA" : "A");
-    const char *lb = p->label_b ? p->label_b : (p->LB ? "LB" : "B");
-    bk_status st = bk_solve_check_opts(o);
-    if (st == BK_OK)
-        st = bk_solve_check_problem(p, o, lw, la, lb);
+    const char *lw = NULL, *la = NULL, *lb = NULL;
+    bk_status st = bk_solve_begin(p, o, r, &lw, &la, &lb);
     if (st != BK_OK)
         return st;
     const int64_t m = p->m, n = p->n;

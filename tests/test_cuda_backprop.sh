@@ -161,7 +161,7 @@ expect() { # expected-exit needle args...
 }
 expect 1 "--gpu-pipeline" "$B" quantize "$M" $CAL --hessian backprop-kfac --backend cuda \
     --gpu-pipeline --out "$W/x"
-expect 3 "--batch" env BK_CUDA_MEM_LIMIT=1000000 "$B" quantize "$M" $CAL \
+expect 3 "--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
     --hessian backprop-kfac --backend cuda --out "$W/x"
 [ ! -e "$W/x" ] || die "a failed run left $W/x behind"
 

@@ -765,10 +765,11 @@ static void test_bad_inputs(void **state)
     o.fisher = BK_FISHER_MODEL;
     /* device memory too small: BK_ERR_DEVICE_OOM naming --batch */
     {
-        setenv("BK_CUDA_MEM_LIMIT", "100000", 1);
+        bk_backend_params bp;
+        bk_backend_params_default(&bp);
+        bp.mem_limit = 100000;
         bk_backend *small = NULL;
-        bk_status s = bk_backend_create(BK_BACKEND_CUDA, &small);
-        unsetenv("BK_CUDA_MEM_LIMIT");
+        bk_status s = bk_backend_create_params(BK_BACKEND_CUDA, &bp, &small);
         assert_int_equal(s, BK_OK);
         sg = bk_cuda_bwd_flow_run(small, m, tok, S, T, &o, &go, &cb, &st);
         assert_int_equal(sg, BK_ERR_DEVICE_OOM);

@@ -10,7 +10,7 @@
  *   - fp32: >= 99% identical codes and the two-sided proxy loss within 0.5%
  *     at 1024x1024 and 1024x2816 (bakron and gptq; suite slow too);
  *   - bad inputs and non-PD factors: the same status as the CPU;
- *   - out of device memory (BK_CUDA_MEM_LIMIT): BK_ERR_DEVICE_OOM, no crash;
+ *   - out of device memory (setting mem_limit): BK_ERR_DEVICE_OOM, no crash;
  *   - bk_backend_peak_memory reports what a solve held.
  * Problems come from the solver tests' own generator (test_solver_util.h).
  */
@@ -25,6 +25,7 @@
 
 #include <cmocka.h>
 
+#include "backend_impl.h"
 #include "bakron/bakron.h"
 #include "test_solver_util.h"
 
@@ -226,34 +227,31 @@ static void test_fp64_large_factors(void **state)
     }
 }
 
-/* the tile size and the push schedule are run-time choices (environment,
- * docs/DEVICE.md): every combination gives the CPU's codes. The SM partition,
- * the split critical-path pushes, the banded side push and the cp.async far
- * pushes are forced on and off here (their defaults are automatic). */
+/* the tile size and the push schedule are variants of the solver
+ * (bk_cuda_tuning, src/backend_impl.h; the product runs the defaults): every
+ * combination gives the CPU's codes. The SM partition, the split
+ * critical-path pushes, the banded side push, cp.async and the overlap of
+ * the far pushes are forced on and off here (their defaults are automatic
+ * or on). */
 static void test_fp64_tile_and_push_variants(void **state)
 {
     (void)state;
-    static const char *const names[] = {"BK_CUDA_TILE",       "BK_CUDA_PUSH_GROUP",
-                                         "BK_CUDA_SOLVE_WC",   "BK_CUDA_PARTITION",
-                                         "BK_CUDA_PUSH_SPLIT", "BK_CUDA_SIDE_BAND",
-                                         "BK_CUDA_FAR_ASYNC"};
-    enum { NK = sizeof names / sizeof names[0] };
-    const char *const cfg[][NK] = {
-        {"32", "4", "8", "auto", "2", "auto", "1"}, {"64", "0", "16", "0", "1", "0", "0"},
-        {"64", "1", "8", "64", "2", "1", "1"},      {"32", "3", "16", "0", "2", "1", "0"},
-        {"64", "7", "16", "100", "1", "0", "1"},    {"64", "2", "8", "24", "2", "auto", "0"}};
+    /* tile, solve_wc, overlap, side_band, far_async, push_split, push_group, partition */
+    const bk_cuda_tuning cfg[] = {
+        {32, 8, 1, -1, 1, 2, 4, -1}, {64, 16, 1, 0, 0, 1, 0, 0},  {64, 8, 1, 1, 1, 2, 1, 64},
+        {32, 16, 1, 1, 0, 2, 3, 0},  {64, 16, 1, 0, 1, 1, 7, 100}, {64, 8, 1, -1, 0, 2, 2, 24},
+        {64, 16, 0, -1, 1, 2, 4, -1}, {32, 8, 0, 0, 0, 1, 3, 0}};
     for (size_t v = 0; v < sizeof cfg / sizeof cfg[0]; v++) {
-        for (int k = 0; k < NK; k++)
-            setenv(names[k], cfg[v][k], 1);
+        const bk_cuda_tuning *t = &cfg[v];
         bk_backend *b = NULL;
         assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_OK);
-        for (int k = 0; k < NK; k++)
-            unsetenv(names[k]);
+        assert_int_equal(bk_cuda_backend_tune(b, t), BK_OK);
         bk_backend *keep = g_gpu;
         g_gpu = b;
         char what[128];
-        snprintf(what, sizeof what, "fp64 T=%s G=%s WC=%s P=%s S=%s B=%s A=%s", cfg[v][0],
-                 cfg[v][1], cfg[v][2], cfg[v][3], cfg[v][4], cfg[v][5], cfg[v][6]);
+        snprintf(what, sizeof what, "fp64 T=%d WC=%d O=%d B=%d A=%d S=%d G=%d P=%d", t->tile,
+                 t->solve_wc, t->overlap, t->side_band, t->far_async, t->push_split,
+                 t->push_group, t->partition);
         for (size_t s = 0; s < NSHAPES; s++)
             for (int with_b = 0; with_b <= 1; with_b++) {
                 pcase c = make_case(shapes[s][0], shapes[s][1], 500 + s, with_b, 0.1);
@@ -266,17 +264,29 @@ static void test_fp64_tile_and_push_variants(void **state)
         g_gpu = keep;
         bk_backend_destroy(b);
     }
-    /* a bad value is refused, naming the variable */
-    static const char *const bad[][2] = {{"BK_CUDA_PUSH_GROUP", "x"},  {"BK_CUDA_PUSH_SPLIT", "3"},
-                                         {"BK_CUDA_SIDE_BAND", "yes"}, {"BK_CUDA_PARTITION", "-1"},
-                                         {"BK_CUDA_FAR_ASYNC", "2"},   {"BK_CUDA_TILE", "48"}};
+    /* a bad value is refused, naming the field; the CPU backend refuses tuning */
+    struct {
+        const char *field;
+        size_t off;
+        int value;
+    } const bad[] = {{"push_group", offsetof(bk_cuda_tuning, push_group), 65},
+                     {"push_split", offsetof(bk_cuda_tuning, push_split), 3},
+                     {"side_band", offsetof(bk_cuda_tuning, side_band), 2},
+                     {"partition", offsetof(bk_cuda_tuning, partition), -2},
+                     {"far_async", offsetof(bk_cuda_tuning, far_async), 2},
+                     {"overlap", offsetof(bk_cuda_tuning, overlap), -1},
+                     {"solve_wc", offsetof(bk_cuda_tuning, solve_wc), 32},
+                     {"tile", offsetof(bk_cuda_tuning, tile), 48}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        setenv(bad[i][0], bad[i][1], 1);
-        bk_backend *b = NULL;
-        assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_ERR_INVALID_ARG);
-        assert_non_null(strstr(bk_last_error(), bad[i][0]));
-        unsetenv(bad[i][0]);
+        bk_cuda_tuning t;
+        bk_cuda_tuning_default(&t);
+        *(int *)((char *)&t + bad[i].off) = bad[i].value;
+        assert_int_equal(bk_cuda_backend_tune(g_gpu, &t), BK_ERR_INVALID_ARG);
+        assert_non_null(strstr(bk_last_error(), bad[i].field));
     }
+    bk_cuda_tuning t;
+    bk_cuda_tuning_default(&t);
+    assert_int_equal(bk_cuda_backend_tune(g_cpu, &t), BK_ERR_INVALID_ARG);
 }
 
 /* integer alphabet (scale 1) with large weights: many clamps-free codes */
@@ -504,10 +514,11 @@ static void test_naive_limit(void **state)
 static void test_oom(void **state)
 {
     (void)state;
-    setenv("BK_CUDA_MEM_LIMIT", "200000", 1);
+    bk_backend_params bp;
+    bk_backend_params_default(&bp);
+    bp.mem_limit = 200000;
     bk_backend *b = NULL;
-    assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_OK);
-    unsetenv("BK_CUDA_MEM_LIMIT");
+    assert_int_equal(bk_backend_create_params(BK_BACKEND_CUDA, &bp, &b), BK_OK);
     pcase c = make_case(200, 300, 71, 1, 0.1);
     bk_solve_opts o;
     bk_solve_opts_default(&o);
@@ -633,6 +644,23 @@ static void test_fp32_small(void **state)
     assert_true((double)same >= 0.99 * (double)total);
 }
 
+/* setting factor_fp64=1 (damping + Cholesky in fp64 also for fp32 solves):
+ * the fp32 small-shape bar against the CPU, which factors in fp32 */
+static void test_fp32_small_factor_fp64(void **state)
+{
+    bk_backend_params bp;
+    bk_backend_params_default(&bp);
+    assert_int_equal(bk_backend_params_parse(&bp, "factor_fp64=1"), BK_OK);
+    bk_backend *b = NULL;
+    assert_int_equal(bk_backend_create_params(BK_BACKEND_CUDA, &bp, &b), BK_OK);
+    assert_int_equal(bk_backend_get_params(b)->factor_fp64, 1);
+    bk_backend *keep = g_gpu;
+    g_gpu = b;
+    test_fp32_small(state);
+    g_gpu = keep;
+    bk_backend_destroy(b);
+}
+
 int main(int argc, char **argv)
 {
     if (bk_cuda_device_count() == 0) {
@@ -657,6 +685,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_fp64_integer),
         cmocka_unit_test(test_fp64_factors_refit_dead),
         cmocka_unit_test(test_fp32_small),
+        cmocka_unit_test(test_fp32_small_factor_fp64),
     };
     const struct CMUnitTest big[] = {
         cmocka_unit_test(test_fp32_1024),

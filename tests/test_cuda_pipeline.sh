@@ -15,8 +15,9 @@
 #  - --gpu-math tf32 (gptq, mlplocal-kfac): perplexity within 1% of the fp32
 #    job; the default (auto = bf16 for this BF16 checkpoint) within 2% (codes
 #    agreement printed, not asserted); eval with bf16 within 1e-2 of the CPU;
-#  - the pinned-host residual stream (BK_GPU_RESIDUAL=host) gives the same
-#    codes as the device-resident one; --no-sequential and --layers work;
+#  - the pinned-host residual stream (--setting residual=host) and the
+#    recomputed down_proj inputs (--setting keep_down=0) give the same codes
+#    as the device-resident, kept ones; --no-sequential and --layers work;
 #  - dump-activations --backend cuda = --backend cpu (1e-4 of each tensor's
 #    largest value);
 #  - errors: --activations, --backend cpu, device memory too small: one line,
@@ -144,11 +145,20 @@ for h in gptq mlplocal-kfac mlplocal-shampoo fullylocal-kfac fullylocal-shampoo;
 done
 
 # pinned-host residual stream: the same arithmetic, the same codes
-if BK_GPU_RESIDUAL=host run "$W/host-gptq" --hessian gptq --backend cuda --gpu-math fp32 --batch 8; then
-    grep -q "pinned host memory" "$W/host-gptq/report.json" || die "BK_GPU_RESIDUAL=host not applied"
+if run "$W/host-gptq" --hessian gptq --backend cuda --gpu-math fp32 --batch 8 \
+    --setting residual=host; then
+    grep -q "pinned host memory" "$W/host-gptq/report.json" || die "residual=host not applied"
     codes "$W/host-gptq" "$W/gpu-gptq" "gptq: pinned-host vs device residual stream" exact || fail=1
 else
-    die "BK_GPU_RESIDUAL=host: $(tail -1 "$W/host-gptq.log")"
+    die "--setting residual=host: $(tail -1 "$W/host-gptq.log")"
+fi
+# down_proj inputs recomputed in stage OUT instead of kept: the same codes
+if run "$W/rec-gptq" --hessian gptq --backend cuda --gpu-math fp32 --batch 8 \
+    --setting keep_down=0; then
+    grep -q "down_proj inputs kept" "$W/rec-gptq/report.json" && die "keep_down=0 not applied"
+    codes "$W/rec-gptq" "$W/gpu-gptq" "gptq: recomputed vs kept down_proj inputs" exact || fail=1
+else
+    die "--setting keep_down=0: $(tail -1 "$W/rec-gptq.log")"
 fi
 # automatic micro-batch, --no-sequential, --layers
 if run "$W/gpu-auto" --hessian gptq --backend cuda --gpu-math fp32 --gpu-pipeline; then
@@ -220,7 +230,7 @@ expect 1 "$W/e1" "--gpu-pipeline with --activations" \
 expect 3 "$W/e2" "--gpu-pipeline with --backend cpu" \
     "$B" quantize "$M" $CAL --hessian gptq --backend cpu --gpu-pipeline --out "$W/e2"
 expect 3 "$W/e3" "device memory limit of 1 MB" \
-    env BK_CUDA_MEM_LIMIT=1000000 "$B" quantize "$M" $CAL --hessian gptq --backend cuda \
+    "$B" quantize "$M" $CAL --hessian gptq --backend cuda --setting mem_limit=1000000 \
     --gpu-pipeline --out "$W/e3"
 grep -q "cpu-stages" "$W/x.err" || die "the out-of-memory message does not say what to change"
 # conflicting options are a usage error (exit 1, issue 14 point 11)

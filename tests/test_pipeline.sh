@@ -279,6 +279,26 @@ if [ $? -eq 3 ] && grep -qE "no usable CUDA device|no CUDA backend" "$W/probe.er
 fi
 
 # no room for the output (a file-size limit stands in for a full disk): exit 3, one line
+# the down_proj inputs recomputed in stage OUT (--setting keep_down=0) instead of
+# kept between the stages: the same bytes
+if "$B" quantize "$M" $CAL --hessian gptq --levels 3 --setting keep_down=0 --out "$W/q-rec" \
+    >/dev/null 2>"$W/rec.err"; then
+    cmp -s "$W/q-rec/model.safetensors" "$W/q-gptq-native/model.safetensors" ||
+        die "keep_down=0: other bytes than with the kept down_proj inputs"
+    echo "keep_down=0: the same bytes"
+else
+    die "quantize --setting keep_down=0: $(cat "$W/rec.err")"
+fi
+# an unknown setting or a bad value: usage error (exit 1), one line naming it
+for bad in nope=1 keep_down=2 mem_limit=-1 residual; do
+    "$B" quantize "$M" $CAL --hessian gptq --setting "$bad" --out "$W/bads" >/dev/null 2>"$W/bads.err"
+    rc=$?
+    if [ $rc -ne 1 ] || [ "$(wc -l <"$W/bads.err")" -ne 1 ] || ! grep -q -- "--setting" "$W/bads.err"; then
+        die "--setting $bad: exit $rc: $(cat "$W/bads.err")"
+    fi
+    [ -e "$W/bads" ] && die "--setting $bad: an output folder was left behind"
+done
+
 (trap '' XFSZ; ulimit -f 200; "$B" quantize "$M" $CAL --hessian gptq --out "$W/bad9" 2>"$W/full.err" >/dev/null)
 rc=$?
 if [ $rc -ne 3 ] || [ "$(grep -c 'error' "$W/full.err")" -ne 1 ]; then

@@ -251,7 +251,7 @@ static int cmd_bench(int argc, char **argv)
     }
     bk_cuda_ctx *c = nullptr;
     CK(bk_cuda_ctx_create(0, &c));
-    const bk_cuda_ctx c0 = *c; /* the environment's settings */
+    const bk_cuda_ctx c0 = *c; /* the default variants (bk_cuda_tuning_default) */
     printf("%-12s %-16s %10s %10s %12s\n", "shape", "algorithm", "median_s", "min_s", "peak_MiB");
     for (auto &sh : shapes) {
         DevProblem P;
@@ -263,43 +263,33 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, skip, group, v1, wc, ovl = -1, part = -2, split = 2, fa = 1, band = -1;
+                int tile, group, wc, ovl = -1, part = -2, split = 2, fa = 1, band = -1;
             };
-            std::vector<V> vs = {{"", 64, 0, 4, 0, 16}};
+            std::vector<V> vs = {{"", 64, 4, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
-                vs.push_back({"-G0", 64, 0, 0, 0, 16});
-                vs.push_back({"-G8", 64, 0, 8, 0, 16});
-                vs.push_back({"-T32", 32, 0, 4, 0, 16});
-                vs.push_back({"-wc8", 64, 0, 4, 0, 8});
-                vs.push_back({"-v2solve", 64, 0, 4, 1, 16});
-                vs.push_back({"-solveonly", 64, 1, 4, 0, 16});
-                vs.push_back({"-noovl", 64, 0, 4, 0, 16, 0});
-                vs.push_back({"-G2", 64, 0, 2, 0, 16});
-                vs.push_back({"-fa0", 64, 0, 4, 0, 16, -1, -2, 2, 0});
-                vs.push_back({"-P0-G6", 64, 0, 6, 0, 16, -1, 0});
-                vs.push_back({"-q1", 64, 0, 4, 0, 16, -1, -2, 1});
-                vs.push_back({"-P0", 64, 0, 4, 0, 16, -1, 0});
-                vs.push_back({"-P24", 64, 0, 4, 0, 16, -1, 24});
-                vs.push_back({"-P40", 64, 0, 4, 0, 16, -1, 40});
-                vs.push_back({"-band0", 64, 0, 4, 0, 16, -1, -2, 2, 1, 0});
-                vs.push_back({"-band1", 64, 0, 4, 0, 16, -1, -2, 2, 1, 1});
-                vs.push_back({"-G3", 64, 0, 3, 0, 16});
-                vs.push_back({"-G6", 64, 0, 6, 0, 16});
-                /* timing by difference (wrong results): no near pushes, no
-                 * next-run part of the flush, no overlapped rest */
-                vs.push_back({"-x-near", 64, 2, 4, 0, 16});
-                vs.push_back({"-x-next", 64, 4, 4, 0, 16});
-                vs.push_back({"-x-side", 64, 8, 4, 0, 16});
-                vs.push_back({"-x-near-next", 64, 6, 4, 0, 16});
+                vs.push_back({"-G0", 64, 0, 16});
+                vs.push_back({"-G8", 64, 8, 16});
+                vs.push_back({"-T32", 32, 4, 16});
+                vs.push_back({"-wc8", 64, 4, 8});
+                vs.push_back({"-noovl", 64, 4, 16, 0});
+                vs.push_back({"-G2", 64, 2, 16});
+                vs.push_back({"-fa0", 64, 4, 16, -1, -2, 2, 0});
+                vs.push_back({"-P0-G6", 64, 6, 16, -1, 0});
+                vs.push_back({"-q1", 64, 4, 16, -1, -2, 1});
+                vs.push_back({"-P0", 64, 4, 16, -1, 0});
+                vs.push_back({"-P24", 64, 4, 16, -1, 24});
+                vs.push_back({"-P40", 64, 4, 16, -1, 40});
+                vs.push_back({"-band0", 64, 4, 16, -1, -2, 2, 1, 0});
+                vs.push_back({"-band1", 64, 4, 16, -1, -2, 2, 1, 1});
+                vs.push_back({"-G3", 64, 3, 16});
+                vs.push_back({"-G6", 64, 6, 16});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only != an + v.name)
                     continue;
                 c->tile = v.tile;
-                c->skip_push = v.skip;
                 c->push_group = v.group;
                 c->solve_wc = v.wc;
-                c->solve_v2 = v.v1;
                 c->overlap = v.ovl < 0 ? c0.overlap : v.ovl;
                 c->partition = v.part == -2 ? c0.partition : v.part;
                 c->push_split = v.split;
@@ -339,9 +329,7 @@ static int cmd_bench(int argc, char **argv)
                 fflush(stdout);
             }
             c->tile = 64;
-            c->skip_push = 0;
             c->push_group = 4;
-            c->solve_v2 = 0;
             c->solve_wc = 16;
             c->overlap = c0.overlap;
             c->partition = c0.partition;
@@ -553,20 +541,20 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, v1, wc, ovl = 1, part = -1, split = 2, fa = 1, band = -1;
+        int tile, group, wc, ovl = 1, part = -1, split = 2, fa = 1, band = -1;
     };
     /* the first (all algorithms) is the default: v3, push groups of 4,
      * overlapped far pushes, automatic partition and band; then push
-     * schedules, the v2 solve, and the partition (0 none, N SMs kept), the
+     * schedules, 8 columns per warp, the partition (0 none, N SMs kept), the
      * split pushes, cp.async and the banded side push forced on and off */
-    const Cfg cfgs[] = {{64, 4, 0, 16}, {64, 4, 0, 16, 0}, {64, 0, 0, 8}, {64, 1, 0, 16},
-                        {64, 1, 0, 16, 0}, {64, 3, 1, 16}, {32, 4, 0, 8}, {32, 2, 0, 16},
-                        {64, 2, 0, 8}, {64, 2, 0, 16}, {64, 3, 0, 16, 0}, {32, 4, 0, 16},
-                        {64, 4, 0, 16, 1, 0}, {64, 2, 0, 16, 1, 64}, {32, 3, 0, 16, 1, 100},
-                        {64, 3, 0, 8, 1, 24}, {64, 4, 0, 16, 1, -1, 1}, {32, 2, 0, 16, 1, -1, 1},
-                        {64, 0, 0, 16, 1, 0}, {64, 4, 0, 16, 1, -1, 2, 0}, {64, 3, 0, 16, 0, 0},
-                        {64, 4, 0, 16, 1, -1, 2, 1, 0}, {64, 1, 0, 16, 1, 0, 2, 1, 1},
-                        {32, 2, 0, 16, 1, 0, 1, 0, 1}, {64, 2, 0, 8, 1, 24, 2, 1, 1}};
+    const Cfg cfgs[] = {{64, 4, 16}, {64, 4, 16, 0}, {64, 0, 8}, {64, 1, 16},
+                        {64, 1, 16, 0}, {64, 3, 16}, {32, 4, 8}, {32, 2, 16},
+                        {64, 2, 8}, {64, 2, 16}, {64, 3, 16, 0}, {32, 4, 16},
+                        {64, 4, 16, 1, 0}, {64, 2, 16, 1, 64}, {32, 3, 16, 1, 100},
+                        {64, 3, 8, 1, 24}, {64, 4, 16, 1, -1, 1}, {32, 2, 16, 1, -1, 1},
+                        {64, 0, 16, 1, 0}, {64, 4, 16, 1, -1, 2, 0}, {64, 3, 16, 0, 0},
+                        {64, 4, 16, 1, -1, 2, 1, 0}, {64, 1, 16, 1, 0, 2, 1, 1},
+                        {32, 2, 16, 1, 0, 1, 0, 1}, {64, 2, 8, 1, 24, 2, 1, 1}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
@@ -590,7 +578,6 @@ static int cmd_validate(int argc, char **argv)
                 CK(bk_alphabet_fit(&al, h.W.data(), h.n));
                 c->tile = cf.tile;
                 c->push_group = cf.group;
-                c->solve_v2 = cf.v1;
                 c->solve_wc = cf.wc;
                 c->overlap = cf.ovl;
                 c->partition = cf.part;
@@ -599,8 +586,8 @@ static int cmd_validate(int argc, char **argv)
                 c->side_band = cf.band;
                 const int first = &cf == &cfgs[0];
                 char lbl[96];
-                snprintf(lbl, sizeof lbl, "T%d G%d v%d o%d p%d s%d fa%d b%d q%d", cf.tile, cf.group,
-                         cf.v1 ? 1 : 2, cf.ovl, cf.part, cf.split, cf.fa, cf.band, qi);
+                snprintf(lbl, sizeof lbl, "T%d G%d wc%d o%d p%d s%d fa%d b%d q%d", cf.tile,
+                         cf.group, cf.wc, cf.ovl, cf.part, cf.split, cf.fa, cf.band, qi);
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
                         continue;

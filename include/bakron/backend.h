@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 
+#include "bakron/model.h"
 #include "bakron/solver.h"
 #include "bakron/status.h"
 
@@ -24,9 +25,39 @@ bk_status bk_backend_kind_from_name(const char *name, bk_backend_kind *out);
 
 typedef struct bk_backend bk_backend;
 
+/* Settings of a backend, fixed at creation (the CLI's `--setting KEY=VALUE`,
+ * README "Settings"). bk_backend_params_default gives the defaults; a field
+ * a backend has no use for is ignored by it. */
+typedef struct bk_backend_params {
+    int device;         /* CUDA device ordinal (default 0) */
+    int factor_fp64;    /* CUDA: damping + Cholesky in fp64 also for fp32 solves (default 0;
+                           the CPU factors in the solve precision) */
+    size_t mem_limit;   /* CUDA: refuse device allocations beyond this many bytes (default 0:
+                           no limit; tests the out-of-memory paths) */
+    int keep_down;      /* 1 (default): keep the down_proj inputs of all sequences between
+                           the quantize stages DOWN and OUT when they fit (host memory: a
+                           quarter of the physical memory; device: what is free after the
+                           reserve); 0: recompute them (a third more forward work) */
+    int residual_host;  /* GPU stages: 0 (default) the residual stream on the device when it
+                           fits, else in pinned host memory; 1: always in pinned host memory */
+} bk_backend_params;
+
+void bk_backend_params_default(bk_backend_params *p);
+/* Set one field by name: device=N, factor_fp64=0|1, mem_limit=BYTES,
+ * keep_down=0|1, residual=auto|host. BK_ERR_INVALID_ARG naming the key and
+ * the accepted values otherwise. */
+bk_status bk_backend_params_set(bk_backend_params *p, const char *key, const char *value);
+/* "KEY=VALUE" as bk_backend_params_set. */
+bk_status bk_backend_params_parse(bk_backend_params *p, const char *key_value);
+
 /* BK_ERR_NO_DEVICE when CUDA is asked for and unusable (not compiled in, or
- * no GPU), with the reason in the message. */
+ * no GPU), with the reason in the message. params NULL: the defaults. */
+bk_status bk_backend_create_params(bk_backend_kind kind, const bk_backend_params *params,
+                                   bk_backend **out);
+/* bk_backend_create_params with the default settings. */
 bk_status bk_backend_create(bk_backend_kind kind, bk_backend **out);
+/* The settings the backend was created with. */
+const bk_backend_params *bk_backend_get_params(const bk_backend *b);
 void bk_backend_destroy(bk_backend *b);
 /* "cpu" or "cuda" */
 const char *bk_backend_name(const bk_backend *b);
@@ -38,6 +69,15 @@ const char *bk_backend_device(const bk_backend *b);
  * lacks returns BK_ERR_UNSUPPORTED naming it. */
 bk_status bk_backend_solve(bk_backend *b, const bk_solve_problem *p, const bk_solve_opts *o,
                            bk_solve_result *r);
+
+/* The whole model on token sequences [S, T] on this backend, layer-streamed:
+ * as bk_model_nll / bk_model_logits (bakron/forward.h), which the CPU backend
+ * runs. A backend without its own whole-model pass runs the CPU's. */
+bk_status bk_backend_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                               int64_t S, int64_t T, int64_t batch, double *nll_sum,
+                               int64_t *count);
+bk_status bk_backend_model_logits(bk_backend *b, const bk_model *m, const int32_t *tokens,
+                                  int64_t S, int64_t T, float *logits);
 
 /* Peak device memory (bytes) used since creation; 0 on the CPU backend. */
 /* Arithmetic of the large GEMMs of the GPU forward pass and Hessian

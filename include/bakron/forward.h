@@ -41,6 +41,11 @@ typedef struct bk_fwd bk_fwd;
 
 bk_status bk_fwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t seqlen,
                         bk_fwd **out);
+/* Sequences per micro-batch on the CPU when the caller leaves it to bakron
+ * (quantize, dump-activations, eval): one micro-batch's widest activations
+ * and attention scores around 64 MiB; between 1 and min(64, S) (S <= 0: no
+ * bound by S). */
+int64_t bk_fwd_auto_batch(const bk_model_config *cfg, int64_t S, int64_t T);
 void bk_fwd_free(bk_fwd *f);
 
 /* ---- stages (S sequences of the context's seqlen T; N = S*T rows) ---- */

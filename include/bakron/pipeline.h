@@ -84,6 +84,8 @@ typedef struct bk_quantize_opts {
     uint64_t max_shard_bytes;     /* 0 = 5 GB */
     int overwrite;                /* replace a non-empty OUT_DIR */
     bk_backend_kind backend;
+    bk_backend_params backend_params; /* settings of the backend (bk_quantize_opts_default:
+                                     bk_backend_params_default) */
     const char *config_path;      /* preset that was applied (recorded in the report) */
     bk_event_fn on_event;
     void *user;
@@ -174,6 +176,8 @@ typedef struct bk_dump_opts {
     void *user;
     bk_backend_kind backend;      /* auto (default: the GPU when present), cpu or cuda: where the
                                      forward pass runs */
+    bk_backend_params backend_params; /* settings of the backend (bk_dump_opts_default:
+                                     bk_backend_params_default) */
     bk_gemm_math gemm_math;       /* GPU GEMM arithmetic (default fp32: the CPU's values) */
 } bk_dump_opts;
 

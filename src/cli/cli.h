@@ -48,6 +48,10 @@ bk_status cli_parse_double(const char *opt, const char *s, double lo, double hi,
 bk_status cli_split_tensor_ref(const char *opt, const char *arg, char *file, size_t file_cap,
                                char *tensor, size_t tensor_cap);
 
+/* --setting KEY=VALUE onto p (bk_backend_params_parse; a bad one is a usage
+ * error). */
+bk_status cli_setting(bk_backend_params *p, const char *arg);
+
 /* 1 if argv contains -h / --help (before any "--"). */
 int cli_wants_help(int argc, char **argv);
 
@@ -81,6 +85,7 @@ void cli_diag_clear(void);
 typedef struct cli_solver_args {
     bk_solve_opts opts;
     bk_backend_kind backend;
+    bk_backend_params params; /* --setting */
     int have_levels, have_bits, have_group, have_asym;
 } cli_solver_args;
 void cli_solver_args_init(cli_solver_args *a);

@@ -120,6 +120,13 @@ int cli_wants_help(int argc, char **argv)
     return 0;
 }
 
+bk_status cli_setting(bk_backend_params *p, const char *arg)
+{
+    if (bk_backend_params_parse(p, arg) != BK_OK)
+        return cli_usage_error("--setting: %s", bk_last_error());
+    return BK_OK;
+}
+
 const char *cli_model_dir(const char *path, char *buf, size_t cap)
 {
     if (!path || !path[0] || !bk_is_file(path))

@@ -60,6 +60,7 @@ static const struct option bench_opts[] = {
     {"precision", required_argument, NULL, B_SHARED},
     {"gptq-block", required_argument, NULL, B_SHARED},
     {"backend", required_argument, NULL, B_SHARED},
+    {"setting", required_argument, NULL, B_SHARED},
     {NULL, 0, NULL, 0},
 };
 
@@ -410,7 +411,7 @@ bk_status bk_cmd_bench(int argc, char **argv)
         return st;
 
     bk_backend *be = NULL;
-    if ((st = bk_backend_create(a.backend, &be)) != BK_OK)
+    if ((st = bk_backend_create_params(a.backend, &a.params, &be)) != BK_OK)
         return st;
     row *rows = calloc((size_t)(nalg * nshape), sizeof(row));
     if (!rows) {

@@ -9,16 +9,14 @@
 #include "bakron/forward.h"
 #include "bakron/model.h"
 #include "bakron/pipeline.h"
-#include "bk_config.h"
 #include "cli.h"
-#include "pipeline_gpu.h"
 #include "util.h"
 
 static const char *eval_usage =
     "usage: bakron eval MODEL_OR_OUT_DIR (--tokens FILE | --text TEXT [--seqlen T])\n"
     "                   [--samples N] [--batch B] [--json]\n"
     "                   [--logits-out FILE.safetensors] [--backend auto|cpu|cuda]\n"
-    "                   [--gpu-math fp32|tf32|bf16|auto]\n"
+    "                   [--gpu-math fp32|tf32|bf16|auto] [--setting KEY=VALUE]\n"
     "\n"
     "Perplexity of a model (a Hugging Face checkpoint folder, or an output folder of\n"
     "`bakron quantize`) computed with the native forward pass (F32):\n"
@@ -37,6 +35,8 @@ static const char *eval_usage =
     "                  (default: cuda when a GPU is present, else cpu)\n"
     "  --gpu-math M    fp32 (default: matches the CPU to ~1e-6), tf32 or bf16 (tensor cores),\n"
     "                  auto (bf16 for a BF16 checkpoint, else tf32)\n"
+    "  --setting K=V   backend setting (repeatable; README \"Settings\"): device=N,\n"
+    "                  mem_limit=BYTES\n"
     "  --json          print one JSON object on stdout instead of text\n"
     "  --logits-out F  also write the F32 logits [sequences*seqlen, vocab] of the\n"
     "                  evaluated sequences to the safetensors file F (tensor \"logits\",\n"
@@ -63,7 +63,7 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
 }
 
 /* --logits-out: logits of all evaluated sequences, one micro-batch. */
-static bk_status write_logits(const bk_model *m, bk_backend *gpu, const int32_t *ids, int64_t S,
+static bk_status write_logits(const bk_model *m, bk_backend *be, const int32_t *ids, int64_t S,
                               int64_t T, const char *path)
 {
     const bk_model_config *cfg = bk_model_get_config(m);
@@ -81,14 +81,7 @@ static bk_status write_logits(const bk_model *m, bk_backend *gpu, const int32_t 
     bk_st_writer *w = NULL;
     int64_t shape[2] = {(int64_t)rows, cfg->vocab};
     bk_status st;
-#if BK_HAVE_CUDA
-    if (gpu)
-        st = bk_cuda_model_logits(gpu, m, ids, S, T, logits);
-    else
-#else
-    (void)gpu;
-#endif
-        st = bk_model_logits(m, ids, S, T, logits);
+    st = bk_backend_model_logits(be, m, ids, S, T, logits);
     if (st == BK_OK)
         st = bk_st_writer_create(&w);
     if (st == BK_OK)
@@ -116,6 +109,8 @@ bk_status bk_cmd_eval(int argc, char **argv)
     int json = 0;
     bk_backend_kind bkind = BK_BACKEND_AUTO;
     bk_gemm_math gmath = BK_GEMM_FP32;
+    bk_backend_params bparams;
+    bk_backend_params_default(&bparams);
     bk_status st = BK_OK;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
@@ -150,6 +145,11 @@ bk_status bk_cmd_eval(int argc, char **argv)
         } else if ((r = opt_value(argc, argv, &i, "--gpu-math", &v)) != 0) {
             if (r < 0 || bk_gemm_math_from_name(v, &gmath) != BK_OK)
                 return cli_usage_error("--gpu-math: expected fp32, tf32, bf16 or auto");
+        } else if ((r = opt_value(argc, argv, &i, "--setting", &v)) != 0) {
+            if (r < 0)
+                return cli_usage_error("--setting needs KEY=VALUE");
+            if ((st = cli_setting(&bparams, v)) != BK_OK)
+                return st;
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
             if (r < 0)
                 return cli_usage_error("--batch needs a number");
@@ -182,7 +182,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
     const char *input = text_path ? text_path : tokens_path;
 
     bk_model *m = NULL;
-    bk_backend *gpu = NULL;
+    bk_backend *be = NULL;
     int32_t *ids = NULL;
     int64_t S = 0, T = 0;
     double nll_sum = 0.0;
@@ -212,19 +212,13 @@ bk_status bk_cmd_eval(int argc, char **argv)
                       input, (long long)T, (long long)cfg->max_positions, model_dir);
         goto done;
     }
-    if (bkind == BK_BACKEND_CUDA || (bkind == BK_BACKEND_AUTO && bk_cuda_device_count() > 0)) {
-        /* the forward pass on the GPU: --backend cuda, or auto with a GPU */
-        if ((st = bk_backend_create(BK_BACKEND_CUDA, &gpu)) != BK_OK)
-            goto done;
-        bk_backend_set_gemm_math(gpu, bk_gemm_math_resolve(m, gmath));
-    }
+    /* the forward pass on the backend: --backend cuda, or auto with a GPU, runs
+     * on the GPU */
+    if ((st = bk_backend_create_params(bkind, &bparams, &be)) != BK_OK)
+        goto done;
+    bk_backend_set_gemm_math(be, bk_gemm_math_resolve(m, gmath));
     double t0 = bk_now();
-#if BK_HAVE_CUDA
-    if (gpu)
-        st = bk_cuda_model_nll(gpu, m, ids, S, T, batch, &nll_sum, &count);
-    else
-#endif
-        st = bk_model_nll(m, ids, S, T, batch, &nll_sum, &count);
+    st = bk_backend_model_nll(be, m, ids, S, T, batch, &nll_sum, &count);
     double secs = bk_now() - t0;
     if (st != BK_OK) {
         char pre[1200];
@@ -232,7 +226,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
         bk_error_prefix(st, pre);
         goto done;
     }
-    if (logits_out && (st = write_logits(m, gpu, ids, S, T, logits_out)) != BK_OK)
+    if (logits_out && (st = write_logits(m, be, ids, S, T, logits_out)) != BK_OK)
         goto done;
     double nll = nll_sum / (double)count;
     double ppl = exp(nll);
@@ -247,7 +241,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
             !cJSON_AddNumberToObject(j, "nll", nll) ||
             !cJSON_AddNumberToObject(j, "nll_sum", nll_sum) ||
             !cJSON_AddNumberToObject(j, "perplexity", ppl) ||
-            !cJSON_AddStringToObject(j, "backend", gpu ? "cuda" : "cpu") ||
+            !cJSON_AddStringToObject(j, "backend", bk_backend_name(be)) ||
             !cJSON_AddNumberToObject(j, "seconds", secs)) {
             st = bk_error(BK_ERR_NOMEM, "eval: out of memory building the JSON output");
             goto done;
@@ -280,7 +274,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
                 model_dir, bk_last_error());
 done:
     cJSON_Delete(j);
-    bk_backend_destroy(gpu);
+    bk_backend_destroy(be);
     free(ids);
     bk_model_close(m);
     return st;

@@ -70,12 +70,17 @@ static const char *quantize_usage =
     "                        cuda and --calib the whole job runs on the GPU (forward passes,\n"
     "                        Hessians, solves; docs/DEVICE.md)\n"
     "  --cpu-stages          with cuda: forward passes and Hessians on the CPU, solves on the\n"
-    "                        GPU (the reference path; or BK_CPU_STAGES=1)\n"
+    "                        GPU (the reference path)\n"
     "  --gpu-pipeline        insist on the GPU stages: an error when they cannot run\n"
     "  --gpu-math M          auto|tf32|bf16|fp32: arithmetic of the GPU stages' GEMMs (default\n"
     "                        auto: bf16 for a BF16 checkpoint, else tf32); fp32 matches the\n"
     "                        CPU to ~1e-6, tf32 and bf16 use tensor cores (bf16: projections\n"
     "                        and Hessians from BF16 inputs, the fastest)\n"
+    "  --setting KEY=VALUE   backend setting (repeatable; README \"Settings\"): device=N,\n"
+    "                        factor_fp64=0|1, mem_limit=BYTES, keep_down=0|1 (keep the\n"
+    "                        down_proj inputs between stages when they fit, default 1),\n"
+    "                        residual=auto|host (GPU stages: residual stream on the device\n"
+    "                        when it fits, or always in pinned host memory)\n"
     "output:\n"
     "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
     "  --export F            native (codes + scales, default) | dequantized | gptq\n"
@@ -104,7 +109,7 @@ enum {
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
     O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN, O_RESUME,
-    O_BWDPREC, O_CALIBTEXT, O_DREDUCE, O_DTIMEOUT
+    O_BWDPREC, O_CALIBTEXT, O_DREDUCE, O_DTIMEOUT, O_SETTING
 };
 
 static const struct option quantize_opts[] = {
@@ -147,6 +152,7 @@ static const struct option quantize_opts[] = {
     {"dry-run", no_argument, NULL, O_DRYRUN},
     {"dist-reduce", required_argument, NULL, O_DREDUCE},
     {"dist-timeout", required_argument, NULL, O_DTIMEOUT},
+    {"setting", required_argument, NULL, O_SETTING},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -302,6 +308,7 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         break;
     case O_OVERWRITE: o->overwrite = 1; break;
     case O_RESUME: o->resume = 1; break;
+    case O_SETTING: return cli_setting(&o->backend_params, arg);
     case O_GPUPIPE: o->gpu_pipeline = 1; break;
     case O_CPUSTAGES: o->cpu_stages = 1; break;
     case O_GPUMATH:
@@ -1080,6 +1087,8 @@ static const char *dump_usage =
     "  --overwrite       replace a non-empty output folder\n"
     "  --backend B       auto (default: the GPU when present), cpu or cuda\n"
     "  --gpu-math M      fp32 (default: the CPU's values to ~1e-6), tf32, bf16 or auto\n"
+    "  --setting K=V     backend setting (repeatable; README \"Settings\"): device=N,\n"
+    "                    mem_limit=BYTES\n"
     "  --json            JSON events on stdout\n";
 
 bk_status bk_cmd_dump(int argc, char **argv)
@@ -1095,6 +1104,7 @@ bk_status bk_cmd_dump(int argc, char **argv)
         {"zstd-level", required_argument, NULL, 'l'}, {"batch", required_argument, NULL, 'b'},
         {"overwrite", no_argument, NULL, 'w'},     {"json", no_argument, NULL, 'j'},
         {"backend", required_argument, NULL, 'B'}, {"gpu-math", required_argument, NULL, 'M'},
+        {"setting", required_argument, NULL, 'S'},
         {NULL, 0, NULL, 0},
     };
     bk_dump_opts o;
@@ -1154,6 +1164,10 @@ bk_status bk_cmd_dump(int argc, char **argv)
         case 'M':
             if (bk_gemm_math_from_name(optarg, &o.gemm_math) != BK_OK)
                 return cli_usage_error("--gpu-math: expected fp32, tf32, bf16 or auto, got '%s'", optarg);
+            break;
+        case 'S':
+            if ((st = cli_setting(&o.backend_params, optarg)) != BK_OK)
+                return st;
             break;
         default: return cli_usage_error("bad option '%s'", argv[optind - 1]);
         }

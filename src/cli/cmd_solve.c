@@ -24,13 +24,16 @@ const char cli_solver_options_help[] =
     "  --damp-b D            damp the output-side factor B with D instead (default: as A)\n"
     "  --precision P         fp32 (default) or fp64\n"
     "  --gptq-block N        GPTQ lazy batch width (default 128)\n"
-    "  --backend K           auto (default: CUDA when a GPU is usable), cpu or cuda\n";
+    "  --backend K           auto (default: CUDA when a GPU is usable), cpu or cuda\n"
+    "  --setting KEY=VALUE   backend setting (repeatable; README \"Settings\"): device=N,\n"
+    "                        factor_fp64=0|1, mem_limit=BYTES\n";
 
 void cli_solver_args_init(cli_solver_args *a)
 {
     memset(a, 0, sizeof *a);
     bk_solve_opts_default(&a->opts);
     a->backend = BK_BACKEND_AUTO;
+    bk_backend_params_default(&a->params);
 }
 
 bk_status cli_solver_option(cli_solver_args *a, const char *name, const char *arg, int *handled)
@@ -90,6 +93,9 @@ bk_status cli_solver_option(cli_solver_args *a, const char *name, const char *ar
     } else if (!strcmp(name, "backend")) {
         if (bk_backend_kind_from_name(arg, &a->backend) != BK_OK)
             return cli_usage_error("--backend: expected auto, cpu or cuda, got '%s'", arg);
+    } else if (!strcmp(name, "setting")) {
+        if ((st = cli_setting(&a->params, arg)) != BK_OK)
+            return st;
     } else {
         *handled = 0;
     }
@@ -179,6 +185,7 @@ static const struct option solve_opts[] = {
     {"precision", required_argument, NULL, S_SHARED},
     {"gptq-block", required_argument, NULL, S_SHARED},
     {"backend", required_argument, NULL, S_SHARED},
+    {"setting", required_argument, NULL, S_SHARED},
     {NULL, 0, NULL, 0},
 };
 
@@ -438,7 +445,7 @@ bk_status bk_cmd_solve(int argc, char **argv)
     if ((st = input_load(&in_w)) != BK_OK || (st = input_load(&in_a)) != BK_OK ||
         (bref && (st = input_load(&in_b)) != BK_OK))
         goto done;
-    if ((st = bk_backend_create(a.backend, &be)) != BK_OK)
+    if ((st = bk_backend_create_params(a.backend, &a.params, &be)) != BK_OK)
         goto done;
     bk_solve_problem p;
     memset(&p, 0, sizeof p);
