@@ -1,5 +1,5 @@
 /* CUDA backend — the quantization job's stages on the GPU (the bk_stage_ops
- * table that src/pipeline.c drives; src/pipeline_gpu.h).
+ * table that the quantization job drives (src/quantize_layers.c); src/pipeline_gpu.h).
  *
  * Resident on the device: the residual stream h and the o_proj inputs of all
  * calibration sequences (or, when they do not fit next to everything else,

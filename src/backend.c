@@ -53,6 +53,14 @@ bk_gemm_math bk_backend_gemm_math(const bk_backend *b)
     return b ? b->gemm_math : BK_GEMM_FP32;
 }
 
+bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want)
+{
+    if (want != BK_GEMM_AUTO)
+        return want;
+    const bk_tensor_info *t = m ? bk_model_find(m, 0, "self_attn.q_proj.weight") : NULL;
+    return t && t->dtype == BK_DT_BF16 ? BK_GEMM_BF16 : BK_GEMM_TF32;
+}
+
 int bk_cuda_compiled(void)
 {
     return BK_HAVE_CUDA;

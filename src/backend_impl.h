@@ -27,7 +27,7 @@ extern "C" {
 
 /* ------------------------------------------------- the layer driver's stages */
 
-/* The per-layer sequence of a token-calibrated quantize job (src/pipeline.c
+/* The per-layer sequence of a token-calibrated quantize job (src/quantize_layers.c
  * runs it; docs/DEVICE.md "Pipeline on the GPU"). */
 typedef enum bk_stage {
     BK_STAGE_QKV = 0, /* x = attn_in(orig); fully-local: FP queries/keys; add_attn */
@@ -158,7 +158,7 @@ typedef struct bk_backend_ops {
                                   const bk_layer_fwd_ops **ops, void **ctx);
     /* The quantize stages. *batch: the micro-batch asked for (0 = automatic),
      * reduced when the memory is short; the value used is returned.
-     * NULL: the driver's own CPU stages (src/pipeline.c). */
+     * NULL: the driver's own CPU stages (src/quantize_stages_cpu.c). */
     bk_status (*stages_create)(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                const bk_stage_ops **ops, void **ctx);
     /* The backward flow of the Backprop Hessians, as bk_bwd_flow_run

@@ -6,7 +6,7 @@
  * command's body runs the layer on the backend, the weights are released,
  * and the checkpoint is checked to be unchanged under the run.
  *
- *   quantize          body: the stages and solves of a layer (src/pipeline.c)
+ *   quantize          body: the stages and solves of a layer (src/quantize_layers.c)
  *   eval              body: the layer on every micro-batch (src/eval.c),
  *                     then the head (nll / logits entries)
  *   dump-activations  body: the layer with taps, then the layer file
