@@ -304,6 +304,22 @@ int bk_backend_supports(const bk_backend *b, bk_backend_op op)
     return 0;
 }
 
+int64_t bk_batch_within(double budget, double per_seq, int64_t S)
+{
+    int64_t b = (int64_t)(budget / per_seq);
+    if (b < 1)
+        b = 1;
+    if (b > S)
+        b = S;
+    return b;
+}
+
+int64_t bk_layer_fwd_batch(const bk_layer_fwd_params *p, int64_t automatic)
+{
+    int64_t B = p->batch > 0 ? (p->batch < p->S ? p->batch : p->S) : automatic;
+    return B < 1 ? 1 : B;
+}
+
 bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p,
                                       int64_t *batch, const bk_layer_fwd_ops **ops, void **ctx)
 {

@@ -172,6 +172,12 @@ typedef struct bk_backend_ops {
     void (*destroy)(void *ctx);
 } bk_backend_ops;
 
+/* Sequences per micro-batch: budget / per_seq bytes, within [1, S]. */
+int64_t bk_batch_within(double budget, double per_seq, int64_t S);
+/* The micro-batch of a layer forward: p->batch within [1, S], or `automatic`
+ * (the backend's rule) when p->batch is 0. */
+int64_t bk_layer_fwd_batch(const bk_layer_fwd_params *p, int64_t automatic);
+
 /* Whether backend b has its own implementation of op (else the driver runs
  * the CPU one). */
 int bk_backend_supports(const bk_backend *b, bk_backend_op op);

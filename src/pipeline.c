@@ -28,27 +28,34 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     bk_backend_params_default(&o->backend_params);
 }
 
+/* An event with what every event carries: the layer, the progress and the
+ * times so far. */
+static bk_event event_of(const job *j, bk_event_kind kind, int layer, const char *module)
+{
+    return (bk_event){
+        .kind = kind,
+        .layer = layer,
+        .n_layers = j->layer_end - j->layer_begin,
+        .module = module,
+        .elapsed_s = bk_now() - j->t0,
+        .layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0,
+        .t_forward = j->t_forward,
+        .t_hessian = j->t_hessian,
+        .t_factor = j->t_factor,
+        .t_solve = j->t_solve,
+        .t_io = j->t_io,
+    };
+}
+
 void bk__q_emit(job *j, bk_event_kind kind, int layer, const char *module, const char *msg)
 {
     if (!j->o->on_event)
         return;
-    bk_event ev;
-    memset(&ev, 0, sizeof ev);
-    ev.kind = kind;
-    ev.layer = layer;
-    ev.n_layers = j->layer_end - j->layer_begin;
-    ev.module = module;
-    ev.elapsed_s = bk_now() - j->t0;
-    ev.layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0;
+    bk_event ev = event_of(j, kind, layer, module);
     /* (a resumed run: the layers it does itself) */
     int done = layer - j->first_layer + (kind == BK_EV_LAYER_DONE ? 1 : 0);
     int todo = j->layer_end - j->first_layer;
     ev.eta_s = (done > 0 && todo > done) ? ev.elapsed_s / done * (todo - done) : 0;
-    ev.t_forward = j->t_forward;
-    ev.t_hessian = j->t_hessian;
-    ev.t_factor = j->t_factor;
-    ev.t_solve = j->t_solve;
-    ev.t_io = j->t_io;
     ev.message = msg;
     j->o->on_event(j->o->user, &ev);
 }
@@ -57,25 +64,13 @@ void bk__q_emit_module(job *j, int layer, bk_module mod, const bk_solve_result *
 {
     if (!j->o->on_event)
         return;
-    bk_event ev;
-    memset(&ev, 0, sizeof ev);
-    ev.kind = BK_EV_MODULE_DONE;
-    ev.layer = layer;
-    ev.n_layers = j->layer_end - j->layer_begin;
-    ev.module = bk_module_name(mod);
+    bk_event ev = event_of(j, BK_EV_MODULE_DONE, layer, bk_module_name(mod));
     ev.rows = r->m;
     ev.cols = r->n;
-    ev.layers_kept = j->first_layer > j->layer_begin ? j->first_layer - j->layer_begin : 0;
     ev.loss = r->loss_two_sided;
     ev.loss_gptq = loss_gptq;
     ev.damp_a = r->damp_a;
     ev.damp_b = r->damp_b;
-    ev.elapsed_s = bk_now() - j->t0;
-    ev.t_forward = j->t_forward;
-    ev.t_hessian = j->t_hessian;
-    ev.t_factor = j->t_factor;
-    ev.t_solve = j->t_solve;
-    ev.t_io = j->t_io;
     j->o->on_event(j->o->user, &ev);
 }
 

@@ -36,20 +36,31 @@ static void bp_pass_begin(void *user, const bk_bwd_pass_info *info)
     bk__q_emit(j, BK_EV_BACKWARD, info->lo, NULL, msg);
 }
 
-static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk_grad_taps *t)
+/* The accumulator of a leaf layer: *acc = NULL for a layer not quantized. */
+static bk_status leaf_acc(job *j, int layer, bk_hess_acc **acc)
 {
-    job *j = user;
-    (void)s0;
+    *acc = NULL;
     if (!bk__q_in_range(j, layer))
         return BK_OK;
     int k = layer - j->bp_leaf_lo;
     if (k < 0 || k >= j->bp_leaf)
         return bk_error(BK_ERR_INTERNAL, "backprop: layer %d outside the leaf at %d", layer,
                         j->bp_leaf_lo);
+    *acc = j->bp_acc[k];
+    return BK_OK;
+}
+
+static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk_grad_taps *t)
+{
+    job *j = user;
+    (void)s0;
+    bk_hess_acc *acc;
+    bk_status st = leaf_acc(j, layer, &acc);
+    if (st != BK_OK || !acc)
+        return st;
     double t0 = bk_now();
-    bk_status st = BK_OK;
     for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++)
-        st = bk_hess_add_grad(j->bp_acc[k], layer, (bk_module)m, t->g[m], t->a[m], S);
+        st = bk_hess_add_grad(acc, layer, (bk_module)m, t->g[m], t->a[m], S);
     j->t_hessian += bk_now() - t0;
     return st;
 }
@@ -59,14 +70,12 @@ static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G,
                           int64_t S)
 {
     job *j = user;
-    if (!bk__q_in_range(j, layer))
-        return BK_OK;
-    int k = layer - j->bp_leaf_lo;
-    if (k < 0 || k >= j->bp_leaf)
-        return bk_error(BK_ERR_INTERNAL, "backprop: layer %d outside the leaf at %d", layer,
-                        j->bp_leaf_lo);
+    bk_hess_acc *acc;
+    bk_status st = leaf_acc(j, layer, &acc);
+    if (st != BK_OK || !acc)
+        return st;
     double t0 = bk_now();
-    bk_status st = bk__hess_add_grad_gram(j->bp_acc[k], layer, mod, G, gw, S);
+    st = bk__hess_add_grad_gram(acc, layer, mod, G, gw, S);
     j->t_hessian += bk_now() - t0;
     return st;
 }
