@@ -331,18 +331,15 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     bk_backend_set_gemm_math(j->backend, j->gemm_math);
     const int want_gpu = o->gpu_pipeline;
     const int cpu_stages = o->cpu_stages;
-    if (j->bp && want_gpu) {
-        st = bk_error(BK_ERR_UNSUPPORTED,
-                      "quantize: --hessian %s runs its input-side stages on the CPU (its "
-                      "backward passes run on the GPU with the CUDA backend): drop "
-                      "--gpu-pipeline",
-                      bk_hessian_name(o->hessian));
-        goto fail;
-    }
     /* backprop kinds: the forward + backward passes of the flow on the GPU with
-     * the CUDA backend, unless --cpu-stages (the CPU's flow, the reference) */
+     * the CUDA backend, unless --cpu-stages (the CPU's flow, the reference);
+     * the input-side stages then on the GPU stages too, unless the setting
+     * bwd_input=cpu */
     j->bp_gpu = j->bp && !cpu_stages && j->tokens &&
                 bk_backend_supports(j->backend, BK_OP_BACKWARD);
+    const int bp_gpu_stages =
+        j->bp && (want_gpu || (j->bp_gpu && !bk_backend_get_params(j->backend)->bwd_input_cpu &&
+                               bk_backend_supports(j->backend, BK_OP_STAGES)));
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline and --cpu-stages contradict each other");
@@ -352,7 +349,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * or the default of a backend that has them, with token calibration
      * (docs/DEVICE.md); else the CPU stages below */
     const int own_stages = bk_backend_supports(j->backend, BK_OP_STAGES);
-    if (j->S > 0 && !j->bp && (want_gpu || (!cpu_stages && j->tokens && own_stages))) {
+    if (j->S > 0 && (j->bp ? bp_gpu_stages : (want_gpu || (!cpu_stages && j->tokens && own_stages)))) {
         if (j->nranks > 1) {
             st = bk_error(BK_ERR_UNSUPPORTED,
                           "quantize: the GPU stages with several MPI ranks are not implemented "
@@ -383,7 +380,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             .kind = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian,
             .fp64 = o->hessian_fp64,
             .keep_plain = o->hessian == BK_HESS_MLPLOCAL_SHAMPOO ||
-                          o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO,
+                          o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO ||
+                          o->hessian == BK_HESS_BACKPROP_SHAMPOO,
             .fully = j->fully,
             .codes_only = o->export_format != BK_EXPORT_DEQUANTIZED,
             .S = j->S,
@@ -399,25 +397,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         if (st != BK_OK)
             goto fail;
         bk_hessian_kind hk = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian;
-        if (j->bp) {
-            j->bp_leaf = o->leaf_size < (int)j->cfg->n_layers ? o->leaf_size
-                                                              : (int)j->cfg->n_layers;
-            j->bp_acc = calloc((size_t)j->bp_leaf, sizeof *j->bp_acc);
-            if (!j->bp_acc) {
-                st = bk_error(BK_ERR_NOMEM, "quantize: out of memory");
-                goto fail;
-            }
-            for (int k = 0; k < j->bp_leaf; k++) {
-                st = bk_hess_acc_create(j->cfg, hk, o->hessian_fp64, j->T, &j->bp_acc[k]);
-                if (st != BK_OK) {
-                    st = bk_error(st, "%s (the Hessians of --leaf-size %d layers are held at "
-                                  "once: use a smaller --leaf-size)",
-                                  bk_last_error(), j->bp_leaf);
-                    goto fail;
-                }
-            }
-            j->acc = j->bp_acc[0];
-        } else {
+        if (!j->bp) { /* (backprop: its accumulators below) */
             st = bk_hess_acc_create(j->cfg, hk, o->hessian_fp64, j->T, &j->acc);
             if (st != BK_OK)
                 goto fail;
@@ -431,6 +411,27 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = job_buffers(j);
         if (st != BK_OK)
             goto fail;
+    }
+    /* backprop kinds: one host accumulator per layer of a leaf; the flow's
+     * output side enters it, and the input side too with the CPU stages (the
+     * GPU stages take the output side from it: bp_grads) */
+    if (j->S > 0 && j->bp) {
+        j->bp_leaf = o->leaf_size < (int)j->cfg->n_layers ? o->leaf_size : (int)j->cfg->n_layers;
+        j->bp_acc = calloc((size_t)j->bp_leaf, sizeof *j->bp_acc);
+        if (!j->bp_acc) {
+            st = bk_error(BK_ERR_NOMEM, "quantize: out of memory");
+            goto fail;
+        }
+        for (int k = 0; k < j->bp_leaf; k++) {
+            st = bk_hess_acc_create(j->cfg, o->hessian, o->hessian_fp64, j->T, &j->bp_acc[k]);
+            if (st != BK_OK) {
+                st = bk_error(st, "%s (the Hessians of --leaf-size %d layers are held at "
+                              "once: use a smaller --leaf-size)",
+                              bk_last_error(), j->bp_leaf);
+                goto fail;
+            }
+        }
+        j->acc = j->bp_acc[0];
     }
     j->report_modules = cJSON_CreateArray();
     j->first_layer = j->layer_begin;

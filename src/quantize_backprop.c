@@ -84,6 +84,7 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
 {
     job *j = user;
     bp_add_flow_time(j);
+    const double t0 = bk_now();
     bk_status st = BK_OK;
     for (int l = lo; l < hi && l < j->layer_end && st == BK_OK; l++) {
         j->acc = j->bp_acc[l - lo];
@@ -92,6 +93,7 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
         bk_hess_acc_reset(j->acc);
     }
     j->acc = j->bp_acc[0];
+    bk_prof_add("bp.leaf_layers (input stages, solves)", bk_now() - t0);
     return st;
 }
 
@@ -100,16 +102,18 @@ bk_status bk__q_run_backprop(job *j)
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
     bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0};
     bk_status st;
+    const double t0 = bk_now();
     if (j->bp_gpu) {
         /* the Grams on the device, not the taps on the host */
         cb.grads = NULL;
         cb.grams = bp_grams;
         cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
         st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo,
-                                     j->o->bwd_fp64, &cb, &j->bp_stats);
+                                     (int)j->o->bwd_precision, &cb, &j->bp_stats);
     } else {
         st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
     }
+    bk_prof_add("bp.total (flow and leaf layers)", bk_now() - t0);
     bp_add_flow_time(j);
     return st;
 }

@@ -84,7 +84,8 @@ typedef struct job {
     bk_bwd_flow_stats bp_stats;
     double bp_time_counted;     /* flow time already added to t_forward */
     int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
-                                   (cuda/backward.cu); the input-side stages on the CPU */
+                                   (cuda/backward.cu); the input-side stages are j->ops
+                                   (the GPU stages unless --setting bwd_input=cpu) */
     /* output writer: quantized modules are packed and written by a helper
      * thread while the next module is solved (queue of WQ_CAP results) */
     struct {

@@ -100,6 +100,15 @@ static bk_status layer_tokens(job *j, int l, const bk_layer_weights *origp)
     if (st != BK_OK)
         goto done;
     begun = 1;
+    /* backprop kinds: the stages that keep their own input side take the
+     * flow's output side (j->acc: this layer's) */
+    if (quantize && j->bp && j->ops->bp_grads) {
+        t = bk_now();
+        st = j->ops->bp_grads(j->ops_ctx, j->acc);
+        j->t_hessian += bk_now() - t;
+        if (st != BK_OK)
+            goto done;
+    }
 
     if (!quantize) {
         st = run_stage(j, BK_STAGE_FULL);

@@ -108,7 +108,10 @@ bk_status bk__q_write_metadata(job *j)
         cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
         cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
         cJSON_AddStringToObject(b, "device", j->bp_gpu ? bk_backend_name(j->backend) : "cpu");
-        cJSON_AddStringToObject(b, "precision", (!j->bp_gpu || o->bwd_fp64) ? "fp64" : "fp32");
+        cJSON_AddStringToObject(b, "input_stages", j->ops ? j->ops->name : "cpu");
+        static const char *const bwd_prec[] = {"fp32", "fp64", "tf32", "bf16"};
+        cJSON_AddStringToObject(b, "precision",
+                                !j->bp_gpu ? "fp64" : bwd_prec[(unsigned)o->bwd_precision & 3]);
         cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
         cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
         cJSON_AddNumberToObject(b, "seed", (double)o->seed);
