@@ -7,7 +7,8 @@
 # the GPU job (--backend cuda, forward and Hessians on the device) must exit
 # 2 with the same layer, operation and weight as the CPU job (the value and
 # its row/column may differ with the summation order: printed, not compared),
-# and leave no output folder. Suite cuda; exit 77 without a GPU.
+# and leave no output folder; likewise eval and dump-activations on the GPU
+# (the layer driver's GPU layer forward). Suite cuda; exit 77 without a GPU.
 set -u
 B=${BK_BAKRON:?}
 SRC=${BK_SOURCE_ROOT:?}
@@ -68,6 +69,20 @@ run() { # name tensor how hessian expected-op
 
 tensor_short=self_attn.v_proj.weight
 run m1 model.layers.0.self_attn.v_proj.weight row0 gptq "layer 0 v_proj output"
+# eval and dump-activations (the layer driver's GPU layer forward, cuda/layer_fwd.cu)
+for cmd in "eval m1 --tokens $M/eval.safetensors --samples 2" \
+           "dump-activations m1 --calib $M/calib.safetensors --samples 2 --out m1.dump"; do
+    "$B" $cmd --backend cpu >/dev/null 2>cmd.cpu.err; rc_cpu=$?
+    "$B" $cmd --backend cuda --gpu-math fp32 >/dev/null 2>cmd.gpu.err; rc_gpu=$?
+    lc=$(tail -1 cmd.cpu.err); lg=$(tail -1 cmd.gpu.err)
+    echo "${cmd%% *} cpu: $lc"
+    echo "${cmd%% *} gpu: $lg"
+    [ $rc_cpu -eq 2 ] && [ $rc_gpu -eq 2 ] || die "${cmd%% *}: exit $rc_cpu (CPU), $rc_gpu (GPU), expected 2"
+    grep -q "layer 0 v_proj output: non-finite value" <<<"$lg" || die "${cmd%% *}: the GPU line does not name layer 0 v_proj output"
+    [ "$(strip <<<"$lc")" = "$(strip <<<"$lg")" ] ||
+        die "${cmd%% *}: the GPU line differs from the CPU line beyond the value and its position"
+    rm -rf m1.dump
+done
 tensor_short=post_attention_layernorm.weight
 run m2 model.layers.1.post_attention_layernorm.weight elem0 gptq \
     "layer 1 gate/up_proj input \(post_attention_layernorm\)"
