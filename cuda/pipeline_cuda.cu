@@ -390,9 +390,19 @@ const char *g_describe(void *ctx)
     return static_cast<gstages *>(ctx)->desc;
 }
 
+bk_status g_bp_grads(void *ctx, const bk_hess_acc *grads)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    bk_status st = bk_ghess_set_grads(g->acc, grads);
+    if (st == BK_ERR_DEVICE_OOM)
+        bk_error_prefix(st, "GPU pipeline: the backprop-shampoo token weights (use fewer "
+                            "--samples or --cpu-stages)");
+    return st;
+}
+
 const bk_stage_ops gpu_stage_ops = {
     "cuda", g_embed, g_layer_begin, g_run, g_factors, g_weight_updated, g_factors_dev,
-    g_solve_dev, g_layer_end, g_destroy, g_describe,
+    g_solve_dev, g_layer_end, g_destroy, g_describe, g_bp_grads,
 };
 
 /* Sequences per micro-batch: the forward scratch and stage buffers of one
