@@ -137,8 +137,6 @@ const bk_backend_ops cuda_ops = {
     cuda_solve,
     cuda_peak,
     cuda_reset_peak,
-    bk_cuda_model_nll,
-    bk_cuda_model_logits,
     bk_cuda_layer_fwd_create,
     cuda_stages_create,
     cuda_bwd_flow_run,

@@ -20,6 +20,9 @@ standard error), and the paired wins against GPTQ (draws where ppl_v < ppl_gptq)
         --eval data/smollm2/eval.safetensors --draws 10 \\
         --variants gptq,mlplocal-kfac,fullylocal-kfac --out out/quality-512 -- --levels 3
 
+--jobs J runs J draw/variant jobs at once (a small model leaves most of a big GPU
+idle); the quantize times in the summary are then measured under that load and say so.
+
 It is resumable: a draw/variant whose eval JSON exists is not run again (so a
 long protocol can be spread over several calls). --report-only prints the
 tables from what is there. Output: OUT/summary.md and OUT/summary.json.
@@ -29,6 +32,7 @@ draws overlap when P < D*N (they are then not independent: say so with the
 numbers; the script prints the pool size and the expected overlap).
 """
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -43,12 +47,16 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 
+class Failed(Exception):
+    pass
+
+
 def run(cmd, log):
     with open(log, "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode != 0:
         tail = open(log).read()[-2000:]
-        sys.exit(f"quality_protocol: {' '.join(cmd)} failed (exit {r.returncode}); log {log}:\n{tail}")
+        raise Failed(f"quality_protocol: {' '.join(cmd)} failed (exit {r.returncode}); log {log}:\n{tail}")
 
 
 def eval_ppl(bakron, model, evalf, out_json, log):
@@ -56,14 +64,14 @@ def eval_ppl(bakron, model, evalf, out_json, log):
         with open(out_json + ".tmp", "w") as f, open(log, "w") as lg:
             r = subprocess.run([bakron, "eval", model, "--tokens", evalf, "--json"], stdout=f, stderr=lg)
         if r.returncode != 0:
-            sys.exit(f"quality_protocol: eval of {model} failed (exit {r.returncode}); log {log}")
+            raise Failed(f"quality_protocol: eval of {model} failed (exit {r.returncode}); log {log}")
         os.replace(out_json + ".tmp", out_json)
     with open(out_json) as f:
         lines = [json.loads(l) for l in f if l.strip()]
     for obj in reversed(lines):
         if "perplexity" in obj:
             return float(obj["perplexity"])
-    sys.exit(f"quality_protocol: no perplexity in {out_json}")
+    raise Failed(f"quality_protocol: no perplexity in {out_json}")
 
 
 def make_subset(pool, n, seed, path):
@@ -100,6 +108,7 @@ def main():
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--deadline", type=float, default=0,
                     help="stop starting new runs after this many seconds (resume later)")
+    ap.add_argument("--jobs", type=int, default=1, help="draw/variant jobs run at once")
     ap.add_argument("quantize_args", nargs="*", help="after --: options for bakron quantize")
     a = ap.parse_args()
     variants = a.variants.split(",")
@@ -112,27 +121,41 @@ def main():
         print(f"pool {a.pool}: {pool_n} sequences; {a.draws} draws of {a.samples}"
               f" ({'disjoint possible' if pool_n >= a.draws * a.samples else 'draws overlap'};"
               f" expected overlap of two draws {a.samples * a.samples / pool_n:.1f} sequences)", flush=True)
+        todo = []
         for d in range(a.first_draw, a.first_draw + a.draws):
             calib = f"{a.out}/calib-{d}.safetensors"
             make_subset(a.pool, a.samples, d, calib)
-            for v in variants:
-                ej = f"{a.out}/eval-{d}-{v}.json"
-                if os.path.exists(ej):
-                    continue
-                if a.deadline and time.time() - t_start > a.deadline:
-                    print("deadline reached; run again to continue", flush=True)
-                    break
-                q = f"{a.out}/q-{d}-{v}"
-                t0 = time.time()
-                run([a.bakron, "quantize", a.model, "--calib", calib, "--hessian", v, "--out", q,
-                     "--overwrite"] + a.quantize_args, f"{a.out}/quantize-{d}-{v}.log")
-                tq = time.time() - t0
-                ppl = eval_ppl(a.bakron, q, a.eval, ej, f"{a.out}/eval-{d}-{v}.log")
-                with open(f"{a.out}/time-{d}-{v}.txt", "w") as f:
-                    f.write(f"{tq:.2f}\n")
-                print(f"draw {d} {v}: perplexity {ppl:.4f} (quantize {tq:.1f} s)", flush=True)
-                if not a.keep:
-                    subprocess.run(["rm", "-rf", q])
+            todo += [(d, v, calib) for v in variants if not os.path.exists(f"{a.out}/eval-{d}-{v}.json")]
+
+        def job(d, v, calib):
+            if a.deadline and time.time() - t_start > a.deadline:
+                return None
+            q = f"{a.out}/q-{d}-{v}"
+            t0 = time.time()
+            run([a.bakron, "quantize", a.model, "--calib", calib, "--hessian", v, "--out", q,
+                 "--overwrite"] + a.quantize_args, f"{a.out}/quantize-{d}-{v}.log")
+            tq = time.time() - t0
+            ppl = eval_ppl(a.bakron, q, a.eval, f"{a.out}/eval-{d}-{v}.json", f"{a.out}/eval-{d}-{v}.log")
+            with open(f"{a.out}/time-{d}-{v}.txt", "w") as f:
+                f.write(f"{tq:.2f} {a.jobs}\n")
+            print(f"draw {d} {v}: perplexity {ppl:.4f} (quantize {tq:.1f} s, {a.jobs} jobs at once)", flush=True)
+            if not a.keep:
+                subprocess.run(["rm", "-rf", q])
+            return ppl
+
+        failed = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as ex:
+            futs = [ex.submit(job, *t) for t in todo]
+            for fu in futs:
+                try:
+                    if fu.result() is None and not failed:
+                        failed.append("deadline reached; run again to continue")
+                except Failed as e:
+                    failed.append(str(e))
+        if failed:
+            print(failed[0], flush=True)
+            if not failed[0].startswith("deadline"):
+                sys.exit(failed[0])
     fp = eval_ppl(a.bakron, a.model, a.eval, f"{a.out}/eval-fp.json", f"{a.out}/eval-fp.log")
     # collect the draws where every variant is present
     res = {}
@@ -165,9 +188,13 @@ def main():
             ent.update({"gap_closed_mean": cm, "gap_closed_se": cse, "wins_vs_gptq": w})
             closed = f"{100 * cm:+.1f}% ± {100 * cse:.1f}%"
             wins = f"{w}/{len(draws)}"
-        ts = [float(open(f"{a.out}/time-{d}-{v}.txt").read()) for d in draws
+        tl = [open(f"{a.out}/time-{d}-{v}.txt").read().split() for d in draws
               if os.path.exists(f"{a.out}/time-{d}-{v}.txt")]
+        ts = [float(t[0]) for t in tl]
+        jobs = sorted({int(t[1]) if len(t) > 1 else 1 for t in tl})
         tmean = f"{sum(ts) / len(ts):.1f}" if ts else ""
+        if jobs and jobs != [1]:
+            tmean += f" ({'/'.join(map(str, jobs))} jobs at once)"
         summary["variants"][v] = ent
         lines.append(f"| {v} | {m:.3f} | {sd:.3f} | {se:.3f} | {closed} | {wins} | {tmean} |")
     text = "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@
 #include "bakron/pipeline.h"
 #include "bk_config.h"
 #include "backend_impl.h"
+#include "layer_driver.h"
 #include "outdir.h"
 #include "pipeline_internal.h"
 #include "st_internal.h"
@@ -595,22 +596,108 @@ static void dump_note(void *user, const char *msg)
     o->on_event(o->user, &ev);
 }
 
+/* What one layer of a dump needs (the layer driver's body). */
+typedef struct dump_run {
+    const bk_dump_opts *o;
+    const bk_model_config *c;
+    const bk_layer_fwd_ops *fo; /* the backend's layer forward */
+    void *fc;
+    int64_t S, T, N, B, widths[4];
+    float *acts[4]; /* [N, width] the module inputs of all sequences */
+    void *conv;     /* conversion to the dump's dtype */
+    int32_t *pos;   /* position_ids [N] */
+    cJSON *files;   /* the manifest's list */
+    const char *dir;
+    const char *cfg_sha, *w_sha, *calib_sha;
+    double t0;
+} dump_run;
+
+/* Layer l with the original weights w on every micro-batch, its inputs kept;
+ * then its file. */
+static bk_status dump_layer(void *user, int l, bk_layer_weights *w)
+{
+    dump_run *d = user;
+    const bk_dump_opts *o = d->o;
+    bk_status st = d->fo->layer_begin(d->fc, w);
+    if (st != BK_OK)
+        return st;
+    BK_MB_LOOP(0, d->S, d->B, s0, sb) {
+        const int64_t r0 = s0 * d->T;
+        float *const taps[4] = {d->acts[0] + r0 * d->widths[0], d->acts[1] + r0 * d->widths[1],
+                                d->acts[2] + r0 * d->widths[2], d->acts[3] + r0 * d->widths[3]};
+        if ((st = d->fo->layer_taps(d->fc, s0, sb, taps)) != BK_OK)
+            break;
+    }
+    bk_status se = d->fo->layer_end(d->fc);
+    if (st == BK_OK)
+        st = se;
+    if (st != BK_OK)
+        return st;
+    char fname[64], path[4096];
+    snprintf(fname, sizeof fname, "layer.%04d.safetensors%s", l, o->zstd ? ".zst" : "");
+    cJSON_AddItemToArray(d->files, cJSON_CreateString(fname));
+    if ((st = bk_path_join(path, sizeof path, d->dir, fname)) != BK_OK)
+        return st;
+    const int64_t N = d->N;
+    bk_st_writer *wr = NULL;
+    st = bk_st_writer_create(&wr);
+    for (int i = 0; i < 4 && st == BK_OK; i++) {
+        int64_t shape[2] = {N, d->widths[i]};
+        if (o->dtype == BK_DT_F32) {
+            st = bk_st_writer_add(wr, act_names[i], BK_DT_F32, 2, shape, d->acts[i], 0);
+        } else {
+            st = bk_convert(d->acts[i], BK_DT_F32, d->conv, o->dtype, (size_t)(N * d->widths[i]));
+            if (st == BK_OK)
+                st = bk_st_writer_add(wr, act_names[i], o->dtype, 2, shape, d->conv, 1);
+        }
+    }
+    int64_t pshape[1] = {N};
+    if (st == BK_OK)
+        st = bk_st_writer_add(wr, "position_ids", BK_DT_I32, 1, pshape, d->pos, 0);
+    char lbuf[32];
+    snprintf(lbuf, sizeof lbuf, "%d", l);
+    if (st == BK_OK)
+        st = bk_st_writer_set_meta(wr, "layer", lbuf);
+    if (st == BK_OK)
+        st = bk_st_writer_set_meta(wr, "config_sha256", d->cfg_sha);
+    if (st == BK_OK)
+        st = bk_st_writer_set_meta(wr, "weights_sha256", d->w_sha);
+    if (st == BK_OK)
+        st = bk_st_writer_set_meta(wr, "calibration_sha256", d->calib_sha);
+    if (st == BK_OK)
+        st = o->zstd ? bk_st_writer_save_zst(wr, path, o->zstd_level) : bk_st_writer_save(wr, path);
+    bk_st_writer_free(wr);
+    if (st == BK_OK && o->on_event) {
+        bk_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = BK_EV_LAYER_DONE;
+        ev.layer = l;
+        ev.n_layers = (int)d->c->n_layers;
+        ev.elapsed_s = bk_now() - d->t0;
+        ev.eta_s = ev.elapsed_s / (l + 1) * (d->c->n_layers - l - 1);
+        ev.message = fname;
+        o->on_event(o->user, &ev);
+    }
+    return st;
+}
+
 bk_status bk_dump_activations(const bk_dump_opts *o)
 {
     bk_model *model = NULL;
     bk_backend *be = NULL;
-    const bk_layer_fwd_ops *fo = NULL; /* the backend's layer forward with taps */
-    void *fc = NULL;
     int32_t *tokens = NULL;
-    float *acts[4] = {NULL, NULL, NULL, NULL};
-    void *conv = NULL;
     cJSON *man = NULL;
+    dump_run dr;
+    bk_layer_driver drv;
+    memset(&dr, 0, sizeof dr);
+    memset(&drv, 0, sizeof drv);
     bk_outdir od;
     memset(&od, 0, sizeof od);
     const char *tmp = od.work;
     int64_t S, T;
     bk_status st;
-    double t0 = bk_now();
+    dr.o = o;
+    dr.t0 = bk_now();
 
     if (o->dtype != BK_DT_F32 && o->dtype != BK_DT_BF16 && o->dtype != BK_DT_F16)
         return bk_error(BK_ERR_INVALID_ARG, "dump-activations: dtype must be F32, BF16 or F16");
@@ -640,31 +727,49 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     if ((st = bk__model_digest(model, cfg_sha, w_sha)) != BK_OK)
         goto done;
     bk__calib_digest(tokens, S, T, calib_sha);
-    int64_t N = S * T, B = o->batch > 0 ? o->batch : bk_fwd_auto_batch(c, S, T);
-    if (B > S)
-        B = S;
-    int64_t widths[4] = {c->hidden, c->n_heads * c->head_dim, c->hidden, c->intermediate};
+    const int64_t N = S * T;
+    const int64_t widths[4] = {c->hidden, c->n_heads * c->head_dim, c->hidden, c->intermediate};
     /* the forward pass on the backend (auto: the GPU when present), the
      * residual stream of all sequences held there */
     st = bk_backend_create_params(o->backend, &o->backend_params, &be);
     if (st != BK_OK)
         goto done;
     bk_backend_set_gemm_math(be, bk_gemm_math_resolve(model, o->gemm_math));
-    st = bk_backend_layer_fwd_create(be, model, S, T, B, &fo, &fc);
+    {
+        const bk_layer_fwd_params lp = {.model = model, .S = S, .T = T,
+                                        .batch = o->batch > 0 ? o->batch
+                                                              : bk_fwd_auto_batch(c, S, T),
+                                        .taps = 1, .what = "dump-activations"};
+        st = bk_backend_layer_fwd_create(be, &lp, &dr.B, &dr.fo, &dr.fc);
+    }
     if (st != BK_OK)
         goto done;
+    dr.c = c;
+    dr.S = S;
+    dr.T = T;
+    dr.N = N;
+    memcpy(dr.widths, widths, sizeof widths);
+    dr.dir = tmp;
+    dr.cfg_sha = cfg_sha;
+    dr.w_sha = w_sha;
+    dr.calib_sha = calib_sha;
     for (int i = 0; i < 4; i++)
-        acts[i] = bk_alloc((size_t)(N * widths[i]), sizeof(float));
-    conv = bk_alloc((size_t)(N * c->intermediate), 2);
-    if (!acts[0] || !acts[1] || !acts[2] || !acts[3] || !conv) {
+        dr.acts[i] = bk_alloc((size_t)(N * widths[i]), sizeof(float));
+    dr.conv = bk_alloc((size_t)(N * c->intermediate), 2);
+    if (!dr.acts[0] || !dr.acts[1] || !dr.acts[2] || !dr.acts[3] || !dr.conv) {
         st = bk_error(BK_ERR_NOMEM, "dump-activations: out of memory for %lld tokens", (long long)N);
         goto done;
     }
-    for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
-        int64_t sb = S - s0 < B ? S - s0 : B;
-        st = fo->embed(fc, tokens, s0, sb);
-    }
-    fo->embed_end(fc);
+    /* the layer driver: the embedding, then every layer (dump_layer) */
+    drv.model = model;
+    drv.tokens = tokens;
+    drv.s_lo = 0;
+    drv.s_hi = S;
+    drv.batch = dr.B;
+    drv.embed = dr.fo->embed;
+    drv.embed_end = dr.fo->embed_end;
+    drv.fwd = dr.fc;
+    st = bk_driver_embed(&drv);
     if (st != BK_OK)
         goto done;
 
@@ -690,88 +795,27 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     cJSON_AddNumberToObject(man, "layers", (double)c->n_layers);
     cJSON_AddStringToObject(man, "calibration", o->calib_path);
     cJSON_AddStringToObject(man, "calibration_sha256", calib_sha);
-    cJSON_AddStringToObject(man, "device", fo->device(fc));
-    if (fo->uses_gemm_math)
+    cJSON_AddStringToObject(man, "device", dr.fo->device(dr.fc));
+    if (dr.fo->uses_gemm_math)
         cJSON_AddStringToObject(man, "gpu_math",
                                 bk_gemm_math_name(bk_gemm_math_resolve(model, o->gemm_math)));
     cJSON *files = cJSON_AddArrayToObject(man, "files");
 
-    int32_t *pos = bk_alloc((size_t)N, sizeof(int32_t));
-    if (!pos) {
+    dr.pos = bk_alloc((size_t)N, sizeof(int32_t));
+    if (!dr.pos) {
         st = bk_error(BK_ERR_NOMEM, "out of memory");
         goto done;
     }
     for (int64_t i = 0; i < N; i++)
-        pos[i] = (int32_t)(i % T);
-
-    for (int l = 0; l < c->n_layers && st == BK_OK; l++) {
-        bk_layer_weights lw;
-        memset(&lw, 0, sizeof lw);
-        st = bk_layer_weights_load(model, l, &lw);
-        if (st == BK_OK) /* the checkpoint is not changing under the run */
-            st = bk_st_set_check_unchanged(bk_model_tensors(model));
-        if (st == BK_OK && (st = fo->layer_begin(fc, &lw)) == BK_OK) {
-            for (int64_t s0 = 0; s0 < S && st == BK_OK; s0 += B) {
-                int64_t sb = S - s0 < B ? S - s0 : B;
-                float *const taps[4] = {acts[0] + s0 * T * widths[0], acts[1] + s0 * T * widths[1],
-                                        acts[2] + s0 * T * widths[2],
-                                        acts[3] + s0 * T * widths[3]};
-                st = fo->layer_taps(fc, s0, sb, taps);
-            }
-            fo->layer_end(fc);
-        }
-        bk_layer_weights_free(&lw);
-        if (st != BK_OK)
-            break;
-        char fname[64], path[4096];
-        snprintf(fname, sizeof fname, "layer.%04d.safetensors%s", l, o->zstd ? ".zst" : "");
-        cJSON_AddItemToArray(files, cJSON_CreateString(fname));
-        if ((st = bk_path_join(path, sizeof path, tmp, fname)) != BK_OK)
-            break;
-        bk_st_writer *w = NULL;
-        st = bk_st_writer_create(&w);
-        for (int i = 0; i < 4 && st == BK_OK; i++) {
-            int64_t shape[2] = {N, widths[i]};
-            if (o->dtype == BK_DT_F32) {
-                st = bk_st_writer_add(w, act_names[i], BK_DT_F32, 2, shape, acts[i], 0);
-            } else {
-                st = bk_convert(acts[i], BK_DT_F32, conv, o->dtype, (size_t)(N * widths[i]));
-                if (st == BK_OK)
-                    st = bk_st_writer_add(w, act_names[i], o->dtype, 2, shape, conv, 1);
-            }
-        }
-        int64_t pshape[1] = {N};
-        if (st == BK_OK)
-            st = bk_st_writer_add(w, "position_ids", BK_DT_I32, 1, pshape, pos, 0);
-        char lbuf[32];
-        snprintf(lbuf, sizeof lbuf, "%d", l);
-        if (st == BK_OK)
-            st = bk_st_writer_set_meta(w, "layer", lbuf);
-        if (st == BK_OK)
-            st = bk_st_writer_set_meta(w, "config_sha256", cfg_sha);
-        if (st == BK_OK)
-            st = bk_st_writer_set_meta(w, "weights_sha256", w_sha);
-        if (st == BK_OK)
-            st = bk_st_writer_set_meta(w, "calibration_sha256", calib_sha);
-        if (st == BK_OK)
-            st = o->zstd ? bk_st_writer_save_zst(w, path, o->zstd_level) : bk_st_writer_save(w, path);
-        bk_st_writer_free(w);
-        if (st == BK_OK && o->on_event) {
-            bk_event ev;
-            memset(&ev, 0, sizeof ev);
-            ev.kind = BK_EV_LAYER_DONE;
-            ev.layer = l;
-            ev.n_layers = (int)c->n_layers;
-            ev.elapsed_s = bk_now() - t0;
-            ev.eta_s = ev.elapsed_s / (l + 1) * (c->n_layers - l - 1);
-            ev.message = fname;
-            o->on_event(o->user, &ev);
-        }
-        if (st == BK_OK && bk__stop_requested())
-            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d (%d/%lld)", l, l + 1,
-                          (long long)c->n_layers);
-    }
-    free(pos);
+        dr.pos[i] = (int32_t)(i % T);
+    dr.files = files;
+    drv.layer = dump_layer;
+    drv.user = &dr;
+    drv.weights = 1;
+    drv.stop_check = 1;
+    drv.stop_first = 0;
+    drv.stop_count = (int)c->n_layers;
+    st = bk_driver_layers(&drv, 0, (int)c->n_layers);
     if (st != BK_OK)
         goto done;
     {
@@ -791,14 +835,16 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     if (st == BK_OK)
         st = bk_outdir_commit(&od);
 done:
+    bk_driver_end(&drv);
     bk_outdir_close(&od);
     cJSON_Delete(man);
-    free(conv);
+    free(dr.conv);
+    free(dr.pos);
     for (int i = 0; i < 4; i++)
-        free(acts[i]);
+        free(dr.acts[i]);
     free(tokens);
-    if (fo)
-        fo->destroy(fc);
+    if (dr.fo)
+        dr.fo->destroy(dr.fc);
     bk_backend_destroy(be);
     if (model)
         bk_model_close(model);

@@ -299,8 +299,6 @@ int bk_backend_supports(const bk_backend *b, bk_backend_op op)
     const bk_backend_ops *o = b->ops;
     switch (op) {
     case BK_OP_SOLVE: return o->solve != NULL;
-    case BK_OP_MODEL_NLL: return o->model_nll != NULL;
-    case BK_OP_MODEL_LOGITS: return o->model_logits != NULL;
     case BK_OP_LAYER_FWD: return o->layer_fwd_create != NULL;
     case BK_OP_STAGES: return o->stages_create != NULL;
     case BK_OP_BACKWARD: return o->bwd_flow_run != NULL;
@@ -308,29 +306,12 @@ int bk_backend_supports(const bk_backend *b, bk_backend_op op)
     return 0;
 }
 
-bk_status bk_backend_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens,
-                               int64_t S, int64_t T, int64_t batch, double *nll_sum,
-                               int64_t *count)
+bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p,
+                                      int64_t *batch, const bk_layer_fwd_ops **ops, void **ctx)
 {
-    if (b->ops->model_nll)
-        return b->ops->model_nll(b, m, tokens, S, T, batch, nll_sum, count);
-    return bk_model_nll(m, tokens, S, T, batch, nll_sum, count);
-}
-
-bk_status bk_backend_model_logits(bk_backend *b, const bk_model *m, const int32_t *tokens,
-                                  int64_t S, int64_t T, float *logits)
-{
-    if (b->ops->model_logits)
-        return b->ops->model_logits(b, m, tokens, S, T, logits);
-    return bk_model_logits(m, tokens, S, T, logits);
-}
-
-bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
-                                      int64_t B, const bk_layer_fwd_ops **ops, void **ctx)
-{
-    if (b->ops->layer_fwd_create)
-        return b->ops->layer_fwd_create(b, m, S, T, B, ops, ctx);
-    return bk_cpu_layer_fwd_create(b, m, S, T, B, ops, ctx);
+    if (b && b->ops->layer_fwd_create)
+        return b->ops->layer_fwd_create(b, p, batch, ops, ctx);
+    return bk_cpu_layer_fwd_create(b, p, batch, ops, ctx);
 }
 
 bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,

@@ -16,22 +16,7 @@ static bk_status cpu_solve(void *ctx, const bk_solve_problem *p, const bk_solve_
     return bk_solve(p, o, r);
 }
 
-static bk_status cpu_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens,
-                               int64_t S, int64_t T, int64_t batch, double *nll_sum,
-                               int64_t *count)
-{
-    (void)b;
-    return bk_model_nll(m, tokens, S, T, batch, nll_sum, count);
-}
-
-static bk_status cpu_model_logits(bk_backend *b, const bk_model *m, const int32_t *tokens,
-                                  int64_t S, int64_t T, float *logits)
-{
-    (void)b;
-    return bk_model_logits(m, tokens, S, T, logits);
-}
-
-/* ------------------------------------------ the layer forward with taps */
+/* ------------------------------------------------------- the layer forward */
 
 typedef struct cpu_lfwd {
     bk_fwd *f;
@@ -69,6 +54,12 @@ static bk_status lfwd_layer_begin(void *ctx, const bk_layer_weights *lw)
     return BK_OK;
 }
 
+static bk_status lfwd_layer_run(void *ctx, int64_t s0, int64_t sb)
+{
+    cpu_lfwd *c = ctx;
+    return bk_fwd_layer(c->f, c->lw, sb, c->h + s0 * c->T * c->hidden, NULL);
+}
+
 static bk_status lfwd_layer_taps(void *ctx, int64_t s0, int64_t sb, float *const taps[4])
 {
     cpu_lfwd *c = ctx;
@@ -77,9 +68,24 @@ static bk_status lfwd_layer_taps(void *ctx, int64_t s0, int64_t sb, float *const
     return bk_fwd_layer(c->f, c->lw, sb, c->h + s0 * c->T * c->hidden, &t);
 }
 
-static void lfwd_layer_end(void *ctx)
+static bk_status lfwd_layer_end(void *ctx)
 {
     ((cpu_lfwd *)ctx)->lw = NULL;
+    return BK_OK;
+}
+
+static bk_status lfwd_nll(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb,
+                          double *nll_sum, int64_t *count)
+{
+    cpu_lfwd *c = ctx;
+    return bk_fwd_nll(c->f, c->m, c->h + s0 * c->T * c->hidden, tokens + s0 * c->T, sb, nll_sum,
+                      count);
+}
+
+static bk_status lfwd_logits(void *ctx, int64_t s0, int64_t sb, float *logits)
+{
+    cpu_lfwd *c = ctx;
+    return bk_fwd_logits(c->f, c->m, c->h + s0 * c->T * c->hidden, sb, logits);
 }
 
 static const char *lfwd_device(void *ctx)
@@ -89,17 +95,32 @@ static const char *lfwd_device(void *ctx)
 }
 
 static const bk_layer_fwd_ops cpu_lfwd_ops = {
-    lfwd_embed, lfwd_embed_end, lfwd_layer_begin, lfwd_layer_taps,
-    lfwd_layer_end, lfwd_destroy, lfwd_device, 0,
+    .embed = lfwd_embed,
+    .embed_end = lfwd_embed_end,
+    .layer_begin = lfwd_layer_begin,
+    .layer_run = lfwd_layer_run,
+    .layer_taps = lfwd_layer_taps,
+    .layer_end = lfwd_layer_end,
+    .nll = lfwd_nll,
+    .logits = lfwd_logits,
+    .destroy = lfwd_destroy,
+    .device = lfwd_device,
+    .uses_gemm_math = 0,
 };
 
-bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
-                                  int64_t B, const bk_layer_fwd_ops **ops, void **ctx)
+bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p, int64_t *batch,
+                                  const bk_layer_fwd_ops **ops, void **ctx)
 {
     (void)b;
     *ops = NULL;
     *ctx = NULL;
+    const bk_model *m = p->model;
     const bk_model_config *cfg = bk_model_get_config(m);
+    const int64_t S = p->S, T = p->T;
+    int64_t B = p->batch > 0 ? (p->batch < S ? p->batch : S) : bk_fwd_auto_batch(cfg, S, T);
+    if (B < 1)
+        B = 1;
+    *batch = B;
     cpu_lfwd *c = calloc(1, sizeof *c);
     if (!c)
         return bk_error(BK_ERR_NOMEM, "out of memory");
@@ -129,8 +150,6 @@ static const bk_backend_ops cpu_ops = {
     .solve = cpu_solve,
     .peak_memory = NULL,
     .reset_peak_memory = NULL,
-    .model_nll = cpu_model_nll,
-    .model_logits = cpu_model_logits,
     .layer_fwd_create = bk_cpu_layer_fwd_create,
     .stages_create = NULL, /* the driver's own CPU stages (src/pipeline.c) */
     .bwd_flow_run = NULL,  /* the CPU's flow, bk_bwd_flow_run (the dispatcher's fallback) */

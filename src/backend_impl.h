@@ -117,21 +117,41 @@ typedef struct bk_stage_params {
     int64_t S, T;         /* calibration sequences and tokens per sequence */
 } bk_stage_params;
 
-/* --------------------------------------- the layer forward with taps (dump) */
+/* ------------------------------------ the layer forward (eval, dump-activations) */
+
+/* What a layer forward is created for. */
+typedef struct bk_layer_fwd_params {
+    const bk_model *model;
+    int64_t S, T;     /* sequences (the residual stream of all of them is held) and tokens */
+    int64_t batch;    /* sequences per micro-batch; 0: the backend's automatic rule */
+    int taps;         /* layer_taps is called (dump-activations), else layer_run */
+    const char *what; /* the command, for messages ("eval", "dump-activations") */
+} bk_layer_fwd_params;
 
 /* The forward pass of whole layers with the original weights over the
- * residual stream of S sequences held by the backend, the inputs of the
- * linear modules handed out (dump-activations). */
+ * residual stream of S sequences held by the backend (src/layer_driver.c runs
+ * it): the inputs of the linear modules handed out (dump-activations), or
+ * the final norm + LM head after the last layer (eval). */
 typedef struct bk_layer_fwd_ops {
     /* Embed sequences [s0, s0+sb) (tokens: the whole [S, T] array). */
     bk_status (*embed)(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb);
     /* The embedding is done (a device may release its table). */
     void (*embed_end)(void *ctx);
     bk_status (*layer_begin)(void *ctx, const bk_layer_weights *lw);
-    /* The layer on sequences [s0, s0+sb) in place; taps[0..3]: host arrays
-     * [sb*T, width] for attn_in, o_in, mlp_in and down_in. */
+    /* The layer on sequences [s0, s0+sb) in place. */
+    bk_status (*layer_run)(void *ctx, int64_t s0, int64_t sb);
+    /* The same, taps[0..3]: host arrays [sb*T, width] for attn_in, o_in,
+     * mlp_in and down_in (created with taps = 1). */
     bk_status (*layer_taps)(void *ctx, int64_t s0, int64_t sb, float *const taps[4]);
-    void (*layer_end)(void *ctx);
+    /* The layer is done (a device finishes its work on it). */
+    bk_status (*layer_end)(void *ctx);
+    /* Final norm + LM head on sequences [s0, s0+sb) after the last layer:
+     * the summed NLL of the next-token predictions (tokens: the whole [S, T]
+     * array) added to *nll_sum and *count, as bk_fwd_nll; or the logits
+     * [sb*T, vocab] into the host array logits, as bk_fwd_logits. */
+    bk_status (*nll)(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb, double *nll_sum,
+                     int64_t *count);
+    bk_status (*logits)(void *ctx, int64_t s0, int64_t sb, float *logits);
     void (*destroy)(void *ctx);
     /* The device line of the dump's manifest ("cpu" on the CPU). */
     const char *(*device)(void *ctx);
@@ -143,9 +163,7 @@ typedef struct bk_layer_fwd_ops {
 /* The operations, for bk_backend_supports. */
 typedef enum bk_backend_op {
     BK_OP_SOLVE = 0,    /* solve one module from host factors */
-    BK_OP_MODEL_NLL,    /* whole-model NLL (eval) */
-    BK_OP_MODEL_LOGITS, /* whole-model logits (eval --logits-out) */
-    BK_OP_LAYER_FWD,    /* layer forward with taps (dump-activations) */
+    BK_OP_LAYER_FWD,    /* layer forward: taps (dump-activations), head (eval) */
     BK_OP_STAGES,       /* the quantize stages: forward, Hessians, factors, solves */
     BK_OP_BACKWARD      /* the backward flow of the Backprop Hessians */
 } bk_backend_op;
@@ -159,15 +177,10 @@ typedef struct bk_backend_ops {
     size_t (*peak_memory)(void *ctx);
     /* Optional: restart the high-water mark at the current usage. */
     void (*reset_peak_memory)(void *ctx);
-    /* Whole model, layer-streamed, as bk_model_nll / bk_model_logits. */
-    bk_status (*model_nll)(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
-                           int64_t T, int64_t batch, double *nll_sum, int64_t *count);
-    bk_status (*model_logits)(bk_backend *b, const bk_model *m, const int32_t *tokens,
-                              int64_t S, int64_t T, float *logits);
-    /* The layer forward with taps for S sequences of T tokens in micro-batches
-     * of at most B. */
-    bk_status (*layer_fwd_create)(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
-                                  int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
+    /* The layer forward (eval, dump-activations). *batch: the micro-batch
+     * used (p->batch, or the backend's automatic rule when 0). */
+    bk_status (*layer_fwd_create)(bk_backend *b, const bk_layer_fwd_params *p, int64_t *batch,
+                                  const bk_layer_fwd_ops **ops, void **ctx);
     /* The quantize stages. *batch: the micro-batch asked for (0 = automatic),
      * reduced when the memory is short; the value used is returned.
      * NULL: the driver's own CPU stages (src/pipeline.c). */
@@ -188,12 +201,13 @@ typedef struct bk_backend_ops {
  * the CPU one). */
 int bk_backend_supports(const bk_backend *b, bk_backend_op op);
 
-/* Dispatchers (layer_fwd_create falls back to the CPU implementation;
- * stages_create: BK_ERR_UNSUPPORTED, the driver then runs its own CPU stages).
- * bk_backend_solve, bk_backend_model_nll and bk_backend_model_logits are
- * public (bakron/backend.h). */
-bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
-                                      int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
+/* Dispatchers (layer_fwd_create falls back to the CPU implementation, also
+ * for b == NULL; stages_create: BK_ERR_UNSUPPORTED, the driver then runs its
+ * own CPU stages). bk_backend_solve is public (bakron/backend.h), and so are
+ * bk_backend_model_nll and bk_backend_model_logits, which run the layer
+ * driver over layer_fwd_create (src/eval.c). */
+bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p,
+                                      int64_t *batch, const bk_layer_fwd_ops **ops, void **ctx);
 bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                    const bk_stage_ops **ops, void **ctx);
 /* NULL entry: the CPU's flow (bk_bwd_flow_run; cb->grads, fp64 ignored). */
@@ -201,10 +215,10 @@ bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_
                                   int64_t S, int64_t T, const bk_bwd_flow_opts *o, int fp64,
                                   const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats);
 
-/* The CPU implementation of the layer forward with taps (src/backend_cpu.c;
- * also the fallback of other backends). */
-bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
-                                  int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
+/* The CPU implementation of the layer forward (src/backend_cpu.c; also the
+ * fallback of other backends). Automatic batch: bk_fwd_auto_batch. */
+bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p, int64_t *batch,
+                                  const bk_layer_fwd_ops **ops, void **ctx);
 
 struct bk_backend {
     const bk_backend_ops *ops;

@@ -17,22 +17,11 @@
 #include "bk_config.h"
 #include "outdir.h"
 #include "backend_impl.h"
+#include "layer_driver.h"
 #include "pipeline_internal.h"
 #include "resume.h"
 #include "st_internal.h"
 #include "util.h"
-
-static volatile sig_atomic_t g_stop;
-
-void bk_request_stop(void)
-{
-    g_stop = 1;
-}
-
-int bk__stop_requested(void)
-{
-    return g_stop != 0;
-}
 
 const char *bk_export_name(bk_export_format f)
 {
@@ -158,16 +147,9 @@ typedef struct job {
         double busy_s; /* time spent writing (overlapped) */
         long nwrites;  /* module writes attempted (fault injection) */
     } wr;
-    /* the next layer's weights, read and converted by a helper thread while
-     * the current layer is processed */
-    struct {
-        pthread_t tid;
-        int running, layer;
-        const bk_model *model;
-        bk_layer_weights w;
-        bk_status st;
-        char msg[1024];
-    } pf;
+    /* the layer driver (src/layer_driver.c): the embedding, then every layer
+     * with its weights (the next one read on a helper thread meanwhile) */
+    bk_layer_driver drv;
 } job;
 
 static void emit(job *j, bk_event_kind kind, int layer, const char *module, const char *msg)
@@ -892,9 +874,7 @@ nomem:
 
 /* The micro-batches of this rank's sequences [s_lo, s_hi) (all sequences in
  * one process). */
-#define MB_LOOP(j, s0, sb)                                                          \
-    for (int64_t s0 = (j)->s_lo, sb = 0; s0 < (j)->s_hi && ((sb = ((j)->s_hi - s0 < (j)->batch ? (j)->s_hi - s0 : (j)->batch)), 1); \
-         s0 += sb)
+#define MB_LOOP(j, s0, sb) BK_MB_LOOP((j)->s_lo, (j)->s_hi, (j)->batch, s0, sb)
 
 /* ------------------------------------------- MPI ranks, data parallel
  * (docs/DISTRIBUTED.md). Every rank holds the layer and runs the stages on
@@ -1214,71 +1194,20 @@ static bk_status run_stage(job *j, bk_stage stage)
     return BK_OK;
 }
 
-static void *prefetch_main(void *arg)
+/* Layer l with its original weights (orig, from the layer driver): the
+ * stages and solves of a quantized layer, or the layer as it is. */
+static bk_status layer_tokens(job *j, int l, const bk_layer_weights *origp)
 {
-    job *j = arg;
-    double t = bk_now();
-    j->pf.st = bk_layer_weights_load(j->pf.model, j->pf.layer, &j->pf.w);
-    bk_prof_add("prefetch.load (thread)", bk_now() - t);
-    if (j->pf.st != BK_OK)
-        snprintf(j->pf.msg, sizeof j->pf.msg, "%s", bk_last_error());
-    return NULL;
-}
-
-/* Start reading layer l in the background (nothing when out of range or a
- * thread cannot be started: prefetch_take then reads it itself). */
-static void prefetch_start(job *j, int l)
-{
-    if (j->pf.running || l < 0 || l >= j->cfg->n_layers)
-        return;
-    memset(&j->pf.w, 0, sizeof j->pf.w);
-    j->pf.layer = l;
-    j->pf.model = j->model;
-    j->pf.st = BK_OK;
-    j->pf.msg[0] = 0;
-    j->pf.running = pthread_create(&j->pf.tid, NULL, prefetch_main, j) == 0;
-}
-
-static void prefetch_drop(job *j)
-{
-    if (!j->pf.running)
-        return;
-    pthread_join(j->pf.tid, NULL);
-    j->pf.running = 0;
-    bk_layer_weights_free(&j->pf.w);
-}
-
-/* Layer l's weights: from the background read when it was for l. */
-static bk_status prefetch_take(job *j, int l, bk_layer_weights *out)
-{
-    if (j->pf.running && j->pf.layer == l) {
-        pthread_join(j->pf.tid, NULL);
-        j->pf.running = 0;
-        if (j->pf.st != BK_OK)
-            return bk_error(j->pf.st, "%s", j->pf.msg);
-        *out = j->pf.w;
-        memset(&j->pf.w, 0, sizeof j->pf.w);
-        return BK_OK;
-    }
-    prefetch_drop(j);
-    return bk_layer_weights_load(j->model, l, out);
-}
-
-static bk_status layer_tokens(job *j, int l)
-{
-    bk_layer_weights orig, lw;
-    memset(&orig, 0, sizeof orig);
+    const bk_layer_weights orig = *origp;
+    bk_layer_weights lw;
     memset(&lw, 0, sizeof lw);
     int begun = 0;
+    bk_status st = BK_OK;
     double t = bk_now();
-    bk_status st = prefetch_take(j, l, &orig);
-    bk_prof_add("io.prefetch_wait", bk_now() - t);
-    if (st == BK_OK)
-        prefetch_start(j, l + 1);
     /* the host working copy is only needed where the stages or the solves
      * use host weights (the device stages keep their own) */
     const int dev = j->ops->factors_dev && j->ops->solve_dev;
-    if (st == BK_OK && !dev)
+    if (!dev)
         st = layer_weights_copy(j->cfg, &orig, &lw);
     j->t_io += bk_now() - t;
     if (st != BK_OK)
@@ -1328,7 +1257,6 @@ done:
     t = bk_now();
     if (begun)
         j->ops->layer_end(j->ops_ctx);
-    bk_layer_weights_free(&orig);
     bk_layer_weights_free(&lw);
     bk_prof_add("io.layer_end", bk_now() - t);
     if (st == BK_OK && layer_in_range(j, l))
@@ -1341,29 +1269,24 @@ done:
  * scales; the original weights with --no-sequential, whose modules all saw
  * full-precision inputs). The same forward functions on the same micro-batches
  * as the run that quantized it, so the same bits. */
-static bk_status layer_rebuild(job *j, int l)
+static bk_status layer_rebuild(job *j, int l, bk_layer_weights *w)
 {
-    bk_layer_weights w; /* the original weights; then the quantized ones in place */
-    memset(&w, 0, sizeof w);
+    /* w: the original weights (from the layer driver); then the quantized
+     * ones in place */
+    bk_status st = BK_OK;
     double t = bk_now();
-    bk_status st = prefetch_take(j, l, &w);
-    if (st == BK_OK)
-        prefetch_start(j, l + 1);
-    bk_prof_add("resume.load", bk_now() - t);
-    double t1 = bk_now();
-    if (st == BK_OK && j->o->sequential)
-        st = bk_resume_load_weights(j->rs, &j->o->solve.quant, j->cfg, l, &w);
-    bk_prof_add("resume.dequantize", bk_now() - t1);
+    if (j->o->sequential)
+        st = bk_resume_load_weights(j->rs, &j->o->solve.quant, j->cfg, l, w);
+    bk_prof_add("resume.dequantize", bk_now() - t);
     j->t_io += bk_now() - t;
-    t1 = bk_now();
+    double t1 = bk_now();
     if (st == BK_OK)
-        st = j->ops->layer_begin(j->ops_ctx, &w, &w, 0);
+        st = j->ops->layer_begin(j->ops_ctx, w, w, 0);
     bk_prof_add("resume.layer_begin", bk_now() - t1);
     if (st == BK_OK) {
         st = run_stage(j, BK_STAGE_FULL);
         j->ops->layer_end(j->ops_ctx);
     }
-    bk_layer_weights_free(&w);
     if (st != BK_OK)
         return bk_error_prefix(st, "--resume: rebuilding the calibration state");
     return BK_OK;
@@ -1441,13 +1364,9 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
     bk_status st = BK_OK;
     for (int l = lo; l < hi && l < j->layer_end && st == BK_OK; l++) {
         j->acc = j->bp_acc[l - lo];
-        st = layer_tokens(j, l);
-        if (st == BK_OK) /* the checkpoint is not changing under the run */
-            st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
+        /* the layer, the checks after it (unchanged checkpoint, stop) */
+        st = bk_driver_layer(&j->drv, l);
         bk_hess_acc_reset(j->acc);
-        if (st == BK_OK && bk__stop_requested())
-            st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d (%d/%d)", l,
-                          l - j->layer_begin + 1, j->layer_end - j->layer_begin);
     }
     j->acc = j->bp_acc[0];
     return st;
@@ -1474,19 +1393,17 @@ static bk_status run_backprop(job *j)
 
 /* ------------------------------------------- one layer, dumped activations */
 
-static bk_status layer_acts(job *j, int l)
+static bk_status layer_acts(job *j, int l, const bk_layer_weights *origp)
 {
     const bk_model_config *c = j->cfg;
-    bk_layer_weights orig, lw;
-    memset(&orig, 0, sizeof orig);
+    const bk_layer_weights orig = *origp;
+    bk_layer_weights lw;
     memset(&lw, 0, sizeof lw);
     if (!layer_in_range(j, l))
         return BK_OK;
     emit(j, BK_EV_LAYER_BEGIN, l, NULL, NULL);
     double t = bk_now();
-    bk_status st = bk_layer_weights_load(j->model, l, &orig);
-    if (st == BK_OK)
-        st = bk_layer_weights_load(j->model, l, &lw);
+    bk_status st = layer_weights_copy(j->cfg, &orig, &lw);
     bk_act_layer al;
     memset(&al, 0, sizeof al);
     if (st == BK_OK)
@@ -1544,10 +1461,48 @@ static bk_status layer_acts(job *j, int l)
 done:
     j->ops->layer_end(j->ops_ctx);
     bk__act_layer_close(&al);
-    bk_layer_weights_free(&orig);
     bk_layer_weights_free(&lw);
     if (st == BK_OK)
         emit(j, BK_EV_LAYER_DONE, l, NULL, NULL);
+    return st;
+}
+
+/* ------------------------------------------- the layer driver's bodies */
+
+/* Token calibration: kept layers (--resume) are rebuilt, the others
+ * quantized and journaled, or (before the range) run as they are. */
+static bk_status quantize_layer(void *user, int l, bk_layer_weights *w)
+{
+    job *j = user;
+    j->t_io += j->drv.t_load_last;
+    if (j->bp)
+        return layer_tokens(j, l, w);
+    const int kept = layer_in_range(j, l) && l < j->first_layer;
+    bk_status st = kept ? layer_rebuild(j, l, w) : layer_tokens(j, l, w);
+    if (st == BK_OK && !kept && layer_in_range(j, l))
+        st = journal_layer(j, l);
+    return st;
+}
+
+/* Dumped activations (w: the layer's weights), or rtn without calibration
+ * (w NULL: the modules are read one by one). */
+static bk_status offline_layer(void *user, int l, bk_layer_weights *w)
+{
+    job *j = user;
+    bk_status st;
+    j->t_io += j->drv.t_load_last;
+    if (j->acts) {
+        st = layer_acts(j, l, w);
+    } else {
+        st = bk__layer_rtn(j->model, j->backend, j->out, j->o, j->cfg, l, j->report_modules,
+                           &j->quantized_params);
+        if (st == BK_OK) /* (written on this thread: the journal after them) */
+            st = writer_drain(j);
+    }
+    if (st == BK_OK)
+        st = journal_layer(j, l);
+    if (st == BK_OK && !j->acts)
+        st = writer_drain(j);
     return st;
 }
 
@@ -1722,7 +1677,7 @@ static bk_status job_buffers(job *j)
 
 static void job_free(job *j)
 {
-    prefetch_drop(j);
+    bk_driver_end(&j->drv);
     free(j->tokens);
     free(j->h);
     free(j->o_in);
@@ -1762,7 +1717,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     memset(j, 0, sizeof *j);
     j->o = o;
     j->t0 = bk_now();
-    g_stop = 0;
+    bk__stop_clear();
     bk_status st;
     int adopted = 0;
     /* MPI ranks: rank 0 alone reports and writes */
@@ -2096,57 +2051,35 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
 
     bk_prof_add("setup", bk_now() - j->t0);
+    /* the layer driver: token calibration embeds every sequence and runs
+     * every layer up to the last one quantized (the backward flow of the
+     * backprop kinds drives the layers itself); dumped activations and rtn
+     * without calibration visit the quantized layers alone */
+    j->drv.model = j->model;
+    j->drv.tokens = j->tokens;
+    j->drv.s_lo = j->s_lo;
+    j->drv.s_hi = j->s_hi;
+    j->drv.batch = j->batch;
+    j->drv.embed = j->ops->embed;
+    j->drv.fwd = j->ops_ctx;
+    j->drv.layer = j->tokens ? quantize_layer : offline_layer;
+    j->drv.user = j;
+    j->drv.weights = j->tokens || j->acts;
+    j->drv.end = j->layer_end;
+    j->drv.stop_check = !j->tokens || j->bp; /* (else: after every module's solve) */
+    j->drv.stop_first = j->layer_begin;
+    j->drv.stop_count = j->layer_end - j->layer_begin;
     if (j->tokens) {
         double t = bk_now();
-        MB_LOOP(j, s0, sb) {
-            st = j->ops->embed(j->ops_ctx, j->tokens, s0, sb);
-            if (st != BK_OK)
-                goto fail;
-        }
+        st = bk_driver_embed(&j->drv);
         j->t_forward += bk_now() - t;
-        bk_prof_add("fwd.embed", bk_now() - t);
-        if (j->bp) {
-            st = run_backprop(j);
-            if (st != BK_OK)
-                goto fail;
-        } else {
-            for (int l = 0; l < j->layer_end; l++) {
-                const int kept = layer_in_range(j, l) && l < j->first_layer;
-                st = kept ? layer_rebuild(j, l) : layer_tokens(j, l);
-                if (st == BK_OK && !kept && layer_in_range(j, l))
-                    st = journal_layer(j, l);
-                if (st == BK_OK) /* the checkpoint is not changing under the run */
-                    st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
-                if (st != BK_OK)
-                    goto fail;
-            }
-        }
+        if (st == BK_OK)
+            st = j->bp ? run_backprop(j) : bk_driver_layers(&j->drv, 0, j->layer_end);
     } else {
-        for (int l = j->first_layer; l < j->layer_end; l++) {
-            if (j->acts) {
-                st = layer_acts(j, l);
-            } else {
-                st = bk__layer_rtn(j->model, j->backend, j->out, o, j->cfg, l,
-                                   j->report_modules, &j->quantized_params);
-                if (st == BK_OK) /* (written on this thread: the journal after them) */
-                    st = writer_drain(j);
-            }
-            if (st == BK_OK)
-                st = journal_layer(j, l);
-            if (st == BK_OK && !j->acts)
-                st = writer_drain(j);
-            if (st == BK_OK) /* the checkpoint is not changing under the run */
-                st = bk_st_set_check_unchanged(bk_model_tensors(j->model));
-            if (st != BK_OK)
-                goto fail;
-            if (bk__stop_requested()) {
-                /* numbered as the progress lines: index, then (k/selected) */
-                st = bk_error(BK_ERR_INTERRUPTED, "interrupted after layer %d (%d/%d)", l,
-                              l - j->layer_begin + 1, j->layer_end - j->layer_begin);
-                goto fail;
-            }
-        }
+        st = bk_driver_layers(&j->drv, j->first_layer, j->layer_end);
     }
+    if (st != BK_OK)
+        goto fail;
 
     emit(j, BK_EV_WRITE, j->layer_end - 1, NULL, "writing config.json, report.json, tokenizer files");
     if (j->rank != 0) { /* rank 0 writes; every rank learns how that went */

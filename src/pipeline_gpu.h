@@ -1,8 +1,8 @@
 /* Internal (not public API): the forward pass and Hessian accumulation on
  * the GPU (cuda/forward.cu, cuda/hessian.cu, cuda/pipeline_cuda.cu;
  * docs/DEVICE.md "Pipeline on the GPU"), behind the CUDA backend's table
- * entries (src/backend_impl.h: stages_create, layer_fwd_create, model_nll,
- * model_logits). Only cuda/ and the GPU tests include this header.
+ * entries (src/backend_impl.h: stages_create, layer_fwd_create). Only cuda/
+ * and the GPU tests include this header.
  *
  * The GPU functions mirror bakron/forward.h and bakron/hessian.h with device
  * pointers (F32, same layouts: S sequences of T tokens, N = S*T rows,
@@ -86,17 +86,10 @@ bk_status bk_gfwd_logits(bk_gfwd *f, const bk_model *m, const float *d_h, int64_
 bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h, const int32_t *tokens,
                       int64_t S, double *nll_sum, int64_t *count);
 
-/* The layer forward with taps on the GPU (cuda/layer_fwd.cu; the CUDA
- * backend's layer_fwd_create). */
-bk_status bk_cuda_layer_fwd_create(bk_backend *b, const bk_model *m, int64_t S, int64_t T,
-                                   int64_t B, const bk_layer_fwd_ops **ops, void **ctx);
-
-/* Whole-model counterparts of bk_model_nll / bk_model_logits on the GPU
- * (layer-streamed, hidden states of all sequences on the device). */
-bk_status bk_cuda_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
-                            int64_t T, int64_t batch, double *nll_sum, int64_t *count);
-bk_status bk_cuda_model_logits(bk_backend *b, const bk_model *m, const int32_t *tokens,
-                               int64_t S, int64_t T, float *logits);
+/* The layer forward on the GPU (cuda/layer_fwd.cu; the CUDA backend's
+ * layer_fwd_create). Automatic batch: one micro-batch's scratch around 2 GiB. */
+bk_status bk_cuda_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p, int64_t *batch,
+                                   const bk_layer_fwd_ops **ops, void **ctx);
 
 /* ------------------------------------------------------ GPU Hessians */
 

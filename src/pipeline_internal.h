@@ -12,7 +12,7 @@
 #include "bakron/safetensors.h"
 #include "bakron/solver.h"
 
-int bk__stop_requested(void);
+#include "stop.h"
 
 /* "model.layers.N.<module>.weight" -> layer, module. */
 int bk__parse_linear_name(const char *name, int *layer, bk_module *mod);

@@ -152,6 +152,10 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
         failed(c, bk_error(BK_ERR_USAGE, "--leaf-size %d must be >= 1", o->leaf_size));
     if (o->gpu_pipeline && o->cpu_stages)
         failed(c, bk_error(BK_ERR_USAGE, "--gpu-pipeline and --cpu-stages contradict each other"));
+    if (o->gpu_pipeline && o->backend == BK_BACKEND_CPU)
+        failed(c, bk_error(BK_ERR_USAGE,
+                           "--gpu-pipeline and --backend cpu contradict each other (the GPU "
+                           "pipeline needs --backend cuda or auto)"));
     if (o->gpu_pipeline && bp)
         failed(c, bk_error(BK_ERR_USAGE,
                            "--gpu-pipeline: --hessian %s runs its input-side stages on the CPU "

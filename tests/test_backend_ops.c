@@ -8,9 +8,10 @@
  *   solve             TOL_SOLVE_FP64: identical codes in fp64, also under the
  *                     solver variants the product never runs (overlap off,
  *                     push groups off) and with setting factor_fp64=1
- *   model_nll         TOL_NLL: |nll_gpu - nll_cpu| <= 1e-5 * nll_cpu
- *   model_logits      TOL_LOGITS: max |diff| <= 1e-4 * max |logit|
- *   layer_fwd (taps)  TOL_TAPS: per tap and layer, max |diff| <= 1e-4 * max |value|
+ *   layer_fwd nll     TOL_NLL: |nll_gpu - nll_cpu| <= 1e-5 * nll_cpu (bk_backend_model_nll:
+ *                     the layer driver over layer_run, then nll)
+ *   layer_fwd logits  TOL_LOGITS: max |diff| <= 1e-4 * max |logit| (bk_backend_model_logits)
+ *   layer_fwd taps    TOL_TAPS: per tap and layer, max |diff| <= 1e-4 * max |value|
  * The quantize stages (stages_create) are compared end to end by
  * tests/test_cuda_pipeline.sh (codes of every Hessian kind, the settings
  * residual=host and keep_down=0 included).
@@ -120,27 +121,23 @@ static void test_solve(bk_backend *cpu, bk_backend *dev)
     bk_backend_destroy(v);
 }
 
-/* ------------------------------------------------------------ whole model */
+/* ------------------------------------------------ whole model (the head) */
 
 static void test_model(bk_backend *cpu, bk_backend *dev, const bk_model *m, const int32_t *tok,
                        int64_t S, int64_t T)
 {
-    if (!bk_backend_supports(dev, BK_OP_MODEL_NLL)) {
-        printf("model_nll: not supported by %s\n", bk_backend_name(dev));
-    } else {
-        double nc = 0, ng = 0;
-        int64_t cc = 0, cg = 0;
-        OK(bk_backend_model_nll(cpu, m, tok, S, T, 0, &nc, &cc));
-        OK(bk_backend_model_nll(dev, m, tok, S, T, 0, &ng, &cg));
-        CHECK(cc == cg, "model_nll: counts %lld vs %lld", (long long)cc, (long long)cg);
-        CHECK(fabs(ng - nc) <= TOL_NLL * fabs(nc), "model_nll: %.9g vs %.9g (TOL_NLL %g)", ng,
-              nc, TOL_NLL);
-        printf("model_nll: cpu %.9g %s %.9g\n", nc, bk_backend_name(dev), ng);
-    }
-    if (!bk_backend_supports(dev, BK_OP_MODEL_LOGITS)) {
-        printf("model_logits: not supported by %s\n", bk_backend_name(dev));
+    if (!bk_backend_supports(dev, BK_OP_LAYER_FWD)) {
+        printf("layer_fwd nll, logits: not supported by %s\n", bk_backend_name(dev));
         return;
     }
+    double nc = 0, ng = 0;
+    int64_t cc = 0, cg = 0;
+    OK(bk_backend_model_nll(cpu, m, tok, S, T, 0, &nc, &cc));
+    OK(bk_backend_model_nll(dev, m, tok, S, T, 0, &ng, &cg));
+    CHECK(cc == cg, "model_nll: counts %lld vs %lld", (long long)cc, (long long)cg);
+    CHECK(fabs(ng - nc) <= TOL_NLL * fabs(nc), "model_nll: %.9g vs %.9g (TOL_NLL %g)", ng, nc,
+          TOL_NLL);
+    printf("model_nll: cpu %.9g %s %.9g\n", nc, bk_backend_name(dev), ng);
     const int64_t V = bk_model_get_config(m)->vocab;
     float *lc = malloc(sizeof(float) * (size_t)(S * T * V));
     float *lg = malloc(sizeof(float) * (size_t)(S * T * V));
@@ -155,7 +152,7 @@ static void test_model(bk_backend *cpu, bk_backend *dev, const bk_model *m, cons
     free(lg);
 }
 
-/* ------------------------------------------------- layer forward with taps */
+/* ------------------------------------------- the layer forward with taps */
 
 static void test_layer_fwd(bk_backend *cpu, bk_backend *dev, const bk_model *m,
                            const int32_t *tok, int64_t S, int64_t T)
@@ -172,7 +169,11 @@ static void test_layer_fwd(bk_backend *cpu, bk_backend *dev, const bk_model *m,
     void *ctx[2];
     float *taps[2][4];
     for (int k = 0; k < 2; k++) {
-        OK(bk_backend_layer_fwd_create(be[k], m, S, T, B, &ops[k], &ctx[k]));
+        const bk_layer_fwd_params p = {.model = m, .S = S, .T = T, .batch = B, .taps = 1,
+                                       .what = "test"};
+        int64_t used = 0;
+        OK(bk_backend_layer_fwd_create(be[k], &p, &used, &ops[k], &ctx[k]));
+        CHECK(used == B, "layer_fwd: batch %lld used for %lld", (long long)used, (long long)B);
         for (int i = 0; i < 4; i++)
             if (!(taps[k][i] = malloc(sizeof(float) * (size_t)(N * widths[i]))))
                 exit(1);
@@ -195,7 +196,7 @@ static void test_layer_fwd(bk_backend *cpu, bk_backend *dev, const bk_model *m,
                                      taps[k][3] + s0 * T * widths[3]};
                 OK(ops[k]->layer_taps(ctx[k], s0, S - s0 < B ? S - s0 : B, t));
             }
-            ops[k]->layer_end(ctx[k]);
+            OK(ops[k]->layer_end(ctx[k]));
         }
         bk_layer_weights_free(&lw);
         for (int i = 0; i < 4; i++) {

@@ -184,6 +184,11 @@ label="--asym --export gptq (exit 1 at once)"
 run quantize "$M" --calib "$CAL" --export gptq --bits 4 --asym --out "$tmp/o6"
 expect_rc 1
 [ "$(wc -l <"$tmp/err")" -eq 1 ] || fail "expected one line: $(cat "$tmp/err")"
+label="--gpu-pipeline --backend cpu (exit 1 at once, a usage conflict in every build)"
+run quantize "$M" --calib "$CAL" --gpu-pipeline --backend cpu --out "$tmp/o6"
+expect_rc 1
+expect_err "--gpu-pipeline and --backend cpu contradict each other"
+[ ! -e "$tmp/o6" ] || fail "--out created although the options conflict"
 
 # ------------------------------------------------- 5. presets
 label="preset by name from the build folder, --levels replaces its bits/group"

@@ -246,7 +246,7 @@ static void stages_model(const char *label, const char *dir, const char *golden_
     note(&w, fabs(n2 - n1) / fabs(n1), "nll (head)", 0);
     /* the whole model, layer-streamed on each side */
     OKS(bk_model_logits(m, ids, B, T, lg));
-    OKS(bk_cuda_model_logits(g_gpu, m, ids, B, T, lg2));
+    OKS(bk_backend_model_logits(g_gpu, m, ids, B, T, lg2));
     note(&w, rel_err(lg2, lg, (size_t)(N * V)), "logits (whole model)", 0);
     printf("  %-16s %lld x %lld tokens, %lld layers: worst relative error %.3e (%s)\n", label,
            (long long)B, (long long)T, (long long)c->n_layers, w.e, w.what);
@@ -314,7 +314,7 @@ static void test_nll_kerneldocs(void **state)
     double a = 0, b = 0;
     int64_t ca = 0, cb = 0;
     OKS(bk_model_nll(m, ids, S, T, 3, &a, &ca));
-    OKS(bk_cuda_model_nll(g_gpu, m, ids, S, T, 3, &b, &cb));
+    OKS(bk_backend_model_nll(g_gpu, m, ids, S, T, 3, &b, &cb));
     assert_int_equal(ca, cb);
     printf("  kerneldocs nll: cpu %.9g gpu %.9g (%lld tokens), ppl %.6f vs %.6f\n", a, b,
            (long long)ca, exp(a / (double)ca), exp(b / (double)cb));
@@ -465,7 +465,7 @@ static void test_bad_inputs(void **state)
     int64_t cnt = 0;
     ids[0] = -1;
     assert_int_equal(bk_gfwd_nll(gf, m, dh, ids, 2, &nll, &cnt), BK_ERR_CALIB);
-    assert_int_equal(bk_cuda_model_nll(g_gpu, m, ids, 2, 8, 0, &nll, &cnt), BK_ERR_CALIB);
+    assert_int_equal(bk_backend_model_nll(g_gpu, m, ids, 2, 8, 0, &nll, &cnt), BK_ERR_CALIB);
     assert_int_equal(cnt, 0);
     bk_gpu_free(gf, dh);
     bk_gfwd_free(gf);

@@ -71,8 +71,10 @@ bk_status bk_backend_solve(bk_backend *b, const bk_solve_problem *p, const bk_so
                            bk_solve_result *r);
 
 /* The whole model on token sequences [S, T] on this backend, layer-streamed:
- * as bk_model_nll / bk_model_logits (bakron/forward.h), which the CPU backend
- * runs. A backend without its own whole-model pass runs the CPU's. */
+ * as bk_model_nll / bk_model_logits (bakron/forward.h), which are these with
+ * b = NULL (the CPU). The layer driver runs the backend's layer forward (the
+ * CPU's where the backend has none); batch 0: the backend's automatic
+ * micro-batch. */
 bk_status bk_backend_model_nll(bk_backend *b, const bk_model *m, const int32_t *tokens,
                                int64_t S, int64_t T, int64_t batch, double *nll_sum,
                                int64_t *count);
