@@ -8,6 +8,8 @@
 #include "backward_gpu.h"
 #include "pipeline_gpu.h"
 
+#include "bakron/pipeline.h"
+
 extern "C" bk_status bk_cuda_describe_device(int dev, char *buf, size_t cap);
 
 void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
@@ -123,12 +125,15 @@ bk_status cuda_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *b
 }
 
 bk_status cuda_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
-                            int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                            int64_t T, const bk_bwd_flow_opts *o, int precision,
                             const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats)
 {
     bk_gbwd_opts go;
     bk_gbwd_opts_default(&go);
-    go.fp64 = fp64;
+    go.fp64 = precision == BK_BWD_FP64;
+    go.math = precision == BK_BWD_TF32   ? BK_GBWD_TF32
+              : precision == BK_BWD_BF16 ? BK_GBWD_BF16
+                                         : BK_GBWD_F32;
     return bk_cuda_bwd_flow_run(b, m, tokens, S, T, o, &go, cb, stats);
 }
 

@@ -411,42 +411,61 @@ __global__ void k_head_grad(R *lg, int64_t N, int64_t n, int64_t v0, const int32
 
 /* ---------------------------------------------------------------- GEMMs */
 
+/* The GEMM handle and, for F32 storage, the compute type: CUBLAS_COMPUTE_32F
+ * is IEEE F32 (cublasSgemm with the default math mode, no TF32); the
+ * _FAST_TF32 / _FAST_16BF types run the F32 arrays on tensor cores
+ * (--bwd-precision tf32 / bf16; F32 accumulation). */
+struct blas_t {
+    cublasHandle_t h;
+    cublasComputeType_t ct;
+};
+
 /* row-major C[M, N] = alpha op(A) op(B) + beta C (cblas RowMajor semantics) */
-cublasStatus_t rm_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+cublasStatus_t rm_gemm(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
                        double alpha, const double *A, int64_t lda, const double *B, int64_t ldb,
                        double beta, double *C, int64_t ldc)
 {
-    return cublasDgemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N,
-                       (int)M, (int)K, &alpha, B, (int)ldb, A, (int)lda, &beta, C, (int)ldc);
+    return cublasDgemm(bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                       (int)N, (int)M, (int)K, &alpha, B, (int)ldb, A, (int)lda, &beta, C,
+                       (int)ldc);
 }
 
-cublasStatus_t rm_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+cublasStatus_t rm_gemm(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
                        double alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
                        double beta, float *C, int64_t ldc)
 {
     float a = (float)alpha, b = (float)beta;
-    return cublasSgemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N,
-                       (int)M, (int)K, &a, B, (int)ldb, A, (int)lda, &b, C, (int)ldc);
+    if (bl.ct != CUBLAS_COMPUTE_32F)
+        return cublasGemmEx(bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            (int)N, (int)M, (int)K, &a, B, CUDA_R_32F, (int)ldb, A, CUDA_R_32F,
+                            (int)lda, &b, C, CUDA_R_32F, (int)ldc, bl.ct, CUBLAS_GEMM_DEFAULT);
+    return cublasSgemm(bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                       (int)N, (int)M, (int)K, &a, B, (int)ldb, A, (int)lda, &b, C, (int)ldc);
 }
 
-cublasStatus_t rm_gemm_b(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+cublasStatus_t rm_gemm_b(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
                          double alpha, const double *A, int64_t lda, int64_t sa, const double *B,
                          int64_t ldb, int64_t sb, double beta, double *C, int64_t ldc, int64_t sc,
                          int64_t batch)
 {
-    return cublasDgemmStridedBatched(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+    return cublasDgemmStridedBatched(bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                      ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M, (int)K, &alpha,
                                      B, (int)ldb, sb, A, (int)lda, sa, &beta, C, (int)ldc, sc,
                                      (int)batch);
 }
 
-cublasStatus_t rm_gemm_b(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+cublasStatus_t rm_gemm_b(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
                          double alpha, const float *A, int64_t lda, int64_t sa, const float *B,
                          int64_t ldb, int64_t sb, double beta, float *C, int64_t ldc, int64_t sc,
                          int64_t batch)
 {
     float a = (float)alpha, b = (float)beta;
-    return cublasSgemmStridedBatched(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+    if (bl.ct != CUBLAS_COMPUTE_32F)
+        return cublasGemmStridedBatchedEx(
+            bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M,
+            (int)K, &a, B, CUDA_R_32F, (int)ldb, sb, A, CUDA_R_32F, (int)lda, sa, &b, C,
+            CUDA_R_32F, (int)ldc, sc, (int)batch, bl.ct, CUBLAS_GEMM_DEFAULT);
+    return cublasSgemmStridedBatched(bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                      ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M, (int)K, &a, B,
                                      (int)ldb, sb, A, (int)lda, sa, &b, C, (int)ldc, sc,
                                      (int)batch);
@@ -472,6 +491,7 @@ struct gslot {
 struct gbwd {
     bk_cuda_ctx *c;
     cublasHandle_t blas;
+    blas_t bl; /* blas and the F32 compute type */
     int fp64;
     size_t es; /* sizeof(R) */
     const bk_model *m;
@@ -616,6 +636,10 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
             cs = cublasSetStream(g->blas, g->c->stream);
         if (cs == CUBLAS_STATUS_SUCCESS)
             cs = cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH);
+        g->bl.h = g->blas;
+        g->bl.ct = (go && go->math == BK_GBWD_TF32)   ? CUBLAS_COMPUTE_32F_FAST_TF32
+                   : (go && go->math == BK_GBWD_BF16) ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                                      : CUBLAS_COMPUTE_32F;
         if (cs != CUBLAS_STATUS_SUCCESS) {
             st = bk_cublas_status(cs, "GPU backward: cuBLAS handle", __FILE__, __LINE__);
             if (g->blas)
@@ -993,7 +1017,7 @@ template <typename R>
 bk_status lin(gbwd *g, const R *X, int64_t N, int64_t in, const R *W, int64_t out, const R *b,
               R *Y)
 {
-    GEMM_CHECK(rm_gemm(g->blas, false, true, N, out, in, 1.0, X, in, W, in, 0.0, Y, out));
+    GEMM_CHECK(rm_gemm(g->bl, false, true, N, out, in, 1.0, X, in, W, in, 0.0, Y, out));
     if (b) {
         k_bias<R><<<grid_for(N * out), 256, 0, g->c->stream>>>(Y, N, out, b);
         LAUNCH_CHECK("k_bias");
@@ -1005,7 +1029,7 @@ template <typename R>
 bk_status lin_back(gbwd *g, const R *dY, int64_t N, int64_t out, const R *W, int64_t in,
                    double beta, R *dX)
 {
-    GEMM_CHECK(rm_gemm(g->blas, false, false, N, in, out, 1.0, dY, out, W, in, beta, dX, in));
+    GEMM_CHECK(rm_gemm(g->bl, false, false, N, in, out, 1.0, dY, out, W, in, beta, dX, in));
     return BK_OK;
 }
 
@@ -1039,7 +1063,7 @@ template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
 {
     const int64_t T = g->T, qd = g->qd, kvd = g->kvd, hd = g->hd, gi = j / g->rep;
     const double scale = 1.0 / sqrt((double)hd);
-    GEMM_CHECK(rm_gemm_b(g->blas, false, true, T, T, hd, scale, RP(g->qr) + j * hd, qd, T * qd,
+    GEMM_CHECK(rm_gemm_b(g->bl, false, true, T, T, hd, scale, RP(g->qr) + j * hd, qd, T * qd,
                          RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->P), T, T * T, S));
     k_softmax<R><<<warp_grid(S * T), 256, 0, g->c->stream>>>(RP(g->P), S * T, T);
     LAUNCH_CHECK("k_softmax");
@@ -1071,7 +1095,7 @@ template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, co
     for (int64_t j = 0; j < g->H; j++) {
         const int64_t gi = j / g->rep;
         TRY(attn_probs<R>(g, S, j));
-        GEMM_CHECK(rm_gemm_b(g->blas, false, false, T, hd, T, 1.0, RP(g->P), T, T * T,
+        GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, 1.0, RP(g->P), T, T * T,
                              RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->o) + j * hd, qd, T * qd,
                              S));
     }
@@ -1124,18 +1148,18 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
         const int64_t gi = j / g->rep;
         TRY(attn_probs<R>(g, S, j));
         /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
-        GEMM_CHECK(rm_gemm_b(g->blas, true, false, T, hd, T, 1.0, RP(g->P), T, T * T,
+        GEMM_CHECK(rm_gemm_b(g->bl, true, false, T, hd, T, 1.0, RP(g->P), T, T * T,
                              RP(g->dob) + j * hd, qd, T * qd, 1.0, RP(g->dv) + gi * hd, kvd,
                              T * kvd, S));
-        GEMM_CHECK(rm_gemm_b(g->blas, false, true, T, T, hd, 1.0, RP(g->dob) + j * hd, qd, T * qd,
+        GEMM_CHECK(rm_gemm_b(g->bl, false, true, T, T, hd, 1.0, RP(g->dob) + j * hd, qd, T * qd,
                              RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->dP), T, T * T, S));
         k_dsoftmax<R><<<warp_grid(S * T), 256, 0, g->c->stream>>>(RP(g->P), RP(g->dP), S * T, T);
         LAUNCH_CHECK("k_dsoftmax");
         /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
-        GEMM_CHECK(rm_gemm_b(g->blas, false, false, T, hd, T, scale, RP(g->dP), T, T * T,
+        GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, scale, RP(g->dP), T, T * T,
                              RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->dq) + j * hd, qd,
                              T * qd, S));
-        GEMM_CHECK(rm_gemm_b(g->blas, true, false, T, hd, T, scale, RP(g->dP), T, T * T,
+        GEMM_CHECK(rm_gemm_b(g->bl, true, false, T, hd, T, scale, RP(g->dP), T, T * T,
                              RP(g->qr) + j * hd, qd, T * qd, 1.0, RP(g->dk) + gi * hd, kvd,
                              T * kvd, S));
     }
@@ -1247,7 +1271,7 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
     LAUNCH_CHECK("k_lse_init");
     for (int64_t v0 = 0; v0 < V; v0 += g->vc) {
         const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
-        GEMM_CHECK(rm_gemm(g->blas, false, true, N, n, d, 1.0, RP(g->xf), d,
+        GEMM_CHECK(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
                            CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n));
         k_lse_block<R><<<warp_grid(N), 256, 0, s>>>(RP(g->lg), N, n, g->mx, g->se);
         LAUNCH_CHECK("k_lse_block");
@@ -1303,7 +1327,7 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
         }
         for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += g->vc) {
             const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
-            st = bk_cublas_status(rm_gemm(g->blas, false, true, N, n, d, 1.0, RP(g->xf), d,
+            st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
                                           CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n),
                                   "GPU backward: logits", __FILE__, __LINE__);
             if (st == BK_OK) {
@@ -1333,7 +1357,7 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
                             __FILE__, __LINE__);
     for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += g->vc) {
         const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
-        st = bk_cublas_status(rm_gemm(g->blas, false, true, N, n, d, 1.0, RP(g->xf), d,
+        st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
                                       CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n),
                               "GPU backward: logits", __FILE__, __LINE__);
         if (st == BK_OK) {
@@ -1342,7 +1366,7 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
             st = BK_LAUNCHED_OK();
         }
         if (st == BK_OK && dh)
-            st = bk_cublas_status(rm_gemm(g->blas, false, false, N, d, n, 1.0, RP(g->lg), n,
+            st = bk_cublas_status(rm_gemm(g->bl, false, false, N, d, n, 1.0, RP(g->lg), n,
                                           CRP(g->headw) + v0 * d, d, 1.0, RP(g->dxf), d),
                                   "GPU backward: head gradient", __FILE__, __LINE__);
     }
@@ -1553,20 +1577,30 @@ bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save
         const size_t mb = (size_t)(sb * rows_seq) * es;
         const size_t off = (size_t)(s0 * rows_seq) * es;
         t = bk_now();
-        if (X_from)
+        /* BK_PROFILE: where the flow's time goes (each mark synchronises) */
+        double tp = t;
+        if (X_from) {
             st = h2d(f, f->h, (const char *)X_from + off, mb);
-        else
+            bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_in");
+        } else {
             st = embed(g, f->tokens + s0 * T, sb, f->h);
+            bk_cuda_pmark(g->c->stream, &tp, "bwd.embed");
+        }
         for (int l = from; l < to && st == BK_OK; l++) {
             const gslot *w;
             if (l == save_at && (st = d2h(f, (char *)X_save + off, f->h, mb)) != BK_OK)
                 break;
+            if (l == save_at)
+                bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_out");
             if (l >= grad_lo &&
                 (st = d2d(f, (char *)f->acts + (size_t)(l - grad_lo) * f->B * rows_seq * es, f->h,
                           mb)) != BK_OK)
                 break;
-            if ((st = weights(g, l, &w)) == BK_OK)
+            if ((st = weights(g, l, &w)) == BK_OK) {
+                bk_cuda_pmark(g->c->stream, &tp, "bwd.weights");
                 st = layer_fwd<R>(g, w, sb, RP(f->h), RP(f->h));
+                bk_cuda_pmark(g->c->stream, &tp, "bwd.layer_forward");
+            }
         }
         if (st == BK_OK)
             st = sync(f);
@@ -1574,13 +1608,17 @@ bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save
         if (st != BK_OK)
             break;
         t = bk_now();
+        tp = t;
         if (G_to) {
             st = h2d(f, f->dh, (const char *)G_to + off, mb);
+            bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_in");
         } else {
             st = head_run<R>(g, RP(f->h), sb, s0, f->tokens + s0 * T, f->o->fisher, f->o->seed,
                              NULL, RP(f->dh), NULL, NULL);
+            bk_cuda_pmark(g->c->stream, &tp, "bwd.head");
             if (st == BK_OK && G_head)
                 st = d2h(f, (char *)G_head + off, f->dh, mb);
+            bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_out");
         }
         if (st == BK_OK)
             st = sync(f);
@@ -1588,17 +1626,21 @@ bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save
         if (st != BK_OK)
             break;
         t = bk_now();
+        tp = t;
         for (int l = to - 1; l >= grad_lo && st == BK_OK; l--) {
             const gslot *w;
             const int want = l < taps_hi;
             if ((st = weights(g, l, &w)) != BK_OK)
                 break;
+            bk_cuda_pmark(g->c->stream, &tp, "bwd.weights");
             st = layer_bwd<R>(g, w, l, sb,
                               RP(f->acts) + (size_t)(l - grad_lo) * f->B * rows_seq, RP(f->dh));
+            bk_cuda_pmark(g->c->stream, &tp, "bwd.layer_backward");
             if (st == BK_OK && want && f->cb->grams) {
                 double tc = bk_now();
                 st = gram_add<R>(f, l - grad_lo, s0, sb);
                 t += bk_now() - tc;
+                bk_cuda_pmark(g->c->stream, &tp, "bwd.grams");
             }
             if (st == BK_OK && want && f->cb->grads) {
                 bk_grad_taps taps;
@@ -1613,6 +1655,7 @@ bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save
             st = d2h(f, (char *)G_out + off, f->dh, mb);
         if (st == BK_OK)
             st = sync(f);
+        bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_out");
         f->st->time_backward_s += bk_now() - t;
     }
     if (st == BK_OK) {
@@ -1636,7 +1679,9 @@ void pass_begin(flow *f, int depth, int lo, int hi, int leaf)
 bk_status leaf_done(flow *f, int lo, int hi)
 {
     if (f->cb->grams) {
+        double tp = bk_now();
         bk_status st = grams_deliver(f, lo, hi);
+        bk_prof_add("bwd.grams_deliver", bk_now() - tp);
         if (st != BK_OK)
             return st;
     }

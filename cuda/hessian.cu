@@ -33,6 +33,7 @@
 #include "hess_blocks.h"
 
 extern "C" {
+#include "backward_internal.h"
 #include "util.h"
 }
 
@@ -304,6 +305,14 @@ struct bk_ghess {
     float *dev_out;  /* factor output staging on the device */
     size_t dev_out_elems;
     float *outA[BK_MOD_COUNT], *outB[BK_MOD_COUNT], *outP[BK_MOD_COUNT];
+    /* backprop kinds: the input side here, the output side from the flow's
+     * host accumulator (bk_ghess_set_grads); Shampoo: per module
+     * Σ |g_t|² a_t a_tᵀ with the token weights |g_t|² on the device */
+    int bp, bp_shampoo;
+    const bk_hess_acc *grads;
+    dgram a_bp[BK_MOD_COUNT];
+    double *dw[BK_MOD_COUNT]; /* [dw_cap] token weights in calibration order */
+    int64_t dw_n[BK_MOD_COUNT], dw_cap;
     /* device factor outputs of bk_ghess_factors_dev (grown on demand) */
     float *devA, *devB, *devP;
     size_t devA_n, devB_n, devP_n;
@@ -442,6 +451,8 @@ extern "C" void bk_ghess_free(bk_ghess *a)
         free(a->outA[m]);
         free(a->outB[m]);
         free(a->outP[m]);
+        bk_dev_free(c, a->a_bp[m].s);
+        bk_dev_free(c, a->dw[m]);
     }
     free(a);
 }
@@ -454,11 +465,6 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
         return bk_error(BK_ERR_INVALID_ARG, "GPU hessian: NULL forward context");
     if ((unsigned)kind >= BK_HESS_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown Hessian kind %d", (int)kind);
-    if (bk_hessian_is_backprop(kind))
-        return bk_error(BK_ERR_UNSUPPORTED,
-                        "GPU hessian: %s is not implemented on the GPU yet (the CPU stages "
-                        "compute it: --cpu-stages)",
-                        bk_hessian_name(kind));
     /* the CPU accumulator's own checks of the configuration (one source of
      * truth; its accumulators are allocated and freed) */
     bk_hess_acc *probe = NULL;
@@ -487,6 +493,8 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
     a->shampoo = kind == BK_HESS_MLPLOCAL_SHAMPOO || kind == BK_HESS_FULLYLOCAL_SHAMPOO;
     a->qknorm = cfg->qk_norm ? 1 : 0;
     a->keep_plain = keep_plain ? 1 : 0;
+    a->bp = bk_hessian_is_backprop(kind);
+    a->bp_shampoo = kind == BK_HESS_BACKPROP_SHAMPOO;
     a->T = f->T;
     a->d = cfg->hidden;
     a->inter = cfg->intermediate;
@@ -508,6 +516,12 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
         goto fail;
     if ((!a->mlp2 || !a->shampoo || a->keep_plain) && (st = gram_init(a, &a->x_mlp, a->d)))
         goto fail;
+    for (int m = 0; a->bp_shampoo && m < BK_MOD_COUNT; m++) {
+        int64_t o, in;
+        bk_module_shape(cfg, (bk_module)m, &o, &in);
+        if ((st = gram_init(a, &a->a_bp[m], in)) != BK_OK)
+            goto fail;
+    }
     if (a->mlp2) {
         if ((st = gram_init(a, &a->b_gate, a->inter)) || (st = gram_init(a, &a->b_up, a->inter)) ||
             (st = alloc_f(a, &a->dcol2, a->inter, "diag(DᵀD)")))
@@ -567,6 +581,11 @@ extern "C" void bk_ghess_reset(bk_ghess *a)
                    &a->a_k,    &a->a_gate, &a->a_up, &a->b_gate, &a->b_up};
     for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
         gram_zero(a, gs[i]);
+    for (int m = 0; m < BK_MOD_COUNT; m++) {
+        gram_zero(a, &a->a_bp[m]);
+        a->dw_n[m] = 0;
+    }
+    a->grads = NULL;
     const int64_t hh = a->hd * a->hd;
     if (a->bq)
         cudaMemsetAsync(a->bq, 0, (size_t)((a->qknorm ? a->H : a->G) * hh) * 8, a->c->stream);
@@ -585,6 +604,34 @@ extern "C" void bk_ghess_reset(bk_ghess *a)
 /* ------------------------------------------------------------- the adds */
 
 namespace {
+
+/* Backprop kinds: N input rows X of group grp: the plain Gram (K-FAC's A,
+ * or Shampoo's E[x xᵀ] kept for the GPTQ loss) and, Shampoo, Σ |g_t|² x xᵀ
+ * per module of the group with the token weights of rows count[grp] ..
+ * count[grp] + N (as src/hessian.c's bp_add_input). */
+bk_status bp_adds(bk_ghess *a, dgram *plain, int grp, const float *X, int64_t N)
+{
+    static const bk_module mods[G_COUNT][3] = {
+        {BK_MOD_Q, BK_MOD_K, BK_MOD_V},
+        {BK_MOD_O, BK_MOD_COUNT, BK_MOD_COUNT},
+        {BK_MOD_GATE, BK_MOD_UP, BK_MOD_COUNT},
+        {BK_MOD_DOWN, BK_MOD_COUNT, BK_MOD_COUNT},
+    };
+    bk_status st = BK_OK;
+    for (int k = 0; a->bp_shampoo && k < 3 && mods[grp][k] != BK_MOD_COUNT && st == BK_OK; k++) {
+        const bk_module mod = mods[grp][k];
+        if (a->dw_n[mod] < a->count[grp] + N)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "hessian: layer %d %s: backprop-shampoo inputs of tokens %lld..%lld "
+                            "come before their gradients (bk_ghess_set_grads first)",
+                            a->layer, bk_module_name(mod), (long long)a->count[grp],
+                            (long long)(a->count[grp] + N));
+        st = gram_add(a, &a->a_bp[mod], X, N, a->dw[mod] + a->count[grp]);
+    }
+    if (st == BK_OK && (!a->bp_shampoo || a->keep_plain))
+        st = gram_add(a, plain, X, N, NULL);
+    return st;
+}
 
 /* The fully-local part of one micro-batch (q and k output blocks, Shampoo
  * weights of q/k and the v B-weight), after x_attn was accumulated. */
@@ -757,7 +804,8 @@ extern "C" bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *lw, const f
         a->count[G_ATTN] += N;
         return BK_OK;
     }
-    st = gram_add(a, &a->x_attn, d_attn_in, N, NULL);
+    st = a->bp ? bp_adds(a, &a->x_attn, G_ATTN, d_attn_in, N)
+               : gram_add(a, &a->x_attn, d_attn_in, N, NULL);
     if (st == BK_OK && a->attn2)
         st = attn_local(a, lw, d_attn_in, d_qrot, d_krot, S);
     if (st != BK_OK) {
@@ -790,7 +838,8 @@ bk_status add_plain(bk_ghess *a, dgram *g, int grp, const float *x, int64_t S, i
         return st;
     if ((st = check_finite(a, x, N, width, a->layer, what)) != BK_OK)
         return st;
-    if (a->kind != BK_HESS_RTN && (st = gram_add(a, g, x, N, NULL)) != BK_OK) {
+    if (a->kind != BK_HESS_RTN &&
+        (st = a->bp ? bp_adds(a, g, grp, x, N) : gram_add(a, g, x, N, NULL)) != BK_OK) {
         a->broken = 1;
         return st;
     }
@@ -838,7 +887,8 @@ extern "C" bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *lw, const fl
     const int64_t d = a->d, NI = a->inter;
     cudaStream_t sm = a->c->stream;
     if (!a->mlp2) {
-        st = gram_add(a, &a->x_mlp, d_mlp_in, N, NULL);
+        st = a->bp ? bp_adds(a, &a->x_mlp, G_MLP, d_mlp_in, N)
+                   : gram_add(a, &a->x_mlp, d_mlp_in, N, NULL);
         goto done;
     }
     if (!a->have_dcol2) {
@@ -1047,6 +1097,49 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
         if (sd != BK_OK)
             return bk_error_prefix(sd, mn);
     }
+    if (a->bp) { /* A here, B from the flow's host accumulator */
+        if (!a->grads)
+            return bk_error(BK_ERR_INTERNAL,
+                            "hessian: %s: the output side of %s is not set (bk_ghess_set_grads)",
+                            mn, bk_hessian_name(a->kind));
+        int64_t gc = 0;
+        bk_status sb = bk__hess_bp_output(a->grads, a->layer, mod, fb, &gc);
+        if (sb != BK_OK)
+            return sb;
+        if (gc != a->count[grp])
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "hessian: layer %d %s: %lld gradient rows but %lld input rows were "
+                            "added",
+                            a->layer, mn, (long long)gc, (long long)a->count[grp]);
+        const dgram *pg = grp == G_ATTN ? &a->x_attn
+                          : grp == G_O  ? &a->x_o
+                          : grp == G_MLP ? &a->x_mlp
+                                         : &a->x_down;
+        const double Nb = (double)a->count[grp];
+        sb = gram_to_host(a, a->bp_shampoo ? &a->a_bp[mod] : pg, 1.0 / Nb, fa, dev);
+        if (sb == BK_OK && dev)
+            sb = bk_gpu_upload(a->f, fbd, fb, (size_t)(m * m) * sizeof(float));
+        if (sb == BK_OK && A_plain) {
+            if (a->bp_shampoo && a->keep_plain) {
+                float *fp = NULL;
+                if (dev)
+                    sb = dev_buf(a, &a->devP, &a->devP_n, n, &fp);
+                else if (!(fp = host_buf(&a->outP[mod], n)))
+                    sb = bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for E[x xᵀ]", mn);
+                if (sb == BK_OK && (sb = gram_to_host(a, pg, 1.0 / Nb, fp, dev)) == BK_OK)
+                    *A_plain = fp;
+            } else {
+                *A_plain = fa;
+            }
+        }
+        if (sb == BK_OK && dev)
+            sb = bk_gpu_sync(a->f);
+        if (sb != BK_OK)
+            return bk_error_prefix(sb, mn);
+        *A = fa;
+        *B = dev ? fbd : fb;
+        return BK_OK;
+    }
     const double N = (double)a->count[grp], P = (double)a->n_pairs;
     const int64_t h = a->hd, hh = h * h;
     const dgram *plain = NULL; /* E[x xᵀ] when it differs from A */
@@ -1207,6 +1300,9 @@ extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int r
 {
     if (!a || !fn)
         return bk_error(BK_ERR_INVALID_ARG, "GPU hessian: NULL argument to bk_ghess_sums");
+    if (a->bp)
+        return bk_error(BK_ERR_UNSUPPORTED, "GPU hessian: the sums of the backprop kinds are "
+                        "not exchanged between ranks");
     int grp[G_COUNT] = {0};
     for (int m = 0; m < BK_MOD_COUNT; m++) {
         if (!(modules & (1u << m)))
@@ -1267,6 +1363,50 @@ extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int r
     if (grp[G_ATTN]) {
         a->n_pairs = (int64_t)sc[k++];
         a->v_wb = sc[k++];
+    }
+    return BK_OK;
+}
+
+extern "C" bk_status bk_ghess_set_grads(bk_ghess *a, const bk_hess_acc *g)
+{
+    if (!a || !g)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL argument to bk_ghess_set_grads");
+    if (!a->bp)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: bk_ghess_set_grads: output gradients only enter the backprop "
+                        "kinds (Hessian is %s)",
+                        bk_hessian_name(a->kind));
+    a->grads = g;
+    if (!a->bp_shampoo)
+        return BK_OK;
+    bk_status st = BK_OK;
+    const double *w[BK_MOD_COUNT];
+    int64_t n[BK_MOD_COUNT], most = 0;
+    for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++) {
+        st = bk__hess_bp_token_weights(g, (bk_module)m, &w[m], &n[m]);
+        if (st == BK_OK && n[m] > 0 && !w[m])
+            st = bk_error(BK_ERR_INTERNAL, "hessian: token weights missing");
+        most = n[m] > most ? n[m] : most;
+    }
+    if (st == BK_OK && most > a->dw_cap) {
+        for (int m = 0; m < BK_MOD_COUNT; m++) {
+            bk_dev_free(a->c, a->dw[m]);
+            a->dw[m] = NULL;
+        }
+        a->dw_cap = 0;
+        for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++)
+            st = alloc_d(a, &a->dw[m], most, "backprop-shampoo token weights");
+        if (st == BK_OK)
+            a->dw_cap = most;
+    }
+    for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++) {
+        if (n[m] > 0)
+            st = bk_gpu_upload(a->f, a->dw[m], w[m], (size_t)n[m] * sizeof(double));
+        a->dw_n[m] = st == BK_OK ? n[m] : 0;
+    }
+    if (st != BK_OK) {
+        a->grads = NULL;
+        return bk_error_prefix(st, "GPU hessian");
     }
     return BK_OK;
 }

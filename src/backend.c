@@ -124,6 +124,16 @@ bk_status bk_backend_params_set(bk_backend_params *p, const char *key, const cha
         p->mem_limit = (size_t)v;
         return BK_OK;
     }
+    if (!strcmp(key, "bwd_input")) {
+        if (!strcmp(value, "gpu"))
+            p->bwd_input_cpu = 0;
+        else if (!strcmp(value, "cpu"))
+            p->bwd_input_cpu = 1;
+        else
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "setting bwd_input: expected gpu or cpu (got '%s')", value);
+        return BK_OK;
+    }
     if (!strcmp(key, "residual")) {
         if (!strcmp(value, "auto"))
             p->residual_host = 0;
@@ -135,8 +145,8 @@ bk_status bk_backend_params_set(bk_backend_params *p, const char *key, const cha
         return BK_OK;
     }
     return bk_error(BK_ERR_INVALID_ARG,
-                    "unknown setting '%s' (expected device, factor_fp64, mem_limit, keep_down "
-                    "or residual)",
+                    "unknown setting '%s' (expected device, factor_fp64, mem_limit, keep_down, "
+                    "residual or bwd_input)",
                     key);
 }
 
@@ -325,10 +335,10 @@ bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int6
 }
 
 bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
-                                  int64_t S, int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                                  int64_t S, int64_t T, const bk_bwd_flow_opts *o, int precision,
                                   const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats)
 {
     if (b->ops->bwd_flow_run)
-        return b->ops->bwd_flow_run(b, m, tokens, S, T, o, fp64, cb, stats);
+        return b->ops->bwd_flow_run(b, m, tokens, S, T, o, precision, cb, stats);
     return bk_bwd_flow_run(m, tokens, S, T, o, cb, stats);
 }

@@ -88,6 +88,12 @@ typedef struct bk_stage_ops {
     void (*destroy)(void *ctx);
     /* One line for the log and report.json ("" for the CPU). */
     const char *(*describe)(void *ctx);
+    /* Backprop kinds (NULL: the stages add into the job's own accumulator,
+     * the CPU's): the output side of the layer just begun, the flow's host
+     * accumulator g (its B, and Shampoo's token weights |g_t|² for the input
+     * side); called after layer_begin, before the layer's stages; g stays
+     * valid until layer_end. */
+    bk_status (*bp_grads)(void *ctx, const bk_hess_acc *g);
     /* MPI ranks (data parallel, src/pipeline.c). Optional: the driver's own
      * CPU stages keep their sums in the driver; stages without these entries
      * refuse several ranks.
@@ -187,11 +193,12 @@ typedef struct bk_backend_ops {
     bk_status (*stages_create)(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                const bk_stage_ops **ops, void **ctx);
     /* The backward flow of the Backprop Hessians, as bk_bwd_flow_run
-     * (src/backward_flow.c, the CPU's). fp64: double arithmetic on a device
-     * (else F32 GEMMs). A device may hand each leaf layer's output-gradient
-     * Grams to cb->grams (when set) instead of the taps to cb->grads. */
+     * (src/backward_flow.c, the CPU's). precision: a bk_bwd_precision
+     * (bakron/pipeline.h), the arithmetic on a device. A device may hand
+     * each leaf layer's output-gradient Grams to cb->grams (when set)
+     * instead of the taps to cb->grads. */
     bk_status (*bwd_flow_run)(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,
-                              int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                              int64_t T, const bk_bwd_flow_opts *o, int precision,
                               const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats);
     /* Required. */
     void (*destroy)(void *ctx);
@@ -210,9 +217,9 @@ bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *
                                       int64_t *batch, const bk_layer_fwd_ops **ops, void **ctx);
 bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                    const bk_stage_ops **ops, void **ctx);
-/* NULL entry: the CPU's flow (bk_bwd_flow_run; cb->grads, fp64 ignored). */
+/* NULL entry: the CPU's flow (bk_bwd_flow_run; cb->grads, precision ignored). */
 bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
-                                  int64_t S, int64_t T, const bk_bwd_flow_opts *o, int fp64,
+                                  int64_t S, int64_t T, const bk_bwd_flow_opts *o, int precision,
                                   const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats);
 
 /* The CPU implementation of the layer forward (src/backend_cpu.c; also the

@@ -33,6 +33,18 @@ double bk__bwd_uniform(uint64_t seed, int64_t seq, int64_t pos);
 bk_status bk__hess_add_grad_gram(bk_hess_acc *a, int layer, bk_module mod, const double *G,
                                  const double *gw, int64_t S);
 
+/* The output side of a backprop accumulator holding layer `layer`, for
+ * input-side stages that run elsewhere (the GPU stages): B [m, m] = Σ g gᵀ / N
+ * (K-FAC) or Σ |a_fp|² g gᵀ / N (Shampoo), both triangles, N = *count, the
+ * gradient rows added (exactly as bk_hess_factors forms it). */
+bk_status bk__hess_bp_output(const bk_hess_acc *a, int layer, bk_module mod, float *B,
+                             int64_t *count);
+/* Shampoo: the |g_t|² of the *n tokens added so far, in order (the weights
+ * of the input side's a aᵀ); K-FAC: *w = NULL, *n = 0. Valid until the
+ * accumulator is reset or more gradients are added. */
+bk_status bk__hess_bp_token_weights(const bk_hess_acc *a, bk_module mod, const double **w,
+                                    int64_t *n);
+
 /* BK_OK when the model has the LM head and final norm the backward needs;
  * else a one-line error. */
 bk_status bk__bwd_head_check(const bk_model *m);

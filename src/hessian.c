@@ -1248,6 +1248,48 @@ bk_status bk__hess_add_grad_gram(bk_hess_acc *a, int layer, bk_module mod, const
     return BK_OK;
 }
 
+bk_status bk__hess_bp_output(const bk_hess_acc *a, int layer, bk_module mod, float *B,
+                             int64_t *count)
+{
+    if (!a || !B || !count)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL argument to bk__hess_bp_output");
+    if (!a->bp || (unsigned)mod >= BK_MOD_COUNT)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: bk__hess_bp_output: a backprop accumulator and a module");
+    const char *mn = bk_module_name(mod);
+    if (a->gcount[mod] == 0 || !a->gB[mod])
+        return bk_error(BK_ERR_CALIB,
+                        "hessian: %s: no output gradients were added for this layer (call "
+                        "bk_hess_add_grad first)",
+                        mn);
+    if (a->layer != layer)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: output gradients of layer %d asked for layer %d", mn,
+                        a->layer, layer);
+    int64_t m, n;
+    bk_module_shape(&a->cfg, mod, &m, &n);
+    const double N = (double)a->gcount[mod];
+    const double *gb = a->gB[mod];
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = i; j < m; j++) {
+            float v = (float)(gb[i * m + j] / N);
+            B[i * m + j] = v;
+            B[j * m + i] = v;
+        }
+    *count = a->gcount[mod];
+    return BK_OK;
+}
+
+bk_status bk__hess_bp_token_weights(const bk_hess_acc *a, bk_module mod, const double **w,
+                                    int64_t *n)
+{
+    if (!a || !w || !n || !a->bp || (unsigned)mod >= BK_MOD_COUNT)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: bk__hess_bp_token_weights: bad argument");
+    *w = a->shampoo ? a->gw[mod] : NULL;
+    *n = a->shampoo ? a->gcount[mod] : 0;
+    return BK_OK;
+}
+
 static bk_status bp_factors(bk_hess_acc *a, bk_module mod, const float **A, const float **B)
 {
     const char *mn = bk_module_name(mod);
@@ -1268,13 +1310,10 @@ static bk_status bp_factors(bk_hess_acc *a, bk_module mod, const float **A, cons
         return bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for the factors", mn);
     const double N = (double)a->count[grp];
     gram_out(a, a->shampoo ? &a->a_bp[mod] : kfac_gram(a, grp), 1.0 / N, fa);
-    const double *gb = a->gB[mod];
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = i; j < m; j++) {
-            float v = (float)(gb[i * m + j] / N);
-            fb[i * m + j] = v;
-            fb[j * m + i] = v;
-        }
+    int64_t gc = 0;
+    bk_status st = bk__hess_bp_output(a, a->layer, mod, fb, &gc);
+    if (st != BK_OK)
+        return st;
     *A = fa;
     *B = fb;
     return BK_OK;

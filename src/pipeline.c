@@ -127,7 +127,8 @@ typedef struct job {
     bk_bwd_flow_stats bp_stats;
     double bp_time_counted;     /* flow time already added to t_forward */
     int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
-                                   (cuda/backward.cu); the input-side stages on the CPU */
+                                   (cuda/backward.cu); the input-side stages are j->ops
+                                   (the GPU stages unless --setting bwd_input=cpu) */
     /* output writer: quantized modules are packed and written by a helper
      * thread while the next module is solved (queue of WQ_CAP results) */
     struct {
@@ -829,7 +830,7 @@ static const char *cpu_describe(void *ctx)
 
 static const bk_stage_ops cpu_stage_ops = {
     "cpu", cpu_embed, cpu_layer_begin, cpu_run, cpu_factors, cpu_weight_updated,
-    NULL, NULL, cpu_layer_end, cpu_destroy, cpu_describe,
+    NULL, NULL, cpu_layer_end, cpu_destroy, cpu_describe, NULL,
     NULL, NULL, /* sums, share_weight: the driver holds the CPU stages' sums (j->acc) */
 };
 
@@ -1222,6 +1223,15 @@ static bk_status layer_tokens(job *j, int l, const bk_layer_weights *origp)
     if (st != BK_OK)
         goto done;
     begun = 1;
+    /* backprop kinds: the stages that keep their own input side take the
+     * flow's output side (j->acc: this layer's) */
+    if (quantize && j->bp && j->ops->bp_grads) {
+        t = bk_now();
+        st = j->ops->bp_grads(j->ops_ctx, j->acc);
+        j->t_hessian += bk_now() - t;
+        if (st != BK_OK)
+            goto done;
+    }
 
     if (!quantize) {
         st = run_stage(j, BK_STAGE_FULL);
@@ -1361,6 +1371,7 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
 {
     job *j = user;
     bp_add_flow_time(j);
+    const double t0 = bk_now();
     bk_status st = BK_OK;
     for (int l = lo; l < hi && l < j->layer_end && st == BK_OK; l++) {
         j->acc = j->bp_acc[l - lo];
@@ -1369,6 +1380,7 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
         bk_hess_acc_reset(j->acc);
     }
     j->acc = j->bp_acc[0];
+    bk_prof_add("bp.leaf_layers (input stages, solves)", bk_now() - t0);
     return st;
 }
 
@@ -1377,16 +1389,18 @@ static bk_status run_backprop(job *j)
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
     bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0};
     bk_status st;
+    const double t0 = bk_now();
     if (j->bp_gpu) {
         /* the Grams on the device, not the taps on the host */
         cb.grads = NULL;
         cb.grams = bp_grams;
         cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
         st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo,
-                                     j->o->bwd_fp64, &cb, &j->bp_stats);
+                                     (int)j->o->bwd_precision, &cb, &j->bp_stats);
     } else {
         st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
     }
+    bk_prof_add("bp.total (flow and leaf layers)", bk_now() - t0);
     bp_add_flow_time(j);
     return st;
 }
@@ -1607,7 +1621,10 @@ static bk_status write_config_and_report(job *j)
         cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
         cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
         cJSON_AddStringToObject(b, "device", j->bp_gpu ? bk_backend_name(j->backend) : "cpu");
-        cJSON_AddStringToObject(b, "precision", (!j->bp_gpu || o->bwd_fp64) ? "fp64" : "fp32");
+        cJSON_AddStringToObject(b, "input_stages", j->ops ? j->ops->name : "cpu");
+        static const char *const bwd_prec[] = {"fp32", "fp64", "tf32", "bf16"};
+        cJSON_AddStringToObject(b, "precision",
+                                !j->bp_gpu ? "fp64" : bwd_prec[(unsigned)o->bwd_precision & 3]);
         cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
         cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
         cJSON_AddNumberToObject(b, "seed", (double)o->seed);
@@ -1886,18 +1903,15 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     bk_backend_set_gemm_math(j->backend, j->gemm_math);
     const int want_gpu = o->gpu_pipeline;
     const int cpu_stages = o->cpu_stages;
-    if (j->bp && want_gpu) {
-        st = bk_error(BK_ERR_UNSUPPORTED,
-                      "quantize: --hessian %s runs its input-side stages on the CPU (its "
-                      "backward passes run on the GPU with the CUDA backend): drop "
-                      "--gpu-pipeline",
-                      bk_hessian_name(o->hessian));
-        goto fail;
-    }
     /* backprop kinds: the forward + backward passes of the flow on the GPU with
-     * the CUDA backend, unless --cpu-stages (the CPU's flow, the reference) */
+     * the CUDA backend, unless --cpu-stages (the CPU's flow, the reference);
+     * the input-side stages then on the GPU stages too, unless the setting
+     * bwd_input=cpu */
     j->bp_gpu = j->bp && !cpu_stages && j->tokens &&
                 bk_backend_supports(j->backend, BK_OP_BACKWARD);
+    const int bp_gpu_stages =
+        j->bp && (want_gpu || (j->bp_gpu && !bk_backend_get_params(j->backend)->bwd_input_cpu &&
+                               bk_backend_supports(j->backend, BK_OP_STAGES)));
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline and --cpu-stages contradict each other");
@@ -1907,7 +1921,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * or the default of a backend that has them, with token calibration
      * (docs/DEVICE.md); else the CPU stages below */
     const int own_stages = bk_backend_supports(j->backend, BK_OP_STAGES);
-    if (j->S > 0 && !j->bp && (want_gpu || (!cpu_stages && j->tokens && own_stages))) {
+    if (j->S > 0 && (j->bp ? bp_gpu_stages : (want_gpu || (!cpu_stages && j->tokens && own_stages)))) {
         if (!j->tokens) {
             st = bk_error(BK_ERR_INVALID_ARG,
                           "quantize: the GPU pipeline (--gpu-pipeline) "
@@ -1931,7 +1945,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             .kind = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian,
             .fp64 = o->hessian_fp64,
             .keep_plain = o->hessian == BK_HESS_MLPLOCAL_SHAMPOO ||
-                          o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO,
+                          o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO ||
+                          o->hessian == BK_HESS_BACKPROP_SHAMPOO,
             .fully = j->fully,
             .codes_only = o->export_format != BK_EXPORT_DEQUANTIZED,
             .S = j->S,
@@ -1958,25 +1973,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         if (st != BK_OK)
             goto fail;
         bk_hessian_kind hk = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian;
-        if (j->bp) {
-            j->bp_leaf = o->leaf_size < (int)j->cfg->n_layers ? o->leaf_size
-                                                              : (int)j->cfg->n_layers;
-            j->bp_acc = calloc((size_t)j->bp_leaf, sizeof *j->bp_acc);
-            if (!j->bp_acc) {
-                st = bk_error(BK_ERR_NOMEM, "quantize: out of memory");
-                goto fail;
-            }
-            for (int k = 0; k < j->bp_leaf; k++) {
-                st = bk_hess_acc_create(j->cfg, hk, o->hessian_fp64, j->T, &j->bp_acc[k]);
-                if (st != BK_OK) {
-                    st = bk_error(st, "%s (the Hessians of --leaf-size %d layers are held at "
-                                  "once: use a smaller --leaf-size)",
-                                  bk_last_error(), j->bp_leaf);
-                    goto fail;
-                }
-            }
-            j->acc = j->bp_acc[0];
-        } else {
+        if (!j->bp) { /* (backprop: its accumulators below) */
             st = bk_hess_acc_create(j->cfg, hk, o->hessian_fp64, j->T, &j->acc);
             if (st != BK_OK)
                 goto fail;
@@ -1990,6 +1987,27 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = job_buffers(j);
         if (st != BK_OK)
             goto fail;
+    }
+    /* backprop kinds: one host accumulator per layer of a leaf; the flow's
+     * output side enters it, and the input side too with the CPU stages (the
+     * GPU stages take the output side from it: bp_grads) */
+    if (j->S > 0 && j->bp) {
+        j->bp_leaf = o->leaf_size < (int)j->cfg->n_layers ? o->leaf_size : (int)j->cfg->n_layers;
+        j->bp_acc = calloc((size_t)j->bp_leaf, sizeof *j->bp_acc);
+        if (!j->bp_acc) {
+            st = bk_error(BK_ERR_NOMEM, "quantize: out of memory");
+            goto fail;
+        }
+        for (int k = 0; k < j->bp_leaf; k++) {
+            st = bk_hess_acc_create(j->cfg, o->hessian, o->hessian_fp64, j->T, &j->bp_acc[k]);
+            if (st != BK_OK) {
+                st = bk_error(st, "%s (the Hessians of --leaf-size %d layers are held at "
+                              "once: use a smaller --leaf-size)",
+                              bk_last_error(), j->bp_leaf);
+                goto fail;
+            }
+        }
+        j->acc = j->bp_acc[0];
     }
     j->report_modules = cJSON_CreateArray();
     j->first_layer = j->layer_begin;

@@ -130,6 +130,14 @@ bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int rw, bk_stage
 bk_status bk_gpu_stage_buf(bk_gfwd *f, void *d, size_t n, int f64, int dev, int rw,
                            bk_stage_buf_fn fn, void *user);
 
+/* Backprop kinds: the output side of the layer being accumulated, from the
+ * flow's host accumulator g (bakron/hessian.h, src/backward_internal.h):
+ * its B = Σ g gᵀ / N (or Σ |a|² g gᵀ / N) becomes the factors' B, and for
+ * backprop-shampoo its token weights |g_t|² are uploaded for the input side
+ * Σ |g_t|² a aᵀ of the adds that follow. Call after bk_ghess_reset and
+ * before the layer's adds; g must stay valid until the factors are formed. */
+bk_status bk_ghess_set_grads(bk_ghess *a, const bk_hess_acc *g);
+
 /* ------------------------------------------------- the GPU stage table */
 
 /* Stages on the GPU for a token-calibrated job: residual stream of all S

@@ -156,12 +156,6 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
         failed(c, bk_error(BK_ERR_USAGE,
                            "--gpu-pipeline and --backend cpu contradict each other (the GPU "
                            "pipeline needs --backend cuda or auto)"));
-    if (o->gpu_pipeline && bp)
-        failed(c, bk_error(BK_ERR_USAGE,
-                           "--gpu-pipeline: --hessian %s runs its input-side stages on the CPU "
-                           "(its backward passes run on the GPU with --backend cuda); drop "
-                           "--gpu-pipeline",
-                           bk_hessian_name(o->hessian)));
     if (o->gpu_pipeline && o->activations_dir && !o->calib_path && !o->calib_text)
         failed(c, bk_error(BK_ERR_USAGE,
                            "--gpu-pipeline needs token calibration (--calib-text or --calib), not "

@@ -2,24 +2,27 @@
 # bakron quantize --hessian backprop-kfac / backprop-shampoo with the backward
 # passes on the GPU (--backend cuda: cuda/backward.cu) against the CPU's flow
 # (--backend cuda --cpu-stages: src/backward_flow.c, the oracle; the solves
-# run on the GPU in both, the input-side stages on the CPU in both), on the
-# bundled kerneldocs-1.6m model. Suite cuda; exit 77 without a GPU.
+# run on the GPU in both), on the bundled kerneldocs-1.6m model. Suite cuda;
+# exit 77 without a GPU.
+#  With the input-side stages on the CPU in both (--setting bwd_input=cpu:
+#  only the backward pass differs):
 #  - --bwd-precision fp64: identical codes in >= 99.9% of every module
 #    (the factors should agree to ~1e-14; a code flips only at a rounding tie);
 #  - fp32 (the default): >= 99% per module in the first layer, >= 97% per
 #    module, >= 99% overall (test_cuda_pipeline.sh's rule for GPU vs CPU
 #    arithmetic); perplexities within 1e-3 relative (printed with the CPU's);
+#  The default (input-side stages on the GPU stages too):
+#  - the fp32 rule against the oracle; perplexity within 1e-2 relative;
 #  - GPU recursive halving and naive I write the same bytes; a rerun is
 #    identical; --seed 1 differs;
 #  - report.json: backprop.device "cuda", precision, the CPU's passes/depth,
 #    boundary bytes in F32 (half the CPU's doubles), micro_batch_device_bytes;
 #    7 backward progress events;
 #  - backprop-shampoo --leaf-size 2 --fisher empirical: codes as the CPU's
-#    (fp32 rule);
-#  - errors: --gpu-pipeline with a backprop kind, a device memory limit:
-#    one error line naming the option, exit status 1 (usage, refused by the
-#    plan) / 3, no output
-#    folder.
+#    (fp32 rule), with the input side on the CPU and on the GPU;
+#  - --gpu-pipeline is accepted (the default's stages);
+#  - errors: a device memory limit: one error line naming the option,
+#    exit status 3, no output folder.
 set -u
 B=${BK_BAKRON:?}
 SRC=${BK_SOURCE_ROOT:?}
@@ -95,24 +98,37 @@ run() { # out extra-args...
 # --- K-FAC: the CPU flow (reference) against the GPU's ------------------------
 run "$W/ref" --hessian backprop-kfac --backend cuda --cpu-stages ||
     die "reference (CPU flow): $(tail -1 "$W/ref.log")"
-run "$W/g64" --hessian backprop-kfac --backend cuda --bwd-precision fp64 ||
+CPUIN="--setting bwd_input=cpu"
+run "$W/g64" --hessian backprop-kfac --backend cuda --bwd-precision fp64 $CPUIN ||
     die "GPU flow fp64: $(tail -1 "$W/g64.log")"
-"$B" quantize "$M" $CAL --hessian backprop-kfac --backend cuda --out "$W/g32" --json \
+"$B" quantize "$M" $CAL --hessian backprop-kfac --backend cuda $CPUIN --out "$W/g32" --json \
     >"$W/g32.json" 2>"$W/g32.log" || die "GPU flow fp32: $(tail -1 "$W/g32.log")"
-run "$W/g32n" --hessian backprop-kfac --backend cuda --bwd-flow naive ||
+run "$W/g32n" --hessian backprop-kfac --backend cuda --bwd-flow naive $CPUIN ||
     die "GPU flow fp32 naive: $(tail -1 "$W/g32n.log")"
-run "$W/g32r" --hessian backprop-kfac --backend cuda || die "GPU rerun: $(tail -1 "$W/g32r.log")"
-run "$W/g32s" --hessian backprop-kfac --backend cuda --seed 1 ||
-    die "GPU --seed 1: $(tail -1 "$W/g32s.log")"
+# the default: the input-side stages on the GPU too
+run "$W/d" --hessian backprop-kfac --backend cuda || die "GPU default: $(tail -1 "$W/d.log")"
+run "$W/dn" --hessian backprop-kfac --backend cuda --bwd-flow naive ||
+    die "GPU default naive: $(tail -1 "$W/dn.log")"
+run "$W/dr" --hessian backprop-kfac --backend cuda || die "GPU rerun: $(tail -1 "$W/dr.log")"
+run "$W/ds" --hessian backprop-kfac --backend cuda --seed 1 ||
+    die "GPU --seed 1: $(tail -1 "$W/ds.log")"
+run "$W/dp" --hessian backprop-kfac --backend cuda --gpu-pipeline ||
+    die "GPU --gpu-pipeline: $(tail -1 "$W/dp.log")"
 
 codes "$W/g64" "$W/ref" "backprop-kfac: GPU backward fp64 vs CPU backward" fp64 || fail=1
 codes "$W/g32" "$W/ref" "backprop-kfac: GPU backward fp32 vs CPU backward" || fail=1
+codes "$W/d" "$W/ref" "backprop-kfac: GPU backward and input stages vs CPU" || fail=1
 pr=$(ppl "$W/ref") && pg=$(ppl "$W/g32") &&
     close "$pg" "$pr" 1e-3 "backprop-kfac perplexity, GPU backward fp32 vs CPU backward" || fail=1
+pd=$(ppl "$W/d") && close "$pd" "$pr" 1e-2 "backprop-kfac perplexity, all on the GPU vs CPU" ||
+    fail=1
 cmp -s "$W/g32/model.safetensors" "$W/g32n/model.safetensors" ||
+    die "GPU recursive halving and naive I wrote different weights (CPU input side)"
+cmp -s "$W/d/model.safetensors" "$W/dn/model.safetensors" ||
     die "GPU recursive halving and naive I wrote different weights"
-cmp -s "$W/g32/model.safetensors" "$W/g32r/model.safetensors" || die "a GPU rerun differs"
-cmp -s "$W/g32/model.safetensors" "$W/g32s/model.safetensors" && die "--seed 1 changed nothing"
+cmp -s "$W/d/model.safetensors" "$W/dr/model.safetensors" || die "a GPU rerun differs"
+cmp -s "$W/d/model.safetensors" "$W/dp/model.safetensors" || die "--gpu-pipeline differs"
+cmp -s "$W/d/model.safetensors" "$W/ds/model.safetensors" && die "--seed 1 changed nothing"
 
 python3 - "$W" <<'EOF' || fail=1
 import json, sys
@@ -121,6 +137,8 @@ ref = json.load(open(f"{W}/ref/report.json"))["backprop"]
 g32 = json.load(open(f"{W}/g32/report.json"))["backprop"]
 g64 = json.load(open(f"{W}/g64/report.json"))["backprop"]
 n = json.load(open(f"{W}/g32n/report.json"))["backprop"]
+d = json.load(open(f"{W}/d/report.json"))["backprop"]
+assert (ref["input_stages"], g32["input_stages"], d["input_stages"]) == ("cpu", "cpu", "cuda"), d
 assert (ref["device"], ref["precision"]) == ("cpu", "fp64"), ref
 assert (g32["device"], g32["precision"]) == ("cuda", "fp32"), g32
 assert (g64["device"], g64["precision"]) == ("cuda", "fp64"), g64
@@ -142,9 +160,13 @@ EOF
 # --- Shampoo, leaf 2, empirical Fisher -----------------------------------------
 run "$W/sref" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backend cuda \
     --cpu-stages || die "shampoo reference: $(tail -1 "$W/sref.log")"
-run "$W/sg" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backend cuda ||
+run "$W/sg" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backend cuda $CPUIN ||
     die "shampoo GPU: $(tail -1 "$W/sg.log")"
 codes "$W/sg" "$W/sref" "backprop-shampoo leaf 2 empirical: GPU backward fp32 vs CPU" || fail=1
+run "$W/sd" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backend cuda ||
+    die "shampoo GPU default: $(tail -1 "$W/sd.log")"
+codes "$W/sd" "$W/sref" "backprop-shampoo leaf 2 empirical: GPU backward and input stages vs CPU" ||
+    fail=1
 
 # --- errors: one error line, exit status, nothing left ---------------------------------
 expect() { # expected-exit needle args...
@@ -159,9 +181,9 @@ expect() { # expected-exit needle args...
     grep 'error:' "$W/err" | grep -q -- "$needle" ||
         { cat "$W/err"; die "$*: the error line lacks '$needle'"; }
 }
-expect 1 "--gpu-pipeline" "$B" quantize "$M" $CAL --hessian backprop-kfac --backend cuda \
-    --gpu-pipeline --out "$W/x"
 expect 3 "--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
+    --hessian backprop-kfac --backend cuda $CPUIN --out "$W/x"
+expect 3 "--cpu-stages\|--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
     --hessian backprop-kfac --backend cuda --out "$W/x"
 [ ! -e "$W/x" ] || die "a failed run left $W/x behind"
 

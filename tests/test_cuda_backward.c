@@ -11,6 +11,8 @@
  *   TOL_FP32  1e-3   fp32: F32 GEMMs and F32 storage through a few layers
  *                    (expected ~1e-5; generous so that it fails only on a
  *                    real error, which shows up as O(1));
+ *   TOL_TF32 5e-2, TOL_BF16 1e-1  the factors from the device Grams with
+ *                    the flow's GEMMs on tensor cores (see below);
  *   bit-identical    GPU recursive halving against GPU naive I, with any
  *                    leaf size, micro-batch or number of resident layers
  *                    (the same kernels on the same micro-batch).
@@ -72,6 +74,12 @@ int main(void)
 #define TOL_FP64 1e-9
 #define TOL_FACTOR_FP64 2.5e-7 /* the factors come out as F32: one rounding of ~1e-15 apart values */
 #define TOL_FP32 1e-3
+/* --bwd-precision tf32 / bf16: GEMMs on tensor cores (10 / 7 mantissa bits); a
+ * sampled label may also flip where U·Σ sits within the rounding of a CDF
+ * step, which changes that token's gradient: a sanity bound (a wrong operand
+ * or compute type is off by O(1)), the measured value printed with -v */
+#define TOL_TF32 5e-2
+#define TOL_BF16 1e-1
 
 static bk_backend *g_gpu;
 
@@ -467,7 +475,7 @@ static void flow_model(const char *name)
         run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 2, NULL, &tmp, &scpuh);
         collect_free(&tmp);
     }
-    bk_gbwd_opts g64 = {1, 0}, g64one = {1, 1}, g32 = {0, 0};
+    bk_gbwd_opts g64 = {1, 0, 0}, g64one = {1, 1, 0}, g32 = {0, 0, 0};
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 3, &g64, &nv, &snv);
     run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &g64, &hv, &shv);
     run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &g64one, &hv1, &shv1);
@@ -483,9 +491,16 @@ static void flow_model(const char *name)
     double f64 = cmp_factors("GPU fp64", m, &hv, &ref, 2, TOL_FACTOR_FP64);
     double f32 = cmp_factors("GPU fp32", m, &f32h, &ref, 2, TOL_FP32);
     /* the Grams formed on the device (the job's path) */
-    double gr64 = 0, gr32 = 0;
+    double gr64 = 0, gr32 = 0, grtf = 0, grbf = 0;
+    bk_gbwd_opts gtf = {0, 0, BK_GBWD_TF32}, gbf = {0, 0, BK_GBWD_BF16};
     for (int weighted = 0; weighted < 2; weighted++) {
         gcollect gk;
+        run_grams(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &gtf, weighted, &gk);
+        grtf = fmax(grtf, cmp_gram_factors("GPU tf32", m, &gk, &ref, weighted, TOL_TF32));
+        gcollect_free(&gk);
+        run_grams(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &gbf, weighted, &gk);
+        grbf = fmax(grbf, cmp_gram_factors("GPU bf16", m, &gk, &ref, weighted, TOL_BF16));
+        gcollect_free(&gk);
         run_grams(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &g64, weighted, &gk);
         gr64 = fmax(gr64, cmp_gram_factors("GPU fp64", m, &gk, &ref, weighted, TOL_FACTOR_FP64));
         gcollect_free(&gk);
@@ -509,9 +524,9 @@ static void flow_model(const char *name)
     if (verbose())
         fprintf(stderr,
                 "  %s: taps fp64 %.3g (tol %g), fp32 %.3g (tol %g); factors fp64 %.3g, fp32 "
-                "%.3g; from device Grams fp64 %.3g, fp32 %.3g; halving == naive bit for bit; "
-                "%d passes, depth %d\n",
-                name, e64, TOL_FP64, e32, TOL_FP32, f64, f32, gr64, gr32, shv.passes,
+                "%.3g; from device Grams fp64 %.3g, fp32 %.3g, tf32 %.3g, bf16 %.3g; halving == "
+                "naive bit for bit; %d passes, depth %d\n",
+                name, e64, TOL_FP64, e32, TOL_FP32, f64, f32, gr64, gr32, grtf, grbf, shv.passes,
                 shv.max_depth);
     collect_free(&ref);
     collect_free(&nv);
@@ -558,7 +573,7 @@ static void test_flow_leaf(void **state)
     collect ref;
     bk_bwd_flow_stats sref;
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 2, NULL, &ref, &sref);
-    bk_gbwd_opts g64 = {1, 0};
+    bk_gbwd_opts g64 = {1, 0, 0};
     for (int leaf = 2; leaf <= 5; leaf++) {
         for (int k = 0; k < 2; k++) {
             bk_bwd_flow_kind kind = k ? BK_FLOW_NAIVE : BK_FLOW_HALVING;
@@ -657,7 +672,7 @@ static void head_model(const char *name)
     const int64_t seq0 = 3;
     assert_int_equal(bk_bwd_labels(bw, m, h, tok, S, seq0, BK_FISHER_MODEL, seed, lab_c), BK_OK);
     for (int fp64 = 1; fp64 >= 0; fp64--) {
-        bk_gbwd_opts go = {fp64, 0};
+        bk_gbwd_opts go = {fp64, 0, 0};
         double loss_g = 0, loss_c = 0;
         if (bk__cuda_bwd_head(g_gpu, m, &go, T, h, tok, S, seq0, BK_FISHER_MODEL, seed, lab_g,
                               dh_g, &loss_g) != BK_OK)
@@ -688,7 +703,7 @@ static void head_model(const char *name)
             check_cdf(m, h + r * d, lab_g[r], bk__bwd_uniform(seed, seq0 + r / T, r % T));
     /* the empirical Fisher: the next tokens */
     {
-        bk_gbwd_opts go = {0, 0};
+        bk_gbwd_opts go = {0, 0, 0};
         double loss = 0;
         assert_int_equal(bk__cuda_bwd_head(g_gpu, m, &go, T, h, tok, S, seq0,
                                            BK_FISHER_EMPIRICAL, seed, lab_g, NULL, &loss),
@@ -742,7 +757,7 @@ static void test_bad_inputs(void **state)
     int32_t *tok = random_tokens(1, S * T, c->vocab);
     bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0};
     bk_bwd_flow_stats st;
-    bk_gbwd_opts go = {0, 0};
+    bk_gbwd_opts go = {0, 0, 0};
     bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2};
     /* a token out of range: the CPU's status */
     tok[3] = (int32_t)c->vocab;

@@ -40,11 +40,15 @@ typedef struct bk_backend_params {
                            reserve); 0: recompute them (a third more forward work) */
     int residual_host;  /* GPU stages: 0 (default) the residual stream on the device when it
                            fits, else in pinned host memory; 1: always in pinned host memory */
+    int bwd_input_cpu;  /* backprop kinds with the backward passes on the GPU: 0 (default)
+                           the input-side stages (forward through the quantized layers,
+                           E[a aᵀ]) on the GPU too; 1: on the CPU (isolates the backward
+                           pass's arithmetic against the CPU oracle in tests) */
 } bk_backend_params;
 
 void bk_backend_params_default(bk_backend_params *p);
 /* Set one field by name: device=N, factor_fp64=0|1, mem_limit=BYTES,
- * keep_down=0|1, residual=auto|host. BK_ERR_INVALID_ARG naming the key and
+ * keep_down=0|1, residual=auto|host, bwd_input=gpu|cpu. BK_ERR_INVALID_ARG naming the key and
  * the accepted values otherwise. */
 bk_status bk_backend_params_set(bk_backend_params *p, const char *key, const char *value);
 /* "KEY=VALUE" as bk_backend_params_set. */

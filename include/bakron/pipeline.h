@@ -56,6 +56,14 @@ typedef void (*bk_event_fn)(void *user, const bk_event *ev);
 
 struct bk_dist; /* bakron/dist.h */
 
+/* Arithmetic of the backward passes on a GPU (--bwd-precision; docs/hessians.md). */
+typedef enum bk_bwd_precision {
+    BK_BWD_FP32 = 0, /* F32 storage, IEEE F32 GEMMs, double reductions (default) */
+    BK_BWD_FP64 = 1, /* double throughout (parity with the CPU oracle) */
+    BK_BWD_TF32 = 2, /* F32 storage, GEMMs on TF32 tensor cores */
+    BK_BWD_BF16 = 3  /* F32 storage, GEMMs on BF16 tensor cores (F32 accumulation) */
+} bk_bwd_precision;
+
 /* How the ranks of an MPI job combine their Hessian sums (docs/DISTRIBUTED.md). */
 typedef enum bk_dist_reduce {
     BK_DIST_ORDERED = 0, /* the sums are passed from rank to rank, each adding its sequences:
@@ -107,9 +115,11 @@ typedef struct bk_quantize_opts {
     /* MPI ranks (bakron/dist.h); NULL: one process */
     struct bk_dist *dist;
     bk_dist_reduce dist_reduce;
-    int bwd_fp64;                 /* the backward pass on the GPU (CUDA backend without
-                                     cpu_stages) in double (parity with the CPU's); 0 (default):
-                                     F32 GEMMs, double reductions. The CPU's is always double. */
+    bk_bwd_precision bwd_precision; /* the backward pass on the GPU (CUDA backend without
+                                     cpu_stages): BK_BWD_FP32 (default) F32 storage, IEEE F32
+                                     GEMMs, double reductions; BK_BWD_FP64 double (parity with
+                                     the CPU's); BK_BWD_TF32 / BK_BWD_BF16 F32 storage, GEMMs
+                                     on TF32 / BF16 tensor cores. The CPU's is always double. */
     int resume;                   /* continue a killed run of the same OUT_DIR from its work
                                      folder (README --resume, docs/formats.md "Work folder") */
 } bk_quantize_opts;

@@ -62,8 +62,9 @@ static const char *quantize_usage =
     "                        naive: a forward + backward pass per leaf, O(l^2), no boundaries\n"
     "  --leaf-size S         layers whose output gradients one pass delivers (default 1;\n"
     "                        larger: fewer passes, S layers' Hessians held at once)\n"
-    "  --bwd-precision P     fp32 (default) | fp64: arithmetic of the backward pass on the GPU\n"
-    "                        (the CPU's is fp64)\n"
+    "  --bwd-precision P     fp32 (default) | fp64 | tf32 | bf16: arithmetic of the backward\n"
+    "                        pass on the GPU (tf32/bf16: its GEMMs on tensor cores, several\n"
+    "                        times faster; the CPU's is fp64)\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied); layers are\n"
     "                        numbered from 0 as in model.layers.N, in progress and errors too\n"
     "  --backend B           auto|cpu|cuda (default auto: cuda when a GPU is present). With\n"
@@ -350,11 +351,16 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         break;
     case O_BWDPREC:
         if (!strcmp(arg, "fp32"))
-            o->bwd_fp64 = 0;
+            o->bwd_precision = BK_BWD_FP32;
         else if (!strcmp(arg, "fp64"))
-            o->bwd_fp64 = 1;
+            o->bwd_precision = BK_BWD_FP64;
+        else if (!strcmp(arg, "tf32"))
+            o->bwd_precision = BK_BWD_TF32;
+        else if (!strcmp(arg, "bf16"))
+            o->bwd_precision = BK_BWD_BF16;
         else
-            return cli_usage_error("--bwd-precision: expected fp32 or fp64, got '%s'", arg);
+            return cli_usage_error("--bwd-precision: expected fp32, fp64, tf32 or bf16, got '%s'",
+                                   arg);
         break;
     default: return cli_usage_error("unknown option");
     }
