@@ -301,25 +301,20 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         j->batch = j->S;
     if (j->batch < 1)
         j->batch = 1;
-    j->s_lo = 0;
-    j->s_hi = j->S;
-    if (j->nranks > 1) {
-        /* this rank's micro-batches: a contiguous share, the single process's boundaries */
-        const int64_t nmb = (j->S + j->batch - 1) / j->batch;
-        if (nmb < j->nranks) {
-            st = bk_error(BK_ERR_INVALID_ARG,
-                          "quantize: %d MPI ranks but only %lld micro-batches of %lld sequences "
-                          "(every rank needs one): use fewer ranks or a smaller --batch",
-                          j->nranks, (long long)nmb, (long long)j->batch);
-            goto fail;
-        }
-        j->s_lo = nmb * j->rank / j->nranks * j->batch;
-        j->s_hi = nmb * (j->rank + 1) / j->nranks * j->batch;
-        if (j->s_hi > j->S)
-            j->s_hi = j->S;
-    }
+    if ((st = bk__q_split_ranks(j)) != BK_OK)
+        goto fail;
 
-    st = bk_backend_create_params(o->backend, &o->backend_params, &j->backend);
+    {
+        bk_backend_params bp = o->backend_params;
+        /* MPI ranks on a node with several GPUs: rank r of the node takes GPU
+         * (device + r) mod count (one GPU per rank when there are enough;
+         * srun --gpus-per-task shows each rank its own GPU as device 0) */
+        const int ndev =
+            j->nranks > 1 && o->backend != BK_BACKEND_CPU ? bk_cuda_device_count() : 0;
+        if (ndev > 1)
+            bp.device = (bp.device + bk_dist_local_rank(j->dist)) % ndev;
+        st = bk_backend_create_params(o->backend, &bp, &j->backend);
+    }
     if (st != BK_OK)
         goto fail;
     j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
@@ -350,13 +345,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * (docs/DEVICE.md); else the CPU stages below */
     const int own_stages = bk_backend_supports(j->backend, BK_OP_STAGES);
     if (j->S > 0 && (j->bp ? bp_gpu_stages : (want_gpu || (!cpu_stages && j->tokens && own_stages)))) {
-        if (j->nranks > 1) {
-            st = bk_error(BK_ERR_UNSUPPORTED,
-                          "quantize: the GPU stages with several MPI ranks are not implemented "
-                          "yet: add --cpu-stages (forward passes and Hessians on the CPU, solves "
-                          "on the GPU), or run one rank");
-            goto fail;
-        }
         if (!j->tokens) {
             st = bk_error(BK_ERR_INVALID_ARG,
                           "quantize: the GPU pipeline (--gpu-pipeline) "
@@ -389,9 +377,20 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         };
         int64_t gb = o->batch > 0 ? j->batch : 0;
         st = bk_backend_stages_create(j->backend, &sp, &gb, &j->ops, &j->ops_ctx);
+        if (j->nranks > 1) /* every rank learns a rank's failure here */
+            st = bk__q_sync(j, st);
         if (st != BK_OK)
             goto fail;
-        j->batch = gb;
+        if (j->nranks > 1) {
+            st = bk__q_dev_stages_ranks(j, &gb);
+            if (st != BK_OK)
+                goto fail;
+        }
+        if (gb != j->batch) { /* the device's micro-batch: the ranks' shares again */
+            j->batch = gb;
+            if ((st = bk__q_split_ranks(j)) != BK_OK)
+                goto fail;
+        }
     } else if (j->S > 0) {
         st = bk_fwd_create(j->cfg, j->batch, j->T, &j->fwd);
         if (st != BK_OK)
@@ -477,12 +476,14 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
 
     {
-        char msg[512];
+        char msg[1024];
         const char *sd = j->ops ? j->ops->describe(j->ops_ctx) : "";
-        char rk[96] = "";
+        char rk[256] = "";
         if (j->nranks > 1)
-            snprintf(rk, sizeof rk, "; %d MPI ranks, data parallel (%s sums)", j->nranks,
-                     o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "rank-order");
+            snprintf(rk, sizeof rk, "; %d MPI ranks, data parallel (%s sums%s%s)", j->nranks,
+                     o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "rank-order",
+                     j->coll_desc ? "; GPU collectives: " : "",
+                     j->coll_desc ? j->coll_desc : "");
         snprintf(msg, sizeof msg, "%s: %lld layers, hessian %s, %s, calibration %lld x %lld, backend %s%s%s%s",
                  o->model_dir, (long long)j->cfg->n_layers, bk_hessian_name(o->hessian),
                  bk_algorithm_name(o->solve.algorithm), (long long)j->S, (long long)j->T,

@@ -75,6 +75,11 @@ typedef struct job {
     bk_dist *dist;
     int rank, nranks, agreed;
     int64_t s_lo, s_hi;
+    /* stages with their own sums (GPU): the sums and solved weights go
+     * through ops->sums / ops->share_weight; dev_coll: as device buffers
+     * (NCCL), else through host copies over MPI */
+    int dev_stages_ranks, dev_coll;
+    const char *coll_desc;
     /* backprop kinds: one accumulator per layer of a leaf of the flow
      * (j->acc points at the one of the layer being quantized) */
     int bp;
@@ -161,6 +166,12 @@ bk_status bk__q_layer_body(void *user, int l, bk_layer_weights *w);
 bk_status bk__q_offline_body(void *user, int l, bk_layer_weights *w);
 
 /* src/quantize_ranks.c */
+/* This rank's micro-batches: a contiguous share, the single process's
+ * boundaries (one process: all sequences). */
+bk_status bk__q_split_ranks(job *j);
+/* The backend's own (GPU) stages with several ranks: the agreed micro-batch
+ * (*batch) and how device buffers are exchanged. */
+bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch);
 /* The modules whose Hessians stage `stage` accumulates (bit per module). */
 unsigned bk__q_stage_modules(bk_stage stage);
 bk_status bk__q_sync(job *j, bk_status st);

@@ -1,5 +1,6 @@
 /* The quantization job over MPI ranks, data parallel (docs/DISTRIBUTED.md). */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "quantize_job.h"
@@ -28,6 +29,70 @@ bk_status bk__q_sync(job *j, bk_status st)
     return st;
 }
 
+bk_status bk__q_split_ranks(job *j)
+{
+    j->s_lo = 0;
+    j->s_hi = j->S;
+    if (j->nranks <= 1 || j->S <= 0)
+        return BK_OK;
+    const int64_t nmb = (j->S + j->batch - 1) / j->batch;
+    if (nmb < j->nranks)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "quantize: %d MPI ranks but only %lld micro-batches of %lld sequences "
+                        "(every rank needs one): use fewer ranks or a smaller --batch",
+                        j->nranks, (long long)nmb, (long long)j->batch);
+    j->s_lo = nmb * j->rank / j->nranks * j->batch;
+    j->s_hi = nmb * (j->rank + 1) / j->nranks * j->batch;
+    if (j->s_hi > j->S)
+        j->s_hi = j->S;
+    return BK_OK;
+}
+
+/* The ranks agree on the micro-batch (a rank short of device memory may have
+ * reduced it: the smallest, so the boundaries are the same on every rank) and
+ * on how device buffers are exchanged: NCCL when compiled in and every rank
+ * has a GPU of its own (NCCL refuses two ranks on one GPU), else host copies
+ * over MPI. */
+bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch)
+{
+    if (!j->ops->sums || !j->ops->share_weight)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "quantize: the %s stages cannot run with several MPI ranks: add "
+                        "--cpu-stages, or run one rank",
+                        j->ops->name);
+    bk_status st = bk_dist_min_i64(j->dist, batch);
+    if (st != BK_OK)
+        return st;
+    j->dev_stages_ranks = 1;
+    unsigned char mine[17], *all = calloc((size_t)j->nranks, sizeof mine);
+    if (!all)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    memset(mine, 0, sizeof mine);
+    mine[16] = (unsigned char)bk_backend_device_uuid(j->backend, mine);
+    st = bk_dist_allgather(j->dist, mine, sizeof mine, all);
+    int shared = 0, unknown = 0;
+    for (int r = 0; st == BK_OK && r < j->nranks; r++) {
+        unknown |= !all[r * sizeof mine + 16];
+        for (int q = 0; q < r; q++)
+            shared |= !memcmp(all + r * sizeof mine, all + q * sizeof mine, sizeof mine);
+    }
+    free(all);
+    if (st != BK_OK)
+        return st;
+    if (!bk_dist_nccl_compiled()) {
+        j->coll_desc = "MPI over host copies (built without NCCL)";
+    } else if (shared || unknown) {
+        j->coll_desc = "MPI over host copies (ranks share a GPU: NCCL needs one GPU per rank)";
+    } else {
+        j->dev_coll = 1;
+        j->coll_desc = j->o->dist_reduce == BK_DIST_ORDERED
+                           ? "NCCL broadcasts; the ordered pass over MPI with host copies"
+                           : "NCCL all-reduce and broadcasts";
+        st = bk__q_sync(j, bk_dist_dev_init(j->dist));
+    }
+    return st;
+}
+
 unsigned bk__q_stage_modules(bk_stage stage)
 {
     switch (stage) {
@@ -45,10 +110,14 @@ typedef struct sum_ctx {
     int op, peer; /* op: 0 receive from peer, 1 send to peer, 2 broadcast from peer, 3 sum */
 } sum_ctx;
 
-static bk_status sum_one(void *user, void *buf, size_t n, int f64)
+/* One buffer (host, or a device buffer with dev: NCCL) through the op. */
+static bk_status sum_buf(void *user, void *buf, size_t n, int f64, int dev, void *stream)
 {
     sum_ctx *c = user;
     const size_t bytes = n * (f64 ? sizeof(double) : sizeof(float));
+    if (dev)
+        return c->op == 2 ? bk_dist_bcast_dev(c->j->dist, buf, bytes, c->peer, stream)
+                          : bk_dist_sum_dev(c->j->dist, buf, n, f64, stream);
     switch (c->op) {
     case 0: return bk_dist_recv(c->j->dist, buf, bytes, c->peer, 11);
     case 1: return bk_dist_send(c->j->dist, buf, bytes, c->peer, 11);
@@ -57,10 +126,24 @@ static bk_status sum_one(void *user, void *buf, size_t n, int f64)
     }
 }
 
+static bk_status sum_one(void *user, void *buf, size_t n, int f64)
+{
+    return sum_buf(user, buf, n, f64, 0, NULL);
+}
+
 static bk_status acc_sums(job *j, unsigned mods, int op, int peer)
 {
     sum_ctx c = {j, op, peer};
     bk_status st = BK_OK;
+    if (j->dev_stages_ranks) {
+        /* the stages' own (device) sums: a receive only writes them, a send
+         * only reads them; broadcasts and sums on the device with NCCL */
+        const int rw = op == 0   ? BK_BUF_WRITE
+                       : op == 1 ? BK_BUF_READ
+                       : op == 2 ? (j->rank == peer ? BK_BUF_READ : BK_BUF_WRITE)
+                                 : BK_BUF_READ | BK_BUF_WRITE;
+        return j->ops->sums(j->ops_ctx, mods, j->dev_coll && op >= 2, rw, sum_buf, &c);
+    }
     if (j->acc)
         st = bk_hess_acc_sums(j->acc, mods, sum_one, &c);
     if (st == BK_OK && j->acc_gptq)
@@ -191,7 +274,16 @@ bk_status bk__q_solve_group(job *j, int l, int m0, int m1, bk_layer_weights *lw,
     t = bk_now();
     bk_status ap = BK_OK; /* a failure applying: known at the next exchange */
     for (int m = m0; m <= m1 && st == BK_OK; m++) {
-        st = share_solved(j, (bk_module)m, m % j->nranks, &sv[m]);
+        const int owner = m % j->nranks;
+        st = share_solved(j, (bk_module)m, owner, &sv[m]);
+        /* device stages: the owner's solve_dev set its working copy; the
+         * quantized weight goes to the others' (NCCL broadcast, or host copies) */
+        if (st == BK_OK && j->dev_stages_ranks) {
+            sum_ctx c = {j, 2, owner};
+            st = j->ops->share_weight(j->ops_ctx, (bk_module)m, j->dev_coll,
+                                      j->rank == owner ? BK_BUF_READ : BK_BUF_WRITE, sum_buf,
+                                      &c);
+        }
         if (st == BK_OK && ap == BK_OK)
             ap = bk__q_solve_apply(j, l, (bk_module)m, lw, &sv[m]);
     }

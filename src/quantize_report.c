@@ -102,6 +102,8 @@ bk_status bk__q_write_metadata(job *j)
         cJSON_AddStringToObject(mp, "mode", "data parallel");
         cJSON_AddStringToObject(mp, "reduce",
                                 o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "sum");
+        if (j->coll_desc)
+            cJSON_AddStringToObject(mp, "device_collectives", j->coll_desc);
     }
     if (j->bp) {
         const bk_bwd_flow_stats *bs = &j->bp_stats;

@@ -210,4 +210,5 @@ static const char *cpu_describe(void *ctx)
 const bk_stage_ops bk__q_cpu_stages = {
     "cpu", cpu_embed, cpu_layer_begin, cpu_run, cpu_factors, cpu_weight_updated,
     NULL, NULL, cpu_layer_end, cpu_destroy, cpu_describe, NULL,
+    NULL, NULL, /* sums, share_weight: the driver holds the CPU stages' sums (j->acc) */
 };
