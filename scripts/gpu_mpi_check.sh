@@ -19,7 +19,7 @@ set -uo pipefail
 OUT=${1:?usage: scripts/gpu_mpi_check.sh OUTDIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 STAGES=${BK_MPI_STAGES:-env,build,test,bench}
 has() { case ",$STAGES," in *,"$1",*) return 0 ;; esac; return 1; }
 if [ -d .debs ] && ! pkg-config --exists libcjson libpcre2-8 libutf8proc 2>/dev/null; then

@@ -49,12 +49,13 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 echo "GPUs: ${NGPU:-?}"
 
 same_bytes() { # what reference output [tolerance]
-    local what=$1 a=$2 b=$3 tol=${4:-1e-6} f
+    local what=$1 a=$2 b=$3 tol=${4:-1e-6} f p
     [ -d "$b" ] || { die "$what: no output"; return; }
     if [ "$tol" = 1e-6 ]; then
-        for f in $(ls "$a"); do
+        for p in "$a"/*; do
+            f=${p##*/}
             [ "$f" = report.json ] && continue
-            cmp -s "$a/$f" "$b/$f" || die "$what: $f differs from one process's"
+            cmp -s "$p" "$b/$f" || die "$what: $f differs from one process's"
         done
     fi
     python3 - "$a/report.json" "$b/report.json" "$tol" <<'EOF' || die "$what: report.json modules differ"
