@@ -136,6 +136,25 @@ __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int
     }
 }
 
+/* acc[i][j] += sum over c < T of As[ty + TH i][c] Bs[tx + TH j][c]: the
+ * register-tile product of the push kernels (As, Bs in shared memory, rows S
+ * apart, read VE elements at a time as V). A macro, not a function: the
+ * kernels compile to exactly the code they had with the loop written out
+ * (an inlined function reorders the accumulators' registers). Uses R, V, T,
+ * TM, VE, S, TH, As, Bs, tx, ty and acc of the kernel. */
+#define BK_TILE_MAC()                                                                              \
+    _Pragma("unroll 4") for (int c = 0; c < T; c += VE)                                            \
+    {                                                                                              \
+        R av[TM][VE], bv[TM][VE];                                                                  \
+        _Pragma("unroll") for (int i = 0; i < TM; i++) *reinterpret_cast<V *>(av[i]) =             \
+            *reinterpret_cast<const V *>(&As[(ty + TH * i) * S + c]);                              \
+        _Pragma("unroll") for (int j = 0; j < TM; j++) *reinterpret_cast<V *>(bv[j]) =             \
+            *reinterpret_cast<const V *>(&Bs[(tx + TH * j) * S + c]);                              \
+        _Pragma("unroll") for (int u = 0; u < VE; u++)                                             \
+            _Pragma("unroll") for (int i = 0; i < TM; i++)                                         \
+                _Pragma("unroll") for (int j = 0; j < TM; j++) acc[i][j] += av[i][u] * bv[j][u];   \
+    }
+
 /* C[r][a] += sum_c A[r][c] Bt[a][c] for one (tile, target) pair. Thread
  * (ty, tx) owns rows ty + TH i and columns tx + TH j. The eager ("near")
  * pushes of the tiles of diagonal K: right targets J < Jt <= Kf - I, down
@@ -195,23 +214,7 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
 #pragma unroll
         for (int j = 0; j < TM; j++)
             acc[i][j] = R(0);
-#pragma unroll 4
-    for (int c = 0; c < T; c += VE) {
-        R av[TM][VE], bv[TM][VE];
-#pragma unroll
-        for (int i = 0; i < TM; i++)
-            *reinterpret_cast<V *>(av[i]) = *reinterpret_cast<const V *>(&As[(ty + TH * i) * S + c]);
-#pragma unroll
-        for (int j = 0; j < TM; j++)
-            *reinterpret_cast<V *>(bv[j]) = *reinterpret_cast<const V *>(&Bs[(tx + TH * j) * S + c]);
-#pragma unroll
-        for (int u = 0; u < VE; u++)
-#pragma unroll
-            for (int i = 0; i < TM; i++)
-#pragma unroll
-                for (int j = 0; j < TM; j++)
-                    acc[i][j] += av[i][u] * bv[j][u];
-    }
+    BK_TILE_MAC();
 #pragma unroll
     for (int i = 0; i < TM; i++)
 #pragma unroll
@@ -519,25 +522,7 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
                     *reinterpret_cast<const V *>(&Bp[(int64_t)r * ldb + cv]);
             }
         __syncthreads();
-#pragma unroll 4
-        for (int c = 0; c < T; c += VE) {
-            R av[TM][VE], bv[TM][VE];
-#pragma unroll
-            for (int i = 0; i < TM; i++)
-                *reinterpret_cast<V *>(av[i]) =
-                    *reinterpret_cast<const V *>(&As[(ty + TH * i) * S + c]);
-#pragma unroll
-            for (int j = 0; j < TM; j++)
-                *reinterpret_cast<V *>(bv[j]) =
-                    *reinterpret_cast<const V *>(&Bs[(tx + TH * j) * S + c]);
-#pragma unroll
-            for (int uu = 0; uu < VE; uu++)
-#pragma unroll
-                for (int i = 0; i < TM; i++)
-#pragma unroll
-                    for (int j = 0; j < TM; j++)
-                        acc[i][j] += av[i][uu] * bv[j][uu];
-        }
+        BK_TILE_MAC();
         __syncthreads();
     }
 #pragma unroll

@@ -1477,27 +1477,8 @@ extern "C" bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h
         st = bk_gpu_download(f, tgt, f->lse_tgt, (size_t)N * sizeof(float));
     if (st == BK_OK)
         st = bk_gpu_download(f, se, f->lse_se, (size_t)N * sizeof(double));
-    if (st == BK_OK) {
-        double sum = 0.0;
-        for (int64_t r = 0; r < N; r++) {
-            const int64_t t = r % T;
-            if (t == T - 1)
-                continue;
-            double l = log(se[r]) + (double)mx[r] - (double)tgt[r];
-            if (!std::isfinite(l)) {
-                st = bk_error(BK_ERR_NONFINITE,
-                              "forward nll: non-finite logits at sequence %lld position %lld "
-                              "(the model produced NaN/Inf)",
-                              (long long)(r / T), (long long)t);
-                break;
-            }
-            sum += l;
-        }
-        if (st == BK_OK) {
-            *nll_sum += sum;
-            *count += S * (T - 1);
-        }
-    }
+    if (st == BK_OK) /* summed on the host in row order, as on the CPU */
+        st = bk_fwd_nll_rows(se, mx, tgt, S, T, nll_sum, count);
     free(mx);
     free(tgt);
     free(se);

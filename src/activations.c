@@ -587,13 +587,7 @@ bk_status bk__act_rows(const bk_act_layer *al, const char *name, int64_t r0, int
 static void dump_note(void *user, const char *msg)
 {
     const bk_dump_opts *o = user;
-    if (!o->on_event)
-        return;
-    bk_event ev;
-    memset(&ev, 0, sizeof ev);
-    ev.kind = BK_EV_NOTE;
-    ev.message = msg;
-    o->on_event(o->user, &ev);
+    bk__note_event(o->on_event, o->user, msg);
 }
 
 /* What one layer of a dump needs (the layer driver's body). */

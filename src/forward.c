@@ -900,6 +900,27 @@ bk_status bk_fwd_logits(bk_fwd *f, const bk_model *m, const float *h, int64_t S,
     return st;
 }
 
+bk_status bk_fwd_nll_rows(const double *se, const float *mx, const float *tgt, int64_t S,
+                          int64_t T, double *nll_sum, int64_t *count)
+{
+    double sum = 0.0;
+    for (int64_t r = 0; r < S * T; r++) {
+        int64_t t = r % T;
+        if (t == T - 1)
+            continue;
+        double l = log(se[r]) + (double)mx[r] - (double)tgt[r];
+        if (!isfinite(l))
+            return bk_error(BK_ERR_NONFINITE,
+                            "forward nll: non-finite logits at sequence %lld position %lld "
+                            "(the model produced NaN/Inf)",
+                            (long long)(r / T), (long long)t);
+        sum += l;
+    }
+    *nll_sum += sum;
+    *count += S * (T - 1);
+    return BK_OK;
+}
+
 bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t *tokens,
                      int64_t S, double *nll_sum, int64_t *count)
 {
@@ -967,27 +988,8 @@ bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t
             }
         }
     }
-    if (st == BK_OK) {
-        double sum = 0.0;
-        for (int64_t r = 0; r < N; r++) {
-            int64_t t = r % T;
-            if (t == T - 1)
-                continue;
-            double l = log(se[r]) + (double)mx[r] - (double)tgt[r];
-            if (!isfinite(l)) {
-                st = bk_error(BK_ERR_NONFINITE,
-                              "forward nll: non-finite logits at sequence %lld position %lld "
-                              "(the model produced NaN/Inf)",
-                              (long long)(r / T), (long long)t);
-                break;
-            }
-            sum += l;
-        }
-        if (st == BK_OK) {
-            *nll_sum += sum;
-            *count += S * (T - 1);
-        }
-    }
+    if (st == BK_OK)
+        st = bk_fwd_nll_rows(se, mx, tgt, S, T, nll_sum, count);
     free(wb);
     free(lg);
     free(mx);

@@ -74,6 +74,15 @@ bk_status bk_fwd_nonfinite_error(const bk_model_config *c, int layer, bk_fwd_sit
                                  float value, int64_t row, int64_t col, bk_fwd_wget get,
                                  void *ctx);
 
+/* The end of an NLL over S sequences of T tokens (rows r = s*T + t; the
+ * last position of each sequence predicts nothing): per row the online
+ * log-sum-exp se[r] (with the running max mx[r]) and the target's logit
+ * tgt[r]; log(se) + mx - tgt summed in row order into *nll_sum, S*(T-1)
+ * added to *count. A non-finite term: BK_ERR_NONFINITE naming its place,
+ * nothing added. (src/forward.c; the GPU's NLL ends here too.) */
+bk_status bk_fwd_nll_rows(const double *se, const float *mx, const float *tgt, int64_t S,
+                          int64_t T, double *nll_sum, int64_t *count);
+
 #ifdef __cplusplus
 }
 #endif

@@ -463,13 +463,7 @@ done:
 static void merge_note(void *user, const char *msg)
 {
     const bk_merge_opts *o = user;
-    if (!o->on_event)
-        return;
-    bk_event ev;
-    memset(&ev, 0, sizeof ev);
-    ev.kind = BK_EV_NOTE;
-    ev.message = msg;
-    o->on_event(o->user, &ev);
+    bk__note_event(o->on_event, o->user, msg);
 }
 
 void bk_merge_opts_default(bk_merge_opts *o)
@@ -514,13 +508,7 @@ bk_status bk_merge(const bk_merge_opts *o)
 static void ranks_note(void *user, const char *msg)
 {
     const bk_quantize_opts *o = user;
-    if (!o->on_event)
-        return;
-    bk_event ev;
-    memset(&ev, 0, sizeof ev);
-    ev.kind = BK_EV_NOTE;
-    ev.message = msg;
-    o->on_event(o->user, &ev);
+    bk__note_event(o->on_event, o->user, msg);
 }
 
 /* rank 0's part run: its progress, not its DONE (the merged output's comes later) */

@@ -162,6 +162,19 @@ typedef struct inputs {
     int n;
 } inputs;
 
+/* Room for MAX_INPUTS inputs. */
+static bk_status inputs_alloc(inputs *in)
+{
+    in->p = malloc(sizeof *in->p * MAX_INPUTS);
+    in->given = malloc(sizeof *in->given * MAX_INPUTS);
+    if (!in->p || !in->given) {
+        free(in->p);
+        free(in->given);
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    }
+    return BK_OK;
+}
+
 static bk_status add_input(inputs *in, const char *canon, const char *given)
 {
     if (in->n >= MAX_INPUTS)
@@ -347,40 +360,25 @@ static int pid_alive(long pid)
     return kill((pid_t)pid, 0) == 0 || errno == EPERM;
 }
 
-static int cmp_names(const void *a, const void *b)
+typedef struct leftover_want {
+    const char *base;
+} leftover_want;
+
+static int is_leftover(const char *name, void *user)
 {
-    return strcmp(*(char *const *)a, *(char *const *)b);
+    long pid;
+    return leftover_kind(name, ((leftover_want *)user)->base, &pid) != 0;
 }
 
 static bk_status clean_leftovers(bk_outdir *d, const bk_outdir_spec *s, const inputs *in,
                                  const char *parent, int *adopted)
 {
     const char *base = strrchr(d->canon, '/') + 1;
-    DIR *dir = opendir(parent);
-    if (!dir)
-        return bk_error(BK_ERR_IO, "%s: cannot list: %s", parent, strerror(errno));
     char **names = NULL;
-    size_t n = 0, cap = 0;
-    struct dirent *e;
-    while ((e = readdir(dir)) != NULL) {
-        long pid;
-        if (!leftover_kind(e->d_name, base, &pid))
-            continue;
-        if (n == cap) {
-            size_t nc = cap ? cap * 2 : 8;
-            char **nn = realloc(names, nc * sizeof *nn);
-            if (!nn)
-                break;
-            names = nn;
-            cap = nc;
-        }
-        if (!(names[n] = strdup(e->d_name)))
-            break;
-        n++;
-    }
-    closedir(dir);
-    if (n > 1)
-        qsort(names, n, sizeof *names, cmp_names);
+    size_t n = 0;
+    leftover_want want = {base};
+    if (bk_list_sorted(parent, is_leftover, &want, &names, &n) != 0)
+        return bk_error(BK_ERR_IO, "%s: cannot list: %s", parent, strerror(errno));
     /* old outputs first: a kill between "old output aside" and "new output
      * in" left no output: put the old one back */
     for (int pass = 0; pass < 2; pass++) {
@@ -439,16 +437,11 @@ static bk_status clean_leftovers(bk_outdir *d, const bk_outdir_spec *s, const in
 
 /* --------------------------------------------------------------- API */
 
-bk_status bk_outdir_open(bk_outdir *d, const bk_outdir_spec *s, int *adopted)
+/* --out: d->final (trailing slashes dropped) and d->canon; refused when it
+ * is a symbolic link or something other than a folder. *exists: it exists. */
+static bk_status out_paths(bk_outdir *d, const char *out, int *exists)
 {
-    memset(d, 0, sizeof *d);
-    d->lock_fd = -1;
-    d->overwrite = s->overwrite;
-    d->note = s->note;
-    d->user = s->user;
-    if (adopted)
-        *adopted = 0;
-    const char *out = s->out;
+    *exists = 0;
     if (!out || !out[0])
         return bk_error(BK_ERR_USAGE, "--out: empty path");
     size_t len = strlen(out);
@@ -458,19 +451,31 @@ bk_status bk_outdir_open(bk_outdir *d, const bk_outdir_spec *s, int *adopted)
         return too_long(out);
     memcpy(d->final, out, len);
     d->final[len] = '\0';
-
     struct stat sb;
-    if (lstat(d->final, &sb) == 0) {
-        if (S_ISLNK(sb.st_mode))
-            return bk_error(BK_ERR_USAGE,
-                            "--out %s: is a symbolic link; give the folder itself (the output "
-                            "folder is replaced as a whole)",
-                            d->final);
-        if (!S_ISDIR(sb.st_mode))
-            return bk_error(BK_ERR_USAGE, "--out %s: exists and is %s, not a folder", d->final,
-                            bk_file_kind(sb.st_mode));
-    }
-    bk_status st = bk_path_canonical(d->final, d->canon, sizeof d->canon);
+    *exists = lstat(d->final, &sb) == 0;
+    if (*exists && S_ISLNK(sb.st_mode))
+        return bk_error(BK_ERR_USAGE,
+                        "--out %s: is a symbolic link; give the folder itself (the output "
+                        "folder is replaced as a whole)",
+                        d->final);
+    if (*exists && !S_ISDIR(sb.st_mode))
+        return bk_error(BK_ERR_USAGE, "--out %s: exists and is %s, not a folder", d->final,
+                        bk_file_kind(sb.st_mode));
+    return bk_path_canonical(d->final, d->canon, sizeof d->canon);
+}
+
+bk_status bk_outdir_open(bk_outdir *d, const bk_outdir_spec *s, int *adopted)
+{
+    memset(d, 0, sizeof *d);
+    d->lock_fd = -1;
+    d->overwrite = s->overwrite;
+    d->note = s->note;
+    d->user = s->user;
+    if (adopted)
+        *adopted = 0;
+    struct stat sb;
+    int exists;
+    bk_status st = out_paths(d, s->out, &exists);
     if (st != BK_OK)
         return st;
     if (!strcmp(d->canon, "/"))
@@ -478,13 +483,8 @@ bk_status bk_outdir_open(bk_outdir *d, const bk_outdir_spec *s, int *adopted)
     const char *base = strrchr(d->canon, '/');
 
     inputs in = {0};
-    in.p = malloc(sizeof *in.p * MAX_INPUTS);
-    in.given = malloc(sizeof *in.given * MAX_INPUTS);
-    if (!in.p || !in.given) {
-        free(in.p);
-        free(in.given);
-        return bk_error(BK_ERR_NOMEM, "out of memory");
-    }
+    if (inputs_alloc(&in) != BK_OK)
+        return BK_ERR_NOMEM;
     char parent[BK_PATH_MAX];
     if ((st = collect_inputs(s->inputs, &in)) != BK_OK || (st = check_safe(d, s, &in)) != BK_OK)
         goto fail;
@@ -496,7 +496,7 @@ bk_status bk_outdir_open(bk_outdir *d, const bk_outdir_spec *s, int *adopted)
     int n1 = snprintf(d->work, sizeof d->work, "%s.tmp-%ld", d->final, (long)getpid());
     int n2 = snprintf(d->lock, sizeof d->lock, "%s/.%s.lock", parent, base + 1);
     if (n1 < 0 || (size_t)n1 >= sizeof d->work || n2 < 0 || (size_t)n2 >= sizeof d->lock) {
-        st = too_long(out);
+        st = too_long(s->out);
         goto fail;
     }
     if ((st = take_lock(d)) != BK_OK)
@@ -545,37 +545,14 @@ bk_status bk_outdir_check(const bk_outdir_spec *s, uint64_t *free_bytes)
     memset(d, 0, sizeof *d);
     if (free_bytes)
         *free_bytes = 0;
-    const char *out = s->out;
-    if (!out || !out[0])
-        return bk_error(BK_ERR_USAGE, "--out: empty path");
-    size_t len = strlen(out);
-    while (len > 1 && out[len - 1] == '/')
-        len--;
-    if (len + 32 >= sizeof d->final)
-        return too_long(out);
-    memcpy(d->final, out, len);
-    d->final[len] = '\0';
-    struct stat sb;
-    int exists = lstat(d->final, &sb) == 0;
-    if (exists && S_ISLNK(sb.st_mode))
-        return bk_error(BK_ERR_USAGE,
-                        "--out %s: is a symbolic link; give the folder itself (the output "
-                        "folder is replaced as a whole)",
-                        d->final);
-    if (exists && !S_ISDIR(sb.st_mode))
-        return bk_error(BK_ERR_USAGE, "--out %s: exists and is %s, not a folder", d->final,
-                        bk_file_kind(sb.st_mode));
-    bk_status st = bk_path_canonical(d->final, d->canon, sizeof d->canon);
+    int exists;
+    bk_status st = out_paths(d, s->out, &exists);
     if (st != BK_OK)
         return st;
+    struct stat sb;
     inputs in = {0};
-    in.p = malloc(sizeof *in.p * MAX_INPUTS);
-    in.given = malloc(sizeof *in.given * MAX_INPUTS);
-    if (!in.p || !in.given) {
-        free(in.p);
-        free(in.given);
-        return bk_error(BK_ERR_NOMEM, "out of memory");
-    }
+    if (inputs_alloc(&in) != BK_OK)
+        return BK_ERR_NOMEM;
     st = collect_inputs(s->inputs, &in);
     if (st == BK_OK)
         st = check_safe(d, s, &in);

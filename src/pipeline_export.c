@@ -38,7 +38,7 @@ int bk__parse_linear_name(const char *name, int *layer, bk_module *mod)
 
 /* Bits of the GPTQ export for a quantizer: levels l -> smallest b with
  * 2^(b-1) - 1 >= l; uniform -> its bits. */
-static int gptq_bits(const bk_quant_spec *q)
+int bk__gptq_bits(const bk_quant_spec *q)
 {
     if (q->kind == BK_Q_UNIFORM)
         return q->bits;
@@ -64,7 +64,7 @@ bk_status bk__check_export(const bk_quantize_opts *o, const bk_model_config *cfg
         return bk_error(BK_ERR_INVALID_ARG, "quantize: --levels must be in [1, 127] to fit int8 codes");
     if (o->export_format != BK_EXPORT_GPTQ)
         return BK_OK;
-    int b = gptq_bits(q);
+    int b = bk__gptq_bits(q);
     if (b != 2 && b != 3 && b != 4 && b != 8)
         return bk_error(BK_ERR_UNSUPPORTED,
                         "export gptq: %d bits are not a GPTQ width (2, 3, 4, 8)", b);
@@ -118,7 +118,7 @@ bk_status bk__declare_quantized(bk_st_stream *s, const bk_quantize_opts *o,
         return bk_st_stream_declare(s, name, BK_DT_F32, 2, sshape);
     }
     /* GPTQ v1 */
-    int b = gptq_bits(q);
+    int b = bk__gptq_bits(q);
     int64_t qw[2] = {in * b / 32, out};
     snprintf(name, sizeof name, "%s.qweight", pre);
     if ((st = bk_st_stream_declare(s, name, BK_DT_I32, 2, qw)) != BK_OK)
@@ -159,7 +159,7 @@ static bk_status write_gptq(bk_st_stream *s, const bk_quantize_opts *o, const ch
                             const bk_solve_result *r)
 {
     const bk_quant_spec *q = &o->solve.quant;
-    const int b = gptq_bits(q);
+    const int b = bk__gptq_bits(q);
     const int64_t m = r->m, n = r->n, g = r->groups;
     const int32_t zero = 1 << (b - 1);
     /* levels: code c in [-l, l] -> c + zero; uniform symmetric: already 0..maxq
@@ -282,7 +282,7 @@ cJSON *bk__quantization_config(const bk_quantize_opts *o, const bk_model_config 
         return NULL;
     if (o->export_format == BK_EXPORT_GPTQ) {
         cJSON_AddStringToObject(c, "quant_method", "gptq");
-        cJSON_AddNumberToObject(c, "bits", gptq_bits(q));
+        cJSON_AddNumberToObject(c, "bits", bk__gptq_bits(q));
         cJSON_AddNumberToObject(c, "group_size",
                                 (q->kind == BK_Q_UNIFORM && q->group > 0) ? (double)q->group : -1);
         cJSON_AddBoolToObject(c, "desc_act", 0);

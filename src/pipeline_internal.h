@@ -14,10 +14,22 @@
 
 #include "stop.h"
 
+/* A NOTE event with msg to on_event (nothing when NULL). */
+static inline void bk__note_event(bk_event_fn on_event, void *user, const char *msg)
+{
+    if (!on_event)
+        return;
+    const bk_event ev = {.kind = BK_EV_NOTE, .message = msg};
+    on_event(user, &ev);
+}
+
 /* "model.layers.N.<module>.weight" -> layer, module. */
 int bk__parse_linear_name(const char *name, int *layer, bk_module *mod);
 
 /* Export (src/pipeline_export.c). */
+/* Bits of the GPTQ export for a quantizer: levels l -> smallest b with
+ * 2^(b-1) - 1 >= l; uniform -> its bits. */
+int bk__gptq_bits(const bk_quant_spec *q);
 bk_status bk__check_export(const bk_quantize_opts *o, const bk_model_config *cfg);
 bk_status bk__declare_quantized(bk_st_stream *s, const bk_quantize_opts *o,
                                 const bk_model_config *cfg, const char *weight_name,

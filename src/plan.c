@@ -28,17 +28,6 @@ static void failed(checker *c, bk_status st)
         c->report(c->user, st);
 }
 
-/* Bits of the GPTQ export (as pipeline_export.c packs them). */
-static int gptq_bits(const bk_quant_spec *q)
-{
-    if (q->kind == BK_Q_UNIFORM)
-        return q->bits;
-    int b = 2;
-    while ((1 << (b - 1)) - 1 < q->levels)
-        b++;
-    return b;
-}
-
 /* Estimated bytes of one quantized module [m, n] in the output. */
 static uint64_t module_out_bytes(const bk_quantize_opts *o, int64_t m, int64_t n, uint64_t orig)
 {
@@ -47,7 +36,7 @@ static uint64_t module_out_bytes(const bk_quantize_opts *o, int64_t m, int64_t n
     switch (o->export_format) {
     case BK_EXPORT_DEQUANTIZED: return orig;
     case BK_EXPORT_GPTQ: {
-        int b = gptq_bits(q);
+        int b = bk__gptq_bits(q);
         return (uint64_t)(n * b / 32 * m) * 4 + (uint64_t)(g * m * b / 32) * 4 +
                (uint64_t)(g * m) * 2 + (uint64_t)n * 4;
     }
@@ -167,7 +156,7 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
         failed(c, bk_error(BK_ERR_USAGE, "--levels must be in [1, 127] to fit int8 codes"));
     const int gptq = o->export_format == BK_EXPORT_GPTQ;
     if (gptq) {
-        int b = gptq_bits(q);
+        int b = bk__gptq_bits(q);
         if (b != 2 && b != 3 && b != 4 && b != 8)
             failed(c, bk_error(BK_ERR_USAGE,
                                "--export gptq: %d bits (--levels %d) are not a GPTQ width (2, 3, "

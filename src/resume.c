@@ -150,42 +150,24 @@ static void add_file_stat(cJSON *o, const char *key, const char *path)
     cJSON_AddStringToObject(o, key, b);
 }
 
-static int cmp_str(const void *a, const void *b)
+/* A name with one of the suffixes (NULL-terminated), not hidden. */
+static int has_suffix(const char *name, void *user)
 {
-    return strcmp(*(char *const *)a, *(char *const *)b);
+    const char *const *suffixes = user;
+    int want = 0;
+    for (int k = 0; suffixes[k]; k++)
+        if (bk_ends_with(name, suffixes[k]))
+            want = 1;
+    return want && name[0] != '.';
 }
 
 /* Files of a folder with one of the suffixes (sorted), size + mtime each. */
 static void add_folder(cJSON *o, const char *dir, const char *const *suffixes)
 {
-    DIR *d = opendir(dir);
-    if (!d)
-        return;
     char **names = NULL;
-    size_t n = 0, cap = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
-        int want = 0;
-        for (int k = 0; suffixes[k]; k++)
-            if (bk_ends_with(e->d_name, suffixes[k]))
-                want = 1;
-        if (!want || e->d_name[0] == '.')
-            continue;
-        if (n == cap) {
-            size_t nc = cap ? 2 * cap : 16;
-            char **nn = realloc(names, nc * sizeof *nn);
-            if (!nn)
-                break;
-            names = nn;
-            cap = nc;
-        }
-        if (!(names[n] = strdup(e->d_name)))
-            break;
-        n++;
-    }
-    closedir(d);
-    if (n > 1)
-        qsort(names, n, sizeof *names, cmp_str);
+    size_t n = 0;
+    if (bk_list_sorted(dir, has_suffix, (void *)suffixes, &names, &n) != 0)
+        return;
     for (size_t i = 0; i < n; i++) {
         char p[4096];
         if (bk_path_join(p, sizeof p, dir, names[i]) == BK_OK)

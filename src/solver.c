@@ -284,14 +284,23 @@ static bk_status losses(int64_t m, int64_t n, const double *E, const double *A, 
     return BK_OK;
 }
 
-bk_status bk_proxy_loss(int64_t m, int64_t n, const float *E, const float *A, const float *B,
-                        double *out)
+/* The arguments of a proxy loss. */
+static bk_status proxy_args(int64_t m, int64_t n, const float *E, const float *A, const double *out)
 {
     if (!E || !A || !out)
         return bk_error(BK_ERR_INVALID_ARG, "proxy loss: E, A and out must not be NULL");
     if (m <= 0 || n <= 0 || m > INT_MAX || n > INT_MAX)
         return bk_error(BK_ERR_INVALID_ARG, "proxy loss: bad shape [%lld, %lld]", (long long)m,
                         (long long)n);
+    return BK_OK;
+}
+
+bk_status bk_proxy_loss(int64_t m, int64_t n, const float *E, const float *A, const float *B,
+                        double *out)
+{
+    bk_status st0 = proxy_args(m, n, E, A, out);
+    if (st0 != BK_OK)
+        return st0;
     const size_t mn = (size_t)m * (size_t)n;
     double *Ed = bk_alloc(mn, sizeof(double));
     double *Ad = bk_alloc((size_t)n * (size_t)n, sizeof(double));
@@ -554,11 +563,9 @@ fail:
 
 bk_status bk_proxy_loss_fast(int64_t m, int64_t n, const float *E, const float *A, double *out)
 {
-    if (!E || !A || !out)
-        return bk_error(BK_ERR_INVALID_ARG, "proxy loss: E, A and out must not be NULL");
-    if (m <= 0 || n <= 0 || m > INT_MAX || n > INT_MAX)
-        return bk_error(BK_ERR_INVALID_ARG, "proxy loss: bad shape [%lld, %lld]", (long long)m,
-                        (long long)n);
+    bk_status st0 = proxy_args(m, n, E, A, out);
+    if (st0 != BK_OK)
+        return st0;
     const size_t mn = (size_t)m * (size_t)n;
     float *F = bk_alloc(mn, sizeof(float));
     if (!F)

@@ -30,16 +30,7 @@ bk_bakron_tuning bk_bakron_tune = {
 #define TRMM cblas_strmm
 #define POTRF LAPACKE_spotrf
 #define TRTRI LAPACKE_strtri
-#include "solver_tmpl.h"
-#undef REAL
-#undef SUF
-#undef Q_APPLY
-#undef GEMM
-#undef GER
-#undef AXPY
-#undef TRMM
-#undef POTRF
-#undef TRTRI
+#include "solver_tmpl.h" /* (undefines its parameters) */
 
 #define REAL double
 #define SUF _d
@@ -50,13 +41,4 @@ bk_bakron_tuning bk_bakron_tune = {
 #define TRMM cblas_dtrmm
 #define POTRF LAPACKE_dpotrf
 #define TRTRI LAPACKE_dtrtri
-#include "solver_tmpl.h"
-#undef REAL
-#undef SUF
-#undef Q_APPLY
-#undef GEMM
-#undef GER
-#undef AXPY
-#undef TRMM
-#undef POTRF
-#undef TRTRI
+#include "solver_tmpl.h" /* (undefines its parameters) */

@@ -545,3 +545,14 @@ int F(bk_factor_inverse)(REAL *X, int64_t n, double *diag)
 }
 
 #undef F
+
+/* the template's parameters, for the next instantiation */
+#undef REAL
+#undef SUF
+#undef Q_APPLY
+#undef GEMM
+#undef GER
+#undef AXPY
+#undef TRMM
+#undef POTRF
+#undef TRTRI

@@ -1128,13 +1128,7 @@ uint64_t bk_digest64(const void *p, size_t n, uint64_t seed)
         h ^= b[i] * K1;
         h = ((h << 11) | (h >> 53)) * K2;
     }
-    h ^= (uint64_t)n;
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 33;
-    return h;
+    return bk_mix64(h ^ (uint64_t)n);
 }
 
 bk_status bk_st_stream_begin_resumable(const char *dir, const char *basename,

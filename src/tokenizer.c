@@ -94,15 +94,6 @@ static uint64_t hash_bytes(const char *s, size_t n)
     return h ^ (h >> 29);
 }
 
-static uint64_t hash_u64(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return x;
-}
 
 static size_t utf8_put(char *o, uint32_t c)
 {
@@ -314,7 +305,7 @@ static uint64_t pair_key(int32_t a, int32_t b)
 static const merge_ent *mergemap_get(const mergemap *m, int32_t a, int32_t b)
 {
     uint64_t k = pair_key(a, b);
-    size_t mask = m->cap - 1, h = (size_t)hash_u64(k) & mask;
+    size_t mask = m->cap - 1, h = (size_t)bk_mix64(k) & mask;
     for (;;) {
         const merge_ent *e = &m->e[h];
         if (e->key == k)
@@ -328,7 +319,7 @@ static const merge_ent *mergemap_get(const mergemap *m, int32_t a, int32_t b)
 static void mergemap_put(mergemap *m, int32_t a, int32_t b, uint32_t rank, int32_t new_id)
 {
     uint64_t k = pair_key(a, b);
-    size_t mask = m->cap - 1, h = (size_t)hash_u64(k) & mask;
+    size_t mask = m->cap - 1, h = (size_t)bk_mix64(k) & mask;
     while (m->e[h].key && m->e[h].key != k)
         h = (h + 1) & mask;
     if (!m->e[h].key)

@@ -431,3 +431,42 @@ bk_status bk_json_check_text(const char *text, size_t len, const char *label, bk
                     label, (unsigned char)text[bad],
                     kind == 1 ? "inside a string" : "between tokens", bad);
 }
+
+static int cmp_names(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+int bk_list_sorted(const char *dir, int (*keep)(const char *name, void *user), void *user,
+                   char ***names_out, size_t *n_out)
+{
+    *names_out = NULL;
+    *n_out = 0;
+    DIR *d = opendir(dir);
+    if (!d)
+        return -1;
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (!keep(e->d_name, user))
+            continue;
+        if (n == cap) {
+            size_t nc = cap ? 2 * cap : 16;
+            char **nn = realloc(names, nc * sizeof *nn);
+            if (!nn)
+                break;
+            names = nn;
+            cap = nc;
+        }
+        if (!(names[n] = strdup(e->d_name)))
+            break;
+        n++;
+    }
+    closedir(d);
+    if (n > 1)
+        qsort(names, n, sizeof *names, cmp_names);
+    *names_out = names;
+    *n_out = n;
+    return 0;
+}

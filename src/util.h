@@ -31,6 +31,17 @@ void bk_prof_add(const char *key, double seconds);
 void bk_prof_mark(double *t, const char *key);
 void bk_prof_print(void);
 
+/* The 64-bit finalizer of MurmurHash3 (a bijective mix of x's bits). */
+static inline uint64_t bk_mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
 /* Overflow-checked arithmetic: return 1 on overflow, else store and return 0. */
 static inline int bk_mul_u64(uint64_t a, uint64_t b, uint64_t *out)
 {
@@ -79,6 +90,12 @@ int bk_is_file(const char *path);
 #define BK_CONFIG_MAX_BYTES ((size_t)64 << 20)
 /* Does name end with suffix? */
 int bk_ends_with(const char *name, const char *suffix);
+/* The names in folder dir that keep(name, user) accepts, sorted by strcmp,
+ * into *names[*n] (each and the array freed by the caller; out of memory:
+ * the list ends where it ran out). -1 (errno set) when the folder cannot be
+ * opened, else 0. */
+int bk_list_sorted(const char *dir, int (*keep)(const char *name, void *user), void *user,
+                   char ***names, size_t *n);
 
 /* mkdir -p. */
 bk_status bk_mkdir_p(const char *path);
