@@ -118,6 +118,12 @@ typedef struct job {
     int bp;
     int bp_leaf;                /* leaf size */
     bk_hess_acc **bp_acc;       /* [bp_leaf] */
+    struct bp_dev {             /* [bp_leaf]: the GPU flow's device Grams of the leaf
+                                   (grams_dev), for the GPU stages */
+        const double *G[BK_MOD_COUNT], *gw[BK_MOD_COUNT];
+        int64_t N;
+        int layer;
+    } *bp_dev;
     int bp_leaf_lo;             /* first layer of the current leaf */
     bk_bwd_flow_stats bp_stats;
     double bp_time_counted;     /* flow time already added to t_forward */
@@ -1127,8 +1133,20 @@ static bk_status layer_tokens(job *j, int l, const bk_layer_weights *origp)
     /* backprop kinds: the stages that keep their own input side take the
      * flow's output side (j->acc: this layer's) */
     if (quantize && j->bp && j->ops->bp_grads) {
+        bk_bp_side side;
+        memset(&side, 0, sizeof side);
+        side.layer = l;
+        const int k = l - j->bp_leaf_lo;
+        if (j->bp_dev && k >= 0 && k < j->bp_leaf && j->bp_dev[k].G[0] &&
+            j->bp_dev[k].layer == l) {
+            memcpy(side.G, j->bp_dev[k].G, sizeof side.G);
+            memcpy(side.gw, j->bp_dev[k].gw, sizeof side.gw);
+            side.N = j->bp_dev[k].N;
+        } else {
+            side.acc = j->acc;
+        }
         t = bk_now();
-        st = j->ops->bp_grads(j->ops_ctx, j->acc);
+        st = j->ops->bp_grads(j->ops_ctx, &side);
         j->t_hessian += bk_now() - t;
         if (st != BK_OK)
             goto done;
@@ -1268,6 +1286,23 @@ static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G,
     return st;
 }
 
+/* The GPU flow with the GPU stages: the leaf layer's device Grams, kept for
+ * the stages (bp_grads) until bp_leaf_done returns */
+static bk_status bp_grams_dev(void *user, int layer, bk_module mod, const double *G,
+                              const double *gw, int64_t S)
+{
+    job *j = user;
+    int k = layer - j->bp_leaf_lo;
+    if (k < 0 || k >= j->bp_leaf || !j->bp_dev)
+        return bk_error(BK_ERR_INTERNAL, "backprop: layer %d outside the leaf at %d", layer,
+                        j->bp_leaf_lo);
+    j->bp_dev[k].G[mod] = G;
+    j->bp_dev[k].gw[mod] = gw;
+    j->bp_dev[k].N = S * j->T;
+    j->bp_dev[k].layer = layer;
+    return BK_OK;
+}
+
 static bk_status bp_leaf_done(void *user, int lo, int hi)
 {
     job *j = user;
@@ -1281,6 +1316,8 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
         bk_hess_acc_reset(j->acc);
     }
     j->acc = j->bp_acc[0];
+    if (j->bp_dev) /* the flow reuses its Grams for the next leaf */
+        memset(j->bp_dev, 0, (size_t)j->bp_leaf * sizeof *j->bp_dev);
     bk_prof_add("bp.leaf_layers (input stages, solves)", bk_now() - t0);
     return st;
 }
@@ -1288,13 +1325,21 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
 static bk_status run_backprop(job *j)
 {
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
-    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0};
+    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0, NULL};
     bk_status st;
     const double t0 = bk_now();
     if (j->bp_gpu) {
-        /* the Grams on the device, not the taps on the host */
+        /* the Grams on the device, not the taps on the host; they stay there
+         * for stages that take them (the GPU stages), else are downloaded */
         cb.grads = NULL;
-        cb.grams = bp_grams;
+        if (j->ops->bp_grads) {
+            j->bp_dev = calloc((size_t)j->bp_leaf, sizeof *j->bp_dev);
+            if (!j->bp_dev)
+                return bk_error(BK_ERR_NOMEM, "quantize: out of memory");
+            cb.grams_dev = bp_grams_dev;
+        } else {
+            cb.grams = bp_grams;
+        }
         cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
         st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo,
                                      (int)j->o->bwd_precision, &cb, &j->bp_stats);
@@ -1612,6 +1657,7 @@ static void job_free(job *j)
         free(j->bp_acc);
         j->acc = NULL;
     }
+    free(j->bp_dev);
     if (j->acc)
         bk_hess_acc_free(j->acc);
     if (j->acc_gptq)

@@ -225,7 +225,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->N = S * T;
     k->T = T;
     bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 7, batch};
-    bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0};
+    bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0, NULL};
     bk_status s = gpu ? bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, st)
                       : bk_bwd_flow_run(m, tok, S, T, &o, &cb, st);
     if (s != BK_OK)
@@ -390,7 +390,7 @@ static void run_grams(const bk_model *m, const int32_t *tok, int64_t S, int64_t 
     k->N = S * T;
     k->T = T;
     bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 7, batch};
-    bk_bwd_flow_cb cb = {k, NULL, NULL, cb_gleaf, cb_grams, weighted};
+    bk_bwd_flow_cb cb = {k, NULL, NULL, cb_gleaf, cb_grams, weighted, NULL};
     bk_bwd_flow_stats st;
     if (bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, &st) != BK_OK)
         fail_msg("GPU flow with Grams (%s, leaf %d): %s", bk_bwd_flow_name(kind), leaf,
@@ -755,7 +755,7 @@ static void test_bad_inputs(void **state)
     const bk_model_config *c = bk_model_get_config(m);
     const int64_t S = 2, T = 8;
     int32_t *tok = random_tokens(1, S * T, c->vocab);
-    bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0};
+    bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0, NULL};
     bk_bwd_flow_stats st;
     bk_gbwd_opts go = {0, 0, 0};
     bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2};
