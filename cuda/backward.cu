@@ -2002,3 +2002,14 @@ extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const b
     gb_free(g);
     return st;
 }
+
+extern "C" bk_status bk__cuda_download(bk_backend *b, void *dst, const void *src, size_t bytes)
+{
+    if (!b || b->kind != BK_BACKEND_CUDA || !dst || !src)
+        return bk_error(BK_ERR_INVALID_ARG, "bk__cuda_download: bad argument");
+    cudaStream_t s = static_cast<bk_cuda_ctx *>(b->ctx)->stream;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(s);
+    return bk_cuda_status(e, "download", __FILE__, __LINE__);
+}

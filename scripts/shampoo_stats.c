@@ -16,6 +16,7 @@
  *   ninja -C build-cpu shampoo_stats        (not built by default)
  *   build-cpu/shampoo_stats MODEL_DIR TOKENS.safetensors SAMPLES [SEQLEN]
  */
+#include <cblas.h>
 #include <lapacke.h>
 #include <math.h>
 #include <stdio.h>
@@ -53,7 +54,9 @@ static bk_status on_grads(void *user, int layer, int64_t s0, int64_t S, const bk
             s->Ash = calloc((size_t)(n * n), sizeof(double));
             s->Ak = calloc((size_t)(n * n), sizeof(double));
         }
-        for (int64_t r = 0; r < S * x->T; r++) {
+        const int64_t N = S * x->T;
+        double *sc = malloc((size_t)(N * n) * sizeof(double));
+        for (int64_t r = 0; r < N; r++) {
             const double *a = t->a[i] + r * n, *g = t->g[i] + r * m;
             double na = 0, ng = 0;
             for (int64_t k = 0; k < n; k++)
@@ -77,11 +80,14 @@ static bk_status on_grads(void *user, int layer, int64_t s0, int64_t S, const bk
                 s->sB_k0 += ng;
             }
             for (int64_t k = 0; k < n; k++)
-                for (int64_t l = 0; l <= k; l++) {
-                    s->Ash[k * n + l] += ng * a[k] * a[l];
-                    s->Ak[k * n + l] += a[k] * a[l];
-                }
+                sc[r * n + k] = sqrt(ng) * a[k];
         }
+        /* the lower triangles (row-major) of Σ a aᵀ and Σ |g|² a aᵀ, as dsyev reads them */
+        cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)N, 1.0, t->a[i], (int)n,
+                    1.0, s->Ak, (int)n);
+        cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)n, (int)N, 1.0, sc, (int)n, 1.0,
+                    s->Ash, (int)n);
+        free(sc);
     }
     return BK_OK;
 }
