@@ -83,7 +83,7 @@ typedef struct job {
     bk_st_stream *out;
     bk_outdir od; /* the output folder: lock, work folder (od.work), commit */
     int layer_begin, layer_end;
-    bk_resume *rs;   /* journal of finished layers (src/resume.c); NULL for backprop */
+    bk_resume *rs;   /* journal of finished layers (src/resume.c) */
     int first_layer; /* first layer to quantize: layer_begin, or after the kept ones */
     /* calibration */
     int32_t *tokens;
@@ -1435,8 +1435,9 @@ static bk_status quantize_layer(void *user, int l, bk_layer_weights *w)
 {
     job *j = user;
     j->t_io += j->drv.t_load_last;
-    if (j->bp)
-        return layer_tokens(j, l, w);
+    /* (backprop kinds: the flow's leaves call this; a resumed run redoes the
+     * flow, whose passes use the original model only, and rebuilds the kept
+     * layers from their saved codes as every kind does) */
     const int kept = layer_in_range(j, l) && l < j->first_layer;
     bk_status st = kept ? layer_rebuild(j, l, w) : layer_tokens(j, l, w);
     if (st == BK_OK && !kept && layer_in_range(j, l))
@@ -1717,13 +1718,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                       bk_hessian_name(o->hessian));
         goto fail;
     }
-    if (j->bp && o->resume) {
-        st = bk_error(BK_ERR_USAGE,
-                      "quantize: --resume: --hessian %s runs cannot be resumed (the backward "
-                      "flow keeps no journal); run without --resume",
-                      bk_hessian_name(o->hessian));
-        goto fail;
-    }
     if (j->bp && o->leaf_size < 1) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
@@ -1960,7 +1954,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
 
     /* the journal of finished layers; a resumed run is checked against the
      * interrupted one's arguments, model and calibration */
-    if (!j->bp && j->nranks <= 1) { /* (MPI ranks: no journal, --resume refused) */
+    if (j->nranks <= 1) { /* (MPI ranks: no journal, --resume refused) */
         bk_resume_source src = {
             .o = o, .backend = bk_backend_name(j->backend), .stages = j->ops->name,
             .gpu_math = bk_gemm_math_name(j->gemm_math), .S = j->S, .T = j->T,
