@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -59,8 +60,21 @@ __global__ void k_bias_rows(float *Y, int64_t rows, int64_t cols, const float *b
         Y[i] = __fadd_rn(Y[i], b[i % cols]);
 }
 
-/* h += (t + b): the module output first (bias included), then the residual. */
-__global__ void k_residual(float *h, const float *t, const float *b, int64_t rows, int64_t cols)
+/* Note a non-finite v at flat index i of an operation's output in its flag
+ * (fwd_internal.cuh, bk_gfwd::nf): the smallest index wins; a NULL flag
+ * checks nothing. Off the hot path only when v is not finite. */
+__device__ __forceinline__ void nf_note(unsigned long long *flag, float v, int64_t i)
+{
+    if (flag && !isfinite(v)) {
+        const unsigned long long cls = (isnan(v) ? 2ull : 0ull) | (signbit(v) ? 1ull : 0ull);
+        atomicMin(flag, ((unsigned long long)i << 2) | cls);
+    }
+}
+
+/* h += (t + b): the module output first (bias included), then the residual;
+ * nf_mod / nf_res flag the module output / the new residual stream. */
+__global__ void k_residual(float *h, const float *t, const float *b, int64_t rows, int64_t cols,
+                           unsigned long long *nf_mod, unsigned long long *nf_res)
 {
     const int64_t n = rows * cols;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
@@ -68,13 +82,17 @@ __global__ void k_residual(float *h, const float *t, const float *b, int64_t row
         float v = t[i];
         if (b)
             v = __fadd_rn(v, b[i % cols]);
-        h[i] = __fadd_rn(h[i], v);
+        nf_note(nf_mod, v, i);
+        const float r = __fadd_rn(h[i], v);
+        nf_note(nf_res, r, i);
+        h[i] = r;
     }
 }
 
-/* One warp per row: y = w * (x * (1 / sqrt(mean(x^2) + eps))). */
+/* One warp per row: y = w * (x * (1 / sqrt(mean(x^2) + eps))); nf_in / nf_out
+ * flag x / y (flat index row * n + i; y may equal x: x is read first). */
 __global__ void k_rmsnorm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
-                          float *y)
+                          float *y, unsigned long long *nf_in, unsigned long long *nf_out)
 {
     const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
@@ -84,6 +102,7 @@ __global__ void k_rmsnorm(const float *x, int64_t rows, int64_t n, const float *
     float *yr = y + row * n;
     double ss = 0.0;
     for (int64_t i = lane; i < n; i += 32) {
+        nf_note(nf_in, xr[i], row * n + i);
         double v = xr[i];
         ss = __dadd_rn(ss, __dmul_rn(v, v));
     }
@@ -91,8 +110,11 @@ __global__ void k_rmsnorm(const float *x, int64_t rows, int64_t n, const float *
         ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float var = (float)(ss / (double)n);
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
-    for (int64_t i = lane; i < n; i += 32)
-        yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
+    for (int64_t i = lane; i < n; i += 32) {
+        const float v = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
+        nf_note(nf_out, v, row * n + i);
+        yr[i] = v;
+    }
 }
 
 /* src token-major [N, heads*hd] -> dst head-major [S, heads, T, hd], rotated
@@ -100,7 +122,7 @@ __global__ void k_rmsnorm(const float *x, int64_t rows, int64_t n, const float *
  * rot (optional) receives the same values token-major. */
 __global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t heads, int64_t hd,
                              int64_t rep, const float *cs, const float *sn, int rotate, float *dst,
-                             float *rot)
+                             float *rot, unsigned long long *nf_in, unsigned long long *nf_out)
 {
     const int64_t h2 = hd / 2, total = N * heads * h2;
     for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
@@ -108,14 +130,19 @@ __global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t hea
         const int64_t i = idx % h2, r = idx / h2;
         const int64_t head = r % heads, n = r / heads;
         const int64_t pos = n % T, s = n / T;
-        const float *v = src + n * heads * hd + head * hd;
+        const int64_t at = n * heads * hd + head * hd; /* token-major [N, heads*hd] */
+        const float *v = src + at;
         float a = v[i], b = v[i + h2];
+        nf_note(nf_in, a, at + i);
+        nf_note(nf_in, b, at + i + h2);
         float ya = a, yb = b;
         if (rotate) {
             const float c = cs[pos * h2 + i], sv = sn[pos * h2 + i];
             ya = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sv));
             yb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sv));
         }
+        nf_note(nf_out, ya, at + i);
+        nf_note(nf_out, yb, at + i + h2);
         /* group-major [S, heads/rep, T, rep, hd]: the rows of a (sequence,
          * group) pair are its rep heads per position, position-major */
         const int64_t g = head / rep, hr = head % rep;
@@ -132,14 +159,16 @@ __global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t hea
 
 /* group-major [S, heads/rep, T, rep, hd] -> token-major [S*T, heads*hd] */
 __global__ void k_heads_to_tok(const float *oh, int64_t S, int64_t heads, int64_t T, int64_t hd,
-                               int64_t rep, float *o)
+                               int64_t rep, float *o, unsigned long long *nf_out)
 {
     const int64_t w = heads * hd, total = S * T * w;
     for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
          idx += (int64_t)gridDim.x * blockDim.x) {
         const int64_t c = idx % w, n = idx / w;
         const int64_t head = c / hd, i = c % hd, s = n / T, t = n % T;
-        o[idx] = oh[(((s * (heads / rep) + head / rep) * T + t) * rep + head % rep) * hd + i];
+        const float v = oh[(((s * (heads / rep) + head / rep) * T + t) * rep + head % rep) * hd + i];
+        nf_note(nf_out, v, idx);
+        o[idx] = v;
     }
 }
 
@@ -177,12 +206,19 @@ __global__ void k_causal_softmax(float *sc, int64_t nrows, int64_t T, int64_t rc
         x[j] = j <= t ? __fdiv_rn(x[j], fs) : 0.0f;
 }
 
-__global__ void k_swiglu(const float *g, const float *u, float *d, int64_t n)
+/* d = silu(g) * u; nf_g / nf_u / nf_d flag g / u / d. */
+__global__ void k_swiglu(const float *g, const float *u, float *d, int64_t n,
+                         unsigned long long *nf_g, unsigned long long *nf_u,
+                         unsigned long long *nf_d)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        const float z = g[i];
-        d[i] = __fmul_rn(__fdiv_rn(z, __fadd_rn(1.0f, expf(-z))), u[i]);
+        const float z = g[i], uu = u[i];
+        nf_note(nf_g, z, i);
+        nf_note(nf_u, uu, i);
+        const float v = __fmul_rn(__fdiv_rn(z, __fadd_rn(1.0f, expf(-z))), uu);
+        nf_note(nf_d, v, i);
+        d[i] = v;
     }
 }
 
@@ -577,8 +613,9 @@ bk_status bk_g_syrk(bk_gfwd *f, int64_t n, int64_t rows, const float *X, float *
     return BK_OK;
 }
 
-bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, const float *w,
-                       float *y)
+/* bk_g_rmsnorm, flagging x (nf_in) and y (nf_out) when not NULL. */
+static bk_status g_rmsnorm_nf(bk_gfwd *f, const float *x, int64_t rows, int64_t n, const float *w,
+                       float *y, unsigned long long *nf_in, unsigned long long *nf_out)
 {
     if (rows <= 0)
         return BK_OK;
@@ -586,8 +623,15 @@ bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, cons
     if (blocks > INT32_MAX)
         return bk_error(BK_ERR_INVALID_ARG, "GPU forward: %lld rows are too many for RMSNorm",
                         (long long)rows);
-    k_rmsnorm<<<(unsigned)blocks, 256, 0, f->c->stream>>>(x, rows, n, w, f->eps, y);
+    k_rmsnorm<<<(unsigned)blocks, 256, 0, f->c->stream>>>(x, rows, n, w, f->eps, y, nf_in,
+                                                           nf_out);
     return BK_LAUNCHED("k_rmsnorm");
+}
+
+bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, const float *w,
+                       float *y)
+{
+    return g_rmsnorm_nf(f, x, rows, n, w, y, NULL, NULL);
 }
 
 bk_status bk_g_first_nonfinite(bk_gfwd *f, const float *d, int64_t rows, int64_t cols,
@@ -619,6 +663,94 @@ bk_status bk_g_first_nonfinite(bk_gfwd *f, const float *d, int64_t rows, int64_t
     return BK_OK;
 }
 
+/* ------------------------------------------- non-finite activations */
+
+bk_status bk_gfwd_nf_clear(bk_gfwd *f)
+{
+    BK_CUDA_CHECK(cudaMemsetAsync(f->nf, 0xff, BK_FS_COUNT * sizeof(unsigned long long),
+                                  f->c->stream));
+    return BK_OK;
+}
+
+bk_status bk_gfwd_nf_fetch(bk_gfwd *f)
+{
+    BK_CUDA_CHECK(cudaMemcpyAsync(f->nf_host, f->nf, BK_FS_COUNT * sizeof(unsigned long long),
+                                  cudaMemcpyDeviceToHost, f->c->stream));
+    return BK_OK;
+}
+
+namespace {
+
+/* bk_fwd_wget over a device layer: each weight downloaded into host memory
+ * kept until the message is made */
+struct nf_weights {
+    const bk_glayer *lw;
+    float *host[8];
+    int n;
+    bk_status st;
+};
+
+const float *gpu_wget(void *ctx, bk_fwd_wref r, int64_t n)
+{
+    nf_weights *g = static_cast<nf_weights *>(ctx);
+    const float *d = NULL;
+    switch (r.kind) {
+    case BK_FW_WEIGHT: d = g->lw->w[r.mod]; break;
+    case BK_FW_BIAS: d = g->lw->b[r.mod]; break;
+    case BK_FW_ATTN_NORM: d = g->lw->attn_norm; break;
+    case BK_FW_MLP_NORM: d = g->lw->mlp_norm; break;
+    case BK_FW_Q_NORM: d = g->lw->q_norm; break;
+    case BK_FW_K_NORM: d = g->lw->k_norm; break;
+    }
+    if (!d || n <= 0 || g->n >= 8 || g->st != BK_OK)
+        return NULL;
+    float *h = static_cast<float *>(malloc((size_t)n * sizeof(float)));
+    if (!h)
+        return NULL;
+    cudaError_t e = cudaMemcpy(h, d, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) {
+        free(h);
+        g->st = bk_cuda_status(e, "downloading a weight for the non-finite message", __FILE__,
+                               __LINE__);
+        return NULL;
+    }
+    g->host[g->n++] = h;
+    return h;
+}
+
+} // namespace
+
+bk_status bk_gfwd_nf_report(bk_gfwd *f, const bk_glayer *lw)
+{
+    int site = -1;
+    for (int s = 0; s < BK_FS_COUNT; s++)
+        if (f->nf_host[s] != ~0ull) {
+            site = s;
+            break;
+        }
+    if (site < 0)
+        return BK_OK;
+    const unsigned long long code = f->nf_host[site];
+    const unsigned long long at = code >> 2;
+    const float inf = std::numeric_limits<float>::infinity();
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float value = (code & 2) ? ((code & 1) ? -nan : nan) : ((code & 1) ? -inf : inf);
+    const int64_t w = bk_fwd_site_width(&f->cfg, (bk_fwd_site)site);
+    nf_weights g;
+    memset(&g, 0, sizeof g);
+    g.lw = lw;
+    bk_status st = bk_fwd_nonfinite_error(&f->cfg, lw ? lw->layer : -1, (bk_fwd_site)site, value,
+                                          (int64_t)(at / (unsigned long long)w),
+                                          (int64_t)(at % (unsigned long long)w),
+                                          lw ? gpu_wget : NULL, &g);
+    for (int i = 0; i < g.n; i++)
+        free(g.host[i]);
+    if (g.st != BK_OK)
+        return g.st;
+    bk_gfwd_nf_clear(f); /* an error path: the next check starts clean */
+    return st;
+}
+
 /* ------------------------------------------------------------ the context */
 
 extern "C" void bk_gfwd_free(bk_gfwd *f)
@@ -634,6 +766,9 @@ extern "C" void bk_gfwd_free(bk_gfwd *f)
     bk_dev_free(c, f->lse_se);
     bk_dev_free(c, f->tok);
     bk_dev_free(c, f->flag);
+    bk_dev_free(c, f->nf);
+    if (f->nf_host)
+        cudaFreeHost(f->nf_host);
     bk_dev_free(c, f->emb);
     bk_dev_free(c, f->xb);
     if (f->blas)
@@ -748,6 +883,18 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
         f->tok = static_cast<int32_t *>(p);
     if (st == BK_OK && (st = bk_dev_alloc(f->c, &p, 2 * sizeof(unsigned long long), "flags")) == BK_OK)
         f->flag = static_cast<unsigned long long *>(p);
+    if (st == BK_OK && (st = bk_dev_alloc(f->c, &p, BK_FS_COUNT * sizeof(unsigned long long),
+                                          "non-finite flags")) == BK_OK)
+        f->nf = static_cast<unsigned long long *>(p);
+    if (st == BK_OK) {
+        st = bk_cuda_status(cudaHostAlloc(&p, BK_FS_COUNT * sizeof(unsigned long long),
+                                          cudaHostAllocDefault),
+                            "pinned host memory for the non-finite flags", __FILE__, __LINE__);
+        if (st == BK_OK)
+            f->nf_host = static_cast<unsigned long long *>(p);
+    }
+    if (st == BK_OK)
+        st = bk_gfwd_nf_clear(f);
     if (st == BK_OK && f->bf16) {
         int64_t wmax = f->hidden > f->qdim ? f->hidden : f->qdim;
         if (f->inter > wmax)
@@ -1042,7 +1189,8 @@ extern "C" bk_status bk_gfwd_attn_in(bk_gfwd *f, const bk_glayer *lw, const floa
                       lw->layer);
     if (st != BK_OK)
         return st;
-    return bk_g_rmsnorm(f, d_h, S * f->T, f->hidden, lw->attn_norm, d_x);
+    return g_rmsnorm_nf(f, d_h, S * f->T, f->hidden, lw->attn_norm, d_x, NULL,
+                        f->nf + BK_FS_ATTN_IN);
 }
 
 extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const float *d_x,
@@ -1063,20 +1211,28 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
         (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_K, kd, 1, f->k)) ||
         (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_V, kd, 1, f->v)))
         return st;
-    if (lw->q_norm && (st = bk_g_rmsnorm(f, f->q, N * f->nh, hd, lw->q_norm, f->q)) != BK_OK)
+    /* the q/k/v_proj outputs are flagged where they are read next (q_norm /
+     * k_norm or RoPE), the rotated queries and keys where RoPE writes them */
+    unsigned long long *nf = f->nf;
+    if (lw->q_norm && (st = g_rmsnorm_nf(f, f->q, N * f->nh, hd, lw->q_norm, f->q,
+                                         nf + BK_FS_Q, NULL)) != BK_OK)
         return st;
-    if (lw->k_norm && (st = bk_g_rmsnorm(f, f->k, N * f->nkv, hd, lw->k_norm, f->k)) != BK_OK)
+    if (lw->k_norm && (st = g_rmsnorm_nf(f, f->k, N * f->nkv, hd, lw->k_norm, f->k,
+                                         nf + BK_FS_K, NULL)) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->nh * hd / 2), 256, 0, sm>>>(f->q, N, T, f->nh, hd, f->rep, f->cos,
-                                                              f->sin, 1, f->qh, d_qrot);
+    k_rope_heads<<<bk_grid(N * f->nh * hd / 2), 256, 0, sm>>>(
+        f->q, N, T, f->nh, hd, f->rep, f->cos, f->sin, 1, f->qh, d_qrot,
+        lw->q_norm ? NULL : nf + BK_FS_Q, nf + BK_FS_QROT);
     if ((st = BK_LAUNCHED("k_rope_heads (queries)")) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->k, N, T, f->nkv, hd, 1, f->cos,
-                                                               f->sin, 1, f->kh, d_krot);
+    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(
+        f->k, N, T, f->nkv, hd, 1, f->cos, f->sin, 1, f->kh, d_krot,
+        lw->k_norm ? NULL : nf + BK_FS_K, nf + BK_FS_KROT);
     if ((st = BK_LAUNCHED("k_rope_heads (keys)")) != BK_OK)
         return st;
     k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->v, N, T, f->nkv, hd, 1, f->cos,
-                                                               f->sin, 0, f->vh, d_v);
+                                                               f->sin, 0, f->vh, d_v,
+                                                               nf + BK_FS_V, NULL);
     if ((st = BK_LAUNCHED("k_rope_heads (values)")) != BK_OK)
         return st;
 
@@ -1127,7 +1283,8 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
             }
         }
     }
-    k_heads_to_tok<<<bk_grid(N * qd), 256, 0, sm>>>(f->oh, S, f->nh, T, hd, rep, d_o);
+    k_heads_to_tok<<<bk_grid(N * qd), 256, 0, sm>>>(f->oh, S, f->nh, T, hd, rep, d_o,
+                                                    f->nf + BK_FS_O_IN);
     return BK_LAUNCHED("k_heads_to_tok");
 }
 
@@ -1145,8 +1302,8 @@ extern "C" bk_status bk_gfwd_attn_out(bk_gfwd *f, const bk_glayer *lw, const flo
     const int64_t N = S * f->T;
     if ((st = bk_g_linear_mod(f, d_o, N, f->qdim, lw, BK_MOD_O, f->hidden, 0, f->tmp)) != BK_OK)
         return st;
-    k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(d_h, f->tmp, lw->b[BK_MOD_O], N,
-                                                                 f->hidden);
+    k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(
+        d_h, f->tmp, lw->b[BK_MOD_O], N, f->hidden, f->nf + BK_FS_O_OUT, f->nf + BK_FS_RESID_ATTN);
     return BK_LAUNCHED("k_residual");
 }
 
@@ -1161,7 +1318,8 @@ extern "C" bk_status bk_gfwd_mlp_in(bk_gfwd *f, const bk_glayer *lw, const float
                       "GPU forward mlp_in: layer %d has no post_attention_layernorm", lw->layer);
     if (st != BK_OK)
         return st;
-    return bk_g_rmsnorm(f, d_h, S * f->T, f->hidden, lw->mlp_norm, d_x);
+    return g_rmsnorm_nf(f, d_h, S * f->T, f->hidden, lw->mlp_norm, d_x, NULL,
+                        f->nf + BK_FS_MLP_IN);
 }
 
 extern "C" bk_status bk_gfwd_mlp_hidden(bk_gfwd *f, const bk_glayer *lw, const float *d_x,
@@ -1182,7 +1340,8 @@ extern "C" bk_status bk_gfwd_mlp_hidden(bk_gfwd *f, const bk_glayer *lw, const f
     if ((st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_GATE, ni, 1, g)) ||
         (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_UP, ni, 1, u)))
         return st;
-    k_swiglu<<<bk_grid(N * ni), 256, 0, f->c->stream>>>(g, u, d_down, N * ni);
+    k_swiglu<<<bk_grid(N * ni), 256, 0, f->c->stream>>>(g, u, d_down, N * ni, f->nf + BK_FS_GATE,
+                                                        f->nf + BK_FS_UP, f->nf + BK_FS_DOWN_IN);
     return BK_LAUNCHED("k_swiglu");
 }
 
@@ -1201,8 +1360,9 @@ extern "C" bk_status bk_gfwd_mlp_out(bk_gfwd *f, const bk_glayer *lw, const floa
     if ((st = bk_g_linear_mod(f, d_down, N, f->inter, lw, BK_MOD_DOWN, f->hidden, 0, f->tmp)) !=
         BK_OK)
         return st;
-    k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(d_h, f->tmp, lw->b[BK_MOD_DOWN],
-                                                                 N, f->hidden);
+    k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(
+        d_h, f->tmp, lw->b[BK_MOD_DOWN], N, f->hidden, f->nf + BK_FS_DOWN_OUT,
+        f->nf + BK_FS_RESID_MLP);
     return BK_LAUNCHED("k_residual");
 }
 

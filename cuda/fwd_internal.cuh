@@ -40,6 +40,12 @@ struct bk_gfwd {
     int64_t score_floats;
     int32_t *tok;              /* [max_rows] token ids of a micro-batch */
     unsigned long long *flag;  /* [2] device scratch (finiteness checks) */
+    /* per operation of the layer (bk_fwd_site, src/forward_internal.h): the
+     * first non-finite entry of its output, (flat index << 2) | class (0 +Inf,
+     * 1 -Inf, 2 NaN, 3 -NaN), ~0 when none; marked by the kernels that read or
+     * write the output, read by bk_gfwd_nf_report */
+    unsigned long long *nf;    /* device [BK_FS_COUNT] */
+    unsigned long long *nf_host; /* pinned host copy [BK_FS_COUNT] */
     /* embedding table (raw dtype) while embedding */
     void *emb;
     int emb_dt;
@@ -92,5 +98,16 @@ bk_status bk_g_rmsnorm(bk_gfwd *f, const float *x, int64_t rows, int64_t n, cons
  * none, else its row, column and value. */
 bk_status bk_g_first_nonfinite(bk_gfwd *f, const float *d, int64_t rows, int64_t cols,
                                int *found, int64_t *row, int64_t *col, float *val);
+
+/* Non-finite activations of the layer forward (as the CPU's per-operation
+ * checks, one line naming the first operation; forward_internal.h):
+ * bk_gfwd_nf_clear resets the flags (async), bk_gfwd_nf_fetch queues their
+ * copy to the host (async: no synchronization of its own), and after the
+ * stream has been synchronized bk_gfwd_nf_report returns BK_ERR_NONFINITE
+ * naming the layer lw's first flagged operation (its weights are downloaded
+ * for the message, on that error path only), or BK_OK. */
+bk_status bk_gfwd_nf_clear(bk_gfwd *f);
+bk_status bk_gfwd_nf_fetch(bk_gfwd *f);
+bk_status bk_gfwd_nf_report(bk_gfwd *f, const bk_glayer *lw);
 
 #endif /* BK_FWD_INTERNAL_CUH */

@@ -52,7 +52,8 @@ void lfwd_embed_end(void *ctx)
 bk_status lfwd_layer_begin(void *ctx, const bk_layer_weights *lw)
 {
     cuda_lfwd *g = static_cast<cuda_lfwd *>(ctx);
-    return bk_glayer_upload(g->f, lw, &g->gl);
+    bk_status st = bk_gfwd_nf_clear(g->f);
+    return st == BK_OK ? bk_glayer_upload(g->f, lw, &g->gl) : st;
 }
 
 bk_status lfwd_layer_run(void *ctx, int64_t s0, int64_t sb)
@@ -69,10 +70,20 @@ bk_status lfwd_layer_taps(void *ctx, int64_t s0, int64_t sb, float *const taps[4
     t.o_in = g->tap[1];
     t.mlp_in = g->tap[2];
     t.down_in = g->tap[3];
-    bk_status st = bk_gfwd_layer(g->f, g->gl, sb, g->H + s0 * g->T * g->hidden, &t);
+    /* the per-operation non-finite flags of this micro-batch travel with its
+     * (synchronous) downloads; named as the CPU names them */
+    bk_status st = bk_gfwd_nf_clear(g->f);
+    if (st == BK_OK)
+        st = bk_gfwd_layer(g->f, g->gl, sb, g->H + s0 * g->T * g->hidden, &t);
+    if (st == BK_OK)
+        st = bk_gfwd_nf_fetch(g->f);
     for (int i = 0; i < 4 && st == BK_OK; i++)
         st = bk_gpu_download(g->f, taps[i], g->tap[i],
                              (size_t)(sb * g->T * g->widths[i]) * sizeof(float));
+    if (st == BK_OK)
+        st = bk_gpu_sync(g->f);
+    if (st == BK_OK)
+        st = bk_gfwd_nf_report(g->f, g->gl);
     return st;
 }
 
@@ -80,8 +91,18 @@ bk_status lfwd_layer_end(void *ctx)
 {
     cuda_lfwd *g = static_cast<cuda_lfwd *>(ctx);
     /* eval: the layer's work is finished before its weights go (the dump's
-     * synchronous downloads have finished it) */
-    bk_status st = g->taps ? BK_OK : bk_gpu_sync(g->f);
+     * synchronous downloads have finished it); a non-finite output of any of
+     * its operations (flags of all micro-batches: the row is within one of
+     * them) is named as the CPU names it */
+    bk_status st = BK_OK;
+    if (!g->taps) {
+        st = bk_gfwd_nf_fetch(g->f);
+        bk_status s2 = bk_gpu_sync(g->f);
+        if (st == BK_OK)
+            st = s2;
+        if (st == BK_OK)
+            st = bk_gfwd_nf_report(g->f, g->gl);
+    }
     bk_glayer_free(g->f, g->gl);
     g->gl = NULL;
     return st;

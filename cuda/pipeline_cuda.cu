@@ -55,6 +55,20 @@ double now_synced(gstages *g, bk_status *st)
     return bk_now();
 }
 
+/* The end of a stage's forward part: the per-operation non-finite flags are
+ * copied to the host ahead of the synchronization that times the part (no
+ * synchronization of their own), then the first operation of layer lw whose
+ * output was not finite is named as the CPU stages name it
+ * (src/forward_internal.h). */
+void forward_end(gstages *g, const bk_glayer *lw, double t, double *t_forward, bk_status *st)
+{
+    if (*st == BK_OK)
+        *st = bk_gfwd_nf_fetch(g->f);
+    *t_forward += now_synced(g, st) - t;
+    if (*st == BK_OK)
+        *st = bk_gfwd_nf_report(g->f, lw);
+}
+
 bk_status falloc(gstages *g, float **p, int64_t rows, int64_t cols, const char *what)
 {
     void *q = NULL;
@@ -175,7 +189,9 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         return bk_error(BK_ERR_INTERNAL, "GPU pipeline: stage without a layer");
     float *h = NULL, *o = NULL;
     double t = bk_now();
-    bk_status st = get_h(g, s0, sb, &h);
+    bk_status st = bk_gfwd_nf_clear(f);
+    if (st == BK_OK)
+        st = get_h(g, s0, sb, &h);
     if (st != BK_OK)
         return st;
     switch (stage) {
@@ -183,7 +199,7 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         st = bk_gfwd_attn_in(f, g->orig, h, sb, g->x);
         if (st == BK_OK && g->fully)
             st = bk_gfwd_attention(f, g->orig, g->x, sb, g->oscr, g->qrot, g->krot, NULL);
-        *t_forward += now_synced(g, &st) - t;
+        forward_end(g, g->orig, t, t_forward, &st);
         if (st != BK_OK)
             return st;
         t = bk_now();
@@ -199,7 +215,7 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
             st = bk_gfwd_attention(f, g->lw, g->x, sb, o, NULL, NULL, NULL);
         if (st == BK_OK)
             st = put_o(g, s0, sb);
-        *t_forward += now_synced(g, &st) - t;
+        forward_end(g, g->lw, t, t_forward, &st);
         if (st != BK_OK)
             return st;
         t = bk_now();
@@ -214,7 +230,7 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
             st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
         if (st == BK_OK)
             st = put_h(g, s0, sb);
-        *t_forward += now_synced(g, &st) - t;
+        forward_end(g, g->lw, t, t_forward, &st);
         if (st != BK_OK)
             return st;
         t = bk_now();
@@ -226,7 +242,7 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
         if (st == BK_OK)
             st = bk_gfwd_mlp_hidden(f, g->lw, g->x, sb, d, NULL, NULL);
-        *t_forward += now_synced(g, &st) - t;
+        forward_end(g, g->lw, t, t_forward, &st);
         if (st != BK_OK)
             return st;
         t = bk_now();
@@ -246,13 +262,13 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         }
         if (st == BK_OK)
             st = put_h(g, s0, sb);
-        *t_forward += now_synced(g, &st) - t;
+        forward_end(g, g->lw, t, t_forward, &st);
         return st;
     case BK_STAGE_FULL:
         st = bk_gfwd_layer(f, g->orig, sb, h, NULL);
         if (st == BK_OK)
             st = put_h(g, s0, sb);
-        *t_forward += now_synced(g, &st) - t;
+        forward_end(g, g->orig, t, t_forward, &st);
         return st;
     case BK_STAGE_TAPS: {
         bk_layer_taps taps = {g->x, g->oscr, g->mlp_in, g->down, g->fully ? g->qrot : NULL,
@@ -260,7 +276,7 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         st = bk_gfwd_layer(f, g->orig, sb, h, &taps);
         if (st == BK_OK)
             st = put_h(g, s0, sb);
-        *t_forward += now_synced(g, &st) - t;
+        forward_end(g, g->orig, t, t_forward, &st);
         if (st != BK_OK)
             return st;
         t = bk_now();

@@ -4,6 +4,7 @@
 # target. Builds build-fuzz with clang (-Dfuzzing=true, ASan + UBSan).
 #   scripts/fuzz.sh [SECONDS]         time per target
 #   scripts/fuzz.sh --runs N          N executions per target (what CI runs)
+#   scripts/fuzz.sh 600 tokens config only the named targets
 # New inputs go to build-fuzz/corpus/TARGET (the seed corpus in tests/fuzz is
 # not modified); a finding leaves crash-*/leak-*/timeout-* in build-fuzz/findings/
 # and makes the script exit 1.
@@ -12,16 +13,23 @@ cd "$(dirname "$0")/.."
 . scripts/lib/common.sh
 
 limit=(-max_total_time="${1:-60}")
-if [ "${1:-}" = "--runs" ]; then
-    limit=(-runs="${2:?--runs N}")
+[ $# -gt 0 ] && shift
+if [ "${limit[0]}" = "-max_total_time=--runs" ]; then
+    limit=(-runs="${1:?--runs N}")
+    shift
 fi
+all=(safetensors config index tokens preset actdump)
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=("${all[@]}")
+for t in "${targets[@]}"; do
+    case " ${all[*]} " in *" $t "*) ;; *) echo "fuzz.sh: no target '$t' (targets: ${all[*]})" >&2; exit 1 ;; esac
+done
 command -v clang >/dev/null || { echo "fuzz.sh: needs clang and libclang-rt-14-dev (scripts/lib/common.sh installs them)" >&2; exit 1; }
 export CC=clang
 if [ ! -f build-fuzz/build.ninja ]; then
     bk_log "meson setup build-fuzz (clang, -Dfuzzing=true)"
     meson setup build-fuzz -Dcuda=disabled -Dfuzzing=true -Dbuildtype=debugoptimized >/dev/null
 fi
-targets=(safetensors config index tokens preset actdump)
 bk_log "building the fuzz targets"
 ninja -C build-fuzz $(printf 'tests/fuzz_%s ' "${targets[@]}") >/dev/null
 

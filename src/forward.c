@@ -286,22 +286,168 @@ static bk_status check_finite(const float *a, uint64_t n, const char *name)
 
 /* ---------------------------------------------- non-finite activations */
 
-/* A weight that feeds an operation: its name (without "model.layers.L.") and
- * values, for the message when the operation's output is not finite. */
-typedef struct fwd_src {
-    const char *name;
-    const float *w;
-    int64_t n;
-} fwd_src;
+static const char *const site_names[BK_FS_COUNT] = {
+    [BK_FS_ATTN_IN] = "q/k/v_proj input (input_layernorm)",
+    [BK_FS_Q] = "q_proj output",
+    [BK_FS_K] = "k_proj output",
+    [BK_FS_V] = "v_proj output",
+    [BK_FS_QROT] = "queries (q_norm, RoPE)",
+    [BK_FS_KROT] = "keys (k_norm, RoPE)",
+    [BK_FS_O_IN] = "o_proj input (attention: softmax(q k^T) v)",
+    [BK_FS_O_OUT] = "o_proj output",
+    [BK_FS_RESID_ATTN] = "residual stream after attention",
+    [BK_FS_MLP_IN] = "gate/up_proj input (post_attention_layernorm)",
+    [BK_FS_GATE] = "gate_proj output",
+    [BK_FS_UP] = "up_proj output",
+    [BK_FS_DOWN_IN] = "down_proj input (silu(gate) * up)",
+    [BK_FS_DOWN_OUT] = "down_proj output",
+    [BK_FS_RESID_MLP] = "residual stream after the MLP",
+};
 
-/* BK_ERR_NONFINITE naming the layer, the operation whose output a[rows, cols]
- * holds the first NaN/Inf, where, and the largest-magnitude weight among the
- * operation's sources (the usual cause: a weight near the float range's end,
- * e.g. at the BF16 maximum, overflowing float32). The forward pass checks each
- * operation's output this way, so the first operation that produced a
- * non-finite value is the one named. */
-static bk_status fwd_check(const float *a, int64_t rows, int64_t cols, int layer, const char *op,
-                           const fwd_src *src, int nsrc)
+/* The weights feeding each site, in the order ties are broken (the first
+ * largest wins). */
+#define FW_W(m) {BK_FW_WEIGHT, BK_MOD_##m}
+#define FW_B(m) {BK_FW_BIAS, BK_MOD_##m}
+#define FW_N(k) {BK_FW_##k, BK_MOD_Q}
+static const struct {
+    int n;
+    bk_fwd_wref r[8];
+} site_src[BK_FS_COUNT] = {
+    [BK_FS_ATTN_IN] = {1, {FW_N(ATTN_NORM)}},
+    [BK_FS_Q] = {2, {FW_W(Q), FW_B(Q)}},
+    [BK_FS_K] = {2, {FW_W(K), FW_B(K)}},
+    [BK_FS_V] = {2, {FW_W(V), FW_B(V)}},
+    [BK_FS_QROT] = {3, {FW_W(Q), FW_B(Q), FW_N(Q_NORM)}},
+    [BK_FS_KROT] = {3, {FW_W(K), FW_B(K), FW_N(K_NORM)}},
+    [BK_FS_O_IN] = {8, {FW_W(Q), FW_W(K), FW_W(V), FW_B(Q), FW_B(K), FW_B(V), FW_N(Q_NORM),
+                        FW_N(K_NORM)}},
+    [BK_FS_O_OUT] = {2, {FW_W(O), FW_B(O)}},
+    [BK_FS_RESID_ATTN] = {2, {FW_W(O), FW_B(O)}},
+    [BK_FS_MLP_IN] = {1, {FW_N(MLP_NORM)}},
+    [BK_FS_GATE] = {2, {FW_W(GATE), FW_B(GATE)}},
+    [BK_FS_UP] = {2, {FW_W(UP), FW_B(UP)}},
+    [BK_FS_DOWN_IN] = {4, {FW_W(GATE), FW_W(UP), FW_B(GATE), FW_B(UP)}},
+    [BK_FS_DOWN_OUT] = {2, {FW_W(DOWN), FW_B(DOWN)}},
+    [BK_FS_RESID_MLP] = {2, {FW_W(DOWN), FW_B(DOWN)}},
+};
+#undef FW_W
+#undef FW_B
+#undef FW_N
+
+const char *bk_fwd_site_name(bk_fwd_site s)
+{
+    return (unsigned)s < BK_FS_COUNT ? site_names[s] : "?";
+}
+
+int64_t bk_fwd_site_width(const bk_model_config *c, bk_fwd_site s)
+{
+    const int64_t qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
+    switch (s) {
+    case BK_FS_Q:
+    case BK_FS_QROT:
+    case BK_FS_O_IN: return qd;
+    case BK_FS_K:
+    case BK_FS_V:
+    case BK_FS_KROT: return kd;
+    case BK_FS_GATE:
+    case BK_FS_UP:
+    case BK_FS_DOWN_IN: return c->intermediate;
+    default: return c->hidden;
+    }
+}
+
+/* The weight's name without "model.layers.L." and its element count. */
+static void wref_describe(const bk_model_config *c, bk_fwd_wref r, char *name, size_t cap,
+                          int64_t *n)
+{
+    int64_t o = 0, in = 0;
+    switch (r.kind) {
+    case BK_FW_WEIGHT:
+    case BK_FW_BIAS:
+        bk_module_shape(c, r.mod, &o, &in);
+        snprintf(name, cap, "%s.%s", bk_module_name(r.mod),
+                 r.kind == BK_FW_WEIGHT ? "weight" : "bias");
+        *n = r.kind == BK_FW_WEIGHT ? o * in : o;
+        return;
+    case BK_FW_ATTN_NORM:
+        snprintf(name, cap, "input_layernorm.weight");
+        *n = c->hidden;
+        return;
+    case BK_FW_MLP_NORM:
+        snprintf(name, cap, "post_attention_layernorm.weight");
+        *n = c->hidden;
+        return;
+    case BK_FW_Q_NORM:
+    case BK_FW_K_NORM:
+        snprintf(name, cap, "self_attn.%s_norm.weight", r.kind == BK_FW_Q_NORM ? "q" : "k");
+        *n = c->head_dim;
+        return;
+    }
+    snprintf(name, cap, "?");
+    *n = 0;
+}
+
+bk_status bk_fwd_nonfinite_error(const bk_model_config *c, int layer, bk_fwd_site site,
+                                 float value, int64_t row, int64_t col, bk_fwd_wget get,
+                                 void *ctx)
+{
+    char wname[80] = "";
+    float wmax = 0.0f;
+    int64_t wat = 0;
+    int have = 0;
+    if ((unsigned)site < BK_FS_COUNT) {
+        for (int k = 0; k < site_src[site].n; k++) {
+            char name[80];
+            int64_t n = 0;
+            wref_describe(c, site_src[site].r[k], name, sizeof name, &n);
+            const float *w = get ? get(ctx, site_src[site].r[k], n) : NULL;
+            if (!w)
+                continue;
+            for (int64_t e = 0; e < n; e++) {
+                float v = fabsf(w[e]);
+                if (!have || v > wmax) {
+                    snprintf(wname, sizeof wname, "%s", name);
+                    have = 1;
+                    wmax = v;
+                    wat = e;
+                }
+            }
+        }
+    }
+    char cause[200] = "";
+    if (have)
+        snprintf(cause, sizeof cause,
+                 "; the largest weight feeding it is model.layers.%d.%s = %g (element %lld)",
+                 layer, wname, (double)wmax, (long long)wat);
+    return bk_error(BK_ERR_NONFINITE,
+                    "layer %d %s: non-finite value %g at row %lld, column %lld: the float32 "
+                    "forward pass overflowed here%s",
+                    layer, bk_fwd_site_name(site), (double)value, (long long)row,
+                    (long long)col, cause);
+}
+
+/* The host weights of a CPU layer. */
+static const float *cpu_wget(void *ctx, bk_fwd_wref r, int64_t n)
+{
+    const bk_layer_weights *lw = ctx;
+    (void)n;
+    switch (r.kind) {
+    case BK_FW_WEIGHT: return lw->w[r.mod];
+    case BK_FW_BIAS: return lw->b[r.mod];
+    case BK_FW_ATTN_NORM: return lw->attn_norm;
+    case BK_FW_MLP_NORM: return lw->mlp_norm;
+    case BK_FW_Q_NORM: return lw->q_norm;
+    case BK_FW_K_NORM: return lw->k_norm;
+    }
+    return NULL;
+}
+
+/* BK_ERR_NONFINITE when the output a[rows, cols] of the site holds a NaN/Inf
+ * (bk_fwd_nonfinite_error). The forward pass checks each operation's output
+ * this way, so the first operation that produced a non-finite value is the
+ * one named. */
+static bk_status fwd_check(const bk_fwd *f, const float *a, int64_t rows, int64_t cols,
+                           const bk_layer_weights *lw, bk_fwd_site site)
 {
     int64_t n = rows * cols, i = 0;
     for (; i < n; i++)
@@ -309,31 +455,8 @@ static bk_status fwd_check(const float *a, int64_t rows, int64_t cols, int layer
             break;
     if (i == n)
         return BK_OK;
-    const char *wname = NULL;
-    float wmax = 0.0f;
-    int64_t wat = 0;
-    for (int k = 0; k < nsrc; k++) {
-        if (!src[k].w)
-            continue;
-        for (int64_t e = 0; e < src[k].n; e++) {
-            float v = fabsf(src[k].w[e]);
-            if (!wname || v > wmax) {
-                wname = src[k].name;
-                wmax = v;
-                wat = e;
-            }
-        }
-    }
-    char cause[200] = "";
-    if (wname)
-        snprintf(cause, sizeof cause,
-                 "; the largest weight feeding it is model.layers.%d.%s = %g (element %lld)",
-                 layer, wname, (double)wmax, (long long)wat);
-    return bk_error(BK_ERR_NONFINITE,
-                    "layer %d %s: non-finite value %g at row %lld, column %lld: the float32 "
-                    "forward pass overflowed here%s",
-                    layer, op, (double)a[i], (long long)(i / cols), (long long)(i % cols),
-                    cause);
+    return bk_fwd_nonfinite_error(&f->cfg, lw->layer, site, a[i], i / cols, i % cols, cpu_wget,
+                                  (void *)lw);
 }
 
 /* A 1-D tensor of n elements as F32 (finite). */
@@ -535,9 +658,7 @@ bk_status bk_fwd_attn_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, 
     if (st != BK_OK)
         return st;
     rmsnorm_rows(h, S * f->T, f->hidden, lw->attn_norm, f->eps, x);
-    const fwd_src src[] = {{"input_layernorm.weight", lw->attn_norm, f->hidden}};
-    return fwd_check(x, S * f->T, f->hidden, lw->layer, "q/k/v_proj input (input_layernorm)",
-                     src, 1);
+    return fwd_check(f, x, S * f->T, f->hidden, lw, BK_FS_ATTN_IN);
 }
 
 bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
@@ -552,22 +673,14 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
     if (st != BK_OK)
         return st;
     const int64_t T = f->T, N = S * T, hd = f->hd, qd = f->qdim, kd = f->kvdim;
-    const fwd_src sq[] = {{"self_attn.q_proj.weight", lw->w[BK_MOD_Q], qd * f->hidden},
-                          {"self_attn.q_proj.bias", lw->b[BK_MOD_Q], qd},
-                          {"self_attn.q_norm.weight", lw->q_norm, hd}};
-    const fwd_src sk[] = {{"self_attn.k_proj.weight", lw->w[BK_MOD_K], kd * f->hidden},
-                          {"self_attn.k_proj.bias", lw->b[BK_MOD_K], kd},
-                          {"self_attn.k_norm.weight", lw->k_norm, hd}};
-    const fwd_src sv[] = {{"self_attn.v_proj.weight", lw->w[BK_MOD_V], kd * f->hidden},
-                          {"self_attn.v_proj.bias", lw->b[BK_MOD_V], kd}};
     linear(x, N, f->hidden, lw->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], f->q);
-    if ((st = fwd_check(f->q, N, qd, lw->layer, "q_proj output", sq, 2)) != BK_OK)
+    if ((st = fwd_check(f, f->q, N, qd, lw, BK_FS_Q)) != BK_OK)
         return st;
     linear(x, N, f->hidden, lw->w[BK_MOD_K], kd, lw->b[BK_MOD_K], f->k);
-    if ((st = fwd_check(f->k, N, kd, lw->layer, "k_proj output", sk, 2)) != BK_OK)
+    if ((st = fwd_check(f, f->k, N, kd, lw, BK_FS_K)) != BK_OK)
         return st;
     linear(x, N, f->hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v);
-    if ((st = fwd_check(f->v, N, kd, lw->layer, "v_proj output", sv, 2)) != BK_OK)
+    if ((st = fwd_check(f, f->v, N, kd, lw, BK_FS_V)) != BK_OK)
         return st;
     if (lw->q_norm)
         rmsnorm_rows(f->q, N * f->nh, hd, lw->q_norm, f->eps, f->q);
@@ -578,8 +691,8 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
         bk_rope_apply(&f->rope, f->q + n * qd, f->nh, pos, +1);
         bk_rope_apply(&f->rope, f->k + n * kd, f->nkv, pos, +1);
     }
-    if ((st = fwd_check(f->q, N, qd, lw->layer, "queries (q_norm, RoPE)", sq, 3)) != BK_OK ||
-        (st = fwd_check(f->k, N, kd, lw->layer, "keys (k_norm, RoPE)", sk, 3)) != BK_OK)
+    if ((st = fwd_check(f, f->q, N, qd, lw, BK_FS_QROT)) != BK_OK ||
+        (st = fwd_check(f, f->k, N, kd, lw, BK_FS_KROT)) != BK_OK)
         return st;
     if (q_rot)
         memcpy(q_rot, f->q, (size_t)(N * qd) * sizeof(float));
@@ -607,9 +720,7 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
                         os + hh * hd, (blasint)qd);
         }
     }
-    const fwd_src sa[] = {sq[0], sk[0], sv[0], sq[1], sk[1], sv[1], sq[2], sk[2]};
-    return fwd_check(o_in, N, qd, lw->layer, "o_proj input (attention: softmax(q k^T) v)", sa,
-                     8);
+    return fwd_check(f, o_in, N, qd, lw, BK_FS_O_IN);
 }
 
 bk_status bk_fwd_attn_out(bk_fwd *f, const bk_layer_weights *lw, const float *o_in, int64_t S,
@@ -624,12 +735,10 @@ bk_status bk_fwd_attn_out(bk_fwd *f, const bk_layer_weights *lw, const float *o_
         return st;
     int64_t N = S * f->T;
     linear(o_in, N, f->qdim, lw->w[BK_MOD_O], f->hidden, lw->b[BK_MOD_O], f->tmp);
-    const fwd_src so[] = {{"self_attn.o_proj.weight", lw->w[BK_MOD_O], f->hidden * f->qdim},
-                          {"self_attn.o_proj.bias", lw->b[BK_MOD_O], f->hidden}};
-    if ((st = fwd_check(f->tmp, N, f->hidden, lw->layer, "o_proj output", so, 2)) != BK_OK)
+    if ((st = fwd_check(f, f->tmp, N, f->hidden, lw, BK_FS_O_OUT)) != BK_OK)
         return st;
     add_into(h, f->tmp, N * f->hidden);
-    return fwd_check(h, N, f->hidden, lw->layer, "residual stream after attention", so, 2);
+    return fwd_check(f, h, N, f->hidden, lw, BK_FS_RESID_ATTN);
 }
 
 bk_status bk_fwd_mlp_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
@@ -644,9 +753,7 @@ bk_status bk_fwd_mlp_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, i
     if (st != BK_OK)
         return st;
     rmsnorm_rows(h, S * f->T, f->hidden, lw->mlp_norm, f->eps, x);
-    const fwd_src src[] = {{"post_attention_layernorm.weight", lw->mlp_norm, f->hidden}};
-    return fwd_check(x, S * f->T, f->hidden, lw->layer,
-                     "gate/up_proj input (post_attention_layernorm)", src, 1);
+    return fwd_check(f, x, S * f->T, f->hidden, lw, BK_FS_MLP_IN);
 }
 
 bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
@@ -663,22 +770,17 @@ bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *
     int64_t N = S * f->T, ni = f->inter;
     float *g = gate_pre ? gate_pre : f->gate;
     float *u = up_pre ? up_pre : f->up;
-    const fwd_src sg[] = {{"mlp.gate_proj.weight", lw->w[BK_MOD_GATE], ni * f->hidden},
-                          {"mlp.gate_proj.bias", lw->b[BK_MOD_GATE], ni}};
-    const fwd_src su[] = {{"mlp.up_proj.weight", lw->w[BK_MOD_UP], ni * f->hidden},
-                          {"mlp.up_proj.bias", lw->b[BK_MOD_UP], ni}};
     linear(x, N, f->hidden, lw->w[BK_MOD_GATE], ni, lw->b[BK_MOD_GATE], g);
-    if ((st = fwd_check(g, N, ni, lw->layer, "gate_proj output", sg, 2)) != BK_OK)
+    if ((st = fwd_check(f, g, N, ni, lw, BK_FS_GATE)) != BK_OK)
         return st;
     linear(x, N, f->hidden, lw->w[BK_MOD_UP], ni, lw->b[BK_MOD_UP], u);
-    if ((st = fwd_check(u, N, ni, lw->layer, "up_proj output", su, 2)) != BK_OK)
+    if ((st = fwd_check(f, u, N, ni, lw, BK_FS_UP)) != BK_OK)
         return st;
     for (int64_t i = 0; i < N * ni; i++) {
         float z = g[i];
         down_in[i] = (z / (1.0f + expf(-z))) * u[i];
     }
-    const fwd_src sd[] = {sg[0], su[0], sg[1], su[1]};
-    return fwd_check(down_in, N, ni, lw->layer, "down_proj input (silu(gate) * up)", sd, 4);
+    return fwd_check(f, down_in, N, ni, lw, BK_FS_DOWN_IN);
 }
 
 bk_status bk_fwd_mlp_out(bk_fwd *f, const bk_layer_weights *lw, const float *down_in, int64_t S,
@@ -694,12 +796,10 @@ bk_status bk_fwd_mlp_out(bk_fwd *f, const bk_layer_weights *lw, const float *dow
         return st;
     int64_t N = S * f->T;
     linear(down_in, N, f->inter, lw->w[BK_MOD_DOWN], f->hidden, lw->b[BK_MOD_DOWN], f->tmp);
-    const fwd_src sd[] = {{"mlp.down_proj.weight", lw->w[BK_MOD_DOWN], f->hidden * f->inter},
-                          {"mlp.down_proj.bias", lw->b[BK_MOD_DOWN], f->hidden}};
-    if ((st = fwd_check(f->tmp, N, f->hidden, lw->layer, "down_proj output", sd, 2)) != BK_OK)
+    if ((st = fwd_check(f, f->tmp, N, f->hidden, lw, BK_FS_DOWN_OUT)) != BK_OK)
         return st;
     add_into(h, f->tmp, N * f->hidden);
-    return fwd_check(h, N, f->hidden, lw->layer, "residual stream after the MLP", sd, 2);
+    return fwd_check(f, h, N, f->hidden, lw, BK_FS_RESID_MLP);
 }
 
 bk_status bk_fwd_layer(bk_fwd *f, const bk_layer_weights *lw, int64_t S, float *h,

@@ -35,6 +35,8 @@ struct bk_st_file {
     int guard;                /* mapguard slot of the mapping, or -1 */
     struct stat snap;         /* the mapped file at open: size and mtime checked later */
     uint64_t header_n;
+    int header_only;          /* validate(): base holds only 8 + N bytes; set image_len */
+    uint64_t image_len;       /* header_only: the image size the header declares */
     size_t n;
     bk_tensor_info *t;        /* file order */
     size_t *by_name;          /* indices into t, sorted by name */
@@ -549,6 +551,14 @@ static bk_status validate(bk_st_file *f)
     }
     /* rule 11 */
     uint64_t total;
+    if (f->header_only) {
+        if (bk_add_u64(hend, start, &total)) {
+            st = bk_error(BK_ERR_ST_OVERFLOW, "%s: 8 + N + last end overflows 64 bits", label);
+            goto fail_sizes;
+        }
+        f->image_len = total; /* no tables: the data is not there */
+        goto fail_sizes;
+    }
     if (bk_add_u64(hend, start, &total) || total != len) {
         st = bk_error(BK_ERR_ST_FILE_SIZE,
                       "%s: file size does not match the header (got %zu bytes, expected 8 + N + "
@@ -743,9 +753,123 @@ bk_status bk_st_check_unchanged(const bk_st_file *f)
     return BK_OK;
 }
 
+static bk_status zst_prefix(const char *path, uint64_t max_header, uint64_t max_image,
+                            const char *bound_why, unsigned char **prefix, size_t *prefix_len,
+                            uint64_t *declared);
+
+/* Largest decompressed / compressed ratio of a zstd frame: a block decodes to
+ * at most 128 KiB (Block_Maximum_Size) and is at least 4 bytes long (3-byte
+ * block header + 1 byte of an RLE block); RFC 8878 section 3.1.1.2. */
+#define ZST_MAX_RATIO 32768ull
+
+/* A frame declaring more than its file can hold is refused before its
+ * declared size is trusted for anything (a decoding window, a buffer). */
+static bk_status zst_ratio_check(const char *path, unsigned long long want, size_t clen)
+{
+    if (want / ZST_MAX_RATIO <= clen)
+        return BK_OK;
+    return bk_error(BK_ERR_ZSTD,
+                    "%s: truncated or corrupt zstd stream (the frame declares %llu decompressed "
+                    "bytes; %zu compressed bytes hold at most %llu)",
+                    path, want, clen, (unsigned long long)clen * ZST_MAX_RATIO);
+}
+
+/* Decode the whole stream into a small scratch buffer (nothing kept, at most
+ * BK_ST_ZST_MAX_BYTES of output) and report a corrupt or truncated stream
+ * as BK_ERR_ZSTD; BK_OK otherwise. */
+static bk_status zst_verify(const char *path)
+{
+    struct stat sb;
+    int fd = bk_open_regular(path, &sb);
+    if (fd < 0)
+        return BK_ERR_IO;
+    size_t clen = (size_t)sb.st_size;
+    void *cmap = clen ? mmap(NULL, clen, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+    if (cmap == MAP_FAILED) {
+        close(fd);
+        return BK_OK; /* nothing to add to the caller's error */
+    }
+    const int guard = bk_mapguard_add(cmap, clen);
+    bk_status st = BK_OK;
+    ZSTD_DCtx *dctx = ZSTD_createDCtx();
+    const size_t cap = 1u << 17;
+    unsigned char *buf = malloc(cap);
+    if (dctx && buf) {
+        ZSTD_inBuffer in = {cmap, clen, 0};
+        uint64_t total = 0;
+        for (;;) {
+            ZSTD_outBuffer ob = {buf, cap, 0};
+            size_t before = in.pos;
+            size_t ret = ZSTD_decompressStream(dctx, &ob, &in);
+            if (ZSTD_isError(ret)) {
+                st = bk_error(BK_ERR_ZSTD, "%s: corrupt zstd stream: %s", path,
+                              ZSTD_getErrorName(ret));
+                break;
+            }
+            total += ob.pos;
+            if (ret == 0 && in.pos == in.size)
+                break;
+            if (total > BK_ST_ZST_MAX_BYTES)
+                break;
+            if (ob.pos < cap && (in.pos == in.size || in.pos == before)) {
+                st = bk_error(BK_ERR_ZSTD, "%s: truncated zstd stream (ends inside a frame)",
+                              path);
+                break;
+            }
+        }
+    }
+    free(buf);
+    ZSTD_freeDCtx(dctx);
+    bk_mapguard_remove(guard);
+    munmap(cmap, clen);
+    close(fd);
+    return st;
+}
+
 bk_status bk_st_open_zst(const char *path, bk_st_file **out)
 {
-    return bk_st_open_zst_max(path, BK_ST_ZST_MAX_BYTES, NULL, out);
+    if (!out || !path)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_st_open_zst: NULL argument");
+    *out = NULL;
+    /* The safetensors header inside declares the image's size (8 + N + the
+     * tensors' data): decode only the header, validate it, and let the frame
+     * decode into no more than that (issue 14 point 9: a tiny .zst may declare
+     * any size in its frame header). */
+    unsigned char *prefix = NULL;
+    size_t plen = 0;
+    uint64_t declared;
+    bk_status st = zst_prefix(path, BK_ST_MAX_HEADER, BK_ST_ZST_MAX_BYTES, NULL, &prefix, &plen,
+                              &declared);
+    if (st != BK_OK)
+        return st;
+    bk_st_file *h = NULL;
+    if ((st = file_new(path, &h)) != BK_OK) {
+        free(prefix);
+        return st;
+    }
+    h->base = prefix;
+    h->len = plen;
+    h->header_only = 1;
+    st = validate(h);
+    const uint64_t image = h->image_len;
+    file_free(h);
+    free(prefix);
+    if (st != BK_OK) {
+        /* a header spoilt by a corrupt stream: say so, as the whole decode would */
+        char why[1024];
+        snprintf(why, sizeof why, "%s", bk_last_error());
+        if (zst_verify(path) == BK_ERR_ZSTD)
+            return BK_ERR_ZSTD;
+        return bk_error(st, "%s", why);
+    }
+    if (image > BK_ST_ZST_MAX_BYTES)
+        return bk_error(BK_ERR_ZSTD,
+                        "%s: the safetensors header declares a %llu-byte image (8 + N + the "
+                        "tensors' data), more than the %llu bytes the reader decompresses",
+                        path, (unsigned long long)image, (unsigned long long)BK_ST_ZST_MAX_BYTES);
+    /* a frame declaring more is refused before decoding; one declaring less
+     * decodes to an image that fails rule 11 (file truncated) */
+    return bk_st_open_zst_max(path, image, "the safetensors header's shapes", out);
 }
 
 bk_status bk_st_open_zst_max(const char *path, uint64_t max_bytes, const char *bound_why,
@@ -797,6 +921,8 @@ bk_status bk_st_open_zst_max(const char *path, uint64_t max_bytes, const char *b
                       path, want, (unsigned long long)max_bytes, bound_why);
         goto done;
     }
+    if (known && (st = zst_ratio_check(path, want, clen)) != BK_OK)
+        goto done;
     /* with a known size, one spare byte makes any excess output visible */
     size_t cap = known ? (size_t)want + 1 : (clen < (1u << 20) ? (1u << 20) : clen * 4);
     if (!known && cap > max_bytes)
@@ -902,7 +1028,35 @@ bk_status bk_st_zst_header(const char *path, uint64_t max_header, uint64_t max_i
                            const char *bound_why, char **json, uint64_t *declared)
 {
     *json = NULL;
+    unsigned char *prefix = NULL;
+    size_t plen = 0;
+    bk_status st = zst_prefix(path, max_header, max_image, bound_why, &prefix, &plen, declared);
+    if (st != BK_OK)
+        return st;
+    char *j = malloc(plen - 8 + 1);
+    if (!j) {
+        free(prefix);
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory", path);
+    }
+    memcpy(j, prefix + 8, plen - 8);
+    j[plen - 8] = '\0';
+    free(prefix);
+    *json = j;
+    return BK_OK;
+}
+
+/* Decode the first 8 + N bytes of a .safetensors.zst (the length and the
+ * header it announces, N <= max_header) into *prefix (to free, *prefix_len =
+ * 8 + N); *declared as in bk_st_zst_header. */
+static bk_status zst_prefix(const char *path, uint64_t max_header, uint64_t max_image,
+                            const char *bound_why, unsigned char **prefix, size_t *prefix_len,
+                            uint64_t *declared)
+{
+    *prefix = NULL;
+    *prefix_len = 0;
     *declared = UINT64_MAX;
+    if (!bound_why)
+        bound_why = "the reader's limit";
     bk_status st = BK_OK;
     struct stat sb;
     int fd = bk_open_regular(path, &sb);
@@ -938,9 +1092,11 @@ bk_status bk_st_zst_header(const char *path, uint64_t max_header, uint64_t max_i
                       path, want, (unsigned long long)max_image, bound_why);
         goto done;
     }
+    if (want != ZSTD_CONTENTSIZE_UNKNOWN && (st = zst_ratio_check(path, want, clen)) != BK_OK)
+        goto done;
     /* decode the 8-byte length, then the header it announces, and stop */
     size_t cap = 8;
-    buf = malloc(8 + max_header + 1);
+    buf = malloc(8);
     dctx = ZSTD_createDCtx();
     if (!buf || !dctx) {
         st = bk_error(BK_ERR_NOMEM, "%s: out of memory", path);
@@ -978,19 +1134,18 @@ bk_status bk_st_zst_header(const char *path, uint64_t max_header, uint64_t max_i
                 goto done;
             }
             cap = 8 + (size_t)n;
+            unsigned char *nb = realloc(buf, cap);
+            if (!nb) {
+                st = bk_error(BK_ERR_NOMEM, "%s: out of memory for a %llu-byte header", path,
+                              (unsigned long long)n);
+                goto done;
+            }
+            buf = nb;
         }
     }
-    {
-        size_t n = cap - 8;
-        char *j = malloc(n + 1);
-        if (!j) {
-            st = bk_error(BK_ERR_NOMEM, "%s: out of memory", path);
-            goto done;
-        }
-        memcpy(j, buf + 8, n);
-        j[n] = '\0';
-        *json = j;
-    }
+    *prefix = buf;
+    *prefix_len = cap;
+    buf = NULL;
 done:
     ZSTD_freeDCtx(dctx);
     free(buf);

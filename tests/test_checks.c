@@ -97,6 +97,113 @@ static void test_zst_bound(void **state)
     unlink(path);
 }
 
+/* A zstd frame declaring `declared` bytes: body as a raw block, then `rle`
+ * RLE blocks of 128 KiB zeros (a small file whose frame is decoded block by
+ * block: the lie, if any, shows only at its end). */
+static void write_frame_rle(const char *path, uint64_t declared, const void *body, size_t n,
+                            int rle)
+{
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    unsigned char h[4 + 1 + 1 + 8] = {0x28, 0xb5, 0x2f, 0xfd, 0xC0, 10 << 3};
+    for (int i = 0; i < 8; i++)
+        h[6 + i] = (unsigned char)(declared >> (8 * i));
+    assert_int_equal(fwrite(h, 1, sizeof h, f), sizeof h);
+    for (int b = 0; b <= rle; b++) {
+        const int last = b == rle;
+        uint32_t bh = b == 0 ? (uint32_t)last | ((uint32_t)n << 3)
+                             : (uint32_t)last | (1u << 1) | ((uint32_t)(128u << 10) << 3);
+        unsigned char bb[3] = {(unsigned char)bh, (unsigned char)(bh >> 8),
+                               (unsigned char)(bh >> 16)};
+        assert_int_equal(fwrite(bb, 1, 3, f), 3);
+        if (b == 0)
+            assert_int_equal(fwrite(body, 1, n, f), n);
+        else
+            assert_int_equal(fputc(0, f), 0);
+    }
+    fclose(f);
+}
+
+/* bk_st_open_zst (token files, bakron inspect/solve on a .zst): the bound is
+ * the image size the safetensors header inside declares, checked against the
+ * frame's declared size before the image's buffer exists. */
+static void test_zst_header_bound(void **state)
+{
+    (void)state;
+    char path[] = "/tmp/bk-zsth-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    /* input_ids I32 [2, 4]: 8 + 72 + 32 bytes */
+    const char hdr[] = "{\"input_ids\":{\"dtype\":\"I32\",\"shape\":[2,4],\"data_offsets\":[0,32]}}";
+    const size_t hn = sizeof hdr - 1, n = 8 + hn + 32;
+    unsigned char img[256];
+    assert_true(n <= sizeof img);
+    for (int i = 0; i < 8; i++)
+        img[i] = (unsigned char)((uint64_t)hn >> (8 * i));
+    memcpy(img + 8, hdr, hn);
+    for (int i = 0; i < 8; i++) {
+        int32_t v = i + 1;
+        memcpy(img + 8 + hn + 4 * i, &v, 4);
+    }
+    bk_st_file *f = NULL;
+    char want[160];
+    snprintf(want, sizeof want, "more than the %zu bytes allowed by the safetensors header's shapes",
+             n);
+    /* the frame declares 60 GiB in ~130 bytes: more than any zstd stream of
+     * that size holds (a block is >= 4 bytes and decodes to <= 128 KiB) */
+    write_frame(path, 60ull << 30, img, n);
+    assert_int_equal(bk_st_open_zst(path, &f), BK_ERR_ZSTD);
+    assert_null(f);
+    assert_int_equal(bk_status_exit_code(BK_ERR_ZSTD), 2);
+    assert_non_null(strstr(bk_last_error(), "truncated or corrupt zstd stream (the frame declares "
+                                            "64424509440 decompressed bytes"));
+    /* an honest frame of 1 MiB + 112 bytes in ~160 bytes (the header, then
+     * RLE zeros): possible for the stream's size, not for the header's
+     * shapes; refused before its buffer exists */
+    write_frame_rle(path, n + (8u << 17), img, n, 8);
+    struct stat sb;
+    assert_int_equal(stat(path, &sb), 0);
+    assert_true(sb.st_size < 200);
+    assert_int_equal(bk_st_open_zst(path, &f), BK_ERR_ZSTD);
+    assert_null(f);
+    char dec[64];
+    snprintf(dec, sizeof dec, "declares %zu decompressed bytes", n + (8u << 17));
+    assert_non_null(strstr(bk_last_error(), dec));
+    assert_non_null(strstr(bk_last_error(), want));
+    /* one byte more than the block holds: the decoder's own check */
+    write_frame(path, n + 1, img, n);
+    assert_int_equal(bk_st_open_zst(path, &f), BK_ERR_ZSTD);
+    assert_null(f);
+    /* the honest frame reads */
+    write_frame(path, n, img, n);
+    assert_int_equal(bk_st_open_zst(path, &f), BK_OK);
+    const bk_tensor_info *t = bk_st_find(f, "input_ids");
+    assert_non_null(t);
+    assert_int_equal(t->shape[0], 2);
+    bk_st_close(f);
+    /* a header and a frame that agree on 32 GiB in a frame of a few hundred
+     * bytes */
+    const char big[] =
+        "{\"input_ids\":{\"dtype\":\"I32\",\"shape\":[1073741824,8],\"data_offsets\":[0,"
+        "34359738368]}}";
+    const size_t bn = sizeof big - 1;
+    unsigned char bimg[256];
+    for (int i = 0; i < 8; i++)
+        bimg[i] = (unsigned char)((uint64_t)bn >> (8 * i));
+    memcpy(bimg + 8, big, bn);
+    write_frame(path, 8 + bn + (32ull << 30), bimg, 8 + bn);
+    assert_int_equal(bk_st_open_zst(path, &f), BK_ERR_ZSTD);
+    assert_null(f);
+    assert_non_null(strstr(bk_last_error(), "truncated or corrupt zstd stream"));
+    /* a malformed header in a sound stream is named as such (rule 5) */
+    bimg[8] = '!';
+    write_frame(path, 8 + bn, bimg, 8 + bn);
+    assert_int_equal(bk_st_open_zst(path, &f), BK_ERR_ST_JSON);
+    assert_non_null(strstr(bk_last_error(), "header is not valid JSON"));
+    unlink(path);
+}
+
 /* Messages are one line of valid UTF-8: control characters and invalid bytes
  * from input files are escaped (issue 14 point 12). */
 static void test_escape(void **state)
@@ -175,6 +282,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sha256_vectors),
         cmocka_unit_test(test_zst_bound),
+        cmocka_unit_test(test_zst_header_bound),
         cmocka_unit_test(test_escape),
         cmocka_unit_test(test_copy_reason),
         cmocka_unit_test(test_shard_is_folder),

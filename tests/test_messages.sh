@@ -61,6 +61,32 @@ json.dump(c, open(p, "w"))
 EOF
 expect 2 "m3/config\.json: rope_theta = 1e-50 makes a RoPE frequency non-finite" "$B" "${Q[@]}" m3 --out o3
 
+# --- a calibration token .zst whose zstd frame declares more than the file's
+# own safetensors header allows (issue 14 point 9): bad input, before any work
+python3 - "$M/calib.safetensors" <<'EOF'
+import struct, sys
+img = open(sys.argv[1], "rb").read()
+def frame(declared, body, rle):     # raw blocks with body, then rle RLE blocks of 128 KiB zeros
+    f = b"\x28\xb5\x2f\xfd" + bytes([0xC0, 10 << 3]) + struct.pack("<Q", declared)
+    blocks = [(0, len(body[i:i + 65536]), body[i:i + 65536]) for i in range(0, len(body), 65536)]
+    blocks += [(1, 1 << 17, b"\0")] * rle
+    for i, (kind, size, data) in enumerate(blocks):
+        last = 1 if i == len(blocks) - 1 else 0
+        f += struct.pack("<I", last | kind << 1 | size << 3)[:3] + data
+    return f
+open("honest.safetensors.zst", "wb").write(frame(len(img), img, 0))
+open("shapes.safetensors.zst", "wb").write(frame(len(img) + (16 << 17), img, 16))
+open("huge.safetensors.zst", "wb").write(frame(60 << 30, img, 0))
+EOF
+"$B" inspect honest.safetensors.zst >/dev/null 2>err || die "the honest token .zst does not read: $(cat err)"
+n=$(stat -c %s "$M/calib.safetensors")
+expect 2 "shapes\.safetensors\.zst: the zstd frame declares $((n + (16 << 17))) decompressed bytes, more than the $n bytes allowed by the safetensors header's shapes" \
+    "$B" "${Q[@]}" --calib shapes.safetensors.zst "$M" --out o5
+expect 2 "huge\.safetensors\.zst: truncated or corrupt zstd stream \(the frame declares 64424509440 decompressed bytes; [0-9]+ compressed bytes hold at most" \
+    "$B" "${Q[@]}" --calib huge.safetensors.zst "$M" --out o5
+expect 2 "shapes\.safetensors\.zst: the zstd frame declares" "$B" inspect shapes.safetensors.zst
+[ -e o5 ] && die "an output folder was left"
+
 # --- control characters and invalid UTF-8 from an input file are escaped
 printf '{"model_type": "gpt\\u001b[31m\xff", "hidden_size": 8}' >esc.json
 "$B" inspect esc.json >/dev/null 2>err; rc=$?
