@@ -1,5 +1,6 @@
 /* CUDA backend — device discovery and status strings. */
 #include <cstdio>
+#include <cstring>
 
 #include "common.cuh"
 #include "backend_impl.h"
@@ -13,6 +14,17 @@ extern "C" int bk_cuda_count_devices(void)
         return 0;
     }
     return n;
+}
+
+extern "C" int bk_cuda_device_uuid(int device, unsigned char uuid[16])
+{
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    memcpy(uuid, prop.uuid.bytes, 16);
+    return 1;
 }
 
 const char *bk_cublas_status_string(cublasStatus_t s)

@@ -199,13 +199,37 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
     int *dinfo = NULL;
     *step = 0;
     double tp = bk_now();
-    BK_CUSOLVER_CHECK(potrf_bs(c->cusolver, (int)k, X, (int)ld, &lw));
-    BK_CUSOLVER_CHECK(cusolverDnXtrtri_bufferSize(c->cusolver, CUBLAS_FILL_MODE_UPPER,
-                                                  CUBLAS_DIAG_NON_UNIT,
-                                                  k < TRI_LEAF ? k : TRI_LEAF, cuda_type<R>(), X,
-                                                  ld, &twd, &twh));
-    st = bk_dev_alloc(c, (void **)&work, sizeof(R) * (size_t)(lw > 0 ? lw : 1),
+    /* orders whose k x ld buffer exceeds 2^31 elements (a 405B-width
+     * down_proj: 53248) go through cuSOLVER's 64-bit potrf; the smaller ones
+     * keep the 32-bit entry their results were validated with */
+    const int big = k * ld > (int64_t)2147483647;
+    cusolverDnParams_t prm = NULL;
+    size_t pwd = 0, pwh = 0;
+    void *phost = NULL;
+    if (big) {
+        BK_CUSOLVER_CHECK(cusolverDnCreateParams(&prm));
+        bk_status pst = bk_cusolver_status(
+            cusolverDnXpotrf_bufferSize(c->cusolver, prm, CUBLAS_FILL_MODE_UPPER, k, cuda_type<R>(),
+                                        X, ld, cuda_type<R>(), &pwd, &pwh),
+            "cusolverDnXpotrf_bufferSize", __FILE__, __LINE__);
+        if (pst != BK_OK) {
+            cusolverDnDestroyParams(prm);
+            return pst;
+        }
+        lw = (int)((pwd + sizeof(R) - 1) / sizeof(R)); /* the device workspace, in elements */
+    } else {
+        BK_CUSOLVER_CHECK(potrf_bs(c->cusolver, (int)k, X, (int)ld, &lw));
+    }
+    BK_CUSOLVER_GOTO(cusolverDnXtrtri_bufferSize(c->cusolver, CUBLAS_FILL_MODE_UPPER,
+                                                 CUBLAS_DIAG_NON_UNIT,
+                                                 k < TRI_LEAF ? k : TRI_LEAF, cuda_type<R>(), X,
+                                                 ld, &twd, &twh),
+                     st, done);
+    st = bk_dev_alloc(c, (void **)&work,
+                      big ? (pwd > 0 ? pwd : 1) : sizeof(R) * (size_t)(lw > 0 ? lw : 1),
                       "factor: cuSOLVER workspace");
+    if (st == BK_OK && pwh > 0 && !(phost = malloc(pwh)))
+        st = bk_error(BK_ERR_NOMEM, "factor: out of host memory");
     if (st == BK_OK)
         st = bk_dev_alloc(c, &twork, twd > 0 ? twd : 1, "factor: trtri workspace");
     if (st == BK_OK && twh > 0 && !(thost = malloc(twh)))
@@ -219,7 +243,14 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
     bk_cuda_pmark(c->stream, &tp, "fac.alloc");
     for (int s = 1; s <= 2; s++) {
         if (s == 1) {
-            BK_CUSOLVER_GOTO(potrf(c->cusolver, (int)k, X, (int)ld, work, lw, dinfo), st, done);
+            if (big)
+                BK_CUSOLVER_GOTO(cusolverDnXpotrf(c->cusolver, prm, CUBLAS_FILL_MODE_UPPER, k,
+                                                  cuda_type<R>(), X, ld, cuda_type<R>(), work, pwd,
+                                                  phost, pwh, dinfo),
+                                 st, done);
+            else
+                BK_CUSOLVER_GOTO(potrf(c->cusolver, (int)k, X, (int)ld, work, lw, dinfo), st,
+                                 done);
             BK_CUDA_GOTO(cudaMemcpyAsync(&info, dinfo, sizeof info, cudaMemcpyDeviceToHost,
                                          c->stream),
                          st, done);
@@ -266,6 +297,9 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
 done:
     free(dh);
     free(thost);
+    free(phost);
+    if (prm)
+        cusolverDnDestroyParams(prm);
     bk_dev_free(c, d);
     bk_dev_free(c, dinfo);
     bk_dev_free(c, work);

@@ -1341,6 +1341,80 @@ extern "C" bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk
     return factors_impl(a, orig, mod, 1, A, B, A_plain);
 }
 
+/* ------------------------------------------------- sums (MPI ranks) */
+
+extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int rw,
+                                   bk_stage_buf_fn fn, void *user)
+{
+    if (!a || !fn)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU hessian: NULL argument to bk_ghess_sums");
+    if (a->bp)
+        return bk_error(BK_ERR_UNSUPPORTED, "GPU hessian: the sums of the backprop kinds are "
+                        "not exchanged between ranks");
+    int grp[G_COUNT] = {0};
+    for (int m = 0; m < BK_MOD_COUNT; m++) {
+        if (!(modules & (1u << m)))
+            continue;
+        switch ((bk_module)m) {
+        case BK_MOD_Q: case BK_MOD_K: case BK_MOD_V: grp[G_ATTN] = 1; break;
+        case BK_MOD_O: grp[G_O] = 1; break;
+        case BK_MOD_GATE: case BK_MOD_UP: grp[G_MLP] = 1; break;
+        default: grp[G_DOWN] = 1; break;
+        }
+    }
+    bk_status st = BK_OK;
+    auto gram = [&](dgram *g) {
+        if (st != BK_OK || !g->s)
+            return;
+        st = bk_gpu_stage_buf(a->f, g->s, (size_t)(g->n * g->n), a->fp64, dev, rw, fn, user);
+    };
+    const int64_t hh = a->hd * a->hd;
+    if (grp[G_ATTN]) {
+        gram(&a->x_attn);
+        gram(&a->a_q);
+        gram(&a->a_k);
+        if (st == BK_OK && a->bq)
+            st = bk_gpu_stage_buf(a->f, a->bq, (size_t)((a->qknorm ? a->H : a->G) * hh), 1, dev,
+                                  rw, fn, user);
+        if (st == BK_OK && a->bk)
+            st = bk_gpu_stage_buf(a->f, a->bk, (size_t)(a->G * hh), 1, dev, rw, fn, user);
+    }
+    if (grp[G_O])
+        gram(&a->x_o);
+    if (grp[G_MLP]) {
+        gram(&a->x_mlp);
+        gram(&a->a_gate);
+        gram(&a->a_up);
+        gram(&a->b_gate);
+        gram(&a->b_up);
+    }
+    if (grp[G_DOWN])
+        gram(&a->x_down);
+    if (st != BK_OK)
+        return st;
+    /* counts and scalar sums of the groups (host doubles, as the CPU's) */
+    double sc[G_COUNT + 2];
+    size_t k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            sc[k++] = (double)a->count[g];
+    if (grp[G_ATTN]) {
+        sc[k++] = (double)a->n_pairs;
+        sc[k++] = a->v_wb;
+    }
+    if ((st = fn(user, sc, k, 1, 0, NULL)) != BK_OK)
+        return st;
+    k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            a->count[g] = (int64_t)sc[k++];
+    if (grp[G_ATTN]) {
+        a->n_pairs = (int64_t)sc[k++];
+        a->v_wb = sc[k++];
+    }
+    return BK_OK;
+}
+
 extern "C" bk_status bk_ghess_set_grads(bk_ghess *a, const bk_hess_acc *g)
 {
     if (!a || !g)

@@ -352,6 +352,30 @@ bk_status g_weight_updated(void *ctx, bk_module mod, const float *w)
     return bk_glayer_set(g->f, g->lw, mod, w);
 }
 
+/* MPI ranks: the accumulators' sums and a solved module's working weight to a
+ * collective of the driver. */
+bk_status g_sums(void *ctx, unsigned modules, int dev, int rw, bk_stage_buf_fn fn, void *user)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    return bk_ghess_sums(g->acc, modules, dev, rw, fn, user);
+}
+
+bk_status g_share_weight(void *ctx, bk_module mod, int dev, int rw, bk_stage_buf_fn fn,
+                         void *user)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    if (!g->lw || !g->lw->w[mod])
+        return bk_error(BK_ERR_INTERNAL, "GPU pipeline: weight exchange without a layer");
+    int64_t o, in;
+    bk_module_shape(&g->cfg, mod, &o, &in);
+    bk_status st = bk_gpu_stage_buf(g->f, g->lw->w[mod], (size_t)(o * in), 0, dev, rw, fn, user);
+    if (st == BK_OK && (rw & BK_BUF_WRITE)) /* received: its BF16 copy follows */
+        st = bk_glayer_sync_bf16(g->f, g->lw, mod);
+    if (st == BK_OK)
+        st = bk_gpu_sync(g->f);
+    return st;
+}
+
 /* Everything but the context itself. */
 void g_release(gstages *g)
 {
@@ -404,8 +428,39 @@ bk_status g_bp_grads(void *ctx, const bk_bp_side *side)
 
 const bk_stage_ops gpu_stage_ops = {
     "cuda", g_embed, g_layer_begin, g_run, g_factors, g_weight_updated, g_factors_dev,
-    g_solve_dev, g_layer_end, g_destroy, g_describe, g_bp_grads,
+    g_solve_dev, g_layer_end, g_destroy, g_describe, g_bp_grads, g_sums, g_share_weight,
 };
+
+} // namespace
+
+extern "C" bk_status bk_gpu_stage_buf(bk_gfwd *f, void *d, size_t n, int f64, int dev, int rw,
+                                      bk_stage_buf_fn fn, void *user)
+{
+    if (n == 0)
+        return BK_OK;
+    if (dev)
+        return fn(user, d, n, f64, 1, f->c->stream);
+    const size_t es = f64 ? sizeof(double) : sizeof(float);
+    const size_t step = ((size_t)256 << 20) / es;
+    void *h = bk_alloc(n < step ? n : step, es);
+    if (!h)
+        return bk_error(BK_ERR_NOMEM, "out of host memory for a copy of a device buffer");
+    bk_status st = BK_OK;
+    for (size_t i = 0; i < n && st == BK_OK; i += step) {
+        const size_t k = n - i < step ? n - i : step;
+        char *dp = static_cast<char *>(d) + i * es;
+        if (rw & BK_BUF_READ)
+            st = bk_gpu_download(f, h, dp, k * es);
+        if (st == BK_OK)
+            st = fn(user, h, k, f64, 0, NULL);
+        if (st == BK_OK && (rw & BK_BUF_WRITE))
+            st = bk_gpu_upload(f, dp, h, k * es);
+    }
+    free(h);
+    return st;
+}
+
+namespace {
 
 /* Sequences per micro-batch: the forward scratch and stage buffers of one
  * micro-batch around 2 GiB. */

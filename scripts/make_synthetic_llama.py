@@ -3,14 +3,21 @@
 hosts without network access (issue 6; docs/BENCHMARKS.md "Pipeline on the
 GPU"), plus random calibration tokens.
 
-    scripts/make_synthetic_llama.py OUT --shape 8b|1b [--seed S]
+    scripts/make_synthetic_llama.py OUT --shape 8b|1b|70b|405b [--seed S]
         [--calib-seqs 256] [--calib-len 2048] [--max-shard-bytes 5e9]
+        [--layers L] [--vocab V]
 
 --shape 8b: Llama-3-8B (32 layers, hidden 4096, intermediate 14336, 32 / 8
 heads, head_dim 128, vocab 128256, untied, rope llama3 factor 8); --shape 1b:
 Llama-3.2-1B (16 layers, hidden 2048, intermediate 8192, 32 / 8 heads,
-head_dim 64, tied embeddings, rope llama3 factor 32). --shape tiny is a
-2-layer toy for checking the script itself.
+head_dim 64, tied embeddings, rope llama3 factor 32); --shape 70b:
+Llama-3-70B (80 layers, hidden 8192, intermediate 28672, 64 / 8 heads,
+vocab 128256, untied); --shape 405b: Llama-3.1-405B (126 layers, hidden
+16384, intermediate 53248, 128 / 8 heads). --shape tiny is a 2-layer toy
+for checking the script itself. --layers L keeps the widths with L layers
+(a 70B-width model whose checkpoint fits a disk: 1.71 GB per 70B layer,
+6.5 GB per 405B layer, plus 2 x vocab x hidden x 2 bytes of embeddings and
+head); --vocab V replaces the vocabulary (width checks on a small machine).
 
 Weights are BF16, sharded safetensors with model.safetensors.index.json and
 config.json. Every matrix is N(0, 1/fan_in) (its outputs have the scale of
@@ -48,6 +55,10 @@ SHAPES = {
                tie=False, rope_factor=8.0, max_pos=131072),
     "1b": dict(layers=16, hidden=2048, inter=8192, heads=32, kv=8, head_dim=64, vocab=128256,
                tie=True, rope_factor=32.0, max_pos=131072),
+    "70b": dict(layers=80, hidden=8192, inter=28672, heads=64, kv=8, head_dim=128, vocab=128256,
+                tie=False, rope_factor=8.0, max_pos=131072),
+    "405b": dict(layers=126, hidden=16384, inter=53248, heads=128, kv=8, head_dim=128,
+                 vocab=128256, tie=False, rope_factor=8.0, max_pos=131072),
     "tiny": dict(layers=2, hidden=256, inter=512, heads=4, kv=2, head_dim=64, vocab=1000,
                  tie=False, rope_factor=8.0, max_pos=4096),
 }
@@ -183,6 +194,8 @@ def main():
     ap.add_argument("--calib-len", type=int, default=2048)
     ap.add_argument("--max-shard-bytes", type=float, default=5e9)
     ap.add_argument("--generator", choices=["numpy", "torch"], default="numpy")
+    ap.add_argument("--layers", type=int, default=0, help="number of layers (default: the shape's)")
+    ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the shape's)")
     a = ap.parse_args()
     dev = None
     if a.generator == "torch":
@@ -190,7 +203,11 @@ def main():
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     if a.calib_seqs < 1 or a.calib_len < 2:
         sys.exit("make_synthetic_llama: --calib-seqs >= 1 and --calib-len >= 2 are required")
-    s = SHAPES[a.shape]
+    s = dict(SHAPES[a.shape])
+    if a.layers > 0:
+        s["layers"] = a.layers
+    if a.vocab > 0:
+        s["vocab"] = a.vocab
     os.makedirs(a.out, exist_ok=True)
     ts = tensors(s)
     # shard plan: consecutive tensors up to max-shard-bytes each

@@ -67,6 +67,16 @@ int bk_cuda_device_count(void)
 #endif
 }
 
+int bk_backend_device_uuid(const bk_backend *b, unsigned char uuid[16])
+{
+#if BK_HAVE_CUDA
+    if (b && b->kind == BK_BACKEND_CUDA)
+        return bk_cuda_device_uuid(b->params.device, uuid);
+#endif
+    (void)b, (void)uuid;
+    return 0;
+}
+
 void bk_backend_params_default(bk_backend_params *p)
 {
     memset(p, 0, sizeof *p);

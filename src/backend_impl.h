@@ -39,6 +39,16 @@ typedef enum bk_stage {
     BK_STAGE_TAPS     /* the whole layer with the original weights; every add */
 } bk_stage;
 
+/* A buffer of the stages' state handed to a collective (MPI ranks,
+ * src/pipeline.c): n elements (double with f64, else float) at buf; a host
+ * array (dev 0, stream NULL) or a device array used on the CUDA stream
+ * `stream` (dev 1). */
+typedef bk_status (*bk_stage_buf_fn)(void *user, void *buf, size_t n, int f64, int dev,
+                                     void *stream);
+/* What a collective does with a buffer (what a host copy must carry): fn
+ * reads it (a send), writes it (a receive), or both. */
+enum { BK_BUF_READ = 1, BK_BUF_WRITE = 2 };
+
 /* What the stages of one quantize job do on one micro-batch: the residual
  * stream of all sequences, one layer's weights (original + working copy) and
  * one layer's Hessian accumulators held by the backend. */
@@ -96,6 +106,21 @@ typedef struct bk_stage_ops {
      * layer_begin, before the layer's stages; what it points to stays valid
      * until layer_end. */
     bk_status (*bp_grads)(void *ctx, const bk_bp_side *side);
+    /* MPI ranks (data parallel, src/pipeline.c). Optional: the driver's own
+     * CPU stages keep their sums in the driver; stages without these entries
+     * refuse several ranks.
+     * sums: hand fn the running Hessian sums of modules `modules` (bit m =
+     * bk_module m), one buffer at a time, as bk_hess_acc_sums does, counts
+     * and scalars last (a host double array, written back). dev 1: the
+     * device buffers go to fn as they are; dev 0: through host copies (in
+     * pieces of at most 256 MiB; rw says which way to copy).
+     * share_weight: module mod's quantized weight in the working copy (set by
+     * solve_dev on the rank that solved it) to fn (a broadcast); with
+     * BK_BUF_WRITE in rw the copies derived from it are refreshed after. */
+    bk_status (*sums)(void *ctx, unsigned modules, int dev, int rw, bk_stage_buf_fn fn,
+                      void *user);
+    bk_status (*share_weight)(void *ctx, bk_module mod, int dev, int rw, bk_stage_buf_fn fn,
+                              void *user);
 } bk_stage_ops;
 
 /* What a backend's stages are created for. */
@@ -252,6 +277,11 @@ bk_status bk_cuda_backend_init(bk_backend *b);
  * BK_ERR_INVALID_ARG for another backend or a bad value. */
 bk_status bk_cuda_backend_tune(bk_backend *b, const bk_cuda_tuning *t);
 int bk_cuda_count_devices(void);
+/* The 16-byte UUID of CUDA device `device` (distinct for every physical GPU):
+ * 1, or 0 when it cannot be read. */
+int bk_cuda_device_uuid(int device, unsigned char uuid[16]);
+/* The UUID of backend b's device: 1 for a CUDA backend, else 0 (CPU). */
+int bk_backend_device_uuid(const bk_backend *b, unsigned char uuid[16]);
 #ifdef __cplusplus
 }
 #endif

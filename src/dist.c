@@ -18,6 +18,9 @@
 #if BK_HAVE_NCCL
 #include <cuda_runtime.h>
 #include <nccl.h>
+#ifndef NCCL_VERSION
+#define NCCL_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
+#endif
 #endif
 
 int bk_dist_mpi_compiled(void)
@@ -56,8 +59,15 @@ const char *bk_dist_mpi_version(void)
 const char *bk_dist_nccl_version(void)
 {
 #if BK_HAVE_NCCL
-    static char v[64];
-    snprintf(v, sizeof v, "NCCL %d.%d.%d (headers)", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+    static char v[96];
+    if (!v[0]) {
+        int code = 0; /* the library loaded (may be newer than the headers) */
+        if (ncclGetVersion(&code) == ncclSuccess && code > 0)
+            snprintf(v, sizeof v, "NCCL %d.%d.%d", code >= 10000 ? code / 10000 : code / 1000,
+                     code >= 10000 ? code / 100 % 100 : code / 100 % 10, code % 100);
+        else
+            snprintf(v, sizeof v, "NCCL %d.%d.%d (headers)", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+    }
     return v;
 #else
     return "";
@@ -91,6 +101,7 @@ int bk_dist_launched(void)
 struct bk_dist {
     MPI_Comm comm;
     int rank, size;
+    int local_rank, local_size; /* among the ranks of this node */
     double timeout_s;
     int broken;
     char mpi_err[MPI_MAX_ERROR_STRING];
@@ -99,6 +110,10 @@ struct bk_dist {
     int have_nccl;
 #endif
 };
+
+#if BK_HAVE_NCCL
+static bk_status nccl_progress(bk_dist *d, const char *what);
+#endif
 
 static bk_status broken_error(bk_dist *d)
 {
@@ -169,6 +184,17 @@ bk_status bk_dist_init(double timeout_s, bk_dist **out)
     MPI_Comm_rank(d->comm, &d->rank);
     MPI_Comm_size(d->comm, &d->size);
     d->timeout_s = timeout_s > 0 ? timeout_s : 1800.0;
+    d->local_rank = 0;
+    d->local_size = 1;
+    if (d->size > 1) { /* the ranks of this node (GPU choice: one per local rank) */
+        MPI_Comm node;
+        if (MPI_Comm_split_type(d->comm, MPI_COMM_TYPE_SHARED, d->rank, MPI_INFO_NULL, &node) ==
+            MPI_SUCCESS) {
+            MPI_Comm_rank(node, &d->local_rank);
+            MPI_Comm_size(node, &d->local_size);
+            MPI_Comm_free(&node);
+        }
+    }
     *out = d;
     return BK_OK;
 }
@@ -180,10 +206,24 @@ void bk_dist_finalize(bk_dist *d)
     int broken = d->broken;
 #if BK_HAVE_NCCL
     if (d->have_nccl) {
-        if (broken)
+        if (broken) {
             ncclCommAbort(d->nccl);
-        else
+        } else {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
+            /* non-blocking communicator: finalize, polled with the deadline */
+            const ncclResult_t r = ncclCommFinalize(d->nccl);
+            if ((r != ncclSuccess && r != ncclInProgress) ||
+                nccl_progress(d, "finalize") != BK_OK) {
+                broken = 1; /* aborted */
+                if (d->have_nccl)
+                    ncclCommAbort(d->nccl);
+            } else {
+                ncclCommDestroy(d->nccl);
+            }
+#else
             ncclCommDestroy(d->nccl);
+#endif
+        }
     }
 #endif
     if (!broken)
@@ -214,6 +254,43 @@ int bk_dist_rank(const bk_dist *d)
 int bk_dist_size(const bk_dist *d)
 {
     return d ? d->size : 1;
+}
+
+int bk_dist_local_rank(const bk_dist *d)
+{
+    return d ? d->local_rank : 0;
+}
+
+int bk_dist_local_size(const bk_dist *d)
+{
+    return d ? d->local_size : 1;
+}
+
+bk_status bk_dist_allgather(bk_dist *d, const void *mine, size_t len, void *all)
+{
+    if (!d || d->size == 1) {
+        memcpy(all, mine, len);
+        return BK_OK;
+    }
+    if (d->broken)
+        return broken_error(d);
+    if (len > (size_t)1 << 30)
+        return bk_error(BK_ERR_INTERNAL, "dist: all-gather of %zu bytes", len);
+    MPI_Request rq;
+    int rc = MPI_Iallgather(mine, (int)len, MPI_BYTE, all, (int)len, MPI_BYTE, d->comm, &rq);
+    return rc == MPI_SUCCESS ? wait_req(d, &rq, "all-gather") : mpi_fail(d, rc, "all-gather");
+}
+
+bk_status bk_dist_min_i64(bk_dist *d, int64_t *v)
+{
+    if (!d || d->size == 1)
+        return BK_OK;
+    if (d->broken)
+        return broken_error(d);
+    int64_t mine = *v;
+    MPI_Request rq;
+    int rc = MPI_Iallreduce(&mine, v, 1, MPI_INT64_T, MPI_MIN, d->comm, &rq);
+    return rc == MPI_SUCCESS ? wait_req(d, &rq, "minimum") : mpi_fail(d, rc, "minimum");
 }
 
 bk_status bk_dist_sync(bk_dist *d, bk_status st)
@@ -379,85 +456,229 @@ bk_status bk_dist_sum_ordered(bk_dist *d, void *buf, size_t n, int f64)
 }
 
 #if BK_HAVE_NCCL
-bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream)
+/* The communicator failed, hung or was stopped: abort it, break the context. */
+static bk_status nccl_abort(bk_dist *d, ncclResult_t ae, const char *what)
 {
-    if (!d || d->size == 1 || n == 0)
-        return BK_OK;
+    d->broken = 1;
+    ncclCommAbort(d->nccl);
+    d->have_nccl = 0;
+    if (ae != ncclSuccess && ae != ncclInProgress)
+        return bk_error(BK_ERR_PEER, "rank %d: NCCL %s failed: %s", d->rank, what,
+                        ncclGetErrorString(ae));
+    if (bk__stop_requested())
+        return bk_error(BK_ERR_INTERRUPTED,
+                        "rank %d: stopped by a signal while waiting for the other ranks (NCCL %s)",
+                        d->rank, what);
+    return bk_error(BK_ERR_PEER,
+                    "rank %d: no answer from the other ranks within %g s (NCCL %s): a rank died, "
+                    "hangs or is much slower (--dist-timeout)",
+                    d->rank, d->timeout_s, what);
+}
+
+static void nap(long *ns)
+{
+    struct timespec ts = {0, *ns};
+    nanosleep(&ts, NULL);
+    if (*ns < 200000)
+        *ns *= 2;
+}
+
+/* Non-blocking communicator: wait until the last call is issued (its state
+ * leaves ncclInProgress). */
+static bk_status nccl_progress(bk_dist *d, const char *what)
+{
+    const double t0 = bk_now();
+    long ns = 1000;
+    for (;;) {
+        ncclResult_t ae = ncclSuccess;
+        ncclCommGetAsyncError(d->nccl, &ae);
+        if (ae == ncclSuccess)
+            return BK_OK;
+        if (ae != ncclInProgress || bk__stop_requested() || bk_now() - t0 > d->timeout_s)
+            return nccl_abort(d, ae, what);
+        nap(&ns);
+    }
+}
+
+bk_status bk_dist_dev_init(bk_dist *d)
+{
+    if (!d || d->have_nccl)
+        return BK_OK; /* (one rank: a communicator of one, for the tests) */
     if (d->broken)
         return broken_error(d);
-    ncclResult_t nr;
-    if (!d->have_nccl) {
-        ncclUniqueId id;
-        memset(&id, 0, sizeof id);
-        if (d->rank == 0 && (nr = ncclGetUniqueId(&id)) != ncclSuccess)
-            return bk_error(BK_ERR_DEVICE, "NCCL: ncclGetUniqueId: %s", ncclGetErrorString(nr));
-        bk_status st = bk_dist_sync(d, BK_OK);
-        if (st == BK_OK)
-            st = bk_dist_bcast(d, &id, sizeof id, 0);
+    ncclResult_t nr = ncclSuccess;
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    bk_status st = BK_OK;
+    if (d->rank == 0 && (nr = ncclGetUniqueId(&id)) != ncclSuccess)
+        st = bk_error(BK_ERR_DEVICE, "NCCL: ncclGetUniqueId: %s", ncclGetErrorString(nr));
+    st = bk_dist_sync(d, st);
+    if (st == BK_OK)
+        st = bk_dist_bcast(d, &id, sizeof id, 0);
+    if (st != BK_OK)
+        return st;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
+    /* non-blocking communicator: the set-up and every call are polled with
+     * the deadline (a peer that never joins or dies cannot hang this rank) */
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    nr = ncclCommInitRankConfig(&d->nccl, d->size, id, d->rank, &cfg);
+    if (nr == ncclSuccess || nr == ncclInProgress) {
+        st = nccl_progress(d, "set-up");
         if (st != BK_OK)
             return st;
-        if ((nr = ncclCommInitRank(&d->nccl, d->size, id, d->rank)) != ncclSuccess) {
-            d->broken = 1;
-            return bk_error(BK_ERR_DEVICE, "rank %d: NCCL: ncclCommInitRank: %s", d->rank,
-                            ncclGetErrorString(nr));
-        }
-        d->have_nccl = 1;
+        nr = ncclSuccess;
     }
-    cudaStream_t s = (cudaStream_t)stream;
-    nr = ncclAllReduce(dev, dev, n, f64 ? ncclDouble : ncclFloat, ncclSum, d->nccl, s);
+#else
+    nr = ncclCommInitRank(&d->nccl, d->size, id, d->rank);
+#endif
     if (nr != ncclSuccess) {
         d->broken = 1;
-        return bk_error(BK_ERR_DEVICE, "rank %d: NCCL: ncclAllReduce: %s", d->rank,
-                        ncclGetErrorString(nr));
+        return bk_error(BK_ERR_DEVICE,
+                        "rank %d: NCCL: ncclCommInitRank: %s (one GPU per rank: NCCL refuses two "
+                        "ranks on one GPU)",
+                        d->rank, ncclGetErrorString(nr));
     }
-    /* wait with the deadline: a dead peer would keep the stream busy forever */
+    d->have_nccl = 1;
+    return BK_OK;
+}
+
+/* Wait for an NCCL operation enqueued on stream s: the deadline, the stop
+ * flag and NCCL's asynchronous errors end it (the communicator aborted). */
+static bk_status nccl_wait(bk_dist *d, cudaStream_t s, const char *what)
+{
+    bk_status st = nccl_progress(d, what);
+    if (st != BK_OK)
+        return st;
     const double t0 = bk_now();
+    long ns = 1000;
     for (;;) {
         cudaError_t ce = cudaStreamQuery(s);
         if (ce == cudaSuccess)
             return BK_OK;
         if (ce != cudaErrorNotReady) {
             d->broken = 1;
-            return bk_error(BK_ERR_DEVICE, "rank %d: NCCL all-reduce: %s", d->rank,
+            return bk_error(BK_ERR_DEVICE, "rank %d: NCCL %s: %s", d->rank, what,
                             cudaGetErrorString(ce));
         }
         ncclResult_t ae = ncclSuccess;
         ncclCommGetAsyncError(d->nccl, &ae);
-        if (ae != ncclSuccess || bk__stop_requested() || bk_now() - t0 > d->timeout_s) {
-            d->broken = 1;
-            ncclCommAbort(d->nccl);
-            d->have_nccl = 0;
-            if (ae != ncclSuccess)
-                return bk_error(BK_ERR_PEER, "rank %d: NCCL all-reduce failed: %s", d->rank,
-                                ncclGetErrorString(ae));
-            if (bk__stop_requested())
-                return bk_error(BK_ERR_INTERRUPTED,
-                                "rank %d: stopped by a signal while waiting for the other ranks "
-                                "(NCCL all-reduce)",
-                                d->rank);
-            return bk_error(BK_ERR_PEER,
-                            "rank %d: no answer from the other ranks within %g s (NCCL "
-                            "all-reduce): a rank died, hangs or is much slower (--dist-timeout)",
-                            d->rank, d->timeout_s);
-        }
-        struct timespec ts = {0, 100000};
-        nanosleep(&ts, NULL);
+        if ((ae != ncclSuccess && ae != ncclInProgress) || bk__stop_requested() ||
+            bk_now() - t0 > d->timeout_s)
+            return nccl_abort(d, ae, what);
+        nap(&ns);
     }
 }
+
+/* An NCCL call's result (non-blocking communicator: ncclInProgress is fine,
+ * the wait follows). */
+static bk_status nccl_called(bk_dist *d, ncclResult_t nr, const char *what)
+{
+    if (nr == ncclSuccess || nr == ncclInProgress)
+        return BK_OK;
+    d->broken = 1;
+    return bk_error(BK_ERR_DEVICE, "rank %d: NCCL: %s: %s", d->rank, what, ncclGetErrorString(nr));
+}
+
+bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream)
+{
+    if (!d || n == 0 || (d->size == 1 && !d->have_nccl))
+        return BK_OK;
+    bk_status st = bk_dist_dev_init(d);
+    if (st != BK_OK)
+        return st;
+    cudaStream_t s = (cudaStream_t)stream;
+    st = nccl_called(d, ncclAllReduce(dev, dev, n, f64 ? ncclDouble : ncclFloat, ncclSum,
+                                      d->nccl, s),
+                     "ncclAllReduce");
+    return st == BK_OK ? nccl_wait(d, s, "all-reduce") : st;
+}
+
+bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream)
+{
+    if (!d || len == 0 || (d->size == 1 && !d->have_nccl))
+        return BK_OK;
+    bk_status st = bk_dist_dev_init(d);
+    if (st != BK_OK)
+        return st;
+    cudaStream_t s = (cudaStream_t)stream;
+    st = nccl_called(d, ncclBroadcast(dev, dev, len, ncclChar, root, d->nccl, s),
+                     "ncclBroadcast");
+    return st == BK_OK ? nccl_wait(d, s, "broadcast") : st;
+}
 #else
+static bk_status no_nccl(void)
+{
+    return bk_error(BK_ERR_UNSUPPORTED, "this bakron was built without NCCL");
+}
+
+bk_status bk_dist_dev_init(bk_dist *d)
+{
+    (void)d;
+    return no_nccl();
+}
+
 bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream)
 {
     (void)d, (void)dev, (void)n, (void)f64, (void)stream;
-    return bk_error(BK_ERR_UNSUPPORTED, "this bakron was built without NCCL");
+    return no_nccl();
+}
+
+bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)root, (void)stream;
+    return no_nccl();
 }
 #endif
 
 #else /* !BK_HAVE_MPI */
 
+static bk_status no_mpi_nccl(void)
+{
+    return bk_error(BK_ERR_UNSUPPORTED, "this bakron was built without MPI and NCCL");
+}
+
+bk_status bk_dist_dev_init(bk_dist *d)
+{
+    (void)d;
+    return no_mpi_nccl();
+}
+
 bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream)
 {
     (void)d, (void)dev, (void)n, (void)f64, (void)stream;
-    return bk_error(BK_ERR_UNSUPPORTED, "this bakron was built without MPI and NCCL");
+    return no_mpi_nccl();
+}
+
+bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)root, (void)stream;
+    return no_mpi_nccl();
+}
+
+int bk_dist_local_rank(const bk_dist *d)
+{
+    (void)d;
+    return 0;
+}
+
+int bk_dist_local_size(const bk_dist *d)
+{
+    (void)d;
+    return 1;
+}
+
+bk_status bk_dist_allgather(bk_dist *d, const void *mine, size_t len, void *all)
+{
+    (void)d;
+    memcpy(all, mine, len);
+    return BK_OK;
+}
+
+bk_status bk_dist_min_i64(bk_dist *d, int64_t *v)
+{
+    (void)d, (void)v;
+    return BK_OK;
 }
 
 

@@ -113,6 +113,11 @@ typedef struct job {
     bk_dist *dist;
     int rank, nranks, agreed;
     int64_t s_lo, s_hi;
+    /* stages with their own sums (GPU): the sums and solved weights go
+     * through ops->sums / ops->share_weight; dev_coll: as device buffers
+     * (NCCL), else through host copies over MPI */
+    int dev_stages_ranks, dev_coll;
+    const char *coll_desc;
     /* backprop kinds: one accumulator per layer of a leaf of the flow
      * (j->acc points at the one of the layer being quantized) */
     int bp;
@@ -832,6 +837,7 @@ static const char *cpu_describe(void *ctx)
 static const bk_stage_ops cpu_stage_ops = {
     "cpu", cpu_embed, cpu_layer_begin, cpu_run, cpu_factors, cpu_weight_updated,
     NULL, NULL, cpu_layer_end, cpu_destroy, cpu_describe, NULL,
+    NULL, NULL, /* sums, share_weight: the driver holds the CPU stages' sums (j->acc) */
 };
 
 /* dst = a deep copy of src (the working copy starts as the original). */
@@ -900,6 +906,72 @@ static bk_status jsync(job *j, bk_status st)
     return st;
 }
 
+/* This rank's micro-batches: a contiguous share, the single process's
+ * boundaries (one process: all sequences). */
+static bk_status split_ranks(job *j)
+{
+    j->s_lo = 0;
+    j->s_hi = j->S;
+    if (j->nranks <= 1 || j->S <= 0)
+        return BK_OK;
+    const int64_t nmb = (j->S + j->batch - 1) / j->batch;
+    if (nmb < j->nranks)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "quantize: %d MPI ranks but only %lld micro-batches of %lld sequences "
+                        "(every rank needs one): use fewer ranks or a smaller --batch",
+                        j->nranks, (long long)nmb, (long long)j->batch);
+    j->s_lo = nmb * j->rank / j->nranks * j->batch;
+    j->s_hi = nmb * (j->rank + 1) / j->nranks * j->batch;
+    if (j->s_hi > j->S)
+        j->s_hi = j->S;
+    return BK_OK;
+}
+
+/* The backend's own (GPU) stages with several ranks: the ranks agree on the
+ * micro-batch (a rank short of device memory may have reduced it: the
+ * smallest, so the boundaries are the same on every rank) and on how device
+ * buffers are exchanged: NCCL when compiled in and every rank has a GPU of
+ * its own (NCCL refuses two ranks on one GPU), else host copies over MPI. */
+static bk_status dev_stages_ranks(job *j, int64_t *batch)
+{
+    if (!j->ops->sums || !j->ops->share_weight)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "quantize: the %s stages cannot run with several MPI ranks: add "
+                        "--cpu-stages, or run one rank",
+                        j->ops->name);
+    bk_status st = bk_dist_min_i64(j->dist, batch);
+    if (st != BK_OK)
+        return st;
+    j->dev_stages_ranks = 1;
+    unsigned char mine[17], *all = calloc((size_t)j->nranks, sizeof mine);
+    if (!all)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    memset(mine, 0, sizeof mine);
+    mine[16] = (unsigned char)bk_backend_device_uuid(j->backend, mine);
+    st = bk_dist_allgather(j->dist, mine, sizeof mine, all);
+    int shared = 0, unknown = 0;
+    for (int r = 0; st == BK_OK && r < j->nranks; r++) {
+        unknown |= !all[r * sizeof mine + 16];
+        for (int q = 0; q < r; q++)
+            shared |= !memcmp(all + r * sizeof mine, all + q * sizeof mine, sizeof mine);
+    }
+    free(all);
+    if (st != BK_OK)
+        return st;
+    if (!bk_dist_nccl_compiled()) {
+        j->coll_desc = "MPI over host copies (built without NCCL)";
+    } else if (shared || unknown) {
+        j->coll_desc = "MPI over host copies (ranks share a GPU: NCCL needs one GPU per rank)";
+    } else {
+        j->dev_coll = 1;
+        j->coll_desc = j->o->dist_reduce == BK_DIST_ORDERED
+                           ? "NCCL broadcasts; the ordered pass over MPI with host copies"
+                           : "NCCL all-reduce and broadcasts";
+        st = jsync(j, bk_dist_dev_init(j->dist));
+    }
+    return st;
+}
+
 static unsigned stage_modules(bk_stage stage)
 {
     switch (stage) {
@@ -917,10 +989,14 @@ typedef struct sum_ctx {
     int op, peer; /* op: 0 receive from peer, 1 send to peer, 2 broadcast from peer, 3 sum */
 } sum_ctx;
 
-static bk_status sum_one(void *user, void *buf, size_t n, int f64)
+/* One buffer (host, or a device buffer with dev: NCCL) through the op. */
+static bk_status sum_buf(void *user, void *buf, size_t n, int f64, int dev, void *stream)
 {
     sum_ctx *c = user;
     const size_t bytes = n * (f64 ? sizeof(double) : sizeof(float));
+    if (dev)
+        return c->op == 2 ? bk_dist_bcast_dev(c->j->dist, buf, bytes, c->peer, stream)
+                          : bk_dist_sum_dev(c->j->dist, buf, n, f64, stream);
     switch (c->op) {
     case 0: return bk_dist_recv(c->j->dist, buf, bytes, c->peer, 11);
     case 1: return bk_dist_send(c->j->dist, buf, bytes, c->peer, 11);
@@ -929,10 +1005,24 @@ static bk_status sum_one(void *user, void *buf, size_t n, int f64)
     }
 }
 
+static bk_status sum_one(void *user, void *buf, size_t n, int f64)
+{
+    return sum_buf(user, buf, n, f64, 0, NULL);
+}
+
 static bk_status acc_sums(job *j, unsigned mods, int op, int peer)
 {
     sum_ctx c = {j, op, peer};
     bk_status st = BK_OK;
+    if (j->dev_stages_ranks) {
+        /* the stages' own (device) sums: a receive only writes them, a send
+         * only reads them; broadcasts and sums on the device with NCCL */
+        const int rw = op == 0   ? BK_BUF_WRITE
+                       : op == 1 ? BK_BUF_READ
+                       : op == 2 ? (j->rank == peer ? BK_BUF_READ : BK_BUF_WRITE)
+                                 : BK_BUF_READ | BK_BUF_WRITE;
+        return j->ops->sums(j->ops_ctx, mods, j->dev_coll && op >= 2, rw, sum_buf, &c);
+    }
     if (j->acc)
         st = bk_hess_acc_sums(j->acc, mods, sum_one, &c);
     if (st == BK_OK && j->acc_gptq)
@@ -1063,7 +1153,16 @@ static bk_status solve_group(job *j, int l, int m0, int m1, bk_layer_weights *lw
     t = bk_now();
     bk_status ap = BK_OK; /* a failure applying: known at the next exchange */
     for (int m = m0; m <= m1 && st == BK_OK; m++) {
-        st = share_solved(j, (bk_module)m, m % j->nranks, &sv[m]);
+        const int owner = m % j->nranks;
+        st = share_solved(j, (bk_module)m, owner, &sv[m]);
+        /* device stages: the owner's solve_dev set its working copy; the
+         * quantized weight goes to the others' (NCCL broadcast, or host copies) */
+        if (st == BK_OK && j->dev_stages_ranks) {
+            sum_ctx c = {j, 2, owner};
+            st = j->ops->share_weight(j->ops_ctx, (bk_module)m, j->dev_coll,
+                                      j->rank == owner ? BK_BUF_READ : BK_BUF_WRITE, sum_buf,
+                                      &c);
+        }
         if (st == BK_OK && ap == BK_OK)
             ap = solve_apply(j, l, (bk_module)m, lw, &sv[m]);
     }
@@ -1560,6 +1659,8 @@ static bk_status write_config_and_report(job *j)
         cJSON_AddStringToObject(mp, "mode", "data parallel");
         cJSON_AddStringToObject(mp, "reduce",
                                 o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "sum");
+        if (j->coll_desc)
+            cJSON_AddStringToObject(mp, "device_collectives", j->coll_desc);
     }
     if (j->bp) {
         const bk_bwd_flow_stats *bs = &j->bp_stats;
@@ -1817,25 +1918,20 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         j->batch = j->S;
     if (j->batch < 1)
         j->batch = 1;
-    j->s_lo = 0;
-    j->s_hi = j->S;
-    if (j->nranks > 1) {
-        /* this rank's micro-batches: a contiguous share, the single process's boundaries */
-        const int64_t nmb = (j->S + j->batch - 1) / j->batch;
-        if (nmb < j->nranks) {
-            st = bk_error(BK_ERR_INVALID_ARG,
-                          "quantize: %d MPI ranks but only %lld micro-batches of %lld sequences "
-                          "(every rank needs one): use fewer ranks or a smaller --batch",
-                          j->nranks, (long long)nmb, (long long)j->batch);
-            goto fail;
-        }
-        j->s_lo = nmb * j->rank / j->nranks * j->batch;
-        j->s_hi = nmb * (j->rank + 1) / j->nranks * j->batch;
-        if (j->s_hi > j->S)
-            j->s_hi = j->S;
-    }
+    if ((st = split_ranks(j)) != BK_OK)
+        goto fail;
 
-    st = bk_backend_create_params(o->backend, &o->backend_params, &j->backend);
+    {
+        bk_backend_params bp = o->backend_params;
+        /* MPI ranks on a node with several GPUs: rank r of the node takes GPU
+         * (device + r) mod count (one GPU per rank when there are enough;
+         * srun --gpus-per-task shows each rank its own GPU as device 0) */
+        const int ndev =
+            j->nranks > 1 && o->backend != BK_BACKEND_CPU ? bk_cuda_device_count() : 0;
+        if (ndev > 1)
+            bp.device = (bp.device + bk_dist_local_rank(j->dist)) % ndev;
+        st = bk_backend_create_params(o->backend, &bp, &j->backend);
+    }
     if (st != BK_OK)
         goto fail;
     j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
@@ -1866,13 +1962,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * (docs/DEVICE.md); else the CPU stages below */
     const int own_stages = bk_backend_supports(j->backend, BK_OP_STAGES);
     if (j->S > 0 && (j->bp ? bp_gpu_stages : (want_gpu || (!cpu_stages && j->tokens && own_stages)))) {
-        if (j->nranks > 1) {
-            st = bk_error(BK_ERR_UNSUPPORTED,
-                          "quantize: the GPU stages with several MPI ranks are not implemented "
-                          "yet: add --cpu-stages (forward passes and Hessians on the CPU, solves "
-                          "on the GPU), or run one rank");
-            goto fail;
-        }
         if (!j->tokens) {
             st = bk_error(BK_ERR_INVALID_ARG,
                           "quantize: the GPU pipeline (--gpu-pipeline) "
@@ -1905,9 +1994,20 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         };
         int64_t gb = o->batch > 0 ? j->batch : 0;
         st = bk_backend_stages_create(j->backend, &sp, &gb, &j->ops, &j->ops_ctx);
+        if (j->nranks > 1) /* every rank learns a rank's failure here */
+            st = jsync(j, st);
         if (st != BK_OK)
             goto fail;
-        j->batch = gb;
+        if (j->nranks > 1) {
+            st = dev_stages_ranks(j, &gb);
+            if (st != BK_OK)
+                goto fail;
+        }
+        if (gb != j->batch) { /* the device's micro-batch: the ranks' shares again */
+            j->batch = gb;
+            if ((st = split_ranks(j)) != BK_OK)
+                goto fail;
+        }
     } else if (j->S > 0) {
         st = bk_fwd_create(j->cfg, j->batch, j->T, &j->fwd);
         if (st != BK_OK)
@@ -1993,12 +2093,14 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
 
     {
-        char msg[512];
+        char msg[1024];
         const char *sd = j->ops ? j->ops->describe(j->ops_ctx) : "";
-        char rk[96] = "";
+        char rk[256] = "";
         if (j->nranks > 1)
-            snprintf(rk, sizeof rk, "; %d MPI ranks, data parallel (%s sums)", j->nranks,
-                     o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "rank-order");
+            snprintf(rk, sizeof rk, "; %d MPI ranks, data parallel (%s sums%s%s)", j->nranks,
+                     o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "rank-order",
+                     j->coll_desc ? "; GPU collectives: " : "",
+                     j->coll_desc ? j->coll_desc : "");
         snprintf(msg, sizeof msg, "%s: %lld layers, hessian %s, %s, calibration %lld x %lld, backend %s%s%s%s",
                  o->model_dir, (long long)j->cfg->n_layers, bk_hessian_name(o->hessian),
                  bk_algorithm_name(o->solve.algorithm), (long long)j->S, (long long)j->T,

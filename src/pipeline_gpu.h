@@ -119,6 +119,17 @@ bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_module mod, co
 bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk_module mod,
                                const float **A, const float **B, const float **A_plain);
 
+/* MPI ranks: the running sums of modules `modules` to fn (bk_stage_ops.sums;
+ * bk_hess_acc_sums's order). */
+bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int rw, bk_stage_buf_fn fn,
+                        void *user);
+
+/* One device buffer of n elements to fn: as it is (dev 1, on the context's
+ * stream), or through host copies of at most 256 MiB (dev 0; rw: download
+ * before fn with BK_BUF_READ, upload after with BK_BUF_WRITE). */
+bk_status bk_gpu_stage_buf(bk_gfwd *f, void *d, size_t n, int f64, int dev, int rw,
+                           bk_stage_buf_fn fn, void *user);
+
 /* Backprop kinds: the output side of the layer being accumulated, from the
  * flow's host accumulator g (bakron/hessian.h, src/backward_internal.h):
  * its B = Σ g gᵀ / N (or Σ |a|² g gᵀ / N) becomes the factors' B, and for

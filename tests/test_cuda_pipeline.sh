@@ -227,7 +227,7 @@ expect() { # rc out label cmd...
     die "dump-activations"
 expect 1 "$W/e1" "--gpu-pipeline with --activations" \
     "$B" quantize "$M" --activations "$W/acts" --hessian gptq --gpu-pipeline --out "$W/e1"
-expect 3 "$W/e2" "--gpu-pipeline with --backend cpu" \
+expect 1 "$W/e2" "--gpu-pipeline with --backend cpu (a usage conflict)" \
     "$B" quantize "$M" $CAL --hessian gptq --backend cpu --gpu-pipeline --out "$W/e2"
 expect 3 "$W/e3" "device memory limit of 1 MB" \
     "$B" quantize "$M" $CAL --hessian gptq --backend cuda --setting mem_limit=1000000 \

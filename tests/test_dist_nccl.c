@@ -1,7 +1,10 @@
 /* NCCL all-reduce of a device buffer (bk_dist_sum_dev), cuda suite: exits 77
  * without a GPU. One process (an MPI singleton) or under mpirun -np N with
  * one GPU per rank: every rank's buffer holds rank+1 (floats) and 0.5*(rank+1)
- * (doubles); after the sum each element must be N(N+1)/2 (exact in binary). */
+ * (doubles); after the sum each element must be N(N+1)/2 (exact in binary);
+ * then a broadcast from the last rank. The NCCL communicator is set up even
+ * for one rank, so the NCCL calls (set-up, all-reduce, broadcast, the waits)
+ * run on a machine with one GPU. */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -35,7 +38,10 @@ int main(void)
            cudaMalloc((void **)&dd, n * sizeof *dd) != cudaSuccess ||
            cudaMemcpy(df, hf, n * sizeof *df, cudaMemcpyHostToDevice) != cudaSuccess ||
            cudaMemcpy(dd, hd, n * sizeof *dd, cudaMemcpyHostToDevice) != cudaSuccess;
-    bk_status st = fail ? BK_ERR_DEVICE : bk_dist_sum_dev(d, df, n, 0, NULL);
+    /* the communicator even with one rank (the NCCL calls then run on one GPU) */
+    bk_status st = fail ? BK_ERR_DEVICE : bk_dist_dev_init(d);
+    if (st == BK_OK)
+        st = bk_dist_sum_dev(d, df, n, 0, NULL);
     if (st == BK_OK)
         st = bk_dist_sum_dev(d, dd, n, 1, NULL);
     if (st != BK_OK) {
@@ -53,6 +59,30 @@ int main(void)
             }
         if (!fail)
             printf("ok: rank %d of %d: NCCL sum of %zu floats and doubles\n", rank, size, n);
+    }
+    /* broadcast from the last rank: every rank ends with its bytes (i + 7) */
+    if (!fail) {
+        const int root = size - 1;
+        for (size_t i = 0; i < n; i++)
+            hf[i] = rank == root ? (float)(i + 7) : -1.0f;
+        st = cudaMemcpy(df, hf, n * sizeof *hf, cudaMemcpyHostToDevice) == cudaSuccess
+                 ? bk_dist_bcast_dev(d, df, n * sizeof *df, root, NULL)
+                 : BK_ERR_DEVICE;
+        if (st != BK_OK) {
+            printf("FAIL: rank %d: broadcast: %s\n", rank, bk_last_error());
+            fail = 1;
+        } else {
+            cudaMemcpy(hf, df, n * sizeof *hf, cudaMemcpyDeviceToHost);
+            for (size_t i = 0; i < n && !fail; i++)
+                if (hf[i] != (float)(i + 7)) {
+                    printf("FAIL: rank %d: broadcast element %zu = %g, expected %g\n", rank, i,
+                           (double)hf[i], (double)(i + 7));
+                    fail = 1;
+                }
+            if (!fail)
+                printf("ok: rank %d of %d: NCCL broadcast of %zu floats from rank %d\n", rank,
+                       size, n, root);
+        }
     }
     cudaFree(df);
     cudaFree(dd);

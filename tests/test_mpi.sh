@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # MPI ranks (issue 18), CPU backend, bundled example model:
+#  - the collectives of bakron/dist.h that the GPU ranks use (tests/test_dist.c,
+#    3 ranks and 1): all-gather, minimum, local rank, rank-order sum;
 #  - mpirun -np 1 and one plain process write the same bytes;
 #  - data parallel (--calib), ordered sums: -np 2 and -np 3 write the same bytes
 #    as one process (gptq, fullylocal-shampoo, --no-sequential);
@@ -61,6 +63,18 @@ for x, y in zip(a["modules"], b["modules"]):
 EOF
     echo "ok: $what"
 }
+
+# --- the collectives the GPU ranks use (bakron/dist.h), on the CPU ------------------
+TD=${BK_BUILD_ROOT:-}/tests/test_dist
+if [ -x "$TD" ]; then
+    "${MPIRUN[@]}" -np 3 "$TD" >"$W/dist.out" 2>&1 || die "test_dist -np 3: $(tail -3 "$W/dist.out")"
+    [ "$(grep -c '^ok: rank' "$W/dist.out")" = 3 ] || die "test_dist -np 3: $(cat "$W/dist.out")"
+    "${MPIRUN[@]}" -np 1 "$TD" >"$W/dist.out" 2>&1 || die "test_dist -np 1: $(tail -3 "$W/dist.out")"
+    grep -q '^ok: rank 0 of 1' "$W/dist.out" || die "test_dist -np 1: $(cat "$W/dist.out")"
+    echo "ok: all-gather, minimum, local rank, rank-order sum (3 ranks and 1)"
+else
+    die "test_dist not built ($TD)"
+fi
 
 # --- one rank = one process ------------------------------------------------------
 "$B" quantize "$M" "${CAL[@]}" --hessian mlplocal-kfac --out ref-mlp 2>/dev/null || die "quantize"

@@ -72,15 +72,40 @@ bk_status bk_dist_recv(bk_dist *d, void *buf, size_t len, int from, int tag);
  * number of ranks. f64: double elements, else float. */
 bk_status bk_dist_sum_ordered(bk_dist *d, void *buf, size_t n, int f64);
 
-/* NCCL (builds with the CUDA backend and NCCL): sum n elements of a DEVICE
- * buffer over the ranks in place (float, or double with f64), on the CUDA
- * stream `stream` (NULL: the default stream), waited for with the deadline.
- * The first call sets up the NCCL communicator (its id goes out over MPI;
- * one GPU per rank: the caller's current device). NCCL's ring order: the
- * same from run to run for a given machine and rank count, not the CPU's
- * order. BK_ERR_UNSUPPORTED in builds without NCCL. Not used by the
- * quantize driver yet (docs/DISTRIBUTED.md). */
+/* This rank's place among the ranks of its node (MPI_COMM_TYPE_SHARED, found
+ * at bk_dist_init): local rank 0..local_size-1. 0 / 1 without a context. */
+int bk_dist_local_rank(const bk_dist *d);
+int bk_dist_local_size(const bk_dist *d);
+
+/* Every rank gives len bytes; all[r*len ..] receives rank r's (all: size*len). */
+bk_status bk_dist_allgather(bk_dist *d, const void *mine, size_t len, void *all);
+/* The minimum of *v over the ranks, on every rank. */
+bk_status bk_dist_min_i64(bk_dist *d, int64_t *v);
+
+/* NCCL (builds with the CUDA backend and NCCL; BK_ERR_UNSUPPORTED in builds
+ * without). One GPU per rank: the caller's current CUDA device, distinct on
+ * every rank (NCCL refuses two ranks on one device).
+ *
+ * bk_dist_dev_init: set up the NCCL communicator (a collective: every rank
+ * calls it at the same point; rank 0's ncclUniqueId goes out over MPI). The
+ * functions below call it themselves on first use, except with one rank,
+ * where they do nothing unless it was called (a communicator of one rank:
+ * the NCCL calls run, for tests on one GPU).
+ *
+ * bk_dist_sum_dev: sum n elements of a DEVICE buffer over the ranks in place
+ * (float, or double with f64) with ncclAllReduce on the CUDA stream `stream`
+ * (NULL: the default stream). NCCL's reduction order: the same on every rank
+ * and from run to run for a given machine, rank count and NCCL version; for
+ * two ranks it is x0 + x1 (one addition), for more not the CPU's rank order.
+ *
+ * bk_dist_bcast_dev: broadcast len bytes of a DEVICE buffer from root
+ * (ncclBroadcast), exact.
+ *
+ * Both wait for the stream with the deadline and the stop flag; on a failure
+ * or time-out the communicator is aborted and the context is broken. */
+bk_status bk_dist_dev_init(bk_dist *d);
 bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream);
+bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream);
 
 #ifdef __cplusplus
 }

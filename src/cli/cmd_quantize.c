@@ -102,7 +102,9 @@ static const char *quantize_usage =
     "  --dist-reduce R       ordered (default): the Hessian sums pass from rank to rank in the\n"
     "                        single process's order (bit-identical output); sum: every rank sums\n"
     "                        its sequences at once, partial sums added in rank order (parallel,\n"
-    "                        differs from one process by rounding)\n"
+    "                        differs from one process by rounding; on GPUs NCCL's order)\n"
+    "                        With --backend cuda each rank uses its own GPU (local rank mod GPUs;\n"
+    "                        NCCL, or host copies over MPI without NCCL or on a shared GPU)\n"
     "  --dist-timeout S      longest wait for the other ranks, seconds (default 1800)\n";
 
 enum {

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# MPI ranks with the GPU stages (issue 18; docs/DISTRIBUTED.md "Data parallel
+# on GPUs"), bundled example model, --backend cuda. Suite cuda: exit 77
+# without a GPU, without mpirun or in a build without MPI.
+#  - mpirun -np 1 and one plain process write the same bytes (gptq,
+#    mlplocal-kfac, fullylocal-kfac: every kind of device sum);
+#  - -np 2, ordered sums: the same bytes as one process. On a machine with one
+#    GPU both ranks share it: NCCL refuses two ranks on one device, so the
+#    ranks exchange the device sums and weights as host copies over MPI
+#    (report.json says which); with two GPUs or more each rank has its own
+#    and, in a build with NCCL, the broadcasts go through NCCL;
+#  - -np 2, --dist-reduce sum: the same modules, proxy losses within 1e-4 of
+#    one process (NCCL all-reduce with a GPU per rank, else MPI);
+#  - more ranks than micro-batches: one line, exit 2, no output.
+set -u
+B=${BK_BAKRON:?}
+SRC=${BK_SOURCE_ROOT:?}
+M=$SRC/examples/kerneldocs-1.6m
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+fail=0
+die() { echo "FAIL: $*"; fail=1; }
+cd "$W" || exit 1
+CAL=(--calib "$M/calib.safetensors" --samples 8 --batch 2 --backend cuda)
+
+"$B" quantize "$M" "${CAL[@]}" --hessian gptq --out ref-gptq 2>"$W/probe.err"
+rc=$?
+if [ $rc = 3 ] && grep -qE "no usable CUDA device|no CUDA backend" "$W/probe.err"; then
+    echo "skipped: no CUDA device"
+    exit 77
+fi
+[ $rc = 0 ] || { echo "FAIL: quantize --backend cuda: $(cat "$W/probe.err")"; exit 1; }
+if ! command -v mpirun >/dev/null 2>&1; then
+    echo "skipped: mpirun not found (openmpi-bin; on the GPU host scripts/device-env.sh)"
+    exit 77
+fi
+if ! "$B" --version | grep -q "MPI: compiled"; then
+    echo "skipped: bakron was built without MPI ($("$B" --version))"
+    exit 77
+fi
+"$B" --version
+if [ "$(id -u)" -eq 0 ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+export OMPI_MCA_btl_vader_single_copy_mechanism=none # containers without ptrace rights
+# --bind-to none: a rank keeps every core (the default binds 1-2 ranks to one core each)
+MPIRUN=(timeout 600 mpirun --oversubscribe --bind-to none)
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+echo "GPUs: ${NGPU:-?}"
+
+same_bytes() { # what reference output [tolerance]
+    local what=$1 a=$2 b=$3 tol=${4:-1e-6} f p
+    [ -d "$b" ] || { die "$what: no output"; return; }
+    if [ "$tol" = 1e-6 ]; then
+        for p in "$a"/*; do
+            f=${p##*/}
+            [ "$f" = report.json ] && continue
+            cmp -s "$p" "$b/$f" || die "$what: $f differs from one process's"
+        done
+    fi
+    python3 - "$a/report.json" "$b/report.json" "$tol" <<'EOF' || die "$what: report.json modules differ"
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+tol = float(sys.argv[3])
+key = lambda m: (m["layer"], m["module"])
+assert [key(m) for m in a["modules"]] == [key(m) for m in b["modules"]]
+worst = 0.0
+for x, y in zip(a["modules"], b["modules"]):
+    for k in ("loss", "loss_gptq"):
+        if x.get(k) is not None:
+            d = abs(x[k] - y[k]) / abs(x[k]) if x[k] else abs(y[k])
+            worst = max(worst, d)
+            assert d <= tol, (k, x, y)
+print(f"  proxy losses: largest relative difference {worst:.2e} (tolerance {tol:g})")
+EOF
+    echo "ok: $what"
+}
+collectives() { # report.json -> the mpi section's device_collectives
+    python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["mpi"].get("device_collectives", ""))' "$1"
+}
+
+# --- one rank = one process --------------------------------------------------------
+for h in gptq mlplocal-kfac fullylocal-kfac; do
+    [ -d "ref-$h" ] || "$B" quantize "$M" "${CAL[@]}" --hessian "$h" --out "ref-$h" 2>"$W/err" ||
+        die "quantize $h: $(tail -3 "$W/err")"
+    "${MPIRUN[@]}" -np 1 "$B" quantize "$M" "${CAL[@]}" --hessian "$h" --out "np1-$h" \
+        2>"$W/err" || die "np 1 $h: $(tail -3 "$W/err")"
+    same_bytes "mpirun -np 1, $h" "ref-$h" "np1-$h"
+done
+
+# --- two ranks ------------------------------------------------------------------------
+if [ "${NGPU:-0}" -ge 2 ]; then
+    echo "two ranks, a GPU each"
+else
+    echo "two ranks on one GPU: device buffers through host copies over MPI (NCCL needs a GPU per rank)"
+fi
+for h in gptq mlplocal-kfac fullylocal-kfac; do
+    "${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian "$h" --out "np2-$h" \
+        2>"$W/err" || { die "np 2 $h: $(tail -3 "$W/err")"; continue; }
+    same_bytes "data parallel, 2 ranks, ordered, $h" "ref-$h" "np2-$h"
+    echo "  GPU collectives: $(collectives "np2-$h/report.json")"
+done
+if [ -d np2-gptq ] && [ "${NGPU:-0}" -lt 2 ]; then
+    collectives np2-gptq/report.json | grep -q "host copies" ||
+        die "two ranks on one GPU: report.json does not say host copies"
+fi
+if [ -d np2-gptq ] && [ "${NGPU:-0}" -ge 2 ] && "$B" --version | grep -q "NCCL: compiled"; then
+    collectives np2-gptq/report.json | grep -q "NCCL" ||
+        die "two GPUs with NCCL: report.json does not say NCCL"
+fi
+"${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian mlplocal-kfac --dist-reduce sum \
+    --out np2-sum 2>"$W/err" || die "np 2 sum: $(tail -3 "$W/err")"
+[ -d np2-sum ] && same_bytes "data parallel, 2 ranks, sum (rounding only)" ref-mlplocal-kfac np2-sum 1e-4
+[ -d np2-sum ] && echo "  GPU collectives: $(collectives np2-sum/report.json)"
+
+# --- bad input: more ranks than micro-batches ---------------------------------------------
+"${MPIRUN[@]}" -np 3 "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 4 --batch 2 \
+    --backend cuda --out np3-bad >"$W/out" 2>"$W/err"
+rc=$?
+[ $rc -ne 0 ] || die "3 ranks, 2 micro-batches: exit 0"
+grep -q "micro-batches" "$W/err" || die "3 ranks, 2 micro-batches: $(head -3 "$W/err")"
+[ "$(grep -c "micro-batches" "$W/err")" = 1 ] || die "3 ranks, 2 micro-batches: not one line"
+[ ! -e np3-bad ] || die "3 ranks, 2 micro-batches: an output folder"
+[ $fail = 0 ] && echo "ok: more ranks than micro-batches refused: $(grep micro-batches "$W/err")"
+
+exit $fail
