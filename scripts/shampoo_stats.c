@@ -6,6 +6,8 @@
  *   ess_g      effective sample size (Σw)²/Σw² of the A-side weights w = |g_t|²,
  *              as a fraction of the token count (1 = uniform, as K-FAC);
  *   ess_a      the same for the B-side weights |a_t|²;
+ *   top1       the heaviest token's share of Σ|g|² (and its sequence:position):
+ *              one token dominating A's weights;
  *   pos0_A     share of tr(A) from position 0 (BOS): Shampoo Σ_{t@0} |g|²|a|² / Σ |g|²|a|²
  *              against K-FAC's Σ_{t@0} |a|² / Σ |a|²;
  *   pos0_B     the same for tr(B): Shampoo Σ_{t@0} |a|²|g|² / ... against Σ_{t@0} |g|² / Σ |g|²;
@@ -31,6 +33,8 @@
 typedef struct stat1 {
     double sw, sw2, n;           /* Σ|g|², Σ|g|⁴, tokens */
     double sa, sa2;              /* Σ|a|², Σ|a|⁴ */
+    double wmax;                 /* the largest |g|² and its token */
+    int64_t wmax_seq, wmax_pos;
     double sA_sh, sA_sh0, sA_k, sA_k0; /* tr(A) parts */
     double sB_sh, sB_sh0, sB_k, sB_k0; /* tr(B) parts */
     double *Ash, *Ak;            /* [n, n] */
@@ -45,7 +49,6 @@ typedef struct ctx {
 static bk_status on_grads(void *user, int layer, int64_t s0, int64_t S, const bk_grad_taps *t)
 {
     ctx *x = user;
-    (void)s0;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
         int64_t m, n;
         bk_module_shape(x->c, (bk_module)i, &m, &n);
@@ -64,6 +67,11 @@ static bk_status on_grads(void *user, int layer, int64_t s0, int64_t S, const bk
             for (int64_t k = 0; k < m; k++)
                 ng += g[k] * g[k];
             const int p0 = r % x->T == 0;
+            if (ng > s->wmax) {
+                s->wmax = ng;
+                s->wmax_seq = s0 + r / x->T;
+                s->wmax_pos = r % x->T;
+            }
             s->sw += ng;
             s->sw2 += ng * ng;
             s->sa += na;
@@ -141,17 +149,19 @@ int main(int argc, char **argv)
         return 3;
     }
     printf("%lld x %lld tokens; damping 0.5 mean(diag)\n", (long long)S, (long long)T);
-    printf("layer module            ess_g  ess_a  pos0_A sh/kfac  pos0_B sh/kfac  above_A sh/kfac "
-           "(of n)\n");
+    printf("layer module            ess_g  ess_a  top1 (seq:pos)    pos0_A sh/kfac  pos0_B sh/kfac  "
+           "above_A sh/kfac (of n)\n");
     for (int l = 0; l < L; l++)
         for (int i = 0; i < BK_MOD_COUNT; i++) {
             stat1 *s = &x.st[l * BK_MOD_COUNT + i];
             int64_t mm, n;
             bk_module_shape(c, (bk_module)i, &mm, &n);
             const int ash = above(s->Ash, n, 0.5), ak = above(s->Ak, n, 0.5);
-            printf("%5d %-17s %6.3f %6.3f  %6.3f/%6.3f  %6.3f/%6.3f  %5d/%5d (%lld)\n", l,
-                   bk_module_name((bk_module)i), s->sw * s->sw / (s->sw2 * s->n),
-                   s->sa * s->sa / (s->sa2 * s->n),
+            printf("%5d %-17s %6.3f %6.3f  %6.3f (%4lld:%-4lld)  %6.3f/%6.3f  %6.3f/%6.3f  "
+                   "%5d/%5d (%lld)\n",
+                   l, bk_module_name((bk_module)i), s->sw * s->sw / (s->sw2 * s->n),
+                   s->sa * s->sa / (s->sa2 * s->n), s->wmax / s->sw, (long long)s->wmax_seq,
+                   (long long)s->wmax_pos,
                    s->sA_sh0 / s->sA_sh, s->sA_k0 / s->sA_k, s->sB_sh0 / s->sB_sh,
                    s->sB_k0 / s->sB_k, ash, ak, (long long)n);
             free(s->Ash);
