@@ -139,12 +139,7 @@ int64_t gpu_auto_batch(const bk_model_config *c, int64_t S, int64_t T)
 {
     double per_row = 4.0 * (double)(4 * c->n_heads * c->head_dim + 4 * c->n_kv_heads * c->head_dim +
                                     3 * c->hidden + 3 * c->intermediate);
-    int64_t b = (int64_t)((2048.0 * 1024 * 1024) / (per_row * (double)T));
-    if (b < 1)
-        b = 1;
-    if (b > S)
-        b = S;
-    return b;
+    return bk_batch_within(2048.0 * 1024 * 1024, per_row * (double)T, S);
 }
 
 } // namespace
@@ -158,9 +153,7 @@ extern "C" bk_status bk_cuda_layer_fwd_create(bk_backend *b, const bk_layer_fwd_
     const bk_model *m = p->model;
     const bk_model_config *c = bk_model_get_config(m);
     const int64_t S = p->S, T = p->T;
-    int64_t B = p->batch > 0 ? (p->batch < S ? p->batch : S) : gpu_auto_batch(c, S, T);
-    if (B < 1)
-        B = 1;
+    const int64_t B = bk_layer_fwd_batch(p, gpu_auto_batch(c, S, T));
     *batch = B;
     /* the configuration's checks, as on the CPU */
     bk_fwd *chk = NULL;

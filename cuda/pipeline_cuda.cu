@@ -1,5 +1,5 @@
 /* CUDA backend — the quantization job's stages on the GPU (the bk_stage_ops
- * table that src/pipeline.c drives; src/pipeline_gpu.h).
+ * table that the quantization job drives (src/quantize_layers.c); src/pipeline_gpu.h).
  *
  * Resident on the device: the residual stream h and the o_proj inputs of all
  * calibration sequences (or, when they do not fit next to everything else,
@@ -469,12 +469,7 @@ int64_t auto_batch(const bk_model_config *c, int64_t S, int64_t T)
     const double per_row = 4.0 * (double)(6 * c->n_heads * c->head_dim +
                                           6 * c->n_kv_heads * c->head_dim + 5 * c->hidden +
                                           4 * c->intermediate);
-    int64_t b = (int64_t)((2048.0 * 1024 * 1024) / (per_row * (double)T));
-    if (b < 1)
-        b = 1;
-    if (b > S)
-        b = S;
-    return b;
+    return bk_batch_within(2048.0 * 1024 * 1024, per_row * (double)T, S);
 }
 
 /* Device memory to keep free next to the calibration states: one layer's

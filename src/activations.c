@@ -761,14 +761,7 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
         goto done;
     }
     /* the layer driver: the embedding, then every layer (dump_layer) */
-    drv.model = model;
-    drv.tokens = tokens;
-    drv.s_lo = 0;
-    drv.s_hi = S;
-    drv.batch = dr.B;
-    drv.embed = dr.fo->embed;
-    drv.embed_end = dr.fo->embed_end;
-    drv.fwd = dr.fc;
+    drv = bk_driver_over_fwd(model, tokens, S, dr.B, dr.fo, dr.fc, dump_layer, &dr);
     st = bk_driver_embed(&drv);
     if (st != BK_OK)
         goto done;
@@ -809,9 +802,6 @@ bk_status bk_dump_activations(const bk_dump_opts *o)
     for (int64_t i = 0; i < N; i++)
         dr.pos[i] = (int32_t)(i % T);
     dr.files = files;
-    drv.layer = dump_layer;
-    drv.user = &dr;
-    drv.weights = 1;
     drv.stop_check = 1;
     drv.stop_first = 0;
     drv.stop_count = (int)c->n_layers;

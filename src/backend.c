@@ -53,6 +53,14 @@ bk_gemm_math bk_backend_gemm_math(const bk_backend *b)
     return b ? b->gemm_math : BK_GEMM_FP32;
 }
 
+bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want)
+{
+    if (want != BK_GEMM_AUTO)
+        return want;
+    const bk_tensor_info *t = m ? bk_model_find(m, 0, "self_attn.q_proj.weight") : NULL;
+    return t && t->dtype == BK_DT_BF16 ? BK_GEMM_BF16 : BK_GEMM_TF32;
+}
+
 int bk_cuda_compiled(void)
 {
     return BK_HAVE_CUDA;
@@ -314,6 +322,22 @@ int bk_backend_supports(const bk_backend *b, bk_backend_op op)
     case BK_OP_BACKWARD: return o->bwd_flow_run != NULL;
     }
     return 0;
+}
+
+int64_t bk_batch_within(double budget, double per_seq, int64_t S)
+{
+    int64_t b = (int64_t)(budget / per_seq);
+    if (b < 1)
+        b = 1;
+    if (b > S)
+        b = S;
+    return b;
+}
+
+int64_t bk_layer_fwd_batch(const bk_layer_fwd_params *p, int64_t automatic)
+{
+    int64_t B = p->batch > 0 ? (p->batch < p->S ? p->batch : p->S) : automatic;
+    return B < 1 ? 1 : B;
 }
 
 bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p,

@@ -117,9 +117,7 @@ bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p, i
     const bk_model *m = p->model;
     const bk_model_config *cfg = bk_model_get_config(m);
     const int64_t S = p->S, T = p->T;
-    int64_t B = p->batch > 0 ? (p->batch < S ? p->batch : S) : bk_fwd_auto_batch(cfg, S, T);
-    if (B < 1)
-        B = 1;
+    const int64_t B = bk_layer_fwd_batch(p, bk_fwd_auto_batch(cfg, S, T));
     *batch = B;
     cpu_lfwd *c = calloc(1, sizeof *c);
     if (!c)
@@ -151,7 +149,7 @@ static const bk_backend_ops cpu_ops = {
     .peak_memory = NULL,
     .reset_peak_memory = NULL,
     .layer_fwd_create = bk_cpu_layer_fwd_create,
-    .stages_create = NULL, /* the driver's own CPU stages (src/pipeline.c) */
+    .stages_create = NULL, /* the driver's own CPU stages (src/quantize_stages_cpu.c) */
     .bwd_flow_run = NULL,  /* the CPU's flow, bk_bwd_flow_run (the dispatcher's fallback) */
     .destroy = cpu_destroy,
 };

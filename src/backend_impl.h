@@ -27,7 +27,7 @@ extern "C" {
 
 /* ------------------------------------------------- the layer driver's stages */
 
-/* The per-layer sequence of a token-calibrated quantize job (src/pipeline.c
+/* The per-layer sequence of a token-calibrated quantize job (src/quantize_layers.c
  * runs it; docs/DEVICE.md "Pipeline on the GPU"). */
 typedef enum bk_stage {
     BK_STAGE_QKV = 0, /* x = attn_in(orig); fully-local: FP queries/keys; add_attn */
@@ -201,7 +201,7 @@ typedef struct bk_backend_ops {
                                   const bk_layer_fwd_ops **ops, void **ctx);
     /* The quantize stages. *batch: the micro-batch asked for (0 = automatic),
      * reduced when the memory is short; the value used is returned.
-     * NULL: the driver's own CPU stages (src/pipeline.c). */
+     * NULL: the driver's own CPU stages (src/quantize_stages_cpu.c). */
     bk_status (*stages_create)(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                const bk_stage_ops **ops, void **ctx);
     /* The backward flow of the Backprop Hessians, as bk_bwd_flow_run
@@ -215,6 +215,12 @@ typedef struct bk_backend_ops {
     /* Required. */
     void (*destroy)(void *ctx);
 } bk_backend_ops;
+
+/* Sequences per micro-batch: budget / per_seq bytes, within [1, S]. */
+int64_t bk_batch_within(double budget, double per_seq, int64_t S);
+/* The micro-batch of a layer forward: p->batch within [1, S], or `automatic`
+ * (the backend's rule) when p->batch is 0. */
+int64_t bk_layer_fwd_batch(const bk_layer_fwd_params *p, int64_t automatic);
 
 /* Whether backend b has its own implementation of op (else the driver runs
  * the CPU one). */

@@ -239,18 +239,8 @@ bk_status bk_bwd_flow_run(const bk_model *m, const int32_t *tokens, int64_t S, i
     st = bk__bwd_head_check(m);
     if (st != BK_OK)
         return st;
-    flow f;
-    memset(&f, 0, sizeof f);
-    f.m = m;
-    f.c = c;
-    f.tokens = tokens;
-    f.S = S;
-    f.T = T;
-    f.B = o->batch < S ? o->batch : S;
-    f.d = c->hidden;
-    f.o = o;
-    f.cb = cb;
-    f.st = stats;
+    flow f = {.m = m, .c = c, .tokens = tokens, .S = S, .T = T,
+              .B = o->batch < S ? o->batch : S, .d = c->hidden, .o = o, .cb = cb, .st = stats};
     const int L = (int)c->n_layers;
     /* layer inputs kept per micro-batch: the most a sweep goes back through */
     f.acts_layers = o->flow == BK_FLOW_NAIVE ? L : (L + 1) / 2;

@@ -46,19 +46,7 @@ static bk_status eval_model(bk_backend *b, const bk_model *m, const int32_t *tok
     st = bk_backend_layer_fwd_create(b, &p, &e.B, &e.ops, &e.ctx);
     if (st != BK_OK)
         return st;
-    bk_layer_driver d;
-    memset(&d, 0, sizeof d);
-    d.model = m;
-    d.tokens = tokens;
-    d.s_lo = 0;
-    d.s_hi = S;
-    d.batch = e.B;
-    d.embed = e.ops->embed;
-    d.embed_end = e.ops->embed_end;
-    d.fwd = e.ctx;
-    d.layer = eval_layer;
-    d.user = &e;
-    d.weights = 1;
+    bk_layer_driver d = bk_driver_over_fwd(m, tokens, S, e.B, e.ops, e.ctx, eval_layer, &e);
     st = bk_driver_embed(&d);
     if (st == BK_OK)
         st = bk_driver_layers(&d, 0, (int)c->n_layers);

@@ -1098,27 +1098,64 @@ static bk_status bp_add_input(bk_hess_acc *a, int layer, int grp, const float *x
     return BK_OK;
 }
 
-bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const double *g,
-                           const double *a_fp, int64_t S)
+/* The checks before output gradients of layer/mod enter accumulator a (fn:
+ * the caller's name; what: "gradients" or "gradient Grams", both as the
+ * messages say them). */
+static bk_status grad_check(const bk_hess_acc *a, int layer, bk_module mod, const char *fn,
+                            const char *what)
 {
     bk_status st;
-    int64_t N = 0;
     if (!a)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     if (!a->bp)
         return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: bk_hess_add_grad: gradients only enter the backprop kinds "
-                        "(Hessian is %s)",
+                        "hessian: %s only enter the backprop kinds (Hessian is %s)", what,
                         bk_hessian_name(a->kind));
     if ((unsigned)mod >= BK_MOD_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown module %d", (int)mod);
-    if ((st = check_broken(a, "bk_hess_add_grad")) != BK_OK)
+    if ((st = check_broken(a, fn)) != BK_OK)
         return st;
     if (a->layer >= 0 && layer != a->layer)
         return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: bk_hess_add_grad: gradients of layer %d given to an "
-                        "accumulator holding layer %d (call bk_hess_acc_reset between layers)",
-                        layer, a->layer);
+                        "hessian: %s of layer %d given to an accumulator holding layer %d (call "
+                        "bk_hess_acc_reset between layers)",
+                        what, layer, a->layer);
+    return BK_OK;
+}
+
+/* Module mod's output factor [m, m] (zero at first) and room for `more` token
+ * weights (the Shampoo kind). */
+static bk_status grad_room(bk_hess_acc *a, int layer, bk_module mod, int64_t m, int64_t more)
+{
+    if (!a->gB[mod]) {
+        a->gB[mod] = bk_calloc((size_t)(m * m), sizeof(double));
+        if (!a->gB[mod])
+            return bk_error(BK_ERR_NOMEM,
+                            "hessian: layer %d %s: out of memory for the output factor [%lld, "
+                            "%lld]",
+                            layer, bk_module_name(mod), (long long)m, (long long)m);
+    }
+    int64_t need = a->gcount[mod] + more;
+    if (a->shampoo && need > a->gw_cap[mod]) {
+        int64_t cap = a->gw_cap[mod] ? a->gw_cap[mod] : 1024;
+        while (cap < need)
+            cap *= 2;
+        double *nw = realloc(a->gw[mod], (size_t)cap * sizeof(double));
+        if (!nw)
+            return bk_error(BK_ERR_NOMEM, "hessian: out of memory for token weights");
+        a->gw[mod] = nw;
+        a->gw_cap[mod] = cap;
+    }
+    return BK_OK;
+}
+
+bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const double *g,
+                           const double *a_fp, int64_t S)
+{
+    int64_t N = 0;
+    bk_status st = grad_check(a, layer, mod, "bk_hess_add_grad", "bk_hess_add_grad: gradients");
+    if (st != BK_OK)
+        return st;
     if (!g || (a->shampoo && !a_fp))
         return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d %s: NULL gradient or input",
                         layer, bk_module_name(mod));
@@ -1131,30 +1168,13 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
             return bk_error(BK_ERR_NONFINITE,
                             "hessian: layer %d %s: non-finite output gradient at row %lld",
                             layer, bk_module_name(mod), (long long)(i / m));
-    if (!a->gB[mod]) {
-        a->gB[mod] = bk_calloc((size_t)(m * m), sizeof(double));
-        if (!a->gB[mod])
-            return bk_error(BK_ERR_NOMEM,
-                            "hessian: layer %d %s: out of memory for the output factor [%lld, "
-                            "%lld]",
-                            layer, bk_module_name(mod), (long long)m, (long long)m);
-    }
+    if ((st = grad_room(a, layer, mod, m, N)) != BK_OK)
+        return st;
     a->layer = layer;
     if (!a->shampoo) {
         cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)m, (int)N, 1.0, g, (int)m, 1.0,
                     a->gB[mod], (int)m);
     } else {
-        int64_t need = a->gcount[mod] + N;
-        if (need > a->gw_cap[mod]) {
-            int64_t cap = a->gw_cap[mod] ? a->gw_cap[mod] : 1024;
-            while (cap < need)
-                cap *= 2;
-            double *nw = realloc(a->gw[mod], (size_t)cap * sizeof(double));
-            if (!nw)
-                return bk_error(BK_ERR_NOMEM, "hessian: out of memory for token weights");
-            a->gw[mod] = nw;
-            a->gw_cap[mod] = cap;
-        }
         int64_t ch = N < GRAM_CHUNK ? N : GRAM_CHUNK;
         double *buf = bk_alloc((size_t)(ch * m), sizeof(double));
         if (!buf)
@@ -1186,23 +1206,10 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
 bk_status bk__hess_add_grad_gram(bk_hess_acc *a, int layer, bk_module mod, const double *G,
                                  const double *gw, int64_t S)
 {
-    bk_status st;
     int64_t N = 0;
-    if (!a)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
-    if (!a->bp)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: gradient Grams only enter the backprop kinds (Hessian is %s)",
-                        bk_hessian_name(a->kind));
-    if ((unsigned)mod >= BK_MOD_COUNT)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown module %d", (int)mod);
-    if ((st = check_broken(a, "bk__hess_add_grad_gram")) != BK_OK)
+    bk_status st = grad_check(a, layer, mod, "bk__hess_add_grad_gram", "gradient Grams");
+    if (st != BK_OK)
         return st;
-    if (a->layer >= 0 && layer != a->layer)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: gradient Gram of layer %d given to an accumulator holding "
-                        "layer %d (call bk_hess_acc_reset between layers)",
-                        layer, a->layer);
     if (!G || (a->shampoo && !gw))
         return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d %s: NULL Gram or token weights",
                         layer, bk_module_name(mod));
@@ -1217,28 +1224,10 @@ bk_status bk__hess_add_grad_gram(bk_hess_acc *a, int layer, bk_module mod, const
                                 "hessian: layer %d %s: non-finite output gradient (in the Gram, "
                                 "row %lld)",
                                 layer, bk_module_name(mod), (long long)i);
-    if (!a->gB[mod]) {
-        a->gB[mod] = bk_calloc((size_t)(m * m), sizeof(double));
-        if (!a->gB[mod])
-            return bk_error(BK_ERR_NOMEM,
-                            "hessian: layer %d %s: out of memory for the output factor [%lld, "
-                            "%lld]",
-                            layer, bk_module_name(mod), (long long)m, (long long)m);
-    }
-    if (a->shampoo) {
-        int64_t need = a->gcount[mod] + N;
-        if (need > a->gw_cap[mod]) {
-            int64_t cap = a->gw_cap[mod] ? a->gw_cap[mod] : 1024;
-            while (cap < need)
-                cap *= 2;
-            double *nw = realloc(a->gw[mod], (size_t)cap * sizeof(double));
-            if (!nw)
-                return bk_error(BK_ERR_NOMEM, "hessian: out of memory for token weights");
-            a->gw[mod] = nw;
-            a->gw_cap[mod] = cap;
-        }
+    if ((st = grad_room(a, layer, mod, m, N)) != BK_OK)
+        return st;
+    if (a->shampoo)
         memcpy(a->gw[mod] + a->gcount[mod], gw, (size_t)N * sizeof(double));
-    }
     a->layer = layer;
     double *gb = a->gB[mod];
     for (int64_t i = 0; i < m; i++)

@@ -6,6 +6,16 @@
 #include "stop.h"
 #include "util.h"
 
+bk_layer_driver bk_driver_over_fwd(const bk_model *m, const int32_t *tokens, int64_t S,
+                                   int64_t batch, const bk_layer_fwd_ops *ops, void *fwd,
+                                   bk_status (*layer)(void *user, int l, bk_layer_weights *w),
+                                   void *user)
+{
+    return (bk_layer_driver){.model = m, .tokens = tokens, .s_lo = 0, .s_hi = S, .batch = batch,
+                             .embed = ops->embed, .embed_end = ops->embed_end, .fwd = fwd,
+                             .layer = layer, .user = user, .weights = 1};
+}
+
 bk_status bk_driver_embed(bk_layer_driver *d)
 {
     if (!d->tokens)

@@ -6,7 +6,7 @@
  * command's body runs the layer on the backend, the weights are released,
  * and the checkpoint is checked to be unchanged under the run.
  *
- *   quantize          body: the stages and solves of a layer (src/pipeline.c)
+ *   quantize          body: the stages and solves of a layer (src/quantize_layers.c)
  *   eval              body: the layer on every micro-batch (src/eval.c),
  *                     then the head (nll / logits entries)
  *   dump-activations  body: the layer with taps, then the layer file
@@ -21,6 +21,7 @@
 #include "bakron/forward.h"
 #include "bakron/model.h"
 #include "bakron/status.h"
+#include "backend_impl.h"
 #include "prefetch.h"
 
 /* The micro-batches [s0, s0+sb) of sequences [lo, hi), b sequences each
@@ -59,6 +60,13 @@ typedef struct bk_layer_driver {
     bk_prefetch pf; /* (the driver's) */
 } bk_layer_driver;
 
+/* A driver over a layer forward (eval, dump-activations): the embedding of
+ * sequences [0, S) of tokens in micro-batches of batch on ops/fwd, then
+ * layer(user, l, weights) for every layer; no stop check. */
+bk_layer_driver bk_driver_over_fwd(const bk_model *m, const int32_t *tokens, int64_t S,
+                                   int64_t batch, const bk_layer_fwd_ops *ops, void *fwd,
+                                   bk_status (*layer)(void *user, int l, bk_layer_weights *w),
+                                   void *user);
 /* The embedding (nothing without tokens). */
 bk_status bk_driver_embed(bk_layer_driver *d);
 /* One layer: its weights, the body, the checks after it. */

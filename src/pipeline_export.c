@@ -560,3 +560,25 @@ bk_status bk__layer_rtn(bk_model *model, bk_backend *be, bk_st_stream *out,
     }
     return st;
 }
+
+const char *bk_export_name(bk_export_format f)
+{
+    switch (f) {
+    case BK_EXPORT_NATIVE: return "native";
+    case BK_EXPORT_DEQUANTIZED: return "dequantized";
+    case BK_EXPORT_GPTQ: return "gptq";
+    }
+    return "?";
+}
+
+bk_status bk_export_from_name(const char *name, bk_export_format *out)
+{
+    for (int f = 0; f <= BK_EXPORT_GPTQ; f++) {
+        if (!strcmp(name, bk_export_name((bk_export_format)f))) {
+            *out = (bk_export_format)f;
+            return BK_OK;
+        }
+    }
+    return bk_error(BK_ERR_INVALID_ARG, "unknown export format '%s' (expected native, dequantized or gptq)",
+                    name);
+}

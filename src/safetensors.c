@@ -46,47 +46,6 @@ struct bk_st_file {
 
 /* ------------------------------------------------------------- helpers */
 
-size_t bk_utf8_invalid_at(const unsigned char *s, size_t n)
-{
-    size_t i = 0;
-    while (i < n) {
-        unsigned c = s[i];
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        size_t len;
-        unsigned cp, min;
-        if (c >= 0xc2 && c <= 0xdf) {
-            len = 2;
-            cp = c & 0x1f;
-            min = 0x80;
-        } else if (c >= 0xe0 && c <= 0xef) {
-            len = 3;
-            cp = c & 0x0f;
-            min = 0x800;
-        } else if (c >= 0xf0 && c <= 0xf4) {
-            len = 4;
-            cp = c & 0x07;
-            min = 0x10000;
-        } else {
-            return i; /* continuation byte, 0xc0/0xc1, or 0xf5..0xff */
-        }
-        if (n - i < len)
-            return i;
-        for (size_t k = 1; k < len; k++) {
-            unsigned cc = s[i + k];
-            if ((cc & 0xc0) != 0x80)
-                return i;
-            cp = (cp << 6) | (cc & 0x3f);
-        }
-        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
-            return i;
-        i += len;
-    }
-    return n;
-}
-
 bk_status bk_st_tensor_size(bk_dtype dt, int ndim, const int64_t *shape, uint64_t *numel,
                             uint64_t *nbytes)
 {

@@ -28,10 +28,6 @@ bk_status bk_st_open_zst_max(const char *path, uint64_t max_bytes, const char *b
 bk_status bk_st_zst_header(const char *path, uint64_t max_header, uint64_t max_image,
                            const char *bound_why, char **json, uint64_t *declared);
 
-/* Offset of the first invalid UTF-8 sequence in s[0..n), or n if it is valid
- * (rejects overlong forms, surrogates and code points above U+10FFFF). */
-size_t bk_utf8_invalid_at(const unsigned char *s, size_t n);
-
 /* Element count and byte size of a tensor (rules 8 and 9). Returns BK_OK, or
  * BK_ERR_ST_OVERFLOW / BK_ERR_ST_SUBBYTE without setting a message. */
 bk_status bk_st_tensor_size(bk_dtype dt, int ndim, const int64_t *shape, uint64_t *numel,

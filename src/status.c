@@ -4,6 +4,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "util.h"
+
 #define BK_ERRBUF 1024
 static _Thread_local char errbuf[BK_ERRBUF];
 
@@ -72,40 +74,55 @@ void bk_clear_error(void)
     errbuf[0] = '\0';
 }
 
-/* Length of the valid UTF-8 sequence at s (n bytes left), 0 if invalid
- * (overlong forms, surrogates and code points above U+10FFFF are invalid). */
-static size_t utf8_len(const unsigned char *s, size_t n)
+size_t bk_utf8_lead(unsigned char c, unsigned char *lo, unsigned char *hi)
 {
-    unsigned c = s[0];
-    size_t len;
-    unsigned cp, min;
+    *lo = 0x80;
+    *hi = 0xBF;
     if (c < 0x80)
         return 1;
-    if (c >= 0xC2 && c <= 0xDF) {
-        len = 2;
-        cp = c & 0x1F;
-        min = 0x80;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3;
-        cp = c & 0x0F;
-        min = 0x800;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4;
-        cp = c & 0x07;
-        min = 0x10000;
-    } else {
-        return 0;
+    if (c >= 0xC2 && c <= 0xDF)
+        return 2;
+    if (c >= 0xE0 && c <= 0xEF) {
+        if (c == 0xE0)
+            *lo = 0xA0; /* not overlong */
+        else if (c == 0xED)
+            *hi = 0x9F; /* no surrogates */
+        return 3;
     }
-    if (n < len)
+    if (c >= 0xF0 && c <= 0xF4) {
+        if (c == 0xF0)
+            *lo = 0x90; /* not overlong */
+        else if (c == 0xF4)
+            *hi = 0x8F; /* at most U+10FFFF */
+        return 4;
+    }
+    return 0;
+}
+
+size_t bk_utf8_len(const unsigned char *s, size_t n)
+{
+    unsigned char lo, hi;
+    const size_t len = bk_utf8_lead(s[0], &lo, &hi);
+    if (len <= 1)
+        return len;
+    if (n < len || s[1] < lo || s[1] > hi)
         return 0;
-    for (size_t i = 1; i < len; i++) {
+    for (size_t i = 2; i < len; i++)
         if ((s[i] & 0xC0) != 0x80)
             return 0;
-        cp = cp << 6 | (s[i] & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-        return 0;
     return len;
+}
+
+size_t bk_utf8_invalid_at(const unsigned char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        const size_t l = bk_utf8_len(s + i, n - i);
+        if (!l)
+            return i;
+        i += l;
+    }
+    return n;
 }
 
 size_t bk_escape_message(const char *in, char *out, size_t cap)
@@ -116,7 +133,7 @@ size_t bk_escape_message(const char *in, char *out, size_t cap)
     if (cap == 0)
         return 0;
     for (size_t i = 0; i < n;) {
-        size_t l = utf8_len(s + i, n - i);
+        size_t l = bk_utf8_len(s + i, n - i);
         char esc[5];
         size_t el = 0;
         if (l == 0 || (l == 1 && (s[i] < 0x20 || s[i] == 0x7f))) {

@@ -123,23 +123,8 @@ static bk_status py_text(const char *in, size_t n, char **out, size_t *outn)
             }
             continue;
         }
-        size_t l = 0;
-        unsigned char lo = 0x80, hi = 0xBF;
-        if (c >= 0xC2 && c <= 0xDF)
-            l = 2;
-        else if (c >= 0xE0 && c <= 0xEF) {
-            l = 3;
-            if (c == 0xE0)
-                lo = 0xA0;
-            else if (c == 0xED)
-                hi = 0x9F;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            l = 4;
-            if (c == 0xF0)
-                lo = 0x90;
-            else if (c == 0xF4)
-                hi = 0x8F;
-        }
+        unsigned char lo, hi;
+        const size_t l = bk_utf8_lead(c, &lo, &hi); /* (c >= 0x80 here: 0 or 2..4) */
         /* length of the valid prefix of the sequence starting here */
         size_t v = 0;
         if (l) {

@@ -152,44 +152,6 @@ static uint32_t utf8_get(const char *s, size_t *len)
 
 /* Offset of the first byte that breaks UTF-8 (as Rust's str accepts it:
  * no overlongs, no surrogates, <= U+10FFFF), or n when the text is valid. */
-static size_t utf8_invalid_at(const char *s, size_t n)
-{
-    const unsigned char *u = (const unsigned char *)s;
-    size_t i = 0;
-    while (i < n) {
-        unsigned char c = u[i];
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        size_t l;
-        unsigned char lo = 0x80, hi = 0xBF;
-        if (c >= 0xC2 && c <= 0xDF)
-            l = 2;
-        else if (c >= 0xE0 && c <= 0xEF) {
-            l = 3;
-            if (c == 0xE0)
-                lo = 0xA0;
-            else if (c == 0xED)
-                hi = 0x9F;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            l = 4;
-            if (c == 0xF0)
-                lo = 0x90;
-            else if (c == 0xF4)
-                hi = 0x8F;
-        } else
-            return i;
-        if (i + l > n || u[i + 1] < lo || u[i + 1] > hi)
-            return i;
-        for (size_t k = 2; k < l; k++)
-            if ((u[i + k] & 0xC0) != 0x80)
-                return i;
-        i += l;
-    }
-    return n;
-}
-
 /* Unicode White_Space (what the Rust regex crate and Oniguruma call \s). */
 static int is_white_space(uint32_t c)
 {
@@ -1562,7 +1524,7 @@ static bk_status find_added(bk_tokenizer *t, const added_set *set, const char *s
 bk_status bk_tokenizer_encode(bk_tokenizer *t, const char *text, size_t len, int add_special,
                               bk_token_ids *out)
 {
-    size_t bad = utf8_invalid_at(text, len);
+    size_t bad = bk_utf8_invalid_at((const unsigned char *)text, len);
     if (bad < len)
         return bk_error(BK_ERR_INVALID_ARG, "tokenizer: text is not valid UTF-8 at byte %zu", bad);
     t->out = out;

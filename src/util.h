@@ -7,6 +7,17 @@
 
 #include "bakron/status.h"
 
+/* UTF-8 (src/status.c). The number of bytes of the sequence that lead byte c
+ * starts: 1 for ASCII, 2..4, or 0 when c cannot start one (a continuation
+ * byte, 0xC0/0xC1, 0xF5..0xFF); for 2..4 the range [*lo, *hi] of the second
+ * byte (which excludes overlong forms, surrogates and code points above
+ * U+10FFFF), the others being 0x80..0xBF. */
+size_t bk_utf8_lead(unsigned char c, unsigned char *lo, unsigned char *hi);
+/* Length of the valid UTF-8 sequence at s (n bytes left), 0 if invalid. */
+size_t bk_utf8_len(const unsigned char *s, size_t n);
+/* Offset of the first invalid UTF-8 sequence in s[0..n), or n if it is valid. */
+size_t bk_utf8_invalid_at(const unsigned char *s, size_t n);
+
 /* Monotonic wall clock in seconds. */
 double bk_now(void);
 

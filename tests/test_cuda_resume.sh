@@ -6,7 +6,7 @@
 # uninterrupted GPU run (report.json: times and the device peak aside); the
 # same with --cpu-stages (CPU forward/Hessians, GPU solves). The resumed run
 # rebuilds the residual stream by the whole-layer stage with the quantized
-# weights (src/pipeline.c layer_rebuild), which must give the staged pass's bits.
+# weights (src/quantize_layers.c layer_rebuild), which must give the staged pass's bits.
 set -u
 B=${BK_BAKRON:?}
 SRC=${BK_SOURCE_ROOT:?}

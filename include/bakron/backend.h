@@ -105,6 +105,9 @@ bk_status bk_gemm_math_from_name(const char *name, bk_gemm_math *out);
 const char *bk_gemm_math_name(bk_gemm_math m);
 void bk_backend_set_gemm_math(bk_backend *b, bk_gemm_math m);
 bk_gemm_math bk_backend_gemm_math(const bk_backend *b);
+/* BK_GEMM_AUTO resolved for model m: BF16 when its linear weights are BF16,
+ * else TF32; other values are returned unchanged. */
+bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want);
 
 size_t bk_backend_peak_memory(const bk_backend *b);
 /* Restart the peak at the memory in use now (to measure one operation). */

@@ -126,10 +126,6 @@ typedef struct bk_quantize_opts {
 
 void bk_quantize_opts_default(bk_quantize_opts *o);
 
-/* BK_GEMM_AUTO resolved for model m: BF16 when its linear weights are BF16,
- * else TF32; other values are returned unchanged. */
-bk_gemm_math bk_gemm_math_resolve(const bk_model *m, bk_gemm_math want);
-
 /* Quantize a model. The output folder is built under a temporary name and
  * renamed into place only when complete; on any failure (or interruption,
  * see bk_request_stop) nothing is left under OUT_DIR (a runtime failure after

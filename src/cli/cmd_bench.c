@@ -186,17 +186,8 @@ static bk_status run_shape(bk_backend *be, const cli_solver_args *a, const bk_al
     }
     for (int64_t t = 0; t < m * n; t++)
         W[t] = (float)(0.02 * bk_rng_normal(&rng));
-    bk_solve_problem p;
-    memset(&p, 0, sizeof p);
-    p.m = m;
-    p.n = n;
-    p.dtype = BK_DT_F32;
-    p.W = W;
-    p.A = A;
-    p.B = B;
-    p.label_w = "bench.W";
-    p.label_a = "bench.A";
-    p.label_b = "bench.B";
+    bk_solve_problem p = {.m = m, .n = n, .dtype = BK_DT_F32, .W = W, .A = A, .B = B,
+                          .label_w = "bench.W", .label_a = "bench.A", .label_b = "bench.B"};
     /* bakron first, so every other algorithm can be compared with it */
     int order[MAX_ITEMS], no = 0;
     for (int i = 0; i < nalg; i++)

@@ -1,0 +1,194 @@
+/* The quantization job (internal): its state and the pieces the files of
+ * bk_quantize share. Who holds what:
+ *   src/pipeline.c             the job: checks, calibration, backend, the
+ *                              layer driver's setup, output commit (bk_quantize)
+ *   src/quantize_writer.c      the output plan and the writer thread (packing
+ *                              and writing overlapped with the next solve), the
+ *                              journal of finished layers
+ *   src/quantize_solve.c       one module's solve, its report entry and event
+ *   src/quantize_stages_cpu.c  the CPU stages (bk_stage_ops over bk_fwd and
+ *                              bk_hess_acc)
+ *   src/quantize_layers.c      the layer driver's bodies: the stages and solves
+ *                              of one layer, the resume rebuild, --activations
+ *   src/quantize_ranks.c       MPI ranks, data parallel (Hessian sums, solves
+ *                              shared)
+ *   src/quantize_backprop.c    the backprop kinds: the backward flow drives the
+ *                              layers
+ *   src/quantize_report.c      config.json, quantization_config, report.json
+ * The layer driver (src/layer_driver.c) and the read-ahead (src/prefetch.c)
+ * serve eval and dump-activations too. */
+#ifndef BK_QUANTIZE_JOB_H
+#define BK_QUANTIZE_JOB_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "bakron/bakron.h"
+#include "bakron/pipeline.h"
+#include "backend_impl.h"
+#include "backward_internal.h"
+#include "layer_driver.h"
+#include "outdir.h"
+#include "pipeline_internal.h"
+#include "resume.h"
+
+typedef struct job {
+    const bk_quantize_opts *o;
+    bk_model *model;
+    const bk_model_config *cfg;
+    bk_backend *backend;
+    bk_fwd *fwd;
+    bk_hess_acc *acc;
+    bk_hess_acc *acc_gptq; /* plain E[xx^T] for the GPTQ loss of two-sided modules (shampoo) */
+    bk_st_stream *out;
+    bk_outdir od; /* the output folder: lock, work folder (od.work), commit */
+    int layer_begin, layer_end;
+    bk_resume *rs;   /* journal of finished layers (src/resume.c) */
+    int first_layer; /* first layer to quantize: layer_begin, or after the kept ones */
+    /* calibration */
+    int32_t *tokens;
+    int64_t S, T, N, batch;
+    bk_act_reader *acts;
+    /* the stages on one micro-batch: CPU (below) or GPU (cuda/pipeline_cuda.cu) */
+    const bk_stage_ops *ops;
+    void *ops_ctx;
+    int fully;                          /* fully-local Hessian: FP queries/keys in stage 1 */
+    const bk_layer_weights *cur_orig;   /* the layer being processed (CPU stages) */
+    bk_layer_weights *cur_lw;
+    /* buffers (CPU stages) */
+    float *h;      /* [N, hidden] residual stream */
+    float *o_in;   /* [N, heads*head_dim] */
+    float *x;      /* [B*T, max(hidden, ...)] micro-batch scratch */
+    float *q_rot, *k_rot, *down;
+    float *mlp_in; /* [B*T, hidden] (--no-sequential) */
+    float *D;      /* [N, intermediate]: down_proj inputs of all sequences, kept from stage
+                      DOWN for stage OUT when they fit (else NULL: recomputed) */
+    /* report */
+    cJSON *report_modules;
+    double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
+    int64_t quantized_params;
+    bk_gemm_math gemm_math; /* the GPU stages' arithmetic (auto resolved) */
+    /* MPI ranks (docs/DISTRIBUTED.md): this rank's sequences [s_lo, s_hi) (all
+     * of them in one process); agreed: the failure is known to every rank */
+    bk_dist *dist;
+    int rank, nranks, agreed;
+    int64_t s_lo, s_hi;
+    /* stages with their own sums (GPU): the sums and solved weights go
+     * through ops->sums / ops->share_weight; dev_coll: as device buffers
+     * (NCCL), else through host copies over MPI */
+    int dev_stages_ranks, dev_coll;
+    const char *coll_desc;
+    /* backprop kinds: one accumulator per layer of a leaf of the flow
+     * (j->acc points at the one of the layer being quantized) */
+    int bp;
+    int bp_leaf;                /* leaf size */
+    bk_hess_acc **bp_acc;       /* [bp_leaf] */
+    struct bp_dev {             /* [bp_leaf]: the GPU flow's device Grams of the leaf
+                                   (grams_dev), for the GPU stages */
+        const double *G[BK_MOD_COUNT], *gw[BK_MOD_COUNT];
+        int64_t N;
+        int layer;
+    } *bp_dev;
+    int bp_leaf_lo;             /* first layer of the current leaf */
+    bk_bwd_flow_stats bp_stats;
+    double bp_time_counted;     /* flow time already added to t_forward */
+    int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
+                                   (cuda/backward.cu); the input-side stages are j->ops
+                                   (the GPU stages unless --setting bwd_input=cpu) */
+    /* output writer: quantized modules are packed and written by a helper
+     * thread while the next module is solved (queue of WQ_CAP results) */
+    struct {
+        pthread_t tid;
+        int started, stop, failed;
+        pthread_mutex_t mu;
+        pthread_cond_t cv;
+        struct wjob {
+            int layer;
+            bk_module mod;     /* BK_MOD_COUNT: the layer is complete (journal it) */
+            bk_solve_result r;
+            char *entries;     /* the layer's report entries (journal) */
+        } q[2]; /* WQ_CAP */
+        int head, count;
+        bk_status st;
+        char msg[1024];
+        double busy_s; /* time spent writing (overlapped) */
+        long nwrites;  /* module writes attempted (fault injection) */
+    } wr;
+    /* the layer driver (src/layer_driver.c): the embedding, then every layer
+     * with its weights (the next one read on a helper thread meanwhile) */
+    bk_layer_driver drv;
+} job;
+
+/* The micro-batches of this rank's sequences [s_lo, s_hi) (all sequences in
+ * one process). */
+#define MB_LOOP(j, s0, sb) BK_MB_LOOP((j)->s_lo, (j)->s_hi, (j)->batch, s0, sb)
+
+static inline int bk__q_in_range(const job *j, int l)
+{
+    return l >= j->layer_begin && l < j->layer_end;
+}
+
+/* src/pipeline.c: progress events (the caller's on_event). */
+void bk__q_emit(job *j, bk_event_kind kind, int layer, const char *module, const char *msg);
+void bk__q_emit_module(job *j, int layer, bk_module mod, const bk_solve_result *r,
+                       double loss_gptq);
+void bk__q_note(void *user, const char *msg);
+
+/* src/quantize_writer.c */
+bk_status bk__q_declare_outputs(job *j);
+bk_status bk__q_write_passthrough(job *j);
+bk_status bk__q_writer_put(job *j, int layer, bk_module mod, bk_solve_result *r, char *entries);
+void bk__q_writer_start(job *j);
+bk_status bk__q_writer_finish(job *j, int abandon);
+bk_status bk__q_writer_drain(job *j);
+bk_status bk__q_journal_layer(job *j, int l);
+
+/* src/quantize_solve.c: a module's solve, before it is applied (MPI ranks:
+ * computed by one rank, applied by all). */
+typedef struct bk_q_solved {
+    bk_solve_result r;
+    double loss_gptq;
+    int alg, two_sided;
+} bk_q_solved;
+bk_status bk__q_solve_compute(job *j, int layer, bk_module mod, const bk_layer_weights *orig,
+                              bk_q_solved *sv);
+bk_status bk__q_solve_apply(job *j, int layer, bk_module mod, bk_layer_weights *lw,
+                            bk_q_solved *sv);
+bk_status bk__q_solve_module(job *j, int layer, bk_module mod, bk_layer_weights *lw,
+                             const bk_layer_weights *orig);
+
+/* src/quantize_stages_cpu.c */
+extern const bk_stage_ops bk__q_cpu_stages;
+bk_status bk__q_add_all_modules(job *j, const bk_layer_weights *orig, const float *attn_in,
+                                const float *o_in, const float *mlp_in, const float *down_in,
+                                int fully, int64_t sb, double *t_hessian);
+
+/* src/quantize_layers.c */
+bk_status bk__q_weights_copy(const bk_model_config *c, const bk_layer_weights *src,
+                             bk_layer_weights *dst);
+bk_status bk__q_layer_body(void *user, int l, bk_layer_weights *w);
+bk_status bk__q_offline_body(void *user, int l, bk_layer_weights *w);
+
+/* src/quantize_ranks.c */
+/* This rank's micro-batches: a contiguous share, the single process's
+ * boundaries (one process: all sequences). */
+bk_status bk__q_split_ranks(job *j);
+/* The backend's own (GPU) stages with several ranks: the agreed micro-batch
+ * (*batch) and how device buffers are exchanged. */
+bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch);
+/* The modules whose Hessians stage `stage` accumulates (bit per module). */
+unsigned bk__q_stage_modules(bk_stage stage);
+bk_status bk__q_sync(job *j, bk_status st);
+bk_status bk__q_stage_ranks(job *j, bk_stage stage);
+bk_status bk__q_solve_group(job *j, int l, int m0, int m1, bk_layer_weights *lw,
+                            const bk_layer_weights *orig);
+
+/* src/quantize_backprop.c */
+bk_status bk__q_run_backprop(job *j);
+
+/* src/quantize_report.c */
+bk_status bk__q_write_metadata(job *j);
+
+#endif

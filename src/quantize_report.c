@@ -1,0 +1,146 @@
+/* The quantization job's metadata files: config.json with the
+ * quantization_config, report.json, the model card. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bk_config.h"
+#include "quantize_job.h"
+#include "util.h"
+
+/* ------------------------------------------------------------ metadata files */
+
+bk_status bk__q_write_metadata(job *j)
+{
+    const bk_quantize_opts *o = j->o;
+    char path[4096];
+    char *text = NULL;
+    bk_status st;
+    st = bk_path_join(path, sizeof path, o->model_dir, "config.json");
+    if (st != BK_OK)
+        return st;
+    st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &text, NULL);
+    if (st != BK_OK)
+        return st;
+    cJSON *cfg = cJSON_Parse(text);
+    free(text);
+    if (!cfg)
+        return bk_error(BK_ERR_CONFIG, "%s: cannot parse", path);
+
+    cJSON *qc = bk__quantization_config(o, j->cfg, j->S, j->T, j->layer_begin, j->layer_end);
+    if (!qc) {
+        cJSON_Delete(cfg);
+        return bk_error(BK_ERR_NOMEM, "out of memory building quantization_config");
+    }
+    if (o->export_format == BK_EXPORT_DEQUANTIZED) {
+        /* an ordinary checkpoint: record provenance under another key */
+        cJSON_DeleteItemFromObject(cfg, "quantization_config");
+        cJSON_AddItemToObject(cfg, "bakron_dequantized_from", qc);
+    } else {
+        cJSON_DeleteItemFromObject(cfg, "quantization_config");
+        cJSON_AddItemToObject(cfg, "quantization_config", qc);
+        if (o->export_format == BK_EXPORT_GPTQ) {
+            char *q = cJSON_Print(qc);
+            if (q) {
+                st = bk_path_join(path, sizeof path, j->od.work, "quantize_config.json");
+                if (st == BK_OK)
+                    st = bk_write_file_atomic(path, q, strlen(q));
+                free(q);
+                if (st != BK_OK) {
+                    cJSON_Delete(cfg);
+                    return st;
+                }
+            }
+        }
+    }
+    char *out = cJSON_Print(cfg);
+    st = bk__write_model_card(j->od.work, cfg);
+    cJSON_Delete(cfg);
+    if (!out)
+        return bk_error(BK_ERR_NOMEM, "out of memory writing config.json");
+    if (st != BK_OK) {
+        free(out);
+        return st;
+    }
+    st = bk_path_join(path, sizeof path, j->od.work, "config.json");
+    if (st == BK_OK)
+        st = bk_write_file_atomic(path, out, strlen(out));
+    free(out);
+    if (st != BK_OK)
+        return st;
+
+    /* report.json */
+    cJSON *rep = cJSON_CreateObject();
+    cJSON_AddStringToObject(rep, "bakron_version", BK_VERSION);
+    cJSON_AddStringToObject(rep, "model", o->model_dir);
+    cJSON_AddStringToObject(rep, "backend", bk_backend_name(j->backend));
+    cJSON_AddStringToObject(rep, "device", bk_backend_device(j->backend));
+    if (j->ops && j->ops != &bk__q_cpu_stages) /* the backend's own stages */
+        cJSON_AddStringToObject(rep, "gpu_math", bk_gemm_math_name(j->gemm_math));
+    cJSON_AddStringToObject(rep, "stages", j->ops ? j->ops->name : "cpu");
+    if (j->ops && j->ops->describe(j->ops_ctx)[0])
+        cJSON_AddStringToObject(rep, "stages_detail", j->ops->describe(j->ops_ctx));
+    cJSON_AddNumberToObject(rep, "batch", (double)j->batch);
+    cJSON_AddNumberToObject(rep, "peak_device_bytes", (double)bk_backend_peak_memory(j->backend));
+    cJSON_AddItemToObject(rep, "quantization",
+                          bk__quantization_config(o, j->cfg, j->S, j->T, j->layer_begin, j->layer_end));
+    cJSON *times = cJSON_AddObjectToObject(rep, "times_s");
+    cJSON_AddNumberToObject(times, "total", bk_now() - j->t0);
+    cJSON_AddNumberToObject(times, "forward", j->t_forward);
+    cJSON_AddNumberToObject(times, "hessian", j->t_hessian);
+    cJSON_AddNumberToObject(times, "factor", j->t_factor);
+    cJSON_AddNumberToObject(times, "solve", j->t_solve);
+    /* packing and writing the quantized modules in the writer thread, overlapped
+     * with the solves (not part of total - the stages) */
+    cJSON_AddNumberToObject(times, "write_overlapped", j->wr.busy_s);
+    cJSON_AddNumberToObject(times, "io", j->t_io);
+    cJSON_AddNumberToObject(rep, "quantized_parameters", (double)j->quantized_params);
+    if (j->dist) {
+        cJSON *mp = cJSON_AddObjectToObject(rep, "mpi");
+        cJSON_AddNumberToObject(mp, "ranks", j->nranks);
+        cJSON_AddStringToObject(mp, "mode", "data parallel");
+        cJSON_AddStringToObject(mp, "reduce",
+                                o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "sum");
+        if (j->coll_desc)
+            cJSON_AddStringToObject(mp, "device_collectives", j->coll_desc);
+    }
+    if (j->bp) {
+        const bk_bwd_flow_stats *bs = &j->bp_stats;
+        cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
+        cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
+        cJSON_AddStringToObject(b, "device", j->bp_gpu ? bk_backend_name(j->backend) : "cpu");
+        cJSON_AddStringToObject(b, "input_stages", j->ops ? j->ops->name : "cpu");
+        static const char *const bwd_prec[] = {"fp32", "fp64", "tf32", "bf16"};
+        cJSON_AddStringToObject(b, "precision",
+                                !j->bp_gpu ? "fp64" : bwd_prec[(unsigned)o->bwd_precision & 3]);
+        cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
+        cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
+        cJSON_AddNumberToObject(b, "seed", (double)o->seed);
+        cJSON_AddNumberToObject(b, "passes", bs->passes);
+        cJSON_AddNumberToObject(b, "max_depth", bs->max_depth);
+        cJSON_AddNumberToObject(b, "layer_forwards", (double)bs->layer_forwards);
+        cJSON_AddNumberToObject(b, "layer_backwards", (double)bs->layer_backwards);
+        cJSON_AddNumberToObject(b, "peak_boundary_host_bytes", (double)bs->peak_boundary_bytes);
+        /* CPU: the flow's micro-batch buffers in host memory; GPU: its device buffers
+         * (micro-batch, LM head), the layer weights aside */
+        cJSON_AddNumberToObject(b, j->bp_gpu ? "micro_batch_device_bytes" : "micro_batch_host_bytes",
+                                (double)bs->micro_bytes);
+        cJSON_AddNumberToObject(b, "peak_boundary_device_bytes", 0);
+        cJSON *bt = cJSON_AddObjectToObject(b, "times_s");
+        cJSON_AddNumberToObject(bt, "forward", bs->time_forward_s);
+        cJSON_AddNumberToObject(bt, "backward", bs->time_backward_s);
+        cJSON_AddNumberToObject(bt, "head", bs->time_head_s);
+    }
+    cJSON_AddItemToObject(rep, "modules", j->report_modules);
+    j->report_modules = NULL;
+    out = cJSON_Print(rep);
+    cJSON_Delete(rep);
+    if (!out)
+        return bk_error(BK_ERR_NOMEM, "out of memory writing report.json");
+    st = bk_path_join(path, sizeof path, j->od.work, "report.json");
+    if (st == BK_OK)
+        st = bk_write_file_atomic(path, out, strlen(out));
+    free(out);
+    return st;
+}
