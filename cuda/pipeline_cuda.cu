@@ -150,6 +150,9 @@ bk_status g_layer_begin(void *ctx, const bk_layer_weights *orig, const bk_layer_
     gstages *g = static_cast<gstages *>(ctx);
     (void)lw; /* equal to orig now: copied on the device */
     g_layer_end(ctx);
+    /* the embedding is done (an MPI rank's share may end before the last
+     * sequence, where g_embed releases the table) */
+    bk_gfwd_embed_release(g->f);
     bk_status st = bk_glayer_upload(g->f, orig, &g->orig);
     if (st == BK_OK && hessians) /* the working copy only where modules are quantized */
         st = bk_glayer_clone(g->f, g->orig, &g->lw);
