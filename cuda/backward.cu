@@ -1448,6 +1448,7 @@ struct flow {
     int gleaf;
     double *gram[64][BK_MOD_COUNT];
     double *hgw[64][BK_MOD_COUNT];
+    double *dgw[64][BK_MOD_COUNT]; /* cb->grams_dev, weighted: |g|² per token on the device */
     double *gscr, *rn_g, *rn_a; /* device [B*T, max out], [B*T], [B*T] */
     double *hG;                 /* host [max out²] */
 };
@@ -1519,11 +1520,17 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
     const void *gs[BK_MOD_COUNT] = {g->dq, g->dk, g->dv, g->dh1, g->dzg, g->dzu, g->tmp};
     const void *as[BK_MOD_COUNT] = {g->xa, g->xa, g->xa, g->o, g->xm, g->xm, g->mm};
     const double one = 1.0;
+    const int dev = f->cb->grams_dev != NULL;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
         int64_t m, n;
         bk_module_shape(&g->cfg, (bk_module)i, &m, &n);
-        k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(gs[i]), N, m, f->rn_g);
-        LAUNCH_CHECK("k_row_sq");
+        /* |g|² per token: to the host (cb->grams), or into the device array
+         * of the leaf layer (cb->grams_dev; only Shampoo uses them) */
+        if (!dev || f->cb->gram_weighted) {
+            k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(
+                CRP(gs[i]), N, m, dev ? f->dgw[k][i] + s0 * f->T : f->rn_g);
+            LAUNCH_CHECK("k_row_sq");
+        }
         if (f->cb->gram_weighted) {
             k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(as[i]), N, n, f->rn_a);
             LAUNCH_CHECK("k_row_sq");
@@ -1534,10 +1541,12 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
         /* row-major upper triangle of Σ x xᵀ = cuBLAS's column-major lower */
         GEMM_CHECK(cublasDsyrk(g->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)m, (int)N, &one,
                                f->gscr, (int)m, &one, f->gram[k][i], (int)m));
-        BK_CUDA_CHECK(cudaMemcpyAsync(f->hgw[k][i] + s0 * f->T, f->rn_g, (size_t)N * 8,
-                                      cudaMemcpyDeviceToHost, s));
+        if (!dev)
+            BK_CUDA_CHECK(cudaMemcpyAsync(f->hgw[k][i] + s0 * f->T, f->rn_g, (size_t)N * 8,
+                                          cudaMemcpyDeviceToHost, s));
     }
-    BK_CUDA_CHECK(cudaStreamSynchronize(s));
+    if (!dev) /* (the host copies are read next) */
+        BK_CUDA_CHECK(cudaStreamSynchronize(s));
     return BK_OK;
 }
 
@@ -1678,6 +1687,25 @@ void pass_begin(flow *f, int depth, int lo, int hi, int leaf)
 
 bk_status leaf_done(flow *f, int lo, int hi)
 {
+    if (f->cb->grams_dev) {
+        /* the device Grams to the consumer, valid until leaf_done returns */
+        bk_status st = BK_OK;
+        for (int l = lo; l < hi && st == BK_OK; l++)
+            for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++)
+                st = f->cb->grams_dev(f->cb->user, l, (bk_module)i, f->gram[l - lo][i],
+                                      f->cb->gram_weighted ? f->dgw[l - lo][i] : NULL, f->S);
+        if (st == BK_OK && f->cb->leaf_done)
+            st = f->cb->leaf_done(f->cb->user, lo, hi);
+        for (int l = lo; l < hi && st == BK_OK; l++)
+            for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
+                int64_t m, n;
+                bk_module_shape(&f->g->cfg, (bk_module)i, &m, &n);
+                st = bk_cuda_status(cudaMemsetAsync(f->gram[l - lo][i], 0, (size_t)(m * m) * 8,
+                                                    f->g->c->stream),
+                                    "GPU backward: clearing the Grams", __FILE__, __LINE__);
+            }
+        return st;
+    }
     if (f->cb->grams) {
         double tp = bk_now();
         bk_status st = grams_deliver(f, lo, hi);
@@ -1822,7 +1850,7 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
                       "use a smaller --batch, or a smaller --leaf-size)",
                       msg, (long long)f.acts_layers);
     }
-    if (st == BK_OK && cb->grams) {
+    if (st == BK_OK && (cb->grams || cb->grams_dev)) {
         f.gleaf = o->leaf < L ? o->leaf : L;
         if (f.gleaf > 64)
             st = bk_error(BK_ERR_INVALID_ARG,
@@ -1845,13 +1873,17 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
                 int64_t mm, nn;
                 bk_module_shape(c, (bk_module)i, &mm, &nn);
                 st = dalloc(g, (void **)&f.gram[k][i], mm * mm, 8, "output-gradient Grams");
-                if (st == BK_OK &&
-                    !(f.hgw[k][i] = static_cast<double *>(bk_alloc((size_t)(S * T), sizeof(double)))))
+                if (st == BK_OK && cb->grams_dev && cb->gram_weighted)
+                    st = dalloc(g, (void **)&f.dgw[k][i], S * T, 8, "token weights");
+                else if (st == BK_OK && !cb->grams_dev &&
+                         !(f.hgw[k][i] =
+                               static_cast<double *>(bk_alloc((size_t)(S * T), sizeof(double)))))
                     st = bk_error(BK_ERR_NOMEM,
                                   "GPU backward: out of host memory for token weights (use a "
                                   "smaller --leaf-size)");
             }
-        if (st == BK_OK && !(f.hG = static_cast<double *>(bk_alloc((size_t)(mo * mo), sizeof(double)))))
+        if (st == BK_OK && !cb->grams_dev &&
+            !(f.hG = static_cast<double *>(bk_alloc((size_t)(mo * mo), sizeof(double)))))
             st = bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
         if (st == BK_ERR_DEVICE_OOM) {
             char msg[512];
@@ -1876,6 +1908,7 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     for (int k = 0; k < 64; k++)
         for (int i = 0; i < BK_MOD_COUNT; i++) {
             dfree(g, f.gram[k][i]);
+            dfree(g, f.dgw[k][i]);
             free(f.hgw[k][i]);
         }
     free(f.hG);
@@ -1968,4 +2001,15 @@ extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const b
     dfree(g, hd_dev);
     gb_free(g);
     return st;
+}
+
+extern "C" bk_status bk__cuda_download(bk_backend *b, void *dst, const void *src, size_t bytes)
+{
+    if (!b || b->kind != BK_BACKEND_CUDA || !dst || !src)
+        return bk_error(BK_ERR_INVALID_ARG, "bk__cuda_download: bad argument");
+    cudaStream_t s = static_cast<bk_cuda_ctx *>(b->ctx)->stream;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(s);
+    return bk_cuda_status(e, "download", __FILE__, __LINE__);
 }

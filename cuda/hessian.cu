@@ -90,6 +90,17 @@ __global__ void k_gram_out(const void *G, int fp64, int64_t n, double scale, flo
     }
 }
 
+/* dst [n, n] = (float)(G / N), both triangles (G: double, upper triangle row-major). */
+__global__ void k_gram_div(const double *G, int64_t n, double N, float *dst)
+{
+    GRID_LOOP(idx, n * n)
+    {
+        int64_t i = idx / n, j = idx % n;
+        const int64_t a = i < j ? i : j, b = i < j ? j : i;
+        dst[idx] = (float)(G[a * n + b] / N);
+    }
+}
+
 /* gate/up B: dst = (DᵀD)_ij * G_ij / N (DtD: upper triangle row-major). */
 __global__ void k_mlp_b(const float *DtD, const void *G, int fp64, int64_t n, double N, float *dst)
 {
@@ -309,10 +320,14 @@ struct bk_ghess {
      * host accumulator (bk_ghess_set_grads); Shampoo: per module
      * Σ |g_t|² a_t a_tᵀ with the token weights |g_t|² on the device */
     int bp, bp_shampoo;
-    const bk_hess_acc *grads;
+    const bk_hess_acc *grads;  /* host output side, or */
+    const double *Gdev[BK_MOD_COUNT]; /* the GPU flow's device Grams (bk_ghess_set_grads_dev) */
+    int64_t Gdev_N;
+    int Gdev_layer;
     dgram a_bp[BK_MOD_COUNT];
-    double *dw[BK_MOD_COUNT]; /* [dw_cap] token weights in calibration order */
+    double *dw[BK_MOD_COUNT]; /* [dw_cap] token weights uploaded from the host accumulator */
     int64_t dw_n[BK_MOD_COUNT], dw_cap;
+    const double *wsrc[BK_MOD_COUNT]; /* the token weights in use: dw, or the flow's */
     /* device factor outputs of bk_ghess_factors_dev (grown on demand) */
     float *devA, *devB, *devP;
     size_t devA_n, devB_n, devP_n;
@@ -584,8 +599,11 @@ extern "C" void bk_ghess_reset(bk_ghess *a)
     for (int m = 0; m < BK_MOD_COUNT; m++) {
         gram_zero(a, &a->a_bp[m]);
         a->dw_n[m] = 0;
+        a->wsrc[m] = NULL;
+        a->Gdev[m] = NULL;
     }
     a->grads = NULL;
+    a->Gdev_N = 0;
     const int64_t hh = a->hd * a->hd;
     if (a->bq)
         cudaMemsetAsync(a->bq, 0, (size_t)((a->qknorm ? a->H : a->G) * hh) * 8, a->c->stream);
@@ -620,13 +638,13 @@ bk_status bp_adds(bk_ghess *a, dgram *plain, int grp, const float *X, int64_t N)
     bk_status st = BK_OK;
     for (int k = 0; a->bp_shampoo && k < 3 && mods[grp][k] != BK_MOD_COUNT && st == BK_OK; k++) {
         const bk_module mod = mods[grp][k];
-        if (a->dw_n[mod] < a->count[grp] + N)
+        if (!a->wsrc[mod] || a->dw_n[mod] < a->count[grp] + N)
             return bk_error(BK_ERR_INVALID_ARG,
                             "hessian: layer %d %s: backprop-shampoo inputs of tokens %lld..%lld "
                             "come before their gradients (bk_ghess_set_grads first)",
                             a->layer, bk_module_name(mod), (long long)a->count[grp],
                             (long long)(a->count[grp] + N));
-        st = gram_add(a, &a->a_bp[mod], X, N, a->dw[mod] + a->count[grp]);
+        st = gram_add(a, &a->a_bp[mod], X, N, a->wsrc[mod] + a->count[grp]);
     }
     if (st == BK_OK && (!a->bp_shampoo || a->keep_plain))
         st = gram_add(a, plain, X, N, NULL);
@@ -1098,12 +1116,42 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
             return bk_error_prefix(sd, mn);
     }
     if (a->bp) { /* A here, B from the flow's host accumulator */
-        if (!a->grads)
+        if (!a->grads && !a->Gdev[mod])
             return bk_error(BK_ERR_INTERNAL,
                             "hessian: %s: the output side of %s is not set (bk_ghess_set_grads)",
                             mn, bk_hessian_name(a->kind));
         int64_t gc = 0;
-        bk_status sb = bk__hess_bp_output(a->grads, a->layer, mod, fb, &gc);
+        bk_status sb = BK_OK;
+        if (a->grads) {
+            sb = bk__hess_bp_output(a->grads, a->layer, mod, fb, &gc);
+        } else if (a->Gdev_layer != a->layer) {
+            sb = bk_error(BK_ERR_INVALID_ARG,
+                          "hessian: %s: output gradients of layer %d asked for layer %d", mn,
+                          a->Gdev_layer, a->layer);
+        } else {
+            /* B = (float)(G / N) on the device, as bk__hess_bp_output forms it */
+            gc = a->Gdev_N;
+            float *dst = fbd;
+            if (!dev && (sb = dev_out(a, m)) == BK_OK)
+                dst = a->dev_out;
+            if (sb == BK_OK) {
+                k_gram_div<<<bk_grid(m * m), 256, 0, a->c->stream>>>(a->Gdev[mod], m,
+                                                                    (double)gc, dst);
+                sb = BK_LAUNCHED("k_gram_div");
+            }
+            int found = 0;
+            int64_t r = 0, cc = 0;
+            float v = 0;
+            if (sb == BK_OK)
+                sb = bk_g_first_nonfinite(a->f, dst, m, m, &found, &r, &cc, &v);
+            if (sb == BK_OK && found)
+                sb = bk_error(BK_ERR_NONFINITE,
+                              "hessian: layer %d %s: non-finite output factor entry (%lld, "
+                              "%lld) from the output gradients",
+                              a->layer, mn, (long long)r, (long long)cc);
+            if (sb == BK_OK && !dev)
+                sb = bk_gpu_download(a->f, fb, dst, (size_t)(m * m) * sizeof(float));
+        }
         if (sb != BK_OK)
             return sb;
         if (gc != a->count[grp])
@@ -1117,7 +1165,7 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
                                          : &a->x_down;
         const double Nb = (double)a->count[grp];
         sb = gram_to_host(a, a->bp_shampoo ? &a->a_bp[mod] : pg, 1.0 / Nb, fa, dev);
-        if (sb == BK_OK && dev)
+        if (sb == BK_OK && dev && a->grads)
             sb = bk_gpu_upload(a->f, fbd, fb, (size_t)(m * m) * sizeof(float));
         if (sb == BK_OK && A_plain) {
             if (a->bp_shampoo && a->keep_plain) {
@@ -1377,6 +1425,8 @@ extern "C" bk_status bk_ghess_set_grads(bk_ghess *a, const bk_hess_acc *g)
                         "kinds (Hessian is %s)",
                         bk_hessian_name(a->kind));
     a->grads = g;
+    for (int m = 0; m < BK_MOD_COUNT; m++)
+        a->Gdev[m] = NULL;
     if (!a->bp_shampoo)
         return BK_OK;
     bk_status st = BK_OK;
@@ -1403,10 +1453,37 @@ extern "C" bk_status bk_ghess_set_grads(bk_ghess *a, const bk_hess_acc *g)
         if (n[m] > 0)
             st = bk_gpu_upload(a->f, a->dw[m], w[m], (size_t)n[m] * sizeof(double));
         a->dw_n[m] = st == BK_OK ? n[m] : 0;
+        a->wsrc[m] = a->dw[m];
     }
     if (st != BK_OK) {
         a->grads = NULL;
         return bk_error_prefix(st, "GPU hessian");
+    }
+    return BK_OK;
+}
+
+extern "C" bk_status bk_ghess_set_grads_dev(bk_ghess *a, int layer,
+                                           const double *const G[BK_MOD_COUNT],
+                                           const double *const gw[BK_MOD_COUNT], int64_t N)
+{
+    if (!a || !G || N < 1)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: bad argument to bk_ghess_set_grads_dev");
+    if (!a->bp)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: bk_ghess_set_grads_dev: output gradients only enter the "
+                        "backprop kinds (Hessian is %s)",
+                        bk_hessian_name(a->kind));
+    for (int m = 0; m < BK_MOD_COUNT; m++)
+        if (!G[m] || (a->bp_shampoo && (!gw || !gw[m])))
+            return bk_error(BK_ERR_INTERNAL, "hessian: layer %d %s: no device Gram or token "
+                            "weights", layer, bk_module_name((bk_module)m));
+    a->grads = NULL;
+    a->Gdev_layer = layer;
+    a->Gdev_N = N;
+    for (int m = 0; m < BK_MOD_COUNT; m++) {
+        a->Gdev[m] = G[m];
+        a->wsrc[m] = a->bp_shampoo ? gw[m] : NULL;
+        a->dw_n[m] = a->bp_shampoo ? N : 0;
     }
     return BK_OK;
 }

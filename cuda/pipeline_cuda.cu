@@ -417,10 +417,12 @@ const char *g_describe(void *ctx)
     return static_cast<gstages *>(ctx)->desc;
 }
 
-bk_status g_bp_grads(void *ctx, const bk_hess_acc *grads)
+bk_status g_bp_grads(void *ctx, const bk_bp_side *side)
 {
     gstages *g = static_cast<gstages *>(ctx);
-    bk_status st = bk_ghess_set_grads(g->acc, grads);
+    bk_status st = side->acc ? bk_ghess_set_grads(g->acc, side->acc)
+                             : bk_ghess_set_grads_dev(g->acc, side->layer, side->G, side->gw,
+                                                      side->N);
     if (st == BK_ERR_DEVICE_OOM)
         bk_error_prefix(st, "GPU pipeline: the backprop-shampoo token weights (use fewer "
                             "--samples or --cpu-stages)");

@@ -52,6 +52,18 @@ enum { BK_BUF_READ = 1, BK_BUF_WRITE = 2 };
 /* What the stages of one quantize job do on one micro-batch: the residual
  * stream of all sequences, one layer's weights (original + working copy) and
  * one layer's Hessian accumulators held by the backend. */
+/* Backprop kinds: the output side of one layer for stages that keep their
+ * own input side (bk_stage_ops.bp_grads): either the flow's host
+ * accumulator, or the GPU flow's device Grams of the layer. */
+typedef struct bk_bp_side {
+    int layer;
+    const bk_hess_acc *acc;         /* host (B and Shampoo's token weights from it), or NULL */
+    const double *G[BK_MOD_COUNT];  /* acc NULL: device [out, out] double, row-major upper
+                                       triangle: Σ g gᵀ, or Σ |a_fp|² g gᵀ (Shampoo) */
+    const double *gw[BK_MOD_COUNT]; /* acc NULL, Shampoo: device |g_t|² [N] in order */
+    int64_t N;                      /* acc NULL: the tokens summed in G */
+} bk_bp_side;
+
 typedef struct bk_stage_ops {
     const char *name; /* the backend's name */
     /* Embed sequences [s0, s0+sb) (tokens: the whole [S, T] array). */
@@ -89,11 +101,11 @@ typedef struct bk_stage_ops {
     /* One line for the log and report.json ("" for the CPU). */
     const char *(*describe)(void *ctx);
     /* Backprop kinds (NULL: the stages add into the job's own accumulator,
-     * the CPU's): the output side of the layer just begun, the flow's host
-     * accumulator g (its B, and Shampoo's token weights |g_t|² for the input
-     * side); called after layer_begin, before the layer's stages; g stays
-     * valid until layer_end. */
-    bk_status (*bp_grads)(void *ctx, const bk_hess_acc *g);
+     * the CPU's): the output side of the layer just begun (its B, and
+     * Shampoo's token weights |g_t|² for the input side); called after
+     * layer_begin, before the layer's stages; what it points to stays valid
+     * until layer_end. */
+    bk_status (*bp_grads)(void *ctx, const bk_bp_side *side);
     /* MPI ranks (data parallel, src/pipeline.c). Optional: the driver's own
      * CPU stages keep their sums in the driver; stages without these entries
      * refuse several ranks.

@@ -62,6 +62,10 @@ bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *
                                const bk_gbwd_opts *g, const bk_bwd_flow_cb *cb,
                                bk_bwd_flow_stats *stats);
 
+/* Tests: bytes from device memory of backend b (e.g. the arrays handed to
+ * bk_bwd_flow_cb.grams_dev) to host memory, on the backend's stream. */
+bk_status bk__cuda_download(bk_backend *b, void *dst, const void *src, size_t bytes);
+
 /* Tests: the labels and the head of one micro-batch of S sequences of T
  * tokens on the GPU from the host hidden states h [S*T, hidden] (double):
  * as bk_bwd_labels (labels [S*T] out; fisher, seed, seq0 as there) followed

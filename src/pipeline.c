@@ -136,6 +136,7 @@ static void job_free(job *j)
         free(j->bp_acc);
         j->acc = NULL;
     }
+    free(j->bp_dev);
     if (j->acc)
         bk_hess_acc_free(j->acc);
     if (j->acc_gptq)
@@ -192,13 +193,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --hessian %s needs calibration tokens (--calib-text or --calib): the "
                       "backward pass runs the model",
-                      bk_hessian_name(o->hessian));
-        goto fail;
-    }
-    if (j->bp && o->resume) {
-        st = bk_error(BK_ERR_USAGE,
-                      "quantize: --resume: --hessian %s runs cannot be resumed (the backward "
-                      "flow keeps no journal); run without --resume",
                       bk_hessian_name(o->hessian));
         goto fail;
     }
@@ -437,7 +431,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
 
     /* the journal of finished layers; a resumed run is checked against the
      * interrupted one's arguments, model and calibration */
-    if (!j->bp && j->nranks <= 1) { /* (MPI ranks: no journal, --resume refused) */
+    if (j->nranks <= 1) { /* (MPI ranks: no journal, --resume refused) */
         bk_resume_source src = {
             .o = o, .backend = bk_backend_name(j->backend), .stages = j->ops->name,
             .gpu_math = bk_gemm_math_name(j->gemm_math), .S = j->S, .T = j->T,

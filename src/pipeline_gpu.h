@@ -137,6 +137,13 @@ bk_status bk_gpu_stage_buf(bk_gfwd *f, void *d, size_t n, int f64, int dev, int 
  * Σ |g_t|² a aᵀ of the adds that follow. Call after bk_ghess_reset and
  * before the layer's adds; g must stay valid until the factors are formed. */
 bk_status bk_ghess_set_grads(bk_ghess *a, const bk_hess_acc *g);
+/* The same from the GPU flow's device arrays (bk_bwd_flow_cb.grams_dev): G
+ * [out, out] double, row-major upper triangle, over N tokens; gw [N] the
+ * token weights (Shampoo; else ignored). B = (float)(G / N), as the host
+ * accumulator forms it; nothing is copied: the arrays must stay valid until
+ * the factors are formed. */
+bk_status bk_ghess_set_grads_dev(bk_ghess *a, int layer, const double *const G[BK_MOD_COUNT],
+                                 const double *const gw[BK_MOD_COUNT], int64_t N);
 
 /* ------------------------------------------------- the GPU stage table */
 

@@ -2,6 +2,8 @@
  * (bk_backend_bwd_flow_run) drives the layers; each leaf's layers are then
  * quantized by the layer driver. */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "quantize_job.h"
 #include "util.h"
@@ -80,6 +82,23 @@ static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G,
     return st;
 }
 
+/* The GPU flow with the GPU stages: the leaf layer's device Grams, kept for
+ * the stages (bp_grads) until bp_leaf_done returns */
+static bk_status bp_grams_dev(void *user, int layer, bk_module mod, const double *G,
+                              const double *gw, int64_t S)
+{
+    job *j = user;
+    int k = layer - j->bp_leaf_lo;
+    if (k < 0 || k >= j->bp_leaf || !j->bp_dev)
+        return bk_error(BK_ERR_INTERNAL, "backprop: layer %d outside the leaf at %d", layer,
+                        j->bp_leaf_lo);
+    j->bp_dev[k].G[mod] = G;
+    j->bp_dev[k].gw[mod] = gw;
+    j->bp_dev[k].N = S * j->T;
+    j->bp_dev[k].layer = layer;
+    return BK_OK;
+}
+
 static bk_status bp_leaf_done(void *user, int lo, int hi)
 {
     job *j = user;
@@ -93,6 +112,8 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
         bk_hess_acc_reset(j->acc);
     }
     j->acc = j->bp_acc[0];
+    if (j->bp_dev) /* the flow reuses its Grams for the next leaf */
+        memset(j->bp_dev, 0, (size_t)j->bp_leaf * sizeof *j->bp_dev);
     bk_prof_add("bp.leaf_layers (input stages, solves)", bk_now() - t0);
     return st;
 }
@@ -100,13 +121,21 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
 bk_status bk__q_run_backprop(job *j)
 {
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
-    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0};
+    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0, NULL};
     bk_status st;
     const double t0 = bk_now();
     if (j->bp_gpu) {
-        /* the Grams on the device, not the taps on the host */
+        /* the Grams on the device, not the taps on the host; they stay there
+         * for stages that take them (the GPU stages), else are downloaded */
         cb.grads = NULL;
-        cb.grams = bp_grams;
+        if (j->ops->bp_grads) {
+            j->bp_dev = calloc((size_t)j->bp_leaf, sizeof *j->bp_dev);
+            if (!j->bp_dev)
+                return bk_error(BK_ERR_NOMEM, "quantize: out of memory");
+            cb.grams_dev = bp_grams_dev;
+        } else {
+            cb.grams = bp_grams;
+        }
         cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
         st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo,
                                      (int)j->o->bwd_precision, &cb, &j->bp_stats);

@@ -45,7 +45,7 @@ typedef struct job {
     bk_st_stream *out;
     bk_outdir od; /* the output folder: lock, work folder (od.work), commit */
     int layer_begin, layer_end;
-    bk_resume *rs;   /* journal of finished layers (src/resume.c); NULL for backprop */
+    bk_resume *rs;   /* journal of finished layers (src/resume.c) */
     int first_layer; /* first layer to quantize: layer_begin, or after the kept ones */
     /* calibration */
     int32_t *tokens;
@@ -85,6 +85,12 @@ typedef struct job {
     int bp;
     int bp_leaf;                /* leaf size */
     bk_hess_acc **bp_acc;       /* [bp_leaf] */
+    struct bp_dev {             /* [bp_leaf]: the GPU flow's device Grams of the leaf
+                                   (grams_dev), for the GPU stages */
+        const double *G[BK_MOD_COUNT], *gw[BK_MOD_COUNT];
+        int64_t N;
+        int layer;
+    } *bp_dev;
     int bp_leaf_lo;             /* first layer of the current leaf */
     bk_bwd_flow_stats bp_stats;
     double bp_time_counted;     /* flow time already added to t_forward */

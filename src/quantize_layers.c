@@ -103,8 +103,20 @@ static bk_status layer_tokens(job *j, int l, const bk_layer_weights *origp)
     /* backprop kinds: the stages that keep their own input side take the
      * flow's output side (j->acc: this layer's) */
     if (quantize && j->bp && j->ops->bp_grads) {
+        bk_bp_side side;
+        memset(&side, 0, sizeof side);
+        side.layer = l;
+        const int k = l - j->bp_leaf_lo;
+        if (j->bp_dev && k >= 0 && k < j->bp_leaf && j->bp_dev[k].G[0] &&
+            j->bp_dev[k].layer == l) {
+            memcpy(side.G, j->bp_dev[k].G, sizeof side.G);
+            memcpy(side.gw, j->bp_dev[k].gw, sizeof side.gw);
+            side.N = j->bp_dev[k].N;
+        } else {
+            side.acc = j->acc;
+        }
         t = bk_now();
-        st = j->ops->bp_grads(j->ops_ctx, j->acc);
+        st = j->ops->bp_grads(j->ops_ctx, &side);
         j->t_hessian += bk_now() - t;
         if (st != BK_OK)
             goto done;
@@ -263,8 +275,9 @@ bk_status bk__q_layer_body(void *user, int l, bk_layer_weights *w)
 {
     job *j = user;
     j->t_io += j->drv.t_load_last;
-    if (j->bp)
-        return layer_tokens(j, l, w);
+    /* (backprop kinds: the flow's leaves call this; a resumed run redoes the
+     * flow, whose passes use the original model only, and rebuilds the kept
+     * layers from their saved codes as every kind does) */
     const int kept = bk__q_in_range(j, l) && l < j->first_layer;
     bk_status st = kept ? layer_rebuild(j, l, w) : layer_tokens(j, l, w);
     if (st == BK_OK && !kept && bk__q_in_range(j, l))

@@ -131,6 +131,14 @@ static cJSON *args_of(const bk_resume_source *s)
     add_str(a, "--export", bk_export_name(o->export_format));
     add_int(a, "--max-shard-size",
             (long long)(o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull));
+    if (bk_hessian_is_backprop(o->hessian)) { /* (other kinds: run.json as before) */
+        static const char *const prec[] = {"fp32", "fp64", "tf32", "bf16"};
+        add_str(a, "--fisher", bk_fisher_name(o->fisher));
+        add_int(a, "--seed", (long long)o->seed);
+        add_int(a, "--leaf-size", o->leaf_size);
+        add_str(a, "--bwd-flow", bk_bwd_flow_name(o->bwd_flow));
+        add_str(a, "--bwd-precision", prec[(unsigned)o->bwd_precision & 3]);
+    }
     add_str(a, "backend", s->backend);
     add_str(a, "stages", s->stages);
     add_str(a, "--gpu-math", s->gpu_math);

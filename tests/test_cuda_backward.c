@@ -24,8 +24,11 @@
  *    resident layer) against the CPU's naive I; the K-FAC and Shampoo factors
  *    (bk_hess_add_grad + the input adds + bk_hess_factors) from both, and
  *    from the output-gradient Grams formed on the device (the job's path,
- *    bk__hess_add_grad_gram; K-FAC and |a|²-weighted); passes, depth, layer
- *    counts as the CPU; the boundary bytes in R;
+ *    bk__hess_add_grad_gram; K-FAC and |a|²-weighted; also with the flow's
+ *    GEMMs on TF32 / BF16 tensor cores, loosely), the device arrays handed
+ *    to grams_dev (the GPU stages' path) equal to the downloaded Grams bit
+ *    for bit (leaves of 1 and 2); passes, depth, layer counts as the CPU;
+ *    the boundary bytes in R;
  *  - leaf sizes 2..5 (kerneldocs, 4 layers): the same gradients, the CPU's
  *    pass counts; device Grams of whole leaves;
  *  - head: model-Fisher labels of 16640 rows (two vocabulary blocks, so the
@@ -228,7 +231,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->N = S * T;
     k->T = T;
     bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch};
-    bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0};
+    bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0, NULL};
     bk_status s = gpu ? bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, st)
                       : bk_bwd_flow_run(m, tok, S, T, &o, &cb, st);
     if (s != BK_OK)
@@ -365,6 +368,25 @@ static bk_status cb_grams(void *user, int layer, bk_module mod, const double *G,
     return BK_OK;
 }
 
+/* grams_dev: the device arrays downloaded, then as cb_grams (gw: zeros
+ * when the flow hands none, K-FAC) */
+static bk_status cb_grams_dev(void *user, int layer, bk_module mod, const double *G,
+                              const double *gw, int64_t S)
+{
+    gcollect *k = user;
+    const int64_t m = mod_out(k->c, mod);
+    double *hG = malloc((size_t)(m * m) * sizeof(double));
+    double *hw = calloc((size_t)k->N, sizeof(double));
+    assert_true(hG && hw);
+    assert_int_equal(bk__cuda_download(g_gpu, hG, G, (size_t)(m * m) * sizeof(double)), BK_OK);
+    if (gw)
+        assert_int_equal(bk__cuda_download(g_gpu, hw, gw, (size_t)k->N * sizeof(double)), BK_OK);
+    bk_status st = cb_grams(user, layer, mod, hG, hw, S);
+    free(hG);
+    free(hw);
+    return st;
+}
+
 static bk_status cb_gleaf(void *user, int lo, int hi)
 {
     gcollect *k = user;
@@ -383,9 +405,9 @@ static void gcollect_free(gcollect *k)
         }
 }
 
-static void run_grams(const bk_model *m, const int32_t *tok, int64_t S, int64_t T,
-                      bk_bwd_flow_kind kind, int leaf, int64_t batch, const bk_gbwd_opts *gpu,
-                      int weighted, gcollect *k)
+static void run_grams_cb(const bk_model *m, const int32_t *tok, int64_t S, int64_t T,
+                         bk_bwd_flow_kind kind, int leaf, int64_t batch, const bk_gbwd_opts *gpu,
+                         int weighted, int dev, gcollect *k)
 {
     const bk_model_config *c = bk_model_get_config(m);
     memset(k, 0, sizeof *k);
@@ -393,13 +415,21 @@ static void run_grams(const bk_model *m, const int32_t *tok, int64_t S, int64_t 
     k->N = S * T;
     k->T = T;
     bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch};
-    bk_bwd_flow_cb cb = {k, NULL, NULL, cb_gleaf, cb_grams, weighted};
+    bk_bwd_flow_cb cb = {k,        NULL, NULL, cb_gleaf, dev ? NULL : cb_grams,
+                         weighted, dev ? cb_grams_dev : NULL};
     bk_bwd_flow_stats st;
     if (bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, &st) != BK_OK)
         fail_msg("GPU flow with Grams (%s, leaf %d): %s", bk_bwd_flow_name(kind), leaf,
                  bk_last_error());
     assert_int_equal(k->done_next, (int)c->n_layers);
     assert_int_equal(k->next, (int)c->n_layers * BK_MOD_COUNT);
+}
+
+static void run_grams(const bk_model *m, const int32_t *tok, int64_t S, int64_t T,
+                      bk_bwd_flow_kind kind, int leaf, int64_t batch, const bk_gbwd_opts *gpu,
+                      int weighted, gcollect *k)
+{
+    run_grams_cb(m, tok, S, T, kind, leaf, batch, gpu, weighted, 0, k);
 }
 
 /* The factors from the device Grams (bk__hess_add_grad_gram) against those
@@ -526,6 +556,29 @@ static void flow_model(const char *name)
         gr32 = fmax(gr32, cmp_gram_factors("GPU fp32", m, &gk, &ref, weighted, TOL_FP32));
         gcollect_free(&gk);
     }
+
+    /* grams_dev (the job's path with the GPU stages): the device arrays handed
+     * over hold the same Grams and token weights as those downloaded for
+     * grams, bit for bit, with leaves of 1 and 2 layers (valid until the
+     * leaf is done, then cleared for the next leaf) */
+    for (int weighted = 0; weighted < 2; weighted++)
+        for (int leaf = 1; leaf <= 2; leaf++) {
+            gcollect gh, gd;
+            run_grams_cb(m, tok, S, T, BK_FLOW_HALVING, leaf, 3, &g32, weighted, 0, &gh);
+            run_grams_cb(m, tok, S, T, BK_FLOW_HALVING, leaf, 3, &g32, weighted, 1, &gd);
+            for (int l = 0; l < c->n_layers; l++)
+                for (int i = 0; i < BK_MOD_COUNT; i++) {
+                    const int64_t o = mod_out(c, i);
+                    if (memcmp(gh.G[l][i], gd.G[l][i], (size_t)(o * o) * sizeof(double)) != 0 ||
+                        (weighted && memcmp(gh.gw[l][i], gd.gw[l][i],
+                                            (size_t)gh.N * sizeof(double)) != 0))
+                        fail_msg("grams_dev vs grams (weighted %d, leaf %d): layer %d %s "
+                                 "differs",
+                                 weighted, leaf, l, bk_module_name((bk_module)i));
+                }
+            gcollect_free(&gh);
+            gcollect_free(&gd);
+        }
 
     /* the flow's bookkeeping is the CPU's */
     assert_int_equal(snv.passes, sref.passes);
@@ -773,7 +826,7 @@ static void test_bad_inputs(void **state)
     const bk_model_config *c = bk_model_get_config(m);
     const int64_t S = 2, T = 8;
     int32_t *tok = random_tokens(1, S * T, c->vocab);
-    bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0};
+    bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0, NULL};
     bk_bwd_flow_stats st;
     bk_gbwd_opts go = {0, 0, 0};
     bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2};

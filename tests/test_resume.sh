@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --resume (issue 14): a quantize run killed at any point (kill -9 at random
+# --resume (issue 14; backprop kinds: issue 16): a quantize run killed at any point (kill -9 at random
 # times, deterministic fault points before/after a layer's journal line and
 # inside a layer, SIGINT) and then continued with --resume writes exactly the
 # bytes of an uninterrupted run (report.json: times aside); a resume with other
@@ -73,6 +73,8 @@ configs=(
     "fullylocal-shampoo dequantized layers 1:3|--hessian fullylocal-shampoo --export dequantized --layers 1:3 --batch 2 ${CAL[*]}"
     "mlplocal-kfac no-sequential asym|--hessian mlplocal-kfac --bits 3 --asym --no-sequential ${CAL[*]}"
     "rtn no calibration|--hessian rtn --levels 2"
+    "backprop-kfac|--hessian backprop-kfac --levels 3 ${CAL[*]}"
+    "backprop-shampoo leaf 2 empirical|--hessian backprop-shampoo --leaf-size 2 --fisher empirical --levels 3 ${CAL[*]}"
 )
 "$B" dump-activations m --calib c.safetensors --samples 4 --seqlen 32 --backend cpu --out acts \
     2>err >/dev/null || die "dump-activations: $(cat err)"
@@ -129,7 +131,9 @@ for i in 1 2 3 4 5; do
     kill -9 $pid 2>/dev/null
     wait $pid 2>/dev/null
     if [ -d q ] && ! ls -A | grep -q 'q\.tmp-'; then
-        : # finished before the kill
+        # finished before the kill; a kill between the commit and the lock's
+        # removal leaves the lock (the next run clears it with a note)
+        rm -f .q.lock
     else
         resume_until_done "random kill $i" "${args[@]}"
     fi
@@ -180,13 +184,17 @@ cp c.safetensors c.keep
 cp m/eval.safetensors c.safetensors
 refused "calibration changed" 2 "calibration" "${args[@]}"
 cp c.keep c.safetensors
-"$B" quantize m --hessian backprop-kfac --levels 3 "${CAL[@]}" --out q --resume >/dev/null 2>err
-rc=$?
-[ $rc -eq 1 ] && [ "$(grep -v "stale lock" err | grep -c .)" -eq 1 ] && grep -q "cannot be resumed" err ||
-    die "backprop --resume: exit $rc: $(cat err)"
+refused "other hessian (backprop)" 1 "--hessian" --hessian backprop-kfac --levels 3 "${CAL[@]}"
 # the right command continues
 resume_until_done "after refusals" "${args[@]}"
 check "after refusals" ref1
+# backprop kinds: the flow's arguments belong to the run too
+read -r -a bargs <<<"${configs[5]#*|}"
+BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --out q >/dev/null 2>&1
+refused "other --seed (backprop)" 1 "--seed" "${bargs[@]}" --seed 1
+refused "other --fisher (backprop)" 1 "--fisher" "${bargs[@]}" --fisher empirical
+resume_until_done "backprop after refusals" "${bargs[@]}"
+check "backprop after refusals" ref6
 
 # without --resume a killed run's folder is removed (with a message)
 BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${args[@]}" --out q >/dev/null 2>&1

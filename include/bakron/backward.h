@@ -128,6 +128,14 @@ typedef struct bk_bwd_flow_cb {
     bk_status (*grams)(void *user, int layer, bk_module mod, const double *G, const double *gw,
                        int64_t S);
     int gram_weighted;
+    /* Optional, GPU flow only, instead of grams: the same Grams and token
+     * weights as DEVICE arrays of the backend (G [out, out] double, row-major
+     * upper triangle; gw [S*T] double, NULL unless gram_weighted), handed
+     * over before leaf_done and valid until leaf_done returns (the flow then
+     * clears them for the next leaf): for device stages that form the
+     * factors where the Grams are (no download). */
+    bk_status (*grams_dev)(void *user, int layer, bk_module mod, const double *G,
+                           const double *gw, int64_t S);
 } bk_bwd_flow_cb;
 
 typedef struct bk_bwd_flow_stats {
