@@ -326,9 +326,18 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * bwd_input=cpu */
     j->bp_gpu = j->bp && !cpu_stages && j->tokens &&
                 bk_backend_supports(j->backend, BK_OP_BACKWARD);
+    const int bwd_input_cpu = bk_backend_get_params(j->backend)->bwd_input_cpu;
+    if (j->bp && want_gpu && bwd_input_cpu) {
+        st = bk_error(BK_ERR_USAGE,
+                      "quantize: --gpu-pipeline with --hessian %s: the input-side stages of the "
+                      "backprop kinds run on the CPU (the GPU runs the backward passes and the "
+                      "solves); drop --gpu-pipeline",
+                      bk_hessian_name(o->hessian));
+        goto fail;
+    }
     const int bp_gpu_stages =
-        j->bp && (want_gpu || (j->bp_gpu && !bk_backend_get_params(j->backend)->bwd_input_cpu &&
-                               bk_backend_supports(j->backend, BK_OP_STAGES)));
+        j->bp && !bwd_input_cpu &&
+        (want_gpu || (j->bp_gpu && bk_backend_supports(j->backend, BK_OP_STAGES)));
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline and --cpu-stages contradict each other");
