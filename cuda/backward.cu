@@ -1645,7 +1645,7 @@ bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save
             st = layer_bwd<R>(g, w, l, sb,
                               RP(f->acts) + (size_t)(l - grad_lo) * f->B * rows_seq, RP(f->dh));
             bk_cuda_pmark(g->c->stream, &tp, "bwd.layer_backward");
-            if (st == BK_OK && want && f->cb->grams) {
+            if (st == BK_OK && want && (f->cb->grams || f->cb->grams_dev)) {
                 double tc = bk_now();
                 st = gram_add<R>(f, l - grad_lo, s0, sb);
                 t += bk_now() - tc;

@@ -45,7 +45,8 @@ typedef struct bk_backend_params {
                            E[a aᵀ]) on the CPU, the GPU backward's Grams downloaded (the
                            path validated on the H200); 0 (setting bwd_input=gpu): on the
                            GPU stages too -- NOT validated: it failed the cuda suite at
-                           15a675e (docs/BENCHMARKS.md, session 8) */
+                           15a675e (docs/BENCHMARKS.md, session 8;
+                           cause fixed after, not yet rerun on a GPU) */
 } bk_backend_params;
 
 void bk_backend_params_default(bk_backend_params *p);
