@@ -123,8 +123,8 @@ static bk_status sweep(flow *f, int from, const double *X_from, int save_at, dou
         if (G_to) {
             memcpy(f->dh, G_to + s0 * rows_seq, mb);
         } else {
-            st = bk_bwd_labels(f->bw, f->m, f->h, f->tokens + s0 * T, sb, s0, f->o->fisher,
-                               f->o->seed, f->labels);
+            st = bk_bwd_labels(f->bw, f->m, f->h, f->tokens + s0 * T, sb, f->o->seq0 + s0,
+                               f->o->fisher, f->o->seed, f->labels);
             if (st == BK_OK)
                 st = bk_bwd_head(f->bw, f->m, f->h, f->labels, sb, f->dh, NULL);
             if (st != BK_OK)

@@ -45,6 +45,13 @@ bk_status bk__hess_bp_output(const bk_hess_acc *a, int layer, bk_module mod, flo
 bk_status bk__hess_bp_token_weights(const bk_hess_acc *a, bk_module mod, const double **w,
                                     int64_t *n);
 
+/* MPI ranks: the output side of a backprop accumulator (Σ g gᵀ or
+ * Σ |a_fp|² g gᵀ of every module, then the gradient rows added) through fn,
+ * one buffer at a time, as bk_hess_acc_sums does for the input side; the
+ * factors are allocated first (a rank that receives before adding). The
+ * Shampoo token weights stay each rank's own (its input side uses them). */
+bk_status bk__hess_bp_grad_sums(bk_hess_acc *a, int layer, bk_hess_sum_fn fn, void *user);
+
 /* BK_OK when the model has the LM head and final norm the backward needs;
  * else a one-line error. */
 bk_status bk__bwd_head_check(const bk_model *m);

@@ -151,10 +151,15 @@ struct bk_hess_acc {
     int64_t gcount[BK_MOD_COUNT];      /* gradient rows added */
     double *gw[BK_MOD_COUNT];          /* Shampoo: |g_t|² of every token added, in order */
     int64_t gw_cap[BK_MOD_COUNT];
+    /* this process's own tokens (gcount and count also hold the sums received
+     * from other MPI ranks): the Shampoo weights gw are indexed by these */
+    int64_t gw_n[BK_MOD_COUNT];        /* token weights recorded here */
+    int64_t own[G_COUNT];              /* input tokens added here */
 };
 
 static bk_status bp_add_input(bk_hess_acc *a, int layer, int grp, const float *x, int64_t S,
                               int64_t width, const char *what);
+static bk_status grad_room(bk_hess_acc *a, int layer, bk_module mod, int64_t m, int64_t more);
 static float *out_buf(float **slot, int64_t n);
 
 static int module_group(bk_module mod)
@@ -568,7 +573,7 @@ void bk_hess_acc_reset(bk_hess_acc *a)
     a->v_wb = 0;
     a->n_pairs = 0;
     for (int g = 0; g < G_COUNT; g++)
-        a->count[g] = 0;
+        a->count[g] = a->own[g] = 0;
     a->layer = -1;
     for (int m = 0; m < BK_MOD_COUNT; m++) {
         gram_zero(a, &a->a_bp[m]);
@@ -577,7 +582,7 @@ void bk_hess_acc_reset(bk_hess_acc *a)
             bk_module_shape(&a->cfg, (bk_module)m, &o, &in);
             memset(a->gB[m], 0, (size_t)(o * o) * sizeof(double));
         }
-        a->gcount[m] = 0;
+        a->gcount[m] = a->gw_n[m] = 0;
         free(a->startA[m]);
         free(a->startB[m]);
         free(a->startBblk[m]);
@@ -596,13 +601,71 @@ static bk_status sums_gram(bk_hess_acc *a, gram *g, bk_hess_sum_fn fn, void *use
     return fn(user, g->s, (size_t)g->n * (size_t)g->n, a->fp64);
 }
 
+static const bk_module grp_mods[G_COUNT][3];
+static gram *kfac_gram(bk_hess_acc *a, int grp);
+
+/* The backprop kinds' input side of the modules' groups: Σ a aᵀ (K-FAC) or
+ * per module Σ |g_t|² a_t a_tᵀ (Shampoo, each rank with the weights of its
+ * own tokens), then the token counts. */
+static bk_status bp_input_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, void *user)
+{
+    int grp[G_COUNT] = {0};
+    for (int m = 0; m < BK_MOD_COUNT; m++)
+        if (modules & (1u << m))
+            grp[module_group((bk_module)m)] = 1;
+    bk_status st = BK_OK;
+    double sc[G_COUNT];
+    size_t k = 0;
+    for (int g = 0; g < G_COUNT && st == BK_OK; g++) {
+        if (!grp[g])
+            continue;
+        if (!a->shampoo)
+            st = sums_gram(a, kfac_gram(a, g), fn, user);
+        for (int i = 0; a->shampoo && i < 3 && grp_mods[g][i] != BK_MOD_COUNT && st == BK_OK; i++)
+            st = sums_gram(a, &a->a_bp[grp_mods[g][i]], fn, user);
+        sc[k++] = (double)a->count[g];
+    }
+    if (st == BK_OK && k)
+        st = fn(user, sc, k, 1);
+    if (st != BK_OK)
+        return st;
+    k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            a->count[g] = (int64_t)sc[k++];
+    return BK_OK;
+}
+
+bk_status bk__hess_bp_grad_sums(bk_hess_acc *a, int layer, bk_hess_sum_fn fn, void *user)
+{
+    if (!a || !a->bp)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: bk__hess_bp_grad_sums: a backprop "
+                        "accumulator");
+    bk_status st = BK_OK;
+    double sc[BK_MOD_COUNT];
+    for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++) {
+        int64_t o, in;
+        bk_module_shape(&a->cfg, (bk_module)m, &o, &in);
+        st = grad_room(a, layer, (bk_module)m, o, 0); /* a rank that receives first */
+        if (st == BK_OK)
+            st = fn(user, a->gB[m], (size_t)(o * o), 1);
+        sc[m] = (double)a->gcount[m];
+    }
+    if (st == BK_OK)
+        st = fn(user, sc, BK_MOD_COUNT, 1);
+    if (st != BK_OK)
+        return st;
+    for (int m = 0; m < BK_MOD_COUNT; m++)
+        a->gcount[m] = (int64_t)sc[m];
+    return BK_OK;
+}
+
 bk_status bk_hess_acc_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, void *user)
 {
     if (!a)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     if (a->bp)
-        return bk_error(BK_ERR_UNSUPPORTED, "hessian: the sums of the backprop kinds are not "
-                        "exchanged between ranks");
+        return bp_input_sums(a, modules, fn, user);
     int grp[G_COUNT] = {0};
     for (int m = 0; m < BK_MOD_COUNT; m++)
         if (modules & (1u << m))
@@ -1081,20 +1144,21 @@ static bk_status bp_add_input(bk_hess_acc *a, int layer, int grp, const float *x
     } else {
         for (int k = 0; k < 3 && grp_mods[grp][k] != BK_MOD_COUNT; k++) {
             bk_module mod = grp_mods[grp][k];
-            if (a->gcount[mod] < a->count[grp] + N)
+            if (a->gw_n[mod] < a->own[grp] + N)
                 return bk_error(BK_ERR_INVALID_ARG,
                                 "hessian: layer %d %s: backprop-shampoo inputs of tokens %lld.."
                                 "%lld come before their gradients (add every gradient of the "
                                 "layer first, bk_hess_add_grad)",
-                                a->layer, bk_module_name(mod), (long long)a->count[grp],
-                                (long long)(a->count[grp] + N));
-            if ((st = gram_add(a, &a->a_bp[mod], x, N, a->gw[mod] + a->count[grp])) != BK_OK) {
+                                a->layer, bk_module_name(mod), (long long)a->own[grp],
+                                (long long)(a->own[grp] + N));
+            if ((st = gram_add(a, &a->a_bp[mod], x, N, a->gw[mod] + a->own[grp])) != BK_OK) {
                 a->broken = 1;
                 return st;
             }
         }
     }
     a->count[grp] += N;
+    a->own[grp] += N;
     return BK_OK;
 }
 
@@ -1135,7 +1199,7 @@ static bk_status grad_room(bk_hess_acc *a, int layer, bk_module mod, int64_t m, 
                             "%lld]",
                             layer, bk_module_name(mod), (long long)m, (long long)m);
     }
-    int64_t need = a->gcount[mod] + more;
+    int64_t need = a->gw_n[mod] + more;
     if (a->shampoo && need > a->gw_cap[mod]) {
         int64_t cap = a->gw_cap[mod] ? a->gw_cap[mod] : 1024;
         while (cap < need)
@@ -1189,7 +1253,7 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
                     na += ai[c] * ai[c];
                 for (int64_t c = 0; c < m; c++)
                     ng += gi[c] * gi[c];
-                a->gw[mod][a->gcount[mod] + r0 + i] = ng;
+                a->gw[mod][a->gw_n[mod] + r0 + i] = ng;
                 double sa = sqrt(na);
                 for (int64_t c = 0; c < m; c++)
                     buf[i * m + c] = sa * gi[c];
@@ -1200,6 +1264,7 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
         free(buf);
     }
     a->gcount[mod] += N;
+    a->gw_n[mod] += a->shampoo ? N : 0;
     return BK_OK;
 }
 
@@ -1227,13 +1292,14 @@ bk_status bk__hess_add_grad_gram(bk_hess_acc *a, int layer, bk_module mod, const
     if ((st = grad_room(a, layer, mod, m, N)) != BK_OK)
         return st;
     if (a->shampoo)
-        memcpy(a->gw[mod] + a->gcount[mod], gw, (size_t)N * sizeof(double));
+        memcpy(a->gw[mod] + a->gw_n[mod], gw, (size_t)N * sizeof(double));
     a->layer = layer;
     double *gb = a->gB[mod];
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = i; j < m; j++)
             gb[i * m + j] += G[i * m + j];
     a->gcount[mod] += N;
+    a->gw_n[mod] += a->shampoo ? N : 0;
     return BK_OK;
 }
 
@@ -1275,7 +1341,7 @@ bk_status bk__hess_bp_token_weights(const bk_hess_acc *a, bk_module mod, const d
     if (!a || !w || !n || !a->bp || (unsigned)mod >= BK_MOD_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: bk__hess_bp_token_weights: bad argument");
     *w = a->shampoo ? a->gw[mod] : NULL;
-    *n = a->shampoo ? a->gcount[mod] : 0;
+    *n = a->shampoo ? a->gw_n[mod] : 0;
     return BK_OK;
 }
 

@@ -152,6 +152,17 @@ static void job_free(job *j)
     j->rs = NULL;
 }
 
+/* The backprop kinds over MPI ranks run the CPU's flow and stages; the GPU
+ * flow is one process's. */
+static bk_status bp_ranks_refused(const bk_quantize_opts *o)
+{
+    return bk_error(BK_ERR_UNSUPPORTED,
+                    "quantize: --hessian %s with several MPI ranks runs on the CPU backend only "
+                    "(the GPU backward pass is one process's): add --backend cpu, or run one "
+                    "process",
+                    bk_hessian_name(o->hessian));
+}
+
 bk_status bk_quantize(const bk_quantize_opts *o)
 {
     job jb, *j = &jb;
@@ -200,11 +211,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
     }
-    if (j->bp && j->nranks > 1) {
-        st = bk_error(BK_ERR_UNSUPPORTED,
-                      "quantize: --hessian %s with several MPI ranks is not implemented yet (run "
-                      "one process)",
-                      bk_hessian_name(o->hessian));
+    if (j->bp && j->nranks > 1 && o->backend == BK_BACKEND_CUDA) {
+        st = bp_ranks_refused(o);
         goto fail;
     }
     if (j->rank == 0) {
@@ -311,6 +319,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
     if (st != BK_OK)
         goto fail;
+    if (j->bp && j->nranks > 1 && strcmp(bk_backend_name(j->backend), "cpu")) {
+        st = bp_ranks_refused(o); /* (auto chose the GPU) */
+        goto fail;
+    }
     j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
     j->ops = &bk__q_cpu_stages;
     j->ops_ctx = j;

@@ -36,6 +36,8 @@ static void bp_pass_begin(void *user, const bk_bwd_pass_info *info)
         j->bp_leaf_lo = info->lo;
     bp_add_flow_time(j);
     bk__q_emit(j, BK_EV_BACKWARD, info->lo, NULL, msg);
+    if (info->leaf) /* MPI ranks, ordered: the sums of the ranks before, first */
+        bk__q_bp_leaf_begin(j, info->lo, info->hi);
 }
 
 /* The accumulator of a leaf layer: *acc = NULL for a layer not quantized. */
@@ -56,6 +58,8 @@ static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk
 {
     job *j = user;
     (void)s0;
+    if (j->bp_chain_st != BK_OK)
+        return j->bp_chain_st;
     bk_hess_acc *acc;
     bk_status st = leaf_acc(j, layer, &acc);
     if (st != BK_OK || !acc)
@@ -104,13 +108,22 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
     job *j = user;
     bp_add_flow_time(j);
     const double t0 = bk_now();
-    bk_status st = BK_OK;
+    bk_status st = j->bp_chain_st;
+    if (st == BK_OK && j->nranks > 1) { /* the output-gradient sums over the ranks */
+        st = bk__q_bp_leaf_sums(j, lo, hi);
+        bk_prof_add("bp.gradient_sums (MPI ranks)", bk_now() - t0);
+    }
+    if (st != BK_OK)
+        return st;
+    j->bp_in_layers = 1; /* (the stages' and solves' exchanges tell every rank) */
     for (int l = lo; l < hi && l < j->layer_end && st == BK_OK; l++) {
         j->acc = j->bp_acc[l - lo];
         /* the layer, the checks after it (unchanged checkpoint, stop) */
         st = bk_driver_layer(&j->drv, l);
         bk_hess_acc_reset(j->acc);
     }
+    if (st == BK_OK)
+        j->bp_in_layers = 0;
     j->acc = j->bp_acc[0];
     if (j->bp_dev) /* the flow reuses its Grams for the next leaf */
         memset(j->bp_dev, 0, (size_t)j->bp_leaf * sizeof *j->bp_dev);
@@ -120,7 +133,10 @@ static bk_status bp_leaf_done(void *user, int lo, int hi)
 
 bk_status bk__q_run_backprop(job *j)
 {
-    bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch};
+    /* MPI ranks: this rank's share of the sequences (whole micro-batches);
+     * seq0 keeps the sampled labels those of the whole set */
+    bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch,
+                           j->s_lo};
     bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0, NULL};
     bk_status st;
     const double t0 = bk_now();
@@ -140,7 +156,10 @@ bk_status bk__q_run_backprop(job *j)
         st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo,
                                      (int)j->o->bwd_precision, &cb, &j->bp_stats);
     } else {
-        st = bk_bwd_flow_run(j->model, j->tokens, j->S, j->T, &fo, &cb, &j->bp_stats);
+        st = bk_bwd_flow_run(j->model, j->tokens + j->s_lo * j->T, j->s_hi - j->s_lo, j->T, &fo,
+                             &cb, &j->bp_stats);
+        if (st != BK_OK)
+            bk__q_bp_chain_fail(j, st);
     }
     bk_prof_add("bp.total (flow and leaf layers)", bk_now() - t0);
     bp_add_flow_time(j);

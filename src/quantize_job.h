@@ -94,6 +94,10 @@ typedef struct job {
     int bp_leaf_lo;             /* first layer of the current leaf */
     bk_bwd_flow_stats bp_stats;
     double bp_time_counted;     /* flow time already added to t_forward */
+    /* MPI ranks, ordered sums: where this rank is in the current leaf's pass
+     * of the output-gradient sums from rank to rank (quantize_ranks.c) */
+    int bp_recvd, bp_sent, bp_in_layers;
+    bk_status bp_chain_st;      /* a failed receive, returned at the next tap */
     int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
                                    (cuda/backward.cu); the input-side stages are j->ops
                                    (the GPU stages unless --setting bwd_input=cpu) */
@@ -182,6 +186,16 @@ bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch);
 unsigned bk__q_stage_modules(bk_stage stage);
 bk_status bk__q_sync(job *j, bk_status st);
 bk_status bk__q_stage_ranks(job *j, bk_stage stage);
+/* Backprop kinds over MPI ranks: the output-gradient sums of the leaf
+ * [lo, hi) (its layers in range). bk__q_bp_leaf_begin: ordered, receive the
+ * sums of the ranks before (at the leaf's pass, before this rank's taps);
+ * bk__q_bp_leaf_sums: pass them on, agree, make the sums known to every
+ * rank; bk__q_bp_chain_fail: after a failure in the flow, keep the pass from
+ * rank to rank going (the others wait on it), then the status exchange
+ * tells every rank. */
+void bk__q_bp_leaf_begin(job *j, int lo, int hi);
+bk_status bk__q_bp_leaf_sums(job *j, int lo, int hi);
+void bk__q_bp_chain_fail(job *j, bk_status why);
 bk_status bk__q_solve_group(job *j, int l, int m0, int m1, bk_layer_weights *lw,
                             const bk_layer_weights *orig);
 

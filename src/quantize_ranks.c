@@ -5,6 +5,7 @@
 
 #include "quantize_job.h"
 #include "util.h"
+#include "backward_internal.h"
 
 /* ------------------------------------------- MPI ranks, data parallel
  * (docs/DISTRIBUTED.md). Every rank holds the layer and runs the stages on
@@ -149,6 +150,88 @@ static bk_status acc_sums(job *j, unsigned mods, int op, int peer)
     if (st == BK_OK && j->acc_gptq)
         st = bk_hess_acc_sums(j->acc_gptq, mods, sum_one, &c);
     return st;
+}
+
+/* ------------------------------------- backprop kinds: output-gradient sums
+ * The flow delivers every leaf layer's output gradients (each rank its share
+ * of the sequences, whole micro-batches); their sums are combined once per
+ * leaf, before the leaf's layers are quantized (whose input-side stages then
+ * go through bk__q_stage_ranks). Ordered: rank r receives the sums of ranks
+ * < r when the leaf's pass begins, adds its micro-batches on top, and passes
+ * them on in bk__q_bp_leaf_sums, so they are formed in the single process's
+ * order. */
+static bk_status bp_grad_sums(job *j, int lo, int hi, int op, int peer)
+{
+    sum_ctx c = {j, op, peer};
+    bk_status st = BK_OK;
+    for (int l = lo; l < hi && st == BK_OK; l++)
+        if (bk__q_in_range(j, l))
+            st = bk__hess_bp_grad_sums(j->bp_acc[l - lo], l, sum_one, &c);
+    return st;
+}
+
+void bk__q_bp_leaf_begin(job *j, int lo, int hi)
+{
+    j->bp_chain_st = BK_OK;
+    if (j->nranks <= 1 || j->o->dist_reduce != BK_DIST_ORDERED || j->rank == 0 || j->bp_recvd)
+        return;
+    int h[3] = {0, 0, 0}; /* ok, the leaf */
+    bk_status st = bk_dist_recv(j->dist, h, sizeof h, j->rank - 1, 12);
+    if (st == BK_OK && h[0] && (h[1] != lo || h[2] != hi))
+        st = bk_error(BK_ERR_INTERNAL, "rank %d: the sums of layers %d-%d arrived at the leaf "
+                      "%d-%d", j->rank, h[1] + 1, h[2], lo + 1, hi);
+    if (st == BK_OK && h[0])
+        st = bp_grad_sums(j, lo, hi, 0, j->rank - 1);
+    j->bp_recvd = 1;
+    if (st == BK_OK && !h[0]) /* the rank before failed: the status exchange says how */
+        st = bk_error(BK_ERR_INTERNAL, "rank %d: a rank before it failed", j->rank);
+    j->bp_chain_st = st;
+}
+
+bk_status bk__q_bp_leaf_sums(job *j, int lo, int hi)
+{
+    if (j->nranks <= 1)
+        return BK_OK;
+    const int ordered = j->o->dist_reduce == BK_DIST_ORDERED;
+    bk_status st = BK_OK;
+    if (ordered && j->rank + 1 < j->nranks) {
+        int h[3] = {1, lo, hi};
+        st = bk_dist_send(j->dist, h, sizeof h, j->rank + 1, 12);
+        if (st == BK_OK)
+            st = bp_grad_sums(j, lo, hi, 1, j->rank + 1);
+    }
+    j->bp_sent = 1;
+    if (st != BK_OK)
+        return st; /* the communication is broken: every later call fails */
+    if ((st = bk__q_sync(j, BK_OK)) != BK_OK)
+        return st;
+    const double t = bk_now();
+    st = ordered ? bp_grad_sums(j, lo, hi, 2, j->nranks - 1) : bp_grad_sums(j, lo, hi, 3, 0);
+    bk_prof_add("dist.gradient_sums", bk_now() - t);
+    j->bp_recvd = j->bp_sent = 0; /* the next leaf's */
+    return st;
+}
+
+void bk__q_bp_chain_fail(job *j, bk_status why)
+{
+    if (j->nranks <= 1 || j->o->dist_reduce != BK_DIST_ORDERED || j->agreed || j->bp_in_layers)
+        return;
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", bk_last_error());
+    bk_status st = BK_OK;
+    if (j->rank > 0 && !j->bp_recvd) { /* the rank before sends this leaf's sums anyway */
+        int h[3] = {0, 0, 0};
+        st = bk_dist_recv(j->dist, h, sizeof h, j->rank - 1, 12);
+        if (st == BK_OK && h[0] && h[1] >= 0 && h[2] - h[1] <= j->bp_leaf)
+            st = bp_grad_sums(j, h[1], h[2], 0, j->rank - 1); /* (discarded) */
+        j->bp_recvd = 1;
+    }
+    if (st == BK_OK && j->rank + 1 < j->nranks && !j->bp_sent) {
+        int h[3] = {0, 0, 0};
+        bk_dist_send(j->dist, h, sizeof h, j->rank + 1, 12);
+        j->bp_sent = 1;
+    }
+    bk_error(why, "%s", msg);
 }
 
 /* A Hessian stage over several ranks: agree, (ordered) receive the sums from

@@ -522,7 +522,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->c = bk_model_get_config(m);
     k->N = S * T;
     k->T = T;
-    bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 42, batch};
+    bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 42, batch, 0};
     bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf, NULL, 0, NULL};
     if (bk_bwd_flow_run(m, tok, S, T, &o, &cb, st) != BK_OK)
         fail_msg("%s", bk_last_error());
@@ -684,7 +684,7 @@ static void test_bad_input(void **state)
     assert_int_equal(bk_bwd_layer_forward(bw, &lw[0], 2, h), BK_ERR_INVALID_ARG);
     /* the empirical Fisher has no label in sequences of one token */
     int32_t tok[2] = {1, 2};
-    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_EMPIRICAL, 0, 1};
+    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_EMPIRICAL, 0, 1, 0};
     bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL, NULL, 0, NULL};
     bk_bwd_flow_stats st;
     assert_int_equal(bk_bwd_flow_run(m, tok, 2, 1, &o, &cb, &st), BK_ERR_CALIB);

@@ -230,7 +230,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->c = c;
     k->N = S * T;
     k->T = T;
-    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch};
+    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0};
     bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0, NULL};
     bk_status s = gpu ? bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, st)
                       : bk_bwd_flow_run(m, tok, S, T, &o, &cb, st);
@@ -414,7 +414,7 @@ static void run_grams_cb(const bk_model *m, const int32_t *tok, int64_t S, int64
     k->c = c;
     k->N = S * T;
     k->T = T;
-    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch};
+    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0};
     bk_bwd_flow_cb cb = {k,        NULL, NULL, cb_gleaf, dev ? NULL : cb_grams,
                          weighted, dev ? cb_grams_dev : NULL};
     bk_bwd_flow_stats st;
@@ -829,7 +829,7 @@ static void test_bad_inputs(void **state)
     bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0, NULL};
     bk_bwd_flow_stats st;
     bk_gbwd_opts go = {0, 0, 0};
-    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2};
+    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2, 0};
     /* a token out of range: the CPU's status */
     tok[3] = (int32_t)c->vocab;
     bk_status sc = bk_bwd_flow_run(m, tok, S, T, &o, &cb, &st);

@@ -4,13 +4,17 @@
 #    3 ranks and 1): all-gather, minimum, local rank, rank-order sum;
 #  - mpirun -np 1 and one plain process write the same bytes;
 #  - data parallel (--calib), ordered sums: -np 2 and -np 3 write the same bytes
-#    as one process (gptq, fullylocal-shampoo, --no-sequential);
+#    as one process (gptq, fullylocal-shampoo, --no-sequential; backprop-kfac
+#    and backprop-shampoo, whose CPU backward flow runs on each rank's share:
+#    the sampled labels must be those of the whole set, the output-gradient
+#    sums passed from rank to rank);
 #  - data parallel, --dist-reduce sum: the same modules with proxy losses
 #    within 1e-4 of one process (the sums differ only by rounding);
 #  - layer parallel (--activations, and rtn without calibration): -np 3 writes
 #    the same bytes as one process;
 #  - bad input: ranks started with different arguments, more ranks than
-#    micro-batches, --layers with layer-parallel ranks, a rank killed, a rank
+#    micro-batches, --layers with layer-parallel ranks, a backprop kind with the
+#    CUDA backend, --resume, a rank killed, a rank
 #    that hangs (--dist-timeout): rank 0 prints one line, the job exits
 #    non-zero, no output folder, no hang.
 # Skipped (77) where MPI is not installed or bakron was built without it.
@@ -99,6 +103,22 @@ same_bytes "data parallel, 3 ranks, mlplocal-kfac" ref-mlp np3
 "${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian fullylocal-kfac --no-sequential \
     --out np2-noseq 2>"$W/err" || die "np 2 --no-sequential: $(tail -3 "$W/err")"
 same_bytes "data parallel, 2 ranks, --no-sequential" ref-noseq np2-noseq
+# backprop kinds: the halving flow with leaves of 2 layers (2 ranks, 4
+# micro-batches each side), the naive flow over 3 ranks with an uneven split
+# (3 micro-batches: 1 + 1 + 1 of 6 sequences, --batch 2)
+for h in backprop-kfac backprop-shampoo; do
+    "$B" quantize "$M" "${CAL[@]}" --hessian "$h" --leaf-size 2 --out "ref-$h" 2>/dev/null ||
+        die "quantize $h"
+    "${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian "$h" --leaf-size 2 \
+        --out "np2-$h" 2>"$W/err" || die "np 2 $h: $(tail -3 "$W/err")"
+    same_bytes "data parallel, 2 ranks, $h --leaf-size 2" "ref-$h" "np2-$h"
+done
+BP6=(--calib "$M/calib.safetensors" --samples 6 --batch 2 --backend cpu --hessian backprop-shampoo
+     --bwd-flow naive --leaf-size 3)
+"$B" quantize "$M" "${BP6[@]}" --out ref-bp6 2>/dev/null || die "quantize backprop-shampoo naive"
+"${MPIRUN[@]}" -np 3 "$B" quantize "$M" "${BP6[@]}" --out np3-bp6 2>"$W/err" ||
+    die "np 3 backprop-shampoo naive: $(tail -3 "$W/err")"
+same_bytes "data parallel, 3 ranks, backprop-shampoo --bwd-flow naive" ref-bp6 np3-bp6
 
 # --- data parallel, partial sums added in rank order ---------------------------------
 "${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian mlplocal-kfac --dist-reduce sum \
@@ -166,6 +186,12 @@ refused "more ranks than micro-batches" 2 "micro-batches" -- \
 refused "--layers with layer-parallel ranks" 2 "layers" -- \
     -np 2 ./wrap.sh "$B" quantize "$M" --activations acts --backend cpu --hessian gptq \
     --layers 0:2 --json --out bad
+refused "a backprop kind with the CUDA backend" 2 "CPU backend only" -- \
+    -np 2 ./wrap.sh "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 8 --batch 2 \
+    --backend cuda --hessian backprop-kfac --json --out bad
+refused "--resume with ranks" 2 "--resume with several MPI ranks" -- \
+    -np 2 ./wrap.sh "$B" quantize "$M" "${CAL[@]}" --hessian backprop-shampoo --resume --json \
+    --out bad
 # a rank that fails alone: its own bad input (a relative --calib that is
 # truncated in rank 1's folder only)
 mkdir r1

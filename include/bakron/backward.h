@@ -97,6 +97,10 @@ typedef struct bk_bwd_flow_opts {
     bk_fisher_kind fisher;
     uint64_t seed;
     int64_t batch;          /* sequences per micro-batch (>= 1) */
+    int64_t seq0;           /* the calibration set's index of tokens' first sequence (0: the
+                               whole set; an MPI rank's share: its first sequence), which seeds
+                               the model Fisher's sampled labels, so they do not depend on the
+                               split */
 } bk_bwd_flow_opts;
 
 /* What a pass is about to do (progress). */
