@@ -1431,18 +1431,17 @@ bk_status embed(gbwd *g, const int32_t *tokens, int64_t S, void *h)
 
 /* ---------------------------------------------------------------- flows */
 
+/* The GPU's operations of the backward flow (bk_bwd_flow_ops,
+ * src/backward_internal.h; the flow itself: bk__bwd_flow_drive in
+ * src/backward_flow.c). The boundary matrices are pinned host arrays. */
 struct flow {
     gbwd *g;
-    const bk_model *m;
-    const int32_t *tokens;
-    int64_t S, T, B, d;
     const bk_bwd_flow_opts *o;
     const bk_bwd_flow_cb *cb;
-    bk_bwd_flow_stats *st;
+    int64_t S, T, B, d;
     void *h, *dh;    /* device [B*T, d] */
     void *acts;      /* device [acts_layers, B*T, d] */
     int64_t acts_layers;
-    uint64_t cur_bytes;
     /* cb->grams: the leaf's output-gradient Grams on the device, [leaf][module]
      * [out, out] double; |g|² per token on the host [leaf][module][S*T] */
     int gleaf;
@@ -1452,63 +1451,6 @@ struct flow {
     double *gscr, *rn_g, *rn_a; /* device [B*T, max out], [B*T], [B*T] */
     double *hG;                 /* host [max out²] */
 };
-
-uint64_t boundary_bytes(const flow *f)
-{
-    return (uint64_t)f->S * (uint64_t)f->T * (uint64_t)f->d * f->g->es;
-}
-
-bk_status boundary_alloc(flow *f, int depth, void **out)
-{
-    const uint64_t nb = boundary_bytes(f);
-    *out = NULL;
-    if (nb > SIZE_MAX || cudaMallocHost(out, (size_t)nb) != cudaSuccess) {
-        cudaGetLastError();
-        *out = NULL;
-        return bk_error(BK_ERR_NOMEM,
-                        "backprop flow: out of pinned host memory for a boundary matrix of %.1f "
-                        "MiB at recursion depth %d (%.1f MiB held): use a larger --leaf-size, "
-                        "--bwd-flow naive or fewer --samples",
-                        (double)nb / 1048576.0, depth, (double)f->cur_bytes / 1048576.0);
-    }
-    f->cur_bytes += nb;
-    if (f->cur_bytes > f->st->peak_boundary_bytes)
-        f->st->peak_boundary_bytes = f->cur_bytes;
-    return BK_OK;
-}
-
-void boundary_free(flow *f, void *p)
-{
-    if (!p)
-        return;
-    cudaStreamSynchronize(f->g->c->stream);
-    cudaFreeHost(p);
-    f->cur_bytes -= boundary_bytes(f);
-}
-
-bk_status h2d(flow *f, void *dst, const void *src, size_t n)
-{
-    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, f->g->c->stream));
-    return BK_OK;
-}
-
-bk_status d2h(flow *f, void *dst, const void *src, size_t n)
-{
-    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, f->g->c->stream));
-    return BK_OK;
-}
-
-bk_status d2d(flow *f, void *dst, const void *src, size_t n)
-{
-    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, f->g->c->stream));
-    return BK_OK;
-}
-
-bk_status sync(flow *f)
-{
-    BK_CUDA_CHECK(cudaStreamSynchronize(f->g->c->stream));
-    return BK_OK;
-}
 
 /* this micro-batch's (sequences s0 .. s0+sb) output gradients of the last
  * layer_bwd into the Grams of leaf layer k */
@@ -1570,123 +1512,134 @@ bk_status grams_deliver(flow *f, int lo, int hi)
     return BK_OK;
 }
 
-/* as src/backward_flow.c's sweep, with X_from / X_save / G_to / G_head /
- * G_out pinned host arrays */
-template <typename R>
-bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save, int to,
-                const void *G_to, void *G_head, int grad_lo, void *G_out, int taps_hi)
+/* BK_PROFILE: where the flow's time goes (each mark synchronises) */
+
+void *op_boundary_alloc(void *, size_t bytes)
 {
-    gbwd *g = f->g;
-    const int64_t T = f->T, d = f->d, rows_seq = T * d;
-    const size_t es = g->es;
-    double t;
-    bk_status st = BK_OK;
-    for (int64_t s0 = 0; s0 < f->S && st == BK_OK; s0 += f->B) {
-        const int64_t sb = f->S - s0 < f->B ? f->S - s0 : f->B;
-        const size_t mb = (size_t)(sb * rows_seq) * es;
-        const size_t off = (size_t)(s0 * rows_seq) * es;
-        t = bk_now();
-        /* BK_PROFILE: where the flow's time goes (each mark synchronises) */
-        double tp = t;
-        if (X_from) {
-            st = h2d(f, f->h, (const char *)X_from + off, mb);
-            bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_in");
-        } else {
-            st = embed(g, f->tokens + s0 * T, sb, f->h);
-            bk_cuda_pmark(g->c->stream, &tp, "bwd.embed");
-        }
-        for (int l = from; l < to && st == BK_OK; l++) {
-            const gslot *w;
-            if (l == save_at && (st = d2h(f, (char *)X_save + off, f->h, mb)) != BK_OK)
-                break;
-            if (l == save_at)
-                bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_out");
-            if (l >= grad_lo &&
-                (st = d2d(f, (char *)f->acts + (size_t)(l - grad_lo) * f->B * rows_seq * es, f->h,
-                          mb)) != BK_OK)
-                break;
-            if ((st = weights(g, l, &w)) == BK_OK) {
-                bk_cuda_pmark(g->c->stream, &tp, "bwd.weights");
-                st = layer_fwd<R>(g, w, sb, RP(f->h), RP(f->h));
-                bk_cuda_pmark(g->c->stream, &tp, "bwd.layer_forward");
-            }
-        }
-        if (st == BK_OK)
-            st = sync(f);
-        f->st->time_forward_s += bk_now() - t;
-        if (st != BK_OK)
-            break;
-        t = bk_now();
-        tp = t;
-        if (G_to) {
-            st = h2d(f, f->dh, (const char *)G_to + off, mb);
-            bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_in");
-        } else {
-            st = head_run<R>(g, RP(f->h), sb, s0, f->tokens + s0 * T, f->o->fisher, f->o->seed,
-                             NULL, RP(f->dh), NULL, NULL);
-            bk_cuda_pmark(g->c->stream, &tp, "bwd.head");
-            if (st == BK_OK && G_head)
-                st = d2h(f, (char *)G_head + off, f->dh, mb);
-            bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_out");
-        }
-        if (st == BK_OK)
-            st = sync(f);
-        f->st->time_head_s += bk_now() - t;
-        if (st != BK_OK)
-            break;
-        t = bk_now();
-        tp = t;
-        for (int l = to - 1; l >= grad_lo && st == BK_OK; l--) {
-            const gslot *w;
-            const int want = l < taps_hi;
-            if ((st = weights(g, l, &w)) != BK_OK)
-                break;
-            bk_cuda_pmark(g->c->stream, &tp, "bwd.weights");
-            st = layer_bwd<R>(g, w, l, sb,
-                              RP(f->acts) + (size_t)(l - grad_lo) * f->B * rows_seq, RP(f->dh));
-            bk_cuda_pmark(g->c->stream, &tp, "bwd.layer_backward");
-            if (st == BK_OK && want && (f->cb->grams || f->cb->grams_dev)) {
-                double tc = bk_now();
-                st = gram_add<R>(f, l - grad_lo, s0, sb);
-                t += bk_now() - tc;
-                bk_cuda_pmark(g->c->stream, &tp, "bwd.grams");
-            }
-            if (st == BK_OK && want && f->cb->grads) {
-                bk_grad_taps taps;
-                double tc = bk_now();
-                st = download_taps<R>(g, sb, &taps);
-                if (st == BK_OK)
-                    st = f->cb->grads(f->cb->user, l, s0, sb, &taps);
-                t += bk_now() - tc; /* the transfer and the consumer are not the backward */
-            }
-        }
-        if (st == BK_OK && G_out)
-            st = d2h(f, (char *)G_out + off, f->dh, mb);
-        if (st == BK_OK)
-            st = sync(f);
-        bk_cuda_pmark(g->c->stream, &tp, "bwd.boundary_out");
-        f->st->time_backward_s += bk_now() - t;
+    void *p = NULL;
+    if (cudaMallocHost(&p, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
     }
-    if (st == BK_OK) {
-        f->st->passes++;
-        f->st->layer_forwards += (to - from) + (to - grad_lo);
-        f->st->layer_backwards += to - grad_lo;
+    return p;
+}
+
+void op_boundary_free(void *x, void *p)
+{
+    flow *f = static_cast<flow *>(x);
+    cudaStreamSynchronize(f->g->c->stream);
+    cudaFreeHost(p);
+}
+
+bk_status op_embed(void *x, const int32_t *tokens, int64_t sb)
+{
+    flow *f = static_cast<flow *>(x);
+    double tp = bk_now();
+    bk_status st = embed(f->g, tokens, sb, f->h);
+    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.embed");
+    return st;
+}
+
+bk_status op_load(void *x, int buf, const void *src, size_t bytes)
+{
+    flow *f = static_cast<flow *>(x);
+    double tp = bk_now();
+    BK_CUDA_CHECK(cudaMemcpyAsync(buf == BK_BWD_H ? f->h : f->dh, src, bytes,
+                                  cudaMemcpyHostToDevice, f->g->c->stream));
+    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.boundary_in");
+    return BK_OK;
+}
+
+bk_status op_store(void *x, int buf, void *dst, size_t bytes)
+{
+    flow *f = static_cast<flow *>(x);
+    double tp = bk_now();
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, buf == BK_BWD_H ? f->h : f->dh, bytes,
+                                  cudaMemcpyDeviceToHost, f->g->c->stream));
+    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.boundary_out");
+    return BK_OK;
+}
+
+bk_status op_keep(void *x, int k, size_t bytes)
+{
+    flow *f = static_cast<flow *>(x);
+    char *dst = (char *)f->acts + (size_t)k * f->B * f->T * f->d * f->g->es;
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->h, bytes, cudaMemcpyDeviceToDevice, f->g->c->stream));
+    return BK_OK;
+}
+
+/* layer l's weights for the forward or backward of one micro-batch */
+bk_status op_weights(flow *f, int layer, double *tp, const gslot **w)
+{
+    bk_status st = weights(f->g, layer, w);
+    if (st == BK_OK)
+        bk_cuda_pmark(f->g->c->stream, tp, "bwd.weights");
+    return st;
+}
+
+template <typename R> bk_status op_forward(void *x, int layer, int64_t sb)
+{
+    flow *f = static_cast<flow *>(x);
+    double tp = bk_now();
+    const gslot *w;
+    bk_status st = op_weights(f, layer, &tp, &w);
+    if (st == BK_OK)
+        st = layer_fwd<R>(f->g, w, sb, RP(f->h), RP(f->h));
+    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.layer_forward");
+    return st;
+}
+
+template <typename R> bk_status op_head(void *x, const int32_t *tokens, int64_t sb, int64_t seq0)
+{
+    flow *f = static_cast<flow *>(x);
+    double tp = bk_now();
+    bk_status st = head_run<R>(f->g, RP(f->h), sb, seq0, tokens, f->o->fisher, f->o->seed, NULL,
+                               RP(f->dh), NULL, NULL);
+    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.head");
+    return st;
+}
+
+template <typename R> bk_status op_backward(void *x, int layer, int k, int64_t sb, int)
+{
+    flow *f = static_cast<flow *>(x);
+    double tp = bk_now();
+    const gslot *w;
+    bk_status st = op_weights(f, layer, &tp, &w);
+    if (st == BK_OK)
+        st = layer_bwd<R>(f->g, w, layer, sb, RP(f->acts) + (size_t)k * f->B * f->T * f->d,
+                          RP(f->dh));
+    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.layer_backward");
+    return st;
+}
+
+template <typename R> bk_status op_deliver(void *x, int layer, int k, int64_t s0, int64_t sb)
+{
+    flow *f = static_cast<flow *>(x);
+    bk_status st = BK_OK;
+    if (f->cb->grams || f->cb->grams_dev) {
+        double tp = bk_now();
+        st = gram_add<R>(f, k, s0, sb);
+        bk_cuda_pmark(f->g->c->stream, &tp, "bwd.grams");
+    }
+    if (st == BK_OK && f->cb->grads) {
+        bk_grad_taps taps;
+        st = download_taps<R>(f->g, sb, &taps);
+        if (st == BK_OK)
+            st = f->cb->grads(f->cb->user, layer, s0, sb, &taps);
     }
     return st;
 }
 
-void pass_begin(flow *f, int depth, int lo, int hi, int leaf)
+bk_status op_sync(void *x)
 {
-    if (depth > f->st->max_depth)
-        f->st->max_depth = depth;
-    if (!f->cb->pass_begin)
-        return;
-    bk_bwd_pass_info info = {f->st->passes, depth, lo, hi, leaf};
-    f->cb->pass_begin(f->cb->user, &info);
+    flow *f = static_cast<flow *>(x);
+    BK_CUDA_CHECK(cudaStreamSynchronize(f->g->c->stream));
+    return BK_OK;
 }
 
-bk_status leaf_done(flow *f, int lo, int hi)
+bk_status op_leaf_done(void *x, int lo, int hi)
 {
+    flow *f = static_cast<flow *>(x);
     if (f->cb->grams_dev) {
         /* the device Grams to the consumer, valid until leaf_done returns */
         bk_status st = BK_OK;
@@ -1718,54 +1671,25 @@ bk_status leaf_done(flow *f, int lo, int hi)
     return f->cb->leaf_done(f->cb->user, lo, hi);
 }
 
-template <typename R>
-bk_status node(flow *f, int lo, int hi, const void *X_lo, const void *G_hi, int depth)
+template <typename R> bk_bwd_flow_ops flow_ops()
 {
-    const int L = f->g->L;
-    bk_status st;
-    if (hi - lo <= f->o->leaf) {
-        pass_begin(f, depth, lo, hi, 1);
-        st = sweep<R>(f, lo, X_lo, -1, NULL, hi, G_hi, NULL, lo, NULL, hi);
-        return st == BK_OK ? leaf_done(f, lo, hi) : st;
-    }
-    const int mid = lo + (hi - lo) / 2;
-    void *X_mid = NULL, *G_mid = NULL, *G_L = NULL;
-    st = boundary_alloc(f, depth, &X_mid);
-    if (st == BK_OK)
-        st = boundary_alloc(f, depth, &G_mid);
-    if (st == BK_OK && !G_hi && hi == L)
-        st = boundary_alloc(f, depth, &G_L);
-    if (st == BK_OK) {
-        pass_begin(f, depth, mid, hi, 0);
-        st = sweep<R>(f, lo, X_lo, mid, X_mid, hi, G_hi, G_L, mid, G_mid, mid);
-    }
-    if (st == BK_OK)
-        st = node<R>(f, lo, mid, X_lo, G_mid, depth + 1);
-    boundary_free(f, G_mid);
-    G_mid = NULL;
-    if (st == BK_OK)
-        st = node<R>(f, mid, hi, X_mid, G_hi ? G_hi : G_L, depth + 1);
-    boundary_free(f, X_mid);
-    boundary_free(f, G_L);
-    return st;
-}
-
-template <typename R> bk_status flow_run(flow *f)
-{
-    const int L = f->g->L;
-    bk_status st = BK_OK;
-    if (f->o->flow == BK_FLOW_NAIVE) {
-        for (int lo = 0; lo < L && st == BK_OK; lo += f->o->leaf) {
-            int hi = lo + f->o->leaf < L ? lo + f->o->leaf : L;
-            pass_begin(f, 0, lo, hi, 1);
-            st = sweep<R>(f, 0, NULL, -1, NULL, L, NULL, NULL, lo, NULL, hi);
-            if (st == BK_OK)
-                st = leaf_done(f, lo, hi);
-        }
-    } else {
-        st = node<R>(f, 0, L, NULL, NULL, 0);
-    }
-    return st;
+    bk_bwd_flow_ops ops;
+    memset(&ops, 0, sizeof ops);
+    ops.elem_bytes = sizeof(R);
+    ops.boundary_mem = "pinned host memory";
+    ops.boundary_alloc = op_boundary_alloc;
+    ops.boundary_free = op_boundary_free;
+    ops.embed = op_embed;
+    ops.load = op_load;
+    ops.store = op_store;
+    ops.keep = op_keep;
+    ops.forward = op_forward<R>;
+    ops.head = op_head<R>;
+    ops.backward = op_backward<R>;
+    ops.deliver = op_deliver<R>;
+    ops.sync = op_sync;
+    ops.leaf_done = op_leaf_done;
+    return ops;
 }
 
 } // namespace
@@ -1780,30 +1704,13 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
                                           const bk_gbwd_opts *go, const bk_bwd_flow_cb *cb,
                                           bk_bwd_flow_stats *stats)
 {
-    if (!b || !m || !tokens || !o || !cb || !stats)
+    if (!b)
         return bk_error(BK_ERR_INVALID_ARG, "backprop flow: NULL argument");
-    memset(stats, 0, sizeof *stats);
-    const bk_model_config *c = bk_model_get_config(m);
-    if (o->leaf < 1)
-        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: leaf size %d must be >= 1", o->leaf);
-    if (o->batch < 1)
-        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: micro-batch %lld must be >= 1",
-                        (long long)o->batch);
-    if (o->flow != BK_FLOW_HALVING && o->flow != BK_FLOW_NAIVE)
-        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: unknown flow %d", (int)o->flow);
-    bk_status st =
-        bk_fwd_check_sequences(c, tokens, S, T, o->fisher == BK_FISHER_EMPIRICAL ? 2 : 1);
-    if (st != BK_OK) {
-        if (o->fisher == BK_FISHER_EMPIRICAL && T < 2)
-            return bk_error(BK_ERR_CALIB,
-                            "calibration sequences of %lld token have no next-token label "
-                            "(--fisher empirical needs --seqlen >= 2)",
-                            (long long)T);
-        return st;
-    }
-    st = bk__bwd_head_check(m);
+    int64_t B, acts_layers;
+    bk_status st = bk__bwd_flow_check(m, tokens, S, T, o, cb, stats, &B, &acts_layers);
     if (st != BK_OK)
         return st;
+    const bk_model_config *c = bk_model_get_config(m);
     /* the CPU forward's checks of the configuration (RoPE, sliding window) */
     {
         bk_fwd *probe = NULL;
@@ -1814,19 +1721,14 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     }
     flow f;
     memset(&f, 0, sizeof f);
-    f.m = m;
-    f.tokens = tokens;
-    f.S = S;
-    f.T = T;
-    f.B = o->batch < S ? o->batch : S;
-    f.d = c->hidden;
     f.o = o;
     f.cb = cb;
-    f.st = stats;
+    f.S = S;
+    f.T = T;
+    f.B = B;
+    f.d = c->hidden;
+    f.acts_layers = acts_layers;
     const int L = (int)c->n_layers;
-    f.acts_layers = o->flow == BK_FLOW_NAIVE ? L : (L + 1) / 2;
-    if (o->leaf > f.acts_layers)
-        f.acts_layers = o->leaf < L ? o->leaf : L;
     bk_gbwd_opts dflt;
     bk_gbwd_opts_default(&dflt);
     if (!go)
@@ -1897,8 +1799,10 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     }
     if (st == BK_OK)
         st = slots_init(g, go->max_resident_layers);
-    if (st == BK_OK)
-        st = g->fp64 ? flow_run<double>(&f) : flow_run<float>(&f);
+    if (st == BK_OK) {
+        const bk_bwd_flow_ops ops = g->fp64 ? flow_ops<double>() : flow_ops<float>();
+        st = bk__bwd_flow_drive(&ops, &f, m, tokens, S, T, B, o, cb, stats);
+    }
     dfree(g, f.h);
     dfree(g, f.dh);
     dfree(g, f.acts);

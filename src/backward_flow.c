@@ -16,7 +16,11 @@
  * layer) and each layer's forward is recomputed from its input during the
  * backward. X and G are those of the original (full-precision) model: a
  * sweep's arithmetic on a micro-batch is the same whichever flow runs it,
- * so the two flows deliver the same a and g to the last bit. */
+ * so the two flows deliver the same a and g to the last bit.
+ *
+ * The flow control is written once, here (bk__bwd_flow_drive); a backend
+ * supplies the operations on one micro-batch (bk_bwd_flow_ops,
+ * src/backward_internal.h): the CPU's below, the GPU's in cuda/backward.cu. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,63 +31,53 @@
 #include "forward_internal.h"
 #include "util.h"
 
+/* ------------------------------------------------------------ the driver */
+
 typedef struct flow {
-    const bk_model *m;
+    const bk_bwd_flow_ops *ops;
+    void *x; /* the backend's context */
     const bk_model_config *c;
     const int32_t *tokens;
     int64_t S, T, B, d;
     const bk_bwd_flow_opts *o;
     const bk_bwd_flow_cb *cb;
     bk_bwd_flow_stats *st;
-    bk_bwd *bw;
-    bk_layer_weights *lw; /* [n_layers], loaded on first use */
-    int *loaded;
-    double *h, *dh;       /* [B*T, d] */
-    double *acts;         /* [n_layers, B*T, d] layer inputs of one micro-batch */
-    int64_t acts_layers;
-    int32_t *labels;      /* [B*T] */
     uint64_t cur_bytes;
 } flow;
 
 static uint64_t boundary_bytes(const flow *f)
 {
-    return (uint64_t)f->S * (uint64_t)f->T * (uint64_t)f->d * sizeof(double);
+    return (uint64_t)f->S * (uint64_t)f->T * (uint64_t)f->d * f->ops->elem_bytes;
 }
 
-static bk_status boundary_alloc(flow *f, int depth, double **out)
+static bk_status boundary_alloc(flow *f, int depth, void **out)
 {
     uint64_t nb = boundary_bytes(f);
-    *out = (nb <= SIZE_MAX) ? bk_alloc((size_t)(f->S * f->T * f->d), sizeof(double)) : NULL;
+    *out = (nb <= SIZE_MAX) ? f->ops->boundary_alloc(f->x, (size_t)nb) : NULL;
     if (!*out)
         return bk_error(BK_ERR_NOMEM,
-                        "backprop flow: out of memory for a boundary matrix of %.1f MiB at "
+                        "backprop flow: out of %s for a boundary matrix of %.1f MiB at "
                         "recursion depth %d (%.1f MiB held): use a larger --leaf-size, "
                         "--bwd-flow naive or fewer --samples",
-                        (double)nb / 1048576.0, depth, (double)f->cur_bytes / 1048576.0);
+                        f->ops->boundary_mem, (double)nb / 1048576.0, depth,
+                        (double)f->cur_bytes / 1048576.0);
     f->cur_bytes += nb;
     if (f->cur_bytes > f->st->peak_boundary_bytes)
         f->st->peak_boundary_bytes = f->cur_bytes;
     return BK_OK;
 }
 
-static void boundary_free(flow *f, double *p)
+static void boundary_free(flow *f, void *p)
 {
     if (!p)
         return;
-    free(p);
+    f->ops->boundary_free(f->x, p);
     f->cur_bytes -= boundary_bytes(f);
 }
 
-static bk_status weights(flow *f, int l, const bk_layer_weights **out)
+static bk_status sync_ops(flow *f, bk_status st)
 {
-    if (!f->loaded[l]) {
-        bk_status st = bk_layer_weights_load(f->m, l, &f->lw[l]);
-        if (st != BK_OK)
-            return st;
-        f->loaded[l] = 1;
-    }
-    *out = &f->lw[l];
-    return BK_OK;
+    return st == BK_OK && f->ops->sync ? f->ops->sync(f->x) : st;
 }
 
 /* One sweep over every micro-batch:
@@ -92,65 +86,59 @@ static bk_status weights(flow *f, int l, const bk_layer_weights **out)
  *   dh = G_to, or the head's gradient (to == n_layers), copied to G_head;
  *   backward through [grad_lo, to), with taps for layers < taps_hi;
  *   G_out = dh. */
-static bk_status sweep(flow *f, int from, const double *X_from, int save_at, double *X_save,
-                       int to, const double *G_to, double *G_head, int grad_lo, double *G_out,
-                       int taps_hi)
+static bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save, int to,
+                       const void *G_to, void *G_head, int grad_lo, void *G_out, int taps_hi)
 {
-    const int64_t T = f->T, d = f->d, rows_seq = T * d;
+    const bk_bwd_flow_ops *ops = f->ops;
+    void *x = f->x;
+    const int64_t T = f->T, rows_seq = T * f->d;
     double t;
     bk_status st = BK_OK;
     for (int64_t s0 = 0; s0 < f->S && st == BK_OK; s0 += f->B) {
         const int64_t sb = f->S - s0 < f->B ? f->S - s0 : f->B;
-        const size_t mb = (size_t)(sb * rows_seq) * sizeof(double);
+        const size_t mb = (size_t)(sb * rows_seq) * ops->elem_bytes;
+        const size_t off = (size_t)(s0 * rows_seq) * ops->elem_bytes;
         t = bk_now();
         if (X_from)
-            memcpy(f->h, X_from + s0 * rows_seq, mb);
-        else if ((st = bk_bwd_embed(f->bw, f->m, f->tokens + s0 * T, sb, f->h)) != BK_OK)
-            break;
+            st = ops->load(x, BK_BWD_H, (const char *)X_from + off, mb);
+        else
+            st = ops->embed(x, f->tokens + s0 * T, sb);
         for (int l = from; l < to && st == BK_OK; l++) {
-            const bk_layer_weights *lw;
-            if (l == save_at)
-                memcpy(X_save + s0 * rows_seq, f->h, mb);
-            if (l >= grad_lo)
-                memcpy(f->acts + (int64_t)(l - grad_lo) * f->B * rows_seq, f->h, mb);
-            if ((st = weights(f, l, &lw)) == BK_OK)
-                st = bk_bwd_layer_forward(f->bw, lw, sb, f->h);
+            if (l == save_at && (st = ops->store(x, BK_BWD_H, (char *)X_save + off, mb)) != BK_OK)
+                break;
+            if (l >= grad_lo && (st = ops->keep(x, l - grad_lo, mb)) != BK_OK)
+                break;
+            st = ops->forward(x, l, sb);
         }
+        st = sync_ops(f, st);
         f->st->time_forward_s += bk_now() - t;
         if (st != BK_OK)
             break;
         t = bk_now();
         if (G_to) {
-            memcpy(f->dh, G_to + s0 * rows_seq, mb);
+            st = ops->load(x, BK_BWD_DH, (const char *)G_to + off, mb);
         } else {
-            st = bk_bwd_labels(f->bw, f->m, f->h, f->tokens + s0 * T, sb, f->o->seq0 + s0,
-                               f->o->fisher, f->o->seed, f->labels);
-            if (st == BK_OK)
-                st = bk_bwd_head(f->bw, f->m, f->h, f->labels, sb, f->dh, NULL);
-            if (st != BK_OK)
-                break;
-            if (G_head)
-                memcpy(G_head + s0 * rows_seq, f->dh, mb);
+            st = ops->head(x, f->tokens + s0 * T, sb, f->o->seq0 + s0);
+            if (st == BK_OK && G_head)
+                st = ops->store(x, BK_BWD_DH, (char *)G_head + off, mb);
         }
+        st = sync_ops(f, st);
         f->st->time_head_s += bk_now() - t;
+        if (st != BK_OK)
+            break;
         t = bk_now();
         for (int l = to - 1; l >= grad_lo && st == BK_OK; l--) {
-            const bk_layer_weights *lw;
-            bk_grad_taps taps;
             const int want = l < taps_hi;
-            if ((st = weights(f, l, &lw)) != BK_OK)
-                break;
-            st = bk_bwd_layer_backward(f->bw, lw, sb,
-                                       f->acts + (int64_t)(l - grad_lo) * f->B * rows_seq, f->dh,
-                                       want ? &taps : NULL);
-            if (st == BK_OK && want && f->cb->grads) {
+            st = ops->backward(x, l, l - grad_lo, sb, want);
+            if (st == BK_OK && want) {
                 double tc = bk_now();
-                st = f->cb->grads(f->cb->user, l, s0, sb, &taps);
+                st = ops->deliver(x, l, l - grad_lo, s0, sb);
                 t += bk_now() - tc; /* the consumer's time is not the backward's */
             }
         }
         if (st == BK_OK && G_out)
-            memcpy(G_out + s0 * rows_seq, f->dh, mb);
+            st = ops->store(x, BK_BWD_DH, (char *)G_out + off, mb);
+        st = sync_ops(f, st);
         f->st->time_backward_s += bk_now() - t;
     }
     if (st == BK_OK) {
@@ -173,6 +161,8 @@ static void pass_begin(flow *f, int depth, int lo, int hi, int leaf)
 
 static bk_status leaf_done(flow *f, int lo, int hi)
 {
+    if (f->ops->leaf_done)
+        return f->ops->leaf_done(f->x, lo, hi);
     if (!f->cb->leaf_done)
         return BK_OK;
     return f->cb->leaf_done(f->cb->user, lo, hi);
@@ -180,7 +170,7 @@ static bk_status leaf_done(flow *f, int lo, int hi)
 
 /* Recursive halving over [lo, hi) with the input X_lo (NULL: the embedding)
  * and the output gradient G_hi (NULL: from the head; only at the root). */
-static bk_status node(flow *f, int lo, int hi, const double *X_lo, const double *G_hi, int depth)
+static bk_status node(flow *f, int lo, int hi, const void *X_lo, const void *G_hi, int depth)
 {
     const int L = (int)f->c->n_layers;
     bk_status st;
@@ -190,7 +180,7 @@ static bk_status node(flow *f, int lo, int hi, const double *X_lo, const double 
         return st == BK_OK ? leaf_done(f, lo, hi) : st;
     }
     const int mid = lo + (hi - lo) / 2;
-    double *X_mid = NULL, *G_mid = NULL, *G_L = NULL;
+    void *X_mid = NULL, *G_mid = NULL, *G_L = NULL;
     st = boundary_alloc(f, depth, &X_mid);
     if (st == BK_OK)
         st = boundary_alloc(f, depth, &G_mid);
@@ -207,14 +197,13 @@ static bk_status node(flow *f, int lo, int hi, const double *X_lo, const double 
     if (st == BK_OK)
         st = node(f, mid, hi, X_mid, G_hi ? G_hi : G_L, depth + 1);
     boundary_free(f, X_mid);
-    boundary_free(f, G_mid);
     boundary_free(f, G_L);
     return st;
 }
 
-bk_status bk_bwd_flow_run(const bk_model *m, const int32_t *tokens, int64_t S, int64_t T,
-                          const bk_bwd_flow_opts *o, const bk_bwd_flow_cb *cb,
-                          bk_bwd_flow_stats *stats)
+bk_status bk__bwd_flow_check(const bk_model *m, const int32_t *tokens, int64_t S, int64_t T,
+                             const bk_bwd_flow_opts *o, const bk_bwd_flow_cb *cb,
+                             bk_bwd_flow_stats *stats, int64_t *B, int64_t *acts_layers)
 {
     if (!m || !tokens || !o || !cb || !stats)
         return bk_error(BK_ERR_INVALID_ARG, "backprop flow: NULL argument");
@@ -239,31 +228,25 @@ bk_status bk_bwd_flow_run(const bk_model *m, const int32_t *tokens, int64_t S, i
     st = bk__bwd_head_check(m);
     if (st != BK_OK)
         return st;
-    flow f = {.m = m, .c = c, .tokens = tokens, .S = S, .T = T,
-              .B = o->batch < S ? o->batch : S, .d = c->hidden, .o = o, .cb = cb, .st = stats};
     const int L = (int)c->n_layers;
+    *B = o->batch < S ? o->batch : S;
     /* layer inputs kept per micro-batch: the most a sweep goes back through */
-    f.acts_layers = o->flow == BK_FLOW_NAIVE ? L : (L + 1) / 2;
-    if (o->leaf > f.acts_layers)
-        f.acts_layers = o->leaf < L ? o->leaf : L;
-    const int64_t mrow = f.B * T * f.d;
-    st = bk_bwd_create(c, f.B, T, &f.bw);
-    if (st != BK_OK)
-        return st;
-    f.lw = calloc((size_t)L, sizeof *f.lw);
-    f.loaded = calloc((size_t)L, sizeof *f.loaded);
-    f.h = bk_alloc((size_t)mrow, sizeof(double));
-    f.dh = bk_alloc((size_t)mrow, sizeof(double));
-    f.acts = bk_alloc((size_t)(mrow * f.acts_layers), sizeof(double));
-    f.labels = bk_alloc((size_t)(f.B * T), sizeof(int32_t));
-    stats->micro_bytes = (uint64_t)mrow * (uint64_t)(2 + f.acts_layers) * sizeof(double);
-    if (!f.lw || !f.loaded || !f.h || !f.dh || !f.acts || !f.labels) {
-        st = bk_error(BK_ERR_NOMEM,
-                      "backprop flow: out of memory for the micro-batch activations of %lld "
-                      "layers (%.1f MiB): use a smaller --batch",
-                      (long long)f.acts_layers, (double)stats->micro_bytes / 1048576.0);
-        goto done;
-    }
+    *acts_layers = o->flow == BK_FLOW_NAIVE ? L : (L + 1) / 2;
+    if (o->leaf > *acts_layers)
+        *acts_layers = o->leaf < L ? o->leaf : L;
+    return BK_OK;
+}
+
+bk_status bk__bwd_flow_drive(const bk_bwd_flow_ops *ops, void *ctx, const bk_model *m,
+                             const int32_t *tokens, int64_t S, int64_t T, int64_t B,
+                             const bk_bwd_flow_opts *o, const bk_bwd_flow_cb *cb,
+                             bk_bwd_flow_stats *stats)
+{
+    const bk_model_config *c = bk_model_get_config(m);
+    flow f = {.ops = ops, .x = ctx, .c = c, .tokens = tokens, .S = S, .T = T, .B = B,
+              .d = c->hidden, .o = o, .cb = cb, .st = stats};
+    const int L = (int)c->n_layers;
+    bk_status st = BK_OK;
     if (o->flow == BK_FLOW_NAIVE) {
         for (int lo = 0; lo < L && st == BK_OK; lo += o->leaf) {
             int hi = lo + o->leaf < L ? lo + o->leaf : L;
@@ -275,8 +258,153 @@ bk_status bk_bwd_flow_run(const bk_model *m, const int32_t *tokens, int64_t S, i
     } else {
         st = node(&f, 0, L, NULL, NULL, 0);
     }
-done:
-    if (f.lw)
+    return st;
+}
+
+/* ------------------------------------------------- the CPU's operations */
+
+typedef struct cpu_flow {
+    const bk_model *m;
+    const bk_bwd_flow_opts *o;
+    const bk_bwd_flow_cb *cb;
+    int64_t mrow;         /* B*T*d */
+    bk_bwd *bw;
+    bk_layer_weights *lw; /* [n_layers], loaded on first use */
+    int *loaded;
+    double *h, *dh;       /* [B*T, d] */
+    double *acts;         /* [acts_layers, B*T, d] layer inputs of one micro-batch */
+    int32_t *labels;      /* [B*T] */
+    bk_grad_taps taps;    /* of the last backward with taps */
+} cpu_flow;
+
+static bk_status weights(cpu_flow *f, int l, const bk_layer_weights **out)
+{
+    if (!f->loaded[l]) {
+        bk_status st = bk_layer_weights_load(f->m, l, &f->lw[l]);
+        if (st != BK_OK)
+            return st;
+        f->loaded[l] = 1;
+    }
+    *out = &f->lw[l];
+    return BK_OK;
+}
+
+static void *cpu_boundary_alloc(void *x, size_t bytes)
+{
+    (void)x;
+    return bk_alloc(bytes / sizeof(double), sizeof(double));
+}
+
+static void cpu_boundary_free(void *x, void *p)
+{
+    (void)x;
+    free(p);
+}
+
+static bk_status cpu_embed(void *x, const int32_t *tokens, int64_t sb)
+{
+    cpu_flow *f = x;
+    return bk_bwd_embed(f->bw, f->m, tokens, sb, f->h);
+}
+
+static bk_status cpu_load(void *x, int buf, const void *src, size_t bytes)
+{
+    cpu_flow *f = x;
+    memcpy(buf == BK_BWD_H ? f->h : f->dh, src, bytes);
+    return BK_OK;
+}
+
+static bk_status cpu_store(void *x, int buf, void *dst, size_t bytes)
+{
+    cpu_flow *f = x;
+    memcpy(dst, buf == BK_BWD_H ? f->h : f->dh, bytes);
+    return BK_OK;
+}
+
+static bk_status cpu_keep(void *x, int k, size_t bytes)
+{
+    cpu_flow *f = x;
+    memcpy(f->acts + (int64_t)k * f->mrow, f->h, bytes);
+    return BK_OK;
+}
+
+static bk_status cpu_forward(void *x, int layer, int64_t sb)
+{
+    cpu_flow *f = x;
+    const bk_layer_weights *lw;
+    bk_status st = weights(f, layer, &lw);
+    return st == BK_OK ? bk_bwd_layer_forward(f->bw, lw, sb, f->h) : st;
+}
+
+static bk_status cpu_head(void *x, const int32_t *tokens, int64_t sb, int64_t seq0)
+{
+    cpu_flow *f = x;
+    bk_status st = bk_bwd_labels(f->bw, f->m, f->h, tokens, sb, seq0, f->o->fisher, f->o->seed,
+                                 f->labels);
+    return st == BK_OK ? bk_bwd_head(f->bw, f->m, f->h, f->labels, sb, f->dh, NULL) : st;
+}
+
+static bk_status cpu_backward(void *x, int layer, int k, int64_t sb, int taps)
+{
+    cpu_flow *f = x;
+    const bk_layer_weights *lw;
+    bk_status st = weights(f, layer, &lw);
+    if (st != BK_OK)
+        return st;
+    return bk_bwd_layer_backward(f->bw, lw, sb, f->acts + (int64_t)k * f->mrow, f->dh,
+                                 taps ? &f->taps : NULL);
+}
+
+static bk_status cpu_deliver(void *x, int layer, int k, int64_t s0, int64_t sb)
+{
+    cpu_flow *f = x;
+    (void)k;
+    return f->cb->grads ? f->cb->grads(f->cb->user, layer, s0, sb, &f->taps) : BK_OK;
+}
+
+bk_status bk_bwd_flow_run(const bk_model *m, const int32_t *tokens, int64_t S, int64_t T,
+                          const bk_bwd_flow_opts *o, const bk_bwd_flow_cb *cb,
+                          bk_bwd_flow_stats *stats)
+{
+    int64_t B, acts_layers;
+    bk_status st = bk__bwd_flow_check(m, tokens, S, T, o, cb, stats, &B, &acts_layers);
+    if (st != BK_OK)
+        return st;
+    static const bk_bwd_flow_ops ops = {
+        .elem_bytes = sizeof(double),
+        .boundary_mem = "memory",
+        .boundary_alloc = cpu_boundary_alloc,
+        .boundary_free = cpu_boundary_free,
+        .embed = cpu_embed,
+        .load = cpu_load,
+        .store = cpu_store,
+        .keep = cpu_keep,
+        .forward = cpu_forward,
+        .head = cpu_head,
+        .backward = cpu_backward,
+        .deliver = cpu_deliver,
+    };
+    const bk_model_config *c = bk_model_get_config(m);
+    const int L = (int)c->n_layers;
+    cpu_flow f = {.m = m, .o = o, .cb = cb, .mrow = B * T * c->hidden};
+    st = bk_bwd_create(c, B, T, &f.bw);
+    if (st != BK_OK)
+        return st;
+    f.lw = calloc((size_t)L, sizeof *f.lw);
+    f.loaded = calloc((size_t)L, sizeof *f.loaded);
+    f.h = bk_alloc((size_t)f.mrow, sizeof(double));
+    f.dh = bk_alloc((size_t)f.mrow, sizeof(double));
+    f.acts = bk_alloc((size_t)(f.mrow * acts_layers), sizeof(double));
+    f.labels = bk_alloc((size_t)(B * T), sizeof(int32_t));
+    stats->micro_bytes = (uint64_t)f.mrow * (uint64_t)(2 + acts_layers) * sizeof(double);
+    if (!f.lw || !f.loaded || !f.h || !f.dh || !f.acts || !f.labels)
+        st = bk_error(BK_ERR_NOMEM,
+                      "backprop flow: out of memory for the micro-batch activations of %lld "
+                      "layers (%.1f MiB): use a smaller --batch",
+                      (long long)acts_layers, (double)stats->micro_bytes / 1048576.0);
+    else
+        st = bk__bwd_flow_drive(&ops, &f, m, tokens, S, T, B, o, cb, stats);
+    if (f.lw && f.loaded)
         for (int l = 0; l < L; l++)
             if (f.loaded[l])
                 bk_layer_weights_free(&f.lw[l]);

@@ -1,8 +1,9 @@
-/* Internal pieces of the backward pass (src/backward.c, src/backward_flow.c)
- * and hooks for the tests. */
+/* Internal pieces of the backward pass (src/backward.c, src/backward_flow.c),
+ * the flow driver's operations table and hooks for the tests. */
 #ifndef BK_BACKWARD_INTERNAL_H
 #define BK_BACKWARD_INTERNAL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "bakron/backward.h"
@@ -55,6 +56,62 @@ bk_status bk__hess_bp_grad_sums(bk_hess_acc *a, int layer, bk_hess_sum_fn fn, vo
 /* BK_OK when the model has the LM head and final norm the backward needs;
  * else a one-line error. */
 bk_status bk__bwd_head_check(const bk_model *m);
+
+/* ------------------------------------------------ the flow, once for all backends
+ *
+ * src/backward_flow.c drives the flows (naive, recursive halving: leaves,
+ * boundaries, passes, stats); a backend supplies the operations on one
+ * micro-batch through this table (the CPU's in src/backward_flow.c, the
+ * GPU's in cuda/backward.cu). The backend holds the micro-batch: h and dh
+ * [B*T, hidden] and the kept layer inputs acts[k] (k < the acts_layers of
+ * bk__bwd_flow_check); the driver holds the boundary matrices [S*T, hidden]
+ * (host memory from boundary_alloc) and passes byte ranges of them. An
+ * element is elem_bytes. Entries return status; optional ones may be NULL. */
+enum { BK_BWD_H = 0, BK_BWD_DH = 1 };
+typedef struct bk_bwd_flow_ops {
+    size_t elem_bytes;
+    const char *boundary_mem; /* for the message: "memory", "pinned host memory" */
+    void *(*boundary_alloc)(void *ctx, size_t bytes); /* NULL: out of memory */
+    void (*boundary_free)(void *ctx, void *p);
+    /* h = the embedding of sb sequences of tokens */
+    bk_status (*embed)(void *ctx, const int32_t *tokens, int64_t sb);
+    /* buffer buf (BK_BWD_H, BK_BWD_DH) = bytes of src, or to dst */
+    bk_status (*load)(void *ctx, int buf, const void *src, size_t bytes);
+    bk_status (*store)(void *ctx, int buf, void *dst, size_t bytes);
+    /* acts[k] = bytes of h */
+    bk_status (*keep)(void *ctx, int k, size_t bytes);
+    /* h = layer `layer`'s forward of h, sb sequences */
+    bk_status (*forward)(void *ctx, int layer, int64_t sb);
+    /* dh = the head's gradient at h (labels of sequences seq0.. by the
+     * flow's fisher and seed) */
+    bk_status (*head)(void *ctx, const int32_t *tokens, int64_t sb, int64_t seq0);
+    /* dh = the backward of layer `layer` from its input acts[k]; taps: the
+     * module taps are wanted (deliver follows) */
+    bk_status (*backward)(void *ctx, int layer, int k, int64_t sb, int taps);
+    /* the taps of that backward (micro-batch [s0, s0 + sb)) to the consumer;
+     * its time is not counted as the backward's */
+    bk_status (*deliver)(void *ctx, int layer, int k, int64_t s0, int64_t sb);
+    /* optional: wait for the work queued so far (each phase ends with it) */
+    bk_status (*sync)(void *ctx);
+    /* optional: the leaf [lo, hi) is done (instead of calling the consumer's
+     * cb->leaf_done directly; the backend calls it) */
+    bk_status (*leaf_done)(void *ctx, int lo, int hi);
+} bk_bwd_flow_ops;
+
+/* The checks of bk_bwd_flow_run's arguments (stats zeroed) and the
+ * micro-batch plan: *B sequences a micro-batch, *acts_layers layer inputs
+ * kept a micro-batch. */
+bk_status bk__bwd_flow_check(const bk_model *m, const int32_t *tokens, int64_t S, int64_t T,
+                             const bk_bwd_flow_opts *o, const bk_bwd_flow_cb *cb,
+                             bk_bwd_flow_stats *stats, int64_t *B, int64_t *acts_layers);
+
+/* Run the flow of o over the operations of one backend (ctx: its state,
+ * set up for micro-batches of B sequences). stats as checked above; the
+ * driver adds the passes, layer counts, boundary bytes and times. */
+bk_status bk__bwd_flow_drive(const bk_bwd_flow_ops *ops, void *ctx, const bk_model *m,
+                             const int32_t *tokens, int64_t S, int64_t T, int64_t B,
+                             const bk_bwd_flow_opts *o, const bk_bwd_flow_cb *cb,
+                             bk_bwd_flow_stats *stats);
 
 #ifdef __cplusplus
 }
