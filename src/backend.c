@@ -93,9 +93,9 @@ void bk_backend_params_default(bk_backend_params *p)
     p->mem_limit = 0;
     p->keep_down = 1;
     p->residual_host = 0;
-    /* the GPU input-side stages of the backprop kinds (device Grams, 884140f)
-     * failed the cuda suite on the H200 at 15a675e: off until fixed and validated */
-    p->bwd_input_cpu = 1;
+    /* the GPU input-side stages of the backprop kinds (device Grams, 884140f;
+     * fixed in 8a30b7d, cuda suite passed on the H200 at bbc5eac) */
+    p->bwd_input_cpu = 0;
 }
 
 /* "0" or "1" */

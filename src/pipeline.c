@@ -341,9 +341,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     const int bwd_input_cpu = bk_backend_get_params(j->backend)->bwd_input_cpu;
     if (j->bp && want_gpu && bwd_input_cpu) {
         st = bk_error(BK_ERR_USAGE,
-                      "quantize: --gpu-pipeline with --hessian %s: the input-side stages of the "
-                      "backprop kinds run on the CPU (the GPU runs the backward passes and the "
-                      "solves); drop --gpu-pipeline",
+                      "quantize: --gpu-pipeline with --hessian %s and --setting bwd_input=cpu: "
+                      "that setting keeps the input-side stages on the CPU; drop one of them",
                       bk_hessian_name(o->hessian));
         goto fail;
     }

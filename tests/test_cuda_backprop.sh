@@ -11,8 +11,9 @@
 #  - fp32 (the default): >= 99% per module in the first layer, >= 97% per
 #    module, >= 99% overall (test_cuda_pipeline.sh's rule for GPU vs CPU
 #    arithmetic); perplexities within 1e-3 relative (printed with the CPU's);
-#  The default is bwd_input=cpu (same bytes); with --setting bwd_input=gpu
-#  (input-side stages on the GPU stages too; failed here at 15a675e):
+#  The default is bwd_input=gpu (same bytes as the explicit setting), with the
+#  input-side stages on the GPU stages too (failed here at 15a675e, fixed in
+#  8a30b7d, passed at bbc5eac):
 #  - with --gpu-math fp32 the fp32 rule against the oracle; with the default
 #    --gpu-math auto (BF16/TF32 GEMMs) perplexity within 1e-2 relative;
 #  - GPU recursive halving and naive I write the same bytes; a rerun is
@@ -101,10 +102,10 @@ run() { # out extra-args...
 run "$W/ref" --hessian backprop-kfac --backend cuda --cpu-stages ||
     die "reference (CPU flow): $(tail -1 "$W/ref.log")"
 CPUIN="--setting bwd_input=cpu"
-# the GPU input-side stages (device Grams): not the default since they failed this
-# test on the H200 at 15a675e (codes 83-86% vs the CPU, --seed 1 changed nothing)
+# the GPU input-side stages (device Grams): the default (they failed this test on
+# the H200 at 15a675e: codes 83-86% vs the CPU, --seed 1 changed nothing; fixed in 8a30b7d)
 GPUIN="--setting bwd_input=gpu"
-# the default is the CPU input side: the same bytes as --setting bwd_input=cpu
+# the default is the GPU input side: the same bytes as --setting bwd_input=gpu
 run "$W/def" --hessian backprop-kfac --backend cuda || die "GPU default: $(tail -1 "$W/def.log")"
 run "$W/g64" --hessian backprop-kfac --backend cuda --bwd-precision fp64 $CPUIN ||
     die "GPU flow fp64: $(tail -1 "$W/g64.log")"
@@ -140,8 +141,8 @@ cmp -s "$W/g32/model.safetensors" "$W/g32n/model.safetensors" ||
 cmp -s "$W/d/model.safetensors" "$W/dn/model.safetensors" ||
     die "GPU recursive halving and naive I wrote different weights"
 cmp -s "$W/d/model.safetensors" "$W/dr/model.safetensors" || die "a GPU rerun differs"
-cmp -s "$W/def/model.safetensors" "$W/g32/model.safetensors" ||
-    die "the default differs from --setting bwd_input=cpu"
+cmp -s "$W/def/model.safetensors" "$W/d/model.safetensors" ||
+    die "the default differs from --setting bwd_input=gpu"
 cmp -s "$W/d/model.safetensors" "$W/dp/model.safetensors" || die "--gpu-pipeline differs"
 cmp -s "$W/d/model.safetensors" "$W/ds/model.safetensors" && die "--seed 1 changed nothing"
 

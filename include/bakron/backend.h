@@ -40,13 +40,11 @@ typedef struct bk_backend_params {
                            reserve); 0: recompute them (a third more forward work) */
     int residual_host;  /* GPU stages: 0 (default) the residual stream on the device when it
                            fits, else in pinned host memory; 1: always in pinned host memory */
-    int bwd_input_cpu;  /* backprop kinds with the backward passes on the GPU: 1 (default)
+    int bwd_input_cpu;  /* backprop kinds with the backward passes on the GPU: 0 (default)
                            the input-side stages (forward through the quantized layers,
-                           E[a aᵀ]) on the CPU, the GPU backward's Grams downloaded (the
-                           path validated on the H200); 0 (setting bwd_input=gpu): on the
-                           GPU stages too -- NOT validated: it failed the cuda suite at
-                           15a675e (docs/BENCHMARKS.md, session 8;
-                           cause fixed after, not yet rerun on a GPU) */
+                           E[a aᵀ]) on the GPU stages too, fed the flow's device Grams;
+                           1 (setting bwd_input=cpu): on the CPU, the GPU backward's Grams
+                           downloaded (slower; isolates the backward pass in tests) */
 } bk_backend_params;
 
 void bk_backend_params_default(bk_backend_params *p);
