@@ -497,7 +497,8 @@ struct gbwd {
     const bk_model *m;
     bk_model_config cfg;
     int L;
-    int64_t B, T, R, d, H, G, hd, NI, qd, kvd, rep, V;
+    bk_dims dim;
+    int64_t V;
     double eps;
     float *cos, *sin;
     /* one layer's forward (saved) and backward, [R, width] in R */
@@ -616,17 +617,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
     g->m = m;
     g->cfg = *c;
     g->L = (int)c->n_layers;
-    g->B = B;
-    g->T = T;
-    g->R = (int64_t)rows;
-    g->d = c->hidden;
-    g->H = c->n_heads;
-    g->G = c->n_kv_heads;
-    g->hd = c->head_dim;
-    g->NI = c->intermediate;
-    g->qd = g->H * g->hd;
-    g->kvd = g->G * g->hd;
-    g->rep = g->H / g->G;
+    bk__dims_set(&g->dim, c, B, T);
     g->V = c->vocab;
     g->eps = c->rms_eps;
     bk_status st = BK_OK;
@@ -648,7 +639,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
             return st;
         }
     }
-    const int64_t R = g->R, d = g->d, qd = g->qd, kvd = g->kvd, NI = g->NI, es = (int64_t)g->es;
+    const int64_t R = g->dim.rows, d = g->dim.hidden, qd = g->dim.qdim, kvd = g->dim.kvdim, NI = g->dim.inter, es = (int64_t)g->es;
     int64_t vc = LOGIT_BLOCK / R;
     if (vc > HEAD_BLOCK / d)
         vc = HEAD_BLOCK / d;
@@ -679,7 +670,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         {&g->P, B * T * T, (size_t)es, "attention probabilities"},
         {&g->dP, B * T * T, (size_t)es, "attention probabilities"},
         {(void **)&g->r1, R, 8, "backward buffers"},        {(void **)&g->r2, R, 8, "backward buffers"},
-        {(void **)&g->rq, R * g->H, 8, "backward buffers"}, {(void **)&g->rk, R * g->G, 8, "backward buffers"},
+        {(void **)&g->rq, R * g->dim.nh, 8, "backward buffers"}, {(void **)&g->rk, R * g->dim.nkv, 8, "backward buffers"},
         {&g->headw, g->V * d, (size_t)es, "LM head"},       {&g->headn, d, (size_t)es, "final norm"},
         {&g->xf, R * d, (size_t)es, "head buffers"},        {&g->dxf, R * d, (size_t)es, "head buffers"},
         {&g->lg, R * vc, (size_t)es, "logit block"},
@@ -689,8 +680,8 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         {(void **)&g->tgl, R, 8, "head buffers"}, {(void **)&g->U, R, 8, "head buffers"},
         {(void **)&g->lab, R, 4, "head buffers"}, {(void **)&g->last, R, 4, "head buffers"},
         {(void **)&g->flags, 8, 8, "flags"},
-        {(void **)&g->cos, T * (g->hd / 2), 4, "RoPE tables"},
-        {(void **)&g->sin, T * (g->hd / 2), 4, "RoPE tables"},
+        {(void **)&g->cos, T * (g->dim.hd / 2), 4, "RoPE tables"},
+        {(void **)&g->sin, T * (g->dim.hd / 2), 4, "RoPE tables"},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
         st = dalloc(g, bufs[i].p, bufs[i].n, bufs[i].es, bufs[i].what);
@@ -757,7 +748,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         memset(&rope, 0, sizeof rope);
         st = bk_rope_init(&rope, c, T);
         if (st == BK_OK) {
-            size_t nb = (size_t)(T * (g->hd / 2)) * 4;
+            size_t nb = (size_t)(T * (g->dim.hd / 2)) * 4;
             /* on the backend's stream, then synchronised: it is non-blocking, so a
              * plain cudaMemcpy (legacy default stream) would not be ordered before
              * the kernels that read the tables */
@@ -852,7 +843,7 @@ int64_t layer_elems(const gbwd *g)
         bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
         n += o * in + o;
     }
-    return n + 2 * g->d + 2 * g->hd;
+    return n + 2 * g->dim.hidden + 2 * g->dim.hd;
 }
 
 bk_status slots_init(gbwd *g, int want)
@@ -940,22 +931,22 @@ bk_status weights(gbwd *g, int l, const gslot **out)
         }
     }
     if (st == BK_OK && !s->an)
-        st = dalloc(g, &s->an, g->d, g->es, "layer norms");
+        st = dalloc(g, &s->an, g->dim.hidden, g->es, "layer norms");
     if (st == BK_OK)
-        st = upload_f32(g, lw->attn_norm, g->d, s->an);
+        st = upload_f32(g, lw->attn_norm, g->dim.hidden, s->an);
     if (st == BK_OK && !s->mn)
-        st = dalloc(g, &s->mn, g->d, g->es, "layer norms");
+        st = dalloc(g, &s->mn, g->dim.hidden, g->es, "layer norms");
     if (st == BK_OK)
-        st = upload_f32(g, lw->mlp_norm, g->d, s->mn);
+        st = upload_f32(g, lw->mlp_norm, g->dim.hidden, s->mn);
     if (st == BK_OK && g->cfg.qk_norm) {
         if (!s->qn)
-            st = dalloc(g, &s->qn, g->hd, g->es, "layer norms");
+            st = dalloc(g, &s->qn, g->dim.hd, g->es, "layer norms");
         if (st == BK_OK)
-            st = upload_f32(g, lw->q_norm, g->hd, s->qn);
+            st = upload_f32(g, lw->q_norm, g->dim.hd, s->qn);
         if (st == BK_OK && !s->kn)
-            st = dalloc(g, &s->kn, g->hd, g->es, "layer norms");
+            st = dalloc(g, &s->kn, g->dim.hd, g->es, "layer norms");
         if (st == BK_OK)
-            st = upload_f32(g, lw->k_norm, g->hd, s->kn);
+            st = upload_f32(g, lw->k_norm, g->dim.hd, s->kn);
     }
     /* the slot's bytes are weights, not micro-batch buffers */
     if (st == BK_OK)
@@ -1052,8 +1043,8 @@ bk_status rms_back(gbwd *g, const R *x, const double *r, int64_t rows, int64_t n
 
 template <typename R> bk_status rope(gbwd *g, R *x, int64_t N, int64_t heads, int sign)
 {
-    k_rope<R><<<grid_for(N * heads * (g->hd / 2)), 256, 0, g->c->stream>>>(
-        x, N, g->T, heads, g->hd, g->cos, g->sin, sign);
+    k_rope<R><<<grid_for(N * heads * (g->dim.hd / 2)), 256, 0, g->c->stream>>>(
+        x, N, g->dim.T, heads, g->dim.hd, g->cos, g->sin, sign);
     LAUNCH_CHECK("k_rope");
     return BK_OK;
 }
@@ -1061,7 +1052,7 @@ template <typename R> bk_status rope(gbwd *g, R *x, int64_t N, int64_t heads, in
 /* P[s] = causal softmax(scale Q_j K_gᵀ) for every sequence s of the micro-batch */
 template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
 {
-    const int64_t T = g->T, qd = g->qd, kvd = g->kvd, hd = g->hd, gi = j / g->rep;
+    const int64_t T = g->dim.T, qd = g->dim.qdim, kvd = g->dim.kvdim, hd = g->dim.hd, gi = j / g->dim.rep;
     const double scale = 1.0 / sqrt((double)hd);
     GEMM_CHECK(rm_gemm_b(g->bl, false, true, T, T, hd, scale, RP(g->qr) + j * hd, qd, T * qd,
                          RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->P), T, T * T, S));
@@ -1074,26 +1065,26 @@ template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
  * equal hin, or be NULL) receives the output */
 template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, const R *hin, R *hout)
 {
-    const int64_t T = g->T, N = S * T, d = g->d, qd = g->qd, kvd = g->kvd, hd = g->hd,
-                  NI = g->NI;
+    const int64_t T = g->dim.T, N = S * T, d = g->dim.hidden, qd = g->dim.qdim, kvd = g->dim.kvdim, hd = g->dim.hd,
+                  NI = g->dim.inter;
     bk_status st;
     TRY(rms_fwd<R>(g, hin, N, d, CRP(w->an), g->r1, RP(g->xa)));
     TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_Q]), qd, CRP(w->b[BK_MOD_Q]), RP(g->zq)));
     TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_K]), kvd, CRP(w->b[BK_MOD_K]), RP(g->zk)));
     TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_V]), kvd, CRP(w->b[BK_MOD_V]), RP(g->zv)));
     if (w->qn) {
-        TRY(rms_fwd<R>(g, RP(g->zq), N * g->H, hd, CRP(w->qn), g->rq, RP(g->qr)));
-        TRY(rms_fwd<R>(g, RP(g->zk), N * g->G, hd, CRP(w->kn), g->rk, RP(g->kr)));
+        TRY(rms_fwd<R>(g, RP(g->zq), N * g->dim.nh, hd, CRP(w->qn), g->rq, RP(g->qr)));
+        TRY(rms_fwd<R>(g, RP(g->zk), N * g->dim.nkv, hd, CRP(w->kn), g->rk, RP(g->kr)));
     } else {
         BK_CUDA_CHECK(cudaMemcpyAsync(g->qr, g->zq, (size_t)(N * qd) * g->es,
                                       cudaMemcpyDeviceToDevice, g->c->stream));
         BK_CUDA_CHECK(cudaMemcpyAsync(g->kr, g->zk, (size_t)(N * kvd) * g->es,
                                       cudaMemcpyDeviceToDevice, g->c->stream));
     }
-    TRY(rope<R>(g, RP(g->qr), N, g->H, +1));
-    TRY(rope<R>(g, RP(g->kr), N, g->G, +1));
-    for (int64_t j = 0; j < g->H; j++) {
-        const int64_t gi = j / g->rep;
+    TRY(rope<R>(g, RP(g->qr), N, g->dim.nh, +1));
+    TRY(rope<R>(g, RP(g->kr), N, g->dim.nkv, +1));
+    for (int64_t j = 0; j < g->dim.nh; j++) {
+        const int64_t gi = j / g->dim.rep;
         TRY(attn_probs<R>(g, S, j));
         GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, 1.0, RP(g->P), T, T * T,
                              RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->o) + j * hd, qd, T * qd,
@@ -1121,8 +1112,8 @@ template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, co
 template <typename R>
 bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin, R *dh)
 {
-    const int64_t T = g->T, N = S * T, d = g->d, qd = g->qd, kvd = g->kvd, hd = g->hd,
-                  NI = g->NI;
+    const int64_t T = g->dim.T, N = S * T, d = g->dim.hidden, qd = g->dim.qdim, kvd = g->dim.kvdim, hd = g->dim.hd,
+                  NI = g->dim.inter;
     bk_status st;
     TRY(layer_fwd<R>(g, w, S, hin, (R *)NULL));
     /* MLP: g_down = dh (kept in tmp) */
@@ -1144,8 +1135,8 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
     BK_CUDA_CHECK(cudaMemsetAsync(g->dk, 0, (size_t)(N * kvd) * g->es, g->c->stream));
     BK_CUDA_CHECK(cudaMemsetAsync(g->dv, 0, (size_t)(N * kvd) * g->es, g->c->stream));
     const double scale = 1.0 / sqrt((double)hd);
-    for (int64_t j = 0; j < g->H; j++) {
-        const int64_t gi = j / g->rep;
+    for (int64_t j = 0; j < g->dim.nh; j++) {
+        const int64_t gi = j / g->dim.rep;
         TRY(attn_probs<R>(g, S, j));
         /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
         GEMM_CHECK(rm_gemm_b(g->bl, true, false, T, hd, T, 1.0, RP(g->P), T, T * T,
@@ -1165,15 +1156,15 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
     }
     /* RoPE adjoint, then the q/k norm adjoints: dq, dk become the gradients
      * of the q_proj / k_proj outputs */
-    TRY(rope<R>(g, RP(g->dq), N, g->H, -1));
-    TRY(rope<R>(g, RP(g->dk), N, g->G, -1));
+    TRY(rope<R>(g, RP(g->dq), N, g->dim.nh, -1));
+    TRY(rope<R>(g, RP(g->dk), N, g->dim.nkv, -1));
     if (w->qn) {
         BK_CUDA_CHECK(cudaMemcpyAsync(g->cpy, g->dq, (size_t)(N * qd) * g->es,
                                       cudaMemcpyDeviceToDevice, g->c->stream));
-        TRY(rms_back<R>(g, RP(g->zq), g->rq, N * g->H, hd, CRP(w->qn), RP(g->cpy), 0, RP(g->dq)));
+        TRY(rms_back<R>(g, RP(g->zq), g->rq, N * g->dim.nh, hd, CRP(w->qn), RP(g->cpy), 0, RP(g->dq)));
         BK_CUDA_CHECK(cudaMemcpyAsync(g->cpy, g->dk, (size_t)(N * kvd) * g->es,
                                       cudaMemcpyDeviceToDevice, g->c->stream));
-        TRY(rms_back<R>(g, RP(g->zk), g->rk, N * g->G, hd, CRP(w->kn), RP(g->cpy), 0, RP(g->dk)));
+        TRY(rms_back<R>(g, RP(g->zk), g->rk, N * g->dim.nkv, hd, CRP(w->kn), RP(g->cpy), 0, RP(g->dk)));
     }
     /* dxa = dq Wq + dk Wk + dv Wv; dh = dh1 + RMSNorm_1 adjoint */
     TRY(lin_back<R>(g, RP(g->dq), N, qd, CRP(w->w[BK_MOD_Q]), d, 0.0, RP(g->dx)));
@@ -1210,9 +1201,9 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
 /* host double copies of the taps of the last layer_bwd (S sequences) */
 template <typename R> bk_status download_taps(gbwd *g, int64_t S, bk_grad_taps *t)
 {
-    const int64_t N = S * g->T;
+    const int64_t N = S * g->dim.T;
     const void *as[4] = {g->xa, g->o, g->xm, g->mm};
-    const int64_t aw[4] = {g->d, g->qd, g->d, g->NI};
+    const int64_t aw[4] = {g->dim.hidden, g->dim.qdim, g->dim.hidden, g->dim.inter};
     const void *gs[BK_MOD_COUNT] = {g->dq, g->dk, g->dv, g->dh1, g->dzg, g->dzu, g->tmp};
     for (int k = 0; k < 4 + BK_MOD_COUNT; k++) {
         const void *src;
@@ -1263,7 +1254,7 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
                    bk_fisher_kind fisher, uint64_t seed, const int32_t *given_labels, R *dh,
                    double *loss, int32_t *labels_out)
 {
-    const int64_t T = g->T, N = S * T, V = g->V, d = g->d;
+    const int64_t T = g->dim.T, N = S * T, V = g->V, d = g->dim.hidden;
     cudaStream_t s = g->c->stream;
     bk_status st;
     TRY(rms_fwd<R>(g, h, N, d, CRP(g->headn), g->rf, RP(g->xf)));
@@ -1407,18 +1398,18 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
 bk_status embed(gbwd *g, const int32_t *tokens, int64_t S, void *h)
 {
     const bk_tensor_info *t = bk_model_find(g->m, -1, "embed_tokens.weight");
-    if (!t || t->ndim != 2 || t->shape[0] != g->V || t->shape[1] != g->d)
+    if (!t || t->ndim != 2 || t->shape[0] != g->V || t->shape[1] != g->dim.hidden)
         return bk_error(BK_ERR_MISSING_TENSOR, "embed_tokens.weight: missing or of a wrong shape");
-    const size_t esrc = bk_dtype_bits(t->dtype) / 8, row = (size_t)g->d * g->es;
+    const size_t esrc = bk_dtype_bits(t->dtype) / 8, row = (size_t)g->dim.hidden * g->es;
     const int64_t per = (int64_t)(g->hstage_bytes / row);
-    const int64_t N = S * g->T;
+    const int64_t N = S * g->dim.T;
     for (int64_t a = 0; a < N; a += per) {
         const int64_t n = N - a < per ? N - a : per;
         for (int64_t i = 0; i < n; i++) {
             const unsigned char *src =
-                (const unsigned char *)t->data + (size_t)tokens[a + i] * (size_t)g->d * esrc;
+                (const unsigned char *)t->data + (size_t)tokens[a + i] * (size_t)g->dim.hidden * esrc;
             bk_status st = bk_convert(src, t->dtype, (char *)g->hstage + (size_t)i * row,
-                                      g->fp64 ? BK_DT_F64 : BK_DT_F32, (size_t)g->d);
+                                      g->fp64 ? BK_DT_F64 : BK_DT_F32, (size_t)g->dim.hidden);
             if (st != BK_OK)
                 return bk_error_prefix(st, t->name ? t->name : "embed_tokens.weight");
         }
@@ -1834,7 +1825,7 @@ extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const b
     st = create(b, m, S, T, go, 0, &g);
     if (st != BK_OK)
         return st;
-    const int64_t n = S * T * g->d;
+    const int64_t n = S * T * g->dim.hidden;
     void *dh_dev = NULL, *h_dev = NULL;
     st = dalloc(g, &h_dev, n, g->es, "test hidden states");
     if (st == BK_OK)

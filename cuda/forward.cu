@@ -43,10 +43,7 @@ extern "C" {
 
 namespace {
 
-/* Logits are formed in blocks of at most this many floats, the head rows
- * as the CPU (src/forward.c): the same vocabulary blocks. */
-const int64_t LOGIT_BLOCK = (int64_t)1 << 24;
-const int64_t HEAD_BLOCK = (int64_t)1 << 22;
+/* (Logits and head rows in the CPU's vocabulary blocks: bk__fwd_vocab_block.) */
 /* Attention scores: at most this many floats at a time (256 MiB). */
 const int64_t SCORE_FLOATS = (int64_t)1 << 26;
 
@@ -347,64 +344,14 @@ bk_status g_alloc_f32(bk_gfwd *f, float **p, int64_t a, int64_t b, const char *w
     return st;
 }
 
+/* the shared checks (src/forward.c) */
 bk_status check_batch(const bk_gfwd *f, int64_t S, const char *what)
 {
-    if (!f)
-        return bk_error(BK_ERR_INVALID_ARG, "GPU forward %s: NULL context", what);
-    if (S < 1 || S > f->max_seqs)
-        return bk_error(BK_ERR_INVALID_ARG, "GPU forward %s: %lld sequences, the context holds 1..%lld",
-                        what, (long long)S, (long long)f->max_seqs);
-    return BK_OK;
+    return bk__fwd_check_batch(f ? &f->dim : NULL, S, "GPU forward", what);
 }
 
-bk_status check_tokens(const bk_gfwd *f, const int32_t *tokens, int64_t S)
-{
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t t = 0; t < f->T; t++) {
-            int32_t id = tokens[s * f->T + t];
-            if (id < 0 || (int64_t)id >= f->cfg.vocab)
-                return bk_error(BK_ERR_CALIB,
-                                "input_ids: sequence %lld position %lld: token id %d is outside "
-                                "the vocabulary [0, %lld)",
-                                (long long)s, (long long)t, (int)id, (long long)f->cfg.vocab);
-        }
-    return BK_OK;
-}
-
-bk_status check_model_matches(const bk_gfwd *f, const bk_model *m, const char *what)
-{
-    if (!m)
-        return bk_error(BK_ERR_INVALID_ARG, "GPU forward %s: NULL model", what);
-    const bk_model_config *c = bk_model_get_config(m);
-    if (c->hidden != f->hidden || c->vocab != f->cfg.vocab)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "GPU forward %s: model (hidden %lld, vocab %lld) does not match the "
-                        "context (hidden %lld, vocab %lld)",
-                        what, (long long)c->hidden, (long long)c->vocab, (long long)f->hidden,
-                        (long long)f->cfg.vocab);
-    return BK_OK;
-}
-
-/* A [rows, cols] tensor of the model (top level) with a dtype the device
- * converts (F32, BF16, F16) or, for other numeric dtypes, the host does. */
-bk_status find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
-                      const bk_tensor_info **out)
-{
-    const bk_tensor_info *t = bk_model_find(m, -1, suffix);
-    *out = NULL;
-    if (!t)
-        return bk_error(BK_ERR_MISSING_TENSOR, "model.%s: missing", suffix);
-    const char *tn = t->name ? t->name : suffix;
-    if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)
-        return bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld, %lld]", tn, (long long)rows,
-                        (long long)cols);
-    if (!bk_dtype_is_numeric(t->dtype) || bk_dtype_bits(t->dtype) % 8 != 0)
-        return bk_error(BK_ERR_DTYPE, "%s: dtype %s cannot be converted to F32", tn,
-                        bk_dtype_name(t->dtype));
-    *out = t;
-    return BK_OK;
-}
-
+/* A dtype the device converts (F32, BF16, F16); other numeric dtypes the
+ * host does. */
 int device_dtype(bk_dtype dt)
 {
     return dt == BK_DT_F32 || dt == BK_DT_BF16 || dt == BK_DT_F16;
@@ -490,17 +437,17 @@ bk_status head_load(bk_gfwd *f, const bk_model *m)
         return BK_OK;
     const bk_tensor_info *t = NULL;
     const char *which = f->cfg.tie_embeddings ? "embed_tokens.weight" : "lm_head.weight";
-    bk_status st = find_matrix(m, which, f->cfg.vocab, f->hidden, &t);
+    bk_status st = bk__fwd_find_matrix(m, which, f->cfg.vocab, f->dim.hidden, &t);
     float *norm = NULL;
     if (st == BK_OK)
-        st = load_vec(m, "norm.weight", f->hidden, &norm);
+        st = load_vec(m, "norm.weight", f->dim.hidden, &norm);
     if (st == BK_OK)
-        st = g_alloc_f32(f, &f->head_norm, f->hidden, 1, "final norm");
+        st = g_alloc_f32(f, &f->head_norm, f->dim.hidden, 1, "final norm");
     if (st == BK_OK)
-        st = bk_gpu_upload(f, f->head_norm, norm, (size_t)f->hidden * 4);
+        st = bk_gpu_upload(f, f->head_norm, norm, (size_t)f->dim.hidden * 4);
     free(norm);
     if (st == BK_OK)
-        st = g_alloc_f32(f, &f->head_w, f->cfg.vocab, f->hidden, "LM head (F32)");
+        st = g_alloc_f32(f, &f->head_w, f->cfg.vocab, f->dim.hidden, "LM head (F32)");
     if (st == BK_OK)
         st = upload_rows_f32(f, t, 0, f->cfg.vocab, f->head_w);
     if (st != BK_OK) {
@@ -511,33 +458,21 @@ bk_status head_load(bk_gfwd *f, const bk_model *m)
     return st;
 }
 
-/* Vocabulary rows per block, as src/forward.c's vocab_block. */
-int64_t vocab_block(const bk_gfwd *f, int64_t rows)
-{
-    int64_t a = LOGIT_BLOCK / (rows > 0 ? rows : 1);
-    int64_t b = HEAD_BLOCK / f->hidden;
-    int64_t vc = a < b ? a : b;
-    if (vc < 64)
-        vc = 64;
-    if (vc > f->cfg.vocab)
-        vc = f->cfg.vocab;
-    return vc;
-}
-
 bk_status upload_tokens(bk_gfwd *f, const int32_t *tokens, int64_t N)
 {
     /* ordered on the stream: the previous micro-batch's kernels read f->tok */
     return bk_gpu_upload(f, f->tok, tokens, (size_t)N * sizeof(int32_t));
 }
 
-bk_status need_lw(const bk_glayer *lw, const char *what)
-{
-    if (!lw)
-        return bk_error(BK_ERR_INVALID_ARG, "GPU forward %s: NULL layer weights", what);
-    return BK_OK;
-}
-
 } // namespace
+
+/* check_op (the stages' checks) and bk_gfwd_layer */
+#define FWD_CTX bk_gfwd
+#define FWD_LW bk_glayer
+#define FWD(op) bk_gfwd_##op
+#define FWD_EXPORT extern "C"
+#define FWD_WHO "GPU forward"
+#include "fwd_layer_tmpl.h" /* (undefines its parameters) */
 
 /* ------------------------------------------------------- shared helpers */
 
@@ -778,7 +713,7 @@ extern "C" void bk_gfwd_free(bk_gfwd *f)
 
 extern "C" int64_t bk_gfwd_max_seqs(const bk_gfwd *f)
 {
-    return f ? f->max_seqs : 0;
+    return f ? f->dim.max_seqs : 0;
 }
 
 extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, int64_t max_seqs,
@@ -825,17 +760,7 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
         }
     }
     f->cfg = *cfg;
-    f->max_seqs = max_seqs;
-    f->T = seqlen;
-    f->max_rows = (int64_t)rows;
-    f->hidden = cfg->hidden;
-    f->nh = cfg->n_heads;
-    f->nkv = cfg->n_kv_heads;
-    f->hd = cfg->head_dim;
-    f->inter = cfg->intermediate;
-    f->qdim = f->nh * f->hd;
-    f->kvdim = f->nkv * f->hd;
-    f->rep = f->nh / f->nkv;
+    bk__dims_set(&f->dim, cfg, max_seqs, seqlen);
     f->eps = (float)cfg->rms_eps;
     bk_rope rope;
     memset(&rope, 0, sizeof rope);
@@ -844,7 +769,7 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
         free(f);
         return bk_error_prefix(st, "GPU forward");
     }
-    const int64_t R = f->max_rows, h2 = f->hd / 2;
+    const int64_t R = f->dim.rows, h2 = f->dim.hd / 2;
     if ((st = g_alloc_f32(f, &f->cos, seqlen, h2, "RoPE cos")) == BK_OK &&
         (st = g_alloc_f32(f, &f->sin, seqlen, h2, "RoPE sin")) == BK_OK) {
         st = bk_gpu_upload(f, f->cos, rope.cos, (size_t)(seqlen * h2) * 4);
@@ -854,8 +779,8 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     bk_rope_free(&rope);
     /* score buffer: at least one row of T, at most SCORE_FLOATS unless one
      * (sequence, group) pair of rows is smaller */
-    int64_t pair = f->rep * seqlen * seqlen;
-    f->score_floats = pair * max_seqs * f->nkv;
+    int64_t pair = f->dim.rep * seqlen * seqlen;
+    f->score_floats = pair * max_seqs * f->dim.nkv;
     if (f->score_floats > SCORE_FLOATS)
         f->score_floats = SCORE_FLOATS > seqlen ? SCORE_FLOATS / seqlen * seqlen : seqlen;
     struct {
@@ -863,13 +788,13 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
         int64_t w;
         const char *what;
     } bufs[] = {
-        {&f->q, f->qdim, "queries"},       {&f->k, f->kvdim, "keys"},
-        {&f->v, f->kvdim, "values"},       {&f->qh, f->qdim, "queries (head-major)"},
-        {&f->kh, f->kvdim, "keys (head-major)"}, {&f->vh, f->kvdim, "values (head-major)"},
-        {&f->oh, f->qdim, "attention output (head-major)"}, {&f->o, f->qdim, "attention output"},
-        {&f->x, f->hidden > f->qdim ? f->hidden : f->qdim, "normalized input"},
-        {&f->tmp, f->hidden, "module output"}, {&f->gate, f->inter, "gate projection"},
-        {&f->up, f->inter, "up projection"},   {&f->down, f->inter, "down_proj input"},
+        {&f->q, f->dim.qdim, "queries"},       {&f->k, f->dim.kvdim, "keys"},
+        {&f->v, f->dim.kvdim, "values"},       {&f->qh, f->dim.qdim, "queries (head-major)"},
+        {&f->kh, f->dim.kvdim, "keys (head-major)"}, {&f->vh, f->dim.kvdim, "values (head-major)"},
+        {&f->oh, f->dim.qdim, "attention output (head-major)"}, {&f->o, f->dim.qdim, "attention output"},
+        {&f->x, f->dim.hidden > f->dim.qdim ? f->dim.hidden : f->dim.qdim, "normalized input"},
+        {&f->tmp, f->dim.hidden, "module output"}, {&f->gate, f->dim.inter, "gate projection"},
+        {&f->up, f->dim.inter, "up projection"},   {&f->down, f->dim.inter, "down_proj input"},
         {&f->lse_mx, 1, "log-sum-exp state"},  {&f->lse_tgt, 1, "log-sum-exp state"},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
@@ -896,9 +821,9 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     if (st == BK_OK)
         st = bk_gfwd_nf_clear(f);
     if (st == BK_OK && f->bf16) {
-        int64_t wmax = f->hidden > f->qdim ? f->hidden : f->qdim;
-        if (f->inter > wmax)
-            wmax = f->inter;
+        int64_t wmax = f->dim.hidden > f->dim.qdim ? f->dim.hidden : f->dim.qdim;
+        if (f->dim.inter > wmax)
+            wmax = f->dim.inter;
         f->xb_elems = R * wmax;
         if (f->xb_elems < ((int64_t)1 << 24))
             f->xb_elems = (int64_t)1 << 24; /* room for Gram chunks of tall matrices */
@@ -1038,14 +963,14 @@ bk_status glayer_make(bk_gfwd *f, const layer_src *s, int from_host, bk_glayer *
         }
     }
     if (st == BK_OK)
-        st = dup_f32(f, &g->attn_norm, s->attn_norm, f->hidden, from_host, "input_layernorm");
+        st = dup_f32(f, &g->attn_norm, s->attn_norm, f->dim.hidden, from_host, "input_layernorm");
     if (st == BK_OK)
-        st = dup_f32(f, &g->mlp_norm, s->mlp_norm, f->hidden, from_host,
+        st = dup_f32(f, &g->mlp_norm, s->mlp_norm, f->dim.hidden, from_host,
                      "post_attention_layernorm");
     if (st == BK_OK)
-        st = dup_f32(f, &g->q_norm, s->q_norm, f->hd, from_host, "q_norm");
+        st = dup_f32(f, &g->q_norm, s->q_norm, f->dim.hd, from_host, "q_norm");
     if (st == BK_OK)
-        st = dup_f32(f, &g->k_norm, s->k_norm, f->hd, from_host, "k_norm");
+        st = dup_f32(f, &g->k_norm, s->k_norm, f->dim.hd, from_host, "k_norm");
     if (st == BK_OK)
         st = bk_cuda_status(cudaStreamSynchronize(f->c->stream), "upload layer weights",
                             __FILE__, __LINE__);
@@ -1124,29 +1049,23 @@ bk_status bk_glayer_sync_bf16(bk_gfwd *f, bk_glayer *g, bk_module mod)
 extern "C" bk_status bk_gfwd_embed(bk_gfwd *f, const bk_model *m, const int32_t *tokens,
                                    int64_t S, float *d_h)
 {
-    bk_status st = check_batch(f, S, "embed");
-    if (st == BK_OK)
-        st = check_model_matches(f, m, "embed");
-    if (st == BK_OK)
-        st = check_tokens(f, tokens, S);
-    const bk_tensor_info *t = NULL;
-    if (st == BK_OK)
-        st = find_matrix(m, "embed_tokens.weight", f->cfg.vocab, f->hidden, &t);
+    const bk_tensor_info *t;
+    bk_status st = bk__fwd_check_embed(f ? &f->dim : NULL, m, tokens, S, "GPU forward", &t);
     if (st != BK_OK)
         return st;
-    const int64_t N = S * f->T;
+    const int64_t N = S * f->dim.T;
     if (!device_dtype(t->dtype)) {
         /* other numeric dtypes: rows converted on the host */
-        float *host = static_cast<float *>(bk_alloc((size_t)(N * f->hidden), sizeof(float)));
+        float *host = static_cast<float *>(bk_alloc((size_t)(N * f->dim.hidden), sizeof(float)));
         if (!host)
             return bk_error(BK_ERR_NOMEM, "GPU forward embed: out of host memory");
         const size_t es = bk_dtype_bits(t->dtype) / 8;
         for (int64_t n = 0; n < N && st == BK_OK; n++)
             st = bk_convert(static_cast<const unsigned char *>(t->data) +
-                                (size_t)tokens[n] * (size_t)f->hidden * es,
-                            t->dtype, host + n * f->hidden, BK_DT_F32, (size_t)f->hidden);
+                                (size_t)tokens[n] * (size_t)f->dim.hidden * es,
+                            t->dtype, host + n * f->dim.hidden, BK_DT_F32, (size_t)f->dim.hidden);
         if (st == BK_OK)
-            st = bk_gpu_upload(f, d_h, host, (size_t)(N * f->hidden) * sizeof(float));
+            st = bk_gpu_upload(f, d_h, host, (size_t)(N * f->dim.hidden) * sizeof(float));
         else
             bk_error_prefix(st, t->name ? t->name : "embed_tokens.weight");
         free(host);
@@ -1165,8 +1084,8 @@ extern "C" bk_status bk_gfwd_embed(bk_gfwd *f, const bk_model *m, const int32_t 
     }
     if ((st = upload_tokens(f, tokens, N)) != BK_OK)
         return st;
-    k_embed<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(f->emb, f->emb_dt, f->tok, N,
-                                                              f->hidden, d_h);
+    k_embed<<<bk_grid(N * f->dim.hidden), 256, 0, f->c->stream>>>(f->emb, f->emb_dt, f->tok, N,
+                                                              f->dim.hidden, d_h);
     return BK_LAUNCHED("k_embed");
 }
 
@@ -1181,15 +1100,10 @@ extern "C" void bk_gfwd_embed_release(bk_gfwd *f)
 extern "C" bk_status bk_gfwd_attn_in(bk_gfwd *f, const bk_glayer *lw, const float *d_h,
                                      int64_t S, float *d_x)
 {
-    bk_status st = check_batch(f, S, "attn_in");
-    if (st == BK_OK)
-        st = need_lw(lw, "attn_in");
-    if (st == BK_OK && !lw->attn_norm)
-        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward attn_in: layer %d has no input_layernorm",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_ATTN_IN);
     if (st != BK_OK)
         return st;
-    return g_rmsnorm_nf(f, d_h, S * f->T, f->hidden, lw->attn_norm, d_x, NULL,
+    return g_rmsnorm_nf(f, d_h, S * f->dim.T, f->dim.hidden, lw->attn_norm, d_x, NULL,
                         f->nf + BK_FS_ATTN_IN);
 }
 
@@ -1197,40 +1111,35 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
                                        int64_t S, float *d_o, float *d_qrot, float *d_krot,
                                        float *d_v)
 {
-    bk_status st = check_batch(f, S, "attention");
-    if (st == BK_OK)
-        st = need_lw(lw, "attention");
-    if (st == BK_OK && (!lw->w[BK_MOD_Q] || !lw->w[BK_MOD_K] || !lw->w[BK_MOD_V]))
-        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward attention: layer %d lacks q/k/v weights",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_ATTENTION);
     if (st != BK_OK)
         return st;
-    const int64_t T = f->T, N = S * T, hd = f->hd, qd = f->qdim, kd = f->kvdim;
+    const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, qd = f->dim.qdim, kd = f->dim.kvdim;
     cudaStream_t sm = f->c->stream;
-    if ((st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_Q, qd, 1, f->q)) ||
-        (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_K, kd, 1, f->k)) ||
-        (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_V, kd, 1, f->v)))
+    if ((st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_Q, qd, 1, f->q)) ||
+        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_K, kd, 1, f->k)) ||
+        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_V, kd, 1, f->v)))
         return st;
     /* the q/k/v_proj outputs are flagged where they are read next (q_norm /
      * k_norm or RoPE), the rotated queries and keys where RoPE writes them */
     unsigned long long *nf = f->nf;
-    if (lw->q_norm && (st = g_rmsnorm_nf(f, f->q, N * f->nh, hd, lw->q_norm, f->q,
+    if (lw->q_norm && (st = g_rmsnorm_nf(f, f->q, N * f->dim.nh, hd, lw->q_norm, f->q,
                                          nf + BK_FS_Q, NULL)) != BK_OK)
         return st;
-    if (lw->k_norm && (st = g_rmsnorm_nf(f, f->k, N * f->nkv, hd, lw->k_norm, f->k,
+    if (lw->k_norm && (st = g_rmsnorm_nf(f, f->k, N * f->dim.nkv, hd, lw->k_norm, f->k,
                                          nf + BK_FS_K, NULL)) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->nh * hd / 2), 256, 0, sm>>>(
-        f->q, N, T, f->nh, hd, f->rep, f->cos, f->sin, 1, f->qh, d_qrot,
+    k_rope_heads<<<bk_grid(N * f->dim.nh * hd / 2), 256, 0, sm>>>(
+        f->q, N, T, f->dim.nh, hd, f->dim.rep, f->cos, f->sin, 1, f->qh, d_qrot,
         lw->q_norm ? NULL : nf + BK_FS_Q, nf + BK_FS_QROT);
     if ((st = BK_LAUNCHED("k_rope_heads (queries)")) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(
-        f->k, N, T, f->nkv, hd, 1, f->cos, f->sin, 1, f->kh, d_krot,
+    k_rope_heads<<<bk_grid(N * f->dim.nkv * hd / 2), 256, 0, sm>>>(
+        f->k, N, T, f->dim.nkv, hd, 1, f->cos, f->sin, 1, f->kh, d_krot,
         lw->k_norm ? NULL : nf + BK_FS_K, nf + BK_FS_KROT);
     if ((st = BK_LAUNCHED("k_rope_heads (keys)")) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->nkv * hd / 2), 256, 0, sm>>>(f->v, N, T, f->nkv, hd, 1, f->cos,
+    k_rope_heads<<<bk_grid(N * f->dim.nkv * hd / 2), 256, 0, sm>>>(f->v, N, T, f->dim.nkv, hd, 1, f->cos,
                                                                f->sin, 0, f->vh, d_v,
                                                                nf + BK_FS_V, NULL);
     if ((st = BK_LAUNCHED("k_rope_heads (values)")) != BK_OK)
@@ -1242,7 +1151,7 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
      * memory is skipped for long sequences (the skipped entries are exact
      * zeros after the softmax). */
     const float scale = (float)(1.0 / sqrt((double)hd));
-    const int64_t pairs = S * f->nkv, RP = f->rep * T, rep = f->rep;
+    const int64_t pairs = S * f->dim.nkv, RP = f->dim.rep * T, rep = f->dim.rep;
     int64_t tcn = T >= 512 ? (T + 7) / 8 : T;
     tcn = (tcn + 31) / 32 * 32;
     if (tcn > T)
@@ -1283,7 +1192,7 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
             }
         }
     }
-    k_heads_to_tok<<<bk_grid(N * qd), 256, 0, sm>>>(f->oh, S, f->nh, T, hd, rep, d_o,
+    k_heads_to_tok<<<bk_grid(N * qd), 256, 0, sm>>>(f->oh, S, f->dim.nh, T, hd, rep, d_o,
                                                     f->nf + BK_FS_O_IN);
     return BK_LAUNCHED("k_heads_to_tok");
 }
@@ -1291,34 +1200,24 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
 extern "C" bk_status bk_gfwd_attn_out(bk_gfwd *f, const bk_glayer *lw, const float *d_o,
                                       int64_t S, float *d_h)
 {
-    bk_status st = check_batch(f, S, "attn_out");
-    if (st == BK_OK)
-        st = need_lw(lw, "attn_out");
-    if (st == BK_OK && !lw->w[BK_MOD_O])
-        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward attn_out: layer %d lacks o_proj",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_ATTN_OUT);
     if (st != BK_OK)
         return st;
-    const int64_t N = S * f->T;
-    if ((st = bk_g_linear_mod(f, d_o, N, f->qdim, lw, BK_MOD_O, f->hidden, 0, f->tmp)) != BK_OK)
+    const int64_t N = S * f->dim.T;
+    if ((st = bk_g_linear_mod(f, d_o, N, f->dim.qdim, lw, BK_MOD_O, f->dim.hidden, 0, f->tmp)) != BK_OK)
         return st;
-    k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(
-        d_h, f->tmp, lw->b[BK_MOD_O], N, f->hidden, f->nf + BK_FS_O_OUT, f->nf + BK_FS_RESID_ATTN);
+    k_residual<<<bk_grid(N * f->dim.hidden), 256, 0, f->c->stream>>>(
+        d_h, f->tmp, lw->b[BK_MOD_O], N, f->dim.hidden, f->nf + BK_FS_O_OUT, f->nf + BK_FS_RESID_ATTN);
     return BK_LAUNCHED("k_residual");
 }
 
 extern "C" bk_status bk_gfwd_mlp_in(bk_gfwd *f, const bk_glayer *lw, const float *d_h,
                                     int64_t S, float *d_x)
 {
-    bk_status st = check_batch(f, S, "mlp_in");
-    if (st == BK_OK)
-        st = need_lw(lw, "mlp_in");
-    if (st == BK_OK && !lw->mlp_norm)
-        st = bk_error(BK_ERR_INVALID_ARG,
-                      "GPU forward mlp_in: layer %d has no post_attention_layernorm", lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_MLP_IN);
     if (st != BK_OK)
         return st;
-    return g_rmsnorm_nf(f, d_h, S * f->T, f->hidden, lw->mlp_norm, d_x, NULL,
+    return g_rmsnorm_nf(f, d_h, S * f->dim.T, f->dim.hidden, lw->mlp_norm, d_x, NULL,
                         f->nf + BK_FS_MLP_IN);
 }
 
@@ -1326,19 +1225,14 @@ extern "C" bk_status bk_gfwd_mlp_hidden(bk_gfwd *f, const bk_glayer *lw, const f
                                         int64_t S, float *d_down, float *d_gate_pre,
                                         float *d_up_pre)
 {
-    bk_status st = check_batch(f, S, "mlp_hidden");
-    if (st == BK_OK)
-        st = need_lw(lw, "mlp_hidden");
-    if (st == BK_OK && (!lw->w[BK_MOD_GATE] || !lw->w[BK_MOD_UP]))
-        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward mlp_hidden: layer %d lacks gate/up_proj",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_MLP_HIDDEN);
     if (st != BK_OK)
         return st;
-    const int64_t N = S * f->T, ni = f->inter;
+    const int64_t N = S * f->dim.T, ni = f->dim.inter;
     float *g = d_gate_pre ? d_gate_pre : f->gate;
     float *u = d_up_pre ? d_up_pre : f->up;
-    if ((st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_GATE, ni, 1, g)) ||
-        (st = bk_g_linear_mod(f, d_x, N, f->hidden, lw, BK_MOD_UP, ni, 1, u)))
+    if ((st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_GATE, ni, 1, g)) ||
+        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_UP, ni, 1, u)))
         return st;
     k_swiglu<<<bk_grid(N * ni), 256, 0, f->c->stream>>>(g, u, d_down, N * ni, f->nf + BK_FS_GATE,
                                                         f->nf + BK_FS_UP, f->nf + BK_FS_DOWN_IN);
@@ -1348,79 +1242,41 @@ extern "C" bk_status bk_gfwd_mlp_hidden(bk_gfwd *f, const bk_glayer *lw, const f
 extern "C" bk_status bk_gfwd_mlp_out(bk_gfwd *f, const bk_glayer *lw, const float *d_down,
                                      int64_t S, float *d_h)
 {
-    bk_status st = check_batch(f, S, "mlp_out");
-    if (st == BK_OK)
-        st = need_lw(lw, "mlp_out");
-    if (st == BK_OK && !lw->w[BK_MOD_DOWN])
-        st = bk_error(BK_ERR_INVALID_ARG, "GPU forward mlp_out: layer %d lacks down_proj",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_MLP_OUT);
     if (st != BK_OK)
         return st;
-    const int64_t N = S * f->T;
-    if ((st = bk_g_linear_mod(f, d_down, N, f->inter, lw, BK_MOD_DOWN, f->hidden, 0, f->tmp)) !=
+    const int64_t N = S * f->dim.T;
+    if ((st = bk_g_linear_mod(f, d_down, N, f->dim.inter, lw, BK_MOD_DOWN, f->dim.hidden, 0, f->tmp)) !=
         BK_OK)
         return st;
-    k_residual<<<bk_grid(N * f->hidden), 256, 0, f->c->stream>>>(
-        d_h, f->tmp, lw->b[BK_MOD_DOWN], N, f->hidden, f->nf + BK_FS_DOWN_OUT,
+    k_residual<<<bk_grid(N * f->dim.hidden), 256, 0, f->c->stream>>>(
+        d_h, f->tmp, lw->b[BK_MOD_DOWN], N, f->dim.hidden, f->nf + BK_FS_DOWN_OUT,
         f->nf + BK_FS_RESID_MLP);
     return BK_LAUNCHED("k_residual");
 }
 
-extern "C" bk_status bk_gfwd_layer(bk_gfwd *f, const bk_glayer *lw, int64_t S, float *d_h,
-                                   const bk_layer_taps *taps)
-{
-    static const bk_layer_taps none = {NULL, NULL, NULL, NULL, NULL, NULL};
-    if (!taps)
-        taps = &none;
-    bk_status st = check_batch(f, S, "layer");
-    if (st != BK_OK)
-        return st;
-    float *x = taps->attn_in ? taps->attn_in : f->x;
-    st = bk_gfwd_attn_in(f, lw, d_h, S, x);
-    float *o = taps->o_in ? taps->o_in : f->o;
-    if (st == BK_OK)
-        st = bk_gfwd_attention(f, lw, x, S, o, taps->q_rot, taps->k_rot, NULL);
-    if (st == BK_OK)
-        st = bk_gfwd_attn_out(f, lw, o, S, d_h);
-    float *x2 = taps->mlp_in ? taps->mlp_in : f->x;
-    if (st == BK_OK)
-        st = bk_gfwd_mlp_in(f, lw, d_h, S, x2);
-    float *d = taps->down_in ? taps->down_in : f->down;
-    if (st == BK_OK)
-        st = bk_gfwd_mlp_hidden(f, lw, x2, S, d, NULL, NULL);
-    if (st == BK_OK)
-        st = bk_gfwd_mlp_out(f, lw, d, S, d_h);
-    if (st != BK_OK) {
-        char pre[64];
-        snprintf(pre, sizeof pre, "layer %d", lw ? lw->layer : -1);
-        return bk_error_prefix(st, pre);
-    }
-    return BK_OK;
-}
 
 /* ---------------------------------------------------------------- the head */
 
 extern "C" bk_status bk_gfwd_logits(bk_gfwd *f, const bk_model *m, const float *d_h, int64_t S,
                                     float *logits)
 {
-    bk_status st = check_batch(f, S, "logits");
-    if (st == BK_OK)
-        st = check_model_matches(f, m, "logits");
+    bk_status st = bk__fwd_check_call(f ? &f->dim : NULL, m, NULL, S, "GPU forward", "logits");
     if (st == BK_OK)
         st = head_load(f, m);
     if (st != BK_OK)
         return st;
-    const int64_t N = S * f->T, V = f->cfg.vocab;
+    const int64_t N = S * f->dim.T, V = f->cfg.vocab;
     /* logits of a vocabulary block go through the score buffer */
-    int64_t vc = vocab_block(f, 0);
+    int64_t vc = bk__fwd_vocab_block(&f->dim, 0);
     if (N * vc > f->score_floats)
         vc = f->score_floats / N > 0 ? f->score_floats / N : 1;
-    if ((st = bk_g_rmsnorm(f, d_h, N, f->hidden, f->head_norm, f->x)) != BK_OK)
+    if ((st = bk_g_rmsnorm(f, d_h, N, f->dim.hidden, f->head_norm, f->x)) != BK_OK)
         return st;
     for (int64_t v0 = 0; v0 < V; v0 += vc) {
         const int64_t n = V - v0 < vc ? V - v0 : vc;
-        st = bk_rm_gemm(f->blas, 0, 1, N, n, f->hidden, 1.0, f->x, f->hidden,
-                        f->head_w + v0 * f->hidden, f->hidden, 0.0, f->scores, n);
+        st = bk_rm_gemm(f->blas, 0, 1, N, n, f->dim.hidden, 1.0, f->x, f->dim.hidden,
+                        f->head_w + v0 * f->dim.hidden, f->dim.hidden, 0.0, f->scores, n);
         if (st != BK_OK)
             return st;
         BK_CUDA_CHECK(cudaMemcpy2DAsync(logits + v0, (size_t)V * 4, f->scores, (size_t)n * 4,
@@ -1434,31 +1290,26 @@ extern "C" bk_status bk_gfwd_logits(bk_gfwd *f, const bk_model *m, const float *
 extern "C" bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h,
                                  const int32_t *tokens, int64_t S, double *nll_sum, int64_t *count)
 {
-    bk_status st = check_batch(f, S, "nll");
-    if (st == BK_OK)
-        st = check_model_matches(f, m, "nll");
-    if (st == BK_OK)
-        st = check_tokens(f, tokens, S);
-    if (st != BK_OK)
+    int predict;
+    bk_status st = bk__fwd_check_nll(f ? &f->dim : NULL, m, tokens, S, "GPU forward", &predict);
+    if (st != BK_OK || !predict) /* (fewer than 2 tokens: nothing to predict) */
         return st;
-    const int64_t T = f->T, N = S * T, V = f->cfg.vocab;
-    if (T < 2)
-        return BK_OK; /* nothing to predict */
+    const int64_t T = f->dim.T, N = S * T, V = f->cfg.vocab;
     if ((st = head_load(f, m)) != BK_OK || (st = upload_tokens(f, tokens, N)) != BK_OK)
         return st;
-    int64_t vc = vocab_block(f, N);
+    int64_t vc = bk__fwd_vocab_block(&f->dim, N);
     if (N * vc > f->score_floats) /* the block goes through the score buffer */
         vc = f->score_floats / N > 0 ? f->score_floats / N : 1;
     cudaStream_t sm = f->c->stream;
-    if ((st = bk_g_rmsnorm(f, d_h, N, f->hidden, f->head_norm, f->x)) != BK_OK)
+    if ((st = bk_g_rmsnorm(f, d_h, N, f->dim.hidden, f->head_norm, f->x)) != BK_OK)
         return st;
     k_lse_init<<<bk_grid(N), 256, 0, sm>>>(f->lse_mx, f->lse_se, f->lse_tgt, N);
     if ((st = BK_LAUNCHED("k_lse_init")) != BK_OK)
         return st;
     for (int64_t v0 = 0; v0 < V; v0 += vc) {
         const int64_t n = V - v0 < vc ? V - v0 : vc;
-        st = bk_rm_gemm(f->blas, 0, 1, N, n, f->hidden, 1.0, f->x, f->hidden,
-                        f->head_w + v0 * f->hidden, f->hidden, 0.0, f->scores, n);
+        st = bk_rm_gemm(f->blas, 0, 1, N, n, f->dim.hidden, 1.0, f->x, f->dim.hidden,
+                        f->head_w + v0 * f->dim.hidden, f->dim.hidden, 0.0, f->scores, n);
         if (st != BK_OK)
             return st;
         k_lse_block<<<(unsigned)((N + 7) / 8), 256, 0, sm>>>(f->scores, N, n, T, v0, f->tok,

@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda_internal.cuh"
+#include "forward_internal.h"
 #include "pipeline_gpu.h"
 
 /* One decoder layer's weights on the device (F32), as bk_layer_weights. */
@@ -28,8 +29,7 @@ struct bk_gfwd {
     __nv_bfloat16 *xb;         /* BF16 staging of GEMM inputs (bf16 only) */
     int64_t xb_elems;
     bk_model_config cfg;
-    int64_t max_seqs, T, max_rows;
-    int64_t hidden, nh, nkv, hd, inter, qdim, kvdim, rep;
+    bk_dims dim;
     float eps;
     float *cos, *sin;          /* [T, hd/2] (src/rope.c tables) */
     /* micro-batch scratch, [max_rows, width] */

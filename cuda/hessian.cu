@@ -39,8 +39,6 @@ extern "C" {
 
 namespace {
 
-enum { G_ATTN = 0, G_O, G_MLP, G_DOWN, G_COUNT };
-
 struct dgram {
     int64_t n;
     void *s; /* device [n, n]: row-major upper triangle valid (column-major lower) */
@@ -296,7 +294,7 @@ struct bk_ghess {
     bk_model_config cfg;
     bk_hessian_kind kind;
     int fp64, mlp2, attn2, shampoo, qknorm, keep_plain;
-    int64_t T, d, inter, H, G, hd, r, qd, kvd, R;
+    bk_dims dim;
     int layer, broken;
     int64_t count[G_COUNT];
     int64_t n_pairs;
@@ -386,11 +384,11 @@ bk_status gram_add(bk_ghess *a, dgram *g, const float *X, int64_t rows, const do
 
 bk_status batch_rows(const bk_ghess *a, int64_t S, const char *what, int64_t *N)
 {
-    if (S <= 0 || S > a->f->max_seqs)
+    if (S <= 0 || S > a->f->dim.max_seqs)
         return bk_error(BK_ERR_INVALID_ARG,
                         "GPU hessian: %s: %lld sequences, the context holds 1..%lld", what,
-                        (long long)S, (long long)a->f->max_seqs);
-    *N = S * a->T;
+                        (long long)S, (long long)a->f->dim.max_seqs);
+    *N = S * a->dim.T;
     return BK_OK;
 }
 
@@ -414,19 +412,8 @@ bk_status check_finite(bk_ghess *a, const float *x, int64_t rows, int64_t cols, 
 
 bk_status check_layer(bk_ghess *a, const bk_glayer *lw, const char *what)
 {
-    if (a->broken)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: %s: an earlier add failed part-way and left the accumulator "
-                        "inconsistent (call bk_ghess_reset)",
-                        what);
-    if (!lw)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s: NULL layer weights", what);
-    if (a->layer >= 0 && lw->layer != a->layer)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: %s: weights of layer %d given to an accumulator holding layer "
-                        "%d (call bk_ghess_reset between layers)",
-                        what, lw->layer, a->layer);
-    return BK_OK;
+    return bk__hess_check_layer(a->broken, lw != NULL, lw ? lw->layer : -1, a->layer, what,
+                                "bk_ghess_reset");
 }
 
 bk_status alloc_d(bk_ghess *a, double **p, int64_t n, const char *what)
@@ -454,8 +441,7 @@ extern "C" void bk_ghess_free(bk_ghess *a)
     if (!a)
         return;
     bk_cuda_ctx *c = a->c;
-    dgram *gs[] = {&a->x_attn, &a->x_o, &a->x_mlp, &a->x_down, &a->a_q,
-                   &a->a_k,    &a->a_gate, &a->a_up, &a->b_gate, &a->b_up};
+    dgram *gs[] = {BK_HESS_GRAMS(a)};
     for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
         bk_dev_free(c, gs[i]->s);
     void *ds[] = {a->bq, a->bk, a->dcol2, a->scr, a->w1, a->w2, a->w3, a->part, a->zq, a->zk,
@@ -484,7 +470,7 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
      * truth; its accumulators are allocated and freed) */
     bk_hess_acc *probe = NULL;
     bk_model_config small = f->cfg;
-    bk_status st = bk_hess_acc_create(&small, BK_HESS_RTN, 0, f->T, &probe);
+    bk_status st = bk_hess_acc_create(&small, BK_HESS_RTN, 0, f->dim.T, &probe);
     if (st != BK_OK)
         return st;
     bk_hess_acc_free(probe);
@@ -510,26 +496,17 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
     a->keep_plain = keep_plain ? 1 : 0;
     a->bp = bk_hessian_is_backprop(kind);
     a->bp_shampoo = kind == BK_HESS_BACKPROP_SHAMPOO;
-    a->T = f->T;
-    a->d = cfg->hidden;
-    a->inter = cfg->intermediate;
-    a->H = cfg->n_heads;
-    a->G = cfg->n_kv_heads;
-    a->hd = cfg->head_dim;
-    a->r = a->H / a->G;
-    a->qd = a->H * a->hd;
-    a->kvd = a->G * a->hd;
-    a->R = f->max_rows;
+    a->dim = f->dim; /* the forward context's sizes */
     a->layer = -1;
     if (kind == BK_HESS_RTN) {
         *out = a;
         return BK_OK;
     }
-    const int64_t R = a->R, hh = a->hd * a->hd, S = f->max_seqs;
-    if ((st = gram_init(a, &a->x_attn, a->d)) || (st = gram_init(a, &a->x_o, a->qd)) ||
-        (st = gram_init(a, &a->x_down, a->inter)))
+    const int64_t R = a->dim.rows, hh = a->dim.hd * a->dim.hd, S = f->dim.max_seqs;
+    if ((st = gram_init(a, &a->x_attn, a->dim.hidden)) || (st = gram_init(a, &a->x_o, a->dim.qdim)) ||
+        (st = gram_init(a, &a->x_down, a->dim.inter)))
         goto fail;
-    if ((!a->mlp2 || !a->shampoo || a->keep_plain) && (st = gram_init(a, &a->x_mlp, a->d)))
+    if ((!a->mlp2 || !a->shampoo || a->keep_plain) && (st = gram_init(a, &a->x_mlp, a->dim.hidden)))
         goto fail;
     for (int m = 0; a->bp_shampoo && m < BK_MOD_COUNT; m++) {
         int64_t o, in;
@@ -538,16 +515,16 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
             goto fail;
     }
     if (a->mlp2) {
-        if ((st = gram_init(a, &a->b_gate, a->inter)) || (st = gram_init(a, &a->b_up, a->inter)) ||
-            (st = alloc_f(a, &a->dcol2, a->inter, "diag(DᵀD)")))
+        if ((st = gram_init(a, &a->b_gate, a->dim.inter)) || (st = gram_init(a, &a->b_up, a->dim.inter)) ||
+            (st = alloc_f(a, &a->dcol2, a->dim.inter, "diag(DᵀD)")))
             goto fail;
         if (a->shampoo &&
-            ((st = gram_init(a, &a->a_gate, a->d)) || (st = gram_init(a, &a->a_up, a->d))))
+            ((st = gram_init(a, &a->a_gate, a->dim.hidden)) || (st = gram_init(a, &a->a_up, a->dim.hidden))))
             goto fail;
     }
     {
-        int64_t wmax = a->d > a->inter ? a->d : a->inter;
-        wmax = wmax > a->qd ? wmax : a->qd;
+        int64_t wmax = a->dim.hidden > a->dim.inter ? a->dim.hidden : a->dim.inter;
+        wmax = wmax > a->dim.qdim ? wmax : a->dim.qdim;
         a->scr_elems = R * wmax < SCRATCH_ELEMS ? R * wmax : SCRATCH_ELEMS;
     }
     if ((st = bk_dev_alloc(a->c, &a->scr, (size_t)a->scr_elems * (a->fp64 ? 8 : 4),
@@ -556,25 +533,25 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
         (st = alloc_d(a, &a->w3, R, "row weights")))
         goto fail;
     if (a->attn2) {
-        const int64_t nq = a->qknorm ? a->H : a->G;
+        const int64_t nq = a->qknorm ? a->dim.nh : a->dim.nkv;
         if ((st = alloc_d(a, &a->bq, nq * hh, "q_proj output blocks")) ||
-            (st = alloc_d(a, &a->bk, a->G * hh, "k_proj output blocks")) ||
-            (st = alloc_d(a, &a->part, S * (a->H > a->G ? a->H : a->G) * hh, "block partials")))
+            (st = alloc_d(a, &a->bk, a->dim.nkv * hh, "k_proj output blocks")) ||
+            (st = alloc_d(a, &a->part, S * (a->dim.nh > a->dim.nkv ? a->dim.nh : a->dim.nkv) * hh, "block partials")))
             goto fail;
         if (a->shampoo &&
-            ((st = gram_init(a, &a->a_q, a->d)) || (st = gram_init(a, &a->a_k, a->d))))
+            ((st = gram_init(a, &a->a_q, a->dim.hidden)) || (st = gram_init(a, &a->a_k, a->dim.hidden))))
             goto fail;
         if (a->shampoo && !a->qknorm &&
-            (st = alloc_d(a, &a->qtr, S * a->G * a->T, "trace rows")))
+            (st = alloc_d(a, &a->qtr, S * a->dim.nkv * a->dim.T, "trace rows")))
             goto fail;
         if (a->qknorm) {
-            if ((st = alloc_f(a, &a->zq, R * a->qd, "pre-norm queries")) ||
-                (st = alloc_f(a, &a->zk, R * a->kvd, "pre-norm keys")) ||
-                (st = alloc_d(a, &a->qC, S * a->G * hh, "running Grams")) ||
-                (st = alloc_d(a, &a->qM, S * a->G * hh, "sandwiched Grams")) ||
-                (st = alloc_d(a, &a->qv, S * a->H * a->hd, "norm products")) ||
-                (st = alloc_d(a, &a->qsc, S * a->H * 4, "norm scalars")) ||
-                (st = alloc_d(a, &a->qtr, S * a->H * a->T, "traces")))
+            if ((st = alloc_f(a, &a->zq, R * a->dim.qdim, "pre-norm queries")) ||
+                (st = alloc_f(a, &a->zk, R * a->dim.kvdim, "pre-norm keys")) ||
+                (st = alloc_d(a, &a->qC, S * a->dim.nkv * hh, "running Grams")) ||
+                (st = alloc_d(a, &a->qM, S * a->dim.nkv * hh, "sandwiched Grams")) ||
+                (st = alloc_d(a, &a->qv, S * a->dim.nh * a->dim.hd, "norm products")) ||
+                (st = alloc_d(a, &a->qsc, S * a->dim.nh * 4, "norm scalars")) ||
+                (st = alloc_d(a, &a->qtr, S * a->dim.nh * a->dim.T, "traces")))
                 goto fail;
         }
     }
@@ -592,8 +569,7 @@ extern "C" void bk_ghess_reset(bk_ghess *a)
 {
     if (!a)
         return;
-    dgram *gs[] = {&a->x_attn, &a->x_o, &a->x_mlp, &a->x_down, &a->a_q,
-                   &a->a_k,    &a->a_gate, &a->a_up, &a->b_gate, &a->b_up};
+    dgram *gs[] = {BK_HESS_GRAMS(a)};
     for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
         gram_zero(a, gs[i]);
     for (int m = 0; m < BK_MOD_COUNT; m++) {
@@ -604,11 +580,11 @@ extern "C" void bk_ghess_reset(bk_ghess *a)
     }
     a->grads = NULL;
     a->Gdev_N = 0;
-    const int64_t hh = a->hd * a->hd;
+    const int64_t hh = a->dim.hd * a->dim.hd;
     if (a->bq)
-        cudaMemsetAsync(a->bq, 0, (size_t)((a->qknorm ? a->H : a->G) * hh) * 8, a->c->stream);
+        cudaMemsetAsync(a->bq, 0, (size_t)((a->qknorm ? a->dim.nh : a->dim.nkv) * hh) * 8, a->c->stream);
     if (a->bk)
-        cudaMemsetAsync(a->bk, 0, (size_t)(a->G * hh) * 8, a->c->stream);
+        cudaMemsetAsync(a->bk, 0, (size_t)(a->dim.nkv * hh) * 8, a->c->stream);
     cudaGetLastError();
     a->have_dcol2 = 0;
     a->broken = 0;
@@ -656,13 +632,13 @@ bk_status bp_adds(bk_ghess *a, dgram *plain, int grp, const float *X, int64_t N)
 bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const float *Qr,
                      const float *Kr, int64_t S)
 {
-    const int64_t T = a->T, N = S * T, h = a->hd, hh = h * h;
+    const int64_t T = a->dim.T, N = S * T, h = a->dim.hd, hh = h * h;
     cudaStream_t sm = a->c->stream;
     bk_status st;
     /* B-side weights: |x_t|^2 (Shampoo, identity start) or 1 */
     const double *sw = NULL;
     if (a->shampoo) {
-        k_row_sq<<<(unsigned)((N + 7) / 8), 256, 0, sm>>>(X, N, a->d, NULL, a->w1);
+        k_row_sq<<<(unsigned)((N + 7) / 8), 256, 0, sm>>>(X, N, a->dim.hidden, NULL, a->w1);
         if ((st = BK_LAUNCHED("k_row_sq")) != BK_OK)
             return st;
         sw = a->w1;
@@ -678,58 +654,58 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
     } else {
         a->v_wb += (double)N;
     }
-    const int64_t nq = a->qknorm ? a->H : a->G;
+    const int64_t nq = a->qknorm ? a->dim.nh : a->dim.nkv;
     if (!a->qknorm) {
         /* q_proj: prefix Grams of the keys; k_proj: suffix Grams of the group's queries */
         for (int part = 0; part < 2; part++) {
             quad_args q;
             q.vec = part == 0 ? Kr : Qr;
-            q.vstride = part == 0 ? a->kvd : a->qd;
-            q.nv = part == 0 ? 1 : (int)a->r;
+            q.vstride = part == 0 ? a->dim.kvdim : a->dim.qdim;
+            q.nv = part == 0 ? 1 : (int)a->dim.rep;
             q.S = S;
             q.T = T;
-            q.nb = a->G;
+            q.nb = a->dim.nkv;
             q.h = h;
             q.cs = a->f->cos;
             q.sn = a->f->sin;
             q.w = sw;
             q.backward = part;
             q.part = a->part;
-            k_attn_quads<<<bk_grid(S * a->G * hh / 4), 256, 0, sm>>>(q);
+            k_attn_quads<<<bk_grid(S * a->dim.nkv * hh / 4), 256, 0, sm>>>(q);
             if ((st = BK_LAUNCHED("k_attn_quads")) != BK_OK)
                 return st;
-            k_sum_parts<<<bk_grid(a->G * hh), 256, 0, sm>>>(a->part, S, a->G, hh,
+            k_sum_parts<<<bk_grid(a->dim.nkv * hh), 256, 0, sm>>>(a->part, S, a->dim.nkv, hh,
                                                             part == 0 ? a->bq : a->bk);
             if ((st = BK_LAUNCHED("k_sum_parts")) != BK_OK)
                 return st;
             if (a->shampoo) {
                 double *wo = part == 0 ? a->w2 : a->w3;
-                k_trace_rows<<<bk_grid(S * a->G * T), 256, 0, sm>>>(q.vec, q.vstride, q.nv, S, T,
-                                                                     a->G, h, a->qtr);
-                k_trace_scan<<<bk_grid(S * a->G), 256, 0, sm>>>(a->qtr, S * a->G, T, part);
-                k_trace_blocks<<<bk_grid(S * T), 256, 0, sm>>>(a->qtr, S, T, a->G,
-                                                               part == 0 ? (int)a->r : 1, wo);
+                k_trace_rows<<<bk_grid(S * a->dim.nkv * T), 256, 0, sm>>>(q.vec, q.vstride, q.nv, S, T,
+                                                                     a->dim.nkv, h, a->qtr);
+                k_trace_scan<<<bk_grid(S * a->dim.nkv), 256, 0, sm>>>(a->qtr, S * a->dim.nkv, T, part);
+                k_trace_blocks<<<bk_grid(S * T), 256, 0, sm>>>(a->qtr, S, T, a->dim.nkv,
+                                                               part == 0 ? (int)a->dim.rep : 1, wo);
                 if ((st = BK_LAUNCHED("Shampoo trace kernels")) != BK_OK)
                     return st;
             }
         }
     } else {
         /* pre-norm projections z = x Wᵀ + b (as the CPU's project) */
-        if ((st = bk_g_linear_mod(a->f, X, N, a->d, lw, BK_MOD_Q, a->qd, 1, a->zq)) != BK_OK ||
-            (st = bk_g_linear_mod(a->f, X, N, a->d, lw, BK_MOD_K, a->kvd, 1, a->zk)) != BK_OK)
+        if ((st = bk_g_linear_mod(a->f, X, N, a->dim.hidden, lw, BK_MOD_Q, a->dim.qdim, 1, a->zq)) != BK_OK ||
+            (st = bk_g_linear_mod(a->f, X, N, a->dim.hidden, lw, BK_MOD_K, a->dim.kvdim, 1, a->zk)) != BK_OK)
             return st;
         for (int part = 0; part < 2; part++) {
             qn_args q;
             q.vec = part == 0 ? Kr : Qr;
-            q.vstride = part == 0 ? a->kvd : a->qd;
-            q.nv = part == 0 ? 1 : (int)a->r;
+            q.vstride = part == 0 ? a->dim.kvdim : a->dim.qdim;
+            q.nv = part == 0 ? 1 : (int)a->dim.rep;
             q.z = part == 0 ? a->zq : a->zk;
-            q.zstride = part == 0 ? a->qd : a->kvd;
+            q.zstride = part == 0 ? a->dim.qdim : a->dim.kvdim;
             q.gamma = part == 0 ? lw->q_norm : lw->k_norm;
             q.S = S;
             q.T = T;
-            q.nb = a->G;
-            q.nn = part == 0 ? a->H : a->G;
+            q.nb = a->dim.nkv;
+            q.nn = part == 0 ? a->dim.nh : a->dim.nkv;
             q.h = h;
             q.cs = a->f->cos;
             q.sn = a->f->sin;
@@ -741,14 +717,14 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
             q.v = a->qv;
             q.sc = a->qsc;
             q.tr = a->shampoo ? a->qtr : NULL;
-            cudaMemsetAsync(q.C, 0, (size_t)(S * a->G * hh) * 8, sm);
+            cudaMemsetAsync(q.C, 0, (size_t)(S * a->dim.nkv * hh) * 8, sm);
             cudaMemsetAsync(q.acc, 0, (size_t)(S * q.nn * hh) * 8, sm);
             if ((st = BK_LAUNCHED("memset")) != BK_OK)
                 return st;
             for (int64_t step = 0; step < T; step++) {
                 const int64_t t = part == 0 ? step : T - 1 - step;
-                k_qn_gram<<<bk_grid(S * a->G * hh), 256, 0, sm>>>(q, t);
-                k_qn_rot<<<bk_grid(S * a->G * hh / 4), 256, 0, sm>>>(q, t);
+                k_qn_gram<<<bk_grid(S * a->dim.nkv * hh), 256, 0, sm>>>(q, t);
+                k_qn_rot<<<bk_grid(S * a->dim.nkv * hh / 4), 256, 0, sm>>>(q, t);
                 k_qn_v<<<bk_grid(S * q.nn * h), 256, 0, sm>>>(q, t);
                 k_qn_scalars<<<bk_grid(S * q.nn), 256, 0, sm>>>(q, t);
                 k_qn_acc<<<bk_grid(S * q.nn * hh), 256, 0, sm>>>(q, t);
@@ -791,31 +767,17 @@ extern "C" bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *lw, const f
     int64_t N = 0;
     if ((st = check_layer(a, lw, "bk_ghess_add_attn")) != BK_OK)
         return st;
-    if (!d_attn_in)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: attn_in is NULL", lw->layer);
+    if ((st = bk__hess_check_attn(a->kind, a->attn2, a->qknorm, lw->layer, d_attn_in,
+                                  d_qrot && d_krot, lw->w[BK_MOD_O] != NULL,
+                                  lw->q_norm && lw->k_norm && lw->w[BK_MOD_Q] && lw->w[BK_MOD_K])) !=
+        BK_OK)
+        return st;
     if ((st = batch_rows(a, S, "attn_in", &N)) != BK_OK)
         return st;
-    if (a->attn2) {
-        if (!d_qrot || !d_krot)
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "hessian: layer %d: %s needs the rotated queries and keys (q_rot "
-                            "and k_rot are required)",
-                            lw->layer, bk_hessian_name(a->kind));
-        if (!lw->w[BK_MOD_O])
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "hessian: layer %d: self_attn.o_proj weight missing (needed for the "
-                            "v_proj output factor)",
-                            lw->layer);
-        if (a->qknorm && (!lw->q_norm || !lw->k_norm || !lw->w[BK_MOD_Q] || !lw->w[BK_MOD_K]))
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "hessian: layer %d: q_norm/k_norm model needs self_attn.q_proj, "
-                            "k_proj, q_norm and k_norm weights",
-                            lw->layer);
-    }
-    if ((st = check_finite(a, d_attn_in, N, a->d, lw->layer, "attn_in")) != BK_OK)
+    if ((st = check_finite(a, d_attn_in, N, a->dim.hidden, lw->layer, "attn_in")) != BK_OK)
         return st;
-    if (a->attn2 && ((st = check_finite(a, d_qrot, N, a->qd, lw->layer, "q_rot")) != BK_OK ||
-                     (st = check_finite(a, d_krot, N, a->kvd, lw->layer, "k_rot")) != BK_OK))
+    if (a->attn2 && ((st = check_finite(a, d_qrot, N, a->dim.qdim, lw->layer, "q_rot")) != BK_OK ||
+                     (st = check_finite(a, d_krot, N, a->dim.kvdim, lw->layer, "k_rot")) != BK_OK))
         return st;
     a->layer = lw->layer;
     if (a->kind == BK_HESS_RTN) {
@@ -832,7 +794,7 @@ extern "C" bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *lw, const f
     }
     a->count[G_ATTN] += N;
     if (a->attn2)
-        a->n_pairs += S * (a->T * (a->T + 1) / 2);
+        a->n_pairs += S * (a->dim.T * (a->dim.T + 1) / 2);
     return BK_OK;
 }
 
@@ -841,17 +803,10 @@ namespace {
 bk_status add_plain(bk_ghess *a, dgram *g, int grp, const float *x, int64_t S, int64_t width,
                     const char *what)
 {
-    bk_status st;
     int64_t N = 0;
-    if (!a)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
-    if (!x)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s is NULL", what);
-    if (a->broken)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: %s: an earlier add failed part-way and left the accumulator "
-                        "inconsistent (call bk_ghess_reset)",
-                        what);
+    bk_status st = bk__hess_check_input(a != NULL, a && a->broken, x, what, "bk_ghess_reset");
+    if (st != BK_OK)
+        return st;
     if ((st = batch_rows(a, S, what, &N)) != BK_OK)
         return st;
     if ((st = check_finite(a, x, N, width, a->layer, what)) != BK_OK)
@@ -869,12 +824,12 @@ bk_status add_plain(bk_ghess *a, dgram *g, int grp, const float *x, int64_t S, i
 
 extern "C" bk_status bk_ghess_add_o(bk_ghess *a, const float *d_o_in, int64_t S)
 {
-    return add_plain(a, a ? &a->x_o : NULL, G_O, d_o_in, S, a ? a->qd : 0, "o_in");
+    return add_plain(a, a ? &a->x_o : NULL, G_O, d_o_in, S, a ? a->dim.qdim : 0, "o_in");
 }
 
 extern "C" bk_status bk_ghess_add_down(bk_ghess *a, const float *d_down_in, int64_t S)
 {
-    return add_plain(a, a ? &a->x_down : NULL, G_DOWN, d_down_in, S, a ? a->inter : 0, "down_in");
+    return add_plain(a, a ? &a->x_down : NULL, G_DOWN, d_down_in, S, a ? a->dim.inter : 0, "down_in");
 }
 
 extern "C" bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *lw, const float *d_mlp_in,
@@ -890,19 +845,18 @@ extern "C" bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *lw, const fl
         return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: mlp_in is NULL", lw->layer);
     if ((st = batch_rows(a, S, "mlp_in", &N)) != BK_OK)
         return st;
-    if (a->mlp2 && (!lw->w[BK_MOD_GATE] || !lw->w[BK_MOD_UP] || !lw->w[BK_MOD_DOWN]))
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: layer %d: %s needs the mlp.gate_proj, up_proj and down_proj "
-                        "weights",
-                        lw->layer, bk_hessian_name(a->kind));
-    if ((st = check_finite(a, d_mlp_in, N, a->d, lw->layer, "mlp_in")) != BK_OK)
+    if ((st = bk__hess_check_mlp(a->kind, a->mlp2, lw->layer,
+                                 lw->w[BK_MOD_GATE] && lw->w[BK_MOD_UP] && lw->w[BK_MOD_DOWN])) !=
+        BK_OK)
+        return st;
+    if ((st = check_finite(a, d_mlp_in, N, a->dim.hidden, lw->layer, "mlp_in")) != BK_OK)
         return st;
     a->layer = lw->layer;
     if (a->kind == BK_HESS_RTN) {
         a->count[G_MLP] += N;
         return BK_OK;
     }
-    const int64_t d = a->d, NI = a->inter;
+    const int64_t d = a->dim.hidden, NI = a->dim.inter;
     cudaStream_t sm = a->c->stream;
     if (!a->mlp2) {
         st = a->bp ? bp_adds(a, &a->x_mlp, G_MLP, d_mlp_in, N)
@@ -1018,7 +972,7 @@ bk_status gram_to_host(bk_ghess *a, const dgram *g, double scale, float *dst, in
 
 bk_status blocks_to_host(bk_ghess *a, const double *dblk, int64_t nb, double **out)
 {
-    const int64_t hh = a->hd * a->hd;
+    const int64_t hh = a->dim.hd * a->dim.hd;
     double *h = static_cast<double *>(bk_alloc((size_t)(nb * hh), sizeof(double)));
     if (!h)
         return bk_error(BK_ERR_NOMEM, "GPU hessian: out of memory");
@@ -1034,23 +988,23 @@ bk_status blocks_to_host(bk_ghess *a, const double *dblk, int64_t nb, double **o
 /* B_O blocks Σ_{j in κ} O_jᵀ O_j of W_o [hidden, H*h] as host doubles [G, h, h]. */
 bk_status make_bv(bk_ghess *a, const float *wo, double **out)
 {
-    const int64_t h = a->hd, hh = h * h;
+    const int64_t h = a->dim.hd, hh = h * h;
     float *tmp = NULL;
     double *dbv = NULL;
-    bk_status st = alloc_f(a, &tmp, a->H * hh, "v_proj blocks");
+    bk_status st = alloc_f(a, &tmp, a->dim.nh * hh, "v_proj blocks");
     if (st == BK_OK)
-        st = alloc_d(a, &dbv, a->G * hh, "v_proj blocks");
+        st = alloc_d(a, &dbv, a->dim.nkv * hh, "v_proj blocks");
     const float one = 1.0f, zero = 0.0f;
-    for (int64_t j = 0; j < a->H && st == BK_OK; j++)
+    for (int64_t j = 0; j < a->dim.nh && st == BK_OK; j++)
         st = bk_cublas_status(cublasSsyrk_64(a->c->cublas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, h,
-                                             a->d, &one, wo + j * h, a->qd, &zero, tmp + j * hh, h),
+                                             a->dim.hidden, &one, wo + j * h, a->dim.qdim, &zero, tmp + j * hh, h),
                               "cublasSsyrk (v_proj blocks)", __FILE__, __LINE__);
     if (st == BK_OK) {
-        k_bv_sum<<<bk_grid(a->G * hh), 256, 0, a->c->stream>>>(tmp, a->H, a->r, h, dbv);
+        k_bv_sum<<<bk_grid(a->dim.nkv * hh), 256, 0, a->c->stream>>>(tmp, a->dim.nh, a->dim.rep, h, dbv);
         st = BK_LAUNCHED("k_bv_sum");
     }
     if (st == BK_OK)
-        st = blocks_to_host(a, dbv, a->G, out);
+        st = blocks_to_host(a, dbv, a->dim.nkv, out);
     bk_dev_free(a->c, tmp);
     bk_dev_free(a->c, dbv);
     return st;
@@ -1071,27 +1025,18 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
     if ((unsigned)mod >= BK_MOD_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown module %d", (int)mod);
     const char *mn = bk_module_name(mod);
-    if (a->broken)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: %s: an earlier add failed part-way and left the accumulator "
-                        "inconsistent (call bk_ghess_reset)",
-                        mn);
+    bk_status st0 = bk__hess_check_broken(a->broken, mn, "bk_ghess_reset");
+    if (st0 != BK_OK)
+        return st0;
     if (a->kind == BK_HESS_RTN)
         return BK_OK;
-    const int grp = mod <= BK_MOD_V ? G_ATTN : mod == BK_MOD_O ? G_O
-                                             : mod == BK_MOD_DOWN ? G_DOWN : G_MLP;
+    const int grp = bk__hess_module_group(mod);
     static const char *const add_names[G_COUNT] = {"bk_ghess_add_attn", "bk_ghess_add_o",
                                                    "bk_ghess_add_mlp", "bk_ghess_add_down"};
-    if (a->count[grp] == 0)
-        return bk_error(BK_ERR_CALIB,
-                        "hessian: %s: no calibration samples were added for this layer (call "
-                        "%s first)",
-                        mn, add_names[grp]);
-    if (orig && orig->layer != a->layer)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: %s: factors asked with the weights of layer %d, accumulated "
-                        "for layer %d",
-                        mn, orig->layer, a->layer);
+    st0 = bk__hess_check_factors(mn, a->count[grp], add_names[grp], orig != NULL,
+                                 orig ? orig->layer : -1, a->layer);
+    if (st0 != BK_OK)
+        return st0;
     int64_t m, n;
     bk_module_shape(&a->cfg, mod, &m, &n);
     float *fa = NULL;
@@ -1189,7 +1134,7 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
         return BK_OK;
     }
     const double N = (double)a->count[grp], P = (double)a->n_pairs;
-    const int64_t h = a->hd, hh = h * h;
+    const int64_t h = a->dim.hd, hh = h * h;
     const dgram *plain = NULL; /* E[x xᵀ] when it differs from A */
     double *blk = NULL;
     bk_status st = BK_OK;
@@ -1209,17 +1154,17 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
         if (st != BK_OK)
             break;
         if (mod == BK_MOD_K) {
-            if ((st = blocks_to_host(a, a->bk, a->G, &blk)) == BK_OK)
-                bk_hess_head_blocks(fb, blk, hh, a->G, 1, h, 1.0 / P, 1.0);
+            if ((st = blocks_to_host(a, a->bk, a->dim.nkv, &blk)) == BK_OK)
+                bk_hess_head_blocks(fb, blk, hh, a->dim.nkv, 1, h, 1.0 / P, 1.0);
             b_on_host = 1;
         } else if (a->qknorm) {
-            if ((st = blocks_to_host(a, a->bq, a->H, &blk)) == BK_OK)
-                bk_hess_head_blocks(fb, blk, hh, a->H, 1, h, 1.0 / P, 1.0);
+            if ((st = blocks_to_host(a, a->bq, a->dim.nh, &blk)) == BK_OK)
+                bk_hess_head_blocks(fb, blk, hh, a->dim.nh, 1, h, 1.0 / P, 1.0);
             b_on_host = 1;
-        } else if ((st = blocks_to_host(a, a->bq, a->G, &blk)) == BK_OK) {
+        } else if ((st = blocks_to_host(a, a->bq, a->dim.nkv, &blk)) == BK_OK) {
             b_on_host = 1;
             /* every head of a group has its group's block */
-            bk_hess_head_blocks(fb, blk, hh, a->H, a->r, h, 1.0, P);
+            bk_hess_head_blocks(fb, blk, hh, a->dim.nh, a->dim.rep, h, 1.0, P);
         }
         break;
     case BK_MOD_V:
@@ -1238,15 +1183,15 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
             break;
         if (a->shampoo) {
             double wa = 0;
-            for (int64_t b = 0; b < a->G; b++)
+            for (int64_t b = 0; b < a->dim.nkv; b++)
                 wa += trace_h(blk + b * hh, h);
             st = gram_to_host(a, &a->x_attn, wa / N, fa, dev);
-            bk_hess_head_blocks(fb, blk, hh, a->G, 1, h, a->v_wb / N, 1.0);
+            bk_hess_head_blocks(fb, blk, hh, a->dim.nkv, 1, h, a->v_wb / N, 1.0);
             b_on_host = 1;
             plain = &a->x_attn;
         } else {
             st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
-            bk_hess_head_blocks(fb, blk, hh, a->G, 1, h, 1.0, 1.0);
+            bk_hess_head_blocks(fb, blk, hh, a->dim.nkv, 1, h, 1.0, 1.0);
             b_on_host = 1;
         }
         break;
@@ -1276,12 +1221,12 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
             break;
         /* B = (Σ w v vᵀ / N) ⊙ DᵀD; DᵀD by SYRK into the output staging, the
          * product into the scratch (or a second staging when it is small) */
-        const int64_t NI = a->inter;
+        const int64_t NI = a->dim.inter;
         float *dtd = NULL;
         if ((st = alloc_f(a, &dtd, NI * NI, "DᵀD")) != BK_OK)
             break;
         /* dtd is zero-filled: C += DᵀD (the forward's GEMM arithmetic) */
-        st = bk_g_syrk(a->f, NI, a->d, orig->w[BK_MOD_DOWN], dtd);
+        st = bk_g_syrk(a->f, NI, a->dim.hidden, orig->w[BK_MOD_DOWN], dtd);
         if (st == BK_OK && !dev)
             st = dev_out(a, NI);
         if (st == BK_OK) {
@@ -1351,33 +1296,24 @@ extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int r
     if (a->bp)
         return bk_error(BK_ERR_UNSUPPORTED, "GPU hessian: the sums of the backprop kinds are "
                         "not exchanged between ranks");
-    int grp[G_COUNT] = {0};
-    for (int m = 0; m < BK_MOD_COUNT; m++) {
-        if (!(modules & (1u << m)))
-            continue;
-        switch ((bk_module)m) {
-        case BK_MOD_Q: case BK_MOD_K: case BK_MOD_V: grp[G_ATTN] = 1; break;
-        case BK_MOD_O: grp[G_O] = 1; break;
-        case BK_MOD_GATE: case BK_MOD_UP: grp[G_MLP] = 1; break;
-        default: grp[G_DOWN] = 1; break;
-        }
-    }
+    int grp[G_COUNT];
+    bk__hess_groups(modules, grp);
     bk_status st = BK_OK;
     auto gram = [&](dgram *g) {
         if (st != BK_OK || !g->s)
             return;
         st = bk_gpu_stage_buf(a->f, g->s, (size_t)(g->n * g->n), a->fp64, dev, rw, fn, user);
     };
-    const int64_t hh = a->hd * a->hd;
+    const int64_t hh = a->dim.hd * a->dim.hd;
     if (grp[G_ATTN]) {
         gram(&a->x_attn);
         gram(&a->a_q);
         gram(&a->a_k);
         if (st == BK_OK && a->bq)
-            st = bk_gpu_stage_buf(a->f, a->bq, (size_t)((a->qknorm ? a->H : a->G) * hh), 1, dev,
+            st = bk_gpu_stage_buf(a->f, a->bq, (size_t)((a->qknorm ? a->dim.nh : a->dim.nkv) * hh), 1, dev,
                                   rw, fn, user);
         if (st == BK_OK && a->bk)
-            st = bk_gpu_stage_buf(a->f, a->bk, (size_t)(a->G * hh), 1, dev, rw, fn, user);
+            st = bk_gpu_stage_buf(a->f, a->bk, (size_t)(a->dim.nkv * hh), 1, dev, rw, fn, user);
     }
     if (grp[G_O])
         gram(&a->x_o);
@@ -1394,24 +1330,10 @@ extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int r
         return st;
     /* counts and scalar sums of the groups (host doubles, as the CPU's) */
     double sc[G_COUNT + 2];
-    size_t k = 0;
-    for (int g = 0; g < G_COUNT; g++)
-        if (grp[g])
-            sc[k++] = (double)a->count[g];
-    if (grp[G_ATTN]) {
-        sc[k++] = (double)a->n_pairs;
-        sc[k++] = a->v_wb;
-    }
+    const size_t k = bk__hess_scalars_pack(grp, a->count, a->n_pairs, a->v_wb, sc);
     if ((st = fn(user, sc, k, 1, 0, NULL)) != BK_OK)
         return st;
-    k = 0;
-    for (int g = 0; g < G_COUNT; g++)
-        if (grp[g])
-            a->count[g] = (int64_t)sc[k++];
-    if (grp[G_ATTN]) {
-        a->n_pairs = (int64_t)sc[k++];
-        a->v_wb = sc[k++];
-    }
+    bk__hess_scalars_unpack(grp, sc, a->count, &a->n_pairs, &a->v_wb);
     return BK_OK;
 }
 

@@ -34,8 +34,7 @@
 
 struct bk_bwd {
     bk_model_config cfg;
-    int64_t max_seqs, T, R;
-    int64_t d, H, G, hd, NI, qd, kvd, rep;
+    bk_dims dim;
     double eps;
     bk_rope rope;
     /* the layer's weights as double */
@@ -148,17 +147,7 @@ bk_status bk_bwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t se
     if (!b)
         return bk_error(BK_ERR_NOMEM, "backward: out of memory");
     b->cfg = *cfg;
-    b->max_seqs = max_seqs;
-    b->T = seqlen;
-    b->R = (int64_t)rows;
-    b->d = cfg->hidden;
-    b->H = cfg->n_heads;
-    b->G = cfg->n_kv_heads;
-    b->hd = cfg->head_dim;
-    b->NI = cfg->intermediate;
-    b->qd = b->H * b->hd;
-    b->kvd = b->G * b->hd;
-    b->rep = b->H / b->G;
+    bk__dims_set(&b->dim, cfg, max_seqs, seqlen);
     b->eps = cfg->rms_eps;
     b->pert.layer = -1;
     st = bk_rope_init(&b->rope, cfg, seqlen);
@@ -166,7 +155,7 @@ bk_status bk_bwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t se
         free(b);
         return bk_error_prefix(st, "backward");
     }
-    const int64_t R = b->R, d = b->d, NI = b->NI, qd = b->qd, kvd = b->kvd;
+    const int64_t R = b->dim.rows, d = b->dim.hidden, NI = b->dim.inter, qd = b->dim.qdim, kvd = b->dim.kvdim;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
         int64_t o, in;
         bk_module_shape(cfg, (bk_module)i, &o, &in);
@@ -179,8 +168,8 @@ bk_status bk_bwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t se
     b->zv = alloc_d(R, kvd);
     b->qr = alloc_d(R, qd);
     b->kr = alloc_d(R, kvd);
-    b->rq = alloc_d(R, b->H);
-    b->rk = alloc_d(R, b->G);
+    b->rq = alloc_d(R, b->dim.nh);
+    b->rk = alloc_d(R, b->dim.nkv);
     b->o = alloc_d(R, qd);
     b->h1 = alloc_d(R, d);
     b->r2 = alloc_d(R, 1);
@@ -254,10 +243,10 @@ static bk_status check_batch(const bk_bwd *b, int64_t S, const char *what)
 {
     if (!b)
         return bk_error(BK_ERR_INVALID_ARG, "backward %s: NULL context", what);
-    if (S < 1 || S > b->max_seqs)
+    if (S < 1 || S > b->dim.max_seqs)
         return bk_error(BK_ERR_INVALID_ARG,
                         "backward %s: %lld sequences, the context holds 1..%lld", what,
-                        (long long)S, (long long)b->max_seqs);
+                        (long long)S, (long long)b->dim.max_seqs);
     return BK_OK;
 }
 
@@ -384,8 +373,8 @@ static void load_weights(bk_bwd *b, const bk_layer_weights *lw)
 static void layer_fwd(bk_bwd *b, const bk_layer_weights *lw, int64_t S, const double *hin,
                       double *hout)
 {
-    const int64_t T = b->T, N = S * T, d = b->d, qd = b->qd, kvd = b->kvd, hd = b->hd,
-                  NI = b->NI;
+    const int64_t T = b->dim.T, N = S * T, d = b->dim.hidden, qd = b->dim.qdim, kvd = b->dim.kvdim, hd = b->dim.hd,
+                  NI = b->dim.inter;
     const int L = lw->layer;
     rms_fwd(hin, N, d, lw->attn_norm, b->eps, b->r1, b->xa);
     lin(b->xa, N, d, b->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], b->zq);
@@ -395,15 +384,15 @@ static void layer_fwd(bk_bwd *b, const bk_layer_weights *lw, int64_t S, const do
     lin(b->xa, N, d, b->w[BK_MOD_V], kvd, lw->b[BK_MOD_V], b->zv);
     perturb(b, L, BK_MOD_V, b->zv, N, kvd);
     if (lw->q_norm) {
-        rms_fwd(b->zq, N * b->H, hd, lw->q_norm, b->eps, b->rq, b->qr);
-        rms_fwd(b->zk, N * b->G, hd, lw->k_norm, b->eps, b->rk, b->kr);
+        rms_fwd(b->zq, N * b->dim.nh, hd, lw->q_norm, b->eps, b->rq, b->qr);
+        rms_fwd(b->zk, N * b->dim.nkv, hd, lw->k_norm, b->eps, b->rk, b->kr);
     } else {
         memcpy(b->qr, b->zq, (size_t)(N * qd) * sizeof(double));
         memcpy(b->kr, b->zk, (size_t)(N * kvd) * sizeof(double));
     }
     for (int64_t n = 0; n < N; n++) {
-        rope_d(&b->rope, b->qr + n * qd, b->H, n % T, +1);
-        rope_d(&b->rope, b->kr + n * kvd, b->G, n % T, +1);
+        rope_d(&b->rope, b->qr + n * qd, b->dim.nh, n % T, +1);
+        rope_d(&b->rope, b->kr + n * kvd, b->dim.nkv, n % T, +1);
     }
     const double scale = 1.0 / sqrt((double)hd);
     double *P = b->P;
@@ -411,8 +400,8 @@ static void layer_fwd(bk_bwd *b, const bk_layer_weights *lw, int64_t S, const do
         const double *qs = b->qr + s * T * qd, *ks = b->kr + s * T * kvd,
                      *vs = b->zv + s * T * kvd;
         double *os = b->o + s * T * qd;
-        for (int64_t j = 0; j < b->H; j++) {
-            int64_t g = j / b->rep;
+        for (int64_t j = 0; j < b->dim.nh; j++) {
+            int64_t g = j / b->dim.rep;
             cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hd, scale,
                         qs + j * hd, (int)qd, ks + g * hd, (int)kvd, 0.0, P, (int)T);
             for (int64_t t = 0; t < T; t++) {
@@ -492,8 +481,8 @@ bk_status bk_bwd_layer_backward(bk_bwd *b, const bk_layer_weights *lw, int64_t S
         st = bk_error(BK_ERR_INVALID_ARG, "backward layer backward: NULL activations");
     if (st != BK_OK)
         return st;
-    const int64_t T = b->T, N = S * T, d = b->d, qd = b->qd, kvd = b->kvd, hd = b->hd,
-                  NI = b->NI;
+    const int64_t T = b->dim.T, N = S * T, d = b->dim.hidden, qd = b->dim.qdim, kvd = b->dim.kvdim, hd = b->dim.hd,
+                  NI = b->dim.inter;
     const int L = lw->layer;
     st = check_grad(dh, N, d, L, "mlp.down_proj (gradient of the layer's output)");
     if (st != BK_OK)
@@ -527,8 +516,8 @@ bk_status bk_bwd_layer_backward(bk_bwd *b, const bk_layer_weights *lw, int64_t S
         const double *qs = b->qr + s * T * qd, *ks = b->kr + s * T * kvd,
                      *vs = b->zv + s * T * kvd, *dos = b->dob + s * T * qd;
         double *dqs = b->dq + s * T * qd, *dks = b->dk + s * T * kvd, *dvs = b->dv + s * T * kvd;
-        for (int64_t j = 0; j < b->H; j++) {
-            int64_t g = j / b->rep;
+        for (int64_t j = 0; j < b->dim.nh; j++) {
+            int64_t g = j / b->dim.rep;
             /* P again (the same arithmetic as the forward) */
             cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hd, scale,
                         qs + j * hd, (int)qd, ks + g * hd, (int)kvd, 0.0, P, (int)T);
@@ -573,14 +562,14 @@ bk_status bk_bwd_layer_backward(bk_bwd *b, const bk_layer_weights *lw, int64_t S
     /* RoPE adjoint (the transposed rotation), then the q/k norm adjoints:
      * dq, dk become the gradients of zq, zk (the q_proj / k_proj outputs) */
     for (int64_t n = 0; n < N; n++) {
-        rope_d(&b->rope, b->dq + n * qd, b->H, n % T, -1);
-        rope_d(&b->rope, b->dk + n * kvd, b->G, n % T, -1);
+        rope_d(&b->rope, b->dq + n * qd, b->dim.nh, n % T, -1);
+        rope_d(&b->rope, b->dk + n * kvd, b->dim.nkv, n % T, -1);
     }
     if (lw->q_norm) {
         /* reuse dzg/dzu-sized? no: qd, kvd buffers are small; go through tmp copies */
         double *cq = b->dob; /* do_in is no longer needed */
         memcpy(cq, b->dq, (size_t)(N * qd) * sizeof(double));
-        rms_back(b->zq, b->rq, N * b->H, hd, lw->q_norm, cq, 0, b->dq);
+        rms_back(b->zq, b->rq, N * b->dim.nh, hd, lw->q_norm, cq, 0, b->dq);
         double *ck = b->tmp; /* [R, d] >= [R, kvd]? use a dedicated copy when not */
         double *own = NULL;
         if (kvd > d) {
@@ -590,7 +579,7 @@ bk_status bk_bwd_layer_backward(bk_bwd *b, const bk_layer_weights *lw, int64_t S
             ck = own;
         }
         memcpy(ck, b->dk, (size_t)(N * kvd) * sizeof(double));
-        rms_back(b->zk, b->rk, N * b->G, hd, lw->k_norm, ck, 0, b->dk);
+        rms_back(b->zk, b->rk, N * b->dim.nkv, hd, lw->k_norm, ck, 0, b->dk);
         free(own);
     }
     /* dxa = dq Wq + dk Wk + dv Wv; dh = dh1 + RMSNorm_1 adjoint */
@@ -659,7 +648,7 @@ static bk_status check_model(const bk_bwd *b, const bk_model *m, const char *wha
     if (!m)
         return bk_error(BK_ERR_INVALID_ARG, "backward %s: NULL model", what);
     const bk_model_config *c = bk_model_get_config(m);
-    if (c->hidden != b->d || c->vocab != b->cfg.vocab)
+    if (c->hidden != b->dim.hidden || c->vocab != b->cfg.vocab)
         return bk_error(BK_ERR_INVALID_ARG, "backward %s: model does not match the context", what);
     return BK_OK;
 }
@@ -670,14 +659,14 @@ bk_status bk_bwd_embed(bk_bwd *b, const bk_model *m, const int32_t *tokens, int6
     if (st == BK_OK)
         st = check_model(b, m, "embed");
     if (st == BK_OK)
-        st = bk_fwd_check_sequences(&b->cfg, tokens, S, b->T, 1);
+        st = bk_fwd_check_sequences(&b->cfg, tokens, S, b->dim.T, 1);
     const bk_tensor_info *t = NULL;
     if (st == BK_OK)
-        st = find_matrix(m, "embed_tokens.weight", b->cfg.vocab, b->d, "the embedding", &t);
+        st = find_matrix(m, "embed_tokens.weight", b->cfg.vocab, b->dim.hidden, "the embedding", &t);
     if (st != BK_OK)
         return st;
-    for (int64_t n = 0; n < S * b->T; n++)
-        if ((st = rows_f64(t, tokens[n], (int64_t)tokens[n] + 1, h + n * b->d)) != BK_OK)
+    for (int64_t n = 0; n < S * b->dim.T; n++)
+        if ((st = rows_f64(t, tokens[n], (int64_t)tokens[n] + 1, h + n * b->dim.hidden)) != BK_OK)
             return st;
     return BK_OK;
 }
@@ -708,12 +697,12 @@ static bk_status head_open(const bk_bwd *b, const bk_model *m, head *hc)
     if (st != BK_OK)
         return st;
     const char *which = b->cfg.tie_embeddings ? "embed_tokens.weight" : "lm_head.weight";
-    st = find_matrix(m, which, b->cfg.vocab, b->d, "the LM head", &hc->w);
+    st = find_matrix(m, which, b->cfg.vocab, b->dim.hidden, "the LM head", &hc->w);
     const bk_tensor_info *nt = bk_model_find(m, -1, "norm.weight");
-    if (st == BK_OK && (nt->ndim != 1 || nt->shape[0] != b->d))
-        st = bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld]", nt->name, (long long)b->d);
+    if (st == BK_OK && (nt->ndim != 1 || nt->shape[0] != b->dim.hidden))
+        st = bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld]", nt->name, (long long)b->dim.hidden);
     if (st == BK_OK) {
-        hc->norm = bk_alloc((size_t)b->d, sizeof(float));
+        hc->norm = bk_alloc((size_t)b->dim.hidden, sizeof(float));
         if (!hc->norm)
             return bk_error(BK_ERR_NOMEM, "backward: out of memory");
         st = bk_tensor_to_f32(nt, hc->norm);
@@ -729,7 +718,7 @@ static bk_status head_open(const bk_bwd *b, const bk_model *m, head *hc)
  * logits of xf [N, d]. */
 static bk_status head_lse(bk_bwd *b, const head *hc, int64_t N)
 {
-    const int64_t V = b->cfg.vocab, d = b->d;
+    const int64_t V = b->cfg.vocab, d = b->dim.hidden;
     for (int64_t r = 0; r < N; r++) {
         b->mx[r] = -INFINITY;
         b->se[r] = 0;
@@ -788,7 +777,7 @@ bk_status bk_bwd_labels(bk_bwd *b, const bk_model *m, const double *h, const int
         st = check_model(b, m, "labels");
     if (st != BK_OK)
         return st;
-    const int64_t T = b->T, N = S * T, V = b->cfg.vocab, d = b->d;
+    const int64_t T = b->dim.T, N = S * T, V = b->cfg.vocab, d = b->dim.hidden;
     if (fisher == BK_FISHER_EMPIRICAL) {
         if (!tokens)
             return bk_error(BK_ERR_INVALID_ARG, "backward labels: the empirical Fisher needs tokens");
@@ -868,7 +857,7 @@ bk_status bk_bwd_head(bk_bwd *b, const bk_model *m, const double *h, const int32
         st = bk_error(BK_ERR_INVALID_ARG, "backward head: NULL argument");
     if (st != BK_OK)
         return st;
-    const int64_t T = b->T, N = S * T, V = b->cfg.vocab, d = b->d;
+    const int64_t T = b->dim.T, N = S * T, V = b->cfg.vocab, d = b->dim.hidden;
     for (int64_t r = 0; r < N; r++)
         if (labels[r] >= V)
             return bk_error(BK_ERR_INVALID_ARG, "backward head: label %d outside [0, %lld)",

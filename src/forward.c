@@ -26,8 +26,7 @@
 
 struct bk_fwd {
     bk_model_config cfg;
-    int64_t max_seqs, T, max_rows;
-    int64_t hidden, nh, nkv, hd, inter, qdim, kvdim;
+    bk_dims dim;
     float eps;
     bk_rope rope;
     float *q, *k, *v;   /* [rows, qdim], [rows, kvdim] x 2 */
@@ -137,6 +136,22 @@ void bk_fwd_free(bk_fwd *f)
     free(f);
 }
 
+void bk__dims_set(bk_dims *d, const bk_model_config *c, int64_t max_seqs, int64_t seqlen)
+{
+    d->max_seqs = max_seqs;
+    d->T = seqlen;
+    d->rows = max_seqs * seqlen;
+    d->hidden = c->hidden;
+    d->nh = c->n_heads;
+    d->nkv = c->n_kv_heads;
+    d->hd = c->head_dim;
+    d->inter = c->intermediate;
+    d->qdim = d->nh * d->hd;
+    d->kvdim = d->nkv * d->hd;
+    d->rep = d->nh / d->nkv;
+    d->vocab = c->vocab;
+}
+
 static bk_status check_config(const bk_model_config *c)
 {
     if (c->hidden <= 0 || c->intermediate <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
@@ -198,32 +213,23 @@ bk_status bk_fwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t se
     if (!f)
         return bk_error(BK_ERR_NOMEM, "forward: out of memory");
     f->cfg = *cfg;
-    f->max_seqs = max_seqs;
-    f->T = seqlen;
-    f->max_rows = (int64_t)rows;
-    f->hidden = cfg->hidden;
-    f->nh = cfg->n_heads;
-    f->nkv = cfg->n_kv_heads;
-    f->hd = cfg->head_dim;
-    f->inter = cfg->intermediate;
-    f->qdim = f->nh * f->hd;
-    f->kvdim = f->nkv * f->hd;
+    bk__dims_set(&f->dim, cfg, max_seqs, seqlen);
     f->eps = (float)cfg->rms_eps;
     st = bk_rope_init(&f->rope, cfg, seqlen);
     if (st != BK_OK) {
         free(f);
         return bk_error_prefix(st, "forward");
     }
-    int64_t R = f->max_rows;
-    f->q = alloc_f32(R, f->qdim);
-    f->k = alloc_f32(R, f->kvdim);
-    f->v = alloc_f32(R, f->kvdim);
-    f->o = alloc_f32(R, f->qdim);
-    f->x = alloc_f32(R, f->hidden);
-    f->tmp = alloc_f32(R, f->hidden);
-    f->gate = alloc_f32(R, f->inter);
-    f->up = alloc_f32(R, f->inter);
-    f->down = alloc_f32(R, f->inter);
+    int64_t R = f->dim.rows;
+    f->q = alloc_f32(R, f->dim.qdim);
+    f->k = alloc_f32(R, f->dim.kvdim);
+    f->v = alloc_f32(R, f->dim.kvdim);
+    f->o = alloc_f32(R, f->dim.qdim);
+    f->x = alloc_f32(R, f->dim.hidden);
+    f->tmp = alloc_f32(R, f->dim.hidden);
+    f->gate = alloc_f32(R, f->dim.inter);
+    f->up = alloc_f32(R, f->dim.inter);
+    f->down = alloc_f32(R, f->dim.inter);
     f->scores = alloc_f32(seqlen, seqlen);
     if (!f->q || !f->k || !f->v || !f->o || !f->x || !f->tmp || !f->gate || !f->up ||
         !f->down || !f->scores) {
@@ -236,22 +242,19 @@ bk_status bk_fwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t se
     return BK_OK;
 }
 
-static bk_status check_batch(const bk_fwd *f, int64_t S, const char *what)
+bk_status bk__fwd_check_batch(const bk_dims *d, int64_t S, const char *who, const char *what)
 {
-    if (!f)
-        return bk_error(BK_ERR_INVALID_ARG, "forward %s: NULL context", what);
-    if (S < 1 || S > f->max_seqs)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "forward %s: %lld sequences, the context holds 1..%lld", what,
-                        (long long)S, (long long)f->max_seqs);
+    if (!d)
+        return bk_error(BK_ERR_INVALID_ARG, "%s %s: NULL context", who, what);
+    if (S < 1 || S > d->max_seqs)
+        return bk_error(BK_ERR_INVALID_ARG, "%s %s: %lld sequences, the context holds 1..%lld",
+                        who, what, (long long)S, (long long)d->max_seqs);
     return BK_OK;
 }
 
-static bk_status check_lw(const bk_layer_weights *lw, const char *what)
+static bk_status check_batch(const bk_fwd *f, int64_t S, const char *what)
 {
-    if (!lw)
-        return bk_error(BK_ERR_INVALID_ARG, "forward %s: NULL layer weights", what);
-    return BK_OK;
+    return bk__fwd_check_batch(f ? &f->dim : NULL, S, "forward", what);
 }
 
 /* ------------------------------------------------------- layer weights */
@@ -565,23 +568,22 @@ bk_status bk_layer_weights_load(const bk_model *m, int layer, bk_layer_weights *
 
 /* ------------------------------------------------------------- stages */
 
-static bk_status check_tokens(const bk_fwd *f, const int32_t *tokens, int64_t S)
+static bk_status check_tokens(const bk_dims *d, const int32_t *tokens, int64_t S)
 {
     for (int64_t s = 0; s < S; s++)
-        for (int64_t t = 0; t < f->T; t++) {
-            int32_t id = tokens[s * f->T + t];
-            if (id < 0 || (int64_t)id >= f->cfg.vocab)
+        for (int64_t t = 0; t < d->T; t++) {
+            int32_t id = tokens[s * d->T + t];
+            if (id < 0 || (int64_t)id >= d->vocab)
                 return bk_error(BK_ERR_CALIB,
                                 "input_ids: sequence %lld position %lld: token id %d is outside "
                                 "the vocabulary [0, %lld)",
-                                (long long)s, (long long)t, (int)id, (long long)f->cfg.vocab);
+                                (long long)s, (long long)t, (int)id, (long long)d->vocab);
         }
     return BK_OK;
 }
 
-/* A 2-D [rows, cols] tensor of the model (layer < 0: top level). */
-static bk_status find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
-                             const bk_tensor_info **out)
+bk_status bk__fwd_find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
+                              const bk_tensor_info **out)
 {
     const bk_tensor_info *t = bk_model_find(m, -1, suffix);
     *out = NULL;
@@ -611,35 +613,59 @@ static bk_status matrix_rows_f32(const bk_tensor_info *t, int64_t r0, int64_t r1
     return BK_OK;
 }
 
-static bk_status check_model_matches(const bk_fwd *f, const bk_model *m, const char *what)
+bk_status bk__fwd_check_call(const bk_dims *d, const bk_model *m, const int32_t *tokens,
+                             int64_t S, const char *who, const char *what)
 {
+    bk_status st = bk__fwd_check_batch(d, S, who, what);
+    if (st != BK_OK)
+        return st;
     if (!m)
-        return bk_error(BK_ERR_INVALID_ARG, "forward %s: NULL model", what);
+        return bk_error(BK_ERR_INVALID_ARG, "%s %s: NULL model", who, what);
     const bk_model_config *c = bk_model_get_config(m);
-    if (c->hidden != f->hidden || c->vocab != f->cfg.vocab)
+    if (c->hidden != d->hidden || c->vocab != d->vocab)
         return bk_error(BK_ERR_INVALID_ARG,
-                        "forward %s: model (hidden %lld, vocab %lld) does not match the context "
+                        "%s %s: model (hidden %lld, vocab %lld) does not match the context "
                         "(hidden %lld, vocab %lld)",
-                        what, (long long)c->hidden, (long long)c->vocab, (long long)f->hidden,
-                        (long long)f->cfg.vocab);
-    return BK_OK;
+                        who, what, (long long)c->hidden, (long long)c->vocab,
+                        (long long)d->hidden, (long long)d->vocab);
+    return tokens ? check_tokens(d, tokens, S) : BK_OK;
 }
+
+bk_status bk__fwd_check_embed(const bk_dims *d, const bk_model *m, const int32_t *tokens,
+                              int64_t S, const char *who, const bk_tensor_info **t)
+{
+    *t = NULL;
+    bk_status st = bk__fwd_check_call(d, m, tokens, S, who, "embed");
+    return st == BK_OK ? bk__fwd_find_matrix(m, "embed_tokens.weight", d->vocab, d->hidden, t)
+                       : st;
+}
+
+bk_status bk__fwd_check_nll(const bk_dims *d, const bk_model *m, const int32_t *tokens, int64_t S,
+                            const char *who, int *predict)
+{
+    *predict = 0;
+    bk_status st = bk__fwd_check_call(d, m, tokens, S, who, "nll");
+    *predict = st == BK_OK && d->T >= 2;
+    return st;
+}
+
+/* check_op (the stages' checks) and bk_fwd_layer */
+#define FWD_CTX bk_fwd
+#define FWD_LW bk_layer_weights
+#define FWD(op) bk_fwd_##op
+#define FWD_EXPORT
+#define FWD_WHO "forward"
+#include "fwd_layer_tmpl.h" /* (undefines its parameters) */
 
 bk_status bk_fwd_embed(bk_fwd *f, const bk_model *m, const int32_t *tokens, int64_t S, float *h)
 {
-    bk_status st = check_batch(f, S, "embed");
-    if (st == BK_OK)
-        st = check_model_matches(f, m, "embed");
-    if (st == BK_OK)
-        st = check_tokens(f, tokens, S);
-    const bk_tensor_info *t = NULL;
-    if (st == BK_OK)
-        st = find_matrix(m, "embed_tokens.weight", f->cfg.vocab, f->hidden, &t);
+    const bk_tensor_info *t;
+    bk_status st = bk__fwd_check_embed(f ? &f->dim : NULL, m, tokens, S, "forward", &t);
     if (st != BK_OK)
         return st;
-    int64_t N = S * f->T;
+    int64_t N = S * f->dim.T;
     for (int64_t n = 0; n < N; n++) {
-        st = matrix_rows_f32(t, tokens[n], (int64_t)tokens[n] + 1, h + n * f->hidden);
+        st = matrix_rows_f32(t, tokens[n], (int64_t)tokens[n] + 1, h + n * f->dim.hidden);
         if (st != BK_OK)
             return st;
     }
@@ -649,47 +675,37 @@ bk_status bk_fwd_embed(bk_fwd *f, const bk_model *m, const int32_t *tokens, int6
 bk_status bk_fwd_attn_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
                          float *x)
 {
-    bk_status st = check_batch(f, S, "attn_in");
-    if (st == BK_OK)
-        st = check_lw(lw, "attn_in");
-    if (st == BK_OK && !lw->attn_norm)
-        st = bk_error(BK_ERR_INVALID_ARG, "forward attn_in: layer %d has no input_layernorm",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_ATTN_IN);
     if (st != BK_OK)
         return st;
-    rmsnorm_rows(h, S * f->T, f->hidden, lw->attn_norm, f->eps, x);
-    return fwd_check(f, x, S * f->T, f->hidden, lw, BK_FS_ATTN_IN);
+    rmsnorm_rows(h, S * f->dim.T, f->dim.hidden, lw->attn_norm, f->eps, x);
+    return fwd_check(f, x, S * f->dim.T, f->dim.hidden, lw, BK_FS_ATTN_IN);
 }
 
 bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
                            float *o_in, float *q_rot, float *k_rot, float *v)
 {
-    bk_status st = check_batch(f, S, "attention");
-    if (st == BK_OK)
-        st = check_lw(lw, "attention");
-    if (st == BK_OK && (!lw->w[BK_MOD_Q] || !lw->w[BK_MOD_K] || !lw->w[BK_MOD_V]))
-        st = bk_error(BK_ERR_INVALID_ARG, "forward attention: layer %d lacks q/k/v weights",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_ATTENTION);
     if (st != BK_OK)
         return st;
-    const int64_t T = f->T, N = S * T, hd = f->hd, qd = f->qdim, kd = f->kvdim;
-    linear(x, N, f->hidden, lw->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], f->q);
+    const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, qd = f->dim.qdim, kd = f->dim.kvdim;
+    linear(x, N, f->dim.hidden, lw->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], f->q);
     if ((st = fwd_check(f, f->q, N, qd, lw, BK_FS_Q)) != BK_OK)
         return st;
-    linear(x, N, f->hidden, lw->w[BK_MOD_K], kd, lw->b[BK_MOD_K], f->k);
+    linear(x, N, f->dim.hidden, lw->w[BK_MOD_K], kd, lw->b[BK_MOD_K], f->k);
     if ((st = fwd_check(f, f->k, N, kd, lw, BK_FS_K)) != BK_OK)
         return st;
-    linear(x, N, f->hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v);
+    linear(x, N, f->dim.hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v);
     if ((st = fwd_check(f, f->v, N, kd, lw, BK_FS_V)) != BK_OK)
         return st;
     if (lw->q_norm)
-        rmsnorm_rows(f->q, N * f->nh, hd, lw->q_norm, f->eps, f->q);
+        rmsnorm_rows(f->q, N * f->dim.nh, hd, lw->q_norm, f->eps, f->q);
     if (lw->k_norm)
-        rmsnorm_rows(f->k, N * f->nkv, hd, lw->k_norm, f->eps, f->k);
+        rmsnorm_rows(f->k, N * f->dim.nkv, hd, lw->k_norm, f->eps, f->k);
     for (int64_t n = 0; n < N; n++) {
         int64_t pos = n % T;
-        bk_rope_apply(&f->rope, f->q + n * qd, f->nh, pos, +1);
-        bk_rope_apply(&f->rope, f->k + n * kd, f->nkv, pos, +1);
+        bk_rope_apply(&f->rope, f->q + n * qd, f->dim.nh, pos, +1);
+        bk_rope_apply(&f->rope, f->k + n * kd, f->dim.nkv, pos, +1);
     }
     if ((st = fwd_check(f, f->q, N, qd, lw, BK_FS_QROT)) != BK_OK ||
         (st = fwd_check(f, f->k, N, kd, lw, BK_FS_KROT)) != BK_OK)
@@ -702,14 +718,14 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
         memcpy(v, f->v, (size_t)(N * kd) * sizeof(float));
 
     const float scale = (float)(1.0 / sqrt((double)hd));
-    const int64_t rep = f->nh / f->nkv;
+    const int64_t rep = f->dim.nh / f->dim.nkv;
     float *sc = f->scores;
     for (int64_t s = 0; s < S; s++) {
         const float *qs = f->q + s * T * qd;
         const float *ks = f->k + s * T * kd;
         const float *vs = f->v + s * T * kd;
         float *os = o_in + s * T * qd;
-        for (int64_t hh = 0; hh < f->nh; hh++) {
+        for (int64_t hh = 0; hh < f->dim.nh; hh++) {
             int64_t g = hh / rep;
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)T, (blasint)T,
                         (blasint)hd, scale, qs + hh * hd, (blasint)qd, ks + g * hd, (blasint)kd,
@@ -726,54 +742,40 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
 bk_status bk_fwd_attn_out(bk_fwd *f, const bk_layer_weights *lw, const float *o_in, int64_t S,
                           float *h)
 {
-    bk_status st = check_batch(f, S, "attn_out");
-    if (st == BK_OK)
-        st = check_lw(lw, "attn_out");
-    if (st == BK_OK && !lw->w[BK_MOD_O])
-        st = bk_error(BK_ERR_INVALID_ARG, "forward attn_out: layer %d lacks o_proj", lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_ATTN_OUT);
     if (st != BK_OK)
         return st;
-    int64_t N = S * f->T;
-    linear(o_in, N, f->qdim, lw->w[BK_MOD_O], f->hidden, lw->b[BK_MOD_O], f->tmp);
-    if ((st = fwd_check(f, f->tmp, N, f->hidden, lw, BK_FS_O_OUT)) != BK_OK)
+    int64_t N = S * f->dim.T;
+    linear(o_in, N, f->dim.qdim, lw->w[BK_MOD_O], f->dim.hidden, lw->b[BK_MOD_O], f->tmp);
+    if ((st = fwd_check(f, f->tmp, N, f->dim.hidden, lw, BK_FS_O_OUT)) != BK_OK)
         return st;
-    add_into(h, f->tmp, N * f->hidden);
-    return fwd_check(f, h, N, f->hidden, lw, BK_FS_RESID_ATTN);
+    add_into(h, f->tmp, N * f->dim.hidden);
+    return fwd_check(f, h, N, f->dim.hidden, lw, BK_FS_RESID_ATTN);
 }
 
 bk_status bk_fwd_mlp_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
                         float *x)
 {
-    bk_status st = check_batch(f, S, "mlp_in");
-    if (st == BK_OK)
-        st = check_lw(lw, "mlp_in");
-    if (st == BK_OK && !lw->mlp_norm)
-        st = bk_error(BK_ERR_INVALID_ARG,
-                      "forward mlp_in: layer %d has no post_attention_layernorm", lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_MLP_IN);
     if (st != BK_OK)
         return st;
-    rmsnorm_rows(h, S * f->T, f->hidden, lw->mlp_norm, f->eps, x);
-    return fwd_check(f, x, S * f->T, f->hidden, lw, BK_FS_MLP_IN);
+    rmsnorm_rows(h, S * f->dim.T, f->dim.hidden, lw->mlp_norm, f->eps, x);
+    return fwd_check(f, x, S * f->dim.T, f->dim.hidden, lw, BK_FS_MLP_IN);
 }
 
 bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
                             float *down_in, float *gate_pre, float *up_pre)
 {
-    bk_status st = check_batch(f, S, "mlp_hidden");
-    if (st == BK_OK)
-        st = check_lw(lw, "mlp_hidden");
-    if (st == BK_OK && (!lw->w[BK_MOD_GATE] || !lw->w[BK_MOD_UP]))
-        st = bk_error(BK_ERR_INVALID_ARG, "forward mlp_hidden: layer %d lacks gate/up_proj",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_MLP_HIDDEN);
     if (st != BK_OK)
         return st;
-    int64_t N = S * f->T, ni = f->inter;
+    int64_t N = S * f->dim.T, ni = f->dim.inter;
     float *g = gate_pre ? gate_pre : f->gate;
     float *u = up_pre ? up_pre : f->up;
-    linear(x, N, f->hidden, lw->w[BK_MOD_GATE], ni, lw->b[BK_MOD_GATE], g);
+    linear(x, N, f->dim.hidden, lw->w[BK_MOD_GATE], ni, lw->b[BK_MOD_GATE], g);
     if ((st = fwd_check(f, g, N, ni, lw, BK_FS_GATE)) != BK_OK)
         return st;
-    linear(x, N, f->hidden, lw->w[BK_MOD_UP], ni, lw->b[BK_MOD_UP], u);
+    linear(x, N, f->dim.hidden, lw->w[BK_MOD_UP], ni, lw->b[BK_MOD_UP], u);
     if ((st = fwd_check(f, u, N, ni, lw, BK_FS_UP)) != BK_OK)
         return st;
     for (int64_t i = 0; i < N * ni; i++) {
@@ -786,53 +788,17 @@ bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *
 bk_status bk_fwd_mlp_out(bk_fwd *f, const bk_layer_weights *lw, const float *down_in, int64_t S,
                          float *h)
 {
-    bk_status st = check_batch(f, S, "mlp_out");
-    if (st == BK_OK)
-        st = check_lw(lw, "mlp_out");
-    if (st == BK_OK && !lw->w[BK_MOD_DOWN])
-        st = bk_error(BK_ERR_INVALID_ARG, "forward mlp_out: layer %d lacks down_proj",
-                      lw->layer);
+    bk_status st = check_op(f, S, lw, FWD_MLP_OUT);
     if (st != BK_OK)
         return st;
-    int64_t N = S * f->T;
-    linear(down_in, N, f->inter, lw->w[BK_MOD_DOWN], f->hidden, lw->b[BK_MOD_DOWN], f->tmp);
-    if ((st = fwd_check(f, f->tmp, N, f->hidden, lw, BK_FS_DOWN_OUT)) != BK_OK)
+    int64_t N = S * f->dim.T;
+    linear(down_in, N, f->dim.inter, lw->w[BK_MOD_DOWN], f->dim.hidden, lw->b[BK_MOD_DOWN], f->tmp);
+    if ((st = fwd_check(f, f->tmp, N, f->dim.hidden, lw, BK_FS_DOWN_OUT)) != BK_OK)
         return st;
-    add_into(h, f->tmp, N * f->hidden);
-    return fwd_check(f, h, N, f->hidden, lw, BK_FS_RESID_MLP);
+    add_into(h, f->tmp, N * f->dim.hidden);
+    return fwd_check(f, h, N, f->dim.hidden, lw, BK_FS_RESID_MLP);
 }
 
-bk_status bk_fwd_layer(bk_fwd *f, const bk_layer_weights *lw, int64_t S, float *h,
-                       const bk_layer_taps *taps)
-{
-    static const bk_layer_taps none = {0};
-    if (!taps)
-        taps = &none;
-    float *x = taps->attn_in ? taps->attn_in : f ? f->x : NULL;
-    bk_status st = bk_fwd_attn_in(f, lw, h, S, x);
-    if (st != BK_OK)
-        return st;
-    float *o = taps->o_in ? taps->o_in : f->o;
-    st = bk_fwd_attention(f, lw, x, S, o, taps->q_rot, taps->k_rot, NULL);
-    if (st == BK_OK)
-        st = bk_fwd_attn_out(f, lw, o, S, h);
-    float *x2 = taps->mlp_in ? taps->mlp_in : f->x;
-    if (st == BK_OK)
-        st = bk_fwd_mlp_in(f, lw, h, S, x2);
-    float *d = taps->down_in ? taps->down_in : f->down;
-    if (st == BK_OK)
-        st = bk_fwd_mlp_hidden(f, lw, x2, S, d, NULL, NULL);
-    if (st == BK_OK)
-        st = bk_fwd_mlp_out(f, lw, d, S, h);
-    if (st == BK_ERR_NONFINITE)
-        return st; /* the message names the layer and the operation */
-    if (st != BK_OK) {
-        char pre[64];
-        snprintf(pre, sizeof pre, "layer %d", lw ? lw->layer : -1);
-        return bk_error_prefix(st, pre);
-    }
-    return BK_OK;
-}
 
 /* ------------------------------------------------------------- the head */
 
@@ -846,53 +812,49 @@ static bk_status head_open(const bk_fwd *f, const bk_model *m, head_ctx *hc)
     hc->w = NULL;
     hc->norm = NULL;
     const char *which = f->cfg.tie_embeddings ? "embed_tokens.weight" : "lm_head.weight";
-    bk_status st = find_matrix(m, which, f->cfg.vocab, f->hidden, &hc->w);
+    bk_status st = bk__fwd_find_matrix(m, which, f->cfg.vocab, f->dim.hidden, &hc->w);
     if (st == BK_OK)
-        st = load_vec(m, -1, "norm.weight", f->hidden, &hc->norm);
+        st = load_vec(m, -1, "norm.weight", f->dim.hidden, &hc->norm);
     return st;
 }
 
-/* Vocabulary rows per block so that [rows, vc] logits and [vc, hidden]
- * weights each stay within their block size. */
-static int64_t vocab_block(const bk_fwd *f, int64_t rows)
+int64_t bk__fwd_vocab_block(const bk_dims *d, int64_t rows)
 {
     int64_t a = BK_LOGIT_BLOCK / (rows > 0 ? rows : 1);
-    int64_t b = BK_HEAD_BLOCK / f->hidden;
+    int64_t b = BK_HEAD_BLOCK / d->hidden;
     int64_t vc = a < b ? a : b;
     if (vc < 64)
         vc = 64;
-    if (vc > f->cfg.vocab)
-        vc = f->cfg.vocab;
+    if (vc > d->vocab)
+        vc = d->vocab;
     return vc;
 }
 
 bk_status bk_fwd_logits(bk_fwd *f, const bk_model *m, const float *h, int64_t S, float *logits)
 {
-    bk_status st = check_batch(f, S, "logits");
-    if (st == BK_OK)
-        st = check_model_matches(f, m, "logits");
+    bk_status st = bk__fwd_check_call(f ? &f->dim : NULL, m, NULL, S, "forward", "logits");
     if (st != BK_OK)
         return st;
     head_ctx hc;
     st = head_open(f, m, &hc);
-    int64_t N = S * f->T, V = f->cfg.vocab;
-    int64_t vc = vocab_block(f, 0);
+    int64_t N = S * f->dim.T, V = f->cfg.vocab;
+    int64_t vc = bk__fwd_vocab_block(&f->dim, 0);
     float *wb = NULL;
     if (st == BK_OK) {
-        wb = alloc_f32(vc, f->hidden);
+        wb = alloc_f32(vc, f->dim.hidden);
         if (!wb)
             st = bk_error(BK_ERR_NOMEM, "forward logits: out of memory");
     }
     if (st == BK_OK) {
-        rmsnorm_rows(h, N, f->hidden, hc.norm, f->eps, f->x);
+        rmsnorm_rows(h, N, f->dim.hidden, hc.norm, f->eps, f->x);
         for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += vc) {
             int64_t n = V - v0 < vc ? V - v0 : vc;
             st = matrix_rows_f32(hc.w, v0, v0 + n, wb);
             if (st != BK_OK)
                 break;
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
-                        (blasint)f->hidden, 1.0f, f->x, (blasint)f->hidden, wb,
-                        (blasint)f->hidden, 0.0f, logits + v0, (blasint)V);
+                        (blasint)f->dim.hidden, 1.0f, f->x, (blasint)f->dim.hidden, wb,
+                        (blasint)f->dim.hidden, 0.0f, logits + v0, (blasint)V);
         }
     }
     free(wb);
@@ -924,23 +886,18 @@ bk_status bk_fwd_nll_rows(const double *se, const float *mx, const float *tgt, i
 bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t *tokens,
                      int64_t S, double *nll_sum, int64_t *count)
 {
-    bk_status st = check_batch(f, S, "nll");
-    if (st == BK_OK)
-        st = check_model_matches(f, m, "nll");
-    if (st == BK_OK)
-        st = check_tokens(f, tokens, S);
-    if (st != BK_OK)
+    int predict;
+    bk_status st = bk__fwd_check_nll(f ? &f->dim : NULL, m, tokens, S, "forward", &predict);
+    if (st != BK_OK || !predict)
         return st;
-    const int64_t T = f->T, N = S * T, V = f->cfg.vocab;
-    if (T < 2)
-        return BK_OK; /* nothing to predict */
+    const int64_t T = f->dim.T, N = S * T, V = f->cfg.vocab;
     head_ctx hc;
     float *wb = NULL, *lg = NULL, *mx = NULL, *tgt = NULL;
     double *se = NULL;
     st = head_open(f, m, &hc);
-    int64_t vc = vocab_block(f, N);
+    int64_t vc = bk__fwd_vocab_block(&f->dim, N);
     if (st == BK_OK) {
-        wb = alloc_f32(vc, f->hidden);
+        wb = alloc_f32(vc, f->dim.hidden);
         lg = alloc_f32(N, vc);
         mx = alloc_f32(N, 1);
         tgt = alloc_f32(N, 1);
@@ -950,7 +907,7 @@ bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t
                           (long long)N);
     }
     if (st == BK_OK) {
-        rmsnorm_rows(h, N, f->hidden, hc.norm, f->eps, f->x);
+        rmsnorm_rows(h, N, f->dim.hidden, hc.norm, f->eps, f->x);
         for (int64_t r = 0; r < N; r++) {
             mx[r] = -INFINITY;
             tgt[r] = NAN;
@@ -962,8 +919,8 @@ bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t
             if (st != BK_OK)
                 break;
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
-                        (blasint)f->hidden, 1.0f, f->x, (blasint)f->hidden, wb,
-                        (blasint)f->hidden, 0.0f, lg, (blasint)n);
+                        (blasint)f->dim.hidden, 1.0f, f->x, (blasint)f->dim.hidden, wb,
+                        (blasint)f->dim.hidden, 0.0f, lg, (blasint)n);
             for (int64_t r = 0; r < N; r++) {
                 int64_t t = r % T;
                 if (t == T - 1)

@@ -6,10 +6,46 @@
 #include <stdint.h>
 
 #include "bakron/model.h"
+#include "bakron/safetensors.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The sizes of a micro-batch context of the forward or backward pass (the
+ * CPU's bk_fwd and bk_bwd, the GPU's bk_gfwd and the GPU backward's), derived
+ * from the configuration in one place. */
+typedef struct bk_dims {
+    int64_t max_seqs, T, rows; /* sequences, tokens each, rows = max_seqs * T */
+    int64_t hidden, nh, nkv, hd, inter, qdim, kvdim, rep, vocab;
+} bk_dims;
+/* Fill d from c for max_seqs sequences of seqlen tokens (the product checked
+ * by the caller). */
+void bk__dims_set(bk_dims *d, const bk_model_config *c, int64_t max_seqs, int64_t seqlen);
+
+/* The checks the operations of a forward context (CPU and GPU) begin with;
+ * who ("forward", "GPU forward") and what (the operation) name it in the
+ * messages. check_batch: d NULL is a NULL context, S within 1..max_seqs;
+ * check_call: check_batch, m's sizes those of the context, and (tokens not
+ * NULL) every id of the S sequences in the vocabulary. */
+bk_status bk__fwd_check_batch(const bk_dims *d, int64_t S, const char *who, const char *what);
+bk_status bk__fwd_check_call(const bk_dims *d, const bk_model *m, const int32_t *tokens,
+                             int64_t S, const char *who, const char *what);
+/* The embedding's checks: check_call, and *t the model's embed_tokens.weight
+ * [vocab, hidden]. */
+bk_status bk__fwd_check_embed(const bk_dims *d, const bk_model *m, const int32_t *tokens,
+                              int64_t S, const char *who, const bk_tensor_info **t);
+/* The NLL's checks: check_call; *predict = 0 when the sequences predict
+ * nothing (fewer than 2 tokens). */
+bk_status bk__fwd_check_nll(const bk_dims *d, const bk_model *m, const int32_t *tokens, int64_t S,
+                            const char *who, int *predict);
+/* A 2-D [rows, cols] tensor of the model (top level) whose dtype converts to
+ * F32. */
+bk_status bk__fwd_find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
+                              const bk_tensor_info **out);
+/* Vocabulary rows per block of the head so that [rows, vc] logits and
+ * [vc, hidden] weights each stay within their block size. */
+int64_t bk__fwd_vocab_block(const bk_dims *d, int64_t rows);
 
 /* Token sequences [S, T] for a whole-model run: at least one sequence of at
  * least min_T tokens, T within max_position_embeddings, every id in

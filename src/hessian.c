@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "backward_internal.h"
+#include "forward_internal.h"
 #include "hess_blocks.h"
 #include "rope.h"
 #include "util.h"
@@ -109,13 +110,12 @@ typedef struct gram {
     void *s;
 } gram;
 
-enum { G_ATTN = 0, G_O, G_MLP, G_DOWN, G_COUNT }; /* which add feeds a module */
 
 struct bk_hess_acc {
     bk_model_config cfg;
     bk_hessian_kind kind;
     int fp64, mlp2, attn2, shampoo, qknorm;
-    int64_t T, d, inter, H, G, hd, r, qd, kvd;
+    bk_dims dim;
     bk_rope rope;
     int have_rope;
 
@@ -162,7 +162,7 @@ static bk_status bp_add_input(bk_hess_acc *a, int layer, int grp, const float *x
 static bk_status grad_room(bk_hess_acc *a, int layer, bk_module mod, int64_t m, int64_t more);
 static float *out_buf(float **slot, int64_t n);
 
-static int module_group(bk_module mod)
+int bk__hess_module_group(bk_module mod)
 {
     switch (mod) {
     case BK_MOD_Q:
@@ -172,6 +172,129 @@ static int module_group(bk_module mod)
     case BK_MOD_GATE:
     case BK_MOD_UP: return G_MLP;
     default: return G_DOWN;
+    }
+}
+
+void bk__hess_groups(unsigned modules, int grp[G_COUNT])
+{
+    for (int g = 0; g < G_COUNT; g++)
+        grp[g] = 0;
+    for (int m = 0; m < BK_MOD_COUNT; m++)
+        if (modules & (1u << m))
+            grp[bk__hess_module_group((bk_module)m)] = 1;
+}
+
+bk_status bk__hess_check_broken(int broken, const char *what, const char *reset)
+{
+    if (broken)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: an earlier add failed part-way and left the accumulator "
+                        "inconsistent (call %s)",
+                        what, reset);
+    return BK_OK;
+}
+
+bk_status bk__hess_check_layer(int broken, int has_lw, int lw_layer, int acc_layer,
+                               const char *what, const char *reset)
+{
+    bk_status st = bk__hess_check_broken(broken, what, reset);
+    if (st != BK_OK)
+        return st;
+    if (!has_lw)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s: NULL layer weights", what);
+    if (acc_layer >= 0 && lw_layer != acc_layer)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: weights of layer %d given to an accumulator holding layer "
+                        "%d (call %s between layers)",
+                        what, lw_layer, acc_layer, reset);
+    return BK_OK;
+}
+
+bk_status bk__hess_check_input(int has_acc, int broken, const void *x, const char *what,
+                               const char *reset)
+{
+    if (!has_acc)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
+    if (!x)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s is NULL", what);
+    return bk__hess_check_broken(broken, what, reset);
+}
+
+bk_status bk__hess_check_factors(const char *what, int64_t count, const char *add, int has_lw,
+                                 int lw_layer, int acc_layer)
+{
+    if (count == 0)
+        return bk_error(BK_ERR_CALIB,
+                        "hessian: %s: no calibration samples were added for this layer (call "
+                        "%s first)",
+                        what, add);
+    if (has_lw && lw_layer != acc_layer)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: %s: factors asked with the weights of layer %d, accumulated "
+                        "for layer %d",
+                        what, lw_layer, acc_layer);
+    return BK_OK;
+}
+
+bk_status bk__hess_check_attn(bk_hessian_kind kind, int attn2, int qknorm, int lw_layer,
+                              const void *attn_in, int has_qk_rot, int has_o, int has_qk_norm)
+{
+    if (!attn_in)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: attn_in is NULL", lw_layer);
+    if (!attn2)
+        return BK_OK;
+    if (!has_qk_rot)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: layer %d: %s needs the rotated queries and keys (q_rot "
+                        "and k_rot are required)",
+                        lw_layer, bk_hessian_name(kind));
+    if (!has_o)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: layer %d: self_attn.o_proj weight missing (needed for the "
+                        "v_proj output factor)",
+                        lw_layer);
+    if (qknorm && !has_qk_norm)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: layer %d: q_norm/k_norm model needs self_attn.q_proj, "
+                        "k_proj, q_norm and k_norm weights",
+                        lw_layer);
+    return BK_OK;
+}
+
+bk_status bk__hess_check_mlp(bk_hessian_kind kind, int mlp2, int lw_layer, int has_weights)
+{
+    if (mlp2 && !has_weights)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "hessian: layer %d: %s needs the mlp.gate_proj, up_proj and down_proj "
+                        "weights",
+                        lw_layer, bk_hessian_name(kind));
+    return BK_OK;
+}
+
+size_t bk__hess_scalars_pack(const int grp[G_COUNT], const int64_t count[G_COUNT],
+                             int64_t n_pairs, double v_wb, double *sc)
+{
+    size_t k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            sc[k++] = (double)count[g];
+    if (grp[G_ATTN]) {
+        sc[k++] = (double)n_pairs;
+        sc[k++] = v_wb;
+    }
+    return k;
+}
+
+void bk__hess_scalars_unpack(const int grp[G_COUNT], const double *sc, int64_t count[G_COUNT],
+                             int64_t *n_pairs, double *v_wb)
+{
+    size_t k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            count[g] = (int64_t)sc[k++];
+    if (grp[G_ATTN]) {
+        *n_pairs = (int64_t)sc[k++];
+        *v_wb = sc[k++];
     }
 }
 
@@ -301,39 +424,25 @@ static bk_status batch_rows(const bk_hess_acc *a, int64_t S, int64_t width, cons
         return bk_error(BK_ERR_INVALID_ARG,
                         "hessian: %s: sequence count must be positive (got %lld)", what,
                         (long long)S);
-    if (bk_mul_u64((uint64_t)S, (uint64_t)a->T, &n) || n > (uint64_t)INT32_MAX ||
+    if (bk_mul_u64((uint64_t)S, (uint64_t)a->dim.T, &n) || n > (uint64_t)INT32_MAX ||
         bk_mul_u64(n, (uint64_t)width, &cells) || bk_mul_u64(cells, sizeof(double), &bytes) ||
         bytes > (uint64_t)SIZE_MAX / 2)
         return bk_error(BK_ERR_INVALID_ARG,
                         "hessian: %s: micro-batch of %lld sequences x %lld tokens is too large",
-                        what, (long long)S, (long long)a->T);
+                        what, (long long)S, (long long)a->dim.T);
     *N = (int64_t)n;
     return BK_OK;
 }
 
 static bk_status check_broken(const bk_hess_acc *a, const char *what)
 {
-    if (a->broken)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: %s: an earlier add failed part-way and left the accumulator "
-                        "inconsistent (call bk_hess_acc_reset)",
-                        what);
-    return BK_OK;
+    return bk__hess_check_broken(a->broken, what, "bk_hess_acc_reset");
 }
 
 static bk_status check_layer(bk_hess_acc *a, const bk_layer_weights *lw, const char *what)
 {
-    bk_status st = check_broken(a, what);
-    if (st != BK_OK)
-        return st;
-    if (!lw)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s: NULL layer weights", what);
-    if (a->layer >= 0 && lw->layer != a->layer)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: %s: weights of layer %d given to an accumulator holding layer "
-                        "%d (call bk_hess_acc_reset between layers)",
-                        what, lw->layer, a->layer);
-    return BK_OK;
+    return bk__hess_check_layer(a->broken, lw != NULL, lw ? lw->layer : -1, a->layer, what,
+                                "bk_hess_acc_reset");
 }
 
 /* Fingerprint of a weight matrix (exactly reproducible: fixed order). */
@@ -409,8 +518,7 @@ void bk_hess_acc_free(bk_hess_acc *a)
 {
     if (!a)
         return;
-    gram *gs[] = {&a->x_attn, &a->x_o, &a->x_mlp, &a->x_down, &a->a_q,
-                  &a->a_k,    &a->a_gate, &a->a_up, &a->b_gate, &a->b_up};
+    gram *gs[] = {BK_HESS_GRAMS(a)};
     for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
         free(gs[i]->s);
     free(a->bq);
@@ -486,15 +594,7 @@ bk_status bk_hess_acc_create(const bk_model_config *cfg, bk_hessian_kind kind, i
     a->attn2 = kind_attn2(kind);
     a->shampoo = kind_shampoo(kind);
     a->qknorm = cfg->qk_norm ? 1 : 0;
-    a->T = seqlen;
-    a->d = cfg->hidden;
-    a->inter = cfg->intermediate;
-    a->H = cfg->n_heads;
-    a->G = cfg->n_kv_heads;
-    a->hd = cfg->head_dim;
-    a->r = a->H / a->G;
-    a->qd = a->H * a->hd;
-    a->kvd = a->G * a->hd;
+    bk__dims_set(&a->dim, cfg, 1, seqlen); /* (max_seqs and rows unused) */
     a->layer = -1;
     a->bp = bk_hessian_is_backprop(kind);
 
@@ -502,19 +602,19 @@ bk_status bk_hess_acc_create(const bk_model_config *cfg, bk_hessian_kind kind, i
         *out = a;
         return BK_OK;
     }
-    if ((st = gram_init(a, &a->x_attn, a->d)) != BK_OK || (st = gram_init(a, &a->x_o, a->qd)) ||
-        (st = gram_init(a, &a->x_down, a->inter)))
+    if ((st = gram_init(a, &a->x_attn, a->dim.hidden)) != BK_OK || (st = gram_init(a, &a->x_o, a->dim.qdim)) ||
+        (st = gram_init(a, &a->x_down, a->dim.inter)))
         goto fail;
     if (!a->mlp2 || !a->shampoo)
-        if ((st = gram_init(a, &a->x_mlp, a->d)) != BK_OK)
+        if ((st = gram_init(a, &a->x_mlp, a->dim.hidden)) != BK_OK)
             goto fail;
     if (a->mlp2) {
-        if ((st = gram_init(a, &a->b_gate, a->inter)) || (st = gram_init(a, &a->b_up, a->inter)))
+        if ((st = gram_init(a, &a->b_gate, a->dim.inter)) || (st = gram_init(a, &a->b_up, a->dim.inter)))
             goto fail;
         if (a->shampoo)
-            if ((st = gram_init(a, &a->a_gate, a->d)) || (st = gram_init(a, &a->a_up, a->d)))
+            if ((st = gram_init(a, &a->a_gate, a->dim.hidden)) || (st = gram_init(a, &a->a_up, a->dim.hidden)))
                 goto fail;
-        a->dcol2 = bk_alloc((size_t)a->inter, sizeof(float));
+        a->dcol2 = bk_alloc((size_t)a->dim.inter, sizeof(float));
         if (!a->dcol2)
             goto nomem;
     }
@@ -527,14 +627,14 @@ bk_status bk_hess_acc_create(const bk_model_config *cfg, bk_hessian_kind kind, i
         }
     }
     if (a->attn2) {
-        size_t hh = (size_t)(a->hd * a->hd);
-        a->bq = bk_calloc((size_t)a->H * hh, sizeof(double));
-        a->bk = bk_calloc((size_t)a->G * hh, sizeof(double));
-        a->bv = bk_calloc((size_t)a->G * hh, sizeof(double));
+        size_t hh = (size_t)(a->dim.hd * a->dim.hd);
+        a->bq = bk_calloc((size_t)a->dim.nh * hh, sizeof(double));
+        a->bk = bk_calloc((size_t)a->dim.nkv * hh, sizeof(double));
+        a->bv = bk_calloc((size_t)a->dim.nkv * hh, sizeof(double));
         if (!a->bq || !a->bk || !a->bv)
             goto nomem;
         if (a->shampoo)
-            if ((st = gram_init(a, &a->a_q, a->d)) || (st = gram_init(a, &a->a_k, a->d)))
+            if ((st = gram_init(a, &a->a_q, a->dim.hidden)) || (st = gram_init(a, &a->a_k, a->dim.hidden)))
                 goto fail;
         if ((st = bk_rope_init(&a->rope, cfg, seqlen)) != BK_OK) {
             bk_error_prefix(st, "hessian");
@@ -556,17 +656,16 @@ void bk_hess_acc_reset(bk_hess_acc *a)
 {
     if (!a)
         return;
-    gram *gs[] = {&a->x_attn, &a->x_o, &a->x_mlp, &a->x_down, &a->a_q,
-                  &a->a_k,    &a->a_gate, &a->a_up, &a->b_gate, &a->b_up};
+    gram *gs[] = {BK_HESS_GRAMS(a)};
     for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
         gram_zero(a, gs[i]);
-    size_t hh = (size_t)(a->hd * a->hd);
+    size_t hh = (size_t)(a->dim.hd * a->dim.hd);
     if (a->bq)
-        memset(a->bq, 0, (size_t)a->H * hh * sizeof(double));
+        memset(a->bq, 0, (size_t)a->dim.nh * hh * sizeof(double));
     if (a->bk)
-        memset(a->bk, 0, (size_t)a->G * hh * sizeof(double));
+        memset(a->bk, 0, (size_t)a->dim.nkv * hh * sizeof(double));
     if (a->bv)
-        memset(a->bv, 0, (size_t)a->G * hh * sizeof(double));
+        memset(a->bv, 0, (size_t)a->dim.nkv * hh * sizeof(double));
     a->have_bv = 0;
     a->have_down_fp = 0;
     a->broken = 0;
@@ -609,10 +708,8 @@ static gram *kfac_gram(bk_hess_acc *a, int grp);
  * own tokens), then the token counts. */
 static bk_status bp_input_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, void *user)
 {
-    int grp[G_COUNT] = {0};
-    for (int m = 0; m < BK_MOD_COUNT; m++)
-        if (modules & (1u << m))
-            grp[module_group((bk_module)m)] = 1;
+    int grp[G_COUNT];
+    bk__hess_groups(modules, grp);
     bk_status st = BK_OK;
     double sc[G_COUNT];
     size_t k = 0;
@@ -666,12 +763,10 @@ bk_status bk_hess_acc_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, 
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     if (a->bp)
         return bp_input_sums(a, modules, fn, user);
-    int grp[G_COUNT] = {0};
-    for (int m = 0; m < BK_MOD_COUNT; m++)
-        if (modules & (1u << m))
-            grp[module_group((bk_module)m)] = 1;
+    int grp[G_COUNT];
+    bk__hess_groups(modules, grp);
     bk_status st = BK_OK;
-    const size_t hh = (size_t)(a->hd * a->hd);
+    const size_t hh = (size_t)(a->dim.hd * a->dim.hd);
     if (grp[G_ATTN]) {
         if (st == BK_OK)
             st = sums_gram(a, &a->x_attn, fn, user);
@@ -680,9 +775,9 @@ bk_status bk_hess_acc_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, 
         if (st == BK_OK)
             st = sums_gram(a, &a->a_k, fn, user);
         if (st == BK_OK && a->bq)
-            st = fn(user, a->bq, (size_t)a->H * hh, 1);
+            st = fn(user, a->bq, (size_t)a->dim.nh * hh, 1);
         if (st == BK_OK && a->bk)
-            st = fn(user, a->bk, (size_t)a->G * hh, 1);
+            st = fn(user, a->bk, (size_t)a->dim.nkv * hh, 1);
     }
     if (grp[G_O] && st == BK_OK)
         st = sums_gram(a, &a->x_o, fn, user);
@@ -697,25 +792,10 @@ bk_status bk_hess_acc_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, 
         return st;
     /* counts and scalar sums of the groups */
     double sc[G_COUNT + 2];
-    size_t k = 0;
-    for (int g = 0; g < G_COUNT; g++)
-        if (grp[g])
-            sc[k++] = (double)a->count[g];
-    if (grp[G_ATTN]) {
-        sc[k++] = (double)a->n_pairs;
-        sc[k++] = a->v_wb;
-    }
-    st = fn(user, sc, k, 1);
+    st = fn(user, sc, bk__hess_scalars_pack(grp, a->count, a->n_pairs, a->v_wb, sc), 1);
     if (st != BK_OK)
         return st;
-    k = 0;
-    for (int g = 0; g < G_COUNT; g++)
-        if (grp[g])
-            a->count[g] = (int64_t)sc[k++];
-    if (grp[G_ATTN]) {
-        a->n_pairs = (int64_t)sc[k++];
-        a->v_wb = sc[k++];
-    }
+    bk__hess_scalars_unpack(grp, sc, a->count, &a->n_pairs, &a->v_wb);
     return BK_OK;
 }
 
@@ -742,7 +822,7 @@ bk_status bk_hess_set_start(bk_hess_acc *a, bk_module mod, const float *A0, int6
                         "(got A [%lld, %lld], B [%lld, %lld])",
                         mn, (long long)ni, (long long)ni, (long long)mo, (long long)mo,
                         (long long)n, (long long)n, (long long)m, (long long)m);
-    if (a->count[module_group(mod)] > 0)
+    if (a->count[bk__hess_module_group(mod)] > 0)
         return bk_error(BK_ERR_INVALID_ARG,
                         "hessian: %s: start factors must be set before the first add of the "
                         "layer (call bk_hess_acc_reset first)",
@@ -792,7 +872,7 @@ bk_status bk_hess_set_start(bk_hess_acc *a, bk_module mod, const float *A0, int6
             memcpy(a->startB[mod], B0, (size_t)(m * m) * sizeof(float));
         } else {
             /* only the diagonal head blocks meet the block-structured b */
-            int64_t h = a->hd, nb = m / h;
+            int64_t h = a->dim.hd, nb = m / h;
             double *blk = bk_alloc((size_t)(nb * h * h), sizeof(double));
             if (!blk)
                 return bk_error(BK_ERR_NOMEM, "hessian: %s: out of memory for the start factor",
@@ -902,15 +982,15 @@ static void project(const float *X, int64_t rows, int64_t n, const float *W, con
  * query head). */
 static bk_status make_bv(bk_hess_acc *a, const float *wo)
 {
-    int64_t h = a->hd;
+    int64_t h = a->dim.hd;
     float *tmp = bk_calloc((size_t)(h * h), sizeof(float));
     if (!tmp)
         return bk_error(BK_ERR_NOMEM, "hessian: out of memory");
-    for (int64_t j = 0; j < a->H; j++) {
-        double *blk = a->bv + (j / a->r) * h * h;
+    for (int64_t j = 0; j < a->dim.nh; j++) {
+        double *blk = a->bv + (j / a->dim.rep) * h * h;
         memset(tmp, 0, (size_t)(h * h) * sizeof(float));
-        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)h, (int)a->d, 1.0f, wo + j * h,
-                    (int)a->qd, 0.0f, tmp, (int)h);
+        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)h, (int)a->dim.hidden, 1.0f, wo + j * h,
+                    (int)a->dim.qdim, 0.0f, tmp, (int)h);
         for (int64_t p = 0; p < h; p++)
             for (int64_t q = p; q < h; q++) {
                 blk[p * h + q] += tmp[p * h + q];
@@ -933,31 +1013,20 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
     if ((st = check_layer(a, lw, "bk_hess_add_attn")) != BK_OK)
         return st;
     if (a->bp)
-        return bp_add_input(a, lw->layer, G_ATTN, attn_in, S, a->d, "attn_in");
-    if (!attn_in)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: attn_in is NULL", lw->layer);
-    if ((st = batch_rows(a, S, a->qd > a->d ? a->qd : a->d, "attn_in", &N)) != BK_OK)
+        return bp_add_input(a, lw->layer, G_ATTN, attn_in, S, a->dim.hidden, "attn_in");
+    if ((st = bk__hess_check_attn(a->kind, a->attn2, a->qknorm, lw->layer, attn_in,
+                                  q_rot && k_rot, lw->w[BK_MOD_O] != NULL,
+                                  lw->q_norm && lw->k_norm && lw->w[BK_MOD_Q] && lw->w[BK_MOD_K])) !=
+        BK_OK)
+        return st;
+    if ((st = batch_rows(a, S, a->dim.qdim > a->dim.hidden ? a->dim.qdim : a->dim.hidden,
+                         "attn_in", &N)) != BK_OK)
+        return st;
+    if ((st = check_finite(attn_in, N, a->dim.hidden, lw->layer, "attn_in")) != BK_OK)
         return st;
     if (a->attn2) {
-        if (!q_rot || !k_rot)
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "hessian: layer %d: %s needs the rotated queries and keys (q_rot "
-                            "and k_rot are required)",
-                            lw->layer, bk_hessian_name(a->kind));
-        if (!lw->w[BK_MOD_O])
-            return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: self_attn.o_proj weight "
-                            "missing (needed for the v_proj output factor)", lw->layer);
-        if (a->qknorm && (!lw->q_norm || !lw->k_norm || !lw->w[BK_MOD_Q] || !lw->w[BK_MOD_K]))
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "hessian: layer %d: q_norm/k_norm model needs self_attn.q_proj, "
-                            "k_proj, q_norm and k_norm weights",
-                            lw->layer);
-    }
-    if ((st = check_finite(attn_in, N, a->d, lw->layer, "attn_in")) != BK_OK)
-        return st;
-    if (a->attn2) {
-        if ((st = check_finite(q_rot, N, a->qd, lw->layer, "q_rot")) != BK_OK ||
-            (st = check_finite(k_rot, N, a->kvd, lw->layer, "k_rot")) != BK_OK)
+        if ((st = check_finite(q_rot, N, a->dim.qdim, lw->layer, "q_rot")) != BK_OK ||
+            (st = check_finite(k_rot, N, a->dim.kvdim, lw->layer, "k_rot")) != BK_OK)
             return st;
     }
     a->layer = lw->layer;
@@ -975,7 +1044,7 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
     }
 
     /* ---- fully-local: q, k output blocks; v output block from W_o */
-    const int64_t T = a->T, h = a->hd, hh = h * h, r = a->r, d = a->d;
+    const int64_t T = a->dim.T, h = a->dim.hd, hh = h * h, r = a->dim.rep, d = a->dim.hidden;
     const double eps = a->cfg.rms_eps;
     double *C = NULL, *tmp = NULL, *M = NULL, *Bt = NULL, *v = NULL;
     double *wq = NULL, *wk = NULL, *sq = NULL, *sk = NULL, *sv = NULL;
@@ -992,8 +1061,8 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
     sk = bk_alloc((size_t)T, sizeof(double));
     sv = bk_alloc((size_t)T, sizeof(double));
     if (a->qknorm) {
-        zq = bk_alloc((size_t)(T * a->qd), sizeof(float));
-        zk = bk_alloc((size_t)(T * a->kvd), sizeof(float));
+        zq = bk_alloc((size_t)(T * a->dim.qdim), sizeof(float));
+        zk = bk_alloc((size_t)(T * a->dim.kvdim), sizeof(float));
     }
     if (!C || !tmp || !M || !Bt || !v || !wq || !wk || !sq || !sk || !sv ||
         (a->qknorm && (!zq || !zk))) {
@@ -1006,7 +1075,7 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
 
     for (int64_t s = 0; s < S; s++) {
         const float *X = attn_in + s * T * d;
-        const float *Qr = q_rot + s * T * a->qd, *Kr = k_rot + s * T * a->kvd;
+        const float *Qr = q_rot + s * T * a->dim.qdim, *Kr = k_rot + s * T * a->dim.kvdim;
         /* B-side weights s_t: |x_t|² from the identity start, else x_tᵀ A0 x_t */
         const float *A0[3] = {a->startA[BK_MOD_Q], a->startA[BK_MOD_K], a->startA[BK_MOD_V]};
         double *sw[3] = {sq, sk, sv};
@@ -1025,18 +1094,18 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
         for (int64_t t = 0; t < T; t++)
             a->v_wb += sv[t];
         if (a->qknorm) {
-            project(X, T, d, lw->w[BK_MOD_Q], lw->b[BK_MOD_Q], a->qd, zq);
-            project(X, T, d, lw->w[BK_MOD_K], lw->b[BK_MOD_K], a->kvd, zk);
+            project(X, T, d, lw->w[BK_MOD_Q], lw->b[BK_MOD_Q], a->dim.qdim, zq);
+            project(X, T, d, lw->w[BK_MOD_K], lw->b[BK_MOD_K], a->dim.kvdim, zk);
         }
         memset(wq, 0, (size_t)T * sizeof(double));
         memset(wk, 0, (size_t)T * sizeof(double));
         const double *B0q = a->startBblk[BK_MOD_Q], *B0k = a->startBblk[BK_MOD_K];
 
-        for (int64_t kv = 0; kv < a->G; kv++) {
+        for (int64_t kv = 0; kv < a->dim.nkv; kv++) {
             /* q_proj: keys u <= t of this kv head, prefix Gram C_t */
             memset(C, 0, (size_t)hh * sizeof(double));
             for (int64_t t = 0; t < T; t++) {
-                const float *kf = Kr + t * a->kvd + kv * h;
+                const float *kf = Kr + t * a->dim.kvdim + kv * h;
                 for (int64_t i = 0; i < h; i++)
                     v[i] = kf[i];
                 cblas_dger(CblasRowMajor, (int)h, (int)h, 1.0, v, 1, v, 1, C, (int)h);
@@ -1044,7 +1113,7 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
                 for (int64_t j = kv * r; j < (kv + 1) * r; j++) {
                     const double *Bj = M;
                     if (a->qknorm) {
-                        norm_sandwich(M, zq + t * a->qd + j * h, lw->q_norm, eps, h, v, Bt);
+                        norm_sandwich(M, zq + t * a->dim.qdim + j * h, lw->q_norm, eps, h, v, Bt);
                         Bj = Bt;
                     }
                     wq[t] += B0q ? frob_dot(B0q + j * hh, Bj, hh) : trace(Bj, h);
@@ -1056,7 +1125,7 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
             memset(C, 0, (size_t)hh * sizeof(double));
             for (int64_t u = T - 1; u >= 0; u--) {
                 for (int64_t j = kv * r; j < (kv + 1) * r; j++) {
-                    const float *qf = Qr + u * a->qd + j * h;
+                    const float *qf = Qr + u * a->dim.qdim + j * h;
                     for (int64_t i = 0; i < h; i++)
                         v[i] = qf[i];
                     cblas_dger(CblasRowMajor, (int)h, (int)h, 1.0, v, 1, v, 1, C, (int)h);
@@ -1064,7 +1133,7 @@ bk_status bk_hess_add_attn(bk_hess_acc *a, const bk_layer_weights *lw, const flo
                 rot_sandwich(&a->rope, u, C, tmp, M);
                 const double *Bk = M;
                 if (a->qknorm) {
-                    norm_sandwich(M, zk + u * a->kvd + kv * h, lw->k_norm, eps, h, v, Bt);
+                    norm_sandwich(M, zk + u * a->dim.kvdim + kv * h, lw->k_norm, eps, h, v, Bt);
                     Bk = Bt;
                 }
                 wk[u] += B0k ? frob_dot(B0k + kv * hh, Bk, hh) : trace(Bk, h);
@@ -1348,7 +1417,7 @@ bk_status bk__hess_bp_token_weights(const bk_hess_acc *a, bk_module mod, const d
 static bk_status bp_factors(bk_hess_acc *a, bk_module mod, const float **A, const float **B)
 {
     const char *mn = bk_module_name(mod);
-    int grp = module_group(mod);
+    int grp = bk__hess_module_group(mod);
     int64_t m, n;
     bk_module_shape(&a->cfg, mod, &m, &n);
     if (a->gcount[mod] == 0)
@@ -1379,13 +1448,9 @@ static bk_status bp_factors(bk_hess_acc *a, bk_module mod, const float **A, cons
 static bk_status add_plain(bk_hess_acc *a, gram *g, int grp, const float *x, int64_t S,
                            int64_t width, const char *what)
 {
-    bk_status st;
     int64_t N = 0;
-    if (!a)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
-    if (!x)
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: %s is NULL", what);
-    if ((st = check_broken(a, what)) != BK_OK)
+    bk_status st = bk__hess_check_input(a != NULL, a && a->broken, x, what, "bk_hess_acc_reset");
+    if (st != BK_OK)
         return st;
     if (a->bp)
         return bp_add_input(a, a->layer, grp, x, S, width, what);
@@ -1404,12 +1469,12 @@ static bk_status add_plain(bk_hess_acc *a, gram *g, int grp, const float *x, int
 
 bk_status bk_hess_add_o(bk_hess_acc *a, const float *o_in, int64_t S)
 {
-    return add_plain(a, a ? &a->x_o : NULL, G_O, o_in, S, a ? a->qd : 0, "o_in");
+    return add_plain(a, a ? &a->x_o : NULL, G_O, o_in, S, a ? a->dim.qdim : 0, "o_in");
 }
 
 bk_status bk_hess_add_down(bk_hess_acc *a, const float *down_in, int64_t S)
 {
-    return add_plain(a, a ? &a->x_down : NULL, G_DOWN, down_in, S, a ? a->inter : 0, "down_in");
+    return add_plain(a, a ? &a->x_down : NULL, G_DOWN, down_in, S, a ? a->dim.inter : 0, "down_in");
 }
 
 /* ------------------------------------------------------------ gate / up */
@@ -1430,12 +1495,12 @@ static double silu_prime(double z)
 /* E = B0 ⊙ DᵀD for a power start on gate/up. */
 static bk_status make_mlpE(bk_hess_acc *a, const float *wdown, bk_module mod)
 {
-    int64_t NI = a->inter;
+    int64_t NI = a->dim.inter;
     float *E = bk_calloc((size_t)(NI * NI), sizeof(float));
     if (!E)
         return bk_error(BK_ERR_NOMEM, "hessian: out of memory for a %lld x %lld matrix",
                         (long long)NI, (long long)NI);
-    cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)NI, (int)a->d, 1.0f, wdown, (int)NI,
+    cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)NI, (int)a->dim.hidden, 1.0f, wdown, (int)NI,
                 0.0f, E, (int)NI);
     const float *B0 = a->startB[mod];
     for (int64_t i = 0; i < NI; i++)
@@ -1458,17 +1523,16 @@ bk_status bk_hess_add_mlp(bk_hess_acc *a, const bk_layer_weights *lw, const floa
     if ((st = check_layer(a, lw, "bk_hess_add_mlp")) != BK_OK)
         return st;
     if (a->bp)
-        return bp_add_input(a, lw->layer, G_MLP, mlp_in, S, a->d, "mlp_in");
+        return bp_add_input(a, lw->layer, G_MLP, mlp_in, S, a->dim.hidden, "mlp_in");
     if (!mlp_in)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d: mlp_in is NULL", lw->layer);
-    if ((st = batch_rows(a, S, a->inter > a->d ? a->inter : a->d, "mlp_in", &N)) != BK_OK)
+    if ((st = batch_rows(a, S, a->dim.inter > a->dim.hidden ? a->dim.inter : a->dim.hidden, "mlp_in", &N)) != BK_OK)
         return st;
-    if (a->mlp2 && (!lw->w[BK_MOD_GATE] || !lw->w[BK_MOD_UP] || !lw->w[BK_MOD_DOWN]))
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: layer %d: %s needs the mlp.gate_proj, up_proj and down_proj "
-                        "weights",
-                        lw->layer, bk_hessian_name(a->kind));
-    if ((st = check_finite(mlp_in, N, a->d, lw->layer, "mlp_in")) != BK_OK)
+    if ((st = bk__hess_check_mlp(a->kind, a->mlp2, lw->layer,
+                                 lw->w[BK_MOD_GATE] && lw->w[BK_MOD_UP] && lw->w[BK_MOD_DOWN])) !=
+        BK_OK)
+        return st;
+    if ((st = check_finite(mlp_in, N, a->dim.hidden, lw->layer, "mlp_in")) != BK_OK)
         return st;
     a->layer = lw->layer;
     if (a->kind == BK_HESS_RTN) {
@@ -1484,7 +1548,7 @@ bk_status bk_hess_add_mlp(bk_hess_acc *a, const bk_layer_weights *lw, const floa
         return BK_OK;
     }
 
-    const int64_t d = a->d, NI = a->inter;
+    const int64_t d = a->dim.hidden, NI = a->dim.inter;
     const float *wd = lw->w[BK_MOD_DOWN];
     if (!a->have_down_fp) {
         fingerprint(wd, d * NI, a->down_fp);
@@ -1627,19 +1691,13 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
         return st0;
     if (a->kind == BK_HESS_RTN)
         return BK_OK; /* plain rounding: no factors */
-    int grp = module_group(mod);
+    int grp = bk__hess_module_group(mod);
     if (a->bp && a->count[grp] > 0 && (!lw || lw->layer == a->layer))
         return bp_factors(a, mod, A, B);
-    if (a->count[grp] == 0)
-        return bk_error(BK_ERR_CALIB,
-                        "hessian: %s: no calibration samples were added for this layer (call "
-                        "%s first)",
-                        mn, group_add_name(grp));
-    if (lw && lw->layer != a->layer)
-        return bk_error(BK_ERR_INVALID_ARG,
-                        "hessian: %s: factors asked with the weights of layer %d, accumulated "
-                        "for layer %d",
-                        mn, lw->layer, a->layer);
+    st0 = bk__hess_check_factors(mn, a->count[grp], group_add_name(grp), lw != NULL,
+                                 lw ? lw->layer : -1, a->layer);
+    if (st0 != BK_OK)
+        return st0;
     int64_t m, n;
     bk_module_shape(&a->cfg, mod, &m, &n);
     float *fa = out_buf(&a->outA[mod], n);
@@ -1656,7 +1714,7 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
     }
     const double N = (double)a->count[grp];
     const double P = (double)a->n_pairs;
-    const int64_t h = a->hd;
+    const int64_t h = a->dim.hd;
 
     switch (mod) {
     case BK_MOD_Q:
@@ -1670,12 +1728,12 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
         else
             gram_out(a, &a->x_attn, 1.0 / N, fa);
         if (mod == BK_MOD_K)
-            bk_hess_head_blocks(fb, a->bk, h * h, a->G, 1, h, 1.0 / P, 1.0);
+            bk_hess_head_blocks(fb, a->bk, h * h, a->dim.nkv, 1, h, 1.0 / P, 1.0);
         else if (a->qknorm)
-            bk_hess_head_blocks(fb, a->bq, h * h, a->H, 1, h, 1.0 / P, 1.0);
+            bk_hess_head_blocks(fb, a->bq, h * h, a->dim.nh, 1, h, 1.0 / P, 1.0);
         else /* without q_norm every head of a group has the same block, stored
               * at the group's first head */
-            bk_hess_head_blocks(fb, a->bq, a->r * h * h, a->H, a->r, h, 1.0, P);
+            bk_hess_head_blocks(fb, a->bq, a->dim.rep * h * h, a->dim.nh, a->dim.rep, h, 1.0, P);
         break;
     case BK_MOD_V:
         if (!two) {
@@ -1686,14 +1744,14 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
             /* A = tr(bᵀ B0 b) E[x xᵀ], tr(bᵀ B0 b) = <B0, B_O> (B0 = I: tr B_O) */
             double wa = 0;
             const double *B0 = a->startBblk[BK_MOD_V];
-            for (int64_t b = 0; b < a->G; b++)
+            for (int64_t b = 0; b < a->dim.nkv; b++)
                 wa += B0 ? frob_dot(B0 + b * h * h, a->bv + b * h * h, h * h)
                          : trace(a->bv + b * h * h, h);
             gram_out(a, &a->x_attn, wa / N, fa);
-            bk_hess_head_blocks(fb, a->bv, h * h, a->G, 1, h, a->v_wb / N, 1.0);
+            bk_hess_head_blocks(fb, a->bv, h * h, a->dim.nkv, 1, h, a->v_wb / N, 1.0);
         } else {
             gram_out(a, &a->x_attn, 1.0 / N, fa);
-            bk_hess_head_blocks(fb, a->bv, h * h, a->G, 1, h, 1.0, 1.0);
+            bk_hess_head_blocks(fb, a->bv, h * h, a->dim.nkv, 1, h, 1.0, 1.0);
         }
         break;
     case BK_MOD_O:
@@ -1714,7 +1772,7 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
             return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d %s: mlp.down_proj weight "
                             "missing", a->layer, mn);
         double fp[3];
-        fingerprint(lw->w[BK_MOD_DOWN], a->d * a->inter, fp);
+        fingerprint(lw->w[BK_MOD_DOWN], a->dim.hidden * a->dim.inter, fp);
         if (fp[0] != a->down_fp[0] || fp[1] != a->down_fp[1] || fp[2] != a->down_fp[2])
             return bk_error(BK_ERR_INVALID_ARG,
                             "hessian: layer %d %s: mlp.down_proj weights differ from those "
@@ -1725,10 +1783,10 @@ bk_status bk_hess_factors(bk_hess_acc *a, const bk_layer_weights *lw, bk_module 
         else
             gram_out(a, &a->x_mlp, 1.0 / N, fa);
         /* B = (Σ w v vᵀ / N) ⊙ DᵀD */
-        int64_t NI = a->inter;
+        int64_t NI = a->dim.inter;
         const gram *gb = mod == BK_MOD_UP ? &a->b_up : &a->b_gate;
         memset(fb, 0, (size_t)(NI * NI) * sizeof(float));
-        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)NI, (int)a->d, 1.0f,
+        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)NI, (int)a->dim.hidden, 1.0f,
                     lw->w[BK_MOD_DOWN], (int)NI, 0.0f, fb, (int)NI);
         for (int64_t i = 0; i < NI; i++)
             for (int64_t j = i; j < NI; j++) {
