@@ -213,10 +213,14 @@ bk_status bk_dside_from_factor(bk_cuda_ctx *c, bk_dside *s, const double *Lh, in
 /* ------------------------------------------------------------ statistics */
 
 /* loss_one = tr(E A~ E^T), loss_two = tr(E^T B~ E A~) with E = Wq - W0 (all
- * device double, row-major; Bd NULL = identity). */
+ * device double, row-major; Bd NULL = identity). With dAp and loss_plain
+ * (else NULL): *loss_plain = tr(E Ap E^T) for the device F32 [n, n] Ap from the
+ * same E A~ when A~ - Ap is diagonal (no second GEMM); NAN when it is not (the
+ * caller computes it by another call with Ap as dAd). */
 bk_status bk_cuda_losses(bk_cuda_ctx *c, int64_t m, int64_t n, const double *dWq,
                          const double *dW0, const double *dAd, const double *dBd,
-                         double *loss_one, double *loss_two);
+                         double *loss_one, double *loss_two, const float *dAp,
+                         double *loss_plain);
 
 /* ------------------------------------------------------------- the solve */
 

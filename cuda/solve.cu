@@ -632,8 +632,12 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     }
     bk_cuda_pmark(c->stream, &tp, "sd.dcopy_loss_prep");
     if (stats) {
+        /* the proxy loss from the same E A~ when A~ - A_plain is diagonal
+         * (no dead column: its E is the same) */
+        const int fuse = want_gptq && s->dead == 0;
         st = bk_cuda_losses(c, m, n, dWq, dW0, sa.dtil, sb.identity ? NULL : sb.dtil,
-                            &r->loss_one_sided, &r->loss_two_sided);
+                            &r->loss_one_sided, &r->loss_two_sided, fuse ? x->A_plain : NULL,
+                            fuse ? &lgptq : NULL);
         if (st != BK_OK)
             goto fail;
         if (o->algorithm != BK_ALG_RTN) {
@@ -671,7 +675,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         }
     }
     bk_cuda_pmark(c->stream, &tp, "sd.stats");
-    if (want_gptq) {
+    if (want_gptq && std::isnan(lgptq)) {
         /* tr(E A_plain E^T), E = weight - the original W, A_plain undamped;
          * the damped matrices are done with */
         double unused = 0.0;
@@ -692,7 +696,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
             goto fail;
         k_f2d<<<nblocks(n * n, INT_MAX), 256, 0, c->stream>>>(dAp, x->A_plain, n * n);
         BK_CUDA_GOTO(cudaGetLastError(), st, fail);
-        st = bk_cuda_losses(c, m, n, dWq, dW0, dAp, NULL, &lgptq, &unused);
+        st = bk_cuda_losses(c, m, n, dWq, dW0, dAp, NULL, &lgptq, &unused, NULL, NULL);
         if (st != BK_OK)
             goto fail;
         bk_dev_free(c, dAp);

@@ -1,6 +1,15 @@
 /* CUDA backend — the statistics in double (cuBLAS), as src/solver.c's
  * losses(): E = Wq - W0, F = E A~, loss_one = sum E o F, and with B
- * G = B~ E, loss_two = sum G o F (= tr(E^T B~ E A~)). */
+ * G = B~ E, loss_two = sum G o F (= tr(E^T B~ E A~)).
+ *
+ * The GPTQ proxy loss tr(E A_plain E^T) of the same E comes from the same F
+ * when A~ - A_plain is diagonal (A~ is A mirrored and damped; A_plain is the
+ * same F32 matrix for every kind but the Shampoo ones):
+ * E A_plain = F - E diag(d), d_j = A~_jj - A_plain_jj, so
+ * loss_plain = sum_ij E_ij (F_ij - d_j E_ij), one pass over E and F instead of
+ * a second m n^2 GEMM in double. */
+#include <cmath>
+
 #include "cuda_internal.cuh"
 
 namespace {
@@ -12,14 +21,125 @@ __global__ void k_sub(double *a, const double *b, int64_t count)
         a[idx] -= b[idx];
 }
 
+/* d[j] = At[j, j] - (double)Ap[j, j]; *off = 1 when any off-diagonal entry
+ * of At [n, n] differs from (double)Ap (both row-major, ld n). */
+__global__ void k_diag_delta(const double *At, const float *Ap, int64_t n, double *d,
+                             unsigned *off)
+{
+    const int64_t nn = n * n;
+    unsigned bad = 0;
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < nn;
+         t += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = t / n, j = t - i * n;
+        const double a = At[t], p = (double)Ap[t];
+        if (i == j)
+            d[j] = a - p;
+        else if (a != p)
+            bad = 1;
+    }
+    if (bad)
+        *off = 1u;
+}
+
+#define LOSS_THREADS 256
+#define LOSS_BLOCKS 1024
+
+/* part[block] = the block's share of sum_t E_t (F_t - d_{t mod n} E_t), a
+ * fixed grid and a fixed order (deterministic). */
+__global__ void k_loss_plain(const double *E, const double *F, const double *d, int64_t n,
+                             int64_t count, double *part)
+{
+    __shared__ double sh[LOSS_THREADS];
+    double s = 0.0;
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < count;
+         t += (int64_t)gridDim.x * blockDim.x) {
+        const double e = E[t];
+        s += e * (F[t] - d[t % n] * e);
+    }
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = LOSS_THREADS / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w)
+            sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        part[blockIdx.x] = sh[0];
+}
+
+__global__ void k_sum_parts(const double *part, int count, double *out)
+{
+    __shared__ double sh[LOSS_THREADS];
+    double s = 0.0;
+    for (int t = (int)threadIdx.x; t < count; t += LOSS_THREADS)
+        s += part[t];
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = LOSS_THREADS / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w)
+            sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        *out = sh[0];
+}
+
+/* The proxy loss from E and F = E A~ when A~ - Ap is diagonal; *loss = NAN
+ * (and BK_OK) when it is not. */
+bk_status loss_plain_from(bk_cuda_ctx *c, int64_t m, int64_t n, const double *E, const double *F,
+                          const double *At, const float *Ap, double *loss)
+{
+    *loss = NAN;
+    double *d = NULL, *part = NULL;
+    unsigned off = 0, *doff = NULL;
+    bk_status st = bk_dev_alloc(c, (void **)&d, sizeof(double) * (size_t)n, "loss: diagonal");
+    if (st == BK_OK)
+        st = bk_dev_alloc(c, (void **)&part, sizeof(double) * (LOSS_BLOCKS + 1), "loss: sums");
+    if (st == BK_OK)
+        st = bk_dev_alloc(c, (void **)&doff, sizeof(unsigned), "loss: flag");
+    if (st != BK_OK)
+        goto done;
+    {
+        const int64_t nn = n * n;
+        int64_t blocks = (nn + 255) / 256;
+        if (blocks > 65536)
+            blocks = 65536;
+        k_diag_delta<<<(unsigned)blocks, 256, 0, c->stream>>>(At, Ap, n, d, doff);
+        BK_CUDA_GOTO(cudaGetLastError(), st, done);
+        BK_CUDA_GOTO(cudaMemcpyAsync(&off, doff, sizeof off, cudaMemcpyDeviceToHost, c->stream),
+                     st, done);
+        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+    }
+    if (off)
+        goto done; /* not diagonal: the caller runs the GEMM */
+    k_loss_plain<<<LOSS_BLOCKS, LOSS_THREADS, 0, c->stream>>>(E, F, d, n, m * n, part);
+    BK_CUDA_GOTO(cudaGetLastError(), st, done);
+    k_sum_parts<<<1, LOSS_THREADS, 0, c->stream>>>(part, LOSS_BLOCKS, part + LOSS_BLOCKS);
+    BK_CUDA_GOTO(cudaGetLastError(), st, done);
+    BK_CUDA_GOTO(cudaMemcpyAsync(loss, part + LOSS_BLOCKS, sizeof(double),
+                                 cudaMemcpyDeviceToHost, c->stream),
+                 st, done);
+    BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+done:
+    if (st != BK_OK)
+        *loss = NAN;
+    bk_dev_free(c, doff);
+    bk_dev_free(c, part);
+    bk_dev_free(c, d);
+    return st;
+}
+
 } // namespace
 
 bk_status bk_cuda_losses(bk_cuda_ctx *c, int64_t m, int64_t n, const double *dWq,
                          const double *dW0, const double *dAd, const double *dBd,
-                         double *loss_one, double *loss_two)
+                         double *loss_one, double *loss_two, const float *dAp,
+                         double *loss_plain)
 {
     const int64_t mn = m * n;
     double *E = NULL, *F = NULL, *G = NULL;
+    if (loss_plain)
+        *loss_plain = NAN;
     bk_status st = bk_dev_alloc(c, (void **)&E, sizeof(double) * (size_t)mn, "loss: E");
     if (st == BK_OK)
         st = bk_dev_alloc(c, (void **)&F, sizeof(double) * (size_t)mn, "loss: E A");
@@ -45,6 +165,8 @@ bk_status bk_cuda_losses(bk_cuda_ctx *c, int64_t m, int64_t n, const double *dWq
         *loss_two = *loss_one;
     }
     BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, done);
+    if (dAp && loss_plain)
+        st = loss_plain_from(c, m, n, E, F, dAd, dAp, loss_plain);
 done:
     bk_dev_free(c, G);
     bk_dev_free(c, F);

@@ -9,6 +9,9 @@
  *     within 1e-4 relative; loss_gptq = tr(E A_plain E^T) of an independent
  *     host double computation within 1e-9 relative; d_weight = r->weight;
  *   - compute_stats = 0 still gives loss_gptq; A_plain NULL gives NAN;
+ *   - A_plain equal to A (a copy, the same pointer), or to A but its diagonal
+ *     (loss_gptq from the statistics' E A~), or not (one more entry changed:
+ *     the GEMM): loss_gptq with the statistics on within 1e-12 of off;
  *   - damping escalation and a factor that stays non-PD: the same damping,
  *     statuses and messages as the host entry;
  *   - bad inputs (NaN/Inf in the device A/B, asymmetric A, a negative diagonal
@@ -226,6 +229,10 @@ static void host_problem(const dcase *c, bk_solve_problem *p)
     p->label_b = "lbl_b";
 }
 
+/* 1: A_plain is passed as the very pointer of A (as the GPU stages pass it for
+ * every kind but the Shampoo ones); c->Ap then holds A's values */
+static int g_plain_is_a;
+
 static void dev_problem(const dcase *c, bk_dsolve_problem *p)
 {
     memset(p, 0, sizeof *p);
@@ -234,7 +241,7 @@ static void dev_problem(const dcase *c, bk_dsolve_problem *p)
     p->W = c->W;
     p->A = c->dA;
     p->B = c->dB;
-    p->A_plain = c->dAp;
+    p->A_plain = g_plain_is_a ? c->dA : c->dAp;
     p->label_w = "lbl_w";
     p->label_a = "lbl_a";
     p->label_b = "lbl_b";
@@ -569,6 +576,48 @@ static void test_escalation_and_not_pd(void **state)
     case_free(&c);
 }
 
+/* loss_gptq with the statistics on, where A~ - A_plain is diagonal (taken
+ * from the statistics' E A~, no second GEMM: cuda/stats.cu) or not (the GEMM
+ * with A_plain), against the statistics off (always the GEMM) and the host */
+static void plain_on_off(dcase *c, const char *what)
+{
+    const bk_algorithm algs[2] = {BK_ALG_GPTQ, BK_ALG_BAKRON};
+    const bk_precision precs[2] = {BK_PREC_FP64, BK_PREC_FP32};
+    case_upload(c);
+    for (int a = 0; a < 2; a++)
+        for (int pr = 0; pr < 2; pr++) {
+            bk_solve_opts o = make_opts(algs[a], precs[pr], pr);
+            char w[200];
+            snprintf(w, sizeof w, "%s, %s %s%s", what, bk_algorithm_name(algs[a]),
+                     precs[pr] == BK_PREC_FP64 ? "fp64" : "fp32", c->B ? " with B" : "");
+            const double on = compare(c, &o, w);
+            o.compute_stats = 0;
+            const double off = compare(c, &o, w);
+            if (!(rel(on, off) <= 1e-12))
+                fail_msg("%s: loss_gptq with statistics %.17g, without %.17g", w, on, off);
+        }
+}
+
+static void test_plain_from_stats(void **state)
+{
+    (void)state;
+    for (int with_b = 0; with_b < 2; with_b++) {
+        dcase c = make_case(96, 160, 41u + (uint64_t)with_b, with_b);
+        const int64_t n = c.n;
+        memcpy(c.Ap, c.A, sizeof(float) * (size_t)(n * n));
+        plain_on_off(&c, "A_plain = A (a copy)");
+        g_plain_is_a = 1;
+        plain_on_off(&c, "A_plain = A (the same pointer)");
+        g_plain_is_a = 0;
+        for (int64_t j = 0; j < n; j++)
+            c.Ap[j * n + j] *= 0.75f;
+        plain_on_off(&c, "A_plain = A but the diagonal");
+        c.Ap[3 * n + 5] = std::nextafter(c.Ap[3 * n + 5], 1.0f);
+        plain_on_off(&c, "A_plain = A but the diagonal and one entry");
+        case_free(&c);
+    }
+}
+
 static void test_parity_dw(void **state)
 {
     g_use_dw = 1;
@@ -608,6 +657,7 @@ int main(void)
         cmocka_unit_test(test_escalation_and_not_pd),
         cmocka_unit_test(test_no_stats_and_no_plain),
         cmocka_unit_test(test_refit_and_fp64_factor),
+        cmocka_unit_test(test_plain_from_stats),
         cmocka_unit_test(test_parity),
         cmocka_unit_test(test_parity_dw),
         cmocka_unit_test(test_bad_inputs_dw),
