@@ -29,6 +29,9 @@
 #include <cstring>
 #include <limits>
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -688,6 +691,229 @@ bk_status bk_gfwd_nf_report(bk_gfwd *f, const bk_glayer *lw)
 
 /* ------------------------------------------------------------ the context */
 
+/* ------------------------------------------------- weight uploads */
+
+namespace {
+
+void upload_defaults(bk_gfwd *f)
+{
+    f->up_chunk = (int64_t)1 << 24;    /* 64 MiB of F32 per pinned slot */
+    f->up_min_part = (int64_t)1 << 20; /* 4 MiB of F32 per host thread at least */
+    long nc = sysconf(_SC_NPROCESSORS_ONLN);
+    f->up_threads = nc < 2 ? 1 : nc > 16 ? 8 : (int)(nc / 2);
+}
+
+void upload_release(bk_gfwd *f)
+{
+    for (int i = 0; i < 2; i++) {
+        if (f->up_ev[i]) {
+            cudaEventSynchronize(f->up_ev[i]);
+            cudaEventDestroy(f->up_ev[i]);
+        }
+        if (f->up_pin[i])
+            cudaFreeHost(f->up_pin[i]);
+        bk_dev_free(f->c, f->up_dev[i]);
+        f->up_ev[i] = NULL;
+        f->up_pin[i] = NULL;
+        f->up_dev[i] = NULL;
+    }
+}
+
+bk_status upload_setup(bk_gfwd *f)
+{
+    if (f->up_pin[1])
+        return BK_OK;
+    bk_status st = BK_OK;
+    for (int i = 0; i < 2 && st == BK_OK; i++) {
+        void *p = NULL;
+        st = bk_cuda_status(cudaHostAlloc(&p, (size_t)f->up_chunk * sizeof(float),
+                                          cudaHostAllocDefault),
+                            "pinned staging of weight uploads", __FILE__, __LINE__);
+        f->up_pin[i] = p;
+        if (st == BK_OK)
+            st = bk_dev_alloc(f->c, &p, (size_t)f->up_chunk * sizeof(uint16_t),
+                              "BF16 staging of weight uploads");
+        f->up_dev[i] = static_cast<uint16_t *>(p);
+        if (st == BK_OK)
+            st = bk_cuda_status(cudaEventCreateWithFlags(&f->up_ev[i], cudaEventDisableTiming),
+                                "upload event", __FILE__, __LINE__);
+    }
+    if (st != BK_OK)
+        upload_release(f);
+    return st;
+}
+
+/* One host thread's share of a chunk: narrow src to BF16 into dst while every
+ * value is one (low 16 bits zero); lossy = 1 at the first that is not. */
+struct narrow_job {
+    const uint32_t *src;
+    uint16_t *dst;
+    int64_t n;
+    int lossy;
+    pthread_t tid;
+    int started;
+};
+
+void narrow_part(narrow_job *j)
+{
+    const uint32_t *s = j->src;
+    uint16_t *d = j->dst;
+    const int64_t n = j->n;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint32_t low = 0;
+        for (int k = 0; k < 8; k++) {
+            low |= s[i + k] & 0xffffu;
+            d[i + k] = (uint16_t)(s[i + k] >> 16);
+        }
+        if (low) {
+            j->lossy = 1;
+            return;
+        }
+    }
+    for (; i < n; i++) {
+        if (s[i] & 0xffffu) {
+            j->lossy = 1;
+            return;
+        }
+        d[i] = (uint16_t)(s[i] >> 16);
+    }
+}
+
+void *narrow_main(void *arg)
+{
+    narrow_part(static_cast<narrow_job *>(arg));
+    return NULL;
+}
+
+struct copy_job {
+    const char *src;
+    char *dst;
+    size_t bytes;
+    pthread_t tid;
+    int started;
+};
+
+void *copy_main(void *arg)
+{
+    copy_job *j = static_cast<copy_job *>(arg);
+    memcpy(j->dst, j->src, j->bytes);
+    return NULL;
+}
+
+/* Split [0, n) into parts of at least min_part elements, at most threads. */
+int parts_of(const bk_gfwd *f, int64_t n)
+{
+    int64_t p = n / (f->up_min_part > 0 ? f->up_min_part : 1);
+    if (p > f->up_threads)
+        p = f->up_threads;
+    return p < 1 ? 1 : (int)p;
+}
+
+/* The chunk src [n] into the pinned slot: as BF16 (returns 1) when every
+ * value is a BF16 number, else as F32 (returns 0). Helper threads for the
+ * parts after the first; a part whose thread cannot start runs here. */
+int stage_chunk(const bk_gfwd *f, const float *src, int64_t n, void *pin)
+{
+    enum { MAXP = 64 };
+    const int np = parts_of(f, n) < MAXP ? parts_of(f, n) : MAXP;
+    narrow_job nj[MAXP];
+    const uint32_t *s = reinterpret_cast<const uint32_t *>(src);
+    uint16_t *d = static_cast<uint16_t *>(pin);
+    for (int p = 0; p < np; p++) {
+        const int64_t a = n * p / np, b = n * (p + 1) / np;
+        nj[p].src = s + a;
+        nj[p].dst = d + a;
+        nj[p].n = b - a;
+        nj[p].lossy = 0;
+        nj[p].started = p > 0 && pthread_create(&nj[p].tid, NULL, narrow_main, &nj[p]) == 0;
+    }
+    for (int p = 0; p < np; p++)
+        if (!nj[p].started)
+            narrow_part(&nj[p]);
+    int lossy = 0;
+    for (int p = 0; p < np; p++) {
+        if (nj[p].started)
+            pthread_join(nj[p].tid, NULL);
+        lossy |= nj[p].lossy;
+    }
+    if (!lossy)
+        return 1;
+    copy_job cj[MAXP];
+    const char *cs = reinterpret_cast<const char *>(src);
+    char *cd = static_cast<char *>(pin);
+    for (int p = 0; p < np; p++) {
+        const int64_t a = n * p / np, b = n * (p + 1) / np;
+        cj[p].src = cs + a * 4;
+        cj[p].dst = cd + a * 4;
+        cj[p].bytes = (size_t)(b - a) * 4;
+        cj[p].started = p > 0 && pthread_create(&cj[p].tid, NULL, copy_main, &cj[p]) == 0;
+    }
+    for (int p = 0; p < np; p++)
+        if (!cj[p].started)
+            copy_main(&cj[p]);
+    for (int p = 0; p < np; p++)
+        if (cj[p].started)
+            pthread_join(cj[p].tid, NULL);
+    return 0;
+}
+
+__global__ void k_widen_bf16(const uint16_t *src, float *dst, int64_t n)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = __uint_as_float((uint32_t)src[i] << 16);
+}
+
+} // namespace
+
+extern "C" void bk_gpu_upload_tune(bk_gfwd *f, int64_t chunk, int64_t min_part, int threads)
+{
+    if (!f)
+        return;
+    if (chunk > 0 && chunk != f->up_chunk) {
+        upload_release(f);
+        f->up_chunk = chunk;
+    }
+    if (min_part > 0)
+        f->up_min_part = min_part;
+    if (threads > 0)
+        f->up_threads = threads;
+}
+
+extern "C" bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src, int64_t n)
+{
+    if (n <= 0)
+        return BK_OK;
+    bk_status st = upload_setup(f);
+    if (st != BK_OK)
+        return st;
+    cudaStream_t s = f->c->stream;
+    int k = 0;
+    /* slot k&1: the host stages chunk k while chunk k-1 is copied; a slot is
+     * reused once the copy out of it (its event) is done */
+    for (int64_t off = 0; off < n; off += f->up_chunk, k++) {
+        const int64_t cnt = n - off < f->up_chunk ? n - off : f->up_chunk;
+        const int slot = k & 1;
+        BK_CUDA_CHECK(cudaEventSynchronize(f->up_ev[slot]));
+        if (stage_chunk(f, src + off, cnt, f->up_pin[slot])) {
+            BK_CUDA_CHECK(cudaMemcpyAsync(f->up_dev[slot], f->up_pin[slot],
+                                          (size_t)cnt * sizeof(uint16_t), cudaMemcpyHostToDevice,
+                                          s));
+            k_widen_bf16<<<bk_grid(cnt), 256, 0, s>>>(f->up_dev[slot], dst + off, cnt);
+            st = BK_LAUNCHED("k_widen_bf16");
+            if (st != BK_OK)
+                return st;
+        } else {
+            BK_CUDA_CHECK(cudaMemcpyAsync(dst + off, f->up_pin[slot], (size_t)cnt * sizeof(float),
+                                          cudaMemcpyHostToDevice, s));
+        }
+        BK_CUDA_CHECK(cudaEventRecord(f->up_ev[slot], s));
+    }
+    BK_CUDA_CHECK(cudaStreamSynchronize(s));
+    return BK_OK;
+}
+
 extern "C" void bk_gfwd_free(bk_gfwd *f)
 {
     if (!f)
@@ -706,6 +932,7 @@ extern "C" void bk_gfwd_free(bk_gfwd *f)
         cudaFreeHost(f->nf_host);
     bk_dev_free(c, f->emb);
     bk_dev_free(c, f->xb);
+    upload_release(f);
     if (f->blas)
         cublasDestroy(f->blas);
     free(f);
@@ -744,6 +971,7 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     if (!f)
         return bk_error(BK_ERR_NOMEM, "GPU forward: out of memory");
     f->c = static_cast<bk_cuda_ctx *>(b->ctx);
+    upload_defaults(f);
     f->bf16 = b->gemm_math == BK_GEMM_BF16;
     f->tf32 = b->gemm_math == BK_GEMM_TF32 || f->bf16; /* bf16: the rest (attention) in TF32 */
     {
@@ -926,6 +1154,10 @@ bk_status dup_f32(bk_gfwd *f, float **dst, const float *src, int64_t n, int from
     bk_status st = g_alloc_f32(f, dst, n, 1, what);
     if (st != BK_OK)
         return st;
+    if (from_host) {
+        st = bk_gpu_upload_f32(f, *dst, src, n);
+        return st == BK_OK ? st : bk_error_prefix(st, what);
+    }
     return bk_cuda_status(cudaMemcpyAsync(*dst, src, (size_t)n * 4,
                                           from_host ? cudaMemcpyHostToDevice
                                                     : cudaMemcpyDeviceToDevice,
@@ -1028,7 +1260,7 @@ extern "C" bk_status bk_glayer_set(bk_gfwd *f, bk_glayer *g, bk_module mod, cons
         return bk_error(BK_ERR_INVALID_ARG, "GPU forward: bad arguments replacing a weight");
     int64_t o, in;
     bk_module_shape(&f->cfg, mod, &o, &in);
-    bk_status st = bk_gpu_upload(f, g->w[mod], w, (size_t)(o * in) * sizeof(float));
+    bk_status st = bk_gpu_upload_f32(f, g->w[mod], w, o * in);
     if (st == BK_OK)
         st = bk_glayer_sync_bf16(f, g, mod);
     return st;

@@ -53,6 +53,13 @@ struct bk_gfwd {
     float *head_w, *head_norm;
     float *lse_mx, *lse_tgt;   /* [max_rows] */
     double *lse_se;            /* [max_rows] */
+    /* host-to-device weight uploads (bk_gpu_upload_f32): two pinned host slots
+     * of up_chunk F32 and two device slots of up_chunk BF16, at first use */
+    void *up_pin[2];
+    uint16_t *up_dev[2];
+    cudaEvent_t up_ev[2];
+    int64_t up_chunk, up_min_part;
+    int up_threads;
 };
 
 /* Grid size for a grid-stride loop over n items with 256 threads. */

@@ -49,6 +49,17 @@ bk_status bk_gpu_sync(bk_gfwd *f);
 /* Free device memory (bytes). */
 bk_status bk_gpu_mem_info(bk_gfwd *f, size_t *free_bytes, size_t *total_bytes);
 
+/* Host F32 src [n] to the device dst [n] (synchronous), through pinned
+ * staging in chunks: a chunk whose values are all BF16 numbers (the low 16
+ * bits of every F32 zero, as in a BF16 checkpoint) travels as BF16, narrowed
+ * by host threads and widened on the device, the others as F32. dst is
+ * byte-identical to src either way. */
+bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src, int64_t n);
+/* Tests: bk_gpu_upload_f32's chunk (elements), the smallest share of one host
+ * thread (elements) and its number of host threads; 0 keeps a value. */
+void bk_gpu_upload_tune(bk_gfwd *f, int64_t chunk, int64_t min_part, int threads);
+
+/* The layer's weights through bk_gpu_upload_f32. */
 bk_status bk_glayer_upload(bk_gfwd *f, const bk_layer_weights *lw, bk_glayer **out);
 /* Device copy of another device layer. */
 bk_status bk_glayer_clone(bk_gfwd *f, const bk_glayer *src, bk_glayer **out);

@@ -12,7 +12,9 @@
  *    log-likelihood of the kerneldocs evaluation sequences in micro-batches;
  *  - attention at 4096 tokens (one kv group of 8 query heads: the score
  *    buffer is split by rows) and several (sequence, group) pairs per chunk;
- *  - bad inputs give the CPU's statuses.
+ *  - bad inputs give the CPU's statuses;
+ *  - weight uploads (bk_gpu_upload_f32: BF16 chunks widened on the device,
+ *    others as F32) leave byte-identical device copies.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -472,6 +474,89 @@ static void test_bad_inputs(void **state)
     bk_model_close(m);
 }
 
+/* bk_gpu_upload_f32 leaves a byte-identical copy: BF16-exact chunks (special
+ * values included), chunks with one value that is not a BF16 number (first,
+ * last), random bits (NaN payloads), a short tail; several host threads. */
+static void upload_check(bk_gfwd *gf, const float *h, int64_t n)
+{
+    float *d = dbuf(gf, n);
+    float *back = malloc(sizeof(float) * (size_t)n);
+    assert_non_null(back);
+    OKS(bk_gpu_upload_f32(gf, d, h, n));
+    OKS(bk_gpu_download(gf, back, d, sizeof(float) * (size_t)n));
+    assert_memory_equal(back, h, sizeof(float) * (size_t)n);
+    free(back);
+    bk_gpu_free(gf, d);
+}
+
+static void test_upload(void **state)
+{
+    (void)state;
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    bk_gfwd *gf = NULL;
+    OKS(bk_gfwd_create(g_gpu, c, 1, 8, &gf));
+
+    const int64_t ch = 4096, n = 5 * ch + 77;
+    uint32_t *u = malloc(sizeof(uint32_t) * (size_t)n);
+    assert_non_null(u);
+    uint64_t x = 88172645463325252ull;
+    for (int64_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        u[i] = (uint32_t)(x >> 32) & 0xffff0000u; /* BF16 numbers */
+    }
+    const uint32_t special[] = {0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u,
+                                0xffc10000u, 0x00010000u, 0x807f0000u, 0x7f7f0000u, 0u};
+    for (size_t i = 0; i < sizeof special / sizeof special[0]; i++)
+        u[10 + i] = special[i];
+    u[2 * ch - 1] |= 1u;        /* chunk 1: its last value is not a BF16 number */
+    u[2 * ch] = 0x7fc00001u;    /* chunk 2: its first value, a NaN with a payload */
+    for (int64_t i = 3 * ch; i < 4 * ch; i++) { /* chunk 3: random bits */
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        u[i] = (uint32_t)x;
+    }
+    float *h = malloc(sizeof(float) * (size_t)n);
+    assert_non_null(h);
+    memcpy(h, u, sizeof(float) * (size_t)n);
+    bk_gpu_upload_tune(gf, ch, 512, 3);
+    upload_check(gf, h, n);
+    upload_check(gf, h, 100);          /* one short chunk */
+    upload_check(gf, h + 1, n - 1);    /* chunks not aligned with the above */
+    bk_gpu_upload_tune(gf, ch, 100000, 1); /* one thread */
+    upload_check(gf, h, n);
+
+    /* a layer of the model (BF16 numbers or not, as the checkpoint has them),
+     * with small chunks and with the defaults */
+    bk_layer_weights lw;
+    OKS(bk_layer_weights_load(m, 0, &lw));
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 0)
+            bk_gpu_upload_tune(gf, 1000, 100, 4);
+        else
+            bk_gpu_upload_tune(gf, (int64_t)1 << 24, (int64_t)1 << 20, 4);
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            int64_t o, in;
+            bk_module_shape(c, (bk_module)i, &o, &in);
+            upload_check(gf, lw.w[i], o * in);
+        }
+    }
+    bk_glayer *g = NULL;
+    OKS(bk_glayer_upload(gf, &lw, &g));
+    OKS(bk_glayer_set(gf, g, BK_MOD_DOWN, lw.w[BK_MOD_DOWN]));
+    bk_glayer_free(gf, g);
+    bk_layer_weights_free(&lw);
+    free(u);
+    free(h);
+    bk_gfwd_free(gf);
+    bk_model_close(m);
+}
+
 int main(void)
 {
     if (bk_cuda_device_count() == 0) {
@@ -488,6 +573,7 @@ int main(void)
         cmocka_unit_test(test_nll_kerneldocs),  cmocka_unit_test(test_attention_4096),
         cmocka_unit_test(test_attention_pairs),
         cmocka_unit_test(test_attention_chunks), cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_upload),
     };
     int rc = cmocka_run_group_tests_name("cuda_forward", tests, NULL, NULL);
     bk_backend_destroy(g_gpu);
