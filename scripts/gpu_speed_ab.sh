@@ -13,7 +13,8 @@
 #     `loss` and `loss_gptq` is printed;
 #  2. the Llama-3-8B shape (scripts/make_synthetic_llama.py, /tmp/syn-8b, made
 #     unless it exists), layers AB_LAYERS (default 0:8), gptq, BK_PROFILE=1,
-#     old then new: the total and the profile timers side by side.
+#     old then new: the codes (identical fraction), the per-module losses
+#     (relative differences), the total and the profile timers side by side.
 # Writes OUTDIR/ab.txt (the summary) and the logs. Exit status non-zero when an
 # output differs or a run fails.
 set -uo pipefail
@@ -115,8 +116,47 @@ for v in old new; do
         --out "$o" >"$OUT/8b-$v.log" 2>&1 || { note "8b $v: FAILED ($(tail -1 "$OUT/8b-$v.log"))"; status=1; }
     note "8b $v layers ${AB_LAYERS:-0:8} gptq: wall $(python3 -c "import time; print('%.1f' % (time.time() - $t0))") s"
     [ -f "$o/report.json" ] && cp "$o/report.json" "$OUT/report-8b-$v.json"
-    rm -rf "$o"
 done
+# codes (native export: I8 qweight per quantized module) and proxy losses, old vs new
+python3 - /tmp/ab-8b-old /tmp/ab-8b-new <<'EOF2' | tee -a "$SUM"
+import glob, json, os, struct, sys
+import numpy as np
+def index(d):
+    out = {}
+    for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h = json.loads(fh.read(n))
+        for k, v in h.items():
+            if k.endswith(".qweight") and v["dtype"] in ("I8", "U8"):
+                out[k] = (f, 8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+    return out
+def read(e):
+    with open(e[0], "rb") as fh:
+        fh.seek(e[1])
+        return np.frombuffer(fh.read(e[2]), dtype=np.int8)
+try:
+    a, b = index(sys.argv[1]), index(sys.argv[2])
+    same = total = 0
+    for k in sorted(set(a) & set(b)):
+        x, y = read(a[k]), read(b[k])
+        same += int((x == y).sum())
+        total += x.size
+    if total:
+        print(f"8b codes old vs new: {same}/{total} identical ({100.0 * same / total:.4f}%) over {len(set(a) & set(b))} modules")
+    ra = json.load(open(os.path.join(sys.argv[1], "report.json")))["modules"]
+    rb = json.load(open(os.path.join(sys.argv[2], "report.json")))["modules"]
+    for key in ("loss", "loss_gptq"):
+        d = [abs(p[key] - q[key]) / max(abs(p[key]), abs(q[key]), 1e-300) for p, q in zip(ra, rb)
+             if p.get(key) is not None and q.get(key) is not None]
+        sa = sum(p[key] for p in ra if p.get(key) is not None)
+        sb = sum(q[key] for q in rb if q.get(key) is not None)
+        if d:
+            print(f"8b {key}: max rel. diff {max(d):.3g}, mean {sum(d) / len(d):.3g}; sum old {sa:.6g} new {sb:.6g}")
+except Exception as e:
+    print(f"8b codes/losses comparison failed: {e}")
+EOF2
+rm -rf /tmp/ab-8b-old /tmp/ab-8b-new
 python3 - "$OUT/8b-old.log" "$OUT/8b-new.log" <<'EOF' | tee -a "$SUM"
 import sys
 def prof(p):
