@@ -1628,6 +1628,32 @@ bk_status op_sync(void *x)
     return BK_OK;
 }
 
+/* a leaf pass begins: its Grams start from the sums cb->grams_start gives
+ * (MPI ranks, ordered), else from zero (as cleared after the last leaf) */
+bk_status op_leaf_begin(void *x, int lo, int hi)
+{
+    flow *f = static_cast<flow *>(x);
+    if (!f->cb->grams_start)
+        return BK_OK;
+    gbwd *g = f->g;
+    for (int l = lo; l < hi; l++)
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            int64_t m, n;
+            bk_module_shape(&g->cfg, (bk_module)i, &m, &n);
+            int set = 0;
+            memset(f->hG, 0, (size_t)(m * m) * 8);
+            bk_status st = f->cb->grams_start(f->cb->user, l, (bk_module)i, f->hG, &set);
+            if (st != BK_OK)
+                return st;
+            if (!set)
+                continue;
+            BK_CUDA_CHECK(cudaMemcpyAsync(f->gram[l - lo][i], f->hG, (size_t)(m * m) * 8,
+                                          cudaMemcpyHostToDevice, g->c->stream));
+            BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream)); /* (hG is reused) */
+        }
+    return BK_OK;
+}
+
 bk_status op_leaf_done(void *x, int lo, int hi)
 {
     flow *f = static_cast<flow *>(x);
@@ -1680,6 +1706,7 @@ template <typename R> bk_bwd_flow_ops flow_ops()
     ops.deliver = op_deliver<R>;
     ops.sync = op_sync;
     ops.leaf_done = op_leaf_done;
+    ops.leaf_begin = op_leaf_begin;
     return ops;
 }
 

@@ -159,6 +159,13 @@ static void pass_begin(flow *f, int depth, int lo, int hi, int leaf)
     f->cb->pass_begin(f->cb->user, &info);
 }
 
+/* A leaf pass begins (after pass_begin): the backend's optional step (the
+ * GPU's: its Grams' starting sums, bk_bwd_flow_cb.grams_start). */
+static bk_status leaf_begin(flow *f, int lo, int hi)
+{
+    return f->ops->leaf_begin ? f->ops->leaf_begin(f->x, lo, hi) : BK_OK;
+}
+
 static bk_status leaf_done(flow *f, int lo, int hi)
 {
     if (f->ops->leaf_done)
@@ -176,7 +183,9 @@ static bk_status node(flow *f, int lo, int hi, const void *X_lo, const void *G_h
     bk_status st;
     if (hi - lo <= f->o->leaf) {
         pass_begin(f, depth, lo, hi, 1);
-        st = sweep(f, lo, X_lo, -1, NULL, hi, G_hi, NULL, lo, NULL, hi);
+        st = leaf_begin(f, lo, hi);
+        if (st == BK_OK)
+            st = sweep(f, lo, X_lo, -1, NULL, hi, G_hi, NULL, lo, NULL, hi);
         return st == BK_OK ? leaf_done(f, lo, hi) : st;
     }
     const int mid = lo + (hi - lo) / 2;
@@ -216,6 +225,12 @@ bk_status bk__bwd_flow_check(const bk_model *m, const int32_t *tokens, int64_t S
                         (long long)o->batch);
     if (o->flow != BK_FLOW_HALVING && o->flow != BK_FLOW_NAIVE)
         return bk_error(BK_ERR_INVALID_ARG, "backprop flow: unknown flow %d", (int)o->flow);
+    if (o->seq0 < 0)
+        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: first sequence %lld must be >= 0",
+                        (long long)o->seq0);
+    if (cb->grams_start && !cb->grams)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "backprop flow: grams_start needs the host Grams (grams)");
     bk_status st = bk_fwd_check_sequences(c, tokens, S, T, o->fisher == BK_FISHER_EMPIRICAL ? 2 : 1);
     if (st != BK_OK) {
         if (o->fisher == BK_FISHER_EMPIRICAL && T < 2)
@@ -251,7 +266,9 @@ bk_status bk__bwd_flow_drive(const bk_bwd_flow_ops *ops, void *ctx, const bk_mod
         for (int lo = 0; lo < L && st == BK_OK; lo += o->leaf) {
             int hi = lo + o->leaf < L ? lo + o->leaf : L;
             pass_begin(&f, 0, lo, hi, 1);
-            st = sweep(&f, 0, NULL, -1, NULL, L, NULL, NULL, lo, NULL, hi);
+            st = leaf_begin(&f, lo, hi);
+            if (st == BK_OK)
+                st = sweep(&f, 0, NULL, -1, NULL, L, NULL, NULL, lo, NULL, hi);
             if (st == BK_OK)
                 st = leaf_done(&f, lo, hi);
         }

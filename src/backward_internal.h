@@ -53,6 +53,14 @@ bk_status bk__hess_bp_token_weights(const bk_hess_acc *a, bk_module mod, const d
  * Shampoo token weights stay each rank's own (its input side uses them). */
 bk_status bk__hess_bp_grad_sums(bk_hess_acc *a, int layer, bk_hess_sum_fn fn, void *user);
 
+/* MPI ranks, ordered sums, the GPU flow (bk_bwd_flow_cb.grams_start): the
+ * output-gradient sum of module mod received from the ranks before (Σ g gᵀ
+ * or Σ |a_fp|² g gᵀ, [out, out], upper triangle) into G, and zero here, so
+ * the flow's Grams start from it and the Gram delivered at the leaf's end
+ * (bk__hess_add_grad_gram) replaces it. The gradient row count stays. *set
+ * = 0 (G untouched) when nothing was received for the module. */
+bk_status bk__hess_bp_grad_take(bk_hess_acc *a, bk_module mod, double *G, int *set);
+
 /* BK_OK when the model has the LM head and final norm the backward needs;
  * else a one-line error. */
 bk_status bk__bwd_head_check(const bk_model *m);
@@ -96,6 +104,9 @@ typedef struct bk_bwd_flow_ops {
     /* optional: the leaf [lo, hi) is done (instead of calling the consumer's
      * cb->leaf_done directly; the backend calls it) */
     bk_status (*leaf_done)(void *ctx, int lo, int hi);
+    /* optional: a leaf pass over [lo, hi) begins (after cb->pass_begin,
+     * before its sweep; the GPU's: cb->grams_start) */
+    bk_status (*leaf_begin)(void *ctx, int lo, int hi);
 } bk_bwd_flow_ops;
 
 /* The checks of bk_bwd_flow_run's arguments (stats zeroed) and the

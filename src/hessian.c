@@ -757,6 +757,21 @@ bk_status bk__hess_bp_grad_sums(bk_hess_acc *a, int layer, bk_hess_sum_fn fn, vo
     return BK_OK;
 }
 
+bk_status bk__hess_bp_grad_take(bk_hess_acc *a, bk_module mod, double *G, int *set)
+{
+    if (!a || !a->bp || (unsigned)mod >= BK_MOD_COUNT || !G || !set)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: bk__hess_bp_grad_take: bad argument");
+    *set = 0;
+    if (!a->gB[mod])
+        return BK_OK;
+    int64_t o, in;
+    bk_module_shape(&a->cfg, mod, &o, &in);
+    memcpy(G, a->gB[mod], (size_t)(o * o) * sizeof(double));
+    memset(a->gB[mod], 0, (size_t)(o * o) * sizeof(double));
+    *set = 1;
+    return BK_OK;
+}
+
 bk_status bk_hess_acc_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, void *user)
 {
     if (!a)

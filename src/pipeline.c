@@ -87,9 +87,12 @@ static bk_status job_buffers(job *j)
     const int64_t T = j->T, B = j->batch;
     const int64_t qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
     int64_t xw = c->hidden > qd ? c->hidden : qd;
+    /* the states of this rank's sequences [s_lo, s_hi) (MPI ranks: its share;
+     * one process: all) */
+    const int64_t Nr = (j->s_hi - j->s_lo) * T;
     if (j->tokens) {
-        j->h = bk_alloc((size_t)(j->N * c->hidden), sizeof(float));
-        j->o_in = bk_alloc((size_t)(j->N * qd), sizeof(float));
+        j->h = bk_alloc((size_t)(Nr * c->hidden), sizeof(float));
+        j->o_in = bk_alloc((size_t)(Nr * qd), sizeof(float));
     } else {
         j->o_in = bk_alloc((size_t)(B * T * qd), sizeof(float));
     }
@@ -102,16 +105,16 @@ static bk_status job_buffers(job *j)
     if ((j->tokens && !j->h) || !j->o_in || !j->x || !j->q_rot || !j->k_rot || !j->down ||
         (!j->o->sequential && !j->mlp_in))
         return bk_error(BK_ERR_NOMEM, "out of memory for calibration states (%lld tokens)",
-                        (long long)j->N);
+                        (long long)Nr);
     /* keep the down_proj inputs between stages DOWN and OUT (saves recomputing
      * gate/up: a third of the forward work) when they take at most a quarter
      * of the physical memory; setting keep_down=0 turns it off */
     const int keep_down = bk_backend_get_params(j->backend)->keep_down;
     const long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
-    const double need = (double)j->N * (double)c->intermediate * sizeof(float);
+    const double need = (double)Nr * (double)c->intermediate * sizeof(float);
     if (j->tokens && j->o->sequential && keep_down && pages > 0 &&
         psize > 0 && need <= 0.25 * (double)pages * (double)psize)
-        j->D = bk_alloc((size_t)(j->N * c->intermediate), sizeof(float)); /* NULL: recompute */
+        j->D = bk_alloc((size_t)(Nr * c->intermediate), sizeof(float)); /* NULL: recompute */
     return BK_OK;
 }
 
@@ -152,14 +155,15 @@ static void job_free(job *j)
     j->rs = NULL;
 }
 
-/* The backprop kinds over MPI ranks run the CPU's flow and stages; the GPU
- * flow is one process's. */
+/* The backprop kinds over MPI ranks: the flow on each rank's share (CPU, or
+ * GPU with the host Grams), the input side on the CPU stages; the device-Gram
+ * input side (bwd_input=gpu, the CUDA backend's default) is one process's. */
 static bk_status bp_ranks_refused(const bk_quantize_opts *o)
 {
     return bk_error(BK_ERR_UNSUPPORTED,
-                    "quantize: --hessian %s with several MPI ranks runs on the CPU backend only "
-                    "(the GPU backward pass is one process's): add --backend cpu, or run one "
-                    "process",
+                    "quantize: --hessian %s with several MPI ranks and the CUDA backend needs "
+                    "--setting bwd_input=cpu (the input side on the CPU stages; the default "
+                    "bwd_input=gpu runs in one process only), or run one process",
                     bk_hessian_name(o->hessian));
 }
 
@@ -211,7 +215,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
     }
-    if (j->bp && j->nranks > 1 && o->backend == BK_BACKEND_CUDA) {
+    if (j->bp && j->nranks > 1 && o->backend == BK_BACKEND_CUDA && !o->cpu_stages &&
+        !o->backend_params.bwd_input_cpu) {
         st = bp_ranks_refused(o);
         goto fail;
     }
@@ -319,10 +324,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
     if (st != BK_OK)
         goto fail;
-    if (j->bp && j->nranks > 1 && strcmp(bk_backend_name(j->backend), "cpu")) {
-        st = bp_ranks_refused(o); /* (auto chose the GPU) */
-        goto fail;
-    }
     j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
     j->ops = &bk__q_cpu_stages;
     j->ops_ctx = j;
@@ -339,6 +340,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->bp_gpu = j->bp && !cpu_stages && j->tokens &&
                 bk_backend_supports(j->backend, BK_OP_BACKWARD);
     const int bwd_input_cpu = bk_backend_get_params(j->backend)->bwd_input_cpu;
+    if (j->bp_gpu && j->nranks > 1) /* (the input side: the CPU stages' sums over MPI) */
+        j->coll_desc = "MPI over host copies (the GPU backward flow's output-gradient Grams)";
     if (j->bp && want_gpu && bwd_input_cpu) {
         st = bk_error(BK_ERR_USAGE,
                       "quantize: --gpu-pipeline with --hessian %s and --setting bwd_input=cpu: "
@@ -349,6 +352,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     const int bp_gpu_stages =
         j->bp && !bwd_input_cpu &&
         (want_gpu || (j->bp_gpu && bk_backend_supports(j->backend, BK_OP_STAGES)));
+    if (bp_gpu_stages && j->nranks > 1) {
+        st = bp_ranks_refused(o); /* (auto chose the GPU) */
+        goto fail;
+    }
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline and --cpu-stages contradict each other");

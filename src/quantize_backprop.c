@@ -86,6 +86,23 @@ static bk_status bp_grams(void *user, int layer, bk_module mod, const double *G,
     return st;
 }
 
+/* MPI ranks, ordered sums, the GPU flow: the leaf layer's Grams start from
+ * the sums the ranks before passed on (received in bp_pass_begin), so the
+ * GPU adds this rank's micro-batches onto exactly the sums one process would
+ * hold there */
+static bk_status bp_grams_start(void *user, int layer, bk_module mod, double *G, int *set)
+{
+    job *j = user;
+    *set = 0;
+    if (j->bp_chain_st != BK_OK)
+        return j->bp_chain_st;
+    bk_hess_acc *acc;
+    bk_status st = leaf_acc(j, layer, &acc);
+    if (st != BK_OK || !acc)
+        return st;
+    return bk__hess_bp_grad_take(acc, mod, G, set);
+}
+
 /* The GPU flow with the GPU stages: the leaf layer's device Grams, kept for
  * the stages (bp_grads) until bp_leaf_done returns */
 static bk_status bp_grams_dev(void *user, int layer, bk_module mod, const double *G,
@@ -137,7 +154,7 @@ bk_status bk__q_run_backprop(job *j)
      * seq0 keeps the sampled labels those of the whole set */
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch,
                            j->s_lo};
-    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0, NULL};
+    bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0, NULL, NULL};
     bk_status st;
     const double t0 = bk_now();
     if (j->bp_gpu) {
@@ -151,10 +168,16 @@ bk_status bk__q_run_backprop(job *j)
             cb.grams_dev = bp_grams_dev;
         } else {
             cb.grams = bp_grams;
+            /* MPI ranks, ordered: rank r > 0 starts from the sums of the ranks before */
+            if (j->nranks > 1 && j->rank > 0 && j->o->dist_reduce == BK_DIST_ORDERED)
+                cb.grams_start = bp_grams_start;
         }
         cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
-        st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens, j->S, j->T, &fo,
-                                     (int)j->o->bwd_precision, &cb, &j->bp_stats);
+        st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens + j->s_lo * j->T,
+                                     j->s_hi - j->s_lo, j->T, &fo, (int)j->o->bwd_precision, &cb,
+                                     &j->bp_stats);
+        if (st != BK_OK)
+            bk__q_bp_chain_fail(j, st);
     } else {
         st = bk_bwd_flow_run(j->model, j->tokens + j->s_lo * j->T, j->s_hi - j->s_lo, j->T, &fo,
                              &cb, &j->bp_stats);

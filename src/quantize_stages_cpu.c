@@ -37,8 +37,9 @@ bk_status bk__q_add_all_modules(job *j, const bk_layer_weights *orig, const floa
 static bk_status cpu_embed(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb)
 {
     job *j = ctx;
+    /* (j->h holds this rank's sequences [s_lo, s_hi) only) */
     return bk_fwd_embed(j->fwd, j->model, tokens + s0 * j->T, sb,
-                        j->h + s0 * j->T * j->cfg->hidden);
+                        j->h + (s0 - j->s_lo) * j->T * j->cfg->hidden);
 }
 
 static bk_status cpu_layer_begin(void *ctx, const bk_layer_weights *orig,
@@ -62,8 +63,11 @@ static bk_status cpu_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, doub
     job *j = ctx;
     const bk_layer_weights *orig = j->cur_orig, *lw = j->cur_lw;
     const int64_t T = j->T, hid = j->cfg->hidden, qd = j->cfg->n_heads * j->cfg->head_dim;
-    float *hb = j->h + s0 * T * hid;
-    float *ob = j->o_in + s0 * T * qd;
+    /* the residual stream, o_proj inputs and kept down_proj inputs: this
+     * rank's sequences [s_lo, s_hi) only (all of them in one process) */
+    const int64_t r0 = (s0 - j->s_lo) * T;
+    float *hb = j->h + r0 * hid;
+    float *ob = j->o_in + r0 * qd;
     const int fully = j->fully;
     bk_status st = BK_OK;
     double t = bk_now();
@@ -116,7 +120,7 @@ static bk_status cpu_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, doub
         return st;
     case BK_STAGE_DOWN: {
         /* down_proj sees the quantized gate/up */
-        float *d = j->D ? j->D + s0 * T * j->cfg->intermediate : j->down;
+        float *d = j->D ? j->D + r0 * j->cfg->intermediate : j->down;
         st = bk_fwd_mlp_in(j->fwd, lw, hb, sb, j->x);
         if (st == BK_OK)
             st = bk_fwd_mlp_hidden(j->fwd, lw, j->x, sb, d, NULL, NULL);
@@ -135,7 +139,7 @@ static bk_status cpu_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, doub
         /* the layer's output with every module quantized (h is unchanged since
          * stage DOWN: its down_proj inputs are kept when they fit) */
         if (j->D) {
-            st = bk_fwd_mlp_out(j->fwd, lw, j->D + s0 * T * j->cfg->intermediate, sb, hb);
+            st = bk_fwd_mlp_out(j->fwd, lw, j->D + r0 * j->cfg->intermediate, sb, hb);
         } else {
             st = bk_fwd_mlp_in(j->fwd, lw, hb, sb, j->x);
             if (st == BK_OK)

@@ -523,7 +523,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->N = S * T;
     k->T = T;
     bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 42, batch, 0};
-    bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf, NULL, 0, NULL};
+    bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf, NULL, 0, NULL, NULL};
     if (bk_bwd_flow_run(m, tok, S, T, &o, &cb, st) != BK_OK)
         fail_msg("%s", bk_last_error());
     assert_int_equal(k->done_next, (int)k->c->n_layers);
@@ -685,7 +685,7 @@ static void test_bad_input(void **state)
     /* the empirical Fisher has no label in sequences of one token */
     int32_t tok[2] = {1, 2};
     bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_EMPIRICAL, 0, 1, 0};
-    bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL, NULL, 0, NULL};
+    bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL};
     bk_bwd_flow_stats st;
     assert_int_equal(bk_bwd_flow_run(m, tok, 2, 1, &o, &cb, &st), BK_ERR_CALIB);
     assert_non_null(strstr(bk_last_error(), "--fisher empirical"));

@@ -13,8 +13,8 @@
 #  - layer parallel (--activations, and rtn without calibration): -np 3 writes
 #    the same bytes as one process;
 #  - bad input: ranks started with different arguments, more ranks than
-#    micro-batches, --layers with layer-parallel ranks, a backprop kind with the
-#    CUDA backend, --resume, a rank killed, a rank
+#    micro-batches, --layers with layer-parallel ranks, a backprop kind with
+#    ranks and --setting bwd_input=gpu, --resume, a rank killed, a rank
 #    that hangs (--dist-timeout): rank 0 prints one line, the job exits
 #    non-zero, no output folder, no hang.
 # Skipped (77) where MPI is not installed or bakron was built without it.
@@ -186,9 +186,9 @@ refused "more ranks than micro-batches" 2 "micro-batches" -- \
 refused "--layers with layer-parallel ranks" 2 "layers" -- \
     -np 2 ./wrap.sh "$B" quantize "$M" --activations acts --backend cpu --hessian gptq \
     --layers 0:2 --json --out bad
-refused "a backprop kind with the CUDA backend" 2 "CPU backend only" -- \
+refused "a backprop kind with ranks and bwd_input=gpu" 2 "bwd_input=cpu" -- \
     -np 2 ./wrap.sh "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 8 --batch 2 \
-    --backend cuda --hessian backprop-kfac --json --out bad
+    --backend cuda --setting bwd_input=gpu --hessian backprop-kfac --json --out bad
 refused "--resume with ranks" 2 "--resume with several MPI ranks" -- \
     -np 2 ./wrap.sh "$B" quantize "$M" "${CAL[@]}" --hessian backprop-shampoo --resume --json \
     --out bad

@@ -140,6 +140,15 @@ typedef struct bk_bwd_flow_cb {
      * factors where the Grams are (no download). */
     bk_status (*grams_dev)(void *user, int layer, bk_module mod, const double *G,
                            const double *gw, int64_t S);
+    /* Optional, GPU flow with grams only: the sums the leaf's device Grams
+     * start from instead of zero (MPI ranks, ordered sums: the Grams of the
+     * ranks before, so each rank's micro-batches are added in the single
+     * process's order). Called when a leaf pass begins (after pass_begin), once
+     * per leaf layer and module, in layer then module order, with a host array
+     * G [out, out]; it returns BK_OK with *set = 1 after writing G (row-major
+     * upper triangle, the layout grams delivers; the rest zero), *set = 0 to
+     * start from zero. The Grams then delivered to grams include them. */
+    bk_status (*grams_start)(void *user, int layer, bk_module mod, double *G, int *set);
 } bk_bwd_flow_cb;
 
 typedef struct bk_bwd_flow_stats {
