@@ -32,15 +32,17 @@ struct gstages {
     int fp64, keep_plain, fully;
     int codes_only;   /* the export needs codes and scales only (no host weights) */
     int64_t S, T, B, hid, qd, kvd;
+    int64_t s_lo, s_hi; /* the sequences held: all, or an MPI rank's share */
     bk_gfwd *f;
     bk_ghess *acc;
-    /* residual stream and o_proj inputs of all sequences */
+    /* residual stream and o_proj inputs of the sequences held (N = (s_hi - s_lo) * T
+     * rows; sequence s at row (s - s_lo) * T) */
     int resident;
     float *H, *O;     /* device [N, hid], [N, qd] (resident) */
     float *Hh, *Oh;   /* pinned host (not resident) */
     float *hwin, *owin; /* device windows [B*T, ...] (not resident) */
-    float *D;         /* device [N, intermediate]: down_proj inputs of all sequences, kept
-                         from stage DOWN for stage OUT when they fit (else recomputed) */
+    float *D;         /* device [N, intermediate]: down_proj inputs of the sequences held,
+                         kept from stage DOWN for stage OUT when they fit (else recomputed) */
     /* micro-batch buffers */
     float *x, *qrot, *krot, *down, *mlp_in, *oscr;
     bk_glayer *orig, *lw;
@@ -80,7 +82,7 @@ bk_status falloc(gstages *g, float **p, int64_t rows, int64_t cols, const char *
 /* Micro-batch pointers into the residual stream / o_proj inputs. */
 bk_status get_h(gstages *g, int64_t s0, int64_t sb, float **out)
 {
-    const size_t off = (size_t)(s0 * g->T * g->hid);
+    const size_t off = (size_t)((s0 - g->s_lo) * g->T * g->hid);
     if (g->resident) {
         *out = g->H + off;
         return BK_OK;
@@ -93,13 +95,13 @@ bk_status put_h(gstages *g, int64_t s0, int64_t sb)
 {
     if (g->resident)
         return BK_OK;
-    const size_t off = (size_t)(s0 * g->T * g->hid);
+    const size_t off = (size_t)((s0 - g->s_lo) * g->T * g->hid);
     return bk_gpu_download(g->f, g->Hh + off, g->hwin, (size_t)(sb * g->T * g->hid) * sizeof(float));
 }
 
 bk_status get_o(gstages *g, int64_t s0, int64_t sb, int load, float **out)
 {
-    const size_t off = (size_t)(s0 * g->T * g->qd);
+    const size_t off = (size_t)((s0 - g->s_lo) * g->T * g->qd);
     if (g->resident) {
         *out = g->O + off;
         return BK_OK;
@@ -114,7 +116,7 @@ bk_status put_o(gstages *g, int64_t s0, int64_t sb)
 {
     if (g->resident)
         return BK_OK;
-    const size_t off = (size_t)(s0 * g->T * g->qd);
+    const size_t off = (size_t)((s0 - g->s_lo) * g->T * g->qd);
     return bk_gpu_download(g->f, g->Oh + off, g->owin, (size_t)(sb * g->T * g->qd) * sizeof(float));
 }
 
@@ -129,7 +131,7 @@ bk_status g_embed(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb)
         st = bk_gfwd_embed(g->f, g->m, tokens + s0 * g->T, sb, h);
     if (st == BK_OK)
         st = put_h(g, s0, sb);
-    if (st == BK_OK && s0 + sb >= g->S)
+    if (st == BK_OK && s0 + sb >= g->s_hi)
         bk_gfwd_embed_release(g->f); /* the last micro-batch */
     if (st == BK_OK)
         st = bk_gpu_sync(g->f);
@@ -241,7 +243,7 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         *t_hessian += now_synced(g, &st) - t;
         return st;
     case BK_STAGE_DOWN: {
-        float *d = g->D ? g->D + s0 * g->T * g->cfg.intermediate : g->down;
+        float *d = g->D ? g->D + (s0 - g->s_lo) * g->T * g->cfg.intermediate : g->down;
         st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
         if (st == BK_OK)
             st = bk_gfwd_mlp_hidden(f, g->lw, g->x, sb, d, NULL, NULL);
@@ -255,7 +257,8 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
     }
     case BK_STAGE_OUT:
         if (g->D) { /* h is unchanged since stage DOWN: its down_proj inputs are kept */
-            st = bk_gfwd_mlp_out(f, g->lw, g->D + s0 * g->T * g->cfg.intermediate, sb, h);
+            st = bk_gfwd_mlp_out(f, g->lw, g->D + (s0 - g->s_lo) * g->T * g->cfg.intermediate,
+                                 sb, h);
         } else {
             st = bk_gfwd_mlp_in(f, g->lw, h, sb, g->x);
             if (st == BK_OK)
@@ -521,8 +524,9 @@ bk_status g_setup(gstages *g, int64_t B)
 
 extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_hessian_kind kind,
                                           int fp64, int keep_plain, int fully,
-                                          int codes_only, int64_t S, int64_t T, int64_t *batch,
-                                          const bk_stage_ops **ops, void **ctx)
+                                          int codes_only, int64_t S, int64_t T, int rank,
+                                          int nranks, int64_t *batch, const bk_stage_ops **ops,
+                                          void **ctx)
 {
     *ops = NULL;
     *ctx = NULL;
@@ -558,9 +562,12 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         bk_error_prefix(st, "GPU pipeline: out of device memory even with a micro-batch of one "
                             "sequence (use fewer --samples, a shorter --seqlen, or "
                             "--cpu-stages)");
+    /* the sequences held: all, or this MPI rank's share for micro-batch B
+     * (the driver re-creates the stages when the ranks agree on another) */
+    bk_rank_share(S, B, rank, nranks, &g->s_lo, &g->s_hi);
     /* the residual stream: on the device when it fits next to one layer's
      * weights (twice), the factor staging and a margin */
-    const uint64_t N = (uint64_t)S * (uint64_t)T;
+    const uint64_t N = (uint64_t)(g->s_hi - g->s_lo) * (uint64_t)T;
     const uint64_t need = N * (uint64_t)(g->hid + g->qd) * 4u;
     if (st == BK_OK) {
         size_t fr = 0, tot = 0;
@@ -573,9 +580,9 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     }
     uint64_t dneed = 0;
     if (st == BK_OK && g->resident) {
-        st = falloc(g, &g->H, (int64_t)N, g->hid, "residual stream of all sequences");
+        st = falloc(g, &g->H, (int64_t)N, g->hid, "residual stream");
         if (st == BK_OK)
-            st = falloc(g, &g->O, (int64_t)N, g->qd, "o_proj inputs of all sequences");
+            st = falloc(g, &g->O, (int64_t)N, g->qd, "o_proj inputs");
         /* the down_proj inputs of all sequences too when they fit with the same
          * reserve (saves recomputing gate/up in stage OUT: a third of the
          * forward work); setting keep_down=0 turns it off */
@@ -585,7 +592,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         if (st == BK_OK && bk_backend_get_params(b)->keep_down && bk_gpu_mem_info(g->f, &fr, &tot) == BK_OK &&
             (uint64_t)fr > reserve && (uint64_t)fr - reserve >= dneed) {
             bk_status sd = falloc(g, &g->D, (int64_t)N, g->cfg.intermediate,
-                                  "down_proj inputs of all sequences");
+                                  "down_proj inputs");
             if (sd != BK_OK) { /* optional: recompute instead */
                 g->D = NULL;
                 bk_clear_error();
@@ -622,10 +629,11 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         snprintf(red, sizeof red, " (reduced from %lld: out of device memory)", (long long)wanted);
     snprintf(g->desc, sizeof g->desc,
              "forward + Hessians on the GPU (%s GEMMs): micro-batch %lld sequences%s, residual "
-             "stream %s (%.2f GiB)%s",
+             "stream %s (%.2f GiB%s)%s",
              bk_gemm_math_name(bk_backend_gemm_math(b)), (long long)B, red,
              g->resident ? "on the device" : "in pinned host memory",
              (double)need / (1024.0 * 1024.0 * 1024.0),
+             g->s_hi - g->s_lo < S ? ", this rank's sequences" : "",
              g->D ? "; down_proj inputs kept on the device" : "");
     *batch = B;
     *ops = &gpu_stage_ops;

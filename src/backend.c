@@ -337,6 +337,22 @@ int64_t bk_batch_within(double budget, double per_seq, int64_t S)
     return b;
 }
 
+int bk_rank_share(int64_t S, int64_t batch, int rank, int nranks, int64_t *lo, int64_t *hi)
+{
+    *lo = 0;
+    *hi = S;
+    if (nranks <= 1 || S <= 0 || batch < 1)
+        return 1;
+    const int64_t nmb = (S + batch - 1) / batch;
+    if (nmb < nranks)
+        return 0;
+    *lo = nmb * rank / nranks * batch;
+    *hi = nmb * (rank + 1) / nranks * batch;
+    if (*hi > S)
+        *hi = S;
+    return 1;
+}
+
 int64_t bk_layer_fwd_batch(const bk_layer_fwd_params *p, int64_t automatic)
 {
     int64_t B = p->batch > 0 ? (p->batch < p->S ? p->batch : p->S) : automatic;

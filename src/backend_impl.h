@@ -133,6 +133,10 @@ typedef struct bk_stage_params {
     int codes_only;       /* the export needs codes and scales only (solve_dev leaves r->weight
                              NULL) */
     int64_t S, T;         /* calibration sequences and tokens per sequence */
+    int rank, nranks;     /* MPI ranks (0, 0 or 1: one process): the stages hold the states
+                             (residual stream, o_proj and down_proj inputs) of this rank's
+                             sequences only, bk_rank_share with the micro-batch they return;
+                             the run and embed calls then cover those sequences only */
 } bk_stage_params;
 
 /* ------------------------------------ the layer forward (eval, dump-activations) */
@@ -218,6 +222,11 @@ typedef struct bk_backend_ops {
 
 /* Sequences per micro-batch: budget / per_seq bytes, within [1, S]. */
 int64_t bk_batch_within(double budget, double per_seq, int64_t S);
+/* MPI ranks, data parallel: rank's share [*lo, *hi) of S sequences, whole
+ * micro-batches of `batch` (the single process's boundaries), contiguous,
+ * in rank order. Returns 0 (and [0, S)) when there are fewer micro-batches
+ * than ranks; 1 otherwise (one rank: [0, S)). */
+int bk_rank_share(int64_t S, int64_t batch, int rank, int nranks, int64_t *lo, int64_t *hi);
 /* The micro-batch of a layer forward: p->batch within [1, S], or `automatic`
  * (the backend's rule) when p->batch is 0. */
 int64_t bk_layer_fwd_batch(const bk_layer_fwd_params *p, int64_t automatic);

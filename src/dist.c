@@ -606,6 +606,48 @@ bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *s
                      "ncclBroadcast");
     return st == BK_OK ? nccl_wait(d, s, "broadcast") : st;
 }
+
+/* A send (send != NULL) and/or a receive (recv != NULL) in one group. */
+static bk_status p2p_dev(bk_dist *d, const void *send, int to, void *recv, int from, size_t len,
+                         void *stream)
+{
+    if (!d || len == 0 || (!send && !recv))
+        return BK_OK;
+    if ((send && (to < 0 || to >= d->size)) || (recv && (from < 0 || from >= d->size)))
+        return bk_error(BK_ERR_INVALID_ARG, "rank %d: NCCL send/receive: no rank %d", d->rank,
+                        send && (to < 0 || to >= d->size) ? to : from);
+    bk_status st = bk_dist_dev_init(d);
+    if (st != BK_OK)
+        return st;
+    cudaStream_t s = (cudaStream_t)stream;
+    ncclResult_t nr = ncclGroupStart();
+    if (nr == ncclSuccess && send)
+        nr = ncclSend(send, len, ncclChar, to, d->nccl, s);
+    if ((nr == ncclSuccess || nr == ncclInProgress) && recv)
+        nr = ncclRecv(recv, len, ncclChar, from, d->nccl, s);
+    const ncclResult_t ge = ncclGroupEnd(); /* (closes the group whatever happened) */
+    st = nccl_called(d, nr, send && recv ? "ncclSend/ncclRecv" : send ? "ncclSend" : "ncclRecv");
+    if (st == BK_OK)
+        st = nccl_called(d, ge, "ncclGroupEnd");
+    return st == BK_OK ? nccl_wait(d, s, send && recv ? "send/receive" : send ? "send" : "receive")
+                       : st;
+}
+
+bk_status bk_dist_send_dev(bk_dist *d, const void *dev, size_t len, int to, void *stream)
+{
+    return p2p_dev(d, dev, to, NULL, 0, len, stream);
+}
+
+bk_status bk_dist_recv_dev(bk_dist *d, void *dev, size_t len, int from, void *stream)
+{
+    return p2p_dev(d, NULL, 0, dev, from, len, stream);
+}
+
+bk_status bk_dist_sendrecv_dev(bk_dist *d, const void *send, int to, void *recv, int from,
+                               size_t len, void *stream)
+{
+    return p2p_dev(d, send, to, recv, from, len, stream);
+}
 #else
 static bk_status no_nccl(void)
 {
@@ -627,6 +669,25 @@ bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream
 bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream)
 {
     (void)d, (void)dev, (void)len, (void)root, (void)stream;
+    return no_nccl();
+}
+
+bk_status bk_dist_send_dev(bk_dist *d, const void *dev, size_t len, int to, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)to, (void)stream;
+    return no_nccl();
+}
+
+bk_status bk_dist_recv_dev(bk_dist *d, void *dev, size_t len, int from, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)from, (void)stream;
+    return no_nccl();
+}
+
+bk_status bk_dist_sendrecv_dev(bk_dist *d, const void *send, int to, void *recv, int from,
+                               size_t len, void *stream)
+{
+    (void)d, (void)send, (void)to, (void)recv, (void)from, (void)len, (void)stream;
     return no_nccl();
 }
 #endif
@@ -653,6 +714,25 @@ bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream
 bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream)
 {
     (void)d, (void)dev, (void)len, (void)root, (void)stream;
+    return no_mpi_nccl();
+}
+
+bk_status bk_dist_send_dev(bk_dist *d, const void *dev, size_t len, int to, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)to, (void)stream;
+    return no_mpi_nccl();
+}
+
+bk_status bk_dist_recv_dev(bk_dist *d, void *dev, size_t len, int from, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)from, (void)stream;
+    return no_mpi_nccl();
+}
+
+bk_status bk_dist_sendrecv_dev(bk_dist *d, const void *send, int to, void *recv, int from,
+                               size_t len, void *stream)
+{
+    (void)d, (void)send, (void)to, (void)recv, (void)from, (void)len, (void)stream;
     return no_mpi_nccl();
 }
 

@@ -395,6 +395,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             .codes_only = o->export_format != BK_EXPORT_DEQUANTIZED,
             .S = j->S,
             .T = j->T,
+            .rank = j->rank,
+            .nranks = j->nranks,
         };
         int64_t gb = o->batch > 0 ? j->batch : 0;
         st = bk_backend_stages_create(j->backend, &sp, &gb, &j->ops, &j->ops_ctx);
@@ -403,7 +405,25 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         if (st != BK_OK)
             goto fail;
         if (j->nranks > 1) {
+            const int64_t mine = gb;
             st = bk__q_dev_stages_ranks(j, &gb);
+            if (st == BK_OK && gb != mine) {
+                /* the stages hold this rank's share for its own micro-batch: again
+                 * with the agreed (smaller) one */
+                j->ops->destroy(j->ops_ctx);
+                j->ops = NULL;
+                j->ops_ctx = NULL;
+                int64_t again = gb;
+                st = bk_backend_stages_create(j->backend, &sp, &again, &j->ops, &j->ops_ctx);
+                if (st == BK_OK && again != gb)
+                    st = bk_error(BK_ERR_DEVICE_OOM,
+                                  "quantize: rank %d: out of device memory for the ranks' "
+                                  "micro-batch of %lld sequences (use a smaller --batch)",
+                                  j->rank, (long long)gb);
+                if (st == BK_OK && (!j->ops->sums || !j->ops->share_weight))
+                    st = bk_error(BK_ERR_INTERNAL, "quantize: the stages changed");
+            }
+            st = bk__q_sync(j, st);
             if (st != BK_OK)
                 goto fail;
         }

@@ -162,15 +162,18 @@ bk_status bk_ghess_set_grads_dev(bk_ghess *a, int layer, const double *const G[B
 
 /* ------------------------------------------------- the GPU stage table */
 
-/* Stages on the GPU for a token-calibrated job: residual stream of all S
- * sequences on the device when it fits (else pinned host memory), one
+/* Stages on the GPU for a token-calibrated job: residual stream of the S
+ * sequences (MPI ranks, nranks > 1: of this rank's share, bk_rank_share with
+ * the micro-batch returned) on the device when it fits (else pinned host
+ * memory), one
  * layer's weights (original + working copy) and one layer's accumulators
  * resident. *batch: the micro-batch asked for (0 = automatic), reduced when
  * the device memory is short; the value used is returned. codes_only: the
  * export needs codes and scales only (solve_dev leaves r->weight NULL). */
 bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_hessian_kind kind,
                                int fp64, int keep_plain, int fully, int codes_only, int64_t S,
-                               int64_t T, int64_t *batch, const bk_stage_ops **ops, void **ctx);
+                               int64_t T, int rank, int nranks, int64_t *batch,
+                               const bk_stage_ops **ops, void **ctx);
 
 #ifdef __cplusplus
 }

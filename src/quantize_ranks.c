@@ -32,20 +32,12 @@ bk_status bk__q_sync(job *j, bk_status st)
 
 bk_status bk__q_split_ranks(job *j)
 {
-    j->s_lo = 0;
-    j->s_hi = j->S;
-    if (j->nranks <= 1 || j->S <= 0)
-        return BK_OK;
-    const int64_t nmb = (j->S + j->batch - 1) / j->batch;
-    if (nmb < j->nranks)
+    if (!bk_rank_share(j->S, j->batch, j->rank, j->nranks, &j->s_lo, &j->s_hi))
         return bk_error(BK_ERR_INVALID_ARG,
                         "quantize: %d MPI ranks but only %lld micro-batches of %lld sequences "
                         "(every rank needs one): use fewer ranks or a smaller --batch",
-                        j->nranks, (long long)nmb, (long long)j->batch);
-    j->s_lo = nmb * j->rank / j->nranks * j->batch;
-    j->s_hi = nmb * (j->rank + 1) / j->nranks * j->batch;
-    if (j->s_hi > j->S)
-        j->s_hi = j->S;
+                        j->nranks, (long long)((j->S + j->batch - 1) / j->batch),
+                        (long long)j->batch);
     return BK_OK;
 }
 
@@ -87,7 +79,7 @@ bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch)
     } else {
         j->dev_coll = 1;
         j->coll_desc = j->o->dist_reduce == BK_DIST_ORDERED
-                           ? "NCCL broadcasts; the ordered pass over MPI with host copies"
+                           ? "NCCL send/receive (the ordered pass) and broadcasts"
                            : "NCCL all-reduce and broadcasts";
         st = bk__q_sync(j, bk_dist_dev_init(j->dist));
     }
@@ -117,8 +109,12 @@ static bk_status sum_buf(void *user, void *buf, size_t n, int f64, int dev, void
     sum_ctx *c = user;
     const size_t bytes = n * (f64 ? sizeof(double) : sizeof(float));
     if (dev)
-        return c->op == 2 ? bk_dist_bcast_dev(c->j->dist, buf, bytes, c->peer, stream)
-                          : bk_dist_sum_dev(c->j->dist, buf, n, f64, stream);
+        switch (c->op) {
+        case 0: return bk_dist_recv_dev(c->j->dist, buf, bytes, c->peer, stream);
+        case 1: return bk_dist_send_dev(c->j->dist, buf, bytes, c->peer, stream);
+        case 2: return bk_dist_bcast_dev(c->j->dist, buf, bytes, c->peer, stream);
+        default: return bk_dist_sum_dev(c->j->dist, buf, n, f64, stream);
+        }
     switch (c->op) {
     case 0: return bk_dist_recv(c->j->dist, buf, bytes, c->peer, 11);
     case 1: return bk_dist_send(c->j->dist, buf, bytes, c->peer, 11);
@@ -138,12 +134,14 @@ static bk_status acc_sums(job *j, unsigned mods, int op, int peer)
     bk_status st = BK_OK;
     if (j->dev_stages_ranks) {
         /* the stages' own (device) sums: a receive only writes them, a send
-         * only reads them; broadcasts and sums on the device with NCCL */
+         * only reads them; with NCCL (a GPU per rank) every exchange on the
+         * device buffers (the ordered pass: ncclSend / ncclRecv), the counts
+         * and scalars over MPI */
         const int rw = op == 0   ? BK_BUF_WRITE
                        : op == 1 ? BK_BUF_READ
                        : op == 2 ? (j->rank == peer ? BK_BUF_READ : BK_BUF_WRITE)
                                  : BK_BUF_READ | BK_BUF_WRITE;
-        return j->ops->sums(j->ops_ctx, mods, j->dev_coll && op >= 2, rw, sum_buf, &c);
+        return j->ops->sums(j->ops_ctx, mods, j->dev_coll, rw, sum_buf, &c);
     }
     if (j->acc)
         st = bk_hess_acc_sums(j->acc, mods, sum_one, &c);

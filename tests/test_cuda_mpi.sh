@@ -4,7 +4,8 @@
 # without a GPU, without mpirun or in a build without MPI.
 #  - mpirun -np 1 and one plain process write the same bytes (gptq,
 #    mlplocal-kfac, fullylocal-kfac: every kind of device sum);
-#  - -np 2, ordered sums: the same bytes as one process. On a machine with one
+#  - -np 2, ordered sums: the same bytes as one process (each rank's GPU
+#    stages hold the residual stream of its own sequences). On a machine with one
 #    GPU both ranks share it: NCCL refuses two ranks on one device, so the
 #    ranks exchange the device sums and weights as host copies over MPI
 #    (report.json says which); with two GPUs or more each rank has its own
@@ -113,6 +114,14 @@ for h in gptq mlplocal-kfac fullylocal-kfac; do
     same_bytes "data parallel, 2 ranks, ordered, $h" "ref-$h" "np2-$h"
     echo "  GPU collectives: $(collectives "np2-$h/report.json")"
 done
+# each rank holds the residual stream of its own sequences only
+detail() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("stages_detail", ""))' "$1"; }
+if [ -d np2-gptq ]; then
+    echo "  one process: $(detail ref-gptq/report.json)"
+    echo "  rank 0 of 2: $(detail np2-gptq/report.json)"
+    detail np2-gptq/report.json | grep -q "this rank's sequences" ||
+        die "2 ranks: the GPU stages do not say they hold this rank's sequences only"
+fi
 if [ -d np2-gptq ] && [ "${NGPU:-0}" -lt 2 ]; then
     collectives np2-gptq/report.json | grep -q "host copies" ||
         die "two ranks on one GPU: report.json does not say host copies"

@@ -2,7 +2,8 @@
  * without a GPU. One process (an MPI singleton) or under mpirun -np N with
  * one GPU per rank: every rank's buffer holds rank+1 (floats) and 0.5*(rank+1)
  * (doubles); after the sum each element must be N(N+1)/2 (exact in binary);
- * then a broadcast from the last rank. The NCCL communicator is set up even
+ * then a broadcast from the last rank, then a send/receive around the ring (one
+ * rank: to itself, in one NCCL group). The NCCL communicator is set up even
  * for one rank, so the NCCL calls (set-up, all-reduce, broadcast, the waits)
  * run on a machine with one GPU. */
 #include <stdio.h>
@@ -83,6 +84,35 @@ int main(void)
                 printf("ok: rank %d of %d: NCCL broadcast of %zu floats from rank %d\n", rank,
                        size, n, root);
         }
+    }
+    /* send/receive around the ring (one rank: to and from itself), one
+     * group per rank: rank r's bytes arrive at rank r+1 exactly */
+    if (!fail) {
+        const int to = (rank + 1) % size, from = (rank + size - 1) % size;
+        float *rf = NULL;
+        for (size_t i = 0; i < n; i++)
+            hf[i] = (float)((i % 4096) + 4096 * (size_t)rank);
+        st = cudaMalloc((void **)&rf, n * sizeof *rf) == cudaSuccess &&
+                     cudaMemset(rf, 0, n * sizeof *rf) == cudaSuccess &&
+                     cudaMemcpy(df, hf, n * sizeof *hf, cudaMemcpyHostToDevice) == cudaSuccess
+                 ? bk_dist_sendrecv_dev(d, df, to, rf, from, n * sizeof *rf, NULL)
+                 : BK_ERR_DEVICE;
+        if (st != BK_OK) {
+            printf("FAIL: rank %d: send/receive: %s\n", rank, bk_last_error());
+            fail = 1;
+        } else {
+            cudaMemcpy(hf, rf, n * sizeof *hf, cudaMemcpyDeviceToHost);
+            for (size_t i = 0; i < n && !fail; i++)
+                if (hf[i] != (float)((i % 4096) + 4096 * (size_t)from)) {
+                    printf("FAIL: rank %d: received element %zu = %g from rank %d\n", rank, i,
+                           (double)hf[i], from);
+                    fail = 1;
+                }
+            if (!fail)
+                printf("ok: rank %d of %d: NCCL send to rank %d, receive from rank %d\n", rank,
+                       size, to, from);
+        }
+        cudaFree(rf);
     }
     cudaFree(df);
     cudaFree(dd);

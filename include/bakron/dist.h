@@ -101,11 +101,21 @@ bk_status bk_dist_min_i64(bk_dist *d, int64_t *v);
  * bk_dist_bcast_dev: broadcast len bytes of a DEVICE buffer from root
  * (ncclBroadcast), exact.
  *
- * Both wait for the stream with the deadline and the stop flag; on a failure
- * or time-out the communicator is aborted and the context is broken. */
+ * bk_dist_send_dev / bk_dist_recv_dev: len bytes of a DEVICE buffer to rank
+ * `to` / from rank `from` (ncclSend / ncclRecv), exact; every send is matched
+ * by a receive of the same length on the peer, in the same order.
+ * bk_dist_sendrecv_dev: a send and a receive in one NCCL group (with to =
+ * from = this rank: a device copy through NCCL, for tests on one GPU).
+ *
+ * All of them wait for the stream with the deadline and the stop flag; on a
+ * failure or time-out the communicator is aborted and the context is broken. */
 bk_status bk_dist_dev_init(bk_dist *d);
 bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream);
 bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream);
+bk_status bk_dist_send_dev(bk_dist *d, const void *dev, size_t len, int to, void *stream);
+bk_status bk_dist_recv_dev(bk_dist *d, void *dev, size_t len, int from, void *stream);
+bk_status bk_dist_sendrecv_dev(bk_dist *d, const void *send, int to, void *recv, int from,
+                               size_t len, void *stream);
 
 #ifdef __cplusplus
 }
