@@ -208,7 +208,8 @@ refused "one rank's bad input" 2 "rank 1: " -- \
     -np 2 ./onebad.sh "$B" quantize "$M" --calib c.safetensors --samples 8 --batch 2 \
     --backend cpu --hessian gptq --json --out bad
 ls r1 | grep -q bad && die "rank 1 wrote an output"
-# a rank killed in the middle: the launcher stops the job
+# a rank killed in the middle: the launcher stops the job (128 sequences: the
+# job must outlast the 3 s before the kill, also on an idle machine)
 cat >killone.sh <<'EOF'
 #!/usr/bin/env bash
 r=${OMPI_COMM_WORLD_RANK:-0}
@@ -224,13 +225,13 @@ chmod +x killone.sh
 # given the time, rank 0 prints its line and removes its work folder)
 refused "a rank killed" any "stopped by a signal" -- \
     -np 2 --mca odls_base_sigkill_timeout 20 ./killone.sh "$B" quantize "$M" \
-    --calib "$M/calib.safetensors" --samples 32 --batch 2 --backend cpu \
+    --calib "$M/calib.safetensors" --samples 128 --batch 2 --backend cpu \
     --hessian fullylocal-shampoo --json --out bad
 # with Open MPI's default (SIGKILL 1 s after SIGTERM) rank 0 may die before it can
 # print: no output folder all the same, and the next run clears the leftovers
 rm -f err.*
 "${MPIRUN[@]}" -np 2 ./killone.sh "$B" quantize "$M" --calib "$M/calib.safetensors" \
-    --samples 32 --batch 2 --backend cpu --hessian fullylocal-shampoo --json --out bad \
+    --samples 128 --batch 2 --backend cpu --hessian fullylocal-shampoo --json --out bad \
     >/dev/null 2>mpirun.err; rc=$?
 [ $rc -ne 0 ] && [ $rc -ne 124 ] || die "a rank killed (default launcher): exit $rc"
 [ -e bad ] && die "a rank killed (default launcher): the output folder appeared"
@@ -251,6 +252,6 @@ wait $p
 EOF
 chmod +x stopone.sh
 refused "a rank that hangs" 3 "no answer" -- \
-    -np 2 ./stopone.sh "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 32 \
+    -np 2 ./stopone.sh "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 128 \
     --batch 2 --backend cpu --hessian fullylocal-shampoo --dist-timeout 5 --json --out bad
 exit $fail
