@@ -28,10 +28,6 @@
 #include "rope.h"
 #include "util.h"
 
-/* Logit blocks of at most this many doubles; LM head rows converted at a time. */
-#define BW_LOGIT_BLOCK ((int64_t)1 << 22)
-#define BW_HEAD_BLOCK ((int64_t)1 << 21)
-
 struct bk_bwd {
     bk_model_config cfg;
     bk_dims dim;
@@ -60,50 +56,64 @@ static double *alloc_d(int64_t a, int64_t b)
     return bk_alloc(n ? (size_t)n : 1, sizeof(double));
 }
 
+/* The names of the two-valued enums (index = value). */
+static const char *const fisher_names[] = {"model", "empirical"};
+static const char *const flow_names[] = {"halving", "naive"};
+
+/* name's index in names[2], or -1 */
+static int name_index(const char *const names[2], const char *name)
+{
+    for (int i = 0; i < 2; i++)
+        if (name && !strcmp(name, names[i]))
+            return i;
+    return -1;
+}
+
 const char *bk_fisher_name(bk_fisher_kind k)
 {
-    switch (k) {
-    case BK_FISHER_MODEL: return "model";
-    case BK_FISHER_EMPIRICAL: return "empirical";
-    }
-    return "?";
+    return (unsigned)k < 2 ? fisher_names[k] : "?";
 }
 
 bk_status bk_fisher_from_name(const char *name, bk_fisher_kind *out)
 {
-    if (name && !strcmp(name, "model")) {
-        *out = BK_FISHER_MODEL;
-        return BK_OK;
-    }
-    if (name && !strcmp(name, "empirical")) {
-        *out = BK_FISHER_EMPIRICAL;
-        return BK_OK;
-    }
-    return bk_error(BK_ERR_INVALID_ARG, "unknown Fisher '%s' (expected model or empirical)",
-                    name ? name : "(null)");
+    const int i = name_index(fisher_names, name);
+    if (i < 0)
+        return bk_error(BK_ERR_INVALID_ARG, "unknown Fisher '%s' (expected model or empirical)",
+                        name ? name : "(null)");
+    *out = (bk_fisher_kind)i;
+    return BK_OK;
 }
 
 const char *bk_bwd_flow_name(bk_bwd_flow_kind k)
 {
-    switch (k) {
-    case BK_FLOW_HALVING: return "halving";
-    case BK_FLOW_NAIVE: return "naive";
-    }
-    return "?";
+    return (unsigned)k < 2 ? flow_names[k] : "?";
 }
 
 bk_status bk_bwd_flow_from_name(const char *name, bk_bwd_flow_kind *out)
 {
-    if (name && !strcmp(name, "halving")) {
-        *out = BK_FLOW_HALVING;
-        return BK_OK;
-    }
-    if (name && !strcmp(name, "naive")) {
-        *out = BK_FLOW_NAIVE;
-        return BK_OK;
-    }
-    return bk_error(BK_ERR_INVALID_ARG, "unknown backward flow '%s' (expected halving or naive)",
-                    name ? name : "(null)");
+    const int i = name_index(flow_names, name);
+    if (i < 0)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "unknown backward flow '%s' (expected halving or naive)",
+                        name ? name : "(null)");
+    *out = (bk_bwd_flow_kind)i;
+    return BK_OK;
+}
+
+/* Logit blocks of at most this many entries; LM head rows converted at a time. */
+#define BW_LOGIT_BLOCK ((int64_t)1 << 22)
+#define BW_HEAD_BLOCK ((int64_t)1 << 21)
+
+int64_t bk__bwd_vocab_block(int64_t rows, int64_t hidden, int64_t vocab)
+{
+    int64_t vc = BW_LOGIT_BLOCK / rows;
+    if (vc > BW_HEAD_BLOCK / hidden)
+        vc = BW_HEAD_BLOCK / hidden;
+    if (vc < 16)
+        vc = 16;
+    if (vc > vocab)
+        vc = vocab;
+    return vc;
 }
 
 /* ------------------------------------------------------------ context */
@@ -193,13 +203,7 @@ bk_status bk_bwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t se
     b->xf = alloc_d(R, d);
     b->rf = alloc_d(R, 1);
     b->dxf = alloc_d(R, d);
-    int64_t vc = BW_LOGIT_BLOCK / R;
-    if (vc > BW_HEAD_BLOCK / d)
-        vc = BW_HEAD_BLOCK / d;
-    if (vc < 16)
-        vc = 16;
-    if (vc > cfg->vocab)
-        vc = cfg->vocab;
+    const int64_t vc = bk__bwd_vocab_block(R, d, cfg->vocab);
     b->vc = vc;
     b->lg = alloc_d(R, vc);
     b->wb = alloc_d(vc, d);

@@ -68,6 +68,11 @@ bk_status bk__hess_bp_grad_sums(bk_hess_acc *a, int layer, bk_hess_sum_fn fn, vo
  * = 0 (G untouched) when nothing was received for the module. */
 bk_status bk__hess_bp_grad_take(bk_hess_acc *a, bk_module mod, double *G, int *set);
 
+/* Vocabulary rows per block of the backward's head, the same on the CPU and
+ * the GPU: [rows, vc] logits within 2^22 and [vc, hidden] head rows within
+ * 2^21 elements, at least 16, at most vocab. */
+int64_t bk__bwd_vocab_block(int64_t rows, int64_t hidden, int64_t vocab);
+
 /* BK_OK when the model has the LM head and final norm the backward needs;
  * else a one-line error. */
 bk_status bk__bwd_head_check(const bk_model *m);

@@ -511,30 +511,12 @@ bk_status bk_solve(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_r
             /* bound of the problem the algorithm solved: B~ for the two-sided
              * family, the identity for gptq (compare with loss_one_sided) */
             const int use_b = family_two_sided(o->algorithm) && !sb.identity;
-            double bound = 0.0;
-            for (int64_t i = 0; i < m; i++) {
-                const double rb = use_b ? sb.rdiag[i] : 1.0;
-                double row = 0.0;
-                for (int64_t j = 0; j < n; j++) {
-                    const double s = bk_q_scale_at(&alpha, i, j);
-                    row += s * s * sa.rdiag[j] * sa.rdiag[j];
-                }
-                bound += rb * rb * row;
-            }
-            r->bound = 0.25 * bound;
+            r->bound = bk_solve_bound(&alpha, sa.rdiag, use_b ? sb.rdiag : NULL, m, n);
         }
     }
     const double t3 = bk_now();
 
-    r->m = m;
-    r->n = n;
-    r->groups = alpha.groups;
-    r->scales = alpha.scale;
-    alpha.scale = NULL;
-    if (o->quant.kind == BK_Q_UNIFORM && o->quant.asym) {
-        r->zeros = alpha.zero;
-        alpha.zero = NULL;
-    }
+    bk_solve_result_alphabet(r, &alpha, m, n, &o->quant);
     r->damp_a = p->A ? sa.damp : 0.0;
     r->damp_b = p->B ? sb.damp : 0.0;
     r->damp_retries = sa.retries + sb.retries;

@@ -143,3 +143,33 @@ bk_status bk_solve_begin(const bk_solve_problem *p, const bk_solve_opts *o, bk_s
         st = bk_solve_check_problem(p, o, *lw, *la, *lb);
     return st;
 }
+
+double bk_solve_bound(const bk_alphabet *alpha, const double *ra, const double *rb, int64_t m,
+                      int64_t n)
+{
+    double bound = 0.0;
+    for (int64_t i = 0; i < m; i++) {
+        const double rbi = rb ? rb[i] : 1.0;
+        double row = 0.0;
+        for (int64_t j = 0; j < n; j++) {
+            const double s = bk_q_scale_at(alpha, i, j);
+            row += s * s * ra[j] * ra[j];
+        }
+        bound += rbi * rbi * row;
+    }
+    return 0.25 * bound;
+}
+
+void bk_solve_result_alphabet(bk_solve_result *r, bk_alphabet *alpha, int64_t m, int64_t n,
+                              const bk_quant_spec *q)
+{
+    r->m = m;
+    r->n = n;
+    r->groups = alpha->groups;
+    r->scales = alpha->scale;
+    alpha->scale = NULL;
+    if (q->kind == BK_Q_UNIFORM && q->asym) {
+        r->zeros = alpha->zero;
+        alpha->zero = NULL;
+    }
+}

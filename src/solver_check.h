@@ -13,6 +13,8 @@
 extern "C" {
 #endif
 
+#include "quant.h" /* (a C header without its own extern "C") */
+
 /* Relative tolerance of the symmetry check: |X_ij - X_ji| <= tol * max |X|. */
 #define BK_SYM_TOL 1e-3
 
@@ -67,6 +69,16 @@ typedef bk_status (*bk_damp_try_fn)(void *user, double add, int *step);
 bk_status bk_solve_damp_escalate(const bk_solve_opts *o, double mean, const char *label,
                                  bk_damp_try_fn try_damp, void *user, double *damp, double *add,
                                  int *retries);
+
+/* The bound of the rounding error (r->bound): 0.25 Σ_i rb_i² Σ_j s_ij² ra_j²
+ * with s_ij the scale of entry (i, j) in alpha, ra [n] the input side's and
+ * rb [m] the output side's diagonal (NULL: 1), summed row by row. */
+double bk_solve_bound(const bk_alphabet *alpha, const double *ra, const double *rb, int64_t m,
+                      int64_t n);
+/* The result's shape (m x n) and its alphabet: alpha's scales, and its zeros
+ * for an asymmetric uniform grid (q), move into r (NULL in alpha after). */
+void bk_solve_result_alphabet(bk_solve_result *r, bk_alphabet *alpha, int64_t m, int64_t n,
+                              const bk_quant_spec *q);
 
 #ifdef __cplusplus
 }
