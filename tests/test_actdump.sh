@@ -6,13 +6,7 @@
 # any layer is quantized; a .zst whose frame declares a huge size is refused
 # from the manifest's shapes without allocating it; version 1 dumps still read.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
-M="$SRC/examples/kerneldocs-1.6m"
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cd "$W" || exit 1
 
 dump() { # out args...

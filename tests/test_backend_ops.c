@@ -25,6 +25,7 @@
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
 #include "test_solver_util.h"
+#include "test_util.h"
 
 #define TOL_SOLVE_FP64 0.0
 #define TOL_NLL 1e-5
@@ -50,20 +51,6 @@ static int g_fail;
             exit(1);                                                                               \
         }                                                                                          \
     } while (0)
-
-/* max |a - b| / max |b| */
-static double rel_err(const float *a, const float *b, size_t n)
-{
-    double md = 0.0, mb = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - (double)b[i]);
-        if (!(d <= md))
-            md = isnan(d) ? INFINITY : d;
-        if (fabs((double)b[i]) > mb)
-            mb = fabs((double)b[i]);
-    }
-    return mb > 0 ? md / mb : md;
-}
 
 /* ------------------------------------------------------------------ solve */
 
@@ -145,7 +132,7 @@ static void test_model(bk_backend *cpu, bk_backend *dev, const bk_model *m, cons
         exit(1);
     OK(bk_backend_model_logits(cpu, m, tok, S, T, lc));
     OK(bk_backend_model_logits(dev, m, tok, S, T, lg));
-    double e = rel_err(lg, lc, (size_t)(S * T * V));
+    double e = tu_rel_err_f(lg, lc, (size_t)(S * T * V));
     CHECK(e <= TOL_LOGITS, "model_logits: relative error %.3g (TOL_LOGITS %g)", e, TOL_LOGITS);
     printf("model_logits: relative error %.3g\n", e);
     free(lc);
@@ -200,7 +187,7 @@ static void test_layer_fwd(bk_backend *cpu, bk_backend *dev, const bk_model *m,
         }
         bk_layer_weights_free(&lw);
         for (int i = 0; i < 4; i++) {
-            double e = rel_err(taps[1][i], taps[0][i], (size_t)(N * widths[i]));
+            double e = tu_rel_err_f(taps[1][i], taps[0][i], (size_t)(N * widths[i]));
             CHECK(e <= TOL_TAPS, "layer_fwd layer %d %s: relative error %.3g (TOL_TAPS %g)", l,
                   names[i], e, TOL_TAPS);
             printf("layer_fwd layer %d %s: relative error %.3g\n", l, names[i], e);

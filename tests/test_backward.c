@@ -32,34 +32,13 @@
 #include "bakron/hessian.h"
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
+#include "test_cm_util.h"
 #include "util.h"
 
 static int verbose(void)
 {
     const char *v = getenv("BK_TEST_VERBOSE");
     return v && v[0] == '1';
-}
-
-static void model_path(char *buf, size_t cap, const char *name)
-{
-    const char *data = getenv("BK_TEST_DATA");
-    const char *root = getenv("BK_SOURCE_ROOT");
-    assert_non_null(data);
-    assert_non_null(root);
-    if (!strcmp(name, "kerneldocs-1.6m"))
-        snprintf(buf, cap, "%s/examples/kerneldocs-1.6m", root);
-    else
-        snprintf(buf, cap, "%s/models/%s", data, name);
-}
-
-static bk_model *open_model(const char *name)
-{
-    char dir[4096];
-    model_path(dir, sizeof dir, name);
-    bk_model *m = NULL;
-    if (bk_model_open(dir, &m) != BK_OK)
-        fail_msg("%s: %s", dir, bk_last_error());
-    return m;
 }
 
 /* All layers' weights. */
@@ -162,27 +141,16 @@ static double model_loss(bk_bwd *bw, const bk_model *m, const bk_layer_weights *
     return loss;
 }
 
-static int32_t *random_tokens(uint64_t seed, int64_t n, int64_t vocab)
-{
-    bk_rng rg;
-    bk_rng_seed(&rg, seed);
-    int32_t *t = malloc((size_t)n * sizeof(int32_t));
-    assert_non_null(t);
-    for (int64_t i = 0; i < n; i++)
-        t[i] = (int32_t)(bk_rng_next(&rg) % (uint64_t)vocab);
-    return t;
-}
-
 /* ======================================================== finite differences */
 
 static void fd_model(const char *name)
 {
-    bk_model *m = open_model(name);
+    bk_model *m = tu_open_model(name);
     const bk_model_config *c = bk_model_get_config(m);
     bk_layer_weights *lw = load_all(m);
     const int64_t S = 2, T = 6, N = S * T;
-    int32_t *tok = random_tokens(11, N, c->vocab);
-    int32_t *lab = random_tokens(12, N, c->vocab);
+    int32_t *tok = tu_random_tokens(11, N, c->vocab);
+    int32_t *lab = tu_random_tokens(12, N, c->vocab);
     lab[T - 1] = -1; /* one position without a label */
     bk_bwd *bw = NULL;
     assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
@@ -285,7 +253,7 @@ static void golden_model(const char *name)
     assert_int_equal(tl->dtype, BK_DT_I32);
     assert_int_equal(tloss->dtype, BK_DT_F64);
     const int64_t S = ti->shape[0], T = ti->shape[1], N = S * T;
-    bk_model *m = open_model(name);
+    bk_model *m = tu_open_model(name);
     const bk_model_config *c = bk_model_get_config(m);
     bk_layer_weights *lw = load_all(m);
     bk_bwd *bw = NULL;
@@ -358,11 +326,11 @@ static void test_loss_matches_fp32_forward(void **state)
     (void)state;
     const char *names[] = {"tiny-qwen3", "kerneldocs-1.6m"};
     for (int k = 0; k < 2; k++) {
-        bk_model *m = open_model(names[k]);
+        bk_model *m = tu_open_model(names[k]);
         const bk_model_config *c = bk_model_get_config(m);
         bk_layer_weights *lw = load_all(m);
         const int64_t S = 3, T = 9, N = S * T;
-        int32_t *tok = random_tokens(5 + (uint64_t)k, N, c->vocab);
+        int32_t *tok = tu_random_tokens(5 + (uint64_t)k, N, c->vocab);
         int32_t *lab = malloc((size_t)N * sizeof(int32_t));
         bk_bwd *bw = NULL;
         assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
@@ -398,11 +366,11 @@ static void test_loss_matches_fp32_forward(void **state)
 static void test_sampled_labels(void **state)
 {
     (void)state;
-    bk_model *m = open_model("tiny-llama3");
+    bk_model *m = tu_open_model("tiny-llama3");
     const bk_model_config *c = bk_model_get_config(m);
     bk_layer_weights *lw = load_all(m);
     const int64_t S = 3, T = 40, N = S * T, V = c->vocab;
-    int32_t *tok = random_tokens(3, N, V);
+    int32_t *tok = tu_random_tokens(3, N, V);
     bk_bwd *bw = NULL;
     assert_int_equal(bk_bwd_create(c, S, T, &bw), BK_OK);
     double *h = malloc((size_t)(N * c->hidden) * sizeof(double));
@@ -555,11 +523,11 @@ static double collect_diff(const collect *x, const collect *y)
 
 static void flows_model(const char *name)
 {
-    bk_model *m = open_model(name);
+    bk_model *m = tu_open_model(name);
     const bk_model_config *c = bk_model_get_config(m);
     const int L = (int)c->n_layers;
     const int64_t S = 3, T = 8;
-    int32_t *tok = random_tokens(21, S * T, c->vocab);
+    int32_t *tok = tu_random_tokens(21, S * T, c->vocab);
     /* the reference: one forward + backward of the whole model with the
      * flow's labels */
     bk_layer_weights *lw = load_all(m);
@@ -660,7 +628,7 @@ static void test_flows_qwen3(void **state)
 static void test_bad_input(void **state)
 {
     (void)state;
-    bk_model *m = open_model("tiny-llama3");
+    bk_model *m = tu_open_model("tiny-llama3");
     const bk_model_config *c = bk_model_get_config(m);
     bk_layer_weights *lw = load_all(m);
     const int64_t S = 1, T = 5, N = S * T, d = c->hidden;

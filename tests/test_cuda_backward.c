@@ -73,6 +73,7 @@ int main(void)
 
 #include "backward_gpu.h"
 #include "backward_internal.h"
+#include "test_cm_util.h"
 
 #define TOL_FP64 1e-9
 #define TOL_FACTOR_FP64 2.5e-7 /* the factors come out as F32: one rounding of ~1e-15 apart values */
@@ -95,30 +96,6 @@ static int verbose(void)
     return !v || v[0] != '0'; /* print the measured errors unless BK_TEST_VERBOSE=0 */
 }
 
-static void model_path(char *buf, size_t cap, const char *name)
-{
-    const char *data = getenv("BK_TEST_DATA");
-    const char *root = getenv("BK_SOURCE_ROOT");
-    assert_non_null(data);
-    assert_non_null(root);
-    if (!strcmp(name, "kerneldocs-1.6m"))
-        snprintf(buf, cap, "%s/examples/kerneldocs-1.6m", root);
-    else if (!strncmp(name, "bad/", 4))
-        snprintf(buf, cap, "%s/bad/models/%s", data, name + 4);
-    else
-        snprintf(buf, cap, "%s/models/%s", data, name);
-}
-
-static bk_model *open_model(const char *name)
-{
-    char dir[4096];
-    model_path(dir, sizeof dir, name);
-    bk_model *m = NULL;
-    if (bk_model_open(dir, &m) != BK_OK)
-        fail_msg("%s: %s", dir, bk_last_error());
-    return m;
-}
-
 static int64_t mod_out(const bk_model_config *c, int mod)
 {
     int64_t o, in;
@@ -131,44 +108,6 @@ static int64_t mod_in(const bk_model_config *c, int mod)
     int64_t o, in;
     bk_module_shape(c, (bk_module)mod, &o, &in);
     return in;
-}
-
-/* max |a - b| / max |b|; NaN counts as infinite */
-static double rel_err(const double *a, const double *b, int64_t n)
-{
-    double md = 0, mb = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs(a[i] - b[i]);
-        if (!(d <= md))
-            md = isnan(d) ? INFINITY : d;
-        if (fabs(b[i]) > mb)
-            mb = fabs(b[i]);
-    }
-    return mb > 0 ? md / mb : md;
-}
-
-static double rel_err_f(const float *a, const float *b, int64_t n)
-{
-    double md = 0, mb = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - (double)b[i]);
-        if (!(d <= md))
-            md = isnan(d) ? INFINITY : d;
-        if (fabs((double)b[i]) > mb)
-            mb = fabs((double)b[i]);
-    }
-    return mb > 0 ? md / mb : md;
-}
-
-static int32_t *random_tokens(uint64_t seed, int64_t n, int64_t vocab)
-{
-    bk_rng rg;
-    bk_rng_seed(&rg, seed);
-    int32_t *t = malloc((size_t)n * sizeof(int32_t));
-    assert_non_null(t);
-    for (int64_t i = 0; i < n; i++)
-        t[i] = (int32_t)(bk_rng_next(&rg) % (uint64_t)vocab);
-    return t;
 }
 
 /* ------------------------------------------------------------ collecting taps */
@@ -249,8 +188,8 @@ static double cmp_taps(const char *what, const collect *got, const collect *ref,
     double worst = 0;
     for (int l = 0; l < c->n_layers; l++)
         for (int i = 0; i < BK_MOD_COUNT; i++) {
-            double ea = rel_err(got->a[l][i], ref->a[l][i], ref->N * mod_in(c, i));
-            double eg = rel_err(got->g[l][i], ref->g[l][i], ref->N * mod_out(c, i));
+            double ea = tu_rel_err_d(got->a[l][i], ref->a[l][i], ref->N * mod_in(c, i));
+            double eg = tu_rel_err_d(got->g[l][i], ref->g[l][i], ref->N * mod_out(c, i));
             if (!(ea <= tol) || !(eg <= tol))
                 fail_msg("%s: layer %d %s: inputs rel %.3g, gradients rel %.3g (tolerance %g)",
                          what, l, bk_module_name((bk_module)i), ea, eg, tol);
@@ -324,8 +263,8 @@ static double cmp_factors(const char *what, const bk_model *m, const collect *go
                 assert_non_null(B[1]);
                 const int64_t o = mod_out(c, i), in = mod_in(c, i);
                 /* copies: the arrays of one accumulator are reused per call */
-                double eb = rel_err_f(B[0], B[1], o * o);
-                double ea = rel_err_f(A[0], A[1], in * in);
+                double eb = tu_rel_err_f(B[0], B[1], o * o);
+                double ea = tu_rel_err_f(A[0], A[1], in * in);
                 if (!(eb <= tol) || !(ea <= tol))
                     fail_msg("%s %s: layer %d %s: output factor rel %.3g, input factor rel %.3g "
                              "(tolerance %g)",
@@ -478,7 +417,7 @@ static double cmp_gram_factors(const char *what, const bk_model *m, const gcolle
                 if (bk_hess_factors(acc[s], &lw, (bk_module)i, &A[s], &B[s]) != BK_OK)
                     fail_msg("%s", bk_last_error());
             const int64_t o = mod_out(c, i), in = mod_in(c, i);
-            double eb = rel_err_f(B[0], B[1], o * o), ea = rel_err_f(A[0], A[1], in * in);
+            double eb = tu_rel_err_f(B[0], B[1], o * o), ea = tu_rel_err_f(A[0], A[1], in * in);
             if (!(eb <= tol) || !(ea <= tol))
                 fail_msg("%s %s (device Grams): layer %d %s: output factor rel %.3g, input "
                          "factor rel %.3g (tolerance %g)",
@@ -494,11 +433,11 @@ static double cmp_gram_factors(const char *what, const bk_model *m, const gcolle
 
 static void flow_model(const char *name)
 {
-    bk_model *m = open_model(name);
+    bk_model *m = tu_open_model(name);
     const bk_model_config *c = bk_model_get_config(m);
     assert_true(c->n_layers <= MAXL);
     const int64_t S = 5, T = 24;
-    int32_t *tok = random_tokens(21, S * T, c->vocab);
+    int32_t *tok = tu_random_tokens(21, S * T, c->vocab);
     collect ref, nv, hv, hv1, f32n, f32h;
     bk_bwd_flow_stats sref, snv, shv, shv1, s32n, s32h, scpuh;
     /* the reference: CPU naive I, micro-batch 2; and CPU halving's counts */
@@ -637,10 +576,10 @@ static void test_flow_kerneldocs(void **state)
 static void test_flow_leaf(void **state)
 {
     (void)state;
-    bk_model *m = open_model("kerneldocs-1.6m");
+    bk_model *m = tu_open_model("kerneldocs-1.6m");
     const bk_model_config *c = bk_model_get_config(m);
     const int64_t S = 4, T = 16;
-    int32_t *tok = random_tokens(5, S * T, c->vocab);
+    int32_t *tok = tu_random_tokens(5, S * T, c->vocab);
     collect ref;
     bk_bwd_flow_stats sref;
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 2, NULL, &ref, &sref);
@@ -720,7 +659,7 @@ static void check_cdf(const bk_model *m, const double *h, int32_t label, double 
 
 static void head_model(const char *name)
 {
-    bk_model *m = open_model(name);
+    bk_model *m = tu_open_model(name);
     const bk_model_config *c = bk_model_get_config(m);
     /* 16640 rows: the CPU's (and GPU's) logit blocks are 4M / 16640 = 252
      * vocabulary entries, so V = 256..320 takes two blocks */
@@ -731,7 +670,7 @@ static void head_model(const char *name)
     double *dh_c = malloc((size_t)(N * d) * sizeof(double));
     double *dh_g = malloc((size_t)(N * d) * sizeof(double));
     int32_t *lab_c = malloc((size_t)N * sizeof(int32_t)), *lab_g = malloc((size_t)N * sizeof(int32_t));
-    int32_t *tok = random_tokens(9, N, V);
+    int32_t *tok = tu_random_tokens(9, N, V);
     assert_true(h && dh_c && dh_g && lab_c && lab_g);
     bk_rng rg;
     bk_rng_seed(&rg, 17);
@@ -758,7 +697,7 @@ static void head_model(const char *name)
         assert_int_equal(bk_bwd_head(bw, m, h, lab_g, S, dh_c, &loss_c), BK_OK);
         double tol = fp64 ? TOL_FP64 : TOL_FP32;
         double el = fabs(loss_g - loss_c) / fabs(loss_c);
-        double ed = rel_err(dh_g, dh_c, N * d);
+        double ed = tu_rel_err_d(dh_g, dh_c, N * d);
         if (!(el <= (fp64 ? 1e-12 : 1e-5)) || !(ed <= tol))
             fail_msg("%s %s head: loss %.12g vs CPU %.12g (rel %.3g), dL/dh rel %.3g (tol %g)",
                      name, fp64 ? "fp64" : "fp32", loss_g, loss_c, el, ed, tol);
@@ -822,10 +761,10 @@ static bk_status noop_grads(void *u, int l, int64_t s0, int64_t S, const bk_grad
 static void test_bad_inputs(void **state)
 {
     (void)state;
-    bk_model *m = open_model("kerneldocs-1.6m");
+    bk_model *m = tu_open_model("kerneldocs-1.6m");
     const bk_model_config *c = bk_model_get_config(m);
     const int64_t S = 2, T = 8;
-    int32_t *tok = random_tokens(1, S * T, c->vocab);
+    int32_t *tok = tu_random_tokens(1, S * T, c->vocab);
     bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0, NULL, NULL};
     bk_bwd_flow_stats st;
     bk_gbwd_opts go = {0, 0, 0};
@@ -869,14 +808,9 @@ static void test_bad_inputs(void **state)
 
 int main(void)
 {
-    if (bk_cuda_device_count() == 0) {
-        fprintf(stderr, "no CUDA device: skipped\n");
-        return 77;
-    }
-    if (bk_backend_create(BK_BACKEND_CUDA, &g_gpu) != BK_OK) {
-        fprintf(stderr, "cannot create the CUDA backend: %s\n", bk_last_error());
-        return 1;
-    }
+    int rc0 = tu_gpu_begin(&g_gpu);
+    if (rc0)
+        return rc0;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_head_llama3),     cmocka_unit_test(test_head_qwen2),
         cmocka_unit_test(test_flow_llama3),     cmocka_unit_test(test_flow_qwen2),

@@ -36,6 +36,7 @@
 #include "bakron/safetensors.h"
 #include "bk_config.h"
 #include "pipeline_gpu.h"
+#include "test_cm_util.h"
 #include "util.h"
 
 #if !BK_HAVE_CUDA
@@ -50,54 +51,13 @@ int main(void)
 
 static bk_backend *g_gpu;
 
-static const char *env_or(const char *name, const char *dflt)
-{
-    const char *v = getenv(name);
-    return v && v[0] ? v : dflt;
-}
-
-/* max |a - b| / max |b| (NaN counts as infinite) */
-static double rel_err(const float *a, const float *b, size_t n)
-{
-    double md = 0.0, mb = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - (double)b[i]);
-        if (!(d <= md))
-            md = isnan(d) ? INFINITY : d;
-        if (fabs((double)b[i]) > mb)
-            mb = fabs((double)b[i]);
-    }
-    return mb > 0 ? md / mb : md;
-}
-
-static float *hbuf(int64_t n)
-{
-    float *p = calloc((size_t)n, sizeof(float));
-    assert_non_null(p);
-    return p;
-}
-
-static float *dbuf(bk_gfwd *f, int64_t n)
-{
-    void *p = NULL;
-    if (bk_gpu_alloc(f, &p, (size_t)n * sizeof(float), "test buffer") != BK_OK)
-        fail_msg("device allocation: %s", bk_last_error());
-    return p;
-}
-
-static void up(bk_gfwd *f, float *d, const float *h, int64_t n)
-{
-    if (bk_gpu_upload(f, d, h, (size_t)n * sizeof(float)) != BK_OK)
-        fail_msg("upload: %s", bk_last_error());
-}
-
 /* Relative error of device d against host ref (n floats). */
 static double dcmp(bk_gfwd *f, const float *d, const float *ref, int64_t n)
 {
-    float *h = hbuf(n);
+    float *h = tu_hbuf(n);
     if (bk_gpu_download(f, h, d, (size_t)n * sizeof(float)) != BK_OK)
         fail_msg("download: %s", bk_last_error());
-    double e = rel_err(h, ref, (size_t)n);
+    double e = tu_rel_err_f(h, ref, (size_t)n);
     free(h);
     return e;
 }
@@ -114,13 +74,6 @@ static void note(worst *w, double e, const char *fmt, int layer)
         snprintf(w->what, sizeof w->what, fmt, layer);
     }
 }
-
-#define OKS(call)                                                                             \
-    do {                                                                                      \
-        bk_status s_ = (call);                                                                \
-        if (s_ != BK_OK)                                                                      \
-            fail_msg("%s: %s", #call, bk_last_error());                                      \
-    } while (0)
 
 static bk_model *open_model(const char *dir)
 {
@@ -162,15 +115,15 @@ static void stages_model(const char *label, const char *dir, const char *golden_
     OKS(bk_gfwd_create(g_gpu, c, B, T, &gf));
     worst w = {0, ""};
     /* host: CPU values */
-    float *h = hbuf(N * H), *h1 = hbuf(N * H), *x = hbuf(N * H), *o = hbuf(N * qd);
-    float *qr = hbuf(N * qd), *kr = hbuf(N * kd), *v = hbuf(N * kd), *x2 = hbuf(N * H);
-    float *dn = hbuf(N * I), *gp = hbuf(N * I), *upp = hbuf(N * I), *h2 = hbuf(N * H);
-    float *lg = hbuf(N * V), *lg2 = hbuf(N * V);
+    float *h = tu_hbuf(N * H), *h1 = tu_hbuf(N * H), *x = tu_hbuf(N * H), *o = tu_hbuf(N * qd);
+    float *qr = tu_hbuf(N * qd), *kr = tu_hbuf(N * kd), *v = tu_hbuf(N * kd), *x2 = tu_hbuf(N * H);
+    float *dn = tu_hbuf(N * I), *gp = tu_hbuf(N * I), *upp = tu_hbuf(N * I), *h2 = tu_hbuf(N * H);
+    float *lg = tu_hbuf(N * V), *lg2 = tu_hbuf(N * V);
     /* device */
-    float *dh = dbuf(gf, N * H), *dx = dbuf(gf, N * H), *dor = dbuf(gf, N * qd);
-    float *dqr = dbuf(gf, N * qd), *dkr = dbuf(gf, N * kd), *dv = dbuf(gf, N * kd);
-    float *ddn = dbuf(gf, N * I), *dgp = dbuf(gf, N * I), *dup = dbuf(gf, N * I);
-    float *dmi = dbuf(gf, N * H);
+    float *dh = tu_dbuf(gf, N * H), *dx = tu_dbuf(gf, N * H), *dor = tu_dbuf(gf, N * qd);
+    float *dqr = tu_dbuf(gf, N * qd), *dkr = tu_dbuf(gf, N * kd), *dv = tu_dbuf(gf, N * kd);
+    float *ddn = tu_dbuf(gf, N * I), *dgp = tu_dbuf(gf, N * I), *dup = tu_dbuf(gf, N * I);
+    float *dmi = tu_dbuf(gf, N * H);
 
     OKS(bk_fwd_embed(f, m, ids, B, h));
     OKS(bk_gfwd_embed(gf, m, ids, B, dh));
@@ -184,12 +137,12 @@ static void stages_model(const char *label, const char *dir, const char *golden_
         assert_int_equal(bk_glayer_index(gl), L);
         /* attn_in */
         OKS(bk_fwd_attn_in(f, &lw, h, B, x));
-        up(gf, dh, h, N * H);
+        tu_up(gf, dh, h, N * H);
         OKS(bk_gfwd_attn_in(gf, gl, dh, B, dx));
         note(&w, dcmp(gf, dx, x, N * H), "layer %d attn_in", L);
         /* attention (all outputs) from the CPU's x */
         OKS(bk_fwd_attention(f, &lw, x, B, o, qr, kr, v));
-        up(gf, dx, x, N * H);
+        tu_up(gf, dx, x, N * H);
         OKS(bk_gfwd_attention(gf, gl, dx, B, dor, dqr, dkr, dv));
         note(&w, dcmp(gf, dor, o, N * qd), "layer %d attention output", L);
         note(&w, dcmp(gf, dqr, qr, N * qd), "layer %d q_rot", L);
@@ -198,17 +151,17 @@ static void stages_model(const char *label, const char *dir, const char *golden_
         /* attn_out from the CPU's o and h */
         memcpy(h1, h, (size_t)(N * H) * sizeof(float));
         OKS(bk_fwd_attn_out(f, &lw, o, B, h1));
-        up(gf, dor, o, N * qd);
+        tu_up(gf, dor, o, N * qd);
         OKS(bk_gfwd_attn_out(gf, gl, dor, B, dh));
         note(&w, dcmp(gf, dh, h1, N * H), "layer %d attn_out", L);
         /* mlp_in */
         OKS(bk_fwd_mlp_in(f, &lw, h1, B, x2));
-        up(gf, dh, h1, N * H);
+        tu_up(gf, dh, h1, N * H);
         OKS(bk_gfwd_mlp_in(gf, gl, dh, B, dx));
         note(&w, dcmp(gf, dx, x2, N * H), "layer %d mlp_in", L);
         /* mlp_hidden with the pre-activation outputs */
         OKS(bk_fwd_mlp_hidden(f, &lw, x2, B, dn, gp, upp));
-        up(gf, dx, x2, N * H);
+        tu_up(gf, dx, x2, N * H);
         OKS(bk_gfwd_mlp_hidden(gf, gl, dx, B, ddn, dgp, dup));
         note(&w, dcmp(gf, ddn, dn, N * I), "layer %d down_in", L);
         note(&w, dcmp(gf, dgp, gp, N * I), "layer %d gate_pre", L);
@@ -216,12 +169,12 @@ static void stages_model(const char *label, const char *dir, const char *golden_
         /* mlp_out */
         memcpy(h2, h1, (size_t)(N * H) * sizeof(float));
         OKS(bk_fwd_mlp_out(f, &lw, dn, B, h2));
-        up(gf, dh, h1, N * H);
-        up(gf, ddn, dn, N * I);
+        tu_up(gf, dh, h1, N * H);
+        tu_up(gf, ddn, dn, N * I);
         OKS(bk_gfwd_mlp_out(gf, gl, ddn, B, dh));
         note(&w, dcmp(gf, dh, h2, N * H), "layer %d mlp_out", L);
         /* the whole layer with taps, from the CPU's layer input */
-        up(gf, dh, h, N * H);
+        tu_up(gf, dh, h, N * H);
         bk_layer_taps ct = {x, o, x2, dn, qr, kr};
         bk_layer_taps gt = {dx, dor, dmi, ddn, dqr, dkr};
         OKS(bk_fwd_layer(f, &lw, B, h, &ct));
@@ -238,9 +191,9 @@ static void stages_model(const char *label, const char *dir, const char *golden_
     }
     /* the head from the CPU's final hidden states */
     OKS(bk_fwd_logits(f, m, h, B, lg));
-    up(gf, dh, h, N * H);
+    tu_up(gf, dh, h, N * H);
     OKS(bk_gfwd_logits(gf, m, dh, B, lg2));
-    note(&w, rel_err(lg2, lg, (size_t)(N * V)), "logits (head)", 0);
+    note(&w, tu_rel_err_f(lg2, lg, (size_t)(N * V)), "logits (head)", 0);
     /* NLL of the micro-batch from the same states */
     double n1 = 0, n2 = 0;
     int64_t c1 = 0, c2 = 0;
@@ -251,7 +204,7 @@ static void stages_model(const char *label, const char *dir, const char *golden_
     /* the whole model, layer-streamed on each side */
     OKS(bk_model_logits(m, ids, B, T, lg));
     OKS(bk_backend_model_logits(g_gpu, m, ids, B, T, lg2));
-    note(&w, rel_err(lg2, lg, (size_t)(N * V)), "logits (whole model)", 0);
+    note(&w, tu_rel_err_f(lg2, lg, (size_t)(N * V)), "logits (whole model)", 0);
     printf("  %-16s %lld x %lld tokens, %lld layers: worst relative error %.3e (%s)\n", label,
            (long long)B, (long long)T, (long long)c->n_layers, w.e, w.what);
 
@@ -271,7 +224,7 @@ static void stages_model(const char *label, const char *dir, const char *golden_
 static void golden_model(const char *model)
 {
     char dir[1024], gp[1100];
-    snprintf(dir, sizeof dir, "%s/models/%s", env_or("BK_TEST_DATA", "tests/data"), model);
+    snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"), model);
     snprintf(gp, sizeof gp, "%s/golden.safetensors", dir);
     stages_model(model, dir, gp);
 }
@@ -298,9 +251,7 @@ static void test_kerneldocs(void **state)
 {
     (void)state;
     char dir[1024], gp[1024];
-    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
-    snprintf(gp, sizeof gp, "%s/golden/kerneldocs-1.6m/golden.safetensors",
-             env_or("BK_TEST_DATA", "tests/data"));
+    tu_kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
     stages_model("kerneldocs-1.6m", dir, gp);
 }
 
@@ -309,7 +260,7 @@ static void test_nll_kerneldocs(void **state)
 {
     (void)state;
     char dir[1024], tp[1100];
-    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
+    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", tu_env_or("BK_SOURCE_ROOT", "."));
     snprintf(tp, sizeof tp, "%s/eval.safetensors", dir);
     bk_model *m = open_model(dir);
     int32_t *ids = NULL;
@@ -357,7 +308,7 @@ static bk_model_config syn_cfg(int64_t heads, int64_t kv, int64_t hd, int64_t T)
 
 static float *randn(bk_rng *r, int64_t n, double scale, double offset)
 {
-    float *p = hbuf(n);
+    float *p = tu_hbuf(n);
     for (int64_t i = 0; i < n; i++)
         p[i] = (float)(offset + scale * bk_rng_normal(r));
     return p;
@@ -385,16 +336,16 @@ static void attention_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int
     const int64_t N = S * T, qd = heads * hd;
     bk_rng r;
     bk_rng_seed(&r, 5);
-    float *x = randn(&r, N * c.hidden, 1.0, 0.0), *o = hbuf(N * qd);
+    float *x = randn(&r, N * c.hidden, 1.0, 0.0), *o = tu_hbuf(N * qd);
     bk_fwd *f = NULL;
     bk_gfwd *gf = NULL;
     OKS(bk_fwd_create(&c, S, T, &f));
     OKS(bk_gfwd_create(g_gpu, &c, S, T, &gf));
     bk_glayer *gl = NULL;
     OKS(bk_glayer_upload(gf, &lw, &gl));
-    float *dx = dbuf(gf, N * c.hidden), *dor = dbuf(gf, N * qd);
+    float *dx = tu_dbuf(gf, N * c.hidden), *dor = tu_dbuf(gf, N * qd);
     OKS(bk_fwd_attention(f, &lw, x, S, o, NULL, NULL, NULL));
-    up(gf, dx, x, N * c.hidden);
+    tu_up(gf, dx, x, N * c.hidden);
     OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
     double e = dcmp(gf, dor, o, N * qd);
     printf("  attention %lld heads / %lld kv, head_dim %lld, %lld x %lld tokens: %.3e\n",
@@ -423,7 +374,7 @@ static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t
     const int64_t N = S * T, qd = heads * hd;
     bk_rng r;
     bk_rng_seed(&r, 6);
-    float *x = randn(&r, N * c.hidden, 1.0, 0.0), *o = hbuf(N * qd);
+    float *x = randn(&r, N * c.hidden, 1.0, 0.0), *o = tu_hbuf(N * qd);
     bk_fwd *f = NULL;
     OKS(bk_fwd_create(&c, S, T, &f));
     OKS(bk_fwd_attention(f, &lw, x, S, o, NULL, NULL, NULL));
@@ -436,8 +387,8 @@ static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t
         bk_gfwd_test_attn_fused(gf, fused);
         bk_glayer *gl = NULL;
         OKS(bk_glayer_upload(gf, &lw, &gl));
-        float *dx = dbuf(gf, N * c.hidden), *dor = dbuf(gf, N * qd);
-        up(gf, dx, x, N * c.hidden);
+        float *dx = tu_dbuf(gf, N * c.hidden), *dor = tu_dbuf(gf, N * qd);
+        tu_up(gf, dx, x, N * c.hidden);
         OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
         e[fused] = dcmp(gf, dor, o, N * qd);
         bk_gpu_free(gf, dx);
@@ -495,7 +446,7 @@ static void test_bad_inputs(void **state)
 {
     (void)state;
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
+    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", tu_env_or("BK_SOURCE_ROOT", "."));
     bk_model *m = open_model(dir);
     const bk_model_config *c = bk_model_get_config(m);
     bk_gfwd *gf = NULL;
@@ -510,7 +461,7 @@ static void test_bad_inputs(void **state)
     bad.n_kv_heads = 4; /* 6 heads are not a multiple of 4 */
     assert_int_equal(bk_gfwd_create(g_gpu, &bad, 1, 8, &gf), BK_ERR_CONFIG);
     OKS(bk_gfwd_create(g_gpu, c, 2, 8, &gf));
-    float *dh = dbuf(gf, 2 * 8 * c->hidden);
+    float *dh = tu_dbuf(gf, 2 * 8 * c->hidden);
     int32_t ids[16];
     for (int i = 0; i < 16; i++)
         ids[i] = i;
@@ -537,7 +488,7 @@ static void test_bad_inputs(void **state)
  * last), random bits (NaN payloads), a short tail; several host threads. */
 static void upload_check(bk_gfwd *gf, const float *h, int64_t n)
 {
-    float *d = dbuf(gf, n);
+    float *d = tu_dbuf(gf, n);
     float *back = malloc(sizeof(float) * (size_t)n);
     assert_non_null(back);
     OKS(bk_gpu_upload_f32(gf, d, h, n));
@@ -551,7 +502,7 @@ static void test_upload(void **state)
 {
     (void)state;
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
+    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", tu_env_or("BK_SOURCE_ROOT", "."));
     bk_model *m = open_model(dir);
     const bk_model_config *c = bk_model_get_config(m);
     bk_gfwd *gf = NULL;
@@ -617,14 +568,9 @@ static void test_upload(void **state)
 
 int main(void)
 {
-    if (bk_cuda_device_count() == 0) {
-        fprintf(stderr, "no CUDA device: skipped\n");
-        return 77;
-    }
-    if (bk_backend_create(BK_BACKEND_CUDA, &g_gpu) != BK_OK) {
-        fprintf(stderr, "cannot create the CUDA backend: %s\n", bk_last_error());
-        return 1;
-    }
+    int rc0 = tu_gpu_begin(&g_gpu);
+    if (rc0)
+        return rc0;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_llama3),     cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_qwen3),      cmocka_unit_test(test_kerneldocs),

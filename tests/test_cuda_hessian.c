@@ -30,6 +30,7 @@
 #include "bakron/safetensors.h"
 #include "bk_config.h"
 #include "pipeline_gpu.h"
+#include "test_cm_util.h"
 
 #if !BK_HAVE_CUDA
 int main(void)
@@ -42,53 +43,6 @@ int main(void)
 #define TOL 1e-4
 
 static bk_backend *g_gpu;
-
-#define OKS(call)                                                                             \
-    do {                                                                                      \
-        bk_status s_ = (call);                                                                \
-        if (s_ != BK_OK)                                                                      \
-            fail_msg("%s: %s", #call, bk_last_error());                                      \
-    } while (0)
-
-static const char *env_or(const char *name, const char *dflt)
-{
-    const char *v = getenv(name);
-    return v && v[0] ? v : dflt;
-}
-
-static double rel_err(const float *a, const float *b, size_t n)
-{
-    double md = 0.0, mb = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - (double)b[i]);
-        if (!(d <= md))
-            md = isnan(d) ? INFINITY : d;
-        if (fabs((double)b[i]) > mb)
-            mb = fabs((double)b[i]);
-    }
-    return mb > 0 ? md / mb : md;
-}
-
-static float *hbuf(int64_t n)
-{
-    float *p = calloc((size_t)n, sizeof(float));
-    assert_non_null(p);
-    return p;
-}
-
-static float *dbuf(bk_gfwd *f, int64_t n)
-{
-    void *p = NULL;
-    if (bk_gpu_alloc(f, &p, (size_t)n * sizeof(float), "test buffer") != BK_OK)
-        fail_msg("device allocation: %s", bk_last_error());
-    return p;
-}
-
-static void up(bk_gfwd *f, float *d, const float *h, int64_t n)
-{
-    if (bk_gpu_upload(f, d, h, (size_t)n * sizeof(float)) != BK_OK)
-        fail_msg("upload: %s", bk_last_error());
-}
 
 /* One layer's calibration activations of a model (CPU forward of the golden
  * input, layers before `layer` run in full). */
@@ -118,7 +72,7 @@ static void acts_make(const char *dir, const char *golden, int layer, acts *a)
     const int64_t kd = a->c->n_kv_heads * a->c->head_dim, N = a->N;
     bk_fwd *f = NULL;
     OKS(bk_fwd_create(a->c, a->B, a->T, &f));
-    float *h = hbuf(N * H);
+    float *h = tu_hbuf(N * H);
     OKS(bk_fwd_embed(f, a->m, (const int32_t *)t->data, a->B, h));
     bk_st_close(g);
     for (int L = 0; L < layer; L++) {
@@ -128,12 +82,12 @@ static void acts_make(const char *dir, const char *golden, int layer, acts *a)
         bk_layer_weights_free(&lw);
     }
     OKS(bk_layer_weights_load(a->m, layer, &a->lw));
-    a->attn_in = hbuf(N * H);
-    a->o_in = hbuf(N * qd);
-    a->mlp_in = hbuf(N * H);
-    a->down_in = hbuf(N * a->c->intermediate);
-    a->q_rot = hbuf(N * qd);
-    a->k_rot = hbuf(N * kd);
+    a->attn_in = tu_hbuf(N * H);
+    a->o_in = tu_hbuf(N * qd);
+    a->mlp_in = tu_hbuf(N * H);
+    a->down_in = tu_hbuf(N * a->c->intermediate);
+    a->q_rot = tu_hbuf(N * qd);
+    a->k_rot = tu_hbuf(N * kd);
     bk_layer_taps tp = {a->attn_in, a->o_in, a->mlp_in, a->down_in, a->q_rot, a->k_rot};
     OKS(bk_fwd_layer(f, &a->lw, a->B, h, &tp));
     free(h);
@@ -172,8 +126,8 @@ static double compare_kind(const acts *a, bk_hessian_kind kind, int fp64)
     bk_glayer *gl = NULL;
     OKS(bk_glayer_upload(gf, &a->lw, &gl));
     const int64_t R = (B1 > B2 ? B1 : B2) * T;
-    float *dx = dbuf(gf, R * H), *dq = dbuf(gf, R * qd), *dk = dbuf(gf, R * kd);
-    float *dob = dbuf(gf, R * qd), *dm = dbuf(gf, R * H), *dd = dbuf(gf, R * I);
+    float *dx = tu_dbuf(gf, R * H), *dq = tu_dbuf(gf, R * qd), *dk = tu_dbuf(gf, R * kd);
+    float *dob = tu_dbuf(gf, R * qd), *dm = tu_dbuf(gf, R * H), *dd = tu_dbuf(gf, R * I);
     for (int part = 0; part < 2; part++) {
         const int64_t s0 = part ? B1 : 0, sb = part ? B2 : B1, r0 = s0 * T, nr = sb * T;
         if (sb < 1)
@@ -190,12 +144,12 @@ static double compare_kind(const acts *a, bk_hessian_kind kind, int fp64)
             OKS(bk_hess_add_mlp(acc, &a->lw, mi, sb));
             OKS(bk_hess_add_down(acc, di, sb));
         }
-        up(gf, dx, x, nr * H);
-        up(gf, dq, q, nr * qd);
-        up(gf, dk, k, nr * kd);
-        up(gf, dob, o, nr * qd);
-        up(gf, dm, mi, nr * H);
-        up(gf, dd, di, nr * I);
+        tu_up(gf, dx, x, nr * H);
+        tu_up(gf, dq, q, nr * qd);
+        tu_up(gf, dk, k, nr * kd);
+        tu_up(gf, dob, o, nr * qd);
+        tu_up(gf, dm, mi, nr * H);
+        tu_up(gf, dd, di, nr * I);
         OKS(bk_ghess_add_attn(gpu, gl, dx, fully ? dq : NULL, fully ? dk : NULL, sb));
         OKS(bk_ghess_add_o(gpu, dob, sb));
         OKS(bk_ghess_add_mlp(gpu, gl, dm, sb));
@@ -217,9 +171,9 @@ static double compare_kind(const acts *a, bk_hessian_kind kind, int fp64)
         }
         assert_non_null(gA);
         assert_int_equal(B == NULL, gB == NULL);
-        double e = rel_err(gA, A, (size_t)(n * n));
+        double e = tu_rel_err_f(gA, A, (size_t)(n * n));
         if (B) {
-            double eb = rel_err(gB, B, (size_t)(m * m));
+            double eb = tu_rel_err_f(gB, B, (size_t)(m * m));
             e = eb > e ? eb : e;
         }
         const float *dummy = NULL;
@@ -228,7 +182,7 @@ static double compare_kind(const acts *a, bk_hessian_kind kind, int fp64)
         else
             P = A;
         assert_non_null(gP);
-        double ep = rel_err(gP, P, (size_t)(n * n));
+        double ep = tu_rel_err_f(gP, P, (size_t)(n * n));
         e = ep > e ? ep : e;
         if (!(e <= worst)) {
             worst = isnan(e) ? INFINITY : e;
@@ -269,7 +223,7 @@ static void every_kind(const char *label, const char *dir, const char *golden, i
 static void golden_model(const char *model, int layer)
 {
     char dir[1024], gp[1100];
-    snprintf(dir, sizeof dir, "%s/models/%s", env_or("BK_TEST_DATA", "tests/data"), model);
+    snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"), model);
     snprintf(gp, sizeof gp, "%s/golden.safetensors", dir);
     every_kind(model, dir, gp, layer);
 }
@@ -296,9 +250,7 @@ static void test_kerneldocs(void **state)
 {
     (void)state;
     char dir[1024], gp[1024];
-    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
-    snprintf(gp, sizeof gp, "%s/golden/kerneldocs-1.6m/golden.safetensors",
-             env_or("BK_TEST_DATA", "tests/data"));
+    tu_kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
     every_kind("kerneldocs-1.6m", dir, gp, 3);
 }
 
@@ -306,7 +258,7 @@ static void test_bad_inputs(void **state)
 {
     (void)state;
     char dir[1024], gp[1100];
-    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3", env_or("BK_TEST_DATA", "tests/data"));
+    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3", tu_env_or("BK_TEST_DATA", "tests/data"));
     snprintf(gp, sizeof gp, "%s/golden.safetensors", dir);
     acts a;
     acts_make(dir, gp, 0, &a);
@@ -320,15 +272,15 @@ static void test_bad_inputs(void **state)
     const float *A = NULL, *B = NULL;
     /* factors before any add */
     assert_int_equal(bk_ghess_factors(acc, gl, BK_MOD_Q, &A, &B, NULL), BK_ERR_CALIB);
-    float *dx = dbuf(gf, N * H);
+    float *dx = tu_dbuf(gf, N * H);
     /* a NaN in the activations, named by row and column */
     float keep = a.attn_in[5 * H + 7];
     a.attn_in[5 * H + 7] = NAN;
-    up(gf, dx, a.attn_in, N * H);
+    tu_up(gf, dx, a.attn_in, N * H);
     assert_int_equal(bk_ghess_add_mlp(acc, gl, dx, a.B), BK_ERR_NONFINITE);
     assert_non_null(strstr(bk_last_error(), "row 5, column 7"));
     a.attn_in[5 * H + 7] = keep;
-    up(gf, dx, a.attn_in, N * H);
+    tu_up(gf, dx, a.attn_in, N * H);
     /* fully-local needs the rotated queries and keys */
     assert_int_equal(bk_ghess_add_attn(acc, gl, dx, NULL, NULL, a.B), BK_ERR_INVALID_ARG);
     /* too many sequences */
@@ -352,14 +304,9 @@ static void test_bad_inputs(void **state)
 
 int main(void)
 {
-    if (bk_cuda_device_count() == 0) {
-        fprintf(stderr, "no CUDA device: skipped\n");
-        return 77;
-    }
-    if (bk_backend_create(BK_BACKEND_CUDA, &g_gpu) != BK_OK) {
-        fprintf(stderr, "cannot create the CUDA backend: %s\n", bk_last_error());
-        return 1;
-    }
+    int rc0 = tu_gpu_begin(&g_gpu);
+    if (rc0)
+        return rc0;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_llama3), cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_qwen3),  cmocka_unit_test(test_kerneldocs),

@@ -10,21 +10,12 @@
 # and leave no output folder; likewise eval and dump-activations on the GPU
 # (the layer driver's GPU layer forward). Suite cuda; exit 77 without a GPU.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-M=$SRC/examples/kerneldocs-1.6m
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cd "$W" || exit 1
 
 "$B" eval "$M" --tokens "$M/eval.safetensors" --samples 2 --backend cuda >/dev/null 2>probe.err
 rc=$?
-if [ $rc = 3 ] && grep -qE "no usable CUDA device|no CUDA backend" probe.err; then
-    echo "no CUDA device: skipped"
-    exit 77
-fi
+cuda_skip $rc probe.err
 [ $rc = 0 ] || { echo "FAIL: GPU eval probe: exit $rc: $(tail -1 probe.err)"; exit 1; }
 
 set_bf16_max() { # model tensor how (row0 | elem0)

@@ -23,22 +23,13 @@
 #    layer, 2e-2 after; the default bwd_input=gpu with ranks refused (exit 2);
 #  - more ranks than micro-batches: one line, exit 2, no output.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-M=$SRC/examples/kerneldocs-1.6m
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cd "$W" || exit 1
 CAL=(--calib "$M/calib.safetensors" --samples 8 --batch 2 --backend cuda)
 
 "$B" quantize "$M" "${CAL[@]}" --hessian gptq --out ref-gptq 2>"$W/probe.err"
 rc=$?
-if [ $rc = 3 ] && grep -qE "no usable CUDA device|no CUDA backend" "$W/probe.err"; then
-    echo "skipped: no CUDA device"
-    exit 77
-fi
+cuda_skip $rc "$W/probe.err"
 [ $rc = 0 ] || { echo "FAIL: quantize --backend cuda: $(cat "$W/probe.err")"; exit 1; }
 if ! command -v mpirun >/dev/null 2>&1; then
     echo "skipped: mpirun not found (openmpi-bin; on the GPU host scripts/device-env.sh)"

@@ -23,76 +23,11 @@
 #  - errors: --activations, --backend cpu, device memory too small: one line,
 #    the documented exit status, no output folder.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-M=$SRC/examples/kerneldocs-1.6m
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die; GPU test helpers
 
-EV="--tokens $M/eval.safetensors --samples 32"
-"$B" eval "$M" $EV --backend cuda --json >"$W/probe.json" 2>"$W/probe.err"
-rc=$?
-if [ $rc = 3 ] && grep -qE "no usable CUDA device|no CUDA backend" "$W/probe.err"; then
-    echo "no CUDA device: skipped"
-    exit 77
-fi
-[ $rc = 0 ] || { echo "FAIL: eval --backend cuda: $(cat "$W/probe.err")"; exit 1; }
-
-ppl() { # folder [backend] -> perplexity
-    "$B" eval "$1" $EV --backend "${2:-cpu}" --json 2>"$W/eval.err" |
-        python3 -c 'import json,sys; print(json.load(sys.stdin)["perplexity"])'
-}
-close() { # a b tol label
-    python3 - "$@" <<'EOF'
-import math, sys
-a, b, tol, label = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-ok = math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tol * abs(b)
-print(f"{label}: {a:.7f} vs {b:.7f} (rel {abs(a - b) / abs(b):.2e}, tol {tol:g}): {'ok' if ok else 'MISMATCH'}")
-sys.exit(0 if ok else 1)
-EOF
-}
-# Identical codes per module. The GPU's sums run in another order than the
-# CPU's, and in a sequential job a flipped code changes the inputs of every
-# later module: even CPU against CPU with another micro-batch (23 vs 32
-# sequences, mlplocal-kfac) gives 98.6% in layer 3's down_proj (100% in
-# layers 0-2). Required: >= 99% per module in the first quantized layer,
-# >= 97% per module everywhere, >= 99% over all modules; "exact": 100%.
-codes() { # dirA dirB label [exact]
-    PYTHONPATH="$SRC/tests" python3 - "$@" <<'EOF2'
-import json, re, struct, sys
-import st_raw
-read = lambda d: st_raw.read(d + "/model.safetensors")
-(ha, da), (hb, db) = read(sys.argv[1]), read(sys.argv[2])
-label, exact = sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "exact"
-info = len(sys.argv) > 4 and sys.argv[4] == "info"  # printed only, never fails
-names = sorted(k for k in ha if k.endswith(".qweight"))
-if not names or names != sorted(k for k in hb if k.endswith(".qweight")):
-    print(f"{label}: different module sets"); sys.exit(1)
-layer = lambda k: int(re.search(r"layers\.(\d+)\.", k).group(1))
-first = min(layer(k) for k in names)
-worst, wname, ok, same_all, total = 1.0, "", True, 0, 0
-for k in names:
-    a0, a1 = ha[k]["data_offsets"]; b0, b1 = hb[k]["data_offsets"]
-    x, y = da[a0:a1], db[b0:b1]
-    same = sum(1 for p, q in zip(x, y) if p == q)
-    same_all += same
-    total += len(x)
-    frac = same / len(x)
-    if frac < worst:
-        worst, wname = frac, k
-    need = 1.0 if exact else (0.99 if layer(k) == first else 0.97)
-    if frac < need and not info:
-        ok = False
-        print(f"  {k}: {100 * frac:.3f}% identical (need {100 * need:.0f}%)")
-overall = same_all / total
-ok &= exact or overall >= 0.99
-print(f"{label}: {len(names)} modules, overall {100 * overall:.3f}%, worst {100 * worst:.3f}% "
-      f"identical codes ({wname}): {'info' if info else 'ok' if ok else 'TOO FEW'}")
-sys.exit(0 if ok or info else 1)
-EOF2
-}
+cuda_probe_eval
+# codes (tests/common.sh, tests/codes_agree.py): identical codes per module
+# as far as GPU against CPU arithmetic allows; "exact": 100%.
 
 # --- eval on the GPU -----------------------------------------------------
 fp_cpu=$(ppl "$M" cpu) || die "eval cpu"

@@ -8,20 +8,12 @@
 # rebuilds the residual stream by the whole-layer stage with the quantized
 # weights (src/quantize_layers.c layer_rebuild), which must give the staged pass's bits.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cp -r "$SRC/examples/kerneldocs-1.6m" "$W/m"
 cd "$W" || exit 1
 "$B" eval m --tokens m/eval.safetensors --samples 2 --backend cuda >/dev/null 2>probe.err
 rc=$?
-if [ $rc = 3 ] && grep -qE "no usable CUDA device|no CUDA backend" probe.err; then
-    echo "no CUDA device: skipped"
-    exit 77
-fi
+cuda_skip $rc probe.err
 CAL=(--calib m/calib.safetensors --samples 16 --seqlen 64 --backend cuda)
 
 same() {

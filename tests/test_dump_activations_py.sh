@@ -11,14 +11,8 @@
 #    per-file digests the script writes.
 # Needs only python3 (skipped, 77, without it).
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 command -v python3 >/dev/null || { echo "python3 not installed: skipped"; exit 77; }
-M=$SRC/examples/kerneldocs-1.6m
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
 cd "$W" || exit 1
 
 "$B" dump-activations "$M" --calib "$M/calib.safetensors" --samples 4 --seqlen 64 --dtype f32 \

@@ -30,47 +30,15 @@
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
 #include "rope.h"
+#include "test_util.h"
 #include "util.h"
 
 /* --------------------------------------------------------------- helpers */
-
-static const char *env_or(const char *name, const char *dflt)
-{
-    const char *v = getenv(name);
-    return v && v[0] ? v : dflt;
-}
 
 static void path2(char *buf, size_t cap, const char *a, const char *b)
 {
     int n = snprintf(buf, cap, "%s/%s", a, b);
     assert_true(n > 0 && (size_t)n < cap);
-}
-
-/* max|a - b| / max|b| */
-static double rel_err_f(const float *a, const float *b, size_t n)
-{
-    double md = 0.0, mb = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - (double)b[i]);
-        if (!(d <= md))
-            md = isnan(d) ? INFINITY : d;
-        if (fabs((double)b[i]) > mb)
-            mb = fabs((double)b[i]);
-    }
-    return mb > 0 ? md / mb : md;
-}
-
-static double rel_err_fd(const float *a, const double *b, size_t n)
-{
-    double md = 0.0, mb = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        if (!(d <= md))
-            md = isnan(d) ? INFINITY : d;
-        if (fabs(b[i]) > mb)
-            mb = fabs(b[i]);
-    }
-    return mb > 0 ? md / mb : md;
 }
 
 static float *randn(bk_rng *r, size_t n, double scale, double offset)
@@ -366,10 +334,10 @@ static void test_attention_bruteforce(void **state)
     assert_int_equal(bk_fwd_create(&c, S, T, &f), BK_OK);
     assert_int_equal(bk_fwd_attention(f, &lw, x, S, o, qr, kr, v), BK_OK);
     ref_attention(&c, &lw, x, S, T, o_ref, qr_ref, kr_ref, v_ref);
-    double e1 = rel_err_fd(qr, qr_ref, (size_t)(N * qd));
-    double e2 = rel_err_fd(kr, kr_ref, (size_t)(N * kd));
-    double e3 = rel_err_fd(v, v_ref, (size_t)(N * kd));
-    double e4 = rel_err_fd(o, o_ref, (size_t)(N * qd));
+    double e1 = tu_rel_err_fd(qr, qr_ref, (size_t)(N * qd));
+    double e2 = tu_rel_err_fd(kr, kr_ref, (size_t)(N * kd));
+    double e3 = tu_rel_err_fd(v, v_ref, (size_t)(N * kd));
+    double e4 = tu_rel_err_fd(o, o_ref, (size_t)(N * qd));
     printf("  attention vs brute force: q_rot %.2e k_rot %.2e v %.2e o_in %.2e\n", e1, e2, e3, e4);
     assert_true(e1 < 1e-5 && e2 < 1e-5 && e3 < 1e-5 && e4 < 1e-5);
     /* without q/k norms and biases (Llama) */
@@ -382,7 +350,7 @@ static void test_attention_bruteforce(void **state)
     }
     assert_int_equal(bk_fwd_attention(f, &lw, x, S, o, NULL, NULL, NULL), BK_OK);
     ref_attention(&c, &lw, x, S, T, o_ref, qr_ref, kr_ref, v_ref);
-    e4 = rel_err_fd(o, o_ref, (size_t)(N * qd));
+    e4 = tu_rel_err_fd(o, o_ref, (size_t)(N * qd));
     assert_true(e4 < 1e-5);
     /* causality: the first token's output depends on itself only, so it
      * equals v of its kv head */
@@ -516,7 +484,7 @@ static void test_layer_microbatch(void **state)
     assert_int_equal(bk_fwd_layer(f3, &lw, S, hA, NULL), BK_OK);
     for (int64_t s = 0; s < S; s++)
         assert_int_equal(bk_fwd_layer(f1, &lw, 1, hB + s * T * H, NULL), BK_OK);
-    double e = rel_err_f(hB, hA, (size_t)(S * T * H));
+    double e = tu_rel_err_f(hB, hA, (size_t)(S * T * H));
     assert_true(e < 1e-6);
     /* more sequences than the context was made for */
     assert_int_equal(bk_fwd_layer(f1, &lw, 2, hB, NULL), BK_ERR_INVALID_ARG);
@@ -588,7 +556,7 @@ static double golden_cmp(const golden *gd, const char *name, const float *got, s
     assert_int_equal((int64_t)t->numel, (int64_t)n);
     float *ref = malloc(n * sizeof(float));
     assert_int_equal(bk_tensor_to_f32(t, ref), BK_OK);
-    double e = rel_err_f(got, ref, n);
+    double e = tu_rel_err_f(got, ref, n);
     free(ref);
     return e;
 }
@@ -667,7 +635,7 @@ static double run_golden(const char *label, const char *model_dir, const char *g
 static void golden_model(const char *model)
 {
     char dir[1024], gp[1024];
-    snprintf(dir, sizeof dir, "%s/models/%s", env_or("BK_TEST_DATA", "tests/data"), model);
+    snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"), model);
     path2(gp, sizeof gp, dir, "golden.safetensors");
     double w = run_golden(model, dir, gp);
     assert_true(w <= 1e-4);
@@ -693,9 +661,9 @@ static void test_golden_tiny_qwen3(void **state)
 
 static void kerneldocs_paths(char *dir, size_t dcap, char *gp, size_t gcap)
 {
-    snprintf(dir, dcap, "%s/examples/kerneldocs-1.6m", env_or("BK_SOURCE_ROOT", "."));
+    snprintf(dir, dcap, "%s/examples/kerneldocs-1.6m", tu_env_or("BK_SOURCE_ROOT", "."));
     snprintf(gp, gcap, "%s/golden/kerneldocs-1.6m/golden.safetensors",
-             env_or("BK_TEST_DATA", "tests/data"));
+             tu_env_or("BK_TEST_DATA", "tests/data"));
 }
 
 static void test_golden_kerneldocs(void **state)
@@ -717,7 +685,7 @@ static void test_golden_tiny_qwen3_bf16(void **state)
 {
     (void)state;
     char dir[1024], gp[1024];
-    const char *data = env_or("BK_TEST_DATA", "tests/data");
+    const char *data = tu_env_or("BK_TEST_DATA", "tests/data");
     snprintf(dir, sizeof dir, "%s/models/tiny-qwen3-bf16", data);
     snprintf(gp, sizeof gp, "%s/models/tiny-qwen3/golden.safetensors", data);
     double w = run_golden("tiny-qwen3-bf16", dir, gp);
@@ -768,7 +736,7 @@ static void check_nll_against_golden(const char *dir, const char *gp)
     /* the whole-model logits agree with the golden ones too */
     float *mine = malloc((size_t)t->numel * sizeof(float));
     assert_int_equal(bk_model_logits(m, gd.ids, gd.B, gd.T, mine), BK_OK);
-    assert_true(rel_err_f(mine, lg, (size_t)t->numel) <= 1e-4);
+    assert_true(tu_rel_err_f(mine, lg, (size_t)t->numel) <= 1e-4);
     free(mine);
     free(lg);
     golden_close(&gd);
@@ -781,7 +749,7 @@ static void test_nll_golden(void **state)
     char dir[1024], gp[1024];
     kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
     check_nll_against_golden(dir, gp);
-    const char *data = env_or("BK_TEST_DATA", "tests/data");
+    const char *data = tu_env_or("BK_TEST_DATA", "tests/data");
     snprintf(dir, sizeof dir, "%s/models/tiny-qwen2", data);
     snprintf(gp, sizeof gp, "%s/models/tiny-qwen2/golden.safetensors", data);
     check_nll_against_golden(dir, gp);
@@ -792,7 +760,7 @@ static int32_t *eval_tokens(int64_t S, int64_t T)
 {
     char p[1024];
     snprintf(p, sizeof p, "%s/examples/kerneldocs-1.6m/eval.safetensors",
-             env_or("BK_SOURCE_ROOT", "."));
+             tu_env_or("BK_SOURCE_ROOT", "."));
     bk_st_file *f = NULL;
     if (bk_st_open(p, &f) != BK_OK)
         fail_msg("%s: %s", p, bk_last_error());
@@ -1015,7 +983,7 @@ static void test_cli_eval_ppl(void **state)
     const char *exe = getenv("BK_BAKRON");
     if (!exe)
         skip();
-    const char *root = env_or("BK_SOURCE_ROOT", ".");
+    const char *root = tu_env_or("BK_SOURCE_ROOT", ".");
     char cmd[4096];
     snprintf(cmd, sizeof cmd,
              "'%s' eval '%s/examples/kerneldocs-1.6m' --tokens "

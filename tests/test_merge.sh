@@ -6,13 +6,7 @@
 # and parts made from --calib with the sequential flow are refused with one
 # line, exit 2, and no output folder.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-M=$SRC/examples/kerneldocs-1.6m
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cd "$W" || exit 1
 
 "$B" dump-activations "$M" --calib "$M/calib.safetensors" --samples 8 --backend cpu \

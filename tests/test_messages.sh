@@ -5,13 +5,7 @@
 # numbered like the progress lines; control characters and invalid UTF-8 read
 # from an input are escaped, never echoed raw.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
-M="$SRC/examples/kerneldocs-1.6m"
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cd "$W" || exit 1
 
 # expect RC PATTERN CMD...: exit RC, one line on stderr matching PATTERN

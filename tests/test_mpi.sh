@@ -19,9 +19,7 @@
 #    non-zero, no output folder, no hang.
 # Skipped (77) where MPI is not installed or bakron was built without it.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-M=$SRC/examples/kerneldocs-1.6m
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 if ! command -v mpirun >/dev/null 2>&1; then
     echo "skipped: mpirun not found (install openmpi-bin libopenmpi-dev)"
     exit 77
@@ -30,10 +28,6 @@ if ! "$B" --version | grep -q "MPI: compiled"; then
     echo "skipped: bakron was built without MPI ($("$B" --version))"
     exit 77
 fi
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
 cd "$W" || exit 1
 if [ "$(id -u)" -eq 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

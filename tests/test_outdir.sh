@@ -7,12 +7,7 @@
 # and killed runs' work folders are cleared with a message.
 # RTN quantization of the bundled example model (no calibration: fast).
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cp -r "$SRC/examples/kerneldocs-1.6m" "$W/m"
 mkdir "$W/p" && cp -r "$W/m" "$W/p/m" && echo "another file" >"$W/p/other.txt"
 echo "an unrelated file" >"$W/notes.txt"

@@ -6,13 +6,7 @@
 #  - activation dumps: dump-activations -> quantize --activations;
 #  - bad inputs exit 2 with one line; an interrupted run leaves no folder.
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-M=$SRC/examples/kerneldocs-1.6m
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 
 # Calibration: 32 of the 128 calibration windows keep the test fast.
 CAL="--calib $M/calib.safetensors --samples 32"

@@ -7,12 +7,7 @@
 # naming what differs, and leaves the work folder for the right command.
 # The bundled example model, a few short sequences (fast).
 set -u
-B=${BK_BAKRON:?}
-SRC=${BK_SOURCE_ROOT:?}
-W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
-fail=0
-die() { echo "FAIL: $*"; fail=1; }
+source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cp -r "$SRC/examples/kerneldocs-1.6m" "$W/m"
 cp "$W/m/calib.safetensors" "$W/c.safetensors"
 cd "$W" || exit 1
