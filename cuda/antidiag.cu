@@ -15,10 +15,19 @@
 
 namespace {
 
-template <typename R> struct AArgs : bk_kargs<R> { /* (LB: the launcher's, see antidiag) */
+template <typename R> struct AArgs {
+    int64_t m, n;
+    R *W;
+    int64_t ldw;
+    const R *LA;
+    int64_t ldla;
     R *delta;  /* [min(m,n)] */
     R *G;      /* [npad, ldg] gathered, scaled L_A columns */
     int64_t ldg;
+    bk_dq<R> q;
+    int16_t *codes;
+    float *weight;
+    unsigned long long *counts;
 };
 
 template <typename R> __global__ void k_ad_round(AArgs<R> a, int64_t k, int64_t i_lo, int64_t d)
@@ -65,10 +74,19 @@ template <typename R> bk_status antidiag(bk_cuda_ctx *c, const bk_core_args *a)
     const R *LB = static_cast<const R *>(a->LB);
     int64_t ldlb = a->ldlb;
     bk_status st;
-    bk_kargs_set<R>(&g, a);
+    g.m = m;
+    g.n = n;
+    g.W = static_cast<R *>(a->W);
+    g.ldw = a->ldw;
+    g.LA = static_cast<const R *>(a->LA);
+    g.ldla = a->ldla;
     g.delta = NULL;
     g.G = NULL;
     g.ldg = dmax;
+    g.q = bk_dq<R>::make(a->q);
+    g.codes = a->codes;
+    g.weight = a->weight;
+    g.counts = a->counts;
     st = bk_dev_alloc(c, (void **)&g.delta, sizeof(R) * (size_t)dmax, "antidiag: errors");
     if (st == BK_OK)
         st = bk_dev_alloc(c, (void **)&g.G, sizeof(R) * (size_t)n * (size_t)dmax,
@@ -112,4 +130,12 @@ done:
 
 } // namespace
 
-BK_CUDA_ALG_ENTRIES(antidiag, antidiag)
+bk_status bk_cuda_antidiag_f32(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return antidiag<float>(c, a);
+}
+
+bk_status bk_cuda_antidiag_f64(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return antidiag<double>(c, a);
+}

@@ -54,7 +54,10 @@ extern "C" {
 
 namespace {
 
-/* (The head's vocabulary blocks are the CPU's: bk__bwd_vocab_block.) */
+/* Logit blocks of at most this many entries, head rows per block at most
+ * this many (as src/backward.c, so the blocks are the CPU's). */
+const int64_t LOGIT_BLOCK = (int64_t)1 << 22;
+const int64_t HEAD_BLOCK = (int64_t)1 << 21;
 
 inline unsigned grid_for(int64_t n)
 {
@@ -677,7 +680,13 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         }
     }
     const int64_t R = g->dim.rows, d = g->dim.hidden, qd = g->dim.qdim, kvd = g->dim.kvdim, NI = g->dim.inter, es = (int64_t)g->es;
-    const int64_t vc = bk__bwd_vocab_block(R, d, g->V);
+    int64_t vc = LOGIT_BLOCK / R;
+    if (vc > HEAD_BLOCK / d)
+        vc = HEAD_BLOCK / d;
+    if (vc < 16)
+        vc = 16;
+    if (vc > g->V)
+        vc = g->V;
     g->vc = vc;
     int64_t wmax = qd > kvd ? qd : kvd;
     struct {
@@ -1460,8 +1469,7 @@ struct flow {
     gbwd *g;
     const bk_bwd_flow_opts *o;
     const bk_bwd_flow_cb *cb;
-    int64_t S;       /* sequences (micro-batches: g->dim) */
-    int64_t mrow;    /* elements of one micro-batch buffer: B*T*d */
+    int64_t S, T, B, d;
     void *h, *dh;    /* device [B*T, d] */
     void *acts;      /* device [acts_layers, B*T, d] */
     int64_t acts_layers;
@@ -1481,7 +1489,7 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
 {
     gbwd *g = f->g;
     cudaStream_t s = g->c->stream;
-    const int64_t T = g->dim.T, N = sb * T;
+    const int64_t N = sb * f->T;
     const void *gs[BK_MOD_COUNT] = {g->dq, g->dk, g->dv, g->dh1, g->dzg, g->dzu, g->tmp};
     const void *as[BK_MOD_COUNT] = {g->xa, g->xa, g->xa, g->o, g->xm, g->xm, g->mm};
     const double one = 1.0;
@@ -1491,7 +1499,7 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
         bk_module_shape(&g->cfg, (bk_module)i, &m, &n);
         /* |g|² per token: to the host (cb->grams), or into the device array
          * of the leaf layer (cb->grams_dev; only Shampoo uses them) */
-        double *wg = dev ? f->dgw[k][i] + s0 * T : f->rn_g;
+        double *wg = dev ? f->dgw[k][i] + s0 * f->T : f->rn_g;
         if (!dev || f->cb->gram_weighted) {
             k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(gs[i]), N, m, wg);
             LAUNCH_CHECK("k_row_sq");
@@ -1500,7 +1508,7 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
             k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(as[i]), N, n, f->rn_a);
             LAUNCH_CHECK("k_row_sq");
             /* per sequence, each weight over its mean (docs/hessians.md) */
-            k_shampoo_seq_norm<<<(unsigned)sb, 256, 0, s>>>(wg, f->rn_a, T);
+            k_shampoo_seq_norm<<<(unsigned)sb, 256, 0, s>>>(wg, f->rn_a, f->T);
             LAUNCH_CHECK("k_shampoo_seq_norm");
         }
         k_scale_rows<R><<<grid_for(N * m), 256, 0, s>>>(
@@ -1510,7 +1518,7 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
         GEMM_CHECK(cublasDsyrk(g->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)m, (int)N, &one,
                                f->gscr, (int)m, &one, f->gram[k][i], (int)m));
         if (!dev)
-            BK_CUDA_CHECK(cudaMemcpyAsync(f->hgw[k][i] + s0 * T, f->rn_g, (size_t)N * 8,
+            BK_CUDA_CHECK(cudaMemcpyAsync(f->hgw[k][i] + s0 * f->T, f->rn_g, (size_t)N * 8,
                                           cudaMemcpyDeviceToHost, s));
     }
     if (!dev) /* (the host copies are read next) */
@@ -1589,7 +1597,7 @@ bk_status op_store(void *x, int buf, void *dst, size_t bytes)
 bk_status op_keep(void *x, int k, size_t bytes)
 {
     flow *f = static_cast<flow *>(x);
-    char *dst = (char *)f->acts + (size_t)k * f->mrow * f->g->es;
+    char *dst = (char *)f->acts + (size_t)k * f->B * f->T * f->d * f->g->es;
     BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->h, bytes, cudaMemcpyDeviceToDevice, f->g->c->stream));
     return BK_OK;
 }
@@ -1632,7 +1640,7 @@ template <typename R> bk_status op_backward(void *x, int layer, int k, int64_t s
     const gslot *w;
     bk_status st = op_weights(f, layer, &tp, &w);
     if (st == BK_OK)
-        st = layer_bwd<R>(f->g, w, layer, sb, RP(f->acts) + (size_t)k * f->mrow,
+        st = layer_bwd<R>(f->g, w, layer, sb, RP(f->acts) + (size_t)k * f->B * f->T * f->d,
                           RP(f->dh));
     bk_cuda_pmark(f->g->c->stream, &tp, "bwd.layer_backward");
     return st;
@@ -1777,18 +1785,20 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     f.o = o;
     f.cb = cb;
     f.S = S;
-    f.mrow = B * T * c->hidden;
+    f.T = T;
+    f.B = B;
+    f.d = c->hidden;
     f.acts_layers = acts_layers;
     const int L = (int)c->n_layers;
     bk_gbwd_opts dflt;
     bk_gbwd_opts_default(&dflt);
     if (!go)
         go = &dflt;
-    st = create(b, m, B, T, go, 1, &f.g);
+    st = create(b, m, f.B, T, go, 1, &f.g);
     if (st != BK_OK)
         return st;
     gbwd *g = f.g;
-    const int64_t mrow = f.mrow;
+    const int64_t mrow = f.B * T * f.d;
     st = dalloc(g, &f.h, mrow, g->es, "micro-batch hidden states");
     if (st == BK_OK)
         st = dalloc(g, &f.dh, mrow, g->es, "micro-batch gradients");
@@ -1816,11 +1826,11 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
             mo = mm > mo ? mm : mo;
         }
         if (st == BK_OK)
-            st = dalloc(g, (void **)&f.gscr, B * T * mo, 8, "gradient Gram scratch");
+            st = dalloc(g, (void **)&f.gscr, f.B * T * mo, 8, "gradient Gram scratch");
         if (st == BK_OK)
-            st = dalloc(g, (void **)&f.rn_g, B * T, 8, "gradient norms");
+            st = dalloc(g, (void **)&f.rn_g, f.B * T, 8, "gradient norms");
         if (st == BK_OK)
-            st = dalloc(g, (void **)&f.rn_a, B * T, 8, "gradient norms");
+            st = dalloc(g, (void **)&f.rn_a, f.B * T, 8, "gradient norms");
         for (int k = 0; k < f.gleaf && st == BK_OK; k++)
             for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
                 int64_t mm, nn;
@@ -1854,9 +1864,12 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         const bk_bwd_flow_ops ops = g->fp64 ? flow_ops<double>() : flow_ops<float>();
         st = bk__bwd_flow_drive(&ops, &f, m, tokens, S, T, B, o, cb, stats);
     }
-    void *bufs[] = {f.h, f.dh, f.acts, f.gscr, f.rn_g, f.rn_a};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-        dfree(g, bufs[i]);
+    dfree(g, f.h);
+    dfree(g, f.dh);
+    dfree(g, f.acts);
+    dfree(g, f.gscr);
+    dfree(g, f.rn_g);
+    dfree(g, f.rn_a);
     for (int k = 0; k < 64; k++)
         for (int i = 0; i < BK_MOD_COUNT; i++) {
             dfree(g, f.gram[k][i]);

@@ -53,9 +53,20 @@
 
 namespace {
 
-template <typename R> struct TileArgs : bk_kargs<R> {
+template <typename R> struct TileArgs {
+    int64_t m, n;
+    R *W;
+    int64_t ldw;
     R *Rp;
     int64_t ldr;
+    const R *LA;
+    int64_t ldla;
+    const R *LB; /* NULL: identity */
+    int64_t ldlb;
+    bk_dq<R> q;
+    int16_t *codes;
+    float *weight;
+    unsigned long long *counts;
 };
 
 
@@ -124,19 +135,6 @@ __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int
         }
     }
 }
-
-/* The register tile of the push kernels, R acc[TM][TM], declared zero
- * (BK_TILE_ACC), and added into the target C (row stride ldc) at thread
- * (ty, tx)'s rows ty + TH i and columns tx + TH j (BK_TILE_ADD). Macros, as
- * BK_TILE_MAC below. */
-#define BK_TILE_ACC()                                                                              \
-    R acc[TM][TM];                                                                                 \
-    _Pragma("unroll") for (int i = 0; i < TM; i++)                                                 \
-        _Pragma("unroll") for (int j = 0; j < TM; j++) acc[i][j] = R(0)
-#define BK_TILE_ADD(C, ldc)                                                                        \
-    _Pragma("unroll") for (int i = 0; i < TM; i++)                                                 \
-        _Pragma("unroll") for (int j = 0; j < TM; j++)                                             \
-            (C)[(int64_t)(ty + TH * i) * (ldc) + tx + TH * j] += acc[i][j]
 
 /* acc[i][j] += sum over c < T of As[ty + TH i][c] Bs[tx + TH j][c]: the
  * register-tile product of the push kernels (As, Bs in shared memory, rows S
@@ -210,9 +208,20 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     load_pair_batched<R, T, QR>(As, Bs, Ap, lda, Bp, ldb, tid);
     __syncthreads();
     const int tx = tid % TH, ty = tid / TH;
-    BK_TILE_ACC();
+    R acc[TM][TM];
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TM; j++)
+            acc[i][j] = R(0);
     BK_TILE_MAC();
-    BK_TILE_ADD(Cp, ldc);
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TM; j++) {
+            R *cp = &Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j];
+            *cp += acc[i][j];
+        }
 }
 
 /* ------------------------------------------------------- tile solve, v3 */
@@ -474,7 +483,12 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     const int qr = QD > 1 ? (int)blockIdx.z / QD : 0, qc = QD > 1 ? (int)blockIdx.z % QD : 0;
     if (QD > 1)
         Cp += (int64_t)qr * QR * ldc + qc * QR;
-    BK_TILE_ACC();
+    R acc[TM][TM];
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TM; j++)
+            acc[i][j] = R(0);
     for (int src = lo; src <= hi; src++) {
         const R *Ap, *Bp;
         int64_t lda, ldb;
@@ -511,7 +525,11 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
         BK_TILE_MAC();
         __syncthreads();
     }
-    BK_TILE_ADD(Cp, ldc);
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TM; j++)
+            Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j] += acc[i][j];
 }
 
 template <typename R, int T, int WC>
@@ -548,9 +566,20 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
         return bk_error(BK_ERR_INTERNAL, "bakron: padded size %lldx%lld is not a multiple of %d",
                         (long long)a->mpad, (long long)a->npad, T);
     TileArgs<R> ta;
-    bk_kargs_set<R>(&ta, a);
+    ta.m = a->m;
+    ta.n = a->n;
+    ta.W = static_cast<R *>(a->W);
+    ta.ldw = a->ldw;
     ta.Rp = Rp;
     ta.ldr = a->npad;
+    ta.LA = static_cast<const R *>(a->LA);
+    ta.ldla = a->ldla;
+    ta.LB = static_cast<const R *>(a->LB);
+    ta.ldlb = a->ldlb;
+    ta.q = bk_dq<R>::make(a->q);
+    ta.codes = a->codes;
+    ta.weight = a->weight;
+    ta.counts = a->counts;
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_LEVELS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S3::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_tile_solve3<R, T, 16, BK_Q_UNIFORM>,

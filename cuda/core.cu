@@ -49,16 +49,3 @@ bk_status bk_cuda_core(bk_cuda_ctx *c, bk_algorithm alg, bk_precision prec,
         BK_CUDA_CHECK(cudaEventElapsedTime(ms, c->ev_start, c->ev_stop));
     return BK_OK;
 }
-
-void bk_core_args_set(bk_core_args *a, int64_t m, int64_t n, int64_t mpad, int64_t npad,
-                      void *W, const void *LA, const void *LB, const bk_alphabet *alpha,
-                      const void *scale, const void *zero, int16_t *codes, float *weight,
-                      unsigned long long *counts)
-{
-    /* in the order of the fields (cuda_internal.cuh) */
-    const bk_dquant q = {alpha->spec.kind, alpha->qmin, alpha->qmax, alpha->group,
-                         alpha->groups,    scale,       zero};
-    const bk_core_args x = {m,  n,    mpad,   npad,   W,      npad, LA,   npad, LB,
-                            mpad, q, codes, weight, counts, 0,    NULL, NULL};
-    *a = x;
-}

@@ -16,9 +16,6 @@
 #include "common.cuh"
 #include "backend_impl.h"
 #include "bakron/solver.h"
-extern "C" {
-#include "quant.h" /* (C header without its own extern "C") */
-}
 
 #define BK_CUDA_PAD 128
 
@@ -148,15 +145,6 @@ typedef struct bk_core_args {
 bk_status bk_cuda_core(bk_cuda_ctx *c, bk_algorithm alg, bk_precision prec,
                        const bk_core_args *a, float *ms);
 
-/* *a for the problem m x n padded to mpad x npad on the device: W (row
- * stride npad), LA (npad), LB (mpad; NULL: identity), the grid of alpha with
- * its device scales and zeros (zero may be NULL), the outputs codes, weight
- * and counts; no GPTQ refit (a->refit NULL), gptq_block 0. */
-void bk_core_args_set(bk_core_args *a, int64_t m, int64_t n, int64_t mpad, int64_t npad,
-                      void *W, const void *LA, const void *LB, const bk_alphabet *alpha,
-                      const void *scale, const void *zero, int16_t *codes, float *weight,
-                      unsigned long long *counts);
-
 bk_status bk_cuda_bakron_f32(bk_cuda_ctx *c, const bk_core_args *a);
 bk_status bk_cuda_bakron_f64(bk_cuda_ctx *c, const bk_core_args *a);
 bk_status bk_cuda_gptq_f32(bk_cuda_ctx *c, const bk_core_args *a);
@@ -169,18 +157,6 @@ bk_status bk_cuda_recursive_f32(bk_cuda_ctx *c, const bk_core_args *a);
 bk_status bk_cuda_recursive_f64(bk_cuda_ctx *c, const bk_core_args *a);
 bk_status bk_cuda_rtn_f32(bk_cuda_ctx *c, const bk_core_args *a);
 bk_status bk_cuda_rtn_f64(bk_cuda_ctx *c, const bk_core_args *a);
-
-/* The two entries above of an algorithm written as a template alg<R>(c, a):
- * bk_cuda_NAME_f32 and bk_cuda_NAME_f64. */
-#define BK_CUDA_ALG_ENTRIES(NAME, alg)                                                             \
-    bk_status bk_cuda_##NAME##_f32(bk_cuda_ctx *c, const bk_core_args *a)                          \
-    {                                                                                              \
-        return alg<float>(c, a);                                                                   \
-    }                                                                                              \
-    bk_status bk_cuda_##NAME##_f64(bk_cuda_ctx *c, const bk_core_args *a)                          \
-    {                                                                                              \
-        return alg<double>(c, a);                                                                  \
-    }
 
 /* Size limits of the small-size algorithms (m * n). */
 #define BK_CUDA_NAIVE_MAX_MN ((int64_t)128 * 128)

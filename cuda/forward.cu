@@ -1179,23 +1179,6 @@ struct layer_src {
     const float *attn_norm, *mlp_norm, *q_norm, *k_norm;
 };
 
-/* The arrays of a host layer (bk_layer_weights) or a device one (bk_glayer):
- * the same field names. */
-template <typename L> layer_src src_of(const L *lw)
-{
-    layer_src s;
-    s.layer = lw->layer;
-    for (int i = 0; i < BK_MOD_COUNT; i++) {
-        s.w[i] = lw->w[i];
-        s.b[i] = lw->b[i];
-    }
-    s.attn_norm = lw->attn_norm;
-    s.mlp_norm = lw->mlp_norm;
-    s.q_norm = lw->q_norm;
-    s.k_norm = lw->k_norm;
-    return s;
-}
-
 bk_status glayer_make(bk_gfwd *f, const layer_src *s, int from_host, bk_glayer **out)
 {
     *out = NULL;
@@ -1248,7 +1231,16 @@ extern "C" bk_status bk_glayer_upload(bk_gfwd *f, const bk_layer_weights *lw, bk
     *out = NULL;
     if (!f || !lw)
         return bk_error(BK_ERR_INVALID_ARG, "GPU forward: NULL layer weights");
-    const layer_src s = src_of(lw);
+    layer_src s;
+    s.layer = lw->layer;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        s.w[i] = lw->w[i];
+        s.b[i] = lw->b[i];
+    }
+    s.attn_norm = lw->attn_norm;
+    s.mlp_norm = lw->mlp_norm;
+    s.q_norm = lw->q_norm;
+    s.k_norm = lw->k_norm;
     return glayer_make(f, &s, 1, out);
 }
 
@@ -1257,7 +1249,16 @@ extern "C" bk_status bk_glayer_clone(bk_gfwd *f, const bk_glayer *src, bk_glayer
     *out = NULL;
     if (!f || !src)
         return bk_error(BK_ERR_INVALID_ARG, "GPU forward: NULL layer weights");
-    const layer_src s = src_of(src);
+    layer_src s;
+    s.layer = src->layer;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        s.w[i] = src->w[i];
+        s.b[i] = src->b[i];
+    }
+    s.attn_norm = src->attn_norm;
+    s.mlp_norm = src->mlp_norm;
+    s.q_norm = src->q_norm;
+    s.k_norm = src->k_norm;
     return glayer_make(f, &s, 0, out);
 }
 

@@ -24,8 +24,17 @@ constexpr int GRW = 2;     /* rows per warp */
 constexpr int GWARPS = 8;  /* warps per CTA */
 constexpr unsigned FULL = 0xffffffffu;
 
-template <typename R> struct GArgs : bk_kargs<R> { /* (LB unused: one-sided) */
+template <typename R> struct GArgs {
+    int64_t m, n;
+    R *W;
+    int64_t ldw;
+    const R *LA;
+    int64_t ldla;
     R *Eb; /* [mpad, GB] errors of the current block */
+    bk_dq<R> q;
+    int16_t *codes;
+    float *weight;
+    unsigned long long *counts;
 };
 
 template <typename R> __host__ __device__ constexpr int gstride()
@@ -101,8 +110,17 @@ template <typename R> bk_status gptq(bk_cuda_ctx *c, const bk_core_args *a)
     if (st != BK_OK)
         return st;
     GArgs<R> g;
-    bk_kargs_set<R>(&g, a);
+    g.m = a->m;
+    g.n = a->n;
+    g.W = static_cast<R *>(a->W);
+    g.ldw = a->ldw;
+    g.LA = static_cast<const R *>(a->LA);
+    g.ldla = a->ldla;
     g.Eb = Eb;
+    g.q = bk_dq<R>::make(a->q);
+    g.codes = a->codes;
+    g.weight = a->weight;
+    g.counts = a->counts;
     const size_t smem = sizeof(R) * (size_t)GB * gstride<R>();
     const int rows_per_cta = GWARPS * GRW;
     const unsigned grid = (unsigned)((a->m + rows_per_cta - 1) / rows_per_cta);
@@ -143,4 +161,12 @@ done:
 
 } // namespace
 
-BK_CUDA_ALG_ENTRIES(gptq, gptq)
+bk_status bk_cuda_gptq_f32(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return gptq<float>(c, a);
+}
+
+bk_status bk_cuda_gptq_f64(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return gptq<double>(c, a);
+}

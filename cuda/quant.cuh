@@ -178,38 +178,4 @@ __device__ __forceinline__ void bk_counts_add_warp(unsigned long long *dst, cons
     }
 }
 
-/* What the solver kernels read of a problem (bk_core_args, typed): W [m, n]
- * (row stride ldw), the factors LA and LB (NULL: identity) with their
- * strides, the alphabet, and the outputs codes, weight and the counts. The
- * kernels' own argument structs extend it (TileArgs, NArgs). */
-template <typename R> struct bk_kargs {
-    int64_t m, n;
-    R *W;
-    int64_t ldw;
-    const R *LA;
-    int64_t ldla;
-    const R *LB; /* NULL: identity */
-    int64_t ldlb;
-    bk_dq<R> q;
-    int16_t *codes;
-    float *weight;
-    unsigned long long *counts;
-};
-
-template <typename R> void bk_kargs_set(bk_kargs<R> *k, const bk_core_args *a)
-{
-    k->m = a->m;
-    k->n = a->n;
-    k->W = static_cast<R *>(a->W);
-    k->ldw = a->ldw;
-    k->LA = static_cast<const R *>(a->LA);
-    k->ldla = a->ldla;
-    k->LB = static_cast<const R *>(a->LB);
-    k->ldlb = a->ldlb;
-    k->q = bk_dq<R>::make(a->q);
-    k->codes = a->codes;
-    k->weight = a->weight;
-    k->counts = a->counts;
-}
-
 #endif /* BK_CUDA_QUANT_CUH */

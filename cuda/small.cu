@@ -16,9 +16,20 @@
 
 namespace {
 
-template <typename R> struct NArgs : bk_kargs<R> {
+template <typename R> struct NArgs {
+    int64_t m, n;
+    R *W;
+    int64_t ldw;
     R *E; /* [m, lde] or NULL */
     int64_t lde;
+    const R *LA;
+    int64_t ldla;
+    const R *LB; /* NULL: identity */
+    int64_t ldlb;
+    bk_dq<R> q;
+    int16_t *codes;
+    float *weight;
+    unsigned long long *counts;
 };
 
 /* Alg. 2 on the block rows [r0, r1) x columns [c0, c1), updates kept inside
@@ -74,9 +85,20 @@ template <typename R> __global__ void k_rtn(NArgs<R> a)
 template <typename R> NArgs<R> make_args(const bk_core_args *a)
 {
     NArgs<R> g;
-    bk_kargs_set<R>(&g, a);
+    g.m = a->m;
+    g.n = a->n;
+    g.W = static_cast<R *>(a->W);
+    g.ldw = a->ldw;
     g.E = NULL;
     g.lde = 0;
+    g.LA = static_cast<const R *>(a->LA);
+    g.ldla = a->ldla;
+    g.LB = static_cast<const R *>(a->LB);
+    g.ldlb = a->ldlb;
+    g.q = bk_dq<R>::make(a->q);
+    g.codes = a->codes;
+    g.weight = a->weight;
+    g.counts = a->counts;
     return g;
 }
 
@@ -196,6 +218,27 @@ template <typename R> bk_status rtn(bk_cuda_ctx *c, const bk_core_args *a)
 
 } // namespace
 
-BK_CUDA_ALG_ENTRIES(naive, naive)
-BK_CUDA_ALG_ENTRIES(recursive, recursive)
-BK_CUDA_ALG_ENTRIES(rtn, rtn)
+bk_status bk_cuda_naive_f32(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return naive<float>(c, a);
+}
+bk_status bk_cuda_naive_f64(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return naive<double>(c, a);
+}
+bk_status bk_cuda_recursive_f32(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return recursive<float>(c, a);
+}
+bk_status bk_cuda_recursive_f64(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return recursive<double>(c, a);
+}
+bk_status bk_cuda_rtn_f32(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return rtn<float>(c, a);
+}
+bk_status bk_cuda_rtn_f64(bk_cuda_ctx *c, const bk_core_args *a)
+{
+    return rtn<double>(c, a);
+}

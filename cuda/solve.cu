@@ -526,9 +526,27 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     if (st != BK_OK)
         goto fail;
 
-    bk_core_args_set(&a, m, n, mpad, npad, dW, sa.dL,
-                     (o->algorithm == BK_ALG_GPTQ || sb.identity) ? NULL : sb.dL, &alpha, dscale,
-                     dzero, dcodes, dweight, dcounts);
+    memset(&a, 0, sizeof a);
+    a.m = m;
+    a.n = n;
+    a.mpad = mpad;
+    a.npad = npad;
+    a.W = dW;
+    a.ldw = npad;
+    a.LA = sa.dL;
+    a.ldla = npad;
+    a.LB = (o->algorithm == BK_ALG_GPTQ || sb.identity) ? NULL : sb.dL;
+    a.ldlb = mpad;
+    a.q.kind = o->quant.kind;
+    a.q.qmin = alpha.qmin;
+    a.q.qmax = alpha.qmax;
+    a.q.group = alpha.group;
+    a.q.groups = alpha.groups;
+    a.q.scale = dscale;
+    a.q.zero = dzero;
+    a.codes = dcodes;
+    a.weight = dweight;
+    a.counts = dcounts;
     a.gptq_block = o->gptq_block;
     if (o->algorithm == BK_ALG_GPTQ && o->quant.refit_groups) {
         rc.c = c;
@@ -643,10 +661,17 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
                     bound += rbi * rbi * row;
                 }
                 free(gsum);
-                r->bound = 0.25 * bound;
-            } else {
-                r->bound = bk_solve_bound(&alpha, sa.rdiag, use_b ? sb.rdiag : NULL, m, n);
+            } else
+            for (int64_t i = 0; i < m; i++) {
+                const double rbi = use_b ? sb.rdiag[i] : 1.0;
+                double row = 0.0;
+                for (int64_t j = 0; j < n; j++) {
+                    const double sc = bk_q_scale_at(&alpha, i, j);
+                    row += sc * sc * sa.rdiag[j] * sa.rdiag[j];
+                }
+                bound += rbi * rbi * row;
             }
+            r->bound = 0.25 * bound;
         }
     }
     bk_cuda_pmark(c->stream, &tp, "sd.stats");
@@ -680,7 +705,15 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     bk_cuda_pmark(c->stream, &tp, "sd.loss_gptq");
     t3 = bk_now();
 
-    bk_solve_result_alphabet(r, &alpha, m, n, &o->quant);
+    r->m = m;
+    r->n = n;
+    r->groups = alpha.groups;
+    r->scales = alpha.scale;
+    alpha.scale = NULL;
+    if (o->quant.kind == BK_Q_UNIFORM && o->quant.asym) {
+        r->zeros = alpha.zero;
+        alpha.zero = NULL;
+    }
     /* 0 for an absent B or a precomputed factor (never set there) */
     r->damp_a = sa.damp;
     r->damp_b = sb.damp;

@@ -491,8 +491,27 @@ static std::vector<int16_t> gpu_codes(bk_cuda_ctx *c, const HostCase &h, bk_algo
         CU(cudaMemcpy(dzr, zr.data(), zr.size() * sizeof(R), cudaMemcpyHostToDevice));
     CU(cudaMemset(dcodes, 0x7f, 2 * m * n)); /* poison */
     bk_core_args a;
-    bk_core_args_set(&a, m, n, mp, np, dW, dLA, alg == BK_ALG_GPTQ ? nullptr : dLB, al, dsc, dzr,
-                     dcodes, dweight, dcnt);
+    memset(&a, 0, sizeof a);
+    a.m = m;
+    a.n = n;
+    a.mpad = mp;
+    a.npad = np;
+    a.W = dW;
+    a.ldw = np;
+    a.LA = dLA;
+    a.ldla = np;
+    a.LB = alg == BK_ALG_GPTQ ? nullptr : dLB;
+    a.ldlb = mp;
+    a.q.kind = al->spec.kind;
+    a.q.qmin = al->qmin;
+    a.q.qmax = al->qmax;
+    a.q.group = al->group;
+    a.q.groups = al->groups;
+    a.q.scale = dsc;
+    a.q.zero = dzr;
+    a.codes = dcodes;
+    a.weight = dweight;
+    a.counts = dcnt;
     a.gptq_block = 128;
     float ms;
     *st_out = bk_cuda_core(c, alg, prec, &a, &ms);
