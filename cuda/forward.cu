@@ -35,7 +35,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "attn_fused.cuh"
 #include "backend_impl.h"
 #include "fwd_internal.cuh"
 #include "forward_internal.h"
@@ -868,12 +867,6 @@ __global__ void k_widen_bf16(const uint16_t *src, float *dst, int64_t n)
 
 } // namespace
 
-extern "C" void bk_gfwd_test_attn_fused(bk_gfwd *f, int on)
-{
-    if (f)
-        f->attn_fused = on ? 1 : 0;
-}
-
 extern "C" void bk_gpu_upload_tune(bk_gfwd *f, int64_t chunk, int64_t min_part, int threads)
 {
     if (!f)
@@ -979,7 +972,6 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
         return bk_error(BK_ERR_NOMEM, "GPU forward: out of memory");
     f->c = static_cast<bk_cuda_ctx *>(b->ctx);
     upload_defaults(f);
-    f->attn_fused = 1;
     f->bf16 = b->gemm_math == BK_GEMM_BF16;
     f->tf32 = b->gemm_math == BK_GEMM_TF32 || f->bf16; /* bf16: the rest (attention) in TF32 */
     {
@@ -1392,28 +1384,6 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
      * zeros after the softmax). */
     const float scale = (float)(1.0 / sqrt((double)hd));
     const int64_t pairs = S * f->dim.nkv, RP = f->dim.rep * T, rep = f->dim.rep;
-    if (f->tf32 && f->attn_fused && (hd == 64 || hd == 128) && pairs <= 65535) {
-        /* TF32 products: the scores stay on chip (cuda/attn_fused.cuh) */
-        const dim3 grid((unsigned)((RP + bk_attn::BQ - 1) / bk_attn::BQ), (unsigned)pairs);
-        if (hd == 64) {
-            BK_CUDA_CHECK(cudaFuncSetAttribute(bk_attn::k_attn_fused<64>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)bk_attn::Cfg<64>::smem));
-            bk_attn::k_attn_fused<64><<<grid, bk_attn::NW * 32, bk_attn::Cfg<64>::smem, sm>>>(
-                f->qh, f->kh, f->vh, f->oh, T, rep, scale);
-        } else {
-            BK_CUDA_CHECK(cudaFuncSetAttribute(bk_attn::k_attn_fused<128>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)bk_attn::Cfg<128>::smem));
-            bk_attn::k_attn_fused<128><<<grid, bk_attn::NW * 32, bk_attn::Cfg<128>::smem, sm>>>(
-                f->qh, f->kh, f->vh, f->oh, T, rep, scale);
-        }
-        if ((st = BK_LAUNCHED("k_attn_fused")) != BK_OK)
-            return st;
-        k_heads_to_tok<<<bk_grid(N * qd), 256, 0, sm>>>(f->oh, S, f->dim.nh, T, hd, rep, d_o,
-                                                        f->nf + BK_FS_O_IN);
-        return BK_LAUNCHED("k_heads_to_tok");
-    }
     int64_t tcn = T >= 512 ? (T + 7) / 8 : T;
     tcn = (tcn + 31) / 32 * 32;
     if (tcn > T)

@@ -60,9 +60,6 @@ struct bk_gfwd {
     cudaEvent_t up_ev[2];
     int64_t up_chunk, up_min_part;
     int up_threads;
-    int attn_fused;            /* TF32 mode, head_dim 64 or 128: the fused attention kernel
-                                  (cuda/attn_fused.cuh; 1, the default); 0 only in the test
-                                  that compares it with the unfused path */
 };
 
 /* Grid size for a grid-stride loop over n items with 256 threads. */

@@ -59,10 +59,6 @@ bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src, int64_t n)
  * thread (elements) and its number of host threads; 0 keeps a value. */
 void bk_gpu_upload_tune(bk_gfwd *f, int64_t chunk, int64_t min_part, int threads);
 
-/* Test of the fused attention (cuda/attn_fused.cuh, used in TF32 mode for
- * head_dim 64 and 128): on = 0 runs the unfused path there too. */
-void bk_gfwd_test_attn_fused(bk_gfwd *f, int on);
-
 /* The layer's weights through bk_gpu_upload_f32. */
 bk_status bk_glayer_upload(bk_gfwd *f, const bk_layer_weights *lw, bk_glayer **out);
 /* Device copy of another device layer. */

@@ -14,9 +14,7 @@
  *    buffer is split by rows) and several (sequence, group) pairs per chunk;
  *  - bad inputs give the CPU's statuses;
  *  - weight uploads (bk_gpu_upload_f32: BF16 chunks widened on the device,
- *    others as F32) leave byte-identical device copies;
- *  - the fused attention of the TF32 mode: error against the CPU within
- *    twice the unfused TF32 path's.
+ *    others as F32) leave byte-identical device copies.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -361,62 +359,6 @@ static void attention_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int
     assert_true(e <= TOL);
 }
 
-/* The fused attention of the TF32 mode (cuda/attn_fused.cuh: head_dim 64 and
- * 128) against the CPU, next to the unfused TF32 path on the same inputs:
- * partial warps and CTAs (rows per pair not a multiple of 16), a last key
- * block past T, several pairs, several key blocks. Its error must stay
- * within twice the unfused path's (both are TF32 products). */
-static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t T)
-{
-    bk_model_config c = syn_cfg(heads, kv, hd, T);
-    bk_layer_weights lw;
-    random_layer(&c, 91 + (uint64_t)T, &lw);
-    const int64_t N = S * T, qd = heads * hd;
-    bk_rng r;
-    bk_rng_seed(&r, 6);
-    float *x = randn(&r, N * c.hidden, 1.0, 0.0), *o = tu_hbuf(N * qd);
-    bk_fwd *f = NULL;
-    OKS(bk_fwd_create(&c, S, T, &f));
-    OKS(bk_fwd_attention(f, &lw, x, S, o, NULL, NULL, NULL));
-    const bk_gemm_math keep = bk_backend_gemm_math(g_gpu);
-    bk_backend_set_gemm_math(g_gpu, BK_GEMM_TF32);
-    double e[2];
-    for (int fused = 0; fused < 2; fused++) {
-        bk_gfwd *gf = NULL;
-        OKS(bk_gfwd_create(g_gpu, &c, S, T, &gf));
-        bk_gfwd_test_attn_fused(gf, fused);
-        bk_glayer *gl = NULL;
-        OKS(bk_glayer_upload(gf, &lw, &gl));
-        float *dx = tu_dbuf(gf, N * c.hidden), *dor = tu_dbuf(gf, N * qd);
-        tu_up(gf, dx, x, N * c.hidden);
-        OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
-        e[fused] = dcmp(gf, dor, o, N * qd);
-        bk_gpu_free(gf, dx);
-        bk_gpu_free(gf, dor);
-        bk_glayer_free(gf, gl);
-        bk_gfwd_free(gf);
-    }
-    bk_backend_set_gemm_math(g_gpu, keep);
-    printf("  TF32 attention %lld heads / %lld kv, head_dim %lld, %lld x %lld tokens: unfused "
-           "%.3e, fused %.3e\n",
-           (long long)heads, (long long)kv, (long long)hd, (long long)S, (long long)T, e[0], e[1]);
-    bk_fwd_free(f);
-    bk_layer_weights_free(&lw);
-    free(x);
-    free(o);
-    assert_true(e[0] <= 1e-2);
-    assert_true(e[1] <= 2.0 * e[0] + 1e-5);
-}
-
-static void test_attention_fused(void **state)
-{
-    (void)state;
-    fused_case(12, 4, 64, 2, 333);  /* 3 heads per group: 999 rows per pair */
-    fused_case(8, 2, 128, 1, 1024); /* 16 key blocks */
-    fused_case(4, 4, 128, 2, 70);   /* one head per group, the last key block past T */
-    fused_case(32, 8, 128, 1, 200);
-}
-
 static void test_attention_4096(void **state)
 {
     (void)state;
@@ -577,7 +519,7 @@ int main(void)
         cmocka_unit_test(test_nll_kerneldocs),  cmocka_unit_test(test_attention_4096),
         cmocka_unit_test(test_attention_pairs),
         cmocka_unit_test(test_attention_chunks), cmocka_unit_test(test_bad_inputs),
-        cmocka_unit_test(test_upload),          cmocka_unit_test(test_attention_fused),
+        cmocka_unit_test(test_upload),
     };
     int rc = cmocka_run_group_tests_name("cuda_forward", tests, NULL, NULL);
     bk_backend_destroy(g_gpu);
