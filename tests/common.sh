@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034 # (its variables are read by the sourcing test)
 # Sourced by the bash tests (tests/*.sh), after `set -u`:
 #   B    the bakron binary (BK_BAKRON, from meson)
 #   SRC  the source root (BK_SOURCE_ROOT)
