@@ -274,46 +274,6 @@ template <typename R> __global__ void k_row_sq(const R *x, int64_t rows, int64_t
         out[row] = ss;
 }
 
-/* the sum of v over the block's threads (blockDim.x a multiple of 32, at
- * most 1024), returned to every thread; part: 32 doubles of shared memory */
-__device__ inline double block_sum(double v, double *part)
-{
-    v = warp_sum(v);
-    __syncthreads(); /* (part may still be read from the last call) */
-    if ((threadIdx.x & 31) == 0)
-        part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        double u = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0;
-        u = warp_sum(u);
-        if (threadIdx.x == 0)
-            part[0] = u;
-    }
-    __syncthreads();
-    return part[0];
-}
-
-/* backprop-shampoo's token weights, one block per sequence of T tokens, as
- * bk__shampoo_seq_weights (src/hessian.c): wa = |g|² (A's weights) and wb =
- * |a|² (B's), each divided by its mean over the sequence (0 stays 0). */
-__global__ void k_shampoo_seq_norm(double *wa, double *wb, int64_t T)
-{
-    __shared__ double part[32];
-    double *x = wa + blockIdx.x * T, *y = wb + blockIdx.x * T;
-    double sx = 0, sy = 0;
-    for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
-        sx += x[t];
-        sy += y[t];
-    }
-    sx = block_sum(sx, part);
-    sy = block_sum(sy, part);
-    const double rx = sx > 0 ? (double)T / sx : 0.0, ry = sy > 0 ? (double)T / sy : 0.0;
-    for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
-        x[t] *= rx;
-        y[t] *= ry;
-    }
-}
-
 /* out = sqrt(w[row]) g (w NULL: 1), in double */
 template <typename R>
 __global__ void k_scale_rows(const R *g, int64_t rows, int64_t m, const double *w, double *out)
@@ -1499,17 +1459,14 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
         bk_module_shape(&g->cfg, (bk_module)i, &m, &n);
         /* |g|² per token: to the host (cb->grams), or into the device array
          * of the leaf layer (cb->grams_dev; only Shampoo uses them) */
-        double *wg = dev ? f->dgw[k][i] + s0 * f->T : f->rn_g;
         if (!dev || f->cb->gram_weighted) {
-            k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(gs[i]), N, m, wg);
+            k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(
+                CRP(gs[i]), N, m, dev ? f->dgw[k][i] + s0 * f->T : f->rn_g);
             LAUNCH_CHECK("k_row_sq");
         }
         if (f->cb->gram_weighted) {
             k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(as[i]), N, n, f->rn_a);
             LAUNCH_CHECK("k_row_sq");
-            /* per sequence, each weight over its mean (docs/hessians.md) */
-            k_shampoo_seq_norm<<<(unsigned)sb, 256, 0, s>>>(wg, f->rn_a, f->T);
-            LAUNCH_CHECK("k_shampoo_seq_norm");
         }
         k_scale_rows<R><<<grid_for(N * m), 256, 0, s>>>(
             CRP(gs[i]), N, m, f->cb->gram_weighted ? f->rn_a : (const double *)NULL, f->gscr);

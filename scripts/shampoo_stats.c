@@ -6,8 +6,9 @@
  *   ess_g      effective sample size (Σw)²/Σw² of the A-side weights w = |g_t|²,
  *              as a fraction of the token count (1 = uniform, as K-FAC);
  *   ess_a      the same for the B-side weights |a_t|²;
- *   ess_gs     ess_g of the weights the product uses since issue 16: |g_t|² over its
- *              sequence's mean (docs/hessians.md "Shampoo's token weights");
+ *   ess_gs     ess_g of the per-sequence normalised weights |g_t|² / (its sequence's
+ *              mean), a remedy tested and not adopted (docs/hessians.md "Shampoo's
+ *              token weights");
  *   seq1       the heaviest sequence's share of Σ|g|² (paper's weights; 1/S normalised);
  *   top1       the heaviest token's share of Σ|g|² (and its sequence:position):
  *              one token dominating A's weights;

@@ -43,13 +43,6 @@ bk_status bk__hess_bp_output(const bk_hess_acc *a, int layer, bk_module mod, flo
 /* Shampoo: the |g_t|² of the *n tokens added so far, in order (the weights
  * of the input side's a aᵀ); K-FAC: *w = NULL, *n = 0. Valid until the
  * accumulator is reset or more gradients are added. */
-/* backprop-shampoo's token weights of S whole sequences of T tokens, in place
- * (docs/hessians.md "Shampoo's token weights"): wa = |g_u|² (A's weights) and
- * wb = |a_u|² (B's), each divided by its mean over the token's sequence (a
- * sequence whose mean is 0 keeps weights 0). The GPU flow's k_shampoo_seq_norm
- * (cuda/backward.cu) does the same. */
-void bk__shampoo_seq_weights(double *wa, double *wb, int64_t S, int64_t T);
-
 bk_status bk__hess_bp_token_weights(const bk_hess_acc *a, bk_module mod, const double **w,
                                     int64_t *n);
 

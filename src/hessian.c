@@ -1297,22 +1297,6 @@ static bk_status grad_room(bk_hess_acc *a, int layer, bk_module mod, int64_t m, 
     return BK_OK;
 }
 
-void bk__shampoo_seq_weights(double *wa, double *wb, int64_t S, int64_t T)
-{
-    for (int64_t s = 0; s < S; s++) {
-        double *x = wa + s * T, *y = wb + s * T, sx = 0, sy = 0;
-        for (int64_t t = 0; t < T; t++) {
-            sx += x[t];
-            sy += y[t];
-        }
-        const double rx = sx > 0 ? (double)T / sx : 0.0, ry = sy > 0 ? (double)T / sy : 0.0;
-        for (int64_t t = 0; t < T; t++) {
-            x[t] *= rx;
-            y[t] *= ry;
-        }
-    }
-}
-
 bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const double *g,
                            const double *a_fp, int64_t S)
 {
@@ -1339,33 +1323,22 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
         cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)m, (int)N, 1.0, g, (int)m, 1.0,
                     a->gB[mod], (int)m);
     } else {
-        /* the token weights of the micro-batch (whole sequences): A's into
-         * gw, B's into wb, normalised per sequence */
-        double *wa = a->gw[mod] + a->gw_n[mod];
-        double *wb = bk_alloc((size_t)N, sizeof(double));
         int64_t ch = N < GRAM_CHUNK ? N : GRAM_CHUNK;
-        double *buf = wb ? bk_alloc((size_t)(ch * m), sizeof(double)) : NULL;
-        if (!buf) {
-            free(wb);
+        double *buf = bk_alloc((size_t)(ch * m), sizeof(double));
+        if (!buf)
             return bk_error(BK_ERR_NOMEM, "hessian: out of memory for a %lld x %lld block",
                             (long long)ch, (long long)m);
-        }
-        for (int64_t u = 0; u < N; u++) {
-            const double *gu = g + u * m, *au = a_fp + u * n;
-            double na = 0, ng = 0;
-            for (int64_t c = 0; c < n; c++)
-                na += au[c] * au[c];
-            for (int64_t c = 0; c < m; c++)
-                ng += gu[c] * gu[c];
-            wa[u] = ng;
-            wb[u] = na;
-        }
-        bk__shampoo_seq_weights(wa, wb, N / a->dim.T, a->dim.T);
         for (int64_t r0 = 0; r0 < N; r0 += ch) {
             int64_t k = N - r0 < ch ? N - r0 : ch;
             for (int64_t i = 0; i < k; i++) {
-                const double *gi = g + (r0 + i) * m;
-                const double sa = sqrt(wb[r0 + i]);
+                const double *gi = g + (r0 + i) * m, *ai = a_fp + (r0 + i) * n;
+                double na = 0, ng = 0;
+                for (int64_t c = 0; c < n; c++)
+                    na += ai[c] * ai[c];
+                for (int64_t c = 0; c < m; c++)
+                    ng += gi[c] * gi[c];
+                a->gw[mod][a->gw_n[mod] + r0 + i] = ng;
+                double sa = sqrt(na);
                 for (int64_t c = 0; c < m; c++)
                     buf[i * m + c] = sa * gi[c];
             }
@@ -1373,7 +1346,6 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
                         1.0, a->gB[mod], (int)m);
         }
         free(buf);
-        free(wb);
     }
     a->gcount[mod] += N;
     a->gw_n[mod] += a->shampoo ? N : 0;

@@ -220,6 +220,11 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = bp_ranks_refused(o);
         goto fail;
     }
+    if (o->hessian == BK_HESS_BACKPROP_SHAMPOO && j->rank == 0)
+        bk__q_emit(j, BK_EV_NOTE, 0, NULL,
+                   "warning: backprop-shampoo is unstable on some models (SmolLM2-135M at 2.81 "
+                   "bits: worse than gptq on 7 of 10 calibration draws; docs/hessians.md); "
+                   "backprop-kfac is the recommended backprop kind");
     if (j->rank == 0) {
         /* the output folder first: refused (unsafe, exists), locked, leftovers cleaned */
         const char *inputs[] = {o->model_dir, o->calib_path ? o->calib_path : "",

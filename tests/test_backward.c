@@ -682,19 +682,8 @@ static void test_bad_input(void **state)
 
 /* ======================================================== factors from a and g */
 
-/* the mean over sequence s's T tokens of |x_t|² (x [.., n]) */
-static double seq_mean_sq(const double *x, int64_t n, int64_t s, int64_t T)
-{
-    double c = 0;
-    for (int64_t t = s * T; t < (s + 1) * T; t++)
-        for (int64_t l = 0; l < n; l++)
-            c += x[t * n + l] * x[t * n + l];
-    return c / (double)T;
-}
-
-/* K-FAC: A = E[a aᵀ], B = E[g gᵀ]; Shampoo: A = R(H_A) vec(I), B = R(H_B)ᵀ vec(I)
- * with H_A = E[a aᵀ ⊗ g gᵀ / ḡ_x], H_B = E[a aᵀ ⊗ g gᵀ / ā_x] (ḡ_x, ā_x: the
- * mean |g|², |a|² over the token's sequence x) built explicitly as mn x mn matrices. */
+/* K-FAC: A = E[a aᵀ], B = E[g gᵀ]; Shampoo: A = R(H) vec(I), B = R(H)ᵀ vec(I)
+ * with H = E[a aᵀ ⊗ g gᵀ] built explicitly as an mn x mn matrix. */
 static void test_backprop_factors(void **state)
 {
     (void)state;
@@ -765,21 +754,15 @@ static void test_backprop_factors(void **state)
             const float *A = NULL, *B = NULL;
             assert_int_equal(bk_hess_factors(acc, &lw, (bk_module)i, &A, &B), BK_OK);
             assert_true(A && B);
-            /* Shampoo: H_A and H_B, every sequence x's tokens divided by ḡ_x, ā_x */
             double *H = calloc((size_t)(mn * mn), sizeof(double));
-            double *HB = calloc((size_t)(mn * mn), sizeof(double));
             for (int64_t t = 0; t < N; t++) {
                 const double *a = ad[i] + t * n, *g = gd[i] + t * m;
-                const double gx = seq_mean_sq(gd[i], m, t / T, T);
-                const double ax = seq_mean_sq(ad[i], n, t / T, T);
                 for (int64_t l = 0; l < n; l++)
                     for (int64_t i1 = 0; i1 < m; i1++)
                         for (int64_t l2 = 0; l2 < n; l2++)
-                            for (int64_t i2 = 0; i2 < m; i2++) {
-                                const double h = a[l] * a[l2] * g[i1] * g[i2] / (double)N;
-                                H[(l * m + i1) * mn + l2 * m + i2] += h / gx;
-                                HB[(l * m + i1) * mn + l2 * m + i2] += h / ax;
-                            }
+                            for (int64_t i2 = 0; i2 < m; i2++)
+                                H[(l * m + i1) * mn + l2 * m + i2] +=
+                                    a[l] * a[l2] * g[i1] * g[i2] / (double)N;
             }
             double worst = 0, scale = 0;
             for (int64_t l = 0; l < n; l++)
@@ -802,7 +785,7 @@ static void test_backprop_factors(void **state)
                     double e = 0;
                     if (shampoo) {
                         for (int64_t l = 0; l < n; l++)
-                            e += HB[(l * m + i1) * mn + l * m + i2];
+                            e += H[(l * m + i1) * mn + l * m + i2];
                     } else {
                         for (int64_t t = 0; t < N; t++)
                             e += gd[i][t * m + i1] * gd[i][t * m + i2] / (double)N;
@@ -812,7 +795,6 @@ static void test_backprop_factors(void **state)
                 }
             assert_true(worst <= 1e-5 * scale);
             free(H);
-            free(HB);
         }
         /* the same factors from the Grams the GPU flow forms
          * (bk__hess_add_grad_gram: Σ g gᵀ or Σ |a|² g gᵀ per micro-batch, |g|² per token) */
@@ -828,18 +810,16 @@ static void test_backprop_factors(void **state)
                     double *G = calloc((size_t)(m * m), sizeof(double));
                     double *gw = calloc((size_t)T, sizeof(double));
                     assert_true(G && gw);
-                    const double gx = shampoo ? seq_mean_sq(gd[i], m, s, T) : 1.0;
-                    const double ax = shampoo ? seq_mean_sq(ad[i], n, s, T) : 1.0;
                     for (int64_t t = s * T; t < (s + 1) * T; t++) {
                         double na = 0, ng = 0;
                         for (int64_t l = 0; l < n; l++)
                             na += ad[i][t * n + l] * ad[i][t * n + l];
                         for (int64_t l = 0; l < m; l++)
                             ng += gd[i][t * m + l] * gd[i][t * m + l];
-                        gw[t - s * T] = ng / gx;
+                        gw[t - s * T] = ng;
                         for (int64_t i1 = 0; i1 < m; i1++)
                             for (int64_t i2 = i1; i2 < m; i2++) /* upper triangle only */
-                                G[i1 * m + i2] += (shampoo ? na / ax : 1.0) * gd[i][t * m + i1] *
+                                G[i1 * m + i2] += (shampoo ? na : 1.0) * gd[i][t * m + i1] *
                                                   gd[i][t * m + i2];
                     }
                     assert_int_equal(bk__hess_add_grad_gram(acc2, 0, (bk_module)i, G, gw, 1),
@@ -918,42 +898,6 @@ static void test_backprop_factors(void **state)
     }
 }
 
-/* Shampoo's per-sequence normalisation: each weight averages to 1 over its
- * sequence, so a sequence whose gradients (or inputs) are all c times larger
- * gets the same weights and enters A and B as K-FAC weighs it (A by its |a|²,
- * B by its |g|²) instead of with the product of both scales in each; a
- * sequence without gradient gets A-weights 0. */
-static void test_shampoo_seq_weights(void **state)
-{
-    (void)state;
-    const int64_t S = 3, T = 5;
-    double wa[15], wb[15], wa2[15], wb2[15];
-    bk_rng rg;
-    bk_rng_seed(&rg, 11);
-    for (int64_t u = 0; u < S * T; u++) {
-        wa[u] = fabs(bk_rng_normal(&rg)) + 0.1;
-        wb[u] = fabs(bk_rng_normal(&rg)) + 0.1;
-        wa2[u] = wa[u] * (u / T == 1 ? 1e4 : 1.0); /* sequence 1: gradients 100x */
-        wb2[u] = wb[u] * (u / T == 0 ? 9.0 : 1.0); /* sequence 0: inputs 3x */
-    }
-    for (int64_t t = 0; t < T; t++)
-        wa[2 * T + t] = wa2[2 * T + t] = 0; /* sequence 2: no gradient */
-    bk__shampoo_seq_weights(wa, wb, S, T);
-    bk__shampoo_seq_weights(wa2, wb2, S, T);
-    for (int64_t s = 0; s < S; s++) {
-        double ma = 0, mb = 0;
-        for (int64_t t = 0; t < T; t++) {
-            ma += wa[s * T + t] / (double)T;
-            mb += wb[s * T + t] / (double)T;
-        }
-        assert_true((s == 2 ? fabs(ma) : fabs(ma - 1.0)) < 1e-12 && fabs(mb - 1.0) < 1e-12);
-    }
-    for (int64_t u = 0; u < S * T; u++) {
-        assert_true(fabs(wa2[u] - wa[u]) <= 1e-12 * (1.0 + wa[u]));
-        assert_true(fabs(wb2[u] - wb[u]) <= 1e-12 * (1.0 + wb[u]));
-    }
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -970,7 +914,6 @@ int main(void)
         cmocka_unit_test(test_flows_qwen3),
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_backprop_factors),
-        cmocka_unit_test(test_shampoo_seq_weights),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
