@@ -61,6 +61,22 @@ size_t bk__hess_scalars_pack(const int grp[G_COUNT], const int64_t count[G_COUNT
 void bk__hess_scalars_unpack(const int grp[G_COUNT], const double *sc, int64_t count[G_COUNT],
                              int64_t *n_pairs, double *v_wb);
 
+/* The backprop kinds' input-side sums of the modules' groups (MPI ranks:
+ * bk_hess_acc_sums on the CPU, bk_ghess_sums on the GPU, in the same order):
+ * group by group, the group's plain Gram Σ a aᵀ when `plain` (K-FAC's A; on
+ * the GPU also Shampoo's E[x xᵀ] kept for the GPTQ loss), then with
+ * `shampoo` each module's Σ |g_t|² a_t a_tᵀ (each rank's inputs weighed by
+ * its own tokens' weights). items[k] = the module (BK_MOD_*) of a
+ * per-module sum, or -1 - g for group g's plain Gram; at most
+ * BK_HESS_BP_SUM_ITEMS. Returns how many. The counts of the groups follow
+ * the Grams (bk__hess_bp_counts_pack). */
+enum { BK_HESS_BP_SUM_ITEMS = 4 * G_COUNT };
+int bk__hess_bp_sum_items(unsigned modules, int shampoo, int plain, int items[]);
+/* The row counts of groups grp (only they: the backprop kinds have no other
+ * scalar sums) into sc (at most G_COUNT doubles; returns how many), and back. */
+size_t bk__hess_bp_counts_pack(const int grp[G_COUNT], const int64_t count[G_COUNT], double *sc);
+void bk__hess_bp_counts_unpack(const int grp[G_COUNT], const double *sc, int64_t count[G_COUNT]);
+
 /* dst [m, m], m = heads * h: zero except the diagonal h x h block of every
  * head j, which is mul * sym(S) / div with S = blk + (j / rep) * blk_stride
  * (h x h doubles) and sym(S) = (S + S^T) / 2 (the sandwiches leave ~1 ulp of

@@ -703,33 +703,58 @@ static bk_status sums_gram(bk_hess_acc *a, gram *g, bk_hess_sum_fn fn, void *use
 static const bk_module grp_mods[G_COUNT][3];
 static gram *kfac_gram(bk_hess_acc *a, int grp);
 
-/* The backprop kinds' input side of the modules' groups: Σ a aᵀ (K-FAC) or
- * per module Σ |g_t|² a_t a_tᵀ (Shampoo, each rank with the weights of its
- * own tokens), then the token counts. */
-static bk_status bp_input_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, void *user)
+int bk__hess_bp_sum_items(unsigned modules, int shampoo, int plain, int items[])
 {
-    int grp[G_COUNT];
+    int grp[G_COUNT], k = 0;
     bk__hess_groups(modules, grp);
-    bk_status st = BK_OK;
-    double sc[G_COUNT];
-    size_t k = 0;
-    for (int g = 0; g < G_COUNT && st == BK_OK; g++) {
+    for (int g = 0; g < G_COUNT; g++) {
         if (!grp[g])
             continue;
-        if (!a->shampoo)
-            st = sums_gram(a, kfac_gram(a, g), fn, user);
-        for (int i = 0; a->shampoo && i < 3 && grp_mods[g][i] != BK_MOD_COUNT && st == BK_OK; i++)
-            st = sums_gram(a, &a->a_bp[grp_mods[g][i]], fn, user);
-        sc[k++] = (double)a->count[g];
+        if (plain)
+            items[k++] = -1 - g;
+        for (int i = 0; shampoo && i < 3 && grp_mods[g][i] != BK_MOD_COUNT; i++)
+            items[k++] = (int)grp_mods[g][i];
     }
+    return k;
+}
+
+size_t bk__hess_bp_counts_pack(const int grp[G_COUNT], const int64_t count[G_COUNT], double *sc)
+{
+    size_t k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            sc[k++] = (double)count[g];
+    return k;
+}
+
+void bk__hess_bp_counts_unpack(const int grp[G_COUNT], const double *sc, int64_t count[G_COUNT])
+{
+    size_t k = 0;
+    for (int g = 0; g < G_COUNT; g++)
+        if (grp[g])
+            count[g] = (int64_t)sc[k++];
+}
+
+/* The backprop kinds' input side of the modules' groups: Σ a aᵀ (K-FAC) or
+ * per module Σ |g_t|² a_t a_tᵀ (Shampoo, each rank with the weights of its
+ * own tokens; E[x xᵀ] is in the job's separate GPTQ accumulator), then the
+ * token counts. */
+static bk_status bp_input_sums(bk_hess_acc *a, unsigned modules, bk_hess_sum_fn fn, void *user)
+{
+    int grp[G_COUNT], items[BK_HESS_BP_SUM_ITEMS];
+    bk__hess_groups(modules, grp);
+    const int n = bk__hess_bp_sum_items(modules, a->shampoo, !a->shampoo, items);
+    bk_status st = BK_OK;
+    for (int i = 0; i < n && st == BK_OK; i++)
+        st = sums_gram(a, items[i] < 0 ? kfac_gram(a, -1 - items[i]) : &a->a_bp[items[i]], fn,
+                       user);
+    double sc[G_COUNT];
+    const size_t k = bk__hess_bp_counts_pack(grp, a->count, sc);
     if (st == BK_OK && k)
         st = fn(user, sc, k, 1);
     if (st != BK_OK)
         return st;
-    k = 0;
-    for (int g = 0; g < G_COUNT; g++)
-        if (grp[g])
-            a->count[g] = (int64_t)sc[k++];
+    bk__hess_bp_counts_unpack(grp, sc, a->count);
     return BK_OK;
 }
 

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "backward_internal.h"
+#include "hess_blocks.h"
 #include "bakron/backward.h"
 #include "bakron/forward.h"
 #include "bakron/hessian.h"
@@ -898,6 +899,263 @@ static void test_backprop_factors(void **state)
     }
 }
 
+/* ---------------------------------------------- MPI ranks: the ordered pass
+ * The sums the ranks exchange, as src/quantize_ranks.c passes them (one
+ * "pipe" of buffers: a send appends copies, a receive takes them back in
+ * order). The backprop kinds' pattern with the GPU flow (each rank's device
+ * Grams start from the output-gradient sums of the ranks before, taken from
+ * the host accumulator; the input side passed on stage by stage; each rank's
+ * Shampoo weights its own) gives factors equal to one process's, byte for
+ * byte. The GPU stages' accumulator follows the same steps (bk_ghess_sums,
+ * bk__hess_bp_sum_items, own rows for the token weights). */
+typedef struct pipe {
+    void *buf[64];
+    size_t bytes[64];
+    int n, next, recv;
+} pipe;
+
+static bk_status pipe_fn(void *user, void *buf, size_t n, int f64)
+{
+    pipe *p = user;
+    const size_t bytes = n * (f64 ? sizeof(double) : sizeof(float));
+    if (p->recv) {
+        assert_true(p->next < p->n);
+        assert_int_equal(p->bytes[p->next], bytes);
+        memcpy(buf, p->buf[p->next], bytes);
+        free(p->buf[p->next++]);
+        return BK_OK;
+    }
+    assert_true(p->n < 64);
+    p->buf[p->n] = malloc(bytes ? bytes : 1);
+    assert_non_null(p->buf[p->n]);
+    memcpy(p->buf[p->n], buf, bytes);
+    p->bytes[p->n++] = bytes;
+    return BK_OK;
+}
+
+static void pipe_reset(pipe *p, int recv)
+{
+    if (!recv) {
+        assert_int_equal(p->next, p->n); /* everything sent was received */
+        memset(p, 0, sizeof *p);
+    }
+    p->recv = recv;
+}
+
+static void tiny_llama(bk_model_config *c)
+{
+    memset(c, 0, sizeof *c);
+    c->arch = BK_ARCH_LLAMA;
+    c->n_layers = 1;
+    c->hidden = 4;
+    c->intermediate = 6;
+    c->n_heads = 2;
+    c->n_kv_heads = 1;
+    c->head_dim = 2;
+    c->vocab = 10;
+    c->max_positions = 16;
+    c->rms_eps = 1e-6;
+    c->rope_theta = 10000;
+    strcpy(c->hidden_act, "silu");
+}
+
+static void test_bp_sum_items(void **state)
+{
+    (void)state;
+    int it[BK_HESS_BP_SUM_ITEMS];
+    const unsigned qkv = 1u << BK_MOD_Q | 1u << BK_MOD_K | 1u << BK_MOD_V;
+    /* K-FAC: the group's Gram once */
+    assert_int_equal(bk__hess_bp_sum_items(qkv, 0, 1, it), 1);
+    assert_int_equal(it[0], -1 - G_ATTN);
+    assert_int_equal(bk__hess_bp_sum_items(1u << BK_MOD_DOWN, 0, 1, it), 1);
+    assert_int_equal(it[0], -1 - G_DOWN);
+    /* Shampoo: one per module, the plain Gram first when kept */
+    assert_int_equal(bk__hess_bp_sum_items(qkv, 1, 0, it), 3);
+    assert_int_equal(it[0], BK_MOD_Q);
+    assert_int_equal(it[2], BK_MOD_V);
+    assert_int_equal(bk__hess_bp_sum_items(1u << BK_MOD_GATE | 1u << BK_MOD_UP, 1, 1, it), 3);
+    assert_int_equal(it[0], -1 - G_MLP);
+    assert_int_equal(it[1], BK_MOD_GATE);
+    assert_int_equal(it[2], BK_MOD_UP);
+    /* every module (--no-sequential): groups in order, at most the bound */
+    assert_int_equal(bk__hess_bp_sum_items((1u << BK_MOD_COUNT) - 1, 1, 1, it),
+                     G_COUNT + BK_MOD_COUNT);
+    assert_int_equal(it[0], -1 - G_ATTN);
+    assert_int_equal(it[4], -1 - G_O);
+    assert_int_equal(it[5], BK_MOD_O);
+    assert_int_equal(it[G_COUNT + BK_MOD_COUNT - 1], BK_MOD_DOWN);
+    assert_int_equal(bk__hess_bp_sum_items((1u << BK_MOD_COUNT) - 1, 0, 1, it), G_COUNT);
+    /* the counts of the groups only */
+    int grp[G_COUNT] = {0, 1, 0, 1};
+    int64_t cnt[G_COUNT] = {5, 6, 7, 8}, back[G_COUNT] = {0, 0, 0, 0};
+    double sc[G_COUNT];
+    assert_int_equal(bk__hess_bp_counts_pack(grp, cnt, sc), 2);
+    assert_true(sc[0] == 6 && sc[1] == 8);
+    bk__hess_bp_counts_unpack(grp, sc, back);
+    assert_true(back[0] == 0 && back[1] == 6 && back[2] == 0 && back[3] == 8);
+}
+
+static void test_bp_rank_pass(void **state)
+{
+    (void)state;
+    bk_model_config c;
+    tiny_llama(&c);
+    const int64_t S = 2, T = 3, N = S * T; /* rank 0: sequence 0, rank 1: sequence 1 */
+    bk_rng rg;
+    bk_rng_seed(&rg, 11);
+    float *af[BK_MOD_COUNT];
+    double *ad[BK_MOD_COUNT], *gd[BK_MOD_COUNT];
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        const int64_t n = mod_in(&c, i), m = mod_out(&c, i);
+        af[i] = malloc((size_t)(N * n) * sizeof(float));
+        ad[i] = malloc((size_t)(N * n) * sizeof(double));
+        gd[i] = malloc((size_t)(N * m) * sizeof(double));
+        for (int64_t k = 0; k < N * n; k++)
+            ad[i][k] = af[i][k] = (float)bk_rng_normal(&rg);
+        for (int64_t k = 0; k < N * m; k++)
+            gd[i][k] = bk_rng_normal(&rg);
+    }
+    for (int64_t k = 0; k < N * c.hidden; k++) {
+        af[BK_MOD_K][k] = af[BK_MOD_V][k] = af[BK_MOD_Q][k];
+        ad[BK_MOD_K][k] = ad[BK_MOD_V][k] = ad[BK_MOD_Q][k];
+        af[BK_MOD_UP][k] = af[BK_MOD_GATE][k];
+        ad[BK_MOD_UP][k] = ad[BK_MOD_GATE][k];
+    }
+    bk_layer_weights lw;
+    memset(&lw, 0, sizeof lw);
+    const unsigned stage[4] = {1u << BK_MOD_Q | 1u << BK_MOD_K | 1u << BK_MOD_V, 1u << BK_MOD_O,
+                               1u << BK_MOD_GATE | 1u << BK_MOD_UP, 1u << BK_MOD_DOWN};
+    for (int shampoo = 0; shampoo < 2; shampoo++) {
+        const bk_hessian_kind kind = shampoo ? BK_HESS_BACKPROP_SHAMPOO : BK_HESS_BACKPROP_KFAC;
+        bk_hess_acc *one = NULL, *r[2] = {NULL, NULL};
+        assert_int_equal(bk_hess_acc_create(&c, kind, 1, T, &one), BK_OK);
+        for (int k = 0; k < 2; k++)
+            assert_int_equal(bk_hess_acc_create(&c, kind, 1, T, &r[k]), BK_OK);
+        /* the flow's Gram of sequence s (the device SYRK of one micro-batch)
+         * added onto G, and its token weights */
+        double *G[2][BK_MOD_COUNT], *gw[2][BK_MOD_COUNT];
+        for (int i = 0; i < BK_MOD_COUNT; i++)
+            for (int k = 0; k < 2; k++) {
+                const int64_t m = mod_out(&c, i);
+                G[k][i] = calloc((size_t)(m * m), sizeof(double));
+                gw[k][i] = calloc((size_t)T, sizeof(double));
+            }
+#define SEQ_GRAM(dst, gws, i, s)                                                              \
+    do {                                                                                      \
+        const int64_t n_ = mod_in(&c, i), m_ = mod_out(&c, i);                                \
+        for (int64_t t = (s) * T; t < ((s) + 1) * T; t++) {                                   \
+            double na = 0, ng = 0;                                                            \
+            for (int64_t l = 0; l < n_; l++)                                                  \
+                na += ad[i][t * n_ + l] * ad[i][t * n_ + l];                                  \
+            for (int64_t l = 0; l < m_; l++)                                                  \
+                ng += gd[i][t * m_ + l] * gd[i][t * m_ + l];                                  \
+            (gws)[t - (s) * T] = ng;                                                          \
+            for (int64_t i1 = 0; i1 < m_; i1++)                                               \
+                for (int64_t i2 = i1; i2 < m_; i2++)                                          \
+                    (dst)[i1 * m_ + i2] +=                                                    \
+                        (shampoo ? na : 1.0) * gd[i][t * m_ + i1] * gd[i][t * m_ + i2];       \
+        }                                                                                     \
+    } while (0)
+        /* one process: both micro-batches onto one Gram, delivered once */
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            const int64_t m = mod_out(&c, i);
+            double *Gs = calloc((size_t)(m * m), sizeof(double)), *w = calloc((size_t)N, 8);
+            SEQ_GRAM(Gs, w, i, 0);
+            SEQ_GRAM(Gs, w + T, i, 1);
+            assert_int_equal(bk__hess_add_grad_gram(one, 0, (bk_module)i, Gs, w, S), BK_OK);
+            free(Gs);
+            free(w);
+        }
+        for (int64_t s = 0; s < S; s++) {
+            assert_int_equal(
+                bk_hess_add_attn(one, &lw, af[BK_MOD_Q] + s * T * c.hidden, NULL, NULL, 1), BK_OK);
+            assert_int_equal(bk_hess_add_o(one, af[BK_MOD_O] + s * T * 4, 1), BK_OK);
+            assert_int_equal(bk_hess_add_mlp(one, &lw, af[BK_MOD_GATE] + s * T * c.hidden, 1),
+                             BK_OK);
+            assert_int_equal(bk_hess_add_down(one, af[BK_MOD_DOWN] + s * T * 6, 1), BK_OK);
+        }
+        /* two ranks, ordered. Output side: rank 0 delivers its Grams; they go
+         * to rank 1, whose flow starts from them (grams_start: taken from the
+         * host accumulator) and adds its micro-batch; the last rank's sums go
+         * back to rank 0 (the broadcast) */
+        pipe p;
+        memset(&p, 0, sizeof p);
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            SEQ_GRAM(G[0][i], gw[0][i], i, 0);
+            assert_int_equal(bk__hess_add_grad_gram(r[0], 0, (bk_module)i, G[0][i], gw[0][i], 1),
+                             BK_OK);
+        }
+        assert_int_equal(bk__hess_bp_grad_sums(r[0], 0, pipe_fn, &p), BK_OK);
+        pipe_reset(&p, 1);
+        assert_int_equal(bk__hess_bp_grad_sums(r[1], 0, pipe_fn, &p), BK_OK);
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            int set = 0;
+            assert_int_equal(bk__hess_bp_grad_take(r[1], (bk_module)i, G[1][i], &set), BK_OK);
+            assert_int_equal(set, 1);
+            SEQ_GRAM(G[1][i], gw[1][i], i, 1);
+            assert_int_equal(bk__hess_add_grad_gram(r[1], 0, (bk_module)i, G[1][i], gw[1][i], 1),
+                             BK_OK);
+        }
+        pipe_reset(&p, 0);
+        assert_int_equal(bk__hess_bp_grad_sums(r[1], 0, pipe_fn, &p), BK_OK);
+        pipe_reset(&p, 1);
+        assert_int_equal(bk__hess_bp_grad_sums(r[0], 0, pipe_fn, &p), BK_OK);
+        pipe_reset(&p, 0);
+        /* input side, stage by stage: rank 0 adds its sequence, passes the
+         * sums on; rank 1 adds its own onto them (its token weights from its
+         * first row: the rows received are rank 0's) and broadcasts */
+        for (int g = 0; g < 4; g++) {
+            for (int k = 0; k < 2; k++) {
+                if (k == 1) {
+                    pipe_reset(&p, 1);
+                    assert_int_equal(bk_hess_acc_sums(r[1], stage[g], pipe_fn, &p), BK_OK);
+                    pipe_reset(&p, 0);
+                }
+                bk_status st = BK_OK;
+                switch (g) {
+                case 0:
+                    st = bk_hess_add_attn(r[k], &lw, af[BK_MOD_Q] + k * T * c.hidden, NULL, NULL,
+                                          1);
+                    break;
+                case 1: st = bk_hess_add_o(r[k], af[BK_MOD_O] + k * T * 4, 1); break;
+                case 2: st = bk_hess_add_mlp(r[k], &lw, af[BK_MOD_GATE] + k * T * c.hidden, 1); break;
+                default: st = bk_hess_add_down(r[k], af[BK_MOD_DOWN] + k * T * 6, 1); break;
+                }
+                assert_int_equal(st, BK_OK);
+                assert_int_equal(bk_hess_acc_sums(r[k], stage[g], pipe_fn, &p), BK_OK);
+            }
+            pipe_reset(&p, 1); /* rank 0 receives rank 1's (the broadcast) */
+            assert_int_equal(bk_hess_acc_sums(r[0], stage[g], pipe_fn, &p), BK_OK);
+            pipe_reset(&p, 0);
+        }
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            const int64_t n = mod_in(&c, i), m = mod_out(&c, i);
+            const float *A1, *B1;
+            assert_int_equal(bk_hess_factors(one, &lw, (bk_module)i, &A1, &B1), BK_OK);
+            for (int k = 0; k < 2; k++) {
+                const float *A2, *B2;
+                assert_int_equal(bk_hess_factors(r[k], &lw, (bk_module)i, &A2, &B2), BK_OK);
+                assert_memory_equal(A1, A2, (size_t)(n * n) * sizeof(float));
+                assert_memory_equal(B1, B2, (size_t)(m * m) * sizeof(float));
+            }
+        }
+#undef SEQ_GRAM
+        for (int i = 0; i < BK_MOD_COUNT; i++)
+            for (int k = 0; k < 2; k++) {
+                free(G[k][i]);
+                free(gw[k][i]);
+            }
+        bk_hess_acc_free(one);
+        bk_hess_acc_free(r[0]);
+        bk_hess_acc_free(r[1]);
+    }
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        free(af[i]);
+        free(ad[i]);
+        free(gd[i]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -914,6 +1172,8 @@ int main(void)
         cmocka_unit_test(test_flows_qwen3),
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_backprop_factors),
+        cmocka_unit_test(test_bp_sum_items),
+        cmocka_unit_test(test_bp_rank_pass),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
