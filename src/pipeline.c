@@ -151,6 +151,8 @@ static void job_free(job *j)
     if (j->model)
         bk_model_close(j->model);
     cJSON_Delete(j->report_modules);
+    free(j->rank_peak);
+    j->rank_peak = NULL;
     bk_resume_free(j->rs);
     j->rs = NULL;
 }
@@ -568,6 +570,9 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     if (st != BK_OK)
         goto fail;
 
+    /* MPI ranks: every rank's peak host memory, for report.json */
+    if (j->dist && (st = bk__q_rank_peaks(j)) != BK_OK)
+        goto fail;
     bk__q_emit(j, BK_EV_WRITE, j->layer_end - 1, NULL, "writing config.json, report.json, tokenizer files");
     if (j->rank != 0) { /* rank 0 writes; every rank learns how that went */
         if ((st = bk__q_sync(j, BK_OK)) != BK_OK || (st = bk__q_sync(j, BK_OK)) != BK_OK)

@@ -80,6 +80,7 @@ typedef struct job {
      * (NCCL), else through host copies over MPI */
     int dev_stages_ranks, dev_coll;
     const char *coll_desc;
+    int64_t *rank_peak;         /* [nranks] every rank's peak resident bytes (report.json) */
     /* backprop kinds: one accumulator per layer of a leaf of the flow
      * (j->acc points at the one of the layer being quantized) */
     int bp;
@@ -186,6 +187,10 @@ bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch);
 unsigned bk__q_stage_modules(bk_stage stage);
 bk_status bk__q_sync(job *j, bk_status st);
 bk_status bk__q_stage_ranks(job *j, bk_stage stage);
+/* Every rank's peak resident set so far (getrusage) into j->rank_peak, for
+ * report.json's mpi section; a status exchange first (call it where every
+ * rank arrives in the same order). */
+bk_status bk__q_rank_peaks(job *j);
 /* Backprop kinds over MPI ranks: the output-gradient sums of the leaf
  * [lo, hi) (its layers in range). bk__q_bp_leaf_begin: ordered, receive the
  * sums of the ranks before (at the leaf's pass, before this rank's taps);

@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "quantize_job.h"
 #include "util.h"
@@ -27,6 +28,21 @@ bk_status bk__q_sync(job *j, bk_status st)
     st = bk_dist_sync(j->dist, st);
     if (st != BK_OK)
         j->agreed = 1;
+    return st;
+}
+
+bk_status bk__q_rank_peaks(job *j)
+{
+    int64_t mine = -1;
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) == 0)
+        mine = (int64_t)ru.ru_maxrss * 1024; /* (KiB on Linux) */
+    free(j->rank_peak);
+    j->rank_peak = calloc((size_t)j->nranks, sizeof *j->rank_peak);
+    bk_status st = bk__q_sync(j, j->rank_peak ? BK_OK
+                                              : bk_error(BK_ERR_NOMEM, "quantize: out of memory"));
+    if (st == BK_OK)
+        st = bk_dist_allgather(j->dist, &mine, sizeof mine, j->rank_peak);
     return st;
 }
 

@@ -104,6 +104,11 @@ bk_status bk__q_write_metadata(job *j)
                                 o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "sum");
         if (j->coll_desc)
             cJSON_AddStringToObject(mp, "device_collectives", j->coll_desc);
+        /* each rank's peak resident set (getrusage ru_maxrss) when the layers
+         * were done, before the output files were finished */
+        cJSON *pk = j->rank_peak ? cJSON_AddArrayToObject(mp, "peak_host_bytes_per_rank") : NULL;
+        for (int r = 0; pk && r < j->nranks; r++)
+            cJSON_AddItemToArray(pk, cJSON_CreateNumber((double)j->rank_peak[r]));
     }
     if (j->bp) {
         const bk_bwd_flow_stats *bs = &j->bp_stats;

@@ -92,6 +92,15 @@ done
 "${MPIRUN[@]}" -np 3 "$B" quantize "$M" "${CAL[@]}" --hessian mlplocal-kfac --out np3 \
     2>"$W/err" || die "np 3: $(tail -3 "$W/err")"
 same_bytes "data parallel, 3 ranks, mlplocal-kfac" ref-mlp np3
+# report.json: every rank's peak resident set (getrusage), in rank order
+python3 - np3/report.json np1/report.json <<'EOF' || die "report.json: mpi.peak_host_bytes_per_rank"
+import json, sys
+for path, n in zip(sys.argv[1:], (3, 1)):
+    p = json.load(open(path))["mpi"]["peak_host_bytes_per_rank"]
+    assert len(p) == n and all(isinstance(x, (int, float)) and x > 1e6 for x in p), (path, p)
+    print(f"  peak resident set per rank ({path.split('/')[0]}): " +
+          ", ".join(f"{x / 2**20:.1f} MiB" for x in p))
+EOF
 "$B" quantize "$M" "${CAL[@]}" --hessian fullylocal-kfac --no-sequential --out ref-noseq \
     2>/dev/null || die "quantize --no-sequential"
 "${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian fullylocal-kfac --no-sequential \
