@@ -372,6 +372,32 @@ static void load_weights(bk_bwd *b, const bk_layer_weights *lw)
     }
 }
 
+/* One head's attention probabilities P [T, T] = causal softmax(scale q kᵀ)
+ * of q [T, hd] (row stride ldq) and k [T, hd] (row stride ldk); the entries
+ * above the diagonal 0. The forward and the backward (which forms P again)
+ * share it, so both have the same P. */
+static void head_probs(const double *q, int ldq, const double *k, int ldk, int64_t T, int64_t hd,
+                       double scale, double *P)
+{
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hd, scale, q, ldq,
+                k, ldk, 0.0, P, (int)T);
+    for (int64_t t = 0; t < T; t++) {
+        double *row = P + t * T;
+        double mx = row[0];
+        for (int64_t u = 1; u <= t; u++)
+            mx = row[u] > mx ? row[u] : mx;
+        double sum = 0;
+        for (int64_t u = 0; u <= t; u++) {
+            row[u] = exp(row[u] - mx);
+            sum += row[u];
+        }
+        for (int64_t u = 0; u <= t; u++)
+            row[u] /= sum;
+        for (int64_t u = t + 1; u < T; u++)
+            row[u] = 0;
+    }
+}
+
 /* The layer's forward from hin, saving what the backward needs; hout
  * (may equal hin, or be NULL) receives the output. Weights already loaded. */
 static void layer_fwd(bk_bwd *b, const bk_layer_weights *lw, int64_t S, const double *hin,
@@ -406,23 +432,7 @@ static void layer_fwd(bk_bwd *b, const bk_layer_weights *lw, int64_t S, const do
         double *os = b->o + s * T * qd;
         for (int64_t j = 0; j < b->dim.nh; j++) {
             int64_t g = j / b->dim.rep;
-            cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hd, scale,
-                        qs + j * hd, (int)qd, ks + g * hd, (int)kvd, 0.0, P, (int)T);
-            for (int64_t t = 0; t < T; t++) {
-                double *row = P + t * T;
-                double mx = row[0];
-                for (int64_t u = 1; u <= t; u++)
-                    mx = row[u] > mx ? row[u] : mx;
-                double sum = 0;
-                for (int64_t u = 0; u <= t; u++) {
-                    row[u] = exp(row[u] - mx);
-                    sum += row[u];
-                }
-                for (int64_t u = 0; u <= t; u++)
-                    row[u] /= sum;
-                for (int64_t u = t + 1; u < T; u++)
-                    row[u] = 0;
-            }
+            head_probs(qs + j * hd, (int)qd, ks + g * hd, (int)kvd, T, hd, scale, P);
             cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)T, (int)hd, (int)T, 1.0,
                         P, (int)T, vs + g * hd, (int)kvd, 0.0, os + j * hd, (int)qd);
         }
@@ -522,24 +532,8 @@ bk_status bk_bwd_layer_backward(bk_bwd *b, const bk_layer_weights *lw, int64_t S
         double *dqs = b->dq + s * T * qd, *dks = b->dk + s * T * kvd, *dvs = b->dv + s * T * kvd;
         for (int64_t j = 0; j < b->dim.nh; j++) {
             int64_t g = j / b->dim.rep;
-            /* P again (the same arithmetic as the forward) */
-            cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hd, scale,
-                        qs + j * hd, (int)qd, ks + g * hd, (int)kvd, 0.0, P, (int)T);
-            for (int64_t t = 0; t < T; t++) {
-                double *row = P + t * T;
-                double mx = row[0];
-                for (int64_t u = 1; u <= t; u++)
-                    mx = row[u] > mx ? row[u] : mx;
-                double sum = 0;
-                for (int64_t u = 0; u <= t; u++) {
-                    row[u] = exp(row[u] - mx);
-                    sum += row[u];
-                }
-                for (int64_t u = 0; u <= t; u++)
-                    row[u] /= sum;
-                for (int64_t u = t + 1; u < T; u++)
-                    row[u] = 0;
-            }
+            /* P again (the forward's head_probs) */
+            head_probs(qs + j * hd, (int)qd, ks + g * hd, (int)kvd, T, hd, scale, P);
             /* dV[g] += Pᵀ dO; dP = dO Vᵀ */
             cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)T, (int)hd, (int)T, 1.0, P,
                         (int)T, dos + j * hd, (int)qd, 1.0, dvs + g * hd, (int)kvd);
@@ -618,35 +612,6 @@ bk_status bk_bwd_layer_backward(bk_bwd *b, const bk_layer_weights *lw, int64_t S
 
 /* ------------------------------------------------------------ embedding, head */
 
-static bk_status find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
-                             const char *why, const bk_tensor_info **out)
-{
-    const bk_tensor_info *t = bk_model_find(m, -1, suffix);
-    *out = NULL;
-    if (!t)
-        return bk_error(BK_ERR_MISSING_TENSOR, "%s: missing (%s)", suffix, why);
-    const char *tn = t->name ? t->name : suffix;
-    if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)
-        return bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld, %lld]", tn, (long long)rows,
-                        (long long)cols);
-    if (!bk_dtype_is_numeric(t->dtype) || bk_dtype_bits(t->dtype) % 8 != 0)
-        return bk_error(BK_ERR_DTYPE, "%s: dtype %s cannot be converted", tn,
-                        bk_dtype_name(t->dtype));
-    *out = t;
-    return BK_OK;
-}
-
-static bk_status rows_f64(const bk_tensor_info *t, int64_t r0, int64_t r1, double *dst)
-{
-    size_t es = bk_dtype_bits(t->dtype) / 8;
-    size_t cols = (size_t)t->shape[1];
-    const unsigned char *src = (const unsigned char *)t->data + (size_t)r0 * cols * es;
-    bk_status st = bk_convert(src, t->dtype, dst, BK_DT_F64, (size_t)(r1 - r0) * cols);
-    if (st != BK_OK)
-        return bk_error_prefix(st, t->name ? t->name : "tensor");
-    return BK_OK;
-}
-
 static bk_status check_model(const bk_bwd *b, const bk_model *m, const char *what)
 {
     if (!m)
@@ -666,13 +631,9 @@ bk_status bk_bwd_embed(bk_bwd *b, const bk_model *m, const int32_t *tokens, int6
         st = bk_fwd_check_sequences(&b->cfg, tokens, S, b->dim.T, 1);
     const bk_tensor_info *t = NULL;
     if (st == BK_OK)
-        st = find_matrix(m, "embed_tokens.weight", b->cfg.vocab, b->dim.hidden, "the embedding", &t);
-    if (st != BK_OK)
-        return st;
-    for (int64_t n = 0; n < S * b->dim.T; n++)
-        if ((st = rows_f64(t, tokens[n], (int64_t)tokens[n] + 1, h + n * b->dim.hidden)) != BK_OK)
-            return st;
-    return BK_OK;
+        st = bk__fwd_find_matrix_for(m, "embed_tokens.weight", b->cfg.vocab, b->dim.hidden,
+                                     "the embedding", &t);
+    return st == BK_OK ? bk__fwd_embed_rows(t, tokens, S * b->dim.T, h, BK_DT_F64) : st;
 }
 
 typedef struct head {
@@ -685,7 +646,7 @@ bk_status bk__bwd_head_check(const bk_model *m)
     const bk_model_config *c = bk_model_get_config(m);
     const bk_tensor_info *t;
     const char *which = c->tie_embeddings ? "embed_tokens.weight" : "lm_head.weight";
-    bk_status st = find_matrix(m, which, c->vocab, c->hidden,
+    bk_status st = bk__fwd_find_matrix_for(m, which, c->vocab, c->hidden,
                                "the backprop Hessians need the LM head", &t);
     if (st == BK_OK && !bk_model_find(m, -1, "norm.weight"))
         st = bk_error(BK_ERR_MISSING_TENSOR,
@@ -701,7 +662,7 @@ static bk_status head_open(const bk_bwd *b, const bk_model *m, head *hc)
     if (st != BK_OK)
         return st;
     const char *which = b->cfg.tie_embeddings ? "embed_tokens.weight" : "lm_head.weight";
-    st = find_matrix(m, which, b->cfg.vocab, b->dim.hidden, "the LM head", &hc->w);
+    st = bk__fwd_find_matrix_for(m, which, b->cfg.vocab, b->dim.hidden, "the LM head", &hc->w);
     const bk_tensor_info *nt = bk_model_find(m, -1, "norm.weight");
     if (st == BK_OK && (nt->ndim != 1 || nt->shape[0] != b->dim.hidden))
         st = bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld]", nt->name, (long long)b->dim.hidden);
@@ -729,7 +690,7 @@ static bk_status head_lse(bk_bwd *b, const head *hc, int64_t N)
     }
     for (int64_t v0 = 0; v0 < V; v0 += b->vc) {
         int64_t n = V - v0 < b->vc ? V - v0 : b->vc;
-        bk_status st = rows_f64(hc->w, v0, v0 + n, b->wb);
+        bk_status st = bk__fwd_matrix_rows(hc->w, v0, v0 + n, b->wb, BK_DT_F64);
         if (st != BK_OK)
             return st;
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)n, (int)d, 1.0, b->xf,
@@ -820,7 +781,7 @@ bk_status bk_bwd_labels(bk_bwd *b, const bk_model *m, const double *h, const int
         }
         for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += b->vc) {
             int64_t n = V - v0 < b->vc ? V - v0 : b->vc;
-            st = rows_f64(hc.w, v0, v0 + n, b->wb);
+            st = bk__fwd_matrix_rows(hc.w, v0, v0 + n, b->wb, BK_DT_F64);
             if (st != BK_OK)
                 break;
             cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)n, (int)d, 1.0,
@@ -877,7 +838,7 @@ bk_status bk_bwd_head(bk_bwd *b, const bk_model *m, const double *h, const int32
         memset(b->dxf, 0, (size_t)(N * d) * sizeof(double));
     for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += b->vc) {
         int64_t n = V - v0 < b->vc ? V - v0 : b->vc;
-        st = rows_f64(hc.w, v0, v0 + n, b->wb);
+        st = bk__fwd_matrix_rows(hc.w, v0, v0 + n, b->wb, BK_DT_F64);
         if (st != BK_OK)
             break;
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)n, (int)d, 1.0, b->xf,

@@ -568,48 +568,69 @@ bk_status bk_layer_weights_load(const bk_model *m, int layer, bk_layer_weights *
 
 /* ------------------------------------------------------------- stages */
 
-static bk_status check_tokens(const bk_dims *d, const int32_t *tokens, int64_t S)
+/* Every token id of the sequences [S, T] inside the vocabulary [0, vocab). */
+static bk_status check_tokens(const int32_t *tokens, int64_t S, int64_t T, int64_t vocab)
 {
     for (int64_t s = 0; s < S; s++)
-        for (int64_t t = 0; t < d->T; t++) {
-            int32_t id = tokens[s * d->T + t];
-            if (id < 0 || (int64_t)id >= d->vocab)
+        for (int64_t t = 0; t < T; t++) {
+            int32_t id = tokens[s * T + t];
+            if (id < 0 || (int64_t)id >= vocab)
                 return bk_error(BK_ERR_CALIB,
                                 "input_ids: sequence %lld position %lld: token id %d is outside "
                                 "the vocabulary [0, %lld)",
-                                (long long)s, (long long)t, (int)id, (long long)d->vocab);
+                                (long long)s, (long long)t, (int)id, (long long)vocab);
         }
     return BK_OK;
 }
 
-bk_status bk__fwd_find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
-                              const bk_tensor_info **out)
+bk_status bk__fwd_find_matrix_for(const bk_model *m, const char *suffix, int64_t rows,
+                                  int64_t cols, const char *why, const bk_tensor_info **out)
 {
     const bk_tensor_info *t = bk_model_find(m, -1, suffix);
     *out = NULL;
     if (!t)
-        return bk_error(BK_ERR_MISSING_TENSOR, "model.%s: missing", suffix);
+        return why ? bk_error(BK_ERR_MISSING_TENSOR, "model.%s: missing (%s)", suffix, why)
+                   : bk_error(BK_ERR_MISSING_TENSOR, "model.%s: missing", suffix);
     const char *tn = t->name ? t->name : suffix;
     char sb[128];
     if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)
         return bk_error(BK_ERR_SHAPE, "%s: expected shape [%lld, %lld], got %s", tn,
                         (long long)rows, (long long)cols, fmt_shape(t, sb, sizeof sb));
     if (!bk_dtype_is_numeric(t->dtype) || bk_dtype_bits(t->dtype) % 8 != 0)
-        return bk_error(BK_ERR_DTYPE, "%s: dtype %s cannot be converted to F32", tn,
+        return bk_error(BK_ERR_DTYPE, "%s: dtype %s cannot be converted", tn,
                         bk_dtype_name(t->dtype));
     *out = t;
     return BK_OK;
 }
 
-/* Rows [r0, r1) of a 2-D tensor as F32. */
-static bk_status matrix_rows_f32(const bk_tensor_info *t, int64_t r0, int64_t r1, float *dst)
+bk_status bk__fwd_find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
+                              const bk_tensor_info **out)
+{
+    return bk__fwd_find_matrix_for(m, suffix, rows, cols, NULL, out);
+}
+
+bk_status bk__fwd_matrix_rows(const bk_tensor_info *t, int64_t r0, int64_t r1, void *dst,
+                              bk_dtype dt)
 {
     size_t es = bk_dtype_bits(t->dtype) / 8;
     size_t cols = (size_t)t->shape[1];
     const unsigned char *src = (const unsigned char *)t->data + (size_t)r0 * cols * es;
-    bk_status st = bk_convert(src, t->dtype, dst, BK_DT_F32, (size_t)(r1 - r0) * cols);
+    bk_status st = bk_convert(src, t->dtype, dst, dt, (size_t)(r1 - r0) * cols);
     if (st != BK_OK)
         return bk_error_prefix(st, t->name ? t->name : "tensor");
+    return BK_OK;
+}
+
+bk_status bk__fwd_embed_rows(const bk_tensor_info *t, const int32_t *tokens, int64_t N, void *h,
+                             bk_dtype dt)
+{
+    const size_t row = (size_t)t->shape[1] * (dt == BK_DT_F64 ? sizeof(double) : sizeof(float));
+    for (int64_t n = 0; n < N; n++) {
+        bk_status st = bk__fwd_matrix_rows(t, tokens[n], (int64_t)tokens[n] + 1,
+                                           (char *)h + (size_t)n * row, dt);
+        if (st != BK_OK)
+            return st;
+    }
     return BK_OK;
 }
 
@@ -628,7 +649,7 @@ bk_status bk__fwd_check_call(const bk_dims *d, const bk_model *m, const int32_t 
                         "(hidden %lld, vocab %lld)",
                         who, what, (long long)c->hidden, (long long)c->vocab,
                         (long long)d->hidden, (long long)d->vocab);
-    return tokens ? check_tokens(d, tokens, S) : BK_OK;
+    return tokens ? check_tokens(tokens, S, d->T, d->vocab) : BK_OK;
 }
 
 bk_status bk__fwd_check_embed(const bk_dims *d, const bk_model *m, const int32_t *tokens,
@@ -663,23 +684,26 @@ bk_status bk_fwd_embed(bk_fwd *f, const bk_model *m, const int32_t *tokens, int6
     bk_status st = bk__fwd_check_embed(f ? &f->dim : NULL, m, tokens, S, "forward", &t);
     if (st != BK_OK)
         return st;
-    int64_t N = S * f->dim.T;
-    for (int64_t n = 0; n < N; n++) {
-        st = matrix_rows_f32(t, tokens[n], (int64_t)tokens[n] + 1, h + n * f->dim.hidden);
-        if (st != BK_OK)
-            return st;
-    }
-    return BK_OK;
+    return bk__fwd_embed_rows(t, tokens, S * f->dim.T, h, BK_DT_F32);
+}
+
+/* A block's input x = RMSNorm(h) (site): the attention's (op FWD_ATTN_IN,
+ * input_layernorm) or the MLP's (FWD_MLP_IN, post_attention_layernorm). */
+static bk_status norm_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
+                         float *x, int op, bk_fwd_site site)
+{
+    bk_status st = check_op(f, S, lw, op);
+    if (st != BK_OK)
+        return st;
+    const float *w = op == FWD_MLP_IN ? lw->mlp_norm : lw->attn_norm;
+    rmsnorm_rows(h, S * f->dim.T, f->dim.hidden, w, f->eps, x);
+    return fwd_check(f, x, S * f->dim.T, f->dim.hidden, lw, site);
 }
 
 bk_status bk_fwd_attn_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
                          float *x)
 {
-    bk_status st = check_op(f, S, lw, FWD_ATTN_IN);
-    if (st != BK_OK)
-        return st;
-    rmsnorm_rows(h, S * f->dim.T, f->dim.hidden, lw->attn_norm, f->eps, x);
-    return fwd_check(f, x, S * f->dim.T, f->dim.hidden, lw, BK_FS_ATTN_IN);
+    return norm_in(f, lw, h, S, x, FWD_ATTN_IN, BK_FS_ATTN_IN);
 }
 
 bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
@@ -739,28 +763,35 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
     return fwd_check(f, o_in, N, qd, lw, BK_FS_O_IN);
 }
 
-bk_status bk_fwd_attn_out(bk_fwd *f, const bk_layer_weights *lw, const float *o_in, int64_t S,
-                          float *h)
+/* A block's output projection (module mod, in_width inputs, site out) added
+ * into the residual stream h (site resid): o_proj after the attention,
+ * down_proj after the MLP. */
+static bk_status out_residual(bk_fwd *f, const bk_layer_weights *lw, const float *in, int64_t S,
+                              float *h, int op, bk_module mod, int64_t in_width, bk_fwd_site out,
+                              bk_fwd_site resid)
 {
-    bk_status st = check_op(f, S, lw, FWD_ATTN_OUT);
+    bk_status st = check_op(f, S, lw, op);
     if (st != BK_OK)
         return st;
     int64_t N = S * f->dim.T;
-    linear(o_in, N, f->dim.qdim, lw->w[BK_MOD_O], f->dim.hidden, lw->b[BK_MOD_O], f->tmp);
-    if ((st = fwd_check(f, f->tmp, N, f->dim.hidden, lw, BK_FS_O_OUT)) != BK_OK)
+    linear(in, N, in_width, lw->w[mod], f->dim.hidden, lw->b[mod], f->tmp);
+    if ((st = fwd_check(f, f->tmp, N, f->dim.hidden, lw, out)) != BK_OK)
         return st;
     add_into(h, f->tmp, N * f->dim.hidden);
-    return fwd_check(f, h, N, f->dim.hidden, lw, BK_FS_RESID_ATTN);
+    return fwd_check(f, h, N, f->dim.hidden, lw, resid);
+}
+
+bk_status bk_fwd_attn_out(bk_fwd *f, const bk_layer_weights *lw, const float *o_in, int64_t S,
+                          float *h)
+{
+    return out_residual(f, lw, o_in, S, h, FWD_ATTN_OUT, BK_MOD_O, f->dim.qdim, BK_FS_O_OUT,
+                        BK_FS_RESID_ATTN);
 }
 
 bk_status bk_fwd_mlp_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, int64_t S,
                         float *x)
 {
-    bk_status st = check_op(f, S, lw, FWD_MLP_IN);
-    if (st != BK_OK)
-        return st;
-    rmsnorm_rows(h, S * f->dim.T, f->dim.hidden, lw->mlp_norm, f->eps, x);
-    return fwd_check(f, x, S * f->dim.T, f->dim.hidden, lw, BK_FS_MLP_IN);
+    return norm_in(f, lw, h, S, x, FWD_MLP_IN, BK_FS_MLP_IN);
 }
 
 bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
@@ -788,15 +819,8 @@ bk_status bk_fwd_mlp_hidden(bk_fwd *f, const bk_layer_weights *lw, const float *
 bk_status bk_fwd_mlp_out(bk_fwd *f, const bk_layer_weights *lw, const float *down_in, int64_t S,
                          float *h)
 {
-    bk_status st = check_op(f, S, lw, FWD_MLP_OUT);
-    if (st != BK_OK)
-        return st;
-    int64_t N = S * f->dim.T;
-    linear(down_in, N, f->dim.inter, lw->w[BK_MOD_DOWN], f->dim.hidden, lw->b[BK_MOD_DOWN], f->tmp);
-    if ((st = fwd_check(f, f->tmp, N, f->dim.hidden, lw, BK_FS_DOWN_OUT)) != BK_OK)
-        return st;
-    add_into(h, f->tmp, N * f->dim.hidden);
-    return fwd_check(f, h, N, f->dim.hidden, lw, BK_FS_RESID_MLP);
+    return out_residual(f, lw, down_in, S, h, FWD_MLP_OUT, BK_MOD_DOWN, f->dim.inter,
+                        BK_FS_DOWN_OUT, BK_FS_RESID_MLP);
 }
 
 
@@ -849,7 +873,7 @@ bk_status bk_fwd_logits(bk_fwd *f, const bk_model *m, const float *h, int64_t S,
         rmsnorm_rows(h, N, f->dim.hidden, hc.norm, f->eps, f->x);
         for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += vc) {
             int64_t n = V - v0 < vc ? V - v0 : vc;
-            st = matrix_rows_f32(hc.w, v0, v0 + n, wb);
+            st = bk__fwd_matrix_rows(hc.w, v0, v0 + n, wb, BK_DT_F32);
             if (st != BK_OK)
                 break;
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
@@ -915,7 +939,7 @@ bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t
         /* online log-sum-exp over vocabulary blocks */
         for (int64_t v0 = 0; v0 < V; v0 += vc) {
             int64_t n = V - v0 < vc ? V - v0 : vc;
-            st = matrix_rows_f32(hc.w, v0, v0 + n, wb);
+            st = bk__fwd_matrix_rows(hc.w, v0, v0 + n, wb, BK_DT_F32);
             if (st != BK_OK)
                 break;
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
@@ -972,16 +996,7 @@ bk_status bk_fwd_check_sequences(const bk_model_config *c, const int32_t *tokens
         return bk_error(BK_ERR_CALIB,
                         "input_ids: sequence length %lld exceeds max_position_embeddings %lld",
                         (long long)T, (long long)c->max_positions);
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t t = 0; t < T; t++) {
-            int32_t id = tokens[s * T + t];
-            if (id < 0 || (int64_t)id >= c->vocab)
-                return bk_error(BK_ERR_CALIB,
-                                "input_ids: sequence %lld position %lld: token id %d is outside "
-                                "the vocabulary [0, %lld)",
-                                (long long)s, (long long)t, (int)id, (long long)c->vocab);
-        }
-    return BK_OK;
+    return check_tokens(tokens, S, T, c->vocab);
 }
 
 int64_t bk_fwd_auto_batch(const bk_model_config *c, int64_t S, int64_t T)

@@ -39,10 +39,21 @@ bk_status bk__fwd_check_embed(const bk_dims *d, const bk_model *m, const int32_t
  * nothing (fewer than 2 tokens). */
 bk_status bk__fwd_check_nll(const bk_dims *d, const bk_model *m, const int32_t *tokens, int64_t S,
                             const char *who, int *predict);
-/* A 2-D [rows, cols] tensor of the model (top level) whose dtype converts to
- * F32. */
+/* A 2-D [rows, cols] tensor of the model (top level) whose dtype converts
+ * (to F32 and F64); why (may be NULL) says in the missing tensor's error
+ * what needs it. bk__fwd_find_matrix: why NULL. */
+bk_status bk__fwd_find_matrix_for(const bk_model *m, const char *suffix, int64_t rows,
+                                  int64_t cols, const char *why, const bk_tensor_info **out);
 bk_status bk__fwd_find_matrix(const bk_model *m, const char *suffix, int64_t rows, int64_t cols,
                               const bk_tensor_info **out);
+/* Rows [r0, r1) of a tensor found by bk__fwd_find_matrix, converted to dt
+ * (F32 or F64) into dst. */
+bk_status bk__fwd_matrix_rows(const bk_tensor_info *t, int64_t r0, int64_t r1, void *dst,
+                              bk_dtype dt);
+/* The embedding rows of tokens [N] (t: embed_tokens.weight) into h [N,
+ * hidden] of dtype dt (F32 or F64). */
+bk_status bk__fwd_embed_rows(const bk_tensor_info *t, const int32_t *tokens, int64_t N, void *h,
+                             bk_dtype dt);
 /* Vocabulary rows per block of the head so that [rows, vc] logits and
  * [vc, hidden] weights each stay within their block size. */
 int64_t bk__fwd_vocab_block(const bk_dims *d, int64_t rows);

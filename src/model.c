@@ -56,21 +56,7 @@ static const arch_info arch_table[] = {
 
 static const char *json_type_name(const cJSON *v)
 {
-    if (!v)
-        return "absent";
-    if (cJSON_IsNull(v))
-        return "null";
-    if (cJSON_IsBool(v))
-        return "a boolean";
-    if (cJSON_IsNumber(v))
-        return "a number";
-    if (cJSON_IsString(v))
-        return "a string";
-    if (cJSON_IsArray(v))
-        return "an array";
-    if (cJSON_IsObject(v))
-        return "an object";
-    return "an invalid value";
+    return bk_json_kind(v, "absent");
 }
 
 /* Present and not null. */
@@ -164,6 +150,21 @@ static bk_status opt_bool(const char *label, const cJSON *root, const char *key,
 {
     const cJSON *v = get(root, key);
     return v ? json_bool(label, key, v, out) : BK_OK;
+}
+
+/* An optional string field: *out its value, NULL when absent or null. */
+static bk_status opt_string(const char *label, const cJSON *root, const char *key,
+                            const char **out)
+{
+    const cJSON *v = get(root, key);
+    *out = NULL;
+    if (!v)
+        return BK_OK;
+    if (!cJSON_IsString(v))
+        return bk_error(BK_ERR_CONFIG, "%s: %s must be a string (got %s)", label, key,
+                        json_type_name(v));
+    *out = v->valuestring;
+    return BK_OK;
 }
 
 /* bos_token_id / eos_token_id: an integer, a list of integers (the first is
@@ -409,21 +410,18 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
 
     /* model_type first: an unsupported model is reported as such */
     const arch_info *ai = NULL;
-    const cJSON *mt = get(root, "model_type");
+    const char *mt;
+    if ((st = opt_string(label, root, "model_type", &mt)) != BK_OK)
+        goto done;
     if (mt) {
-        if (!cJSON_IsString(mt)) {
-            st = bk_error(BK_ERR_CONFIG, "%s: model_type must be a string (got %s)", label,
-                          json_type_name(mt));
-            goto done;
-        }
         for (size_t i = 0; i < N_ARCH; i++)
-            if (!strcmp(mt->valuestring, arch_table[i].model_type))
+            if (!strcmp(mt, arch_table[i].model_type))
                 ai = &arch_table[i];
         if (!ai) {
             st = bk_error(BK_ERR_UNSUPPORTED,
                           "%s: model_type '%.40s' is not supported (supported: " SUPPORTED_TYPES
                           ")",
-                          label, mt->valuestring);
+                          label, mt);
             goto done;
         }
     }
@@ -570,19 +568,13 @@ static bk_status parse_config(const char *json, size_t len, const char *label,
     c->qk_norm = ai->qk_norm;
 
     snprintf(c->hidden_act, sizeof c->hidden_act, "silu");
-    const cJSON *act = get(root, "hidden_act");
-    if (act) {
-        if (!cJSON_IsString(act)) {
-            st = bk_error(BK_ERR_CONFIG, "%s: hidden_act must be a string (got %s)", label,
-                          json_type_name(act));
-            goto done;
-        }
-        if (strcmp(act->valuestring, "silu") != 0) {
-            st = bk_error(BK_ERR_UNSUPPORTED,
-                          "%s: hidden_act '%.40s' is not supported (only silu)", label,
-                          act->valuestring);
-            goto done;
-        }
+    const char *act;
+    if ((st = opt_string(label, root, "hidden_act", &act)) != BK_OK)
+        goto done;
+    if (act && strcmp(act, "silu") != 0) {
+        st = bk_error(BK_ERR_UNSUPPORTED, "%s: hidden_act '%.40s' is not supported (only silu)",
+                      label, act);
+        goto done;
     }
 
     if ((st = parse_dtype(label, root, &c->dtype)) != BK_OK)
@@ -884,67 +876,47 @@ static int is_float_dtype(bk_dtype dt)
 
 /* ------------------------------------------- native quantized (bakron) layout */
 
-/* quantization_config of a native export: format "native", format_version 1,
- * group_size -1 (per row) or > 0. */
-static bk_status read_native_qconfig(const char *path, int64_t *group)
+static const cJSON *qc_item(const cJSON *qc, const char *key)
 {
-    char *text = NULL;
-    size_t len = 0;
-    bk_status st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &text, &len);
+    return qc ? cJSON_GetObjectItemCaseSensitive(qc, key) : NULL;
+}
+
+/* quantization_config of a native export (quantized 1: format "native",
+ * format_version 1) or of a GPTQ checkpoint (quantized 2: bits 2/3/4/8 into
+ * *bits, checkpoint_format absent or "gptq" (v1: zero points stored minus
+ * 1)); group_size -1 (per row: *group 0) or a positive integer. */
+static bk_status read_qconfig(const char *path, int quantized, int64_t *group, int *bits)
+{
+    cJSON *root;
+    bk_status st = bk_read_json(path, BK_CONFIG_MAX_BYTES, &root);
     if (st != BK_OK)
         return st;
-    cJSON *root = cJSON_ParseWithLength(text, len);
-    free(text);
-    const cJSON *qc = root ? cJSON_GetObjectItemCaseSensitive(root, "quantization_config") : NULL;
-    const cJSON *fmt = qc ? cJSON_GetObjectItemCaseSensitive(qc, "format") : NULL;
-    const cJSON *ver = qc ? cJSON_GetObjectItemCaseSensitive(qc, "format_version") : NULL;
-    const cJSON *gs = qc ? cJSON_GetObjectItemCaseSensitive(qc, "group_size") : NULL;
-    if (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, "native") != 0 || !cJSON_IsNumber(ver) ||
-        ver->valuedouble != 1.0) {
+    const cJSON *qc = qc_item(root, "quantization_config");
+    const cJSON *fmt = qc_item(qc, "format"), *ver = qc_item(qc, "format_version");
+    const cJSON *b = qc_item(qc, "bits"), *cf = qc_item(qc, "checkpoint_format");
+    const cJSON *gs = qc_item(qc, "group_size");
+    if (quantized == 1 && (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, "native") != 0 ||
+                           !cJSON_IsNumber(ver) || ver->valuedouble != 1.0))
         st = bk_error(BK_ERR_UNSUPPORTED,
                       "%s: quantization_config: only bakron \"format\": \"native\" with "
                       "\"format_version\": 1 can be read",
                       path);
-    } else if (!cJSON_IsNumber(gs) || floor(gs->valuedouble) != gs->valuedouble ||
-               !(gs->valuedouble == -1.0 || (gs->valuedouble >= 1 && gs->valuedouble <= 1e9))) {
-        st = bk_error(BK_ERR_CONFIG,
-                      "%s: quantization_config.group_size must be -1 or a positive integer", path);
-    } else {
-        *group = gs->valuedouble < 0 ? 0 : (int64_t)gs->valuedouble;
-    }
-    cJSON_Delete(root);
-    return st;
-}
-
-/* quantization_config of a GPTQ checkpoint: bits 2/3/4/8, group_size -1 or
- * > 0, checkpoint_format absent or "gptq" (v1: zero points stored minus 1). */
-static bk_status read_gptq_qconfig(const char *path, int64_t *group, int *bits)
-{
-    char *text = NULL;
-    size_t len = 0;
-    bk_status st = bk_read_file(path, BK_CONFIG_MAX_BYTES, &text, &len);
-    if (st != BK_OK)
-        return st;
-    cJSON *root = cJSON_ParseWithLength(text, len);
-    free(text);
-    const cJSON *qc = root ? cJSON_GetObjectItemCaseSensitive(root, "quantization_config") : NULL;
-    const cJSON *b = qc ? cJSON_GetObjectItemCaseSensitive(qc, "bits") : NULL;
-    const cJSON *gs = qc ? cJSON_GetObjectItemCaseSensitive(qc, "group_size") : NULL;
-    const cJSON *cf = qc ? cJSON_GetObjectItemCaseSensitive(qc, "checkpoint_format") : NULL;
-    if (cf && (!cJSON_IsString(cf) || strcmp(cf->valuestring, "gptq") != 0)) {
+    else if (quantized == 2 && cf && (!cJSON_IsString(cf) || strcmp(cf->valuestring, "gptq") != 0))
         st = bk_error(BK_ERR_UNSUPPORTED,
                       "%s: quantization_config.checkpoint_format: only \"gptq\" (v1) is read",
                       path);
-    } else if (!cJSON_IsNumber(b) || !(b->valuedouble == 2 || b->valuedouble == 3 ||
-                                       b->valuedouble == 4 || b->valuedouble == 8)) {
+    else if (quantized == 2 &&
+             (!cJSON_IsNumber(b) || !(b->valuedouble == 2 || b->valuedouble == 3 ||
+                                      b->valuedouble == 4 || b->valuedouble == 8)))
         st = bk_error(BK_ERR_CONFIG, "%s: quantization_config.bits must be 2, 3, 4 or 8", path);
-    } else if (!cJSON_IsNumber(gs) || floor(gs->valuedouble) != gs->valuedouble ||
-               !(gs->valuedouble == -1.0 || (gs->valuedouble >= 1 && gs->valuedouble <= 1e9))) {
+    else if (!cJSON_IsNumber(gs) || floor(gs->valuedouble) != gs->valuedouble ||
+             !(gs->valuedouble == -1.0 || (gs->valuedouble >= 1 && gs->valuedouble <= 1e9)))
         st = bk_error(BK_ERR_CONFIG,
                       "%s: quantization_config.group_size must be -1 or a positive integer", path);
-    } else {
-        *bits = (int)b->valuedouble;
+    else {
         *group = gs->valuedouble < 0 ? 0 : (int64_t)gs->valuedouble;
+        if (quantized == 2)
+            *bits = (int)b->valuedouble;
     }
     cJSON_Delete(root);
     return st;
@@ -1374,9 +1346,7 @@ bk_status bk_model_open(const char *dir, bk_model **out)
     }
     if ((st = load_config(path, &m->cfg, &m->quantized)) != BK_OK)
         goto fail;
-    if (m->quantized == 1 && (st = read_native_qconfig(path, &m->q_group)) != BK_OK)
-        goto fail;
-    if (m->quantized == 2 && (st = read_gptq_qconfig(path, &m->q_group, &m->q_bits)) != BK_OK)
+    if (m->quantized && (st = read_qconfig(path, m->quantized, &m->q_group, &m->q_bits)) != BK_OK)
         goto fail;
     if ((st = bk_st_set_open(m->dir, &m->set)) != BK_OK)
         goto fail;

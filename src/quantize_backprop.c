@@ -54,14 +54,20 @@ static bk_status leaf_acc(job *j, int layer, bk_hess_acc **acc)
     return BK_OK;
 }
 
+/* leaf_acc, unless a receive from the ranks before failed (bp_chain_st: that
+ * error, returned at the next tap; *acc NULL). */
+static bk_status chain_acc(job *j, int layer, bk_hess_acc **acc)
+{
+    *acc = NULL;
+    return j->bp_chain_st != BK_OK ? j->bp_chain_st : leaf_acc(j, layer, acc);
+}
+
 static bk_status bp_grads(void *user, int layer, int64_t s0, int64_t S, const bk_grad_taps *t)
 {
     job *j = user;
     (void)s0;
-    if (j->bp_chain_st != BK_OK)
-        return j->bp_chain_st;
     bk_hess_acc *acc;
-    bk_status st = leaf_acc(j, layer, &acc);
+    bk_status st = chain_acc(j, layer, &acc);
     if (st != BK_OK || !acc)
         return st;
     double t0 = bk_now();
@@ -94,10 +100,8 @@ static bk_status bp_grams_start(void *user, int layer, bk_module mod, double *G,
 {
     job *j = user;
     *set = 0;
-    if (j->bp_chain_st != BK_OK)
-        return j->bp_chain_st;
     bk_hess_acc *acc;
-    bk_status st = leaf_acc(j, layer, &acc);
+    bk_status st = chain_acc(j, layer, &acc);
     if (st != BK_OK || !acc)
         return st;
     return bk__hess_bp_grad_take(acc, mod, G, set);

@@ -66,21 +66,7 @@ bk_status bk_st_tensor_size(bk_dtype dt, int ndim, const int64_t *shape, uint64_
 
 static const char *json_type_name(const cJSON *j)
 {
-    if (!j)
-        return "nothing";
-    if (cJSON_IsString(j))
-        return "a string";
-    if (cJSON_IsNumber(j))
-        return "a number";
-    if (cJSON_IsArray(j))
-        return "an array";
-    if (cJSON_IsObject(j))
-        return "an object";
-    if (cJSON_IsBool(j))
-        return "a boolean";
-    if (cJSON_IsNull(j))
-        return "null";
-    return "an invalid value";
+    return bk_json_kind(j, "nothing");
 }
 
 /* A JSON integer read from the double cJSON stores: whole and in [0, 2^53]. */

@@ -118,7 +118,7 @@ static int factor_inverse(void *X, int64_t n, double *diag, bk_precision prec)
                                 : bk_factor_inverse_f(X, n, diag);
 }
 
-/* One damping attempt (bk_solve_damp_escalate): s->L = Xd + add I in the
+/* One damping attempt (bk_solve_damp_factor): s->L = Xd + add I in the
  * working precision, factored. */
 typedef struct damp_try {
     side *s;
@@ -173,12 +173,10 @@ static bk_status side_from_matrix(side *s, const void *X, bk_dtype dt, int64_t n
     if (st != BK_OK)
         goto fail;
     damp_try dtry = {s, Xd, o->precision};
-    st = bk_solve_damp_escalate(o, mean, label, cpu_damp_try, &dtry, &s->damp, &add,
-                                &s->retries);
+    st = bk_solve_damp_factor(o, mean, label, cpu_damp_try, &dtry, s->rdiag, n, &s->damp, &add,
+                              &s->retries);
     if (st != BK_OK)
         goto fail;
-    for (int64_t j = 0; j < n; j++)
-        s->rdiag[j] = 1.0 / s->rdiag[j];
     if (keep_til) {
         for (int64_t j = 0; j < n; j++)
             Xd[j * n + j] += add;

@@ -128,6 +128,18 @@ bk_status bk_solve_damp_escalate(const bk_solve_opts *o, double mean, const char
     return BK_OK;
 }
 
+bk_status bk_solve_damp_factor(const bk_solve_opts *o, double mean, const char *label,
+                               bk_damp_try_fn try_damp, void *user, double *rdiag, int64_t n,
+                               double *damp, double *add, int *retries)
+{
+    bk_status st = bk_solve_damp_escalate(o, mean, label, try_damp, user, damp, add, retries);
+    if (st != BK_OK)
+        return st;
+    for (int64_t j = 0; j < n; j++)
+        rdiag[j] = 1.0 / rdiag[j];
+    return BK_OK;
+}
+
 bk_status bk_solve_begin(const bk_solve_problem *p, const bk_solve_opts *o, bk_solve_result *r,
                          const char **lw, const char **la, const char **lb)
 {

@@ -69,6 +69,12 @@ typedef bk_status (*bk_damp_try_fn)(void *user, double add, int *step);
 bk_status bk_solve_damp_escalate(const bk_solve_opts *o, double mean, const char *label,
                                  bk_damp_try_fn try_damp, void *user, double *damp, double *add,
                                  int *retries);
+/* bk_solve_damp_escalate, then each of the n diagonal entries that the
+ * successful attempt left in rdiag replaced by its reciprocal (the factor's
+ * reciprocal diagonal, as every backend keeps it). */
+bk_status bk_solve_damp_factor(const bk_solve_opts *o, double mean, const char *label,
+                               bk_damp_try_fn try_damp, void *user, double *rdiag, int64_t n,
+                               double *damp, double *add, int *retries);
 
 /* The bound of the rounding error (r->bound): 0.25 Σ_i rb_i² Σ_j s_ij² ra_j²
  * with s_ij the scale of entry (i, j) in alpha, ra [n] the input side's and

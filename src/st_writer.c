@@ -404,17 +404,27 @@ typedef struct outfile {
     int renamed;
 } outfile;
 
-static bk_status out_create(outfile *o, const char *final_path)
+/* o emptied (no descriptor), its final path and the temporary one
+ * (final_path + suffix) allocated. */
+static bk_status out_names(outfile *o, const char *final_path, const char *suffix)
 {
     memset(o, 0, sizeof *o);
     o->fd = -1;
-    size_t l = strlen(final_path);
+    size_t l = strlen(final_path), ls = strlen(suffix) + 1;
     o->final_path = strdup(final_path);
-    o->tmp_path = malloc(l + 12);
+    o->tmp_path = malloc(l + ls);
     if (!o->final_path || !o->tmp_path)
         return bk_error(BK_ERR_NOMEM, "out of memory");
     memcpy(o->tmp_path, final_path, l);
-    memcpy(o->tmp_path + l, ".tmp.XXXXXX", 12);
+    memcpy(o->tmp_path + l, suffix, ls);
+    return BK_OK;
+}
+
+static bk_status out_create(outfile *o, const char *final_path)
+{
+    bk_status st = out_names(o, final_path, ".tmp.XXXXXX");
+    if (st != BK_OK)
+        return st;
     o->fd = mkstemp(o->tmp_path);
     if (o->fd < 0) {
         int e = errno;
@@ -430,16 +440,10 @@ static bk_status out_create(outfile *o, const char *final_path)
  * when missing; *existing = 1 when it was there. */
 static bk_status out_open_fixed(outfile *o, const char *final_path, int *existing)
 {
-    memset(o, 0, sizeof *o);
-    o->fd = -1;
     *existing = 0;
-    size_t l = strlen(final_path);
-    o->final_path = strdup(final_path);
-    o->tmp_path = malloc(l + 9);
-    if (!o->final_path || !o->tmp_path)
-        return bk_error(BK_ERR_NOMEM, "out of memory");
-    memcpy(o->tmp_path, final_path, l);
-    memcpy(o->tmp_path + l, ".partial", 9);
+    bk_status st = out_names(o, final_path, ".partial");
+    if (st != BK_OK)
+        return st;
     o->fd = open(o->tmp_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (o->fd >= 0) {
         *existing = 1;
@@ -471,31 +475,15 @@ static void out_discard(outfile *o, int remove_final)
     o->tmp_path = o->final_path = NULL;
 }
 
-static bk_status write_all(outfile *o, const void *buf, size_t len)
-{
-    const char *p = buf;
-    while (len > 0) {
-        size_t chunk = len > ((size_t)1 << 30) ? ((size_t)1 << 30) : len;
-        ssize_t w = write(o->fd, p, chunk);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            return bk_error(BK_ERR_WRITE, "%s: write failed: %s", o->final_path, strerror(errno));
-        }
-        if (w == 0)
-            return bk_error(BK_ERR_WRITE, "%s: write made no progress", o->final_path);
-        p += w;
-        len -= (size_t)w;
-    }
-    return BK_OK;
-}
-
-static bk_status pwrite_all(outfile *o, const void *buf, uint64_t len, uint64_t off)
+/* All len bytes of buf into the file: at offset off (pwrite), or at the
+ * current position when off < 0 (write); in chunks of at most 1 GiB,
+ * EINTR retried. */
+static bk_status write_at(outfile *o, const void *buf, uint64_t len, int64_t off)
 {
     const char *p = buf;
     while (len > 0) {
         size_t chunk = len > ((uint64_t)1 << 30) ? ((size_t)1 << 30) : (size_t)len;
-        ssize_t w = pwrite(o->fd, p, chunk, (off_t)off);
+        ssize_t w = off < 0 ? write(o->fd, p, chunk) : pwrite(o->fd, p, chunk, (off_t)off);
         if (w < 0) {
             if (errno == EINTR)
                 continue;
@@ -505,9 +493,20 @@ static bk_status pwrite_all(outfile *o, const void *buf, uint64_t len, uint64_t 
             return bk_error(BK_ERR_WRITE, "%s: write made no progress", o->final_path);
         p += w;
         len -= (uint64_t)w;
-        off += (uint64_t)w;
+        if (off >= 0)
+            off += (int64_t)w;
     }
     return BK_OK;
+}
+
+static bk_status write_all(outfile *o, const void *buf, size_t len)
+{
+    return write_at(o, buf, (uint64_t)len, -1);
+}
+
+static bk_status pwrite_all(outfile *o, const void *buf, uint64_t len, uint64_t off)
+{
+    return write_at(o, buf, len, (int64_t)off);
 }
 
 /* fsync + close (the file stays under its temporary name). */
@@ -551,6 +550,19 @@ static void fsync_dir_of(const char *path)
         fsync(fd);
         close(fd);
     }
+}
+
+/* A single file's end when st is BK_OK: closed (fsync), renamed to its
+ * final name, the folder synced. Returns st or the first failure. */
+static bk_status out_commit(outfile *o, bk_status st)
+{
+    if (st == BK_OK)
+        st = out_close(o);
+    if (st == BK_OK)
+        st = out_rename(o);
+    if (st == BK_OK)
+        fsync_dir_of(o->final_path);
+    return st;
 }
 
 /* The index JSON exactly as transformers writes it: sort_keys, indent 2. */
@@ -687,12 +699,7 @@ bk_status bk_st_writer_save(bk_st_writer *w, const char *path)
     bk_status st = out_create(&o, path);
     if (st == BK_OK)
         st = write_shard_plain(&w->L, 0, &o);
-    if (st == BK_OK)
-        st = out_close(&o);
-    if (st == BK_OK)
-        st = out_rename(&o);
-    if (st == BK_OK)
-        fsync_dir_of(path);
+    st = out_commit(&o, st);
     out_discard(&o, 0);
     return st;
 }
@@ -764,12 +771,7 @@ bk_status bk_st_writer_save_zst(bk_st_writer *w, const char *path, int level)
             st = zs_feed(&z, w->L.e[i].data, (size_t)w->L.e[i].nbytes, ZSTD_e_continue);
     if (st == BK_OK)
         st = zs_feed(&z, NULL, 0, ZSTD_e_end);
-    if (st == BK_OK)
-        st = out_close(&o);
-    if (st == BK_OK)
-        st = out_rename(&o);
-    if (st == BK_OK)
-        fsync_dir_of(path);
+    st = out_commit(&o, st);
     ZSTD_freeCCtx(z.cctx);
     free(z.obuf);
     bk_sb_free(&h);

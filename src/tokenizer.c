@@ -1102,13 +1102,10 @@ static bk_status load_model(bk_tokenizer *t, const cJSON *m)
 bk_status bk_tokenizer_load(const char *path, bk_tokenizer **out)
 {
     *out = NULL;
-    char *text = NULL;
-    size_t len = 0;
-    bk_status st = bk_read_file(path, MAX_TOKENIZER_JSON, &text, &len);
+    cJSON *j;
+    bk_status st = bk_read_json(path, MAX_TOKENIZER_JSON, &j);
     if (st != BK_OK)
         return st;
-    cJSON *j = cJSON_ParseWithLength(text, len);
-    free(text);
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);
         return bk_error(BK_ERR_CONFIG, "%s: not a JSON object (a Hugging Face tokenizer.json was expected)", path);

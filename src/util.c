@@ -1,5 +1,6 @@
 #include "util.h"
 
+#include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -181,6 +182,35 @@ bk_status bk_read_file(const char *path, size_t max_bytes, char **buf, size_t *l
     if (len)
         *len = n;
     return BK_OK;
+}
+
+bk_status bk_read_json(const char *path, size_t max_bytes, struct cJSON **root)
+{
+    char *text = NULL;
+    size_t len = 0;
+    *root = NULL;
+    bk_status st = bk_read_file(path, max_bytes, &text, &len);
+    if (st != BK_OK)
+        return st;
+    *root = cJSON_ParseWithLength(text, len);
+    free(text);
+    return BK_OK;
+}
+
+const char *bk_json_kind(const struct cJSON *v, const char *absent)
+{
+    static const struct {
+        cJSON_bool (*is)(const cJSON *const);
+        const char *name;
+    } kinds[] = {{cJSON_IsNull, "null"},     {cJSON_IsBool, "a boolean"},
+                 {cJSON_IsNumber, "a number"}, {cJSON_IsString, "a string"},
+                 {cJSON_IsArray, "an array"},  {cJSON_IsObject, "an object"}};
+    if (!v)
+        return absent;
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        if (kinds[i].is(v))
+            return kinds[i].name;
+    return "an invalid value";
 }
 
 bk_status bk_path_join(char *dst, size_t cap, const char *a, const char *b)

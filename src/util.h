@@ -70,6 +70,14 @@ int bk_open_regular(const char *path, struct stat *sb);
 /* Read a whole (small) file into a NUL-terminated buffer (caller frees).
  * Refuses files larger than max_bytes. */
 bk_status bk_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
+/* bk_read_file, then the text parsed as JSON (all len bytes): *root (the
+ * caller deletes it) is NULL when the text is not JSON; the status is only
+ * bk_read_file's. */
+struct cJSON;
+bk_status bk_read_json(const char *path, size_t max_bytes, struct cJSON **root);
+/* "a string", "a number", "an array", ... for messages: what the JSON value
+ * v is; absent when v is NULL. */
+const char *bk_json_kind(const struct cJSON *v, const char *absent);
 
 /* Lexical checks of JSON text that cJSON does not make: the offset of the
  * first raw control character inside a string (*kind 1) or between tokens
