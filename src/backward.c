@@ -171,55 +171,27 @@ bk_status bk_bwd_create(const bk_model_config *cfg, int64_t max_seqs, int64_t se
         bk_module_shape(cfg, (bk_module)i, &o, &in);
         b->w[i] = alloc_d(o, in);
     }
-    b->xa = alloc_d(R, d);
-    b->r1 = alloc_d(R, 1);
-    b->zq = alloc_d(R, qd);
-    b->zk = alloc_d(R, kvd);
-    b->zv = alloc_d(R, kvd);
-    b->qr = alloc_d(R, qd);
-    b->kr = alloc_d(R, kvd);
-    b->rq = alloc_d(R, b->dim.nh);
-    b->rk = alloc_d(R, b->dim.nkv);
-    b->o = alloc_d(R, qd);
-    b->h1 = alloc_d(R, d);
-    b->r2 = alloc_d(R, 1);
-    b->xm = alloc_d(R, d);
-    b->zg = alloc_d(R, NI);
-    b->zu = alloc_d(R, NI);
-    b->m = alloc_d(R, NI);
-    b->tmp = alloc_d(R, d);
-    b->gdown = alloc_d(R, d);
-    b->dh1 = alloc_d(R, d);
-    b->dx = alloc_d(R, d);
-    b->dm = alloc_d(R, NI);
-    b->dzg = alloc_d(R, NI);
-    b->dzu = alloc_d(R, NI);
-    b->dob = alloc_d(R, qd);
-    b->dq = alloc_d(R, qd);
-    b->dk = alloc_d(R, kvd);
-    b->dv = alloc_d(R, kvd);
-    b->P = alloc_d(seqlen, seqlen);
-    b->dP = alloc_d(seqlen, seqlen);
-    b->xf = alloc_d(R, d);
-    b->rf = alloc_d(R, 1);
-    b->dxf = alloc_d(R, d);
     const int64_t vc = bk__bwd_vocab_block(R, d, cfg->vocab);
     b->vc = vc;
-    b->lg = alloc_d(R, vc);
-    b->wb = alloc_d(vc, d);
-    b->mx = alloc_d(R, 1);
-    b->se = alloc_d(R, 1);
-    b->tg = alloc_d(R, 1);
+    /* every buffer of doubles with its [rows, cols] */
+    const struct {
+        double **p;
+        int64_t rows, cols;
+    } bufs[] = {
+        {&b->xa, R, d}, {&b->r1, R, 1}, {&b->zq, R, qd}, {&b->zk, R, kvd}, {&b->zv, R, kvd},
+        {&b->qr, R, qd}, {&b->kr, R, kvd}, {&b->rq, R, b->dim.nh}, {&b->rk, R, b->dim.nkv},
+        {&b->o, R, qd}, {&b->h1, R, d}, {&b->r2, R, 1}, {&b->xm, R, d}, {&b->zg, R, NI},
+        {&b->zu, R, NI}, {&b->m, R, NI}, {&b->tmp, R, d}, {&b->gdown, R, d}, {&b->dh1, R, d},
+        {&b->dx, R, d}, {&b->dm, R, NI}, {&b->dzg, R, NI}, {&b->dzu, R, NI}, {&b->dob, R, qd},
+        {&b->dq, R, qd}, {&b->dk, R, kvd}, {&b->dv, R, kvd}, {&b->P, seqlen, seqlen},
+        {&b->dP, seqlen, seqlen}, {&b->xf, R, d}, {&b->rf, R, 1}, {&b->dxf, R, d}, {&b->lg, R, vc},
+        {&b->wb, vc, d}, {&b->mx, R, 1}, {&b->se, R, 1}, {&b->tg, R, 1}
+    };
     int ok = 1;
     for (int i = 0; i < BK_MOD_COUNT; i++)
         ok = ok && b->w[i];
-    double *bufs[] = {b->xa,  b->r1,  b->zq,  b->zk,  b->zv,  b->qr,  b->kr,  b->rq,  b->rk,
-                      b->o,   b->h1,  b->r2,  b->xm,  b->zg,  b->zu,  b->m,   b->tmp, b->gdown,
-                      b->dh1, b->dx,  b->dm,  b->dzg, b->dzu, b->dob, b->dq,  b->dk,  b->dv,
-                      b->P,   b->dP,  b->xf,  b->rf,  b->dxf, b->lg,  b->wb,  b->mx,  b->se,
-                      b->tg};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-        ok = ok && bufs[i];
+        ok = (*bufs[i].p = alloc_d(bufs[i].rows, bufs[i].cols)) != NULL && ok;
     if (!ok) {
         bk_bwd_free(b);
         return bk_error(BK_ERR_NOMEM,

@@ -842,6 +842,20 @@ static bk_status head_open(const bk_fwd *f, const bk_model *m, head_ctx *hc)
     return st;
 }
 
+/* The logits [N, n] (row stride ldo) of the vocabulary rows v0 .. v0+n of
+ * the normed hidden states f->x [N, hidden]; wb [n, hidden] receives the
+ * head's rows. */
+static bk_status head_block(bk_fwd *f, const head_ctx *hc, int64_t N, int64_t v0, int64_t n,
+                            float *wb, float *out, int64_t ldo)
+{
+    bk_status st = bk__fwd_matrix_rows(hc->w, v0, v0 + n, wb, BK_DT_F32);
+    if (st == BK_OK)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
+                    (blasint)f->dim.hidden, 1.0f, f->x, (blasint)f->dim.hidden, wb,
+                    (blasint)f->dim.hidden, 0.0f, out, (blasint)ldo);
+    return st;
+}
+
 int64_t bk__fwd_vocab_block(const bk_dims *d, int64_t rows)
 {
     int64_t a = BK_LOGIT_BLOCK / (rows > 0 ? rows : 1);
@@ -873,12 +887,7 @@ bk_status bk_fwd_logits(bk_fwd *f, const bk_model *m, const float *h, int64_t S,
         rmsnorm_rows(h, N, f->dim.hidden, hc.norm, f->eps, f->x);
         for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += vc) {
             int64_t n = V - v0 < vc ? V - v0 : vc;
-            st = bk__fwd_matrix_rows(hc.w, v0, v0 + n, wb, BK_DT_F32);
-            if (st != BK_OK)
-                break;
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
-                        (blasint)f->dim.hidden, 1.0f, f->x, (blasint)f->dim.hidden, wb,
-                        (blasint)f->dim.hidden, 0.0f, logits + v0, (blasint)V);
+            st = head_block(f, &hc, N, v0, n, wb, logits + v0, V);
         }
     }
     free(wb);
@@ -939,12 +948,8 @@ bk_status bk_fwd_nll(bk_fwd *f, const bk_model *m, const float *h, const int32_t
         /* online log-sum-exp over vocabulary blocks */
         for (int64_t v0 = 0; v0 < V; v0 += vc) {
             int64_t n = V - v0 < vc ? V - v0 : vc;
-            st = bk__fwd_matrix_rows(hc.w, v0, v0 + n, wb, BK_DT_F32);
-            if (st != BK_OK)
+            if ((st = head_block(f, &hc, N, v0, n, wb, lg, n)) != BK_OK)
                 break;
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)n,
-                        (blasint)f->dim.hidden, 1.0f, f->x, (blasint)f->dim.hidden, wb,
-                        (blasint)f->dim.hidden, 0.0f, lg, (blasint)n);
             for (int64_t r = 0; r < N; r++) {
                 int64_t t = r % T;
                 if (t == T - 1)

@@ -42,6 +42,12 @@ bk_status cli_usage_error(const char *fmt, ...);
 bk_status cli_parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out);
 bk_status cli_parse_int(const char *opt, const char *s, int lo, int hi, int *out);
 bk_status cli_parse_double(const char *opt, const char *s, double lo, double hi, double *out);
+/* s as one of the n names (*out its index); else BK_ERR_USAGE
+ * "OPT: expected a, b or c, got 'S'". */
+bk_status cli_parse_choice(const char *opt, const char *s, const char *const *names, int n,
+                           int *out);
+/* --precision's names in bk_precision's order: "fp32", "fp64". */
+extern const char *const cli_precision_names[2];
 
 /* Split "FILE:TENSOR" (split at the last ':' that follows the file name's
  * extension, else the last ':'). */

@@ -54,6 +54,26 @@ bk_status cli_usage_error(const char *fmt, ...)
     return bk_error(BK_ERR_USAGE, "%s", buf);
 }
 
+const char *const cli_precision_names[2] = {"fp32", "fp64"};
+
+bk_status cli_parse_choice(const char *opt, const char *s, const char *const *names, int n,
+                           int *out)
+{
+    char list[256] = "";
+    size_t l = 0;
+    for (int i = 0; i < n; i++) {
+        if (!strcmp(s, names[i])) {
+            *out = i;
+            return BK_OK;
+        }
+        l += (size_t)snprintf(list + l, l < sizeof list ? sizeof list - l : 0, "%s%s",
+                              i == 0 ? "" : i == n - 1 ? " or " : ", ", names[i]);
+        if (l >= sizeof list)
+            l = sizeof list - 1;
+    }
+    return cli_usage_error("%s: expected %s, got '%s'", opt, list, s);
+}
+
 bk_status cli_parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out)
 {
     char *end = NULL;

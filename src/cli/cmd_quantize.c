@@ -287,12 +287,9 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         break;
     case O_JSON: q->json = 1; break;
     case O_PREC:
-        if (!strcmp(arg, "fp32"))
-            o->solve.precision = BK_PREC_FP32;
-        else if (!strcmp(arg, "fp64"))
-            o->solve.precision = BK_PREC_FP64;
-        else
-            return cli_usage_error("--precision: expected fp32 or fp64, got '%s'", arg);
+        if ((st = cli_parse_choice("--precision", arg, cli_precision_names, 2, &iv)) != BK_OK)
+            return st;
+        o->solve.precision = (bk_precision)iv;
         break;
     case O_HFP64: o->hessian_fp64 = 1; break;
     case O_BATCH:
@@ -336,32 +333,25 @@ static bk_status apply(qargs *q, int opt, const char *arg)
             return st;
         o->leaf_size = iv;
         break;
-    case O_DREDUCE:
-        if (!strcmp(arg, "ordered"))
-            o->dist_reduce = BK_DIST_ORDERED;
-        else if (!strcmp(arg, "sum"))
-            o->dist_reduce = BK_DIST_SUM;
-        else
-            return cli_usage_error("--dist-reduce: expected ordered or sum, got '%s'", arg);
+    case O_DREDUCE: { /* (bk_dist_reduce's order) */
+        static const char *const reduce[] = {"ordered", "sum"};
+        if ((st = cli_parse_choice("--dist-reduce", arg, reduce, 2, &iv)) != BK_OK)
+            return st;
+        o->dist_reduce = (bk_dist_reduce)iv;
         break;
+    }
     case O_DTIMEOUT:
         if ((st = cli_parse_double("--dist-timeout", arg, 0.1, 1e7, &dv)) != BK_OK)
             return st;
         q->dist_timeout = dv;
         break;
-    case O_BWDPREC:
-        if (!strcmp(arg, "fp32"))
-            o->bwd_precision = BK_BWD_FP32;
-        else if (!strcmp(arg, "fp64"))
-            o->bwd_precision = BK_BWD_FP64;
-        else if (!strcmp(arg, "tf32"))
-            o->bwd_precision = BK_BWD_TF32;
-        else if (!strcmp(arg, "bf16"))
-            o->bwd_precision = BK_BWD_BF16;
-        else
-            return cli_usage_error("--bwd-precision: expected fp32, fp64, tf32 or bf16, got '%s'",
-                                   arg);
+    case O_BWDPREC: { /* (bk_bwd_precision's order) */
+        static const char *const bwd[] = {"fp32", "fp64", "tf32", "bf16"};
+        if ((st = cli_parse_choice("--bwd-precision", arg, bwd, 4, &iv)) != BK_OK)
+            return st;
+        o->bwd_precision = (bk_bwd_precision)iv;
         break;
+    }
     default: return cli_usage_error("unknown option");
     }
     return BK_OK;

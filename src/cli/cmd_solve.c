@@ -80,12 +80,9 @@ bk_status cli_solver_option(cli_solver_args *a, const char *name, const char *ar
         o->separate_damp_b = 1;
         o->damp_b = dv;
     } else if (!strcmp(name, "precision")) {
-        if (!strcmp(arg, "fp32"))
-            o->precision = BK_PREC_FP32;
-        else if (!strcmp(arg, "fp64"))
-            o->precision = BK_PREC_FP64;
-        else
-            return cli_usage_error("--precision: expected fp32 or fp64, got '%s'", arg);
+        if ((st = cli_parse_choice("--precision", arg, cli_precision_names, 2, &iv)) != BK_OK)
+            return st;
+        o->precision = (bk_precision)iv;
     } else if (!strcmp(name, "gptq-block")) {
         if ((st = cli_parse_int("--gptq-block", arg, 1, 1 << 20, &iv)) != BK_OK)
             return st;
