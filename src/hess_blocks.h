@@ -15,6 +15,14 @@
 extern "C" {
 #endif
 
+/* What a kind's factors need from the stages (its line in the registry,
+ * src/hessian.c): the full-precision queries/keys in stage QKV (the
+ * attention-local output factors of q/k/v), and the plain E[x xᵀ] besides
+ * the kind's factors (the GPTQ proxy loss of the Shampoo kinds' two-sided
+ * modules). */
+int bk__hessian_needs_qk(bk_hessian_kind k);
+int bk__hessian_keeps_plain(bk_hessian_kind k);
+
 /* Which add feeds a module: bk_hess_add_attn (q, k, v), _o, _mlp (gate, up),
  * _down. */
 enum { G_ATTN = 0, G_O, G_MLP, G_DOWN, G_COUNT };

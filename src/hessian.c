@@ -41,53 +41,86 @@
 
 /* ------------------------------------------------------------------ names */
 
-static const char *const kind_names[BK_HESS_COUNT] = {
-    "rtn", "gptq", "mlplocal-kfac", "mlplocal-shampoo", "fullylocal-kfac", "fullylocal-shampoo",
-    "backprop-kfac", "backprop-shampoo",
+/* The registry of the kinds, one line each in bk_hessian_kind's order: the
+ * name (--hessian, report.json) and what the factors need. mlp2: gate/up
+ * two-sided (the MLP-local output factors); attn2: q/k/v two-sided (the
+ * attention-local output factors: the stages hand the full-precision
+ * queries/keys); shampoo: one Shampoo power step (the GPTQ proxy loss of a
+ * two-sided module needs the plain E[x xᵀ] too); backprop: every module
+ * two-sided from the backpropagated output gradients (bk_hess_add_grad). */
+static const struct kind_info {
+    const char *name;
+    unsigned char mlp2, attn2, shampoo, backprop;
+} kinds[BK_HESS_COUNT] = {
+    {"rtn", 0, 0, 0, 0},
+    {"gptq", 0, 0, 0, 0},
+    {"mlplocal-kfac", 1, 0, 0, 0},
+    {"mlplocal-shampoo", 1, 0, 1, 0},
+    {"fullylocal-kfac", 1, 1, 0, 0},
+    {"fullylocal-shampoo", 1, 1, 1, 0},
+    {"backprop-kfac", 0, 0, 0, 1},
+    {"backprop-shampoo", 0, 0, 1, 1},
 };
+
+static const struct kind_info *kind_of(bk_hessian_kind k)
+{
+    static const struct kind_info none = {"?", 0, 0, 0, 0};
+    return (unsigned)k < BK_HESS_COUNT ? &kinds[k] : &none;
+}
 
 const char *bk_hessian_name(bk_hessian_kind k)
 {
-    return ((unsigned)k < BK_HESS_COUNT) ? kind_names[k] : "?";
+    return kind_of(k)->name;
 }
 
 bk_status bk_hessian_from_name(const char *name, bk_hessian_kind *out)
 {
     if (!name || !out)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL name");
+    char expected[512] = "";
+    size_t len = 0;
     for (int k = 0; k < BK_HESS_COUNT; k++) {
-        if (strcmp(name, kind_names[k]) == 0) {
+        if (strcmp(name, kinds[k].name) == 0) {
             *out = (bk_hessian_kind)k;
             return BK_OK;
         }
+        const char *sep = k == 0 ? "" : k + 1 < BK_HESS_COUNT ? ", " : " or ";
+        int n = snprintf(expected + len, sizeof expected - len, "%s%s", sep, kinds[k].name);
+        if (n > 0 && (size_t)n < sizeof expected - len)
+            len += (size_t)n;
     }
-    return bk_error(BK_ERR_INVALID_ARG,
-                    "hessian: unknown Hessian '%s' (expected rtn, gptq, mlplocal-kfac, "
-                    "mlplocal-shampoo, fullylocal-kfac, fullylocal-shampoo, backprop-kfac or "
-                    "backprop-shampoo)",
-                    name);
+    return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown Hessian '%s' (expected %s)", name,
+                    expected);
 }
 
 static int kind_mlp2(bk_hessian_kind k)
 {
-    return k == BK_HESS_MLPLOCAL_KFAC || k == BK_HESS_MLPLOCAL_SHAMPOO ||
-           k == BK_HESS_FULLYLOCAL_KFAC || k == BK_HESS_FULLYLOCAL_SHAMPOO;
+    return kind_of(k)->mlp2;
 }
 
 static int kind_attn2(bk_hessian_kind k)
 {
-    return k == BK_HESS_FULLYLOCAL_KFAC || k == BK_HESS_FULLYLOCAL_SHAMPOO;
+    return kind_of(k)->attn2;
 }
 
 static int kind_shampoo(bk_hessian_kind k)
 {
-    return k == BK_HESS_MLPLOCAL_SHAMPOO || k == BK_HESS_FULLYLOCAL_SHAMPOO ||
-           k == BK_HESS_BACKPROP_SHAMPOO;
+    return kind_of(k)->shampoo;
 }
 
 int bk_hessian_is_backprop(bk_hessian_kind k)
 {
-    return k == BK_HESS_BACKPROP_KFAC || k == BK_HESS_BACKPROP_SHAMPOO;
+    return kind_of(k)->backprop;
+}
+
+int bk__hessian_needs_qk(bk_hessian_kind k)
+{
+    return kind_attn2(k);
+}
+
+int bk__hessian_keeps_plain(bk_hessian_kind k)
+{
+    return kind_shampoo(k);
 }
 
 int bk_hessian_is_two_sided(bk_hessian_kind k, bk_module mod)

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "hess_blocks.h"
 #include "quantize_job.h"
 #include "st_internal.h"
 #include "util.h"
@@ -331,7 +332,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
     if (st != BK_OK)
         goto fail;
-    j->fully = o->hessian == BK_HESS_FULLYLOCAL_KFAC || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO;
+    j->fully = bk__hessian_needs_qk(o->hessian);
     j->ops = &bk__q_cpu_stages;
     j->ops_ctx = j;
     /* auto: BF16 GEMMs for a BF16 checkpoint (its weights are exact in BF16;
@@ -395,9 +396,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             .model = j->model,
             .kind = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian,
             .fp64 = o->hessian_fp64,
-            .keep_plain = o->hessian == BK_HESS_MLPLOCAL_SHAMPOO ||
-                          o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO ||
-                          o->hessian == BK_HESS_BACKPROP_SHAMPOO,
+            .keep_plain = bk__hessian_keeps_plain(o->hessian),
             .fully = j->fully,
             .codes_only = o->export_format != BK_EXPORT_DEQUANTIZED,
             .S = j->S,
@@ -449,8 +448,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             if (st != BK_OK)
                 goto fail;
         }
-        if (o->hessian == BK_HESS_MLPLOCAL_SHAMPOO || o->hessian == BK_HESS_FULLYLOCAL_SHAMPOO ||
-            o->hessian == BK_HESS_BACKPROP_SHAMPOO) {
+        if (bk__hessian_keeps_plain(o->hessian)) {
             st = bk_hess_acc_create(j->cfg, BK_HESS_GPTQ, o->hessian_fp64, j->T, &j->acc_gptq);
             if (st != BK_OK)
                 goto fail;
