@@ -1,4 +1,5 @@
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "backend_impl.h"
@@ -98,14 +99,16 @@ void bk_backend_params_default(bk_backend_params *p)
     p->bwd_input_cpu = 0;
 }
 
-/* "0" or "1" */
-static bk_status parse_bool(const char *key, const char *v, int *out)
+/* A two-valued setting: v0 (*out 0) or v1 (*out 1). */
+static bk_status parse_pair(const char *key, const char *v, const char *v0, const char *v1,
+                            int *out)
 {
-    if (!strcmp(v, "0") || !strcmp(v, "1")) {
-        *out = v[0] == '1';
+    if (!strcmp(v, v0) || !strcmp(v, v1)) {
+        *out = !strcmp(v, v1);
         return BK_OK;
     }
-    return bk_error(BK_ERR_INVALID_ARG, "setting %s: expected 0 or 1 (got '%s')", key, v);
+    return bk_error(BK_ERR_INVALID_ARG, "setting %s: expected %s or %s (got '%s')", key, v0, v1,
+                    v);
 }
 
 bk_status bk_backend_params_set(bk_backend_params *p, const char *key, const char *value)
@@ -120,10 +123,6 @@ bk_status bk_backend_params_set(bk_backend_params *p, const char *key, const cha
         p->device = (int)v;
         return BK_OK;
     }
-    if (!strcmp(key, "factor_fp64"))
-        return parse_bool(key, value, &p->factor_fp64);
-    if (!strcmp(key, "keep_down"))
-        return parse_bool(key, value, &p->keep_down);
     if (!strcmp(key, "mem_limit")) {
         char *end = NULL;
         unsigned long long v = 0;
@@ -135,26 +134,18 @@ bk_status bk_backend_params_set(bk_backend_params *p, const char *key, const cha
         p->mem_limit = (size_t)v;
         return BK_OK;
     }
-    if (!strcmp(key, "bwd_input")) {
-        if (!strcmp(value, "gpu"))
-            p->bwd_input_cpu = 0;
-        else if (!strcmp(value, "cpu"))
-            p->bwd_input_cpu = 1;
-        else
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "setting bwd_input: expected gpu or cpu (got '%s')", value);
-        return BK_OK;
-    }
-    if (!strcmp(key, "residual")) {
-        if (!strcmp(value, "auto"))
-            p->residual_host = 0;
-        else if (!strcmp(value, "host"))
-            p->residual_host = 1;
-        else
-            return bk_error(BK_ERR_INVALID_ARG,
-                            "setting residual: expected auto or host (got '%s')", value);
-        return BK_OK;
-    }
+    /* the two-valued settings: value v0 -> field 0, v1 -> 1 */
+    static const struct {
+        const char *key, *v0, *v1;
+        size_t field;
+    } pairs[] = {{"factor_fp64", "0", "1", offsetof(bk_backend_params, factor_fp64)},
+                 {"keep_down", "0", "1", offsetof(bk_backend_params, keep_down)},
+                 {"bwd_input", "gpu", "cpu", offsetof(bk_backend_params, bwd_input_cpu)},
+                 {"residual", "auto", "host", offsetof(bk_backend_params, residual_host)}};
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++)
+        if (!strcmp(key, pairs[i].key))
+            return parse_pair(key, value, pairs[i].v0, pairs[i].v1,
+                              (int *)((char *)p + pairs[i].field));
     return bk_error(BK_ERR_INVALID_ARG,
                     "unknown setting '%s' (expected device, factor_fp64, mem_limit, keep_down, "
                     "residual or bwd_input)",

@@ -1306,9 +1306,11 @@ static bk_status bp_add_input(bk_hess_acc *a, int layer, int grp, const float *x
 
 /* The checks before output gradients of layer/mod enter accumulator a (fn:
  * the caller's name; what: "gradients" or "gradient Grams", both as the
- * messages say them). */
+ * messages say them): x (the gradients or their Gram) given, and w (the
+ * inputs or the token weights) for the Shampoo kind; missing names them. */
 static bk_status grad_check(const bk_hess_acc *a, int layer, bk_module mod, const char *fn,
-                            const char *what)
+                            const char *what, const double *x, const double *w,
+                            const char *missing)
 {
     bk_status st;
     if (!a)
@@ -1326,6 +1328,9 @@ static bk_status grad_check(const bk_hess_acc *a, int layer, bk_module mod, cons
                         "hessian: %s of layer %d given to an accumulator holding layer %d (call "
                         "bk_hess_acc_reset between layers)",
                         what, layer, a->layer);
+    if (!x || (a->shampoo && !w))
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d %s: NULL %s", layer,
+                        bk_module_name(mod), missing);
     return BK_OK;
 }
 
@@ -1359,12 +1364,10 @@ bk_status bk_hess_add_grad(bk_hess_acc *a, int layer, bk_module mod, const doubl
                            const double *a_fp, int64_t S)
 {
     int64_t N = 0;
-    bk_status st = grad_check(a, layer, mod, "bk_hess_add_grad", "bk_hess_add_grad: gradients");
+    bk_status st = grad_check(a, layer, mod, "bk_hess_add_grad", "bk_hess_add_grad: gradients",
+                              g, a_fp, "gradient or input");
     if (st != BK_OK)
         return st;
-    if (!g || (a->shampoo && !a_fp))
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d %s: NULL gradient or input",
-                        layer, bk_module_name(mod));
     int64_t m, n;
     bk_module_shape(&a->cfg, mod, &m, &n);
     if ((st = batch_rows(a, S, m > n ? m : n, "gradient", &N)) != BK_OK)
@@ -1414,12 +1417,10 @@ bk_status bk__hess_add_grad_gram(bk_hess_acc *a, int layer, bk_module mod, const
                                  const double *gw, int64_t S)
 {
     int64_t N = 0;
-    bk_status st = grad_check(a, layer, mod, "bk__hess_add_grad_gram", "gradient Grams");
+    bk_status st = grad_check(a, layer, mod, "bk__hess_add_grad_gram", "gradient Grams", G, gw,
+                              "Gram or token weights");
     if (st != BK_OK)
         return st;
-    if (!G || (a->shampoo && !gw))
-        return bk_error(BK_ERR_INVALID_ARG, "hessian: layer %d %s: NULL Gram or token weights",
-                        layer, bk_module_name(mod));
     int64_t m, n;
     bk_module_shape(&a->cfg, mod, &m, &n);
     if ((st = batch_rows(a, S, 1, "gradient Gram", &N)) != BK_OK)

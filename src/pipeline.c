@@ -141,16 +141,11 @@ static void job_free(job *j)
         j->acc = NULL;
     }
     free(j->bp_dev);
-    if (j->acc)
-        bk_hess_acc_free(j->acc);
-    if (j->acc_gptq)
-        bk_hess_acc_free(j->acc_gptq);
-    if (j->fwd)
-        bk_fwd_free(j->fwd);
-    if (j->backend)
-        bk_backend_destroy(j->backend);
-    if (j->model)
-        bk_model_close(j->model);
+    bk_hess_acc_free(j->acc); /* (each of these takes NULL) */
+    bk_hess_acc_free(j->acc_gptq);
+    bk_fwd_free(j->fwd);
+    bk_backend_destroy(j->backend);
+    bk_model_close(j->model);
     cJSON_Delete(j->report_modules);
     free(j->rank_peak);
     j->rank_peak = NULL;
