@@ -311,8 +311,10 @@ int bk_backend_supports(const bk_backend *b, bk_backend_op op)
     const bk_backend_ops *o = b->ops;
     switch (op) {
     case BK_OP_SOLVE: return o->solve != NULL;
-    case BK_OP_LAYER_FWD: return o->layer_fwd_create != NULL;
-    case BK_OP_STAGES: return o->stages_create != NULL;
+    case BK_OP_LAYER_FWD:
+        return o->layer_fwd_create != NULL && o->layer_fwd_create != bk_cpu_layer_fwd_create;
+    case BK_OP_STAGES:
+        return o->stages_create != NULL && o->stages_create != bk_cpu_stages_create;
     case BK_OP_BACKWARD: return o->bwd_flow_run != NULL;
     }
     return 0;
@@ -363,16 +365,16 @@ bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int6
 {
     *ops = NULL;
     *ctx = NULL;
-    if (!b->ops->stages_create)
-        return bk_error(BK_ERR_UNSUPPORTED, "backend %s: no stages of its own", b->ops->name);
-    return b->ops->stages_create(b, p, batch, ops, ctx);
+    if (b && b->ops->stages_create && !p->cpu)
+        return b->ops->stages_create(b, p, batch, ops, ctx);
+    return bk_cpu_stages_create(b, p, batch, ops, ctx);
 }
 
 bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
                                   int64_t S, int64_t T, const bk_bwd_flow_opts *o, int precision,
                                   const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats)
 {
-    if (b->ops->bwd_flow_run)
+    if (b && b->ops->bwd_flow_run)
         return b->ops->bwd_flow_run(b, m, tokens, S, T, o, precision, cb, stats);
     return bk_bwd_flow_run(m, tokens, S, T, o, cb, stats);
 }

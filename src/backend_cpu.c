@@ -149,7 +149,7 @@ static const bk_backend_ops cpu_ops = {
     .peak_memory = NULL,
     .reset_peak_memory = NULL,
     .layer_fwd_create = bk_cpu_layer_fwd_create,
-    .stages_create = NULL, /* the driver's own CPU stages (src/quantize_stages_cpu.c) */
+    .stages_create = bk_cpu_stages_create, /* src/backend_cpu_stages.c */
     .bwd_flow_run = NULL,  /* the CPU's flow, bk_bwd_flow_run (the dispatcher's fallback) */
     .destroy = cpu_destroy,
 };

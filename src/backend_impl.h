@@ -57,7 +57,9 @@ enum { BK_BUF_READ = 1, BK_BUF_WRITE = 2 };
  * accumulator, or the GPU flow's device Grams of the layer. */
 typedef struct bk_bp_side {
     int layer;
-    const bk_hess_acc *acc;         /* host (B and Shampoo's token weights from it), or NULL */
+    bk_hess_acc *acc;               /* host (B and Shampoo's token weights from it; stages
+                                       on the host add the layer's input side into it), or
+                                       NULL */
     const double *G[BK_MOD_COUNT];  /* acc NULL: device [out, out] double, row-major upper
                                        triangle: Σ g gᵀ, or Σ |a_fp|² g gᵀ (Shampoo) */
     const double *gw[BK_MOD_COUNT]; /* acc NULL, Shampoo: device |g_t|² [N] in order */
@@ -100,20 +102,22 @@ typedef struct bk_stage_ops {
     void (*destroy)(void *ctx);
     /* One line for the log and report.json ("" for the CPU). */
     const char *(*describe)(void *ctx);
-    /* Backprop kinds (NULL: the stages add into the job's own accumulator,
-     * the CPU's): the output side of the layer just begun (its B, and
-     * Shampoo's token weights |g_t|² for the input side); called after
-     * layer_begin, before the layer's stages; what it points to stays valid
-     * until layer_end. */
+    /* Backprop kinds (required for them): the output side of the layer just
+     * begun (its B, and Shampoo's token weights |g_t|² for the input side);
+     * called after layer_begin, before the layer's stages; what it points to
+     * stays valid until layer_end. The CPU stages add the input side into
+     * side->acc and form the factors from it. */
     bk_status (*bp_grads)(void *ctx, const bk_bp_side *side);
-    /* MPI ranks (data parallel, src/pipeline.c). Optional: the driver's own
-     * CPU stages keep their sums in the driver; stages without these entries
-     * refuse several ranks.
+    /* MPI ranks (data parallel, src/quantize_ranks.c). sums: required for
+     * several ranks (stages without it refuse them). share_weight: required
+     * with solve_dev (NULL otherwise: the solved weight reaches every rank's
+     * working copy through weight_updated).
      * sums: hand fn the running Hessian sums of modules `modules` (bit m =
      * bk_module m), one buffer at a time, as bk_hess_acc_sums does, counts
      * and scalars last (a host double array, written back). dev 1: the
      * device buffers go to fn as they are; dev 0: through host copies (in
-     * pieces of at most 256 MiB; rw says which way to copy).
+     * pieces of at most 256 MiB; rw says which way to copy); host buffers go
+     * to fn as they are (dev 0, stream NULL).
      * share_weight: module mod's quantized weight in the working copy (set by
      * solve_dev on the rank that solved it) to fn (a broadcast); with
      * BK_BUF_WRITE in rw the copies derived from it are refreshed after. */
@@ -121,6 +125,18 @@ typedef struct bk_stage_ops {
                       void *user);
     bk_status (*share_weight)(void *ctx, bk_module mod, int dev, int rw, bk_stage_buf_fn fn,
                               void *user);
+    /* --activations (optional: stages created with inputs = 1 have it): the
+     * four module inputs of sequences [s0, s0+sb) of the layer begun from
+     * host arrays in[0..3] [sb*T, width] (attn_in, o_in, mlp_in, down_in)
+     * into the accumulators; fully-local: the FP queries/keys recomputed from
+     * attn_in with the original weights. Adds the time spent to *t_forward
+     * and *t_hessian. */
+    bk_status (*add_inputs)(void *ctx, int64_t s0, int64_t sb, const float *const in[4],
+                            double *t_forward, double *t_hessian);
+    /* 1: bp_grads takes the output side from a host accumulator only
+     * (side->acc; the GPU flow then hands its Grams to the host), 0: device
+     * Grams too. */
+    int bp_host_grads;
 } bk_stage_ops;
 
 /* What a backend's stages are created for. */
@@ -137,6 +153,13 @@ typedef struct bk_stage_params {
                              (residual stream, o_proj and down_proj inputs) of this rank's
                              sequences only, bk_rank_share with the micro-batch they return;
                              the run and embed calls then cover those sequences only */
+    int sequential;       /* 0: --no-sequential (stage TAPS only) */
+    int inputs;           /* 1: the module inputs come from the caller (--activations:
+                             add_inputs; no embedding, no residual stream); S may be 0 (rtn
+                             without calibration: the stages hold nothing) */
+    int cpu;              /* 1: the CPU implementation even where the backend has its own
+                             (--cpu-stages, --activations, the backprop input side with the
+                             setting bwd_input=cpu) */
 } bk_stage_params;
 
 /* ------------------------------------ the layer forward (eval, dump-activations) */
@@ -205,7 +228,7 @@ typedef struct bk_backend_ops {
                                   const bk_layer_fwd_ops **ops, void **ctx);
     /* The quantize stages. *batch: the micro-batch asked for (0 = automatic),
      * reduced when the memory is short; the value used is returned.
-     * NULL: the driver's own CPU stages (src/quantize_stages_cpu.c). */
+     * NULL: the CPU's (bk_cpu_stages_create). */
     bk_status (*stages_create)(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                const bk_stage_ops **ops, void **ctx);
     /* The backward flow of the Backprop Hessians, as bk_bwd_flow_run
@@ -231,20 +254,21 @@ int bk_rank_share(int64_t S, int64_t batch, int rank, int nranks, int64_t *lo, i
  * (the backend's rule) when p->batch is 0. */
 int64_t bk_layer_fwd_batch(const bk_layer_fwd_params *p, int64_t automatic);
 
-/* Whether backend b has its own implementation of op (else the driver runs
- * the CPU one). */
+/* Whether backend b has an implementation of op other than the CPU's (else
+ * the driver runs the CPU one; 0 for every op of the CPU backend but solve). */
 int bk_backend_supports(const bk_backend *b, bk_backend_op op);
 
-/* Dispatchers (layer_fwd_create falls back to the CPU implementation, also
- * for b == NULL; stages_create: BK_ERR_UNSUPPORTED, the driver then runs its
- * own CPU stages). bk_backend_solve is public (bakron/backend.h), and so are
+/* Dispatchers (layer_fwd_create and stages_create fall back to the CPU
+ * implementation, also for b == NULL; stages_create also when p->cpu asks
+ * for it). bk_backend_solve is public (bakron/backend.h), and so are
  * bk_backend_model_nll and bk_backend_model_logits, which run the layer
  * driver over layer_fwd_create (src/eval.c). */
 bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p,
                                       int64_t *batch, const bk_layer_fwd_ops **ops, void **ctx);
 bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                    const bk_stage_ops **ops, void **ctx);
-/* NULL entry: the CPU's flow (bk_bwd_flow_run; cb->grads, precision ignored). */
+/* NULL entry or b NULL: the CPU's flow (bk_bwd_flow_run; cb->grads, precision
+ * ignored). */
 bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,
                                   int64_t S, int64_t T, const bk_bwd_flow_opts *o, int precision,
                                   const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats);
@@ -253,6 +277,13 @@ bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_
  * fallback of other backends). Automatic batch: bk_fwd_auto_batch. */
 bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p, int64_t *batch,
                                   const bk_layer_fwd_ops **ops, void **ctx);
+/* The CPU implementation of the quantize stages (src/backend_cpu_stages.c;
+ * also the fallback of other backends, and what p->cpu asks for): the
+ * forward pass (bk_fwd) and the Hessian accumulators (bk_hess_acc) on host
+ * buffers. Automatic batch: bk_fwd_auto_batch. b may be NULL (its settings:
+ * keep_down). */
+bk_status bk_cpu_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
+                               const bk_stage_ops **ops, void **ctx);
 
 struct bk_backend {
     const bk_backend_ops *ops;

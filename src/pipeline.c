@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "hess_blocks.h"
 #include "quantize_job.h"
@@ -82,55 +81,10 @@ void bk__q_note(void *user, const char *msg)
 
 /* ------------------------------------------------------------------- driver */
 
-static bk_status job_buffers(job *j)
-{
-    const bk_model_config *c = j->cfg;
-    const int64_t T = j->T, B = j->batch;
-    const int64_t qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
-    int64_t xw = c->hidden > qd ? c->hidden : qd;
-    /* the states of this rank's sequences [s_lo, s_hi) (MPI ranks: its share;
-     * one process: all) */
-    const int64_t Nr = (j->s_hi - j->s_lo) * T;
-    if (j->tokens) {
-        j->h = bk_alloc((size_t)(Nr * c->hidden), sizeof(float));
-        j->o_in = bk_alloc((size_t)(Nr * qd), sizeof(float));
-    } else {
-        j->o_in = bk_alloc((size_t)(B * T * qd), sizeof(float));
-    }
-    j->x = bk_alloc((size_t)(B * T * xw), sizeof(float));
-    j->q_rot = bk_alloc((size_t)(B * T * qd), sizeof(float));
-    j->k_rot = bk_alloc((size_t)(B * T * kd), sizeof(float));
-    j->down = bk_alloc((size_t)(B * T * c->intermediate), sizeof(float));
-    if (!j->o->sequential)
-        j->mlp_in = bk_alloc((size_t)(B * T * c->hidden), sizeof(float));
-    if ((j->tokens && !j->h) || !j->o_in || !j->x || !j->q_rot || !j->k_rot || !j->down ||
-        (!j->o->sequential && !j->mlp_in))
-        return bk_error(BK_ERR_NOMEM, "out of memory for calibration states (%lld tokens)",
-                        (long long)Nr);
-    /* keep the down_proj inputs between stages DOWN and OUT (saves recomputing
-     * gate/up: a third of the forward work) when they take at most a quarter
-     * of the physical memory; setting keep_down=0 turns it off */
-    const int keep_down = bk_backend_get_params(j->backend)->keep_down;
-    const long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
-    const double need = (double)Nr * (double)c->intermediate * sizeof(float);
-    if (j->tokens && j->o->sequential && keep_down && pages > 0 &&
-        psize > 0 && need <= 0.25 * (double)pages * (double)psize)
-        j->D = bk_alloc((size_t)(Nr * c->intermediate), sizeof(float)); /* NULL: recompute */
-    return BK_OK;
-}
-
 static void job_free(job *j)
 {
     bk_driver_end(&j->drv);
     free(j->tokens);
-    free(j->h);
-    free(j->o_in);
-    free(j->x);
-    free(j->q_rot);
-    free(j->k_rot);
-    free(j->down);
-    free(j->mlp_in);
-    free(j->D);
     if (j->ops)
         j->ops->destroy(j->ops_ctx);
     bk__act_close(j->acts);
@@ -141,10 +95,7 @@ static void job_free(job *j)
         j->acc = NULL;
     }
     free(j->bp_dev);
-    bk_hess_acc_free(j->acc); /* (each of these takes NULL) */
-    bk_hess_acc_free(j->acc_gptq);
-    bk_fwd_free(j->fwd);
-    bk_backend_destroy(j->backend);
+    bk_backend_destroy(j->backend); /* (each of these takes NULL) */
     bk_model_close(j->model);
     cJSON_Delete(j->report_modules);
     free(j->rank_peak);
@@ -328,8 +279,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     if (st != BK_OK)
         goto fail;
     j->fully = bk__hessian_needs_qk(o->hessian);
-    j->ops = &bk__q_cpu_stages;
-    j->ops_ctx = j;
     /* auto: BF16 GEMMs for a BF16 checkpoint (its weights are exact in BF16;
      * the activations are rounded as a BF16 framework would), else TF32 */
     j->gemm_math = bk_gemm_math_resolve(j->model, o->gemm_math);
@@ -366,27 +315,31 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
     /* forward + Hessians on the backend's own stages (the GPU's): asked for,
      * or the default of a backend that has them, with token calibration
-     * (docs/DEVICE.md); else the CPU stages below */
+     * (docs/DEVICE.md); else the CPU implementation of the stages (also
+     * --activations: they take the dumped inputs; rtn without calibration:
+     * they hold nothing) */
     const int own_stages = bk_backend_supports(j->backend, BK_OP_STAGES);
-    if (j->S > 0 && (j->bp ? bp_gpu_stages : (want_gpu || (!cpu_stages && j->tokens && own_stages)))) {
-        if (!j->tokens) {
-            st = bk_error(BK_ERR_INVALID_ARG,
-                          "quantize: the GPU pipeline (--gpu-pipeline) "
-                          "needs token calibration (--calib), not --activations");
-            goto fail;
-        }
-        if (!own_stages) {
-            if (bk_cuda_compiled())
-                st = bk_error(BK_ERR_NO_DEVICE,
-                              "quantize: the GPU pipeline (--gpu-pipeline) needs "
-                              "the CUDA backend (--backend cuda or auto with a GPU; backend is %s)",
-                              bk_backend_name(j->backend));
-            else
-                st = bk_error(BK_ERR_NO_DEVICE,
-                              "quantize: the GPU pipeline (--gpu-pipeline) needs a "
-                              "build with the CUDA backend");
-            goto fail;
-        }
+    j->own_stages =
+        j->S > 0 && (j->bp ? bp_gpu_stages : (want_gpu || (!cpu_stages && j->tokens && own_stages)));
+    if (j->own_stages && !j->tokens) {
+        st = bk_error(BK_ERR_INVALID_ARG,
+                      "quantize: the GPU pipeline (--gpu-pipeline) "
+                      "needs token calibration (--calib), not --activations");
+        goto fail;
+    }
+    if (j->own_stages && !own_stages) {
+        if (bk_cuda_compiled())
+            st = bk_error(BK_ERR_NO_DEVICE,
+                          "quantize: the GPU pipeline (--gpu-pipeline) needs "
+                          "the CUDA backend (--backend cuda or auto with a GPU; backend is %s)",
+                          bk_backend_name(j->backend));
+        else
+            st = bk_error(BK_ERR_NO_DEVICE,
+                          "quantize: the GPU pipeline (--gpu-pipeline) needs a "
+                          "build with the CUDA backend");
+        goto fail;
+    }
+    {
         const bk_stage_params sp = {
             .model = j->model,
             .kind = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian,
@@ -398,6 +351,9 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             .T = j->T,
             .rank = j->rank,
             .nranks = j->nranks,
+            .sequential = o->sequential,
+            .inputs = !j->tokens,
+            .cpu = !j->own_stages,
         };
         int64_t gb = o->batch > 0 ? j->batch : 0;
         st = bk_backend_stages_create(j->backend, &sp, &gb, &j->ops, &j->ops_ctx);
@@ -405,7 +361,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             st = bk__q_sync(j, st);
         if (st != BK_OK)
             goto fail;
-        if (j->nranks > 1) {
+        if (j->nranks > 1 && j->own_stages) {
             const int64_t mine = gb;
             st = bk__q_dev_stages_ranks(j, &gb);
             if (st == BK_OK && gb != mine) {
@@ -433,28 +389,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             if ((st = bk__q_split_ranks(j)) != BK_OK)
                 goto fail;
         }
-    } else if (j->S > 0) {
-        st = bk_fwd_create(j->cfg, j->batch, j->T, &j->fwd);
-        if (st != BK_OK)
-            goto fail;
-        bk_hessian_kind hk = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian;
-        if (!j->bp) { /* (backprop: its accumulators below) */
-            st = bk_hess_acc_create(j->cfg, hk, o->hessian_fp64, j->T, &j->acc);
-            if (st != BK_OK)
-                goto fail;
-        }
-        if (bk__hessian_keeps_plain(o->hessian)) {
-            st = bk_hess_acc_create(j->cfg, BK_HESS_GPTQ, o->hessian_fp64, j->T, &j->acc_gptq);
-            if (st != BK_OK)
-                goto fail;
-        }
-        st = job_buffers(j);
-        if (st != BK_OK)
-            goto fail;
     }
     /* backprop kinds: one host accumulator per layer of a leaf; the flow's
-     * output side enters it, and the input side too with the CPU stages (the
-     * GPU stages take the output side from it: bp_grads) */
+     * output side enters it, the stages get it with bp_grads (the CPU stages
+     * add the input side into it, the GPU stages take the output side) */
     if (j->S > 0 && j->bp) {
         j->bp_leaf = o->leaf_size < (int)j->cfg->n_layers ? o->leaf_size : (int)j->cfg->n_layers;
         j->bp_acc = calloc((size_t)j->bp_leaf, sizeof *j->bp_acc);

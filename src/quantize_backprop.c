@@ -165,7 +165,7 @@ bk_status bk__q_run_backprop(job *j)
         /* the Grams on the device, not the taps on the host; they stay there
          * for stages that take them (the GPU stages), else are downloaded */
         cb.grads = NULL;
-        if (j->ops->bp_grads) {
+        if (!j->ops->bp_host_grads) {
             j->bp_dev = calloc((size_t)j->bp_leaf, sizeof *j->bp_dev);
             if (!j->bp_dev)
                 return bk_error(BK_ERR_NOMEM, "quantize: out of memory");
@@ -177,17 +177,13 @@ bk_status bk__q_run_backprop(job *j)
                 cb.grams_start = bp_grams_start;
         }
         cb.gram_weighted = j->o->hessian == BK_HESS_BACKPROP_SHAMPOO;
-        st = bk_backend_bwd_flow_run(j->backend, j->model, j->tokens + j->s_lo * j->T,
-                                     j->s_hi - j->s_lo, j->T, &fo, (int)j->o->bwd_precision, &cb,
-                                     &j->bp_stats);
-        if (st != BK_OK)
-            bk__q_bp_chain_fail(j, st);
-    } else {
-        st = bk_bwd_flow_run(j->model, j->tokens + j->s_lo * j->T, j->s_hi - j->s_lo, j->T, &fo,
-                             &cb, &j->bp_stats);
-        if (st != BK_OK)
-            bk__q_bp_chain_fail(j, st);
     }
+    /* (the backend's flow, or the CPU's: --cpu-stages, a backend without one) */
+    st = bk_backend_bwd_flow_run(j->bp_gpu ? j->backend : NULL, j->model,
+                                 j->tokens + j->s_lo * j->T, j->s_hi - j->s_lo, j->T, &fo,
+                                 (int)j->o->bwd_precision, &cb, &j->bp_stats);
+    if (st != BK_OK)
+        bk__q_bp_chain_fail(j, st);
     bk_prof_add("bp.total (flow and leaf layers)", bk_now() - t0);
     bp_add_flow_time(j);
     return st;

@@ -6,8 +6,6 @@
  *                              and writing overlapped with the next solve), the
  *                              journal of finished layers
  *   src/quantize_solve.c       one module's solve, its report entry and event
- *   src/quantize_stages_cpu.c  the CPU stages (bk_stage_ops over bk_fwd and
- *                              bk_hess_acc)
  *   src/quantize_layers.c      the layer driver's bodies: the stages and solves
  *                              of one layer, the resume rebuild, --activations
  *   src/quantize_ranks.c       MPI ranks, data parallel (Hessian sums, solves
@@ -39,9 +37,6 @@ typedef struct job {
     bk_model *model;
     const bk_model_config *cfg;
     bk_backend *backend;
-    bk_fwd *fwd;
-    bk_hess_acc *acc;
-    bk_hess_acc *acc_gptq; /* plain E[xx^T] for the GPTQ loss of two-sided modules (shampoo) */
     bk_st_stream *out;
     bk_outdir od; /* the output folder: lock, work folder (od.work), commit */
     int layer_begin, layer_end;
@@ -51,20 +46,14 @@ typedef struct job {
     int32_t *tokens;
     int64_t S, T, N, batch;
     bk_act_reader *acts;
-    /* the stages on one micro-batch: CPU (below) or GPU (cuda/pipeline_cuda.cu) */
+    /* the stages on one micro-batch (bk_backend_stages_create): the
+     * backend's own (own_stages: the GPU's, cuda/pipeline_cuda.cu) or the
+     * CPU implementation (src/backend_cpu_stages.c); they hold the forward
+     * state, the buffers and the Hessian accumulators */
     const bk_stage_ops *ops;
     void *ops_ctx;
+    int own_stages;
     int fully;                          /* fully-local Hessian: FP queries/keys in stage 1 */
-    const bk_layer_weights *cur_orig;   /* the layer being processed (CPU stages) */
-    bk_layer_weights *cur_lw;
-    /* buffers (CPU stages) */
-    float *h;      /* [N, hidden] residual stream */
-    float *o_in;   /* [N, heads*head_dim] */
-    float *x;      /* [B*T, max(hidden, ...)] micro-batch scratch */
-    float *q_rot, *k_rot, *down;
-    float *mlp_in; /* [B*T, hidden] (--no-sequential) */
-    float *D;      /* [N, intermediate]: down_proj inputs of all sequences, kept from stage
-                      DOWN for stage OUT when they fit (else NULL: recomputed) */
     /* report */
     cJSON *report_modules;
     double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
@@ -75,17 +64,19 @@ typedef struct job {
     bk_dist *dist;
     int rank, nranks, agreed;
     int64_t s_lo, s_hi;
-    /* stages with their own sums (GPU): the sums and solved weights go
-     * through ops->sums / ops->share_weight; dev_coll: as device buffers
-     * (NCCL), else through host copies over MPI */
-    int dev_stages_ranks, dev_coll;
+    /* the stages' sums and solved weights go through ops->sums /
+     * ops->share_weight; dev_coll: as device buffers (NCCL), else host
+     * buffers or host copies over MPI */
+    int dev_coll;
     const char *coll_desc;
     int64_t *rank_peak;         /* [nranks] every rank's peak resident bytes (report.json) */
     /* backprop kinds: one accumulator per layer of a leaf of the flow
-     * (j->acc points at the one of the layer being quantized) */
+     * (j->acc points at the one of the layer being quantized; the stages get
+     * it with bp_grads) */
     int bp;
     int bp_leaf;                /* leaf size */
     bk_hess_acc **bp_acc;       /* [bp_leaf] */
+    bk_hess_acc *acc;
     struct bp_dev {             /* [bp_leaf]: the GPU flow's device Grams of the leaf
                                    (grams_dev), for the GPU stages */
         const double *G[BK_MOD_COUNT], *gw[BK_MOD_COUNT];
@@ -164,12 +155,6 @@ bk_status bk__q_solve_apply(job *j, int layer, bk_module mod, bk_layer_weights *
 bk_status bk__q_solve_module(job *j, int layer, bk_module mod, bk_layer_weights *lw,
                              const bk_layer_weights *orig);
 
-/* src/quantize_stages_cpu.c */
-extern const bk_stage_ops bk__q_cpu_stages;
-bk_status bk__q_add_all_modules(job *j, const bk_layer_weights *orig, const float *attn_in,
-                                const float *o_in, const float *mlp_in, const float *down_in,
-                                int fully, int64_t sb, double *t_hessian);
-
 /* src/quantize_layers.c */
 bk_status bk__q_weights_copy(const bk_model_config *c, const bk_layer_weights *src,
                              bk_layer_weights *dst);
@@ -181,7 +166,8 @@ bk_status bk__q_offline_body(void *user, int l, bk_layer_weights *w);
  * boundaries (one process: all sequences). */
 bk_status bk__q_split_ranks(job *j);
 /* The backend's own (GPU) stages with several ranks: the agreed micro-batch
- * (*batch) and how device buffers are exchanged. */
+ * (*batch) and how device buffers are exchanged (the CPU stages: host
+ * buffers over MPI). */
 bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch);
 /* The modules whose Hessians stage `stage` accumulates (bit per module). */
 unsigned bk__q_stage_modules(bk_stage stage);

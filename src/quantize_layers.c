@@ -100,9 +100,9 @@ static bk_status layer_tokens(job *j, int l, const bk_layer_weights *origp)
     if (st != BK_OK)
         goto done;
     begun = 1;
-    /* backprop kinds: the stages that keep their own input side take the
-     * flow's output side (j->acc: this layer's) */
-    if (quantize && j->bp && j->ops->bp_grads) {
+    /* backprop kinds: the stages take the flow's output side (j->acc: this
+     * layer's; or the GPU flow's device Grams) */
+    if (quantize && j->bp) {
         bk_bp_side side;
         memset(&side, 0, sizeof side);
         side.layer = l;
@@ -116,7 +116,10 @@ static bk_status layer_tokens(job *j, int l, const bk_layer_weights *origp)
             side.acc = j->acc;
         }
         t = bk_now();
-        st = j->ops->bp_grads(j->ops_ctx, &side);
+        st = j->ops->bp_grads ? j->ops->bp_grads(j->ops_ctx, &side)
+                              : bk_error(BK_ERR_UNSUPPORTED,
+                                         "quantize: the %s stages take no backprop gradients",
+                                         j->ops->name);
         j->t_hessian += bk_now() - t;
         if (st != BK_OK)
             goto done;
@@ -213,47 +216,33 @@ static bk_status layer_acts(job *j, int l, const bk_layer_weights *origp)
         st = j->ops->layer_begin(j->ops_ctx, &orig, &lw, 1); /* resets the accumulators */
     if (st != BK_OK)
         goto done;
-    int fully = j->fully;
-    const int64_t T = j->T, hid = c->hidden, qd = c->n_heads * c->head_dim,
-                  inter = c->intermediate;
-    float *mlp_in = bk_alloc((size_t)(j->batch * T * hid), sizeof(float));
-    if (!mlp_in) {
-        st = bk_error(BK_ERR_NOMEM, "out of memory for activations");
+    if (!j->ops->add_inputs) {
+        st = bk_error(BK_ERR_INTERNAL, "quantize: the %s stages take no dumped activations",
+                      j->ops->name);
         goto done;
     }
+    const int64_t T = j->T, nb = j->batch * T;
+    const int64_t width[4] = {c->hidden, c->n_heads * c->head_dim, c->hidden, c->intermediate};
+    static const char *const tap[4] = {"attn_in", "o_in", "mlp_in", "down_in"};
+    float *in[4] = {NULL, NULL, NULL, NULL};
+    for (int k = 0; k < 4 && st == BK_OK; k++)
+        if (!(in[k] = bk_alloc((size_t)(nb * width[k]), sizeof(float))))
+            st = bk_error(BK_ERR_NOMEM, "out of memory for activations");
     MB_LOOP(j, s0, sb) {
+        if (st != BK_OK)
+            break;
         int64_t r0 = s0 * T, nr = sb * T;
         t = bk_now();
-        st = bk__act_rows(&al, "attn_in", r0, nr, hid, j->x);
-        if (st == BK_OK)
-            st = bk__act_rows(&al, "o_in", r0, nr, qd, j->o_in);
-        if (st == BK_OK)
-            st = bk__act_rows(&al, "mlp_in", r0, nr, hid, mlp_in);
-        if (st == BK_OK)
-            st = bk__act_rows(&al, "down_in", r0, nr, inter, j->down);
+        for (int k = 0; k < 4 && st == BK_OK; k++)
+            st = bk__act_rows(&al, tap[k], r0, nr, width[k], in[k]);
         j->t_io += bk_now() - t;
         if (st != BK_OK)
             break;
-        if (fully) {
-            /* queries/keys after norm and RoPE, recomputed from attn_in */
-            t = bk_now();
-            float *scratch = bk_alloc((size_t)(nr * qd), sizeof(float));
-            if (!scratch) {
-                st = bk_error(BK_ERR_NOMEM, "out of memory for attention");
-                break;
-            }
-            st = bk_fwd_attention(j->fwd, &orig, j->x, sb, scratch, j->q_rot, j->k_rot, NULL);
-            free(scratch);
-            j->t_forward += bk_now() - t;
-            if (st != BK_OK)
-                break;
-        }
-        st = bk__q_add_all_modules(j, &orig, j->x, j->o_in, mlp_in, j->down, fully, sb,
-                             &j->t_hessian);
-        if (st != BK_OK)
-            break;
+        st = j->ops->add_inputs(j->ops_ctx, s0, sb, (const float *const *)in, &j->t_forward,
+                                &j->t_hessian);
     }
-    free(mlp_in);
+    for (int k = 0; k < 4; k++)
+        free(in[k]);
     if (st != BK_OK)
         goto done;
     for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++)

@@ -72,7 +72,6 @@ bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch)
     bk_status st = bk_dist_min_i64(j->dist, batch);
     if (st != BK_OK)
         return st;
-    j->dev_stages_ranks = 1;
     unsigned char mine[17], *all = calloc((size_t)j->nranks, sizeof mine);
     if (!all)
         return bk_error(BK_ERR_NOMEM, "out of memory");
@@ -144,26 +143,22 @@ static bk_status sum_one(void *user, void *buf, size_t n, int f64)
     return sum_buf(user, buf, n, f64, 0, NULL);
 }
 
+/* The stages' sums: a receive only writes them, a send only reads them (what
+ * a device's host copies carry); with NCCL (a GPU per rank) every exchange on
+ * the device buffers (the ordered pass: ncclSend / ncclRecv), the counts and
+ * scalars over MPI; host buffers (the CPU stages) over MPI as they are */
 static bk_status acc_sums(job *j, unsigned mods, int op, int peer)
 {
     sum_ctx c = {j, op, peer};
-    bk_status st = BK_OK;
-    if (j->dev_stages_ranks) {
-        /* the stages' own (device) sums: a receive only writes them, a send
-         * only reads them; with NCCL (a GPU per rank) every exchange on the
-         * device buffers (the ordered pass: ncclSend / ncclRecv), the counts
-         * and scalars over MPI */
-        const int rw = op == 0   ? BK_BUF_WRITE
-                       : op == 1 ? BK_BUF_READ
-                       : op == 2 ? (j->rank == peer ? BK_BUF_READ : BK_BUF_WRITE)
-                                 : BK_BUF_READ | BK_BUF_WRITE;
-        return j->ops->sums(j->ops_ctx, mods, j->dev_coll, rw, sum_buf, &c);
-    }
-    if (j->acc)
-        st = bk_hess_acc_sums(j->acc, mods, sum_one, &c);
-    if (st == BK_OK && j->acc_gptq)
-        st = bk_hess_acc_sums(j->acc_gptq, mods, sum_one, &c);
-    return st;
+    if (!j->ops->sums)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "quantize: the %s stages cannot run with several MPI ranks",
+                        j->ops->name);
+    const int rw = op == 0   ? BK_BUF_WRITE
+                   : op == 1 ? BK_BUF_READ
+                   : op == 2 ? (j->rank == peer ? BK_BUF_READ : BK_BUF_WRITE)
+                             : BK_BUF_READ | BK_BUF_WRITE;
+    return j->ops->sums(j->ops_ctx, mods, j->dev_coll, rw, sum_buf, &c);
 }
 
 /* ------------------------------------- backprop kinds: output-gradient sums
@@ -375,7 +370,7 @@ bk_status bk__q_solve_group(job *j, int l, int m0, int m1, bk_layer_weights *lw,
         st = share_solved(j, (bk_module)m, owner, &sv[m]);
         /* device stages: the owner's solve_dev set its working copy; the
          * quantized weight goes to the others' (NCCL broadcast, or host copies) */
-        if (st == BK_OK && j->dev_stages_ranks) {
+        if (st == BK_OK && j->ops->share_weight) {
             sum_ctx c = {j, 2, owner};
             st = j->ops->share_weight(j->ops_ctx, (bk_module)m, j->dev_coll,
                                       j->rank == owner ? BK_BUF_READ : BK_BUF_WRITE, sum_buf,

@@ -76,10 +76,10 @@ bk_status bk__q_write_metadata(job *j)
     cJSON_AddStringToObject(rep, "model", o->model_dir);
     cJSON_AddStringToObject(rep, "backend", bk_backend_name(j->backend));
     cJSON_AddStringToObject(rep, "device", bk_backend_device(j->backend));
-    if (j->ops && j->ops != &bk__q_cpu_stages) /* the backend's own stages */
+    if (j->own_stages) /* the backend's own stages (its GEMM arithmetic) */
         cJSON_AddStringToObject(rep, "gpu_math", bk_gemm_math_name(j->gemm_math));
-    cJSON_AddStringToObject(rep, "stages", j->ops ? j->ops->name : "cpu");
-    if (j->ops && j->ops->describe(j->ops_ctx)[0])
+    cJSON_AddStringToObject(rep, "stages", j->ops->name);
+    if (j->ops->describe(j->ops_ctx)[0])
         cJSON_AddStringToObject(rep, "stages_detail", j->ops->describe(j->ops_ctx));
     cJSON_AddNumberToObject(rep, "batch", (double)j->batch);
     cJSON_AddNumberToObject(rep, "peak_device_bytes", (double)bk_backend_peak_memory(j->backend));
@@ -115,7 +115,7 @@ bk_status bk__q_write_metadata(job *j)
         cJSON *b = cJSON_AddObjectToObject(rep, "backprop");
         cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
         cJSON_AddStringToObject(b, "device", j->bp_gpu ? bk_backend_name(j->backend) : "cpu");
-        cJSON_AddStringToObject(b, "input_stages", j->ops ? j->ops->name : "cpu");
+        cJSON_AddStringToObject(b, "input_stages", j->ops->name);
         static const char *const bwd_prec[] = {"fp32", "fp64", "tf32", "bf16"};
         cJSON_AddStringToObject(b, "precision",
                                 !j->bp_gpu ? "fp64" : bwd_prec[(unsigned)o->bwd_precision & 3]);
