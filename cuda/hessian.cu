@@ -466,6 +466,13 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
         return bk_error(BK_ERR_INVALID_ARG, "GPU hessian: NULL forward context");
     if ((unsigned)kind >= BK_HESS_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown Hessian kind %d", (int)kind);
+    /* the kinds implemented here: a kind added to the registry (src/hessian.c)
+     * after them runs on the CPU stages until it has a GPU implementation and
+     * a parity test (docs/DEVELOPING.md "Add a Hessian kind") */
+    if (kind > BK_HESS_BACKPROP_SHAMPOO)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "hessian: %s is not implemented on the GPU yet (use --cpu-stages)",
+                        bk_hessian_name(kind));
     /* the CPU accumulator's own checks of the configuration (one source of
      * truth; its accumulators are allocated and freed) */
     bk_hess_acc *probe = NULL;
