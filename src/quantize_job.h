@@ -80,6 +80,7 @@ typedef struct job {
      * (NCCL), else through host copies over MPI */
     int dev_stages_ranks, dev_coll;
     const char *coll_desc;
+    char coll_text[320];        /* coll_desc when composed (the GPU stages and backward flow) */
     int64_t *rank_peak;         /* [nranks] every rank's peak resident bytes (report.json) */
     /* backprop kinds: one accumulator per layer of a leaf of the flow
      * (j->acc points at the one of the layer being quantized) */
