@@ -322,6 +322,9 @@ struct bk_ghess {
     const double *Gdev[BK_MOD_COUNT]; /* the GPU flow's device Grams (bk_ghess_set_grads_dev) */
     int64_t Gdev_N;
     int Gdev_layer;
+    /* this process's own input rows per group (the token weights' offset):
+     * count[] less what the ranks before passed on (MPI ranks, ordered) */
+    int64_t own[G_COUNT];
     dgram a_bp[BK_MOD_COUNT];
     double *dw[BK_MOD_COUNT]; /* [dw_cap] token weights uploaded from the host accumulator */
     int64_t dw_n[BK_MOD_COUNT], dw_cap;
@@ -598,7 +601,7 @@ extern "C" void bk_ghess_reset(bk_ghess *a)
     a->v_wb = 0;
     a->n_pairs = 0;
     for (int g = 0; g < G_COUNT; g++)
-        a->count[g] = 0;
+        a->count[g] = a->own[g] = 0;
     a->layer = -1;
 }
 
@@ -608,8 +611,10 @@ namespace {
 
 /* Backprop kinds: N input rows X of group grp: the plain Gram (K-FAC's A,
  * or Shampoo's E[x xᵀ] kept for the GPTQ loss) and, Shampoo, Σ |g_t|² x xᵀ
- * per module of the group with the token weights of rows count[grp] ..
- * count[grp] + N (as src/hessian.c's bp_add_input). */
+ * per module of the group with the token weights of this process's rows
+ * own[grp] .. own[grp] + N (as src/hessian.c's bp_add_input: with MPI ranks
+ * count[grp] also holds the rows of the ranks before, whose weights are
+ * theirs). */
 bk_status bp_adds(bk_ghess *a, dgram *plain, int grp, const float *X, int64_t N)
 {
     static const bk_module mods[G_COUNT][3] = {
@@ -621,16 +626,18 @@ bk_status bp_adds(bk_ghess *a, dgram *plain, int grp, const float *X, int64_t N)
     bk_status st = BK_OK;
     for (int k = 0; a->bp_shampoo && k < 3 && mods[grp][k] != BK_MOD_COUNT && st == BK_OK; k++) {
         const bk_module mod = mods[grp][k];
-        if (!a->wsrc[mod] || a->dw_n[mod] < a->count[grp] + N)
+        if (!a->wsrc[mod] || a->dw_n[mod] < a->own[grp] + N)
             return bk_error(BK_ERR_INVALID_ARG,
                             "hessian: layer %d %s: backprop-shampoo inputs of tokens %lld..%lld "
                             "come before their gradients (bk_ghess_set_grads first)",
-                            a->layer, bk_module_name(mod), (long long)a->count[grp],
-                            (long long)(a->count[grp] + N));
-        st = gram_add(a, &a->a_bp[mod], X, N, a->wsrc[mod] + a->count[grp]);
+                            a->layer, bk_module_name(mod), (long long)a->own[grp],
+                            (long long)(a->own[grp] + N));
+        st = gram_add(a, &a->a_bp[mod], X, N, a->wsrc[mod] + a->own[grp]);
     }
     if (st == BK_OK && (!a->bp_shampoo || a->keep_plain))
         st = gram_add(a, plain, X, N, NULL);
+    if (st == BK_OK)
+        a->own[grp] += N;
     return st;
 }
 
@@ -1300,9 +1307,6 @@ extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int r
 {
     if (!a || !fn)
         return bk_error(BK_ERR_INVALID_ARG, "GPU hessian: NULL argument to bk_ghess_sums");
-    if (a->bp)
-        return bk_error(BK_ERR_UNSUPPORTED, "GPU hessian: the sums of the backprop kinds are "
-                        "not exchanged between ranks");
     int grp[G_COUNT];
     bk__hess_groups(modules, grp);
     bk_status st = BK_OK;
@@ -1311,6 +1315,28 @@ extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int r
             return;
         st = bk_gpu_stage_buf(a->f, g->s, (size_t)(g->n * g->n), a->fp64, dev, rw, fn, user);
     };
+    if (a->bp) {
+        /* the input side (bk__hess_bp_sum_items: the order of the CPU's
+         * bk_hess_acc_sums): K-FAC's Σ a aᵀ, or Shampoo's per-module
+         * Σ |g_t|² a aᵀ (each rank's rows weighed by its own tokens' weights)
+         * and the plain Grams kept for the GPTQ loss; then the row counts.
+         * own[] is this rank's and is not exchanged. The output side is the
+         * flow's (B from the host accumulator, bk_ghess_set_grads). */
+        dgram *plain[G_COUNT] = {&a->x_attn, &a->x_o, &a->x_mlp, &a->x_down};
+        int items[BK_HESS_BP_SUM_ITEMS];
+        const int n =
+            bk__hess_bp_sum_items(modules, a->bp_shampoo, !a->bp_shampoo || a->keep_plain, items);
+        for (int i = 0; i < n; i++)
+            gram(items[i] < 0 ? plain[-1 - items[i]] : &a->a_bp[items[i]]);
+        if (st != BK_OK)
+            return st;
+        double sc[G_COUNT];
+        const size_t k = bk__hess_bp_counts_pack(grp, a->count, sc);
+        if (k && (st = fn(user, sc, k, 1, 0, NULL)) != BK_OK)
+            return st;
+        bk__hess_bp_counts_unpack(grp, sc, a->count);
+        return BK_OK;
+    }
     const int64_t hh = a->dim.hd * a->dim.hd;
     if (grp[G_ATTN]) {
         gram(&a->x_attn);

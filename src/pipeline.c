@@ -104,18 +104,6 @@ static void job_free(job *j)
     j->rs = NULL;
 }
 
-/* The backprop kinds over MPI ranks: the flow on each rank's share (CPU, or
- * GPU with the host Grams), the input side on the CPU stages; the device-Gram
- * input side (bwd_input=gpu, the CUDA backend's default) is one process's. */
-static bk_status bp_ranks_refused(const bk_quantize_opts *o)
-{
-    return bk_error(BK_ERR_UNSUPPORTED,
-                    "quantize: --hessian %s with several MPI ranks and the CUDA backend needs "
-                    "--setting bwd_input=cpu (the input side on the CPU stages; the default "
-                    "bwd_input=gpu runs in one process only), or run one process",
-                    bk_hessian_name(o->hessian));
-}
-
 bk_status bk_quantize(const bk_quantize_opts *o)
 {
     job jb, *j = &jb;
@@ -162,11 +150,6 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     }
     if (j->bp && o->leaf_size < 1) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
-        goto fail;
-    }
-    if (j->bp && j->nranks > 1 && o->backend == BK_BACKEND_CUDA && !o->cpu_stages &&
-        !o->backend_params.bwd_input_cpu) {
-        st = bp_ranks_refused(o);
         goto fail;
     }
     if (o->hessian == BK_HESS_BACKPROP_SHAMPOO && j->rank == 0)
@@ -292,7 +275,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->bp_gpu = j->bp && !cpu_stages && j->tokens &&
                 bk_backend_supports(j->backend, BK_OP_BACKWARD);
     const int bwd_input_cpu = bk_backend_get_params(j->backend)->bwd_input_cpu;
-    if (j->bp_gpu && j->nranks > 1) /* (the input side: the CPU stages' sums over MPI) */
+    if (j->bp_gpu && j->nranks > 1) /* (the GPU stages' own collectives are added below) */
         j->coll_desc = "MPI over host copies (the GPU backward flow's output-gradient Grams)";
     if (j->bp && want_gpu && bwd_input_cpu) {
         st = bk_error(BK_ERR_USAGE,
@@ -301,13 +284,12 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                       bk_hessian_name(o->hessian));
         goto fail;
     }
+    /* (MPI ranks: the input side's device sums go through the stages' sums,
+     * bk__q_stage_ranks; the flow's output-gradient Grams through the host
+     * accumulators, bk__q_bp_leaf_sums) */
     const int bp_gpu_stages =
         j->bp && !bwd_input_cpu &&
         (want_gpu || (j->bp_gpu && bk_backend_supports(j->backend, BK_OP_STAGES)));
-    if (bp_gpu_stages && j->nranks > 1) {
-        st = bp_ranks_refused(o); /* (auto chose the GPU) */
-        goto fail;
-    }
     if (want_gpu && cpu_stages) {
         st = bk_error(BK_ERR_INVALID_ARG,
                       "quantize: --gpu-pipeline and --cpu-stages contradict each other");

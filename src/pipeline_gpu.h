@@ -131,7 +131,9 @@ bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk_module mod
                                const float **A, const float **B, const float **A_plain);
 
 /* MPI ranks: the running sums of modules `modules` to fn (bk_stage_ops.sums;
- * bk_hess_acc_sums's order). */
+ * bk_hess_acc_sums's order). Backprop kinds: the input side only
+ * (bk__hess_bp_sum_items, then the row counts); the output side comes
+ * complete from the host accumulator (bk_ghess_set_grads). */
 bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int rw, bk_stage_buf_fn fn,
                         void *user);
 

@@ -163,9 +163,13 @@ bk_status bk__q_run_backprop(job *j)
     const double t0 = bk_now();
     if (j->bp_gpu) {
         /* the Grams on the device, not the taps on the host; they stay there
-         * for stages that take them (the GPU stages), else are downloaded */
+         * for stages that take them (the GPU stages), else are downloaded
+         * into the host accumulators. MPI ranks: always downloaded, and
+         * combined there (bk__q_bp_leaf_sums); the GPU stages then take the
+         * complete sums from the host accumulator (bk_bp_side.acc) and their
+         * input side goes through their own sums (bk__q_stage_ranks) */
         cb.grads = NULL;
-        if (!j->ops->bp_host_grads) {
+        if (!j->ops->bp_host_grads && j->nranks <= 1) {
             j->bp_dev = calloc((size_t)j->bp_leaf, sizeof *j->bp_dev);
             if (!j->bp_dev)
                 return bk_error(BK_ERR_NOMEM, "quantize: out of memory");

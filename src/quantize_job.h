@@ -69,6 +69,7 @@ typedef struct job {
      * buffers or host copies over MPI */
     int dev_coll;
     const char *coll_desc;
+    char coll_text[320];        /* coll_desc when composed (the GPU stages and backward flow) */
     int64_t *rank_peak;         /* [nranks] every rank's peak resident bytes (report.json) */
     /* backprop kinds: one accumulator per layer of a leaf of the flow
      * (j->acc points at the one of the layer being quantized; the stages get

@@ -98,6 +98,12 @@ bk_status bk__q_dev_stages_ranks(job *j, int64_t *batch)
                            : "NCCL all-reduce and broadcasts";
         st = bk__q_sync(j, bk_dist_dev_init(j->dist));
     }
+    if (j->bp_gpu && j->coll_desc != j->coll_text) { /* the flow's Grams: host accumulators */
+        snprintf(j->coll_text, sizeof j->coll_text,
+                 "%s; the backward flow's output-gradient Grams: MPI over host copies",
+                 j->coll_desc);
+        j->coll_desc = j->coll_text;
+    }
     return st;
 }
 

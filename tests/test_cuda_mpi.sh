@@ -16,12 +16,21 @@
 #    the other way changes the next layers' inputs: on the H200 at bbc5eac
 #    layer 3's down_proj differed by 1.1e-3); NCCL all-reduce with a GPU per
 #    rank, else MPI;
-#  - backprop-kfac and backprop-shampoo with --setting bwd_input=cpu (the GPU
-#    backward flow on each rank's share, the input side on the CPU stages):
-#    -np 2 (halving, leaves of 2) and -np 3 (naive) ordered write the same
-#    bytes as one process with that setting; -np 2 sum within 1e-4 in the first
-#    layer, 2e-2 after; the default bwd_input=gpu with ranks refused (exit 2);
+#  - backprop-kfac and backprop-shampoo with the GPU backward flow on each
+#    rank's share and the input side on the GPU stages (bwd_input=gpu, the
+#    default): the output-gradient Grams combined in host memory (ordered:
+#    passed rank to rank, each rank's device Grams starting from the sums of
+#    the ranks before), the input side's device sums through the stages' sums
+#    like the other kinds'. -np 2 (halving, leaves of 2) and -np 3 (naive)
+#    ordered write the same bytes as one process with the default (whose flow
+#    hands its Grams to the stages on the device: B = G / N formed there
+#    instead of on the host, the same double division); -np 2 sum within 1e-4
+#    in the first layer, 2e-2 after; the input side on the GPU stages
+#    (report.json's backprop.input_stages); --setting bwd_input=cpu (the input
+#    side on the CPU stages) with 2 ranks still the same bytes as one process
+#    with that setting;
 #  - more ranks than micro-batches: one line, exit 2, no output.
+# BK_CUDA_MPI_PART=backprop runs the backprop cases alone.
 set -u
 source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cd "$W" || exit 1
@@ -84,6 +93,10 @@ collectives() { # report.json -> the mpi section's device_collectives
     python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["mpi"].get("device_collectives", ""))' "$1"
 }
 
+# BK_CUDA_MPI_PART=backprop: the backprop section alone (a short GPU lease for a
+# change that touches only the backprop kinds); default: everything
+PART=${BK_CUDA_MPI_PART:-all}
+if [ "$PART" != backprop ]; then
 # --- one rank = one process --------------------------------------------------------
 for h in gptq mlplocal-kfac fullylocal-kfac; do
     [ -d "ref-$h" ] || "$B" quantize "$M" "${CAL[@]}" --hessian "$h" --out "ref-$h" 2>"$W/err" ||
@@ -126,53 +139,67 @@ fi
 [ -d np2-sum ] && same_bytes "data parallel, 2 ranks, sum (rounding only)" ref-mlplocal-kfac np2-sum 2e-2 1e-4
 [ -d np2-sum ] && echo "  GPU collectives: $(collectives np2-sum/report.json)"
 
+fi # (PART)
+
 # --- backprop kinds: the GPU backward flow on each rank's share ---------------------------
 # Each rank runs the GPU flow over its sequences (the model Fisher's sampled
 # labels seeded by the whole set's sequence index); ordered: rank r's device
 # Grams start from the output-gradient sums of the ranks before (host copies
-# over MPI), the input side on the CPU stages (--setting bwd_input=cpu: with
-# ranks the only one) passed rank to rank; the same bytes as one process with
-# the same setting. Halving flow with leaves of 2 layers (4 micro-batches, 2
-# ranks), the naive flow over 3 ranks (3 micro-batches of 6 sequences,
-# 1 + 1 + 1).
-BPC=(--setting bwd_input=cpu)
+# over MPI), the complete sums go to every rank's host accumulator and from
+# there to its GPU stages; the input side's device sums (K-FAC's Σ a aᵀ,
+# Shampoo's per-module Σ |g_t|² a aᵀ with each rank's own token weights and
+# the plain Grams of the GPTQ loss) passed rank to rank like the other kinds'.
+# The same bytes as one process. Halving flow with leaves of 2 layers
+# (4 micro-batches, 2 ranks), the naive flow over 3 ranks (3 micro-batches of
+# 6 sequences, 1 + 1 + 1).
+bp_input() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["backprop"]["input_stages"])' "$1"; }
 for h in backprop-kfac backprop-shampoo; do
-    "$B" quantize "$M" "${CAL[@]}" "${BPC[@]}" --hessian "$h" --leaf-size 2 --out "ref-$h" \
+    "$B" quantize "$M" "${CAL[@]}" --hessian "$h" --leaf-size 2 --out "ref-$h" \
         2>"$W/err" || { die "quantize $h: $(tail -3 "$W/err")"; continue; }
-    "${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" "${BPC[@]}" --hessian "$h" --leaf-size 2 \
+    "${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian "$h" --leaf-size 2 \
         --out "np2-$h" 2>"$W/err" || { die "np 2 $h: $(tail -3 "$W/err")"; continue; }
-    same_bytes "data parallel, 2 ranks, ordered, $h --leaf-size 2 (GPU flow)" "ref-$h" "np2-$h"
+    same_bytes "data parallel, 2 ranks, ordered, $h --leaf-size 2 (GPU flow, GPU input side)" \
+        "ref-$h" "np2-$h"
     python3 -c 'import json,sys; assert json.load(open(sys.argv[1]))["backprop"]["device"] == "cuda"' \
         "np2-$h/report.json" || die "np 2 $h: report.json's backprop.device is not cuda"
+    [ "$(bp_input "np2-$h/report.json")" = cuda ] ||
+        die "np 2 $h: the input side ran on the $(bp_input "np2-$h/report.json") stages, not the GPU's"
+    echo "  GPU collectives: $(collectives "np2-$h/report.json")"
 done
 BP6=(--calib "$M/calib.safetensors" --samples 6 --batch 2 --backend cuda --hessian backprop-shampoo
-     --bwd-flow naive --leaf-size 3 "${BPC[@]}")
+     --bwd-flow naive --leaf-size 3)
 if "$B" quantize "$M" "${BP6[@]}" --out ref-bp6 2>"$W/err"; then
     "${MPIRUN[@]}" -np 3 "$B" quantize "$M" "${BP6[@]}" --out np3-bp6 2>"$W/err" ||
         die "np 3 backprop-shampoo naive: $(tail -3 "$W/err")"
-    same_bytes "data parallel, 3 ranks, ordered, backprop-shampoo --bwd-flow naive (GPU flow)" \
+    same_bytes "data parallel, 3 ranks, ordered, backprop-shampoo --bwd-flow naive (GPU flow, GPU input side)" \
         ref-bp6 np3-bp6
 else
     die "quantize backprop-shampoo naive: $(tail -3 "$W/err")"
 fi
-# sum: each rank's Grams from zero, added in rank order on the host (rounding
-# only; the first layer's tolerance as the stages' sum above)
-"${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" "${BPC[@]}" --hessian backprop-shampoo \
+# sum: each rank's Grams and input sums from zero, added in rank order
+# (rounding only; the first layer's tolerance as the stages' sum above)
+"${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian backprop-shampoo \
     --leaf-size 2 --dist-reduce sum --out np2-bp-sum 2>"$W/err" ||
     die "np 2 sum backprop-shampoo: $(tail -3 "$W/err")"
 [ -d np2-bp-sum ] && [ -d ref-backprop-shampoo ] &&
     same_bytes "data parallel, 2 ranks, sum, backprop-shampoo (rounding only)" ref-backprop-shampoo \
         np2-bp-sum 2e-2 1e-4
-# the device-Gram input side (bwd_input=gpu, the default) is one process's: refused
-"${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" --hessian backprop-kfac --out np2-bad \
-    >"$W/out" 2>"$W/err"
-rc=$?
-bad=0
-[ $rc = 2 ] || { die "2 ranks, bwd_input=gpu: exit $rc, expected 2"; bad=1; }
-[ "$(grep -c "bwd_input=cpu" "$W/err")" = 1 ] ||
-    { die "2 ranks, bwd_input=gpu: $(head -3 "$W/err")"; bad=1; }
-[ ! -e np2-bad ] || { die "2 ranks, bwd_input=gpu: an output folder"; bad=1; }
-[ $bad = 0 ] && echo "ok: a backprop kind with ranks and bwd_input=gpu refused: $(head -1 "$W/err")"
+# the input side on the CPU stages (--setting bwd_input=cpu): with ranks as before
+BPC=(--setting bwd_input=cpu)
+if "$B" quantize "$M" "${CAL[@]}" "${BPC[@]}" --hessian backprop-kfac --leaf-size 2 \
+    --out ref-bpc 2>"$W/err"; then
+    "${MPIRUN[@]}" -np 2 "$B" quantize "$M" "${CAL[@]}" "${BPC[@]}" --hessian backprop-kfac \
+        --leaf-size 2 --out np2-bpc 2>"$W/err" || die "np 2 bwd_input=cpu: $(tail -3 "$W/err")"
+    same_bytes "data parallel, 2 ranks, ordered, backprop-kfac --setting bwd_input=cpu" ref-bpc \
+        np2-bpc
+    if [ -d np2-bpc ] && [ "$(bp_input np2-bpc/report.json)" != cpu ]; then
+        die "np 2 bwd_input=cpu: the input side not on the CPU stages"
+    fi
+else
+    die "quantize backprop-kfac bwd_input=cpu: $(tail -3 "$W/err")"
+fi
+
+[ "$PART" = backprop ] && exit $fail
 
 # --- bad input: more ranks than micro-batches ---------------------------------------------
 "${MPIRUN[@]}" -np 3 "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 4 --batch 2 \

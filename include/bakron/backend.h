@@ -42,7 +42,8 @@ typedef struct bk_backend_params {
                            fits, else in pinned host memory; 1: always in pinned host memory */
     int bwd_input_cpu;  /* backprop kinds with the backward passes on the GPU: 0 (default)
                            the input-side stages (forward through the quantized layers,
-                           E[a aᵀ]) on the GPU stages too, fed the flow's device Grams;
+                           E[a aᵀ]) on the GPU stages too, fed the flow's device Grams
+                           (MPI ranks: the Grams combined in host memory first);
                            1 (setting bwd_input=cpu): on the CPU, the GPU backward's Grams
                            downloaded (slower; isolates the backward pass in tests) */
 } bk_backend_params;
