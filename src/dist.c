@@ -648,93 +648,9 @@ bk_status bk_dist_sendrecv_dev(bk_dist *d, const void *send, int to, void *recv,
 {
     return p2p_dev(d, send, to, recv, from, len, stream);
 }
-#else
-static bk_status no_nccl(void)
-{
-    return bk_error(BK_ERR_UNSUPPORTED, "this bakron was built without NCCL");
-}
-
-bk_status bk_dist_dev_init(bk_dist *d)
-{
-    (void)d;
-    return no_nccl();
-}
-
-bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream)
-{
-    (void)d, (void)dev, (void)n, (void)f64, (void)stream;
-    return no_nccl();
-}
-
-bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream)
-{
-    (void)d, (void)dev, (void)len, (void)root, (void)stream;
-    return no_nccl();
-}
-
-bk_status bk_dist_send_dev(bk_dist *d, const void *dev, size_t len, int to, void *stream)
-{
-    (void)d, (void)dev, (void)len, (void)to, (void)stream;
-    return no_nccl();
-}
-
-bk_status bk_dist_recv_dev(bk_dist *d, void *dev, size_t len, int from, void *stream)
-{
-    (void)d, (void)dev, (void)len, (void)from, (void)stream;
-    return no_nccl();
-}
-
-bk_status bk_dist_sendrecv_dev(bk_dist *d, const void *send, int to, void *recv, int from,
-                               size_t len, void *stream)
-{
-    (void)d, (void)send, (void)to, (void)recv, (void)from, (void)len, (void)stream;
-    return no_nccl();
-}
 #endif
 
 #else /* !BK_HAVE_MPI */
-
-static bk_status no_mpi_nccl(void)
-{
-    return bk_error(BK_ERR_UNSUPPORTED, "this bakron was built without MPI and NCCL");
-}
-
-bk_status bk_dist_dev_init(bk_dist *d)
-{
-    (void)d;
-    return no_mpi_nccl();
-}
-
-bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream)
-{
-    (void)d, (void)dev, (void)n, (void)f64, (void)stream;
-    return no_mpi_nccl();
-}
-
-bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream)
-{
-    (void)d, (void)dev, (void)len, (void)root, (void)stream;
-    return no_mpi_nccl();
-}
-
-bk_status bk_dist_send_dev(bk_dist *d, const void *dev, size_t len, int to, void *stream)
-{
-    (void)d, (void)dev, (void)len, (void)to, (void)stream;
-    return no_mpi_nccl();
-}
-
-bk_status bk_dist_recv_dev(bk_dist *d, void *dev, size_t len, int from, void *stream)
-{
-    (void)d, (void)dev, (void)len, (void)from, (void)stream;
-    return no_mpi_nccl();
-}
-
-bk_status bk_dist_sendrecv_dev(bk_dist *d, const void *send, int to, void *recv, int from,
-                               size_t len, void *stream)
-{
-    (void)d, (void)send, (void)to, (void)recv, (void)from, (void)len, (void)stream;
-    return no_mpi_nccl();
-}
 
 int bk_dist_local_rank(const bk_dist *d)
 {
@@ -839,4 +755,54 @@ bk_status bk_dist_sum_ordered(bk_dist *d, void *buf, size_t n, int f64)
     return BK_OK;
 }
 
+#endif
+
+#if !(BK_HAVE_MPI && BK_HAVE_NCCL)
+/* the device collectives need MPI (bootstrap) and NCCL */
+#if BK_HAVE_MPI
+#define BK_NO_DEV_COLL "this bakron was built without NCCL"
+#else
+#define BK_NO_DEV_COLL "this bakron was built without MPI and NCCL"
+#endif
+static bk_status no_nccl(void)
+{
+    return bk_error(BK_ERR_UNSUPPORTED, BK_NO_DEV_COLL);
+}
+
+bk_status bk_dist_dev_init(bk_dist *d)
+{
+    (void)d;
+    return no_nccl();
+}
+
+bk_status bk_dist_sum_dev(bk_dist *d, void *dev, size_t n, int f64, void *stream)
+{
+    (void)d, (void)dev, (void)n, (void)f64, (void)stream;
+    return no_nccl();
+}
+
+bk_status bk_dist_bcast_dev(bk_dist *d, void *dev, size_t len, int root, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)root, (void)stream;
+    return no_nccl();
+}
+
+bk_status bk_dist_send_dev(bk_dist *d, const void *dev, size_t len, int to, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)to, (void)stream;
+    return no_nccl();
+}
+
+bk_status bk_dist_recv_dev(bk_dist *d, void *dev, size_t len, int from, void *stream)
+{
+    (void)d, (void)dev, (void)len, (void)from, (void)stream;
+    return no_nccl();
+}
+
+bk_status bk_dist_sendrecv_dev(bk_dist *d, const void *send, int to, void *recv, int from,
+                               size_t len, void *stream)
+{
+    (void)d, (void)send, (void)to, (void)recv, (void)from, (void)len, (void)stream;
+    return no_nccl();
+}
 #endif

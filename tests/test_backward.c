@@ -75,6 +75,35 @@ static int64_t mod_in(const bk_model_config *c, int mod)
     return in;
 }
 
+/* Random taps of one layer, N rows: each module's input in F32 and the same
+ * values in F64 (q, k, v share theirs, gate and up too) and an F64 output
+ * gradient; the caller frees the 3 * BK_MOD_COUNT arrays. */
+static void random_taps(const bk_model_config *c, int64_t N, bk_rng *rg, float **af, double **ad,
+                        double **gd)
+{
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        const int64_t n = mod_in(c, i), m = mod_out(c, i);
+        af[i] = malloc((size_t)(N * n) * sizeof(float));
+        ad[i] = malloc((size_t)(N * n) * sizeof(double));
+        gd[i] = malloc((size_t)(N * m) * sizeof(double));
+        assert_non_null(af[i]);
+        assert_non_null(ad[i]);
+        assert_non_null(gd[i]);
+        for (int64_t k = 0; k < N * n; k++) {
+            af[i][k] = (float)bk_rng_normal(rg);
+            ad[i][k] = (double)af[i][k];
+        }
+        for (int64_t k = 0; k < N * m; k++)
+            gd[i][k] = bk_rng_normal(rg);
+    }
+    for (int64_t k = 0; k < N * c->hidden; k++) {
+        af[BK_MOD_K][k] = af[BK_MOD_V][k] = af[BK_MOD_Q][k];
+        ad[BK_MOD_K][k] = ad[BK_MOD_V][k] = ad[BK_MOD_Q][k];
+        af[BK_MOD_UP][k] = af[BK_MOD_GATE][k];
+        ad[BK_MOD_UP][k] = ad[BK_MOD_GATE][k];
+    }
+}
+
 /* Everything one full forward + backward gives: per layer and module the
  * inputs a and output gradients g [N, width] (copies), and the loss. */
 typedef struct run {
@@ -707,25 +736,7 @@ static void test_backprop_factors(void **state)
     bk_rng_seed(&rg, 5);
     float *af[BK_MOD_COUNT];
     double *ad[BK_MOD_COUNT], *gd[BK_MOD_COUNT];
-    for (int i = 0; i < BK_MOD_COUNT; i++) {
-        int64_t n = mod_in(&c, i), m = mod_out(&c, i);
-        af[i] = malloc((size_t)(N * n) * sizeof(float));
-        ad[i] = malloc((size_t)(N * n) * sizeof(double));
-        gd[i] = malloc((size_t)(N * m) * sizeof(double));
-        for (int64_t k = 0; k < N * n; k++) {
-            af[i][k] = (float)bk_rng_normal(&rg);
-            ad[i][k] = (double)af[i][k];
-        }
-        for (int64_t k = 0; k < N * m; k++)
-            gd[i][k] = bk_rng_normal(&rg);
-    }
-    /* q, k, v share their input, gate and up too */
-    for (int64_t k = 0; k < N * c.hidden; k++) {
-        af[BK_MOD_K][k] = af[BK_MOD_V][k] = af[BK_MOD_Q][k];
-        ad[BK_MOD_K][k] = ad[BK_MOD_V][k] = ad[BK_MOD_Q][k];
-        af[BK_MOD_UP][k] = af[BK_MOD_GATE][k];
-        ad[BK_MOD_UP][k] = ad[BK_MOD_GATE][k];
-    }
+    random_taps(&c, N, &rg, af, ad, gd);
     bk_layer_weights lw;
     memset(&lw, 0, sizeof lw);
     for (int shampoo = 0; shampoo < 2; shampoo++) {
@@ -1005,22 +1016,7 @@ static void test_bp_rank_pass(void **state)
     bk_rng_seed(&rg, 11);
     float *af[BK_MOD_COUNT];
     double *ad[BK_MOD_COUNT], *gd[BK_MOD_COUNT];
-    for (int i = 0; i < BK_MOD_COUNT; i++) {
-        const int64_t n = mod_in(&c, i), m = mod_out(&c, i);
-        af[i] = malloc((size_t)(N * n) * sizeof(float));
-        ad[i] = malloc((size_t)(N * n) * sizeof(double));
-        gd[i] = malloc((size_t)(N * m) * sizeof(double));
-        for (int64_t k = 0; k < N * n; k++)
-            ad[i][k] = af[i][k] = (float)bk_rng_normal(&rg);
-        for (int64_t k = 0; k < N * m; k++)
-            gd[i][k] = bk_rng_normal(&rg);
-    }
-    for (int64_t k = 0; k < N * c.hidden; k++) {
-        af[BK_MOD_K][k] = af[BK_MOD_V][k] = af[BK_MOD_Q][k];
-        ad[BK_MOD_K][k] = ad[BK_MOD_V][k] = ad[BK_MOD_Q][k];
-        af[BK_MOD_UP][k] = af[BK_MOD_GATE][k];
-        ad[BK_MOD_UP][k] = ad[BK_MOD_GATE][k];
-    }
+    random_taps(&c, N, &rg, af, ad, gd);
     bk_layer_weights lw;
     memset(&lw, 0, sizeof lw);
     const unsigned stage[4] = {1u << BK_MOD_Q | 1u << BK_MOD_K | 1u << BK_MOD_V, 1u << BK_MOD_O,
