@@ -1,3 +1,4 @@
+#include <stdio.h>
 #include <stdlib.h>
 #include <stddef.h>
 #include <string.h>
@@ -365,9 +366,24 @@ bk_status bk_backend_stages_create(bk_backend *b, const bk_stage_params *p, int6
 {
     *ops = NULL;
     *ctx = NULL;
-    if (b && b->ops->stages_create && !p->cpu)
-        return b->ops->stages_create(b, p, batch, ops, ctx);
-    return bk_cpu_stages_create(b, p, batch, ops, ctx);
+    char why[512] = "";
+    if (b && b->ops->stages_create && !p->cpu) {
+        const int64_t asked = *batch;
+        bk_status st = b->ops->stages_create(b, p, batch, ops, ctx);
+        if (st != BK_ERR_UNSUPPORTED)
+            return st;
+        /* the backend has no stages for this job (a Hessian kind or setting
+         * it does not implement): the CPU's run it, and say so */
+        snprintf(why, sizeof why, "stages on the CPU (%s)", bk_last_error());
+        bk_clear_error();
+        *batch = asked;
+        *ops = NULL;
+        *ctx = NULL;
+    }
+    bk_status st = bk_cpu_stages_create(b, p, batch, ops, ctx);
+    if (st == BK_OK && why[0])
+        bk_cpu_stages_note(*ctx, why);
+    return st;
 }
 
 bk_status bk_backend_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens,

@@ -32,6 +32,7 @@ typedef struct cpu_stages {
     float *mlp_in; /* [B*T, hidden] (--no-sequential) */
     float *D;      /* [Nr, intermediate]: down_proj inputs of this rank's sequences, kept from
                       stage DOWN for stage OUT when they fit (else NULL: recomputed) */
+    char note[512]; /* describe: why these stages run for another backend ("" otherwise) */
 } cpu_stages;
 
 /* Feed one micro-batch of every module's inputs to the accumulators (the
@@ -310,8 +311,7 @@ static void cpu_destroy(void *ctx)
 
 static const char *cpu_describe(void *ctx)
 {
-    (void)ctx;
-    return "";
+    return ((const cpu_stages *)ctx)->note;
 }
 
 static const bk_stage_ops cpu_stage_ops = {
@@ -415,4 +415,15 @@ bk_status bk_cpu_stages_create(bk_backend *b, const bk_stage_params *p, int64_t 
     *ops = &cpu_stage_ops;
     *ctx = c;
     return BK_OK;
+}
+
+void bk_cpu_stages_note(void *ctx, const char *note)
+{
+    cpu_stages *c = ctx;
+    snprintf(c->note, sizeof c->note, "%s", note);
+}
+
+int bk_cpu_stages_are(const bk_stage_ops *ops)
+{
+    return ops == &cpu_stage_ops;
 }

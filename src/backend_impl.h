@@ -100,7 +100,8 @@ typedef struct bk_stage_ops {
     /* The layer is done (its weights are released by the caller). */
     void (*layer_end)(void *ctx);
     void (*destroy)(void *ctx);
-    /* One line for the log and report.json ("" for the CPU). */
+    /* One line for the log and report.json ("" for the CPU stages, unless
+     * they run a job another backend has no stages for: why). */
     const char *(*describe)(void *ctx);
     /* Backprop kinds (required for them): the output side of the layer just
      * begun (its B, and Shampoo's token weights |g_t|² for the input side);
@@ -228,7 +229,10 @@ typedef struct bk_backend_ops {
                                   const bk_layer_fwd_ops **ops, void **ctx);
     /* The quantize stages. *batch: the micro-batch asked for (0 = automatic),
      * reduced when the memory is short; the value used is returned.
-     * NULL: the CPU's (bk_cpu_stages_create). */
+     * NULL: the CPU's (bk_cpu_stages_create). BK_ERR_UNSUPPORTED (one line
+     * naming what is missing, "cuda has no stages for ..."), before anything
+     * is allocated: no implementation for this job's kind or settings; the
+     * dispatcher then runs the CPU's (supports_op per job). */
     bk_status (*stages_create)(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                const bk_stage_ops **ops, void **ctx);
     /* The backward flow of the Backprop Hessians, as bk_bwd_flow_run
@@ -260,7 +264,10 @@ int bk_backend_supports(const bk_backend *b, bk_backend_op op);
 
 /* Dispatchers (layer_fwd_create and stages_create fall back to the CPU
  * implementation, also for b == NULL; stages_create also when p->cpu asks
- * for it). bk_backend_solve is public (bakron/backend.h), and so are
+ * for it, and when the backend's stages_create returns BK_ERR_UNSUPPORTED:
+ * it has no stages for that Hessian kind or setting; the CPU stages then
+ * run the job and their describe says so, "stages on the CPU (<the
+ * backend's message>)", for the log line and report.json). bk_backend_solve is public (bakron/backend.h), and so are
  * bk_backend_model_nll and bk_backend_model_logits, which run the layer
  * driver over layer_fwd_create (src/eval.c). */
 bk_status bk_backend_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p,
@@ -284,6 +291,11 @@ bk_status bk_cpu_layer_fwd_create(bk_backend *b, const bk_layer_fwd_params *p, i
  * keep_down). */
 bk_status bk_cpu_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                                const bk_stage_ops **ops, void **ctx);
+/* The CPU stages ctx (from bk_cpu_stages_create) describe themselves as
+ * `note` (the dispatcher's fallback; copied, cut at 511 bytes). */
+void bk_cpu_stages_note(void *ctx, const char *note);
+/* 1: ops are the CPU stages' (the dispatcher fell back, or was asked to). */
+int bk_cpu_stages_are(const bk_stage_ops *ops);
 
 struct bk_backend {
     const bk_backend_ops *ops;

@@ -343,6 +343,10 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             st = bk__q_sync(j, st);
         if (st != BK_OK)
             goto fail;
+        /* the backend had no stages for this kind or setting: the CPU's run
+         * the job (their describe says why: the start line, report.json) */
+        if (j->own_stages && bk_cpu_stages_are(j->ops))
+            j->own_stages = 0;
         if (j->nranks > 1 && j->own_stages) {
             const int64_t mine = gb;
             st = bk__q_dev_stages_ranks(j, &gb);
