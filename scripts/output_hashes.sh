@@ -8,6 +8,7 @@
 #   scripts/output_hashes.sh BAKRON_BINARY > hashes.txt
 set -euo pipefail
 bk=${1:?usage: output_hashes.sh BAKRON_BINARY}
+bk=$(realpath "$bk") # (the --activations part runs in the work folder)
 root="$(cd "$(dirname "$0")/.." && pwd)"
 model="$root/examples/kerneldocs-1.6m"
 work=$(mktemp -d)
