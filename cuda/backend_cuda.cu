@@ -117,9 +117,41 @@ void cuda_destroy(void *vctx)
     bk_cuda_ctx_destroy(static_cast<bk_cuda_ctx *>(vctx));
 }
 
+/* The jobs the GPU stages implement (cuda/pipeline_cuda.cu, cuda/hessian.cu):
+ * BK_ERR_UNSUPPORTED before anything is allocated for the others, and the
+ * dispatcher (src/backend.c) runs the CPU stages for them. A Hessian kind
+ * added to the registry after the backprop kinds runs there until it has a
+ * GPU implementation and a parity test (docs/DEVELOPING.md "Add a Hessian
+ * kind"). */
+bk_status cuda_stages_supported(const bk_stage_params *p)
+{
+    const bk_model_config *cfg = bk_model_get_config(p->model);
+    const bk_hessian_kind k = p->kind;
+    const int mlp2 = k == BK_HESS_MLPLOCAL_KFAC || k == BK_HESS_MLPLOCAL_SHAMPOO ||
+                     k == BK_HESS_FULLYLOCAL_KFAC || k == BK_HESS_FULLYLOCAL_SHAMPOO;
+    if ((unsigned)k > BK_HESS_BACKPROP_SHAMPOO)
+        return bk_error(BK_ERR_UNSUPPORTED, "cuda has no stages for --hessian %s",
+                        bk_hessian_name(k));
+    if (mlp2 && cfg->hidden_act[0] && strcmp(cfg->hidden_act, "silu") != 0)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "cuda has no stages for --hessian %s with hidden_act '%s' (only silu)",
+                        bk_hessian_name(k), cfg->hidden_act);
+    if (p->inputs)
+        return bk_error(BK_ERR_UNSUPPORTED,
+                        "cuda has no stages for dumped activations (--activations)");
+    if (p->S < 1)
+        return bk_error(BK_ERR_UNSUPPORTED, "cuda has no stages without calibration sequences");
+    return BK_OK;
+}
+
 bk_status cuda_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *batch,
                              const bk_stage_ops **ops, void **ctx)
 {
+    if (!p || !p->model || !batch)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU pipeline: bad arguments");
+    bk_status st = cuda_stages_supported(p);
+    if (st != BK_OK)
+        return st;
     return bk_gpu_stages_create(b, p->model, p->kind, p->fp64, p->keep_plain, p->fully,
                                 p->codes_only, p->S, p->T, p->rank, p->nranks, batch, ops,
                                 ctx);
