@@ -227,6 +227,34 @@ bk_status bk_cuda_losses(bk_cuda_ctx *c, int64_t m, int64_t n, const double *dWq
 bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
                         bk_solve_result *r);
 
+/* The input side of one device solve kept for the next solves whose A is the
+ * same matrix (q/k/v take the same E[x x^T] of attn_in, gate/up that of
+ * mlp_in): the damping, Cholesky factor of the inverse, X~ and dead columns
+ * of A are then computed once. The caller names A's content by (src, scale):
+ * equal names must mean equal matrices, so it drops the kept side
+ * (bk_dshare_drop) whenever what a name stands for may change. Reusing the
+ * side gives the results that factoring A again gives (the same
+ * deterministic steps on the same matrix with the same options). */
+typedef struct bk_dshare {
+    /* set by the caller for each solve */
+    const void *src;  /* the name of this solve's A; NULL: not shareable (drops a kept side) */
+    double scale;
+    int keep;         /* keep this solve's input side for a later solve of the same A */
+    /* the kept side (owned; bk_dshare_drop releases it) */
+    int valid;
+    const void *k_src;
+    double k_scale;
+    int64_t n, dead;
+    bk_precision prec;
+    double damp;
+    int max_retries, stats, fp64_factor;
+    bk_dside sa;
+    int hits;         /* solves that reused a kept side (for tests and notes) */
+} bk_dshare;
+
+/* Release a kept input side (the struct stays usable). */
+void bk_dshare_drop(bk_cuda_ctx *c, bk_dshare *s);
+
 /* A solve whose factors already live on the device (the GPU pipeline). */
 typedef struct bk_dsolve_problem {
     int64_t m, n;
@@ -239,6 +267,7 @@ typedef struct bk_dsolve_problem {
                              device (cuda/qfit.cuh; same rule, sums in another order) */
     int no_host_weight;   /* with dW: r->weight stays NULL (d_weight has it; saves the
                              m*n download when the caller only needs codes and scales) */
+    bk_dshare *share;     /* or NULL: the input side shared between solves of one A */
 } bk_dsolve_problem;
 
 /* As bk_cuda_solve on the same problem with A/B given as host F32 arrays: the
