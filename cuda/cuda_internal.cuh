@@ -56,6 +56,11 @@ typedef struct bk_cuda_ctx {
     int part_sms, part_actual; /* SMs asked for / given */
     int part_used;        /* the last BaKron run used the partition (reported by bk-cuda-dev) */
     char part_off[96];    /* why the partition is unavailable ("" = not known to be) */
+    /* bk_cuda_download's pinned staging (made at the first large download) */
+    void *dl_pin[2];
+    cudaEvent_t dl_ev[2];
+    int dl_threads;       /* host threads copying out of a slot */
+    int dl_off;           /* 1: staging unavailable (cudaHostAlloc failed): plain copies */
 } bk_cuda_ctx;
 
 /* partition.cu */
@@ -90,6 +95,18 @@ bk_status bk_dev_alloc(bk_cuda_ctx *c, void **p, size_t bytes, const char *what)
 void bk_dev_free(bk_cuda_ctx *c, void *p);
 /* Count library workspace (cuSOLVER buffers) towards the peak. */
 void bk_dev_note_transient(bk_cuda_ctx *c, size_t bytes);
+
+/* bytes from device src into host (pageable) dst, ordered after the work on
+ * c->stream; returns when dst holds them. Large downloads go through two
+ * pinned slots: the DMA of one chunk overlaps the host threads copying the
+ * previous one out (a pageable cudaMemcpy copies out on one thread, at a
+ * fraction of the link's speed). Byte for byte the same as cudaMemcpy. */
+bk_status bk_cuda_download(bk_cuda_ctx *c, void *dst, const void *src, size_t bytes);
+/* Its staging released (bk_cuda_ctx_destroy). */
+void bk_cuda_download_release(bk_cuda_ctx *c);
+/* Its chunk (one pinned slot) and the size from which it stages. */
+#define BK_DL_CHUNK ((size_t)32 << 20)
+#define BK_DL_MIN ((size_t)4 << 20)
 
 static inline int64_t bk_round_up(int64_t x, int64_t to)
 {

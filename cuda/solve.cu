@@ -571,15 +571,14 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         bk_error_prefix(st, lw);
         goto fail;
     }
-    BK_CUDA_GOTO(cudaMemcpyAsync(r->codes, dcodes, sizeof(int16_t) * mn, cudaMemcpyDeviceToHost,
-                                 c->stream),
-                 st, fail);
+    /* through pinned staging (bk_cuda_download: the host copies out of it on
+     * several threads while the next chunk is transferred) */
+    if ((st = bk_cuda_download(c, r->codes, dcodes, sizeof(int16_t) * mn)) != BK_OK)
+        goto fail;
     /* the kernels store the value each code stands for as the CPU rule
      * computes it (a -0 included), so it is copied, not recomputed */
-    if (r->weight)
-        BK_CUDA_GOTO(cudaMemcpyAsync(r->weight, dweight, sizeof(float) * mn,
-                                     cudaMemcpyDeviceToHost, c->stream),
-                     st, fail);
+    if (r->weight && (st = bk_cuda_download(c, r->weight, dweight, sizeof(float) * mn)) != BK_OK)
+        goto fail;
     BK_CUDA_GOTO(cudaMemcpyAsync(counts, dcounts, sizeof counts, cudaMemcpyDeviceToHost,
                                  c->stream),
                  st, fail);

@@ -25,7 +25,10 @@
  *     (gptq/bakron, fp32/fp64, with B, statistics off, a dead column,
  *     escalated damping; with and without dW), the kept side really used,
  *     another name or damping factored anew, a NULL name and bk_dshare_drop
- *     release it.
+ *     release it;
+ *   - bk_cuda_download (the codes' and weights' pinned, multi-threaded
+ *     download): byte for byte, around its size limits, unaligned, ordered
+ *     after queued work, nothing written past the end.
  */
 #include <cmath>
 #include <cstdint>
@@ -868,6 +871,62 @@ static void test_shared_input_side(void **state)
     g_use_dw = 0;
 }
 
+/* bk_cuda_download (cuda/mem.cu): byte for byte what was on the device, for
+ * sizes around the staging's limits and unaligned ends, after work queued on
+ * the stream (ordered after it), nothing written past the end. */
+static void test_download(void **state)
+{
+    (void)state;
+    const size_t sizes[] = {0,
+                            1,
+                            4097,
+                            BK_DL_MIN - 1,
+                            BK_DL_MIN,
+                            BK_DL_CHUNK - 3,
+                            BK_DL_CHUNK,
+                            BK_DL_CHUNK + 1,
+                            2 * BK_DL_CHUNK,
+                            3 * BK_DL_CHUNK + BK_DL_CHUNK / 2 + 7};
+    const size_t most = sizes[sizeof sizes / sizeof sizes[0] - 1] + 64;
+    unsigned char *pat = static_cast<unsigned char *>(malloc(most));
+    unsigned char *out = static_cast<unsigned char *>(malloc(most));
+    assert_non_null(pat);
+    assert_non_null(out);
+    rng r = {12345u, 0, 0.0};
+    for (size_t t = 0; t < most; t += 8) {
+        const uint64_t v = rng_next(&r);
+        memcpy(pat + t, &v, most - t < 8 ? most - t : 8);
+    }
+    unsigned char *d = NULL;
+    assert_int_equal(cudaMalloc((void **)&d, most), cudaSuccess);
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        for (int off = 0; off < 2; off++) {
+            const size_t n = sizes[i], o = off ? 3 : 0;
+            assert_int_equal(cudaMemcpy(d, pat, most, cudaMemcpyHostToDevice), cudaSuccess);
+            memset(out, 0xAB, most);
+            assert_int_equal(bk_cuda_download(g_c, out + o, d + o, n), BK_OK);
+            if (memcmp(out + o, pat + o, n))
+                fail_msg("download of %zu bytes at offset %zu differs", n, o);
+            for (size_t t = 0; t < o; t++)
+                assert_int_equal(out[t], 0xAB);
+            for (size_t t = o + n; t < o + n + 32 && t < most; t++)
+                assert_int_equal(out[t], 0xAB);
+            /* ordered after the stream's work: a fill queued just before */
+            if (n > 0) {
+                assert_int_equal(cudaMemsetAsync(d + o, 0x5A, n, g_c->stream), cudaSuccess);
+                assert_int_equal(bk_cuda_download(g_c, out + o, d + o, n), BK_OK);
+                size_t bad = 0;
+                for (size_t t = 0; t < n; t++)
+                    bad += out[o + t] != 0x5A;
+                if (bad)
+                    fail_msg("download of %zu bytes after a queued fill: %zu stale bytes", n, bad);
+            }
+        }
+    cudaFree(d);
+    free(pat);
+    free(out);
+}
+
 static void test_parity_dw(void **state)
 {
     g_use_dw = 1;
@@ -913,6 +972,7 @@ int main(void)
         cmocka_unit_test(test_bad_inputs_dw),
         cmocka_unit_test(test_zero_diagonals_dw),
         cmocka_unit_test(test_shared_input_side),
+        cmocka_unit_test(test_download),
     };
     const int rc = cmocka_run_group_tests_name("cuda_solve_dev", tests, NULL, NULL);
     bk_cuda_ctx_destroy(g_c);
