@@ -170,17 +170,24 @@ bk_status g_layer_begin(void *ctx, const bk_layer_weights *orig, const bk_layer_
 {
     gstages *g = static_cast<gstages *>(ctx);
     (void)lw; /* equal to orig now: copied on the device */
+    /* BK_PROFILE: where io.layer_begin goes (nothing when profiling is off) */
+    cudaStream_t ps = g->f ? g->f->c->stream : 0;
+    double tp = bk_now();
     g_layer_end(ctx);
     /* the embedding is done (an MPI rank's share may end before the last
      * sequence, where g_embed releases the table) */
     bk_gfwd_embed_release(g->f);
+    bk_cuda_pmark(ps, &tp, "lb.free_previous");
     bk_status st = bk_glayer_upload(g->f, orig, &g->orig);
+    bk_cuda_pmark(ps, &tp, "lb.upload");
     if (st == BK_OK && hessians) /* the working copy only where modules are quantized */
         st = bk_glayer_clone(g->f, g->orig, &g->lw);
+    bk_cuda_pmark(ps, &tp, "lb.clone");
     if (st == BK_OK && hessians)
         bk_ghess_reset(g->acc);
     if (st == BK_OK)
         st = bk_gpu_sync(g->f);
+    bk_cuda_pmark(ps, &tp, "lb.reset");
     if (st != BK_OK) {
         g_layer_end(ctx);
         if (st == BK_ERR_DEVICE_OOM)
