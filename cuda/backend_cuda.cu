@@ -17,6 +17,7 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
     if (!c)
         return;
     bk_cuda_partition_release(c);
+    bk_cuda_download_release(c);
     if (c->ev_main_ready)
         cudaEventDestroy(c->ev_main_ready);
     if (c->ev_side_done)

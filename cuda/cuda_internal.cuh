@@ -56,6 +56,11 @@ typedef struct bk_cuda_ctx {
     int part_sms, part_actual; /* SMs asked for / given */
     int part_used;        /* the last BaKron run used the partition (reported by bk-cuda-dev) */
     char part_off[96];    /* why the partition is unavailable ("" = not known to be) */
+    /* bk_cuda_download's pinned staging (made at the first large download) */
+    void *dl_pin[2];
+    cudaEvent_t dl_ev[2];
+    int dl_threads;       /* host threads copying out of a slot */
+    int dl_off;           /* 1: staging unavailable (cudaHostAlloc failed): plain copies */
 } bk_cuda_ctx;
 
 /* partition.cu */
@@ -90,6 +95,18 @@ bk_status bk_dev_alloc(bk_cuda_ctx *c, void **p, size_t bytes, const char *what)
 void bk_dev_free(bk_cuda_ctx *c, void *p);
 /* Count library workspace (cuSOLVER buffers) towards the peak. */
 void bk_dev_note_transient(bk_cuda_ctx *c, size_t bytes);
+
+/* bytes from device src into host (pageable) dst, ordered after the work on
+ * c->stream; returns when dst holds them. Large downloads go through two
+ * pinned slots: the DMA of one chunk overlaps the host threads copying the
+ * previous one out (a pageable cudaMemcpy copies out on one thread, at a
+ * fraction of the link's speed). Byte for byte the same as cudaMemcpy. */
+bk_status bk_cuda_download(bk_cuda_ctx *c, void *dst, const void *src, size_t bytes);
+/* Its staging released (bk_cuda_ctx_destroy). */
+void bk_cuda_download_release(bk_cuda_ctx *c);
+/* Its chunk (one pinned slot) and the size from which it stages. */
+#define BK_DL_CHUNK ((size_t)32 << 20)
+#define BK_DL_MIN ((size_t)4 << 20)
 
 static inline int64_t bk_round_up(int64_t x, int64_t to)
 {
@@ -227,6 +244,34 @@ bk_status bk_cuda_losses(bk_cuda_ctx *c, int64_t m, int64_t n, const double *dWq
 bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solve_opts *o,
                         bk_solve_result *r);
 
+/* The input side of one device solve kept for the next solves whose A is the
+ * same matrix (q/k/v take the same E[x x^T] of attn_in, gate/up that of
+ * mlp_in): the damping, Cholesky factor of the inverse, X~ and dead columns
+ * of A are then computed once. The caller names A's content by (src, scale):
+ * equal names must mean equal matrices, so it drops the kept side
+ * (bk_dshare_drop) whenever what a name stands for may change. Reusing the
+ * side gives the results that factoring A again gives (the same
+ * deterministic steps on the same matrix with the same options). */
+typedef struct bk_dshare {
+    /* set by the caller for each solve */
+    const void *src;  /* the name of this solve's A; NULL: not shareable (drops a kept side) */
+    double scale;
+    int keep;         /* keep this solve's input side for a later solve of the same A */
+    /* the kept side (owned; bk_dshare_drop releases it) */
+    int valid;
+    const void *k_src;
+    double k_scale;
+    int64_t n, dead;
+    bk_precision prec;
+    double damp;
+    int max_retries, stats, fp64_factor;
+    bk_dside sa;
+    int hits;         /* solves that reused a kept side (for tests and notes) */
+} bk_dshare;
+
+/* Release a kept input side (the struct stays usable). */
+void bk_dshare_drop(bk_cuda_ctx *c, bk_dshare *s);
+
 /* A solve whose factors already live on the device (the GPU pipeline). */
 typedef struct bk_dsolve_problem {
     int64_t m, n;
@@ -239,6 +284,7 @@ typedef struct bk_dsolve_problem {
                              device (cuda/qfit.cuh; same rule, sums in another order) */
     int no_host_weight;   /* with dW: r->weight stays NULL (d_weight has it; saves the
                              m*n download when the caller only needs codes and scales) */
+    bk_dshare *share;     /* or NULL: the input side shared between solves of one A */
 } bk_dsolve_problem;
 
 /* As bk_cuda_solve on the same problem with A/B given as host F32 arrays: the

@@ -332,6 +332,9 @@ struct bk_ghess {
     /* device factor outputs of bk_ghess_factors_dev (grown on demand) */
     float *devA, *devB, *devP;
     size_t devA_n, devB_n, devP_n;
+    /* what the last successful factors call formed A from (bk_ghess_factor_key) */
+    const dgram *akey_src, *akey_try;
+    double akey_scale, akey_try_scale;
 };
 
 namespace {
@@ -984,6 +987,15 @@ bk_status gram_to_host(bk_ghess *a, const dgram *g, double scale, float *dst, in
     return bk_gpu_download(a->f, dst, a->dev_out, (size_t)(g->n * g->n) * sizeof(float));
 }
 
+/* gram_to_host into the input factor A, remembering what it was formed from
+ * (bk_ghess_factor_key; recorded when the factors call succeeds) */
+bk_status gram_to_a(bk_ghess *a, const dgram *g, double scale, float *dst, int dev)
+{
+    a->akey_try = g;
+    a->akey_try_scale = scale;
+    return gram_to_host(a, g, scale, dst, dev);
+}
+
 bk_status blocks_to_host(bk_ghess *a, const double *dblk, int64_t nb, double **out)
 {
     const int64_t hh = a->dim.hd * a->dim.hd;
@@ -1036,6 +1048,7 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
     *B = NULL;
     if (A_plain)
         *A_plain = NULL;
+    a->akey_src = a->akey_try = NULL;
     if ((unsigned)mod >= BK_MOD_COUNT)
         return bk_error(BK_ERR_INVALID_ARG, "hessian: unknown module %d", (int)mod);
     const char *mn = bk_module_name(mod);
@@ -1123,7 +1136,7 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
                           : grp == G_MLP ? &a->x_mlp
                                          : &a->x_down;
         const double Nb = (double)a->count[grp];
-        sb = gram_to_host(a, a->bp_shampoo ? &a->a_bp[mod] : pg, 1.0 / Nb, fa, dev);
+        sb = gram_to_a(a, a->bp_shampoo ? &a->a_bp[mod] : pg, 1.0 / Nb, fa, dev);
         if (sb == BK_OK && dev && a->grads)
             sb = bk_gpu_upload(a->f, fbd, fb, (size_t)(m * m) * sizeof(float));
         if (sb == BK_OK && A_plain) {
@@ -1145,6 +1158,8 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
             return bk_error_prefix(sb, mn);
         *A = fa;
         *B = dev ? fbd : fb;
+        a->akey_src = a->akey_try;
+        a->akey_scale = a->akey_try_scale;
         return BK_OK;
     }
     const double N = (double)a->count[grp], P = (double)a->n_pairs;
@@ -1156,14 +1171,14 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
     case BK_MOD_Q:
     case BK_MOD_K:
         if (!two) {
-            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
+            st = gram_to_a(a, &a->x_attn, 1.0 / N, fa, dev);
             break;
         }
         if (a->shampoo) {
-            st = gram_to_host(a, mod == BK_MOD_Q ? &a->a_q : &a->a_k, 1.0 / P, fa, dev);
+            st = gram_to_a(a, mod == BK_MOD_Q ? &a->a_q : &a->a_k, 1.0 / P, fa, dev);
             plain = &a->x_attn;
         } else {
-            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
+            st = gram_to_a(a, &a->x_attn, 1.0 / N, fa, dev);
         }
         if (st != BK_OK)
             break;
@@ -1183,7 +1198,7 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
         break;
     case BK_MOD_V:
         if (!two) {
-            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
+            st = gram_to_a(a, &a->x_attn, 1.0 / N, fa, dev);
             break;
         }
         if (!orig || !orig->w[BK_MOD_O]) {
@@ -1199,23 +1214,23 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
             double wa = 0;
             for (int64_t b = 0; b < a->dim.nkv; b++)
                 wa += trace_h(blk + b * hh, h);
-            st = gram_to_host(a, &a->x_attn, wa / N, fa, dev);
+            st = gram_to_a(a, &a->x_attn, wa / N, fa, dev);
             bk_hess_head_blocks(fb, blk, hh, a->dim.nkv, 1, h, a->v_wb / N, 1.0);
             b_on_host = 1;
             plain = &a->x_attn;
         } else {
-            st = gram_to_host(a, &a->x_attn, 1.0 / N, fa, dev);
+            st = gram_to_a(a, &a->x_attn, 1.0 / N, fa, dev);
             bk_hess_head_blocks(fb, blk, hh, a->dim.nkv, 1, h, 1.0, 1.0);
             b_on_host = 1;
         }
         break;
     case BK_MOD_O:
-        st = gram_to_host(a, &a->x_o, 1.0 / N, fa, dev);
+        st = gram_to_a(a, &a->x_o, 1.0 / N, fa, dev);
         break;
     case BK_MOD_GATE:
     case BK_MOD_UP: {
         if (!two) {
-            st = gram_to_host(a, &a->x_mlp, 1.0 / N, fa, dev);
+            st = gram_to_a(a, &a->x_mlp, 1.0 / N, fa, dev);
             break;
         }
         if (!orig || !orig->w[BK_MOD_DOWN]) {
@@ -1226,10 +1241,10 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
             break;
         }
         if (a->shampoo) {
-            st = gram_to_host(a, mod == BK_MOD_UP ? &a->a_up : &a->a_gate, 1.0 / N, fa, dev);
+            st = gram_to_a(a, mod == BK_MOD_UP ? &a->a_up : &a->a_gate, 1.0 / N, fa, dev);
             plain = a->x_mlp.s ? &a->x_mlp : NULL;
         } else {
-            st = gram_to_host(a, &a->x_mlp, 1.0 / N, fa, dev);
+            st = gram_to_a(a, &a->x_mlp, 1.0 / N, fa, dev);
         }
         if (st != BK_OK)
             break;
@@ -1257,7 +1272,7 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
         break;
     }
     case BK_MOD_DOWN:
-        st = gram_to_host(a, &a->x_down, 1.0 / N, fa, dev);
+        st = gram_to_a(a, &a->x_down, 1.0 / N, fa, dev);
         break;
     default:
         break;
@@ -1284,6 +1299,8 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
         return bk_error_prefix(st, mn);
     *A = fa;
     *B = dev ? fbd : fb;
+    a->akey_src = a->akey_try;
+    a->akey_scale = a->akey_try_scale;
     return BK_OK;
 }
 
@@ -1291,6 +1308,14 @@ extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_mod
                                       const float **A, const float **B, const float **A_plain)
 {
     return factors_impl(a, orig, mod, 0, A, B, A_plain);
+}
+
+extern "C" void bk_ghess_factor_key(const bk_ghess *a, const void **src, double *scale,
+                                    int *shared)
+{
+    *src = a ? a->akey_src : NULL;
+    *scale = a && a->akey_src ? a->akey_scale : 0.0;
+    *shared = a && a->akey_src && (a->akey_src == &a->x_attn || a->akey_src == &a->x_mlp);
 }
 
 extern "C" bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk_module mod,

@@ -3,6 +3,9 @@
  * the row-major GEMM wrapper over cuBLAS. */
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <pthread.h>
+#include <unistd.h>
 
 #include "cuda_internal.cuh"
 
@@ -71,6 +74,122 @@ void bk_dev_note_transient(bk_cuda_ctx *c, size_t bytes)
 {
     if (c->mem_current + bytes > c->mem_peak)
         c->mem_peak = c->mem_current + bytes;
+}
+
+/* ------------------------------------------------------- downloads */
+
+namespace {
+
+struct dl_part {
+    const char *src;
+    char *dst;
+    size_t bytes;
+    pthread_t tid;
+    int started;
+};
+
+void *dl_copy(void *arg)
+{
+    dl_part *p = static_cast<dl_part *>(arg);
+    memcpy(p->dst, p->src, p->bytes);
+    return NULL;
+}
+
+/* dst = src over host threads (parts of 4 MiB at least); a part whose thread
+ * cannot start is copied here. */
+void par_copy(char *dst, const char *src, size_t bytes, int threads)
+{
+    enum { MAXP = 16 };
+    size_t np = bytes / ((size_t)4 << 20);
+    if (np > (size_t)threads)
+        np = (size_t)threads;
+    if (np > MAXP)
+        np = MAXP;
+    if (np < 1)
+        np = 1;
+    dl_part parts[MAXP];
+    for (size_t p = 0; p < np; p++) {
+        const size_t a = bytes * p / np, b = bytes * (p + 1) / np;
+        parts[p].src = src + a;
+        parts[p].dst = dst + a;
+        parts[p].bytes = b - a;
+        parts[p].started = p > 0 && pthread_create(&parts[p].tid, NULL, dl_copy, &parts[p]) == 0;
+    }
+    for (size_t p = 0; p < np; p++)
+        if (!parts[p].started)
+            dl_copy(&parts[p]);
+    for (size_t p = 0; p < np; p++)
+        if (parts[p].started)
+            pthread_join(parts[p].tid, NULL);
+}
+
+/* The two pinned slots and their events; 0 when they exist. On failure the
+ * context stays on plain copies (dl_off). */
+int dl_setup(bk_cuda_ctx *c)
+{
+    if (c->dl_pin[1])
+        return 0;
+    if (c->dl_off)
+        return -1;
+    for (int i = 0; i < 2; i++) {
+        if (cudaHostAlloc(&c->dl_pin[i], BK_DL_CHUNK, cudaHostAllocDefault) != cudaSuccess ||
+            cudaEventCreateWithFlags(&c->dl_ev[i], cudaEventDisableTiming) != cudaSuccess) {
+            cudaGetLastError();
+            bk_cuda_download_release(c);
+            c->dl_off = 1;
+            return -1;
+        }
+    }
+    const long nc = sysconf(_SC_NPROCESSORS_ONLN);
+    c->dl_threads = nc < 2 ? 1 : nc > 16 ? 8 : (int)(nc / 2);
+    return 0;
+}
+
+} // namespace
+
+void bk_cuda_download_release(bk_cuda_ctx *c)
+{
+    for (int i = 0; i < 2; i++) {
+        if (c->dl_pin[i])
+            cudaFreeHost(c->dl_pin[i]);
+        if (c->dl_ev[i])
+            cudaEventDestroy(c->dl_ev[i]);
+        c->dl_pin[i] = NULL;
+        c->dl_ev[i] = NULL;
+    }
+    cudaGetLastError();
+}
+
+bk_status bk_cuda_download(bk_cuda_ctx *c, void *dst, const void *src, size_t bytes)
+{
+    if (!bytes)
+        return BK_OK;
+    if (bytes < BK_DL_MIN || dl_setup(c) != 0) {
+        BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+        BK_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+        return BK_OK;
+    }
+    const char *s = static_cast<const char *>(src);
+    char *d = static_cast<char *>(dst);
+    const size_t nch = (bytes + BK_DL_CHUNK - 1) / BK_DL_CHUNK;
+    /* chunk k goes to slot k & 1; chunk k + 1 is queued before chunk k is
+     * copied out (its slot held chunk k - 1, already copied out) */
+    for (size_t k = 0; k <= nch; k++) {
+        if (k < nch) {
+            const size_t off = k * BK_DL_CHUNK;
+            const size_t len = bytes - off < BK_DL_CHUNK ? bytes - off : BK_DL_CHUNK;
+            BK_CUDA_CHECK(cudaMemcpyAsync(c->dl_pin[k & 1], s + off, len,
+                                          cudaMemcpyDeviceToHost, c->stream));
+            BK_CUDA_CHECK(cudaEventRecord(c->dl_ev[k & 1], c->stream));
+        }
+        if (k > 0) {
+            const size_t j = k - 1, off = j * BK_DL_CHUNK;
+            const size_t len = bytes - off < BK_DL_CHUNK ? bytes - off : BK_DL_CHUNK;
+            BK_CUDA_CHECK(cudaEventSynchronize(c->dl_ev[j & 1]));
+            par_copy(d + off, static_cast<const char *>(c->dl_pin[j & 1]), len, c->dl_threads);
+        }
+    }
+    return BK_OK;
 }
 
 /* ---------------------------------------------------------------- GEMM */

@@ -46,8 +46,26 @@ struct gstages {
     /* micro-batch buffers */
     float *x, *qrot, *krot, *down, *mlp_in, *oscr;
     bk_glayer *orig, *lw;
+    /* the input side of q (k) kept for k and v, gate's for up: their A is the
+     * same E[x x^T] (bk_dshare); what the last factors formed A from, for
+     * module kmod (-1: none) */
+    bk_dshare share;
+    const void *ksrc;
+    const void *kA; /* the device A it returned */
+    double kscale;
+    int kshared, kmod;
     char desc[256];
 };
+
+/* The kept input side goes wherever the Grams it was factored from may change
+ * (a stage adds to them, a layer begins or ends, ranks exchange sums, output
+ * gradients arrive) and at the end. */
+void share_drop(gstages *g)
+{
+    if (g->share.valid)
+        bk_dshare_drop(static_cast<bk_cuda_ctx *>(g->b->ctx), &g->share);
+    g->kmod = -1;
+}
 
 double now_synced(gstages *g, bk_status *st)
 {
@@ -141,6 +159,7 @@ bk_status g_embed(void *ctx, const int32_t *tokens, int64_t s0, int64_t sb)
 void g_layer_end(void *ctx)
 {
     gstages *g = static_cast<gstages *>(ctx);
+    share_drop(g);
     bk_glayer_free(g->f, g->orig);
     bk_glayer_free(g->f, g->lw);
     g->orig = g->lw = NULL;
@@ -151,17 +170,24 @@ bk_status g_layer_begin(void *ctx, const bk_layer_weights *orig, const bk_layer_
 {
     gstages *g = static_cast<gstages *>(ctx);
     (void)lw; /* equal to orig now: copied on the device */
+    /* BK_PROFILE: where io.layer_begin goes (nothing when profiling is off) */
+    cudaStream_t ps = g->f ? g->f->c->stream : 0;
+    double tp = bk_now();
     g_layer_end(ctx);
     /* the embedding is done (an MPI rank's share may end before the last
      * sequence, where g_embed releases the table) */
     bk_gfwd_embed_release(g->f);
+    bk_cuda_pmark(ps, &tp, "lb.free_previous");
     bk_status st = bk_glayer_upload(g->f, orig, &g->orig);
+    bk_cuda_pmark(ps, &tp, "lb.upload");
     if (st == BK_OK && hessians) /* the working copy only where modules are quantized */
         st = bk_glayer_clone(g->f, g->orig, &g->lw);
+    bk_cuda_pmark(ps, &tp, "lb.clone");
     if (st == BK_OK && hessians)
         bk_ghess_reset(g->acc);
     if (st == BK_OK)
         st = bk_gpu_sync(g->f);
+    bk_cuda_pmark(ps, &tp, "lb.reset");
     if (st != BK_OK) {
         g_layer_end(ctx);
         if (st == BK_ERR_DEVICE_OOM)
@@ -192,6 +218,7 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
     bk_gfwd *f = g->f;
     if (!g->orig || (!g->lw && stage != BK_STAGE_FULL && stage != BK_STAGE_TAPS))
         return bk_error(BK_ERR_INTERNAL, "GPU pipeline: stage without a layer");
+    share_drop(g);
     float *h = NULL, *o = NULL;
     double t = bk_now();
     bk_status st = bk_gfwd_nf_clear(f);
@@ -310,6 +337,12 @@ bk_status g_factors_dev(void *ctx, bk_module mod, const float **A, const float *
 {
     gstages *g = static_cast<gstages *>(ctx);
     bk_status st = bk_ghess_factors_dev(g->acc, g->orig, mod, A, B, A_plain);
+    g->kmod = -1;
+    if (st == BK_OK) {
+        bk_ghess_factor_key(g->acc, &g->ksrc, &g->kscale, &g->kshared);
+        g->kA = *A;
+        g->kmod = (int)mod;
+    }
     if (st == BK_ERR_DEVICE_OOM)
         bk_error_prefix(st, "GPU pipeline: forming the factors (use a smaller --batch or "
                             "--cpu-stages)");
@@ -339,6 +372,15 @@ bk_status g_solve_dev(void *ctx, bk_module mod, const bk_solve_problem *p, const
     dp.label_b = p->label_b;
     dp.dW = g->orig->w[mod];
     dp.no_host_weight = g->codes_only;
+    /* A formed by the factors call just before (the job's order: factors,
+     * then the solve, per module); kept after q and k for k and v, after gate
+     * for up, when their Gram is the one they share */
+    const int named = g->kmod == (int)mod && p->A == g->kA;
+    g->share.src = named ? g->ksrc : NULL;
+    g->share.scale = named ? g->kscale : 0.0;
+    g->share.keep = named && g->kshared &&
+                    (mod == BK_MOD_Q || mod == BK_MOD_K || mod == BK_MOD_GATE);
+    dp.share = &g->share;
     bk_cuda_ctx *cc = static_cast<bk_cuda_ctx *>(g->b->ctx);
     double tp = bk_now();
     bk_status st = bk_cuda_solve_dev(cc, &dp, o, r, g->lw->w[mod], loss_gptq);
@@ -363,6 +405,7 @@ bk_status g_weight_updated(void *ctx, bk_module mod, const float *w)
 bk_status g_sums(void *ctx, unsigned modules, int dev, int rw, bk_stage_buf_fn fn, void *user)
 {
     gstages *g = static_cast<gstages *>(ctx);
+    share_drop(g);
     return bk_ghess_sums(g->acc, modules, dev, rw, fn, user);
 }
 
@@ -423,6 +466,7 @@ const char *g_describe(void *ctx)
 bk_status g_bp_grads(void *ctx, const bk_bp_side *side)
 {
     gstages *g = static_cast<gstages *>(ctx);
+    share_drop(g);
     bk_status st = side->acc ? bk_ghess_set_grads(g->acc, side->acc)
                              : bk_ghess_set_grads_dev(g->acc, side->layer, side->G, side->gw,
                                                       side->N);
@@ -536,6 +580,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     if (!g)
         return bk_error(BK_ERR_NOMEM, "GPU pipeline: out of memory");
     g->b = b;
+    g->kmod = -1;
     g->m = m;
     g->cfg = *bk_model_get_config(m);
     g->kind = kind;

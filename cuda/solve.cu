@@ -14,7 +14,8 @@
  * mirrored double matrix are done on the device (prepare_dmatrix, the same
  * rules and messages as prepare_matrix), the factorization starts from the
  * device matrix (bk_dside_from_dmatrix). Both entries share everything from
- * the alphabet fit on (solve_rest).
+ * the alphabet fit on (solve_rest). Its input side can be kept for the next
+ * solves of the same A (bk_dshare: q/k/v, gate/up in the GPU stages).
  */
 #include <cfloat>
 #include <cmath>
@@ -424,6 +425,7 @@ fail:
 typedef struct solve_state {
     bk_alphabet alpha;
     bk_dside sa, sb;
+    int sa_shared; /* sa is a kept side of a bk_dshare: not released here */
     double *Wd;
     int64_t dead;
     double t0;
@@ -442,7 +444,11 @@ typedef struct solve_extra {
 void state_release(bk_cuda_ctx *c, solve_state *s)
 {
     bk_alphabet_free(&s->alpha);
-    bk_dside_free(c, &s->sa);
+    if (s->sa_shared)
+        memset(&s->sa, 0, sizeof s->sa);
+    else
+        bk_dside_free(c, &s->sa);
+    s->sa_shared = 0;
     bk_dside_free(c, &s->sb);
     free(s->Wd);
     s->Wd = NULL;
@@ -565,15 +571,14 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         bk_error_prefix(st, lw);
         goto fail;
     }
-    BK_CUDA_GOTO(cudaMemcpyAsync(r->codes, dcodes, sizeof(int16_t) * mn, cudaMemcpyDeviceToHost,
-                                 c->stream),
-                 st, fail);
+    /* through pinned staging (bk_cuda_download: the host copies out of it on
+     * several threads while the next chunk is transferred) */
+    if ((st = bk_cuda_download(c, r->codes, dcodes, sizeof(int16_t) * mn)) != BK_OK)
+        goto fail;
     /* the kernels store the value each code stands for as the CPU rule
      * computes it (a -0 included), so it is copied, not recomputed */
-    if (r->weight)
-        BK_CUDA_GOTO(cudaMemcpyAsync(r->weight, dweight, sizeof(float) * mn,
-                                     cudaMemcpyDeviceToHost, c->stream),
-                     st, fail);
+    if (r->weight && (st = bk_cuda_download(c, r->weight, dweight, sizeof(float) * mn)) != BK_OK)
+        goto fail;
     BK_CUDA_GOTO(cudaMemcpyAsync(counts, dcounts, sizeof counts, cudaMemcpyDeviceToHost,
                                  c->stream),
                  st, fail);
@@ -582,8 +587,10 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
      * the statistics (the damped matrices stay) */
     bk_dev_free(c, dW);
     dW = NULL;
-    bk_dev_free(c, sa.dL);
-    sa.dL = NULL;
+    if (!s->sa_shared) { /* a kept input side stays for the next solve of its A */
+        bk_dev_free(c, sa.dL);
+        sa.dL = NULL;
+    }
     bk_dev_free(c, sb.dL);
     sb.dL = NULL;
     t2 = bk_now();
@@ -679,8 +686,10 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         /* tr(E A_plain E^T), E = weight - the original W, A_plain undamped;
          * the damped matrices are done with */
         double unused = 0.0;
-        bk_dev_free(c, sa.dtil);
-        sa.dtil = NULL;
+        if (!s->sa_shared) {
+            bk_dev_free(c, sa.dtil);
+            sa.dtil = NULL;
+        }
         bk_dev_free(c, sb.dtil);
         sb.dtil = NULL;
         if (s->dead > 0) {
@@ -837,6 +846,32 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
     return solve_rest(c, o, m, n, lw, &s, NULL, r);
 }
 
+void bk_dshare_drop(bk_cuda_ctx *c, bk_dshare *s)
+{
+    if (!s)
+        return;
+    if (s->valid)
+        bk_dside_free(c, &s->sa);
+    memset(&s->sa, 0, sizeof s->sa);
+    s->valid = 0;
+}
+
+namespace {
+
+/* Does the kept side serve this solve: the same A (by name and order) with
+ * the same input-side options (damping, escalation, precision, X~ for the
+ * statistics, the factorization's precision)? */
+int share_match(const bk_cuda_ctx *c, const bk_dshare *s, int64_t n, const bk_solve_opts *o)
+{
+    return s->src && s->valid && s->k_src == s->src &&
+           memcmp(&s->k_scale, &s->scale, sizeof s->scale) == 0 && s->n == n &&
+           s->prec == o->precision && memcmp(&s->damp, &o->damp, sizeof s->damp) == 0 &&
+           s->max_retries == o->max_damp_retries && s->stats == (o->compute_stats != 0) &&
+           s->fp64_factor == c->factor_fp64;
+}
+
+} // namespace
+
 bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk_solve_opts *o,
                             bk_solve_result *r, float *d_weight, double *loss_gptq)
 {
@@ -868,6 +903,12 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
     const int64_t m = p->m, n = p->n;
     const int64_t mpad = bk_round_up(m, BK_CUDA_PAD), npad = bk_round_up(n, BK_CUDA_PAD);
     double max_a = 0.0, max_b = 0.0;
+    /* the input side of an earlier solve of the same A, or none kept: a kept
+     * side of another A goes before this solve allocates */
+    bk_dshare *sh = p->share;
+    const int hit = sh && share_match(c, sh, n, o);
+    if (sh && !hit)
+        bk_dshare_drop(c, sh);
 
     /* W: on its device copy when there is one (the same first index and
      * message as the host scan) */
@@ -875,8 +916,8 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
     if ((st = p->dW ? dcheck_finite_rc(c, p->dW, m, n, lw, &max_w)
                     : bk_solve_check_finite(p->W, BK_DT_F32, m, n, lw)) != BK_OK)
         return st;
-    if ((st = dcheck_finite(c, p->A, n, la, &max_a)) != BK_OK)
-        return st;
+    if (!hit && (st = dcheck_finite(c, p->A, n, la, &max_a)) != BK_OK)
+        return st; /* (a shared A passed it in the solve that factored it) */
     if (p->B && (st = dcheck_finite(c, p->B, m, lb, &max_b)) != BK_OK)
         return st;
     bk_cuda_pmark(c->stream, &tp, "sd.check_finite");
@@ -902,13 +943,29 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
         return solve_fail(c, &s, r, st);
     }
     bk_cuda_pmark(c->stream, &tp, "sd.host_alloc");
-    /* dX is consumed by bk_dside_from_dmatrix (kept as X~ or freed) */
-    st = prepare_dmatrix(c, p->A, n, max_a, la, 1, s.Wd, m, &s.dead, &dX, &mean);
+    if (hit) {
+        /* A's checks, dead columns, damping and factor from the solve that
+         * kept them (s.Wd's dead columns are zeroed below) */
+        s.sa = sh->sa;
+        s.dead = sh->dead;
+        if (sh->keep) {
+            s.sa_shared = 1;
+        } else { /* the last solve of this A takes the side over */
+            memset(&sh->sa, 0, sizeof sh->sa);
+            sh->valid = 0;
+        }
+        sh->hits++;
+    } else {
+        /* dX is consumed by bk_dside_from_dmatrix (kept as X~ or freed) */
+        st = prepare_dmatrix(c, p->A, n, max_a, la, 1, s.Wd, m, &s.dead, &dX, &mean);
+    }
     bk_cuda_pmark(c->stream, &tp, "sd.prepare_A");
-    if (st == BK_OK && p->dW && s.dead > 0) {
-        /* dead columns: the host W_d with those columns zeroed, as the host path */
+    if (st == BK_OK && (p->dW || hit) && s.dead > 0) {
+        /* dead columns: the host W_d with those columns zeroed, as the host
+         * path (built here on the fast path; zeroed here for a shared A) */
         float *diag = static_cast<float *>(malloc(sizeof(float) * (size_t)n));
-        s.Wd = static_cast<double *>(bk_alloc((size_t)m * (size_t)n, sizeof(double)));
+        if (p->dW)
+            s.Wd = static_cast<double *>(bk_alloc((size_t)m * (size_t)n, sizeof(double)));
         if (!diag || !s.Wd)
             st = bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] solve", lw,
                           (long long)m, (long long)n);
@@ -917,11 +974,16 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
                                              (size_t)(n + 1) * sizeof(float), sizeof(float),
                                              (size_t)n, cudaMemcpyDeviceToHost),
                                 "the diagonal of A", __FILE__, __LINE__);
-        if (st == BK_OK) {
+        if (st == BK_OK && p->dW) {
             const float *W = p->W;
             for (int64_t i = 0; i < m; i++)
                 for (int64_t j = 0; j < n; j++)
                     s.Wd[i * n + j] = (double)diag[j] == 0.0 ? 0.0 : (double)W[i * n + j];
+        } else if (st == BK_OK) { /* (s.Wd holds W: alloc_host) */
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t j = 0; j < n; j++)
+                    if ((double)diag[j] == 0.0)
+                        s.Wd[i * n + j] = 0.0;
         }
         free(diag);
         if (st != BK_OK) {
@@ -929,10 +991,24 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
             return solve_fail(c, &s, r, st);
         }
     }
-    if (st == BK_OK)
+    if (st == BK_OK && !hit)
         st = bk_dside_from_dmatrix(c, &s.sa, dX, n, npad, mean, la, o, c->factor_fp64, stats);
     if (st != BK_OK)
         return solve_fail(c, &s, r, st);
+    if (sh && !hit && sh->src && sh->keep) { /* kept for the next solves of this A */
+        sh->sa = s.sa;
+        sh->valid = 1;
+        sh->k_src = sh->src;
+        sh->k_scale = sh->scale;
+        sh->n = n;
+        sh->dead = s.dead;
+        sh->prec = o->precision;
+        sh->damp = o->damp;
+        sh->max_retries = o->max_damp_retries;
+        sh->stats = stats;
+        sh->fp64_factor = c->factor_fp64;
+        s.sa_shared = 1;
+    }
     bk_cuda_pmark(c->stream, &tp, "sd.factor_A");
     if (p->B) {
         bk_solve_opts ob = *o; /* the output side may have its own damping */

@@ -130,6 +130,15 @@ bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_module mod, co
 bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk_module mod,
                                const float **A, const float **B, const float **A_plain);
 
+/* What the last successful bk_ghess_factors / bk_ghess_factors_dev formed its
+ * input factor A from: *src names the accumulated Gram (NULL when none was
+ * formed) and *scale its factor, so that two calls with the same name formed
+ * the same A (as long as nothing was accumulated, reset, exchanged or given
+ * gradients in between: the caller's to watch). *shared: the Gram is one that
+ * several modules take as it is (attn_in's for q/k/v, mlp_in's for
+ * gate/up). */
+void bk_ghess_factor_key(const bk_ghess *a, const void **src, double *scale, int *shared);
+
 /* MPI ranks: the running sums of modules `modules` to fn (bk_stage_ops.sums;
  * bk_hess_acc_sums's order). Backprop kinds: the input side only
  * (bk__hess_bp_sum_items, then the row counts); the output side comes

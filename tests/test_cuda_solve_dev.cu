@@ -19,7 +19,16 @@
  *     a zero diagonal in A: one dead column and the host entry's codes;
  *   - nothing leaks: the tracked device memory is back to its start value;
  *   - the same with the device copy of W passed too (dW: the alphabet fitted
- *     on the device, W read from the device, its finiteness checked there).
+ *     on the device, W read from the device, its finiteness checked there);
+ *   - an input side shared between solves of one A (bk_dshare: q/k/v, gate/up
+ *     in the GPU stages): each result bit for bit that of its solve alone
+ *     (gptq/bakron, fp32/fp64, with B, statistics off, a dead column,
+ *     escalated damping; with and without dW), the kept side really used,
+ *     another name or damping factored anew, a NULL name and bk_dshare_drop
+ *     release it;
+ *   - bk_cuda_download (the codes' and weights' pinned, multi-threaded
+ *     download): byte for byte, around its size limits, unaligned, ordered
+ *     after queued work, nothing written past the end.
  */
 #include <cmath>
 #include <cstdint>
@@ -618,6 +627,306 @@ static void test_plain_from_stats(void **state)
     }
 }
 
+/* ------------------------------------------------- a shared input side */
+
+/* Bit for bit: everything of a result that the input side enters. */
+static void same_bits(const bk_solve_result *a, const bk_solve_result *b, const float *dwa,
+                      const float *dwb, double lga, double lgb, const char *what)
+{
+    const int64_t m = a->m, n = a->n, mn = m * n;
+    if (b->m != m || b->n != n || b->groups != a->groups)
+        fail_msg("%s: shapes differ", what);
+    int64_t diff = 0;
+    for (int64_t t = 0; t < mn; t++)
+        diff += a->codes[t] != b->codes[t];
+    if (diff)
+        fail_msg("%s: %lld of %lld codes differ", what, (long long)diff, (long long)mn);
+    assert_true((a->weight == NULL) == (b->weight == NULL));
+    if (a->weight)
+        assert_memory_equal(a->weight, b->weight, sizeof(float) * (size_t)mn);
+    assert_memory_equal(dwa, dwb, sizeof(float) * (size_t)mn);
+    assert_memory_equal(a->scales, b->scales, sizeof(float) * (size_t)(m * a->groups));
+    assert_true((a->zeros == NULL) == (b->zeros == NULL));
+    if (a->zeros)
+        assert_memory_equal(a->zeros, b->zeros, sizeof(float) * (size_t)(m * a->groups));
+    const double da[6] = {a->damp_a, a->damp_b, a->loss_one_sided, a->loss_two_sided, a->bound,
+                          lga};
+    const double db[6] = {b->damp_a, b->damp_b, b->loss_one_sided, b->loss_two_sided, b->bound,
+                          lgb};
+    if (memcmp(da, db, sizeof da))
+        fail_msg("%s: damping or statistics differ: damp_a %.17g / %.17g, one-sided %.17g / "
+                 "%.17g, two-sided %.17g / %.17g, bound %.17g / %.17g, loss_gptq %.17g / %.17g",
+                 what, da[0], db[0], da[2], db[2], da[3], db[3], da[4], db[4], da[5], db[5]);
+    assert_int_equal(a->damp_retries, b->damp_retries);
+    assert_int_equal(a->dead_columns, b->dead_columns);
+    assert_int_equal(a->clamped, b->clamped);
+}
+
+/* One device solve of c (share may be NULL); *dwh receives d_weight on the host. */
+static void dsolve(const dcase *c, const bk_solve_opts *o, bk_dshare *share, bk_solve_result *r,
+                   double *lg, float **dwh, const char *what)
+{
+    const size_t mn = (size_t)(c->m * c->n);
+    bk_dsolve_problem dp;
+    dev_problem(c, &dp);
+    dp.share = share;
+    float *dw = NULL;
+    assert_int_equal(cudaMalloc((void **)&dw, sizeof(float) * mn), cudaSuccess);
+    if (bk_cuda_solve_dev(g_c, &dp, o, r, dw, lg) != BK_OK)
+        fail_msg("%s: %s", what, bk_last_error());
+    *dwh = hbuf(mn);
+    assert_int_equal(cudaMemcpy(*dwh, dw, sizeof(float) * mn, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+    cudaFree(dw);
+}
+
+struct share_cfg {
+    bk_algorithm alg;
+    bk_precision prec;
+    int uniform, with_b, stats, dead, indefinite;
+    const char *name;
+};
+
+/* Three problems with one A (different W, B, row counts), as q/k/v: solved
+ * with the input side kept after the first two, each bit for bit equal to its
+ * solve without sharing; the kept side is used (A overwritten under the same
+ * name still gives the first A's results), another name or other input-side
+ * options factor anew, a NULL name drops it; nothing leaks. */
+static void shared_side(const share_cfg *k)
+{
+    const int64_t n = 160, ms[3] = {96, 64, 96};
+    static int name1, name2;
+    dcase c[3];
+    for (int i = 0; i < 3; i++) {
+        c[i] = make_case(ms[i], n, 300u + 37u * (uint64_t)i, k->with_b);
+        if (i > 0)
+            memcpy(c[i].A, c[0].A, sizeof(float) * (size_t)(n * n));
+    }
+    for (int i = 0; i < 3; i++) {
+        float *A = c[i].A;
+        if (k->indefinite) { /* eigenvalues 1 +- 2 in the leading block: escalation */
+            for (int64_t t = 0; t < n * n; t++)
+                A[t] = 0.0f;
+            for (int64_t j = 0; j < n; j++)
+                A[j * n + j] = 1.0f;
+            A[0 * n + 1] = A[1 * n + 0] = 2.0f;
+        }
+        if (k->dead)
+            for (int64_t t = 0; t < n; t++)
+                A[17 * n + t] = A[t * n + 17] = 0.0f;
+        case_upload(&c[i]);
+    }
+    bk_solve_opts o = make_opts(k->alg, k->prec, k->uniform);
+    o.compute_stats = k->stats;
+    if (k->indefinite)
+        o.damp = 0.0;
+    const size_t mem0 = g_c->mem_current;
+    char what[200];
+
+    /* without sharing */
+    bk_solve_result ref[3];
+    float *rdw[3];
+    double rlg[3];
+    for (int i = 0; i < 3; i++) {
+        snprintf(what, sizeof what, "%s%s: problem %d alone", k->name, g_use_dw ? " (dW)" : "", i);
+        dsolve(&c[i], &o, NULL, &ref[i], &rlg[i], &rdw[i], what);
+    }
+    if (k->dead)
+        assert_int_equal(ref[0].dead_columns, 1);
+    if (k->indefinite)
+        assert_true(ref[0].damp_retries > 0);
+    assert_int_equal(g_c->mem_current, mem0);
+
+    /* shared: kept after the first two, taken over by the third */
+    bk_dshare sh;
+    memset(&sh, 0, sizeof sh);
+    sh.src = &name1;
+    sh.scale = 0.25;
+    for (int i = 0; i < 3; i++) {
+        sh.keep = i < 2;
+        bk_solve_result r;
+        float *dwh = NULL;
+        double lg = 0.0;
+        snprintf(what, sizeof what, "%s%s: problem %d shared", k->name, g_use_dw ? " (dW)" : "", i);
+        dsolve(&c[i], &o, &sh, &r, &lg, &dwh, what);
+        same_bits(&ref[i], &r, rdw[i], dwh, rlg[i], lg, what);
+        assert_int_equal(sh.hits, i);
+        assert_int_equal(sh.valid, i < 2);
+        if (i < 2)
+            assert_true(g_c->mem_current > mem0);
+        bk_solve_result_free(&r);
+        free(dwh);
+    }
+    assert_int_equal(g_c->mem_current, mem0);
+
+    /* the kept side is what the second solve uses: A overwritten, same name */
+    dcase other = make_case(ms[1], n, 977u, k->with_b);
+    memcpy(other.W, c[1].W, sizeof(float) * (size_t)(ms[1] * n));
+    if (k->with_b)
+        memcpy(other.B, c[1].B, sizeof(float) * (size_t)(ms[1] * ms[1]));
+    memcpy(other.Ap, c[1].Ap, sizeof(float) * (size_t)(n * n));
+    if (k->dead) /* (the dead columns are read from the A at hand) */
+        for (int64_t t = 0; t < n; t++)
+            other.A[17 * n + t] = other.A[t * n + 17] = 0.0f;
+    case_upload(&other);
+    bk_solve_result r0, r1, r2;
+    float *w0 = NULL, *w1 = NULL, *w2 = NULL;
+    double l0 = 0.0, l1 = 0.0, l2 = 0.0;
+    memset(&sh, 0, sizeof sh);
+    sh.src = &name1;
+    sh.scale = 0.25;
+    sh.keep = 1;
+    snprintf(what, sizeof what, "%s%s: kept side used", k->name, g_use_dw ? " (dW)" : "");
+    dsolve(&c[0], &o, &sh, &r0, &l0, &w0, what);
+    dsolve(&other, &o, &sh, &r1, &l1, &w1, what);
+    assert_int_equal(sh.hits, 1);
+    same_bits(&ref[1], &r1, rdw[1], w1, rlg[1], l1, what);
+    /* another name: factored anew (the other A's results), the kept side gone */
+    bk_solve_result ro;
+    float *wo = NULL;
+    double lo = 0.0;
+    dsolve(&other, &o, NULL, &ro, &lo, &wo, what);
+    if (ro.loss_one_sided == r1.loss_one_sided && lo == l1 &&
+        !memcmp(ro.codes, r1.codes, sizeof(int16_t) * (size_t)(ms[1] * n)))
+        fail_msg("%s: the other A gives the same results: the test cannot tell", what);
+    sh.src = &name2;
+    sh.keep = 0;
+    dsolve(&other, &o, &sh, &r2, &l2, &w2, what);
+    same_bits(&ro, &r2, wo, w2, lo, l2, what);
+    assert_int_equal(sh.hits, 1);
+    assert_false(sh.valid);
+    assert_int_equal(g_c->mem_current, mem0);
+    bk_solve_result_free(&r0);
+    bk_solve_result_free(&r1);
+    bk_solve_result_free(&r2);
+    free(w0);
+    free(w1);
+    free(w2);
+
+    /* other input-side options under the same name: factored anew */
+    memset(&sh, 0, sizeof sh);
+    sh.src = &name1;
+    sh.scale = 0.25;
+    sh.keep = 1;
+    dsolve(&c[0], &o, &sh, &r0, &l0, &w0, what);
+    bk_solve_opts o2 = o;
+    o2.damp = k->indefinite ? 1e-3 : 0.125;
+    dsolve(&c[1], &o2, NULL, &r1, &l1, &w1, what);
+    dsolve(&c[1], &o2, &sh, &r2, &l2, &w2, what);
+    assert_int_equal(sh.hits, 0);
+    same_bits(&r1, &r2, w1, w2, l1, l2, "other damping under the same name");
+    assert_true(sh.valid); /* (kept: keep is still 1) */
+    /* a NULL name drops it */
+    sh.src = NULL;
+    bk_solve_result_free(&r0);
+    free(w0);
+    dsolve(&c[0], &o, &sh, &r0, &l0, &w0, what);
+    assert_false(sh.valid);
+    same_bits(&ref[0], &r0, rdw[0], w0, rlg[0], l0, "a NULL name");
+    assert_int_equal(g_c->mem_current, mem0);
+    /* bk_dshare_drop releases a kept side */
+    sh.src = &name1;
+    sh.keep = 1;
+    bk_solve_result_free(&r0);
+    free(w0);
+    dsolve(&c[0], &o, &sh, &r0, &l0, &w0, what);
+    assert_true(sh.valid && g_c->mem_current > mem0);
+    bk_dshare_drop(g_c, &sh);
+    assert_false(sh.valid);
+    assert_int_equal(g_c->mem_current, mem0);
+
+    bk_solve_result_free(&r0);
+    bk_solve_result_free(&r1);
+    bk_solve_result_free(&r2);
+    bk_solve_result_free(&ro);
+    free(w0);
+    free(w1);
+    free(w2);
+    free(wo);
+    case_free(&other);
+    for (int i = 0; i < 3; i++) {
+        bk_solve_result_free(&ref[i]);
+        free(rdw[i]);
+        case_free(&c[i]);
+    }
+}
+
+static void test_shared_input_side(void **state)
+{
+    (void)state;
+    const share_cfg cfgs[] = {
+        {BK_ALG_GPTQ, BK_PREC_FP64, 0, 0, 1, 0, 0, "gptq fp64"},
+        {BK_ALG_GPTQ, BK_PREC_FP32, 1, 0, 1, 0, 0, "gptq fp32 uniform4 g64"},
+        {BK_ALG_BAKRON, BK_PREC_FP32, 0, 1, 1, 0, 0, "bakron fp32 with B"},
+        {BK_ALG_BAKRON, BK_PREC_FP64, 1, 1, 0, 0, 0, "bakron fp64 with B, no statistics"},
+        {BK_ALG_BAKRON, BK_PREC_FP32, 0, 1, 1, 1, 0, "bakron fp32 with B, a dead column"},
+        {BK_ALG_GPTQ, BK_PREC_FP64, 0, 0, 1, 1, 0, "gptq fp64, a dead column"},
+        {BK_ALG_BAKRON, BK_PREC_FP64, 0, 1, 1, 0, 1, "bakron fp64 with B, escalated damping"},
+    };
+    for (int dw = 0; dw < 2; dw++) {
+        g_use_dw = dw;
+        for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++)
+            shared_side(&cfgs[i]);
+    }
+    g_use_dw = 0;
+}
+
+/* bk_cuda_download (cuda/mem.cu): byte for byte what was on the device, for
+ * sizes around the staging's limits and unaligned ends, after work queued on
+ * the stream (ordered after it), nothing written past the end. */
+static void test_download(void **state)
+{
+    (void)state;
+    const size_t sizes[] = {0,
+                            1,
+                            4097,
+                            BK_DL_MIN - 1,
+                            BK_DL_MIN,
+                            BK_DL_CHUNK - 3,
+                            BK_DL_CHUNK,
+                            BK_DL_CHUNK + 1,
+                            2 * BK_DL_CHUNK,
+                            3 * BK_DL_CHUNK + BK_DL_CHUNK / 2 + 7};
+    const size_t most = sizes[sizeof sizes / sizeof sizes[0] - 1] + 64;
+    unsigned char *pat = static_cast<unsigned char *>(malloc(most));
+    unsigned char *out = static_cast<unsigned char *>(malloc(most));
+    assert_non_null(pat);
+    assert_non_null(out);
+    rng r = {12345u, 0, 0.0};
+    for (size_t t = 0; t < most; t += 8) {
+        const uint64_t v = rng_next(&r);
+        memcpy(pat + t, &v, most - t < 8 ? most - t : 8);
+    }
+    unsigned char *d = NULL;
+    assert_int_equal(cudaMalloc((void **)&d, most), cudaSuccess);
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        for (int off = 0; off < 2; off++) {
+            const size_t n = sizes[i], o = off ? 3 : 0;
+            assert_int_equal(cudaMemcpy(d, pat, most, cudaMemcpyHostToDevice), cudaSuccess);
+            memset(out, 0xAB, most);
+            assert_int_equal(bk_cuda_download(g_c, out + o, d + o, n), BK_OK);
+            if (memcmp(out + o, pat + o, n))
+                fail_msg("download of %zu bytes at offset %zu differs", n, o);
+            for (size_t t = 0; t < o; t++)
+                assert_int_equal(out[t], 0xAB);
+            for (size_t t = o + n; t < o + n + 32 && t < most; t++)
+                assert_int_equal(out[t], 0xAB);
+            /* ordered after the stream's work: a fill queued just before */
+            if (n > 0) {
+                assert_int_equal(cudaMemsetAsync(d + o, 0x5A, n, g_c->stream), cudaSuccess);
+                assert_int_equal(bk_cuda_download(g_c, out + o, d + o, n), BK_OK);
+                size_t bad = 0;
+                for (size_t t = 0; t < n; t++)
+                    bad += out[o + t] != 0x5A;
+                if (bad)
+                    fail_msg("download of %zu bytes after a queued fill: %zu stale bytes", n, bad);
+            }
+        }
+    cudaFree(d);
+    free(pat);
+    free(out);
+}
+
 static void test_parity_dw(void **state)
 {
     g_use_dw = 1;
@@ -662,6 +971,8 @@ int main(void)
         cmocka_unit_test(test_parity_dw),
         cmocka_unit_test(test_bad_inputs_dw),
         cmocka_unit_test(test_zero_diagonals_dw),
+        cmocka_unit_test(test_shared_input_side),
+        cmocka_unit_test(test_download),
     };
     const int rc = cmocka_run_group_tests_name("cuda_solve_dev", tests, NULL, NULL);
     bk_cuda_ctx_destroy(g_c);
