@@ -209,7 +209,9 @@ bk_status bk_cuda_partition_side(bk_cuda_ctx *c, int keep, cudaStream_t *stream,
     }
     /* a runtime-API launch on the partition's stream, checked */
     if (cudaMalloc((void **)&flag, sizeof(int)) != cudaSuccess ||
-        cudaMemset(flag, 0, sizeof(int)) != cudaSuccess) {
+        cudaMemset(flag, 0, sizeof(int)) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess) { /* the memset is on the legacy stream, which
+                                                     the partition's stream does not wait for */
         step = "probe allocation";
         goto fail;
     }

@@ -490,6 +490,10 @@ static std::vector<int16_t> gpu_codes(bk_cuda_ctx *c, const HostCase &h, bk_algo
     if (dzr)
         CU(cudaMemcpy(dzr, zr.data(), zr.size() * sizeof(R), cudaMemcpyHostToDevice));
     CU(cudaMemset(dcodes, 0x7f, 2 * m * n)); /* poison */
+    /* The uploads and the poison ran on the legacy default stream, which the
+     * context's non-blocking stream does not wait for: without this the
+     * poison could land after the solver wrote codes (seen under load). */
+    CU(cudaDeviceSynchronize());
     bk_core_args a;
     memset(&a, 0, sizeof a);
     a.m = m;
