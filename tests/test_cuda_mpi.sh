@@ -53,6 +53,9 @@ if [ "$(id -u)" -eq 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
 export OMPI_MCA_btl_vader_single_copy_mechanism=none # containers without ptrace rights
+# equal BLAS thread counts in the plain runs and the ranks (the CPU stages of
+# bwd_input=cpu; tests/test_mpi.sh says why)
+export OPENBLAS_NUM_THREADS=1
 # --bind-to none: a rank keeps every core (the default binds 1-2 ranks to one core each)
 MPIRUN=(timeout 600 mpirun --oversubscribe --bind-to none)
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)

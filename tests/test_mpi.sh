@@ -33,6 +33,11 @@ if [ "$(id -u)" -eq 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
 export OMPI_MCA_btl_vader_single_copy_mechanism=none # containers without ptrace rights
+# One BLAS thread in the plain runs and in the ranks alike: OpenBLAS's results for
+# some calls depend on its thread count, and mpirun binds each rank to one core
+# (docs/DISTRIBUTED.md, --dist-reduce ordered). Without this the byte-for-byte
+# comparisons below compare two thread counts on machines where that matters.
+export OPENBLAS_NUM_THREADS=1
 # Under AddressSanitizer (the asan build of the suite) the leak check is off for
 # the ranks only: Open MPI's own allocations at exit, in components it has
 # already unloaded (unsymbolizable), are reported as leaks. Address and UB
