@@ -1,0 +1,86 @@
+/* CUDA backend — fused causal attention of the GPU forward pass in BF16 mode
+ * (issue 20; the unfused path and the layouts: forward.cu, bk_gfwd_attention).
+ *
+ * One kernel per micro-batch: softmax(scale Q Kᵀ, causal) V for every
+ * (sequence, kv group) pair, the scores and probabilities never leaving the
+ * chip. Inputs are the rotated queries, keys and values as BF16, group-major
+ * as forward.cu's head-major buffers ([S, nkv, T, rep, hd] for the queries:
+ * a pair's rows are its rep query heads per position, position-major;
+ * [S, nkv, T, hd] for keys and values). The output is written token-major
+ * [S*T, nh*hd] in F32 (what k_heads_to_tok writes on the unfused path), its
+ * non-finite entries flagged as there.
+ *
+ * A CTA takes FA_BM = 128 consecutive query rows of one pair (128 / rep
+ * positions: the rep heads of a group share the K/V loads), 8 warps of 16
+ * rows each, and walks the key blocks of FA_BN keys up to its last position:
+ *   - the Q tile and the key/value blocks go to shared memory with cp.async
+ *     (16-byte chunks, rows padded by 8 BF16 against bank conflicts); key
+ *     block kb+1 is loaded while kb is computed (two buffers);
+ *   - S = Q Kᵀ with mma.sync m16n8k16 (BF16 inputs, F32 accumulation), the A
+ *     fragments of Q and the B fragments of K from ldmatrix;
+ *   - one online-softmax pass (log2 domain: exp2(s·scale·log2 e − m)), the
+ *     row maxima and the rescaling of the row sums and of the output
+ *     accumulators in registers; the probabilities are rounded to BF16 and
+ *     the C fragments of S re-packed as the A fragments of P V (the B
+ *     fragments of V from ldmatrix.trans); the row sums add the rounded
+ *     probabilities, so the result is a weighted mean of V rows;
+ *   - the causal mask only on the key blocks that reach past a warp's first
+ *     position; a warp skips the blocks that lie wholly after its last one;
+ *   - at the end the rows are divided by their sums (every row sees key 0,
+ *     so the sums are positive).
+ * Keys and query rows past the end are zero-filled by cp.async (their rows
+ * are masked or never stored; zeros keep 0·V finite).
+ * Math: Q, K, V and P in BF16, the scores, sums and output in F32 — a change
+ * from the unfused BF16-mode path (TF32 score GEMMs, F32 softmax); used in
+ * BF16 mode only (forward.cu: bk_g_attn_flash_ok). */
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "fwd_internal.cuh"
+
+namespace {
+
+#include "attn_flash_kernel.cuh"
+
+template <int HD>
+bk_status launch(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v, float *out,
+                 int64_t S, int64_t nkv, int64_t T, int64_t rep, float scale,
+                 unsigned long long *nf, cudaStream_t stream)
+{
+    const int64_t nblk = (T * rep + FA_BM - 1) / FA_BM, grid = S * nkv * nblk;
+    if (grid > INT32_MAX || T * rep > INT32_MAX)
+        return bk_error(BK_ERR_INVALID_ARG, "fused attention: %lld x %lld rows are too many",
+                        (long long)(S * nkv), (long long)(T * rep));
+    const size_t smem = fa_shape<HD>::SMEM;
+    cudaError_t e = cudaFuncSetAttribute(k_attn_flash<HD>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess)
+        return bk_cuda_status(e, "fused attention: shared memory", __FILE__, __LINE__);
+    const float scale_log2 = (float)((double)scale * 1.4426950408889634);
+    k_attn_flash<HD><<<(unsigned)grid, FA_THREADS, smem, stream>>>(
+        q, k, v, out, S * nkv, (int)T, (int)nkv, (int)rep, (int)nblk, scale_log2, nf);
+    return BK_LAUNCHED("k_attn_flash");
+}
+
+} // namespace
+
+int bk_attn_flash_supported(int64_t hd)
+{
+    return hd == 64 || hd == 128;
+}
+
+bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
+                        float *out, int64_t S, int64_t nkv, int64_t T, int64_t rep, int64_t hd,
+                        float scale, unsigned long long *nf, cudaStream_t stream)
+{
+    if (S <= 0 || T <= 0)
+        return BK_OK;
+    if (hd == 128)
+        return launch<128>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    if (hd == 64)
+        return launch<64>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    return bk_error(BK_ERR_INTERNAL, "fused attention: head_dim %lld is not supported",
+                    (long long)hd);
+}
