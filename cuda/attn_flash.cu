@@ -12,7 +12,8 @@
  *
  * A CTA takes FA_BM = 128 consecutive query rows of one pair (128 / rep
  * positions: the rep heads of a group share the K/V loads), 8 warps of 16
- * rows each, and walks the key blocks of FA_BN keys up to its last position:
+ * rows each, and walks the key blocks of BN keys (32 at head_dim 128, 64 at
+ * 64: fa_default_bn) up to its last position:
  *   - the Q tile and the key/value blocks go to shared memory with cp.async
  *     (16-byte chunks, rows padded by 8 BF16 against bank conflicts); key
  *     block kb+1 is loaded while kb is computed (two buffers);
@@ -44,7 +45,7 @@ namespace {
 
 #include "attn_flash_kernel.cuh"
 
-template <int HD>
+template <int HD, int BN>
 bk_status launch(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v, float *out,
                  int64_t S, int64_t nkv, int64_t T, int64_t rep, float scale,
                  unsigned long long *nf, cudaStream_t stream)
@@ -53,13 +54,13 @@ bk_status launch(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bflo
     if (grid > INT32_MAX || T * rep > INT32_MAX)
         return bk_error(BK_ERR_INVALID_ARG, "fused attention: %lld x %lld rows are too many",
                         (long long)(S * nkv), (long long)(T * rep));
-    const size_t smem = fa_shape<HD>::SMEM;
-    cudaError_t e = cudaFuncSetAttribute(k_attn_flash<HD>,
+    const size_t smem = fa_shape<HD, BN>::SMEM;
+    cudaError_t e = cudaFuncSetAttribute(k_attn_flash<HD, BN>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess)
         return bk_cuda_status(e, "fused attention: shared memory", __FILE__, __LINE__);
     const float scale_log2 = (float)((double)scale * 1.4426950408889634);
-    k_attn_flash<HD><<<(unsigned)grid, FA_THREADS, smem, stream>>>(
+    k_attn_flash<HD, BN><<<(unsigned)grid, FA_THREADS, smem, stream>>>(
         q, k, v, out, S * nkv, (int)T, (int)nkv, (int)rep, (int)nblk, scale_log2, nf);
     return BK_LAUNCHED("k_attn_flash");
 }
@@ -73,14 +74,22 @@ int bk_attn_flash_supported(int64_t hd)
 
 bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                         float *out, int64_t S, int64_t nkv, int64_t T, int64_t rep, int64_t hd,
-                        float scale, unsigned long long *nf, cudaStream_t stream)
+                        float scale, unsigned long long *nf, cudaStream_t stream, int bn)
 {
     if (S <= 0 || T <= 0)
         return BK_OK;
-    if (hd == 128)
-        return launch<128>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
-    if (hd == 64)
-        return launch<64>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
-    return bk_error(BK_ERR_INTERNAL, "fused attention: head_dim %lld is not supported",
-                    (long long)hd);
+    if (hd == 128 && (bn == 0 || bn == fa_default_bn<128>::value))
+        return launch<128, fa_default_bn<128>::value>(q, k, v, out, S, nkv, T, rep, scale, nf,
+                                                      stream);
+    if (hd == 64 && (bn == 0 || bn == fa_default_bn<64>::value))
+        return launch<64, fa_default_bn<64>::value>(q, k, v, out, S, nkv, T, rep, scale, nf,
+                                                    stream);
+    /* dev-harness variants */
+    if (hd == 128 && bn == 64)
+        return launch<128, 64>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    if (hd == 64 && bn == 32)
+        return launch<64, 32>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    return bk_error(BK_ERR_INTERNAL,
+                    "fused attention: head_dim %lld with key blocks of %d is not supported",
+                    (long long)hd, bn);
 }

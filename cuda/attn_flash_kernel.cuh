@@ -18,11 +18,16 @@ constexpr int FA_WARPS = FA_BM / 16;
 constexpr int FA_THREADS = FA_WARPS * 32;
 constexpr int FA_PAIR_GROUP = 16;
 
-template <int HD> struct fa_shape {
-    /* keys per block: 64, or 32 at head_dim 128 (registers: the 16 x hd
-     * output accumulators and the 16 x FA_BN scores of a warp stay within
-     * 128 per thread without spills) */
-    static constexpr int FA_BN = HD >= 128 ? 32 : 64;
+/* keys per block: 64, or 32 at head_dim 128 (registers: the 16 x hd output
+ * accumulators and the 16 x BN scores of a warp stay within 128 per thread
+ * without spills; 64 at head_dim 128 spills a few bytes, kept as a variant
+ * for the dev harness) */
+template <int HD> struct fa_default_bn {
+    static constexpr int value = HD >= 128 ? 32 : 64;
+};
+
+template <int HD, int BN> struct fa_shape {
+    static constexpr int FA_BN = BN;
     static constexpr int LD = HD + 8; /* padded row, BF16 elements */
     static constexpr int Q_ELEMS = FA_BM * LD;
     static constexpr int KV_ELEMS = FA_BN * LD;
@@ -108,7 +113,7 @@ FA_DEV uint32_t bf2_bits(__nv_bfloat162 v)
 template <int HD, int ROWS>
 FA_DEV void load_tile(uint32_t dst, const __nv_bfloat16 *src, int valid, int row_t, int col_t)
 {
-    constexpr int C = fa_shape<HD>::CHUNKS, LD = fa_shape<HD>::LD, RPP = FA_THREADS / C;
+    constexpr int C = HD / 8, LD = HD + 8, RPP = FA_THREADS / C;
     static_assert(ROWS % RPP == 0, "tile rows");
 #pragma unroll
     for (int j = 0; j < ROWS / RPP; j++) {
@@ -119,13 +124,13 @@ FA_DEV void load_tile(uint32_t dst, const __nv_bfloat16 *src, int valid, int row
     }
 }
 
-template <int HD>
+template <int HD, int BN>
 FA_KERNEL k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
                        const __nv_bfloat16 *__restrict__ vb, float *__restrict__ out,
                        int64_t npairs, int T, int nkv, int rep, int nblk, float scale_log2,
                        unsigned long long *nf)
 {
-    using sh = fa_shape<HD>;
+    using sh = fa_shape<HD, BN>;
     constexpr int LD = sh::LD, FA_BN = sh::FA_BN;
     FA_SHARED(fa_smem);
     __nv_bfloat16 *sQ = reinterpret_cast<__nv_bfloat16 *>(fa_smem);

@@ -16,7 +16,8 @@
  *                  pairs per call, or rows of a chunk split when one pair's
  *                  chunk is larger). A single-pass softmax with the row in
  *                  registers was tried: slower (occupancy), 8B forward 27 s
- *                  instead of 22 s;
+ *                  instead of 22 s. BF16 mode with head_dim 64 / 128: one
+ *                  fused kernel instead (attn_flash.cu, bk_g_attn_core);
  *   MLP, residual  silu(z) = z / (1 + exp(-z)), module output formed first,
  *                  then added;
  *   head, NLL      final norm, LM head converted to F32 on the device once,
@@ -999,7 +1000,7 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     f->c = static_cast<bk_cuda_ctx *>(b->ctx);
     upload_defaults(f);
     f->bf16 = b->gemm_math == BK_GEMM_BF16;
-    f->tf32 = b->gemm_math == BK_GEMM_TF32 || f->bf16; /* bf16: the rest (attention) in TF32 */
+    f->tf32 = b->gemm_math == BK_GEMM_TF32 || f->bf16; /* bf16: the rest in TF32 */
     {
         cublasStatus_t cs = cublasCreate(&f->blas);
         if (cs == CUBLAS_STATUS_SUCCESS)
@@ -1423,7 +1424,7 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
     return bk_g_attn_core(f, S, d_o, fu);
 }
 
-bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused)
+bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn)
 {
     const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, qd = f->dim.qdim;
     const float scale = (float)(1.0 / sqrt((double)hd));
@@ -1431,7 +1432,7 @@ bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused)
         if (!f->attn_fused)
             return bk_error(BK_ERR_INTERNAL, "GPU forward: fused attention not set up");
         return bk_attn_flash(f->qb, f->kb, f->vb, d_o, S, f->dim.nkv, T, f->dim.rep, hd, scale,
-                             f->nf + BK_FS_O_IN, f->c->stream);
+                             f->nf + BK_FS_O_IN, f->c->stream, bn);
     }
     cudaStream_t sm = f->c->stream;
     bk_status st = BK_OK;

@@ -386,10 +386,11 @@ struct kargs {
     float scale_log2;
 };
 static kargs emu_args;
-template <int HD> static void body()
+template <int HD, int BN> static void body()
 {
     const kargs &a = emu_args;
-    k_attn_flash<HD>(a.q, a.k, a.v, a.out, a.npairs, a.T, a.nkv, a.rep, a.nblk, a.scale_log2, NULL);
+    k_attn_flash<HD, BN>(a.q, a.k, a.v, a.out, a.npairs, a.T, a.nkv, a.rep, a.nblk, a.scale_log2,
+                         NULL);
 }
 
 static uint64_t rng = 88172645463325252ull;
@@ -409,7 +410,7 @@ static double gauss()
 #define EMU_ROW_TOL 1e-2
 #define EMU_GUARD 64
 
-template <int HD>
+template <int HD, int BN = fa_default_bn<HD>::value>
 static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t T, double amp)
 {
     rng = 88172645463325252ull + (uint64_t)(T * 131 + rep * 7 + nkv);
@@ -435,7 +436,7 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
     const double scale = 1.0 / sqrt((double)HD);
     emu_args = {q.data(), k.data(), v.data(), out,       pairs,
                 (int)T,   (int)nkv, (int)rep, (int)nblk, (float)(scale * 1.4426950408889634)};
-    emu_smem_size = fa_shape<HD>::SMEM;
+    emu_smem_size = fa_shape<HD, BN>::SMEM;
     std::vector<unsigned char> smem(emu_smem_size);
     emu_smem = smem.data();
     emu_nonfinite = 0;
@@ -445,7 +446,7 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
             smem[i + 1] = 0x7f;
         }
         emu_bid = b;
-        run_cta(body<HD>);
+        run_cta(body<HD, BN>);
     }
     int64_t unwritten = 0, guard = 0;
     for (int64_t i = 0; i < EMU_GUARD; i++)
@@ -486,9 +487,10 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
             worst = rel > worst || std::isnan(rel) ? rel : worst;
         }
     const int fail = unwritten || guard || emu_nonfinite || !(worst <= EMU_ROW_TOL);
-    printf("  hd %3d, %lld x %lld kv heads, rep %lld, T %4lld, amp %.0f, cp.async %s: %lld CTAs, "
+    printf("  hd %3d bn %2d, %lld x %lld kv heads, rep %lld, T %4lld, amp %.0f, cp.async %s: %lld "
+           "CTAs, "
            "row rel err %.3e, unwritten %lld, guard %lld, non-finite %lld%s\n",
-           HD, (long long)S, (long long)nkv, (long long)rep, (long long)T, amp,
+           HD, BN, (long long)S, (long long)nkv, (long long)rep, (long long)T, amp,
            emu_immediate ? "at once" : "late   ", (long long)(pairs * nblk), worst,
            (long long)unwritten, (long long)guard, (long long)emu_nonfinite,
            fail ? "  <-- FAIL" : "");
@@ -499,7 +501,7 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
 int main(void)
 {
     printf("fused attention kernel, host emulation (tolerance %.0e per row)\n", EMU_ROW_TOL);
-    std::vector<float> r[2][5];
+    std::vector<float> r[2][7];
     for (emu_immediate = 0; emu_immediate < 2; emu_immediate++) {
         std::vector<float> *o = r[emu_immediate];
         o[0] = run_case<128>(1, 2, 4, 72, 4.0);  /* 288 rows: 3 row blocks; keys 2 x 32 + 8 */
@@ -507,9 +509,12 @@ int main(void)
         o[2] = run_case<64>(2, 1, 3, 100, 4.0);  /* rep 3; keys 64 + 36 */
         o[3] = run_case<64>(1, 1, 1, 5, 1.0);    /* T = 5 */
         o[4] = run_case<64>(1, 18, 1, 8, 1.0);   /* 18 pairs: two scheduling groups (16 + 2) */
+        /* the dev harness's variants (key blocks of 64 at hd 128, 32 at hd 64) */
+        o[5] = run_case<128, 64>(1, 2, 4, 72, 4.0);
+        o[6] = run_case<64, 32>(2, 1, 3, 100, 4.0);
     }
     /* the order in which the copies land must not matter */
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 7; i++)
         if (r[0][i].size() != r[1][i].size() ||
             memcmp(r[0][i].data(), r[1][i].data(), r[0][i].size() * sizeof(float))) {
             printf("  case %d: late and immediate cp.async give different outputs  <-- FAIL\n", i);

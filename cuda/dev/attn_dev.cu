@@ -4,7 +4,7 @@
  * bk_gfwd in BF16 mode (bk_g_attn_core, fwd_internal.cuh):
  *
  *   bk-cuda-dev attn [--seqs S] [--T T] [--heads H] [--kv K] [--hd D,D..]
- *                    [--amp A,A..] [--reps N]
+ *                    [--amp A,A..] [--reps N] [--variants]
  *
  * Defaults: 2 sequences x 2048 tokens, 32 query / 8 kv heads (Llama-3-8B),
  * head_dim 128 and 64, query amplitudes 1 (score std 1) and 4 (peaked
@@ -16,7 +16,9 @@
  * head) row) of each path against the reference and of fused against
  * unfused, and the median time per call (CUDA events) of each path. The
  * verdict line "attn: ok" / "attn: FAILED" checks the fused kernel against
- * the reference (ATTN_TOL, ATTN_ROW_TOL). One JSON object per case on stderr
+ * the reference (ATTN_TOL, ATTN_ROW_TOL). --variants: also the kernel with
+ * the other key-block size (64 at head_dim 128, 32 at 64; not used by the
+ * product), checked and timed the same way. One JSON object per case on stderr
  * ("JSON ..."). */
 #include <algorithm>
 #include <cmath>
@@ -192,17 +194,17 @@ std::vector<double> dbl_list(const char *s)
     return v;
 }
 
-double median_ms(bk_gfwd *f, int64_t S, float *d_o, int fused, int reps)
+double median_ms(bk_gfwd *f, int64_t S, float *d_o, int fused, int reps, int bn = 0)
 {
     cudaStream_t sm = f->c->stream;
     cudaEvent_t a, b;
     ACU(cudaEventCreate(&a));
     ACU(cudaEventCreate(&b));
-    ACK(bk_g_attn_core(f, S, d_o, fused)); /* warm-up */
+    ACK(bk_g_attn_core(f, S, d_o, fused, bn)); /* warm-up */
     std::vector<float> t;
     for (int i = 0; i < reps; i++) {
         ACU(cudaEventRecord(a, sm));
-        ACK(bk_g_attn_core(f, S, d_o, fused));
+        ACK(bk_g_attn_core(f, S, d_o, fused, bn));
         ACU(cudaEventRecord(b, sm));
         ACU(cudaEventSynchronize(b));
         float ms = 0;
@@ -220,7 +222,7 @@ double median_ms(bk_gfwd *f, int64_t S, float *d_o, int fused, int reps)
 int cmd_attn(int argc, char **argv)
 {
     int64_t S = 2, T = 2048, nh = 32, nkv = 8;
-    int reps = 10;
+    int reps = 10, variants = 0;
     std::vector<int64_t> hds = {128, 64};
     std::vector<double> amps = {1.0, 4.0};
     for (int i = 0; i < argc; i++) {
@@ -240,6 +242,8 @@ int cmd_attn(int argc, char **argv)
             amps = dbl_list(argv[++i]);
         else if (a == "--reps" && more)
             reps = atoi(argv[++i]);
+        else if (a == "--variants")
+            variants = 1;
         else {
             fprintf(stderr, "bk-cuda-dev attn: unknown or incomplete option %s\n", a.c_str());
             return 1;
@@ -328,6 +332,21 @@ int cmd_attn(int argc, char **argv)
                    "%lld, unfused %lld\n",
                    (long long)hd, amp, enu.max_abs, enu.rel, enu.row_rel, (long long)en.nonfinite,
                    (long long)eo.nonfinite);
+            if (variants) {
+                /* the other key-block size (not used by the product): errors and time */
+                const int bn = hd == 128 ? 64 : 32;
+                ACK(bk_g_attn_core(f, S, d_new, 1, bn));
+                ACK(bk_gpu_download(f, h_new.data(), d_new, h_new.size() * 4));
+                const errs ev = compare(h_new.data(), h_ref.data(), N * nh, hd);
+                const double t_v = median_ms(f, S, d_new, 1, reps, bn);
+                const int vf =
+                    ev.nonfinite || !(ev.rel <= ATTN_TOL) || !(ev.row_rel <= ATTN_ROW_TOL);
+                bad += vf;
+                printf("hd %3lld amp %.1f  fused key blocks of %d (variant): %.3e | %.3e | %.3e  "
+                       "%8.3f ms%s\n",
+                       (long long)hd, amp, bn, ev.max_abs, ev.rel, ev.row_rel, t_v,
+                       vf ? "  <-- FAIL" : "");
+            }
             fprintf(stderr,
                     "JSON {\"bench\":\"attn\",\"S\":%lld,\"T\":%lld,\"heads\":%lld,\"kv\":%lld,"
                     "\"hd\":%lld,\"amp\":%g,\"ms_unfused\":%.4f,\"ms_fused\":%.4f,"

@@ -649,6 +649,6 @@ int main(int argc, char **argv)
         return cmd_bench(argc - 2, argv + 2);
     fprintf(stderr, "usage: bk-cuda-dev validate | bench [SHAPES] [--algs L] [--reps N] "
                     "[--antidiag-max MN] [--variants] | attn [--seqs S] [--T T] [--heads H] "
-                    "[--kv K] [--hd D,..] [--amp A,..] [--reps N]\n");
+                    "[--kv K] [--hd D,..] [--amp A,..] [--reps N] [--variants]\n");
     return 1;
 }
