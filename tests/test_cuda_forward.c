@@ -398,7 +398,8 @@ static void test_attention_chunks(void **state)
  *    positions < cut bit-identical (masked probabilities are exact zeros)
  *    and change the others.
  * Shapes: T not a multiple of the key blocks (32 / 64) or of the 128-row
- * query blocks, T below one block, 1, 3 and 4 query heads per kv group. */
+ * query blocks, T below one block, 1, 3 and 4 query heads per kv group, and
+ * Qwen3's q/k norm. */
 #define BF16_ATTN_TOL 2e-2
 #define BF16_ATTN_ROW_TOL 3e-2
 
@@ -429,11 +430,19 @@ static float *dl(bk_gfwd *gf, const float *d, int64_t n)
     return h;
 }
 
-static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t T, int64_t cut)
+static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t T, int64_t cut,
+                       int qk_norm)
 {
     bk_model_config c = syn_cfg(heads, kv, hd, T);
     bk_layer_weights lw;
     random_layer(&c, 91 + (uint64_t)T, &lw);
+    if (qk_norm) { /* Qwen3: q_norm / k_norm before RoPE */
+        bk_rng rq;
+        bk_rng_seed(&rq, 17);
+        c.qk_norm = 1;
+        lw.q_norm = randn(&rq, hd, 0.1, 1.0);
+        lw.k_norm = randn(&rq, hd, 0.1, 1.0);
+    }
     const int64_t N = S * T, qd = heads * hd, H = c.hidden;
     bk_rng r;
     bk_rng_seed(&r, 6);
@@ -476,10 +485,11 @@ static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t
             else
                 after_same += same;
         }
-    printf("  fused attention %lld heads / %lld kv, head_dim %lld, %lld x %lld tokens: vs cpu "
+    printf("  fused attention %lld heads / %lld kv, head_dim %lld, %lld x %lld tokens%s: vs cpu "
            "%.3e (unfused %.3e), per row vs unfused %.3e; cut %lld: %lld positions before "
            "changed, %lld after unchanged\n",
-           (long long)heads, (long long)kv, (long long)hd, (long long)S, (long long)T, e_cpu,
+           (long long)heads, (long long)kv, (long long)hd, (long long)S, (long long)T,
+           qk_norm ? " (q/k norm)" : "", e_cpu,
            e_un, e_row, (long long)cut, (long long)before_diff, (long long)after_same);
     bk_gpu_free(gf, dx);
     bk_gpu_free(gf, dor);
@@ -502,11 +512,12 @@ static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t
 static void test_attention_fused(void **state)
 {
     (void)state;
-    fused_case(4, 4, 128, 2, 200, 37);  /* rep 1: 200 rows, keys 6 x 32 + 8 */
-    fused_case(8, 2, 128, 2, 300, 64);  /* rep 4: 1200 rows = 9 x 128 + 48; cut at a block */
-    fused_case(4, 1, 64, 3, 40, 31);    /* rep 4, T below a key block, 160 rows */
-    fused_case(2, 2, 64, 1, 5, 4);      /* T = 5 */
-    fused_case(6, 2, 64, 1, 1000, 500); /* rep 3 (warps straddle positions), 16 key blocks */
+    fused_case(4, 4, 128, 2, 200, 37, 0);  /* rep 1: 200 rows, keys 6 x 32 + 8 */
+    fused_case(8, 2, 128, 2, 300, 64, 0);  /* rep 4: 1200 rows = 9 x 128 + 48; cut at a block */
+    fused_case(4, 1, 64, 3, 40, 31, 0);    /* rep 4, T below a key block, 160 rows */
+    fused_case(2, 2, 64, 1, 5, 4, 0);      /* T = 5 */
+    fused_case(6, 2, 64, 1, 1000, 500, 0); /* rep 3 (warps straddle positions), 16 key blocks */
+    fused_case(8, 2, 128, 1, 130, 100, 1); /* Qwen3 q/k norm */
 }
 
 /* which forward uses the fused kernel: BF16 mode with head_dim 64 / 128 only */
