@@ -21,7 +21,7 @@
  * double reference on the same BF16 operands: only the BF16 rounding of the
  * probabilities and F32 sums differ, per (token, head) row
  * max |x - ref| / max |ref| <= EMU_ROW_TOL. Shapes: head_dim 64 and 128,
- * 1, 3 and 4 query heads per kv group, T not a multiple of the key block
+ * 1, 2, 3, 4 and 8 query heads per kv group, T not a multiple of the key block
  * or of 128 rows, T below a block, more pairs than a scheduling group, a
  * peaked softmax (query amplitude 4). Suite cpu (no GPU needed). */
 #include <ucontext.h>
@@ -501,7 +501,7 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
 int main(void)
 {
     printf("fused attention kernel, host emulation (tolerance %.0e per row)\n", EMU_ROW_TOL);
-    std::vector<float> r[2][7];
+    std::vector<float> r[2][9];
     for (emu_immediate = 0; emu_immediate < 2; emu_immediate++) {
         std::vector<float> *o = r[emu_immediate];
         o[0] = run_case<128>(1, 2, 4, 72, 4.0);  /* 288 rows: 3 row blocks; keys 2 x 32 + 8 */
@@ -512,9 +512,11 @@ int main(void)
         /* the dev harness's variants (key blocks of 64 at hd 128, 32 at hd 64) */
         o[5] = run_case<128, 64>(1, 2, 4, 72, 4.0);
         o[6] = run_case<64, 32>(2, 1, 3, 100, 4.0);
+        o[7] = run_case<128>(2, 1, 8, 33, 4.0); /* rep 8: 264 rows, a warp = 2 positions */
+        o[8] = run_case<64>(1, 2, 2, 129, 1.0); /* rep 2, T = 2 key blocks + 1 */
     }
     /* the order in which the copies land must not matter */
-    for (int i = 0; i < 7; i++)
+    for (int i = 0; i < 9; i++)
         if (r[0][i].size() != r[1][i].size() ||
             memcmp(r[0][i].data(), r[1][i].data(), r[0][i].size() * sizeof(float))) {
             printf("  case %d: late and immediate cp.async give different outputs  <-- FAIL\n", i);
