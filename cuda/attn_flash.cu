@@ -45,22 +45,22 @@ namespace {
 
 #include "attn_flash_kernel.cuh"
 
-template <int HD, int BN>
+template <int HD, int BN, int MT>
 bk_status launch(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v, float *out,
                  int64_t S, int64_t nkv, int64_t T, int64_t rep, float scale,
                  unsigned long long *nf, cudaStream_t stream)
 {
+    using sh = fa_shape<HD, BN, MT>;
     const int64_t nblk = (T * rep + FA_BM - 1) / FA_BM, grid = S * nkv * nblk;
     if (grid > INT32_MAX || T * rep > INT32_MAX)
         return bk_error(BK_ERR_INVALID_ARG, "fused attention: %lld x %lld rows are too many",
                         (long long)(S * nkv), (long long)(T * rep));
-    const size_t smem = fa_shape<HD, BN>::SMEM;
-    cudaError_t e = cudaFuncSetAttribute(k_attn_flash<HD, BN>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    cudaError_t e = cudaFuncSetAttribute(
+        k_attn_flash<HD, BN, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sh::SMEM);
     if (e != cudaSuccess)
         return bk_cuda_status(e, "fused attention: shared memory", __FILE__, __LINE__);
     const float scale_log2 = (float)((double)scale * 1.4426950408889634);
-    k_attn_flash<HD, BN><<<(unsigned)grid, FA_THREADS, smem, stream>>>(
+    k_attn_flash<HD, BN, MT><<<(unsigned)grid, sh::THREADS, sh::SMEM, stream>>>(
         q, k, v, out, S * nkv, (int)T, (int)nkv, (int)rep, (int)nblk, scale_log2, nf);
     return BK_LAUNCHED("k_attn_flash");
 }
@@ -74,22 +74,32 @@ int bk_attn_flash_supported(int64_t hd)
 
 bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                         float *out, int64_t S, int64_t nkv, int64_t T, int64_t rep, int64_t hd,
-                        float scale, unsigned long long *nf, cudaStream_t stream, int bn)
+                        float scale, unsigned long long *nf, cudaStream_t stream, int bn, int mt)
 {
     if (S <= 0 || T <= 0)
         return BK_OK;
-    if (hd == 128 && (bn == 0 || bn == fa_default_bn<128>::value))
-        return launch<128, fa_default_bn<128>::value>(q, k, v, out, S, nkv, T, rep, scale, nf,
-                                                      stream);
-    if (hd == 64 && (bn == 0 || bn == fa_default_bn<64>::value))
-        return launch<64, fa_default_bn<64>::value>(q, k, v, out, S, nkv, T, rep, scale, nf,
-                                                    stream);
-    /* dev-harness variants */
-    if (hd == 128 && bn == 64)
-        return launch<128, 64>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
-    if (hd == 64 && bn == 32)
-        return launch<64, 32>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    constexpr int B128 = fa_default_bn<128>::value, B64 = fa_default_bn<64>::value;
+    if (bn == 0)
+        bn = hd == 128 ? B128 : B64;
+    if (mt == 0)
+        mt = 1;
+    if (hd == 128 && bn == B128 && mt == 1)
+        return launch<128, B128, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    if (hd == 64 && bn == B64 && mt == 1)
+        return launch<64, B64, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    /* dev-harness variants: the other key-block size; two m-tiles per warp */
+    if (hd == 128 && bn == 64 && mt == 1)
+        return launch<128, 64, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    if (hd == 64 && bn == 32 && mt == 1)
+        return launch<64, 32, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    if (hd == 128 && bn == 32 && mt == 2)
+        return launch<128, 32, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    if (hd == 128 && bn == 64 && mt == 2)
+        return launch<128, 64, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+    if (hd == 64 && bn == 64 && mt == 2)
+        return launch<64, 64, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
     return bk_error(BK_ERR_INTERNAL,
-                    "fused attention: head_dim %lld with key blocks of %d is not supported",
-                    (long long)hd, bn);
+                    "fused attention: head_dim %lld with key blocks of %d and %d m-tiles per warp "
+                    "is not supported",
+                    (long long)hd, bn, mt);
 }

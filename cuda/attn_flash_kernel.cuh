@@ -14,8 +14,6 @@
 #include <cuda_bf16.h>
 
 constexpr int FA_BM = 128; /* query rows per CTA */
-constexpr int FA_WARPS = FA_BM / 16;
-constexpr int FA_THREADS = FA_WARPS * 32;
 constexpr int FA_PAIR_GROUP = 16;
 
 /* keys per block: 64, or 32 at head_dim 128 (registers: the 16 x hd output
@@ -26,8 +24,13 @@ template <int HD> struct fa_default_bn {
     static constexpr int value = HD >= 128 ? 32 : 64;
 };
 
-template <int HD, int BN> struct fa_shape {
+/* MT: 16-row m-tiles per warp (1: 8 warps of 16 rows, two CTAs of 128
+ * registers per SM — the product's; 2: 4 warps of 32 rows sharing each K/V
+ * fragment between two MMAs, up to 255 registers — a dev-harness variant) */
+template <int HD, int BN, int MT = 1> struct fa_shape {
     static constexpr int FA_BN = BN;
+    static constexpr int WARPS = FA_BM / (16 * MT);
+    static constexpr int THREADS = WARPS * 32;
     static constexpr int LD = HD + 8; /* padded row, BF16 elements */
     static constexpr int Q_ELEMS = FA_BM * LD;
     static constexpr int KV_ELEMS = FA_BN * LD;
@@ -37,7 +40,7 @@ template <int HD, int BN> struct fa_shape {
 
 #ifndef FA_EMU
 #define FA_DEV __device__ __forceinline__
-#define FA_KERNEL __global__ void __launch_bounds__(FA_THREADS, 2)
+#define FA_KERNEL(threads) __global__ void __launch_bounds__(threads, 2)
 #define FA_TID threadIdx.x
 #define FA_BID blockIdx.x
 #define FA_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
@@ -110,10 +113,10 @@ FA_DEV uint32_t bf2_bits(__nv_bfloat162 v)
  * stride LD, a shared-window address), 16-byte chunks; rows r >= valid are
  * zero-filled. This thread copies the chunks (row_t + j * (threads / chunks
  * per row), col_t). */
-template <int HD, int ROWS>
+template <int HD, int ROWS, int NT>
 FA_DEV void load_tile(uint32_t dst, const __nv_bfloat16 *src, int valid, int row_t, int col_t)
 {
-    constexpr int C = HD / 8, LD = HD + 8, RPP = FA_THREADS / C;
+    constexpr int C = HD / 8, LD = HD + 8, RPP = NT / C;
     static_assert(ROWS % RPP == 0, "tile rows");
 #pragma unroll
     for (int j = 0; j < ROWS / RPP; j++) {
@@ -124,14 +127,14 @@ FA_DEV void load_tile(uint32_t dst, const __nv_bfloat16 *src, int valid, int row
     }
 }
 
-template <int HD, int BN>
-FA_KERNEL k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
-                       const __nv_bfloat16 *__restrict__ vb, float *__restrict__ out,
-                       int64_t npairs, int T, int nkv, int rep, int nblk, float scale_log2,
-                       unsigned long long *nf)
+template <int HD, int BN, int MT>
+FA_KERNEL(FA_BM / (16 * MT) * 32) /* fa_shape<HD, BN, MT>::THREADS */
+k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
+             const __nv_bfloat16 *__restrict__ vb, float *__restrict__ out, int64_t npairs, int T,
+             int nkv, int rep, int nblk, float scale_log2, unsigned long long *nf)
 {
-    using sh = fa_shape<HD, BN>;
-    constexpr int LD = sh::LD, FA_BN = sh::FA_BN;
+    using sh = fa_shape<HD, BN, MT>;
+    constexpr int LD = sh::LD, FA_BN = sh::FA_BN, NT = sh::THREADS;
     FA_SHARED(fa_smem);
     __nv_bfloat16 *sQ = reinterpret_cast<__nv_bfloat16 *>(fa_smem);
     __nv_bfloat16 *sK = sQ + sh::Q_ELEMS;      /* two buffers */
@@ -159,27 +162,37 @@ FA_KERNEL k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16
 
     const int row_t = FA_TID / sh::CHUNKS, col_t = (FA_TID % sh::CHUNKS) * 8;
     const uint32_t sK_a = smem_addr(sK), sV_a = smem_addr(sV);
-    load_tile<HD, FA_BM>(smem_addr(sQ), qp, RP - R0, row_t, col_t);
-    load_tile<HD, FA_BN>(sK_a, kp, T, row_t, col_t);
-    load_tile<HD, FA_BN>(sV_a, vp, T, row_t, col_t);
+    load_tile<HD, FA_BM, NT>(smem_addr(sQ), qp, RP - R0, row_t, col_t);
+    load_tile<HD, FA_BN, NT>(sK_a, kp, T, row_t, col_t);
+    load_tile<HD, FA_BN, NT>(sV_a, vp, T, row_t, col_t);
     cp_async_commit();
 
-    /* this thread's rows (wr, wr + 8 of the warp's 16) and positions */
-    const int wrow = R0 + warp * 16;
+    /* this warp's 16 MT rows from wrow; m-tile t: this thread's rows
+     * wrow + 16 t + g and + 8, positions pos[t][0..1] */
+    const int wrow = R0 + warp * 16 * MT;
     const bool active = wrow < RP;
-    const int row0 = wrow + g, row1 = row0 + 8;
-    const int pos0 = row0 / rep, pos1 = row1 / rep;
-    const int wpos_lo = wrow / rep, wpos_hi = (wrow + 15) / rep;
-
-    float o[HD / 8][4];
+    int pos[MT][2];
 #pragma unroll
-    for (int j = 0; j < HD / 8; j++)
-        o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    for (int t = 0; t < MT; t++) {
+        pos[t][0] = (wrow + 16 * t + g) / rep;
+        pos[t][1] = (wrow + 16 * t + g + 8) / rep;
+    }
+    const int wpos_lo = wrow / rep, wpos_hi = (wrow + 16 * MT - 1) / rep;
+
+    float o[MT][HD / 8][4];
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++)
+            o[t][j][0] = o[t][j][1] = o[t][j][2] = o[t][j][3] = 0.0f;
+        m[t][0] = m[t][1] = -INFINITY;
+        l[t][0] = l[t][1] = 0.0f;
+    }
 
     /* ldmatrix row addresses of this lane (bytes, shared window) */
-    const uint32_t q_addr =
-        smem_addr(sQ + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
+    const uint32_t q_addr = smem_addr(
+        sQ + (warp * 16 * MT + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
     const int k_off = ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
     const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
 
@@ -188,8 +201,8 @@ FA_KERNEL k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16
         if (kbi + 1 < nkb) {
             const int k0 = (kbi + 1) * FA_BN;
             const uint32_t bo = (uint32_t)((buf ^ 1) * sh::KV_ELEMS * 2);
-            load_tile<HD, FA_BN>(sK_a + bo, kp + (size_t)k0 * HD, T - k0, row_t, col_t);
-            load_tile<HD, FA_BN>(sV_a + bo, vp + (size_t)k0 * HD, T - k0, row_t, col_t);
+            load_tile<HD, FA_BN, NT>(sK_a + bo, kp + (size_t)k0 * HD, T - k0, row_t, col_t);
+            load_tile<HD, FA_BN, NT>(sV_a + bo, vp + (size_t)k0 * HD, T - k0, row_t, col_t);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -201,89 +214,107 @@ FA_KERNEL k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16
         if (active && key0 <= wpos_hi) {
             const uint32_t k_base = smem_addr(sK + buf * sh::KV_ELEMS + k_off);
             const uint32_t v_base = smem_addr(sV + buf * sh::KV_ELEMS + v_off);
-            /* S = Q Kᵀ for 16 rows x FA_BN keys */
-            float s[FA_BN / 8][4];
+            /* S = Q Kᵀ for 16 MT rows x FA_BN keys */
+            float s[MT][FA_BN / 8][4];
 #pragma unroll
-            for (int j = 0; j < FA_BN / 8; j++)
-                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            for (int t = 0; t < MT; t++)
+#pragma unroll
+                for (int j = 0; j < FA_BN / 8; j++)
+                    s[t][j][0] = s[t][j][1] = s[t][j][2] = s[t][j][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
-                uint32_t a0, a1, a2, a3;
-                ldsm_x4(q_addr + kk * 32, a0, a1, a2, a3);
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int t = 0; t < MT; t++)
+                    ldsm_x4(q_addr + (t * 16 * LD + kk * 16) * 2, a[t][0], a[t][1], a[t][2],
+                            a[t][3]);
 #pragma unroll
                 for (int n2 = 0; n2 < FA_BN / 16; n2++) {
                     uint32_t b0, b1, b2, b3;
                     ldsm_x4(k_base + (n2 * 16 * LD + kk * 16) * 2, b0, b1, b2, b3);
-                    mma_bf16(s[2 * n2], a0, a1, a2, a3, b0, b1);
-                    mma_bf16(s[2 * n2 + 1], a0, a1, a2, a3, b2, b3);
-                }
-            }
-            /* scale (log2 domain), causal mask, block row maxima */
-            const bool mask = key0 + FA_BN - 1 > wpos_lo;
-            float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < FA_BN / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int key = key0 + j * 8 + 2 * tq + e;
-                    float x0 = s[j][e] * scale_log2, x1 = s[j][2 + e] * scale_log2;
-                    if (mask) {
-                        x0 = key > pos0 ? -INFINITY : x0;
-                        x1 = key > pos1 ? -INFINITY : x1;
+                    for (int t = 0; t < MT; t++) {
+                        mma_bf16(s[t][2 * n2], a[t][0], a[t][1], a[t][2], a[t][3], b0, b1);
+                        mma_bf16(s[t][2 * n2 + 1], a[t][0], a[t][1], a[t][2], a[t][3], b2, b3);
                     }
-                    s[j][e] = x0;
-                    s[j][2 + e] = x1;
-                    mx0 = fmaxf(mx0, x0);
-                    mx1 = fmaxf(mx1, x1);
                 }
             }
-            mx0 = fmaxf(mx0, fa_shfl_xor(mx0, 1));
-            mx0 = fmaxf(mx0, fa_shfl_xor(mx0, 2));
-            mx1 = fmaxf(mx1, fa_shfl_xor(mx1, 1));
-            mx1 = fmaxf(mx1, fa_shfl_xor(mx1, 2));
-            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-            /* a row with no key yet: base 0, so exp2(-inf - 0) = 0 and no NaN */
-            const float b0 = mn0 == -INFINITY ? 0.0f : mn0;
-            const float b1 = mn1 == -INFINITY ? 0.0f : mn1;
-            const float al0 = exp2f(m0 - b0), al1 = exp2f(m1 - b1);
-            m0 = mn0;
-            m1 = mn1;
-            l0 *= al0;
-            l1 *= al1;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                o[j][0] *= al0;
-                o[j][1] *= al0;
-                o[j][2] *= al1;
-                o[j][3] *= al1;
-            }
-            /* the probabilities as BF16 A fragments of P V: key tiles 2 k2 and
+            /* scale (log2 domain), causal mask, block row maxima, rescale,
+             * probabilities as BF16 A fragments of P V: key tiles 2 k2 and
              * 2 k2 + 1 (C fragments of S) make the 16 keys of k-step k2 */
-            uint32_t pa[FA_BN / 16][4];
+            const bool mask = key0 + FA_BN - 1 > wpos_lo;
+            uint32_t pa[MT][FA_BN / 16][4];
 #pragma unroll
-            for (int k2 = 0; k2 < FA_BN / 16; k2++) {
+            for (int t = 0; t < MT; t++) {
+                float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int j = 2 * k2 + h;
-                    const __nv_bfloat162 p0 =
-                        __floats2bfloat162_rn(exp2f(s[j][0] - b0), exp2f(s[j][1] - b0));
-                    const __nv_bfloat162 p1 =
-                        __floats2bfloat162_rn(exp2f(s[j][2] - b1), exp2f(s[j][3] - b1));
-                    const float2 f0 = __bfloat1622float2(p0), f1 = __bfloat1622float2(p1);
-                    l0 += f0.x + f0.y;
-                    l1 += f1.x + f1.y;
-                    pa[k2][2 * h] = bf2_bits(p0);
-                    pa[k2][2 * h + 1] = bf2_bits(p1);
+                for (int j = 0; j < FA_BN / 8; j++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int key = key0 + j * 8 + 2 * tq + e;
+                        float x0 = s[t][j][e] * scale_log2, x1 = s[t][j][2 + e] * scale_log2;
+                        if (mask) {
+                            x0 = key > pos[t][0] ? -INFINITY : x0;
+                            x1 = key > pos[t][1] ? -INFINITY : x1;
+                        }
+                        s[t][j][e] = x0;
+                        s[t][j][2 + e] = x1;
+                        mx0 = fmaxf(mx0, x0);
+                        mx1 = fmaxf(mx1, x1);
+                    }
                 }
+                mx0 = fmaxf(mx0, fa_shfl_xor(mx0, 1));
+                mx0 = fmaxf(mx0, fa_shfl_xor(mx0, 2));
+                mx1 = fmaxf(mx1, fa_shfl_xor(mx1, 1));
+                mx1 = fmaxf(mx1, fa_shfl_xor(mx1, 2));
+                const float mn0 = fmaxf(m[t][0], mx0), mn1 = fmaxf(m[t][1], mx1);
+                /* a row with no key yet: base 0, so exp2(-inf - 0) = 0 and no NaN */
+                const float b0 = mn0 == -INFINITY ? 0.0f : mn0;
+                const float b1 = mn1 == -INFINITY ? 0.0f : mn1;
+                const float al0 = exp2f(m[t][0] - b0), al1 = exp2f(m[t][1] - b1);
+                m[t][0] = mn0;
+                m[t][1] = mn1;
+                float l0 = l[t][0] * al0, l1 = l[t][1] * al1;
+#pragma unroll
+                for (int j = 0; j < HD / 8; j++) {
+                    o[t][j][0] *= al0;
+                    o[t][j][1] *= al0;
+                    o[t][j][2] *= al1;
+                    o[t][j][3] *= al1;
+                }
+#pragma unroll
+                for (int k2 = 0; k2 < FA_BN / 16; k2++) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int j = 2 * k2 + h;
+                        const __nv_bfloat162 p0 =
+                            __floats2bfloat162_rn(exp2f(s[t][j][0] - b0), exp2f(s[t][j][1] - b0));
+                        const __nv_bfloat162 p1 =
+                            __floats2bfloat162_rn(exp2f(s[t][j][2] - b1), exp2f(s[t][j][3] - b1));
+                        const float2 f0 = __bfloat1622float2(p0), f1 = __bfloat1622float2(p1);
+                        l0 += f0.x + f0.y;
+                        l1 += f1.x + f1.y;
+                        pa[t][k2][2 * h] = bf2_bits(p0);
+                        pa[t][k2][2 * h + 1] = bf2_bits(p1);
+                    }
+                }
+                l[t][0] = l0;
+                l[t][1] = l1;
             }
+            /* O += P V */
 #pragma unroll
             for (int n2 = 0; n2 < HD / 16; n2++) {
 #pragma unroll
                 for (int k2 = 0; k2 < FA_BN / 16; k2++) {
                     uint32_t v0, v1, v2, v3;
                     ldsm_x4_t(v_base + (k2 * 16 * LD + n2 * 16) * 2, v0, v1, v2, v3);
-                    mma_bf16(o[2 * n2], pa[k2][0], pa[k2][1], pa[k2][2], pa[k2][3], v0, v1);
-                    mma_bf16(o[2 * n2 + 1], pa[k2][0], pa[k2][1], pa[k2][2], pa[k2][3], v2, v3);
+#pragma unroll
+                    for (int t = 0; t < MT; t++) {
+                        mma_bf16(o[t][2 * n2], pa[t][k2][0], pa[t][k2][1], pa[t][k2][2],
+                                 pa[t][k2][3], v0, v1);
+                        mma_bf16(o[t][2 * n2 + 1], pa[t][k2][0], pa[t][k2][1], pa[t][k2][2],
+                                 pa[t][k2][3], v2, v3);
+                    }
                 }
             }
         }
@@ -292,30 +323,30 @@ FA_KERNEL k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16
 
     if (!active)
         return;
-    l0 += fa_shfl_xor(l0, 1);
-    l0 += fa_shfl_xor(l0, 2);
-    l1 += fa_shfl_xor(l1, 1);
-    l1 += fa_shfl_xor(l1, 2);
-    const float i0 = 1.0f / l0, i1 = 1.0f / l1;
     /* token-major [S*T, nh*hd]: row r of pair (s, gk) is position r / rep of
      * sequence s, head gk*rep + r % rep */
     const int64_t s_ = pair / nkv, gk = pair % nkv;
     const int64_t qd = (int64_t)nkv * rep * HD;
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int row = h ? row1 : row0;
-        if (row >= RP)
-            continue;
-        const int pos = h ? pos1 : pos0;
-        const float inv = h ? i1 : i0;
-        const int64_t base = (s_ * T + pos) * qd + (gk * rep + row % rep) * HD;
+    for (int t = 0; t < MT; t++) {
 #pragma unroll
-        for (int j = 0; j < HD / 8; j++) {
-            const int col = j * 8 + 2 * tq;
-            const float x = o[j][2 * h] * inv, y = o[j][2 * h + 1] * inv;
-            bk_nf_note(nf, x, base + col);
-            bk_nf_note(nf, y, base + col + 1);
-            *reinterpret_cast<float2 *>(out + base + col) = make_float2(x, y);
+        for (int h = 0; h < 2; h++) {
+            float lt = l[t][h];
+            lt += fa_shfl_xor(lt, 1);
+            lt += fa_shfl_xor(lt, 2);
+            const int row = wrow + 16 * t + g + 8 * h;
+            if (row >= RP)
+                continue;
+            const float inv = 1.0f / lt;
+            const int64_t base = (s_ * T + pos[t][h]) * qd + (gk * rep + row % rep) * HD;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++) {
+                const int col = j * 8 + 2 * tq;
+                const float x = o[t][j][2 * h] * inv, y = o[t][j][2 * h + 1] * inv;
+                bk_nf_note(nf, x, base + col);
+                bk_nf_note(nf, y, base + col + 1);
+                *reinterpret_cast<float2 *>(out + base + col) = make_float2(x, y);
+            }
         }
     }
 }

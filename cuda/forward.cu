@@ -1424,7 +1424,7 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
     return bk_g_attn_core(f, S, d_o, fu);
 }
 
-bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn)
+bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn, int mt)
 {
     const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, qd = f->dim.qdim;
     const float scale = (float)(1.0 / sqrt((double)hd));
@@ -1432,7 +1432,7 @@ bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn)
         if (!f->attn_fused)
             return bk_error(BK_ERR_INTERNAL, "GPU forward: fused attention not set up");
         return bk_attn_flash(f->qb, f->kb, f->vb, d_o, S, f->dim.nkv, T, f->dim.rep, hd, scale,
-                             f->nf + BK_FS_O_IN, f->c->stream, bn);
+                             f->nf + BK_FS_O_IN, f->c->stream, bn, mt);
     }
     cudaStream_t sm = f->c->stream;
     bk_status st = BK_OK;

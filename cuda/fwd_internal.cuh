@@ -80,18 +80,19 @@ static __device__ __forceinline__ void bk_nf_note(unsigned long long *flag, floa
  * F32 = softmax(scale q kᵀ, causal) v per (sequence, kv group) pair, from
  * BF16 q [S, nkv, T, rep, hd], k and v [S, nkv, T, hd]; BF16 products with
  * F32 accumulation; nf (or NULL) flags the first non-finite output. head_dim
- * 64 and 128 only (bk_attn_flash_supported). bn: keys per block, 0 = the
- * kernel's choice (the dev harness times the other: 64 at head_dim 128, 32 at
- * 64). */
+ * 64 and 128 only (bk_attn_flash_supported). bn (keys per block) and mt
+ * (16-row m-tiles per warp): 0 = the product's choice; the dev harness times
+ * variants (attn_flash.cu lists them). */
 int bk_attn_flash_supported(int64_t hd);
 bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                         float *out, int64_t S, int64_t nkv, int64_t T, int64_t rep, int64_t hd,
-                        float scale, unsigned long long *nf, cudaStream_t stream, int bn = 0);
+                        float scale, unsigned long long *nf, cudaStream_t stream, int bn = 0,
+                        int mt = 0);
 /* The attention of bk_gfwd_attention after RoPE, from the rotated head-major
  * inputs into d_o (token-major [S*T, qdim]): fused from f->qb/kb/vb (needs
  * f->attn_fused), else the unfused path from f->qh/kh/vh (cuBLAS scores,
  * causal softmax, cuBLAS P V). The dev harness times one against the other. */
-bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn = 0);
+bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn = 0, int mt = 0);
 
 /* Grid size for a grid-stride loop over n items with 256 threads. */
 static inline unsigned bk_grid(int64_t n)

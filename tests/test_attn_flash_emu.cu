@@ -1,5 +1,5 @@
 /* The fused attention kernel (cuda/attn_flash_kernel.cuh) run on the host:
- * its source compiled as host code with FA_EMU, one CTA at a time, its 256
+ * its source compiled as host code with FA_EMU, one CTA at a time, its 256 (128)
  * threads as coroutines (ucontext) switched at every warp operation and
  * barrier. The warp operations are emulated from the PTX ISA's definitions,
  * written here independently of the kernel:
@@ -12,7 +12,7 @@
  *   - cp.async 16 bytes (zero-fill with src-size 0), its groups completed
  *     at cp.async.wait_group — either as late as allowed or at once (both
  *     orders must give the same result);
- *   - shfl.xor, bar.sync (all 256 threads; a barrier or warp operation
+ *   - shfl.xor, bar.sync (all threads of the CTA; a barrier or warp operation
  *     reached by only some of the threads is reported as a failure).
  * Checked: 16-byte alignment and bounds of every cp.async and ldmatrix
  * address, global reads inside the inputs, shared memory filled with NaN
@@ -37,7 +37,7 @@
 
 #define FA_EMU
 #define FA_DEV static inline
-#define FA_KERNEL void
+#define FA_KERNEL(threads) void
 #define FA_TID ((unsigned)emu_cur)
 #define FA_BID ((int64_t)emu_bid)
 #define FA_SHARED(name) unsigned char *name = emu_smem
@@ -305,10 +305,13 @@ static void trampoline()
     emu_lanes[emu_cur].done = 1;
 }
 
-static void run_cta(void (*body)())
+static int emu_nt = 256; /* threads of the CTA */
+
+static void run_cta(void (*body)(), int nt)
 {
     emu_body = body;
-    for (int t = 0; t < 256; t++) {
+    emu_nt = nt;
+    for (int t = 0; t < nt; t++) {
         lane_t &l = emu_lanes[t];
         l.stack.resize(256 * 1024);
         l.state = RUNNABLE;
@@ -323,7 +326,7 @@ static void run_cta(void (*body)())
     }
     for (;;) {
         int ran = 0;
-        for (int t = 0; t < 256; t++) {
+        for (int t = 0; t < nt; t++) {
             lane_t &l = emu_lanes[t];
             if (l.done || l.state != RUNNABLE)
                 continue;
@@ -332,14 +335,14 @@ static void run_cta(void (*body)())
             ran = 1;
         }
         int alive = 0, at_cta = 0;
-        for (int t = 0; t < 256; t++) {
+        for (int t = 0; t < nt; t++) {
             alive += !emu_lanes[t].done;
             at_cta += !emu_lanes[t].done && emu_lanes[t].state == WAIT_CTA;
         }
         if (!alive)
             break;
         int released = 0;
-        for (int w = 0; w < 8; w++) {
+        for (int w = 0; w < nt / 32; w++) {
             int wait = 0, done = 0, tag = -1, mixed = 0;
             for (int i = 0; i < 32; i++) {
                 const lane_t &l = emu_lanes[w * 32 + i];
@@ -361,17 +364,17 @@ static void run_cta(void (*body)())
             }
         }
         if (!released && at_cta) {
-            if (at_cta != 256)
-                EMU_FAIL("a barrier reached by %d of 256 threads (%d alive, CTA %lld)", at_cta,
+            if (at_cta != nt)
+                EMU_FAIL("a barrier reached by %d of %d threads (%d alive, CTA %lld)", at_cta, nt,
                          alive, (long long)emu_bid);
-            for (int t = 0; t < 256; t++)
+            for (int t = 0; t < nt; t++)
                 emu_lanes[t].state = RUNNABLE;
             released = 1;
         }
         if (!ran && !released)
             EMU_FAIL("deadlock (CTA %lld)", (long long)emu_bid);
     }
-    for (int t = 0; t < 256; t++)
+    for (int t = 0; t < nt; t++)
         if (!emu_lanes[t].pending.empty())
             EMU_FAIL("thread %d ended with cp.async copies pending", t);
 }
@@ -386,11 +389,11 @@ struct kargs {
     float scale_log2;
 };
 static kargs emu_args;
-template <int HD, int BN> static void body()
+template <int HD, int BN, int MT> static void body()
 {
     const kargs &a = emu_args;
-    k_attn_flash<HD, BN>(a.q, a.k, a.v, a.out, a.npairs, a.T, a.nkv, a.rep, a.nblk, a.scale_log2,
-                         NULL);
+    k_attn_flash<HD, BN, MT>(a.q, a.k, a.v, a.out, a.npairs, a.T, a.nkv, a.rep, a.nblk,
+                             a.scale_log2, NULL);
 }
 
 static uint64_t rng = 88172645463325252ull;
@@ -410,7 +413,7 @@ static double gauss()
 #define EMU_ROW_TOL 1e-2
 #define EMU_GUARD 64
 
-template <int HD, int BN = fa_default_bn<HD>::value>
+template <int HD, int BN = fa_default_bn<HD>::value, int MT = 1>
 static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t T, double amp)
 {
     rng = 88172645463325252ull + (uint64_t)(T * 131 + rep * 7 + nkv);
@@ -436,7 +439,7 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
     const double scale = 1.0 / sqrt((double)HD);
     emu_args = {q.data(), k.data(), v.data(), out,       pairs,
                 (int)T,   (int)nkv, (int)rep, (int)nblk, (float)(scale * 1.4426950408889634)};
-    emu_smem_size = fa_shape<HD, BN>::SMEM;
+    emu_smem_size = fa_shape<HD, BN, MT>::SMEM;
     std::vector<unsigned char> smem(emu_smem_size);
     emu_smem = smem.data();
     emu_nonfinite = 0;
@@ -446,7 +449,7 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
             smem[i + 1] = 0x7f;
         }
         emu_bid = b;
-        run_cta(body<HD, BN>);
+        run_cta(body<HD, BN, MT>, fa_shape<HD, BN, MT>::THREADS);
     }
     int64_t unwritten = 0, guard = 0;
     for (int64_t i = 0; i < EMU_GUARD; i++)
@@ -487,10 +490,11 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
             worst = rel > worst || std::isnan(rel) ? rel : worst;
         }
     const int fail = unwritten || guard || emu_nonfinite || !(worst <= EMU_ROW_TOL);
-    printf("  hd %3d bn %2d, %lld x %lld kv heads, rep %lld, T %4lld, amp %.0f, cp.async %s: %lld "
+    printf("  hd %3d bn %2d mt %d, %lld x %lld kv heads, rep %lld, T %4lld, amp %.0f, cp.async %s: "
+           "%lld "
            "CTAs, "
            "row rel err %.3e, unwritten %lld, guard %lld, non-finite %lld%s\n",
-           HD, BN, (long long)S, (long long)nkv, (long long)rep, (long long)T, amp,
+           HD, BN, MT, (long long)S, (long long)nkv, (long long)rep, (long long)T, amp,
            emu_immediate ? "at once" : "late   ", (long long)(pairs * nblk), worst,
            (long long)unwritten, (long long)guard, (long long)emu_nonfinite,
            fail ? "  <-- FAIL" : "");
@@ -501,7 +505,7 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
 int main(void)
 {
     printf("fused attention kernel, host emulation (tolerance %.0e per row)\n", EMU_ROW_TOL);
-    std::vector<float> r[2][9];
+    std::vector<float> r[2][12];
     for (emu_immediate = 0; emu_immediate < 2; emu_immediate++) {
         std::vector<float> *o = r[emu_immediate];
         o[0] = run_case<128>(1, 2, 4, 72, 4.0);  /* 288 rows: 3 row blocks; keys 2 x 32 + 8 */
@@ -514,9 +518,13 @@ int main(void)
         o[6] = run_case<64, 32>(2, 1, 3, 100, 4.0);
         o[7] = run_case<128>(2, 1, 8, 33, 4.0); /* rep 8: 264 rows, a warp = 2 positions */
         o[8] = run_case<64>(1, 2, 2, 129, 1.0); /* rep 2, T = 2 key blocks + 1 */
+        /* two m-tiles per warp (4 warps of 32 rows) */
+        o[9] = run_case<128, 32, 2>(1, 2, 4, 72, 4.0);
+        o[10] = run_case<128, 64, 2>(1, 1, 1, 150, 1.0);
+        o[11] = run_case<64, 64, 2>(2, 1, 3, 100, 4.0);
     }
     /* the order in which the copies land must not matter */
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < 12; i++)
         if (r[0][i].size() != r[1][i].size() ||
             memcmp(r[0][i].data(), r[1][i].data(), r[0][i].size() * sizeof(float))) {
             printf("  case %d: late and immediate cp.async give different outputs  <-- FAIL\n", i);

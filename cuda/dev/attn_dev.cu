@@ -16,9 +16,9 @@
  * head) row) of each path against the reference and of fused against
  * unfused, and the median time per call (CUDA events) of each path. The
  * verdict line "attn: ok" / "attn: FAILED" checks the fused kernel against
- * the reference (ATTN_TOL, ATTN_ROW_TOL). --variants: also the kernel with
- * the other key-block size (64 at head_dim 128, 32 at 64; not used by the
- * product), checked and timed the same way. One JSON object per case on stderr
+ * the reference (ATTN_TOL, ATTN_ROW_TOL). --variants: also kernels the
+ * product does not use (the other key-block size: 64 at head_dim 128, 32 at
+ * 64; two m-tiles per warp), checked and timed the same way. One JSON object per case on stderr
  * ("JSON ..."). */
 #include <algorithm>
 #include <cmath>
@@ -194,17 +194,17 @@ std::vector<double> dbl_list(const char *s)
     return v;
 }
 
-double median_ms(bk_gfwd *f, int64_t S, float *d_o, int fused, int reps, int bn = 0)
+double median_ms(bk_gfwd *f, int64_t S, float *d_o, int fused, int reps, int bn = 0, int mt = 0)
 {
     cudaStream_t sm = f->c->stream;
     cudaEvent_t a, b;
     ACU(cudaEventCreate(&a));
     ACU(cudaEventCreate(&b));
-    ACK(bk_g_attn_core(f, S, d_o, fused, bn)); /* warm-up */
+    ACK(bk_g_attn_core(f, S, d_o, fused, bn, mt)); /* warm-up */
     std::vector<float> t;
     for (int i = 0; i < reps; i++) {
         ACU(cudaEventRecord(a, sm));
-        ACK(bk_g_attn_core(f, S, d_o, fused, bn));
+        ACK(bk_g_attn_core(f, S, d_o, fused, bn, mt));
         ACU(cudaEventRecord(b, sm));
         ACU(cudaEventSynchronize(b));
         float ms = 0;
@@ -333,19 +333,23 @@ int cmd_attn(int argc, char **argv)
                    (long long)hd, amp, enu.max_abs, enu.rel, enu.row_rel, (long long)en.nonfinite,
                    (long long)eo.nonfinite);
             if (variants) {
-                /* the other key-block size (not used by the product): errors and time */
-                const int bn = hd == 128 ? 64 : 32;
-                ACK(bk_g_attn_core(f, S, d_new, 1, bn));
-                ACK(bk_gpu_download(f, h_new.data(), d_new, h_new.size() * 4));
-                const errs ev = compare(h_new.data(), h_ref.data(), N * nh, hd);
-                const double t_v = median_ms(f, S, d_new, 1, reps, bn);
-                const int vf =
-                    ev.nonfinite || !(ev.rel <= ATTN_TOL) || !(ev.row_rel <= ATTN_ROW_TOL);
-                bad += vf;
-                printf("hd %3lld amp %.1f  fused key blocks of %d (variant): %.3e | %.3e | %.3e  "
-                       "%8.3f ms%s\n",
-                       (long long)hd, amp, bn, ev.max_abs, ev.rel, ev.row_rel, t_v,
-                       vf ? "  <-- FAIL" : "");
+                /* kernels the product does not use: the other key-block size,
+                 * two m-tiles per warp (4 warps of 32 rows, up to 255 registers) */
+                const int vb[3][2] = {{hd == 128 ? 64 : 32, 1}, {hd == 128 ? 32 : 64, 2}, {64, 2}};
+                for (int vi = 0; vi < (hd == 128 ? 3 : 2); vi++) {
+                    const int bn = vb[vi][0], mt = vb[vi][1];
+                    ACK(bk_g_attn_core(f, S, d_new, 1, bn, mt));
+                    ACK(bk_gpu_download(f, h_new.data(), d_new, h_new.size() * 4));
+                    const errs ev = compare(h_new.data(), h_ref.data(), N * nh, hd);
+                    const double t_v = median_ms(f, S, d_new, 1, reps, bn, mt);
+                    const int vf =
+                        ev.nonfinite || !(ev.rel <= ATTN_TOL) || !(ev.row_rel <= ATTN_ROW_TOL);
+                    bad += vf;
+                    printf("hd %3lld amp %.1f  variant bn %2d mt %d: %.3e | %.3e | %.3e  %8.3f ms "
+                           "(%.2fx)%s\n",
+                           (long long)hd, amp, bn, mt, ev.max_abs, ev.rel, ev.row_rel, t_v,
+                           t_old / t_v, vf ? "  <-- FAIL" : "");
+                }
             }
             fprintf(stderr,
                     "JSON {\"bench\":\"attn\",\"S\":%lld,\"T\":%lld,\"heads\":%lld,\"kv\":%lld,"
