@@ -31,6 +31,9 @@
  *     so the sums are positive).
  * Keys and query rows past the end are zero-filled by cp.async (their rows
  * are masked or never stored; zeros keep 0·V finite).
+ * (Dev-harness variants from the same source, not used by the product: the
+ * other key-block size, and two 16-row m-tiles per warp — 4 warps of 32 rows,
+ * each K/V fragment feeding two MMAs, up to 255 registers.)
  * Math: Q, K, V and P in BF16, the scores, sums and output in F32 — a change
  * from the unfused BF16-mode path (TF32 score GEMMs, F32 softmax); used in
  * BF16 mode only (forward.cu: bk_g_attn_flash_ok). */
