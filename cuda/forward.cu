@@ -16,7 +16,8 @@
  *                  pairs per call, or rows of a chunk split when one pair's
  *                  chunk is larger). A single-pass softmax with the row in
  *                  registers was tried: slower (occupancy), 8B forward 27 s
- *                  instead of 22 s;
+ *                  instead of 22 s. BF16 mode with head_dim 64 / 128: one
+ *                  fused kernel instead (attn_flash.cu, bk_g_attn_core);
  *   MLP, residual  silu(z) = z / (1 + exp(-z)), module output formed first,
  *                  then added;
  *   head, NLL      final norm, LM head converted to F32 on the device once,
@@ -65,10 +66,7 @@ __global__ void k_bias_rows(float *Y, int64_t rows, int64_t cols, const float *b
  * checks nothing. Off the hot path only when v is not finite. */
 __device__ __forceinline__ void nf_note(unsigned long long *flag, float v, int64_t i)
 {
-    if (flag && !isfinite(v)) {
-        const unsigned long long cls = (isnan(v) ? 2ull : 0ull) | (signbit(v) ? 1ull : 0ull);
-        atomicMin(flag, ((unsigned long long)i << 2) | cls);
-    }
+    bk_nf_note(flag, v, i);
 }
 
 /* h += (t + b): the module output first (bias included), then the residual;
@@ -119,10 +117,12 @@ __global__ void k_rmsnorm(const float *x, int64_t rows, int64_t n, const float *
 
 /* src token-major [N, heads*hd] -> dst head-major [S, heads, T, hd], rotated
  * by RoPE at position n % T when rotate (rotate_half pairs (i, i + hd/2));
- * rot (optional) receives the same values token-major. */
+ * rot (optional) receives the same values token-major; dst (optional) F32,
+ * dstb (optional) the same rounded to BF16. */
 __global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t heads, int64_t hd,
                              int64_t rep, const float *cs, const float *sn, int rotate, float *dst,
-                             float *rot, unsigned long long *nf_in, unsigned long long *nf_out)
+                             __nv_bfloat16 *dstb, float *rot, unsigned long long *nf_in,
+                             unsigned long long *nf_out)
 {
     const int64_t h2 = hd / 2, total = N * heads * h2;
     for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
@@ -146,9 +146,15 @@ __global__ void k_rope_heads(const float *src, int64_t N, int64_t T, int64_t hea
         /* group-major [S, heads/rep, T, rep, hd]: the rows of a (sequence,
          * group) pair are its rep heads per position, position-major */
         const int64_t g = head / rep, hr = head % rep;
-        float *d = dst + (((s * (heads / rep) + g) * T + pos) * rep + hr) * hd;
-        d[i] = ya;
-        d[i + h2] = yb;
+        const int64_t at_h = (((s * (heads / rep) + g) * T + pos) * rep + hr) * hd;
+        if (dst) {
+            dst[at_h + i] = ya;
+            dst[at_h + i + h2] = yb;
+        }
+        if (dstb) {
+            dstb[at_h + i] = __float2bfloat16_rn(ya);
+            dstb[at_h + i + h2] = __float2bfloat16_rn(yb);
+        }
         if (rot) {
             float *q = rot + n * heads * hd + head * hd;
             q[i] = ya;
@@ -924,6 +930,9 @@ extern "C" void bk_gfwd_free(bk_gfwd *f)
                      f->down, f->scores, f->head_w, f->head_norm, f->lse_mx, f->lse_tgt};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         bk_dev_free(c, bufs[i]);
+    bk_dev_free(c, f->qb);
+    bk_dev_free(c, f->kb);
+    bk_dev_free(c, f->vb);
     bk_dev_free(c, f->lse_se);
     bk_dev_free(c, f->tok);
     bk_dev_free(c, f->flag);
@@ -936,6 +945,24 @@ extern "C" void bk_gfwd_free(bk_gfwd *f)
     if (f->blas)
         cublasDestroy(f->blas);
     free(f);
+}
+
+extern "C" int bk_gfwd_attn_fused(const bk_gfwd *f)
+{
+    return f ? f->attn_fused : 0;
+}
+
+extern "C" bk_status bk_gfwd_set_attn_fused(bk_gfwd *f, int on)
+{
+    if (!f)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward: NULL forward");
+    if (on && !f->qb)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "GPU forward: fused attention needs BF16 GEMM mode and head_dim 64 or "
+                        "128 (head_dim %lld)",
+                        (long long)f->dim.hd);
+    f->attn_fused = on ? 1 : 0;
+    return BK_OK;
 }
 
 extern "C" int64_t bk_gfwd_max_seqs(const bk_gfwd *f)
@@ -973,7 +1000,7 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     f->c = static_cast<bk_cuda_ctx *>(b->ctx);
     upload_defaults(f);
     f->bf16 = b->gemm_math == BK_GEMM_BF16;
-    f->tf32 = b->gemm_math == BK_GEMM_TF32 || f->bf16; /* bf16: the rest (attention) in TF32 */
+    f->tf32 = b->gemm_math == BK_GEMM_TF32 || f->bf16; /* bf16: the rest in TF32 */
     {
         cublasStatus_t cs = cublasCreate(&f->blas);
         if (cs == CUBLAS_STATUS_SUCCESS)
@@ -1048,6 +1075,22 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     }
     if (st == BK_OK)
         st = bk_gfwd_nf_clear(f);
+    /* fused attention: BF16 mode, head_dim 64 or 128 */
+    if (st == BK_OK && f->bf16 && bk_attn_flash_supported(f->dim.hd)) {
+        struct {
+            __nv_bfloat16 **p;
+            int64_t w;
+            const char *what;
+        } hb[] = {{&f->qb, f->dim.qdim, "queries (BF16, head-major)"},
+                  {&f->kb, f->dim.kvdim, "keys (BF16, head-major)"},
+                  {&f->vb, f->dim.kvdim, "values (BF16, head-major)"}};
+        for (size_t i = 0; i < sizeof hb / sizeof hb[0] && st == BK_OK; i++) {
+            p = NULL;
+            st = bk_dev_alloc(f->c, &p, (size_t)(R * hb[i].w) * sizeof(__nv_bfloat16), hb[i].what);
+            *hb[i].p = static_cast<__nv_bfloat16 *>(p);
+        }
+        f->attn_fused = st == BK_OK;
+    }
     if (st == BK_OK && f->bf16) {
         int64_t wmax = f->dim.hidden > f->dim.qdim ? f->dim.hidden : f->dim.qdim;
         if (f->dim.inter > wmax)
@@ -1361,28 +1404,43 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
     if (lw->k_norm && (st = g_rmsnorm_nf(f, f->k, N * f->dim.nkv, hd, lw->k_norm, f->k,
                                          nf + BK_FS_K, NULL)) != BK_OK)
         return st;
+    /* fused: the rotated heads as BF16 only (the kernel's inputs) */
+    const int fu = f->attn_fused;
     k_rope_heads<<<bk_grid(N * f->dim.nh * hd / 2), 256, 0, sm>>>(
-        f->q, N, T, f->dim.nh, hd, f->dim.rep, f->cos, f->sin, 1, f->qh, d_qrot,
-        lw->q_norm ? NULL : nf + BK_FS_Q, nf + BK_FS_QROT);
+        f->q, N, T, f->dim.nh, hd, f->dim.rep, f->cos, f->sin, 1, fu ? NULL : f->qh,
+        fu ? f->qb : NULL, d_qrot, lw->q_norm ? NULL : nf + BK_FS_Q, nf + BK_FS_QROT);
     if ((st = BK_LAUNCHED("k_rope_heads (queries)")) != BK_OK)
         return st;
     k_rope_heads<<<bk_grid(N * f->dim.nkv * hd / 2), 256, 0, sm>>>(
-        f->k, N, T, f->dim.nkv, hd, 1, f->cos, f->sin, 1, f->kh, d_krot,
-        lw->k_norm ? NULL : nf + BK_FS_K, nf + BK_FS_KROT);
+        f->k, N, T, f->dim.nkv, hd, 1, f->cos, f->sin, 1, fu ? NULL : f->kh, fu ? f->kb : NULL,
+        d_krot, lw->k_norm ? NULL : nf + BK_FS_K, nf + BK_FS_KROT);
     if ((st = BK_LAUNCHED("k_rope_heads (keys)")) != BK_OK)
         return st;
-    k_rope_heads<<<bk_grid(N * f->dim.nkv * hd / 2), 256, 0, sm>>>(f->v, N, T, f->dim.nkv, hd, 1, f->cos,
-                                                               f->sin, 0, f->vh, d_v,
-                                                               nf + BK_FS_V, NULL);
+    k_rope_heads<<<bk_grid(N * f->dim.nkv * hd / 2), 256, 0, sm>>>(
+        f->v, N, T, f->dim.nkv, hd, 1, f->cos, f->sin, 0, fu ? NULL : f->vh, fu ? f->vb : NULL, d_v,
+        nf + BK_FS_V, NULL);
     if ((st = BK_LAUNCHED("k_rope_heads (values)")) != BK_OK)
         return st;
+    return bk_g_attn_core(f, S, d_o, fu);
+}
 
+bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn, int mt)
+{
+    const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, qd = f->dim.qdim;
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    if (fused) {
+        if (!f->attn_fused)
+            return bk_error(BK_ERR_INTERNAL, "GPU forward: fused attention not set up");
+        return bk_attn_flash(f->qb, f->kb, f->vb, d_o, S, f->dim.nkv, T, f->dim.rep, hd, scale,
+                             f->nf + BK_FS_O_IN, f->c->stream, bn, mt);
+    }
+    cudaStream_t sm = f->c->stream;
+    bk_status st = BK_OK;
     /* (sequence, kv group) pairs; a pair's query rows are T positions x rep
      * heads. Causal: the queries are taken in chunks of positions [t0, t0+tc)
      * that see only the keys [0, t0+tc), so about half of the score work and
      * memory is skipped for long sequences (the skipped entries are exact
      * zeros after the softmax). */
-    const float scale = (float)(1.0 / sqrt((double)hd));
     const int64_t pairs = S * f->dim.nkv, RP = f->dim.rep * T, rep = f->dim.rep;
     int64_t tcn = T >= 512 ? (T + 7) / 8 : T;
     tcn = (tcn + 31) / 32 * 32;

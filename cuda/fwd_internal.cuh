@@ -4,6 +4,7 @@
 #ifndef BK_FWD_INTERNAL_CUH
 #define BK_FWD_INTERNAL_CUH
 
+#include <cmath>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -38,6 +39,10 @@ struct bk_gfwd {
     float *o, *x, *tmp, *gate, *up, *down;
     float *scores;             /* attention scores, score_floats floats */
     int64_t score_floats;
+    /* fused attention (attn_flash.cu): BF16 mode with a supported head_dim;
+     * the rotated queries, keys and values as BF16, group-major as qh/kh/vh */
+    int attn_fused;
+    __nv_bfloat16 *qb, *kb, *vb;
     int32_t *tok;              /* [max_rows] token ids of a micro-batch */
     unsigned long long *flag;  /* [2] device scratch (finiteness checks) */
     /* per operation of the layer (bk_fwd_site, src/forward_internal.h): the
@@ -61,6 +66,33 @@ struct bk_gfwd {
     int64_t up_chunk, up_min_part;
     int up_threads;
 };
+
+/* Mark the first non-finite value of an output (bk_gfwd.nf): flat index i. */
+static __device__ __forceinline__ void bk_nf_note(unsigned long long *flag, float v, int64_t i)
+{
+    if (flag && !isfinite(v)) {
+        const unsigned long long cls = (isnan(v) ? 2ull : 0ull) | (signbit(v) ? 1ull : 0ull);
+        atomicMin(flag, ((unsigned long long)i << 2) | cls);
+    }
+}
+
+/* Fused causal attention (attn_flash.cu): out [S*T, nkv*rep*hd] token-major
+ * F32 = softmax(scale q kᵀ, causal) v per (sequence, kv group) pair, from
+ * BF16 q [S, nkv, T, rep, hd], k and v [S, nkv, T, hd]; BF16 products with
+ * F32 accumulation; nf (or NULL) flags the first non-finite output. head_dim
+ * 64 and 128 only (bk_attn_flash_supported). bn (keys per block) and mt
+ * (16-row m-tiles per warp): 0 = the product's choice; the dev harness times
+ * variants (attn_flash.cu lists them). */
+int bk_attn_flash_supported(int64_t hd);
+bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
+                        float *out, int64_t S, int64_t nkv, int64_t T, int64_t rep, int64_t hd,
+                        float scale, unsigned long long *nf, cudaStream_t stream, int bn = 0,
+                        int mt = 0);
+/* The attention of bk_gfwd_attention after RoPE, from the rotated head-major
+ * inputs into d_o (token-major [S*T, qdim]): fused from f->qb/kb/vb (needs
+ * f->attn_fused), else the unfused path from f->qh/kh/vh (cuBLAS scores,
+ * causal softmax, cuBLAS P V). The dev harness times one against the other. */
+bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn = 0, int mt = 0);
 
 /* Grid size for a grid-stride loop over n items with 256 threads. */
 static inline unsigned bk_grid(int64_t n)

@@ -39,6 +39,14 @@ bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, int64_t max_
 void bk_gfwd_free(bk_gfwd *f);
 int64_t bk_gfwd_max_seqs(const bk_gfwd *f);
 
+/* The attention of bk_gfwd_attention fused in one kernel (cuda/attn_flash.cu:
+ * BF16 products, F32 softmax and accumulation): 1 when used, i.e. BF16 GEMM
+ * mode and head_dim 64 or 128; the unfused path otherwise (F32/TF32 score
+ * GEMMs and softmax). bk_gfwd_set_attn_fused: tests and the dev harness, to
+ * compare the two on one forward (on = 1 is refused where unsupported). */
+int bk_gfwd_attn_fused(const bk_gfwd *f);
+bk_status bk_gfwd_set_attn_fused(bk_gfwd *f, int on);
+
 /* Tracked device memory and copies on the context's stream (synchronous). */
 bk_status bk_gpu_alloc(bk_gfwd *f, void **p, size_t bytes, const char *what);
 void bk_gpu_free(bk_gfwd *f, void *p);

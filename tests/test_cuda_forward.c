@@ -12,6 +12,8 @@
  *    log-likelihood of the kerneldocs evaluation sequences in micro-batches;
  *  - attention at 4096 tokens (one kv group of 8 query heads: the score
  *    buffer is split by rows) and several (sequence, group) pairs per chunk;
+ *  - the fused attention of BF16 mode (head_dim 64 / 128) against the CPU,
+ *    the unfused path and exact causality, and where it is used;
  *  - bad inputs give the CPU's statuses;
  *  - weight uploads (bk_gpu_upload_f32: BF16 chunks widened on the device,
  *    others as F32) leave byte-identical device copies.
@@ -382,6 +384,162 @@ static void test_attention_chunks(void **state)
     attention_case(32, 1, 8, 1, 4096);
 }
 
+/* ------------------------------------------- fused attention (BF16 mode) */
+
+/* BF16 GEMM mode with head_dim 64 or 128 runs the fused kernel
+ * (cuda/attn_flash.cu: Q, K, V and the probabilities in BF16, F32 softmax and
+ * accumulation). Checked on the same forward (the same BF16 projections):
+ *  - against the CPU (F32), max |gpu - cpu| / max |cpu| <= BF16_ATTN_TOL;
+ *  - against the unfused path (TF32 scores, F32 softmax), per (token, head)
+ *    row max |fused - unfused| / max |unfused| <= BF16_ATTN_ROW_TOL: a key
+ *    wrongly in or out of a row's softmax over n keys moves that row by about
+ *    1/sqrt(n) (>= 0.03 up to n = 1000), the BF16 roundings by about 5e-3;
+ *  - causality exactly: new inputs at positions >= cut leave the outputs at
+ *    positions < cut bit-identical (masked probabilities are exact zeros)
+ *    and change the others.
+ * Shapes: T not a multiple of the key blocks (32 / 64) or of the 128-row
+ * query blocks, T below one block, 1, 3 and 4 query heads per kv group, and
+ * Qwen3's q/k norm. */
+#define BF16_ATTN_TOL 2e-2
+#define BF16_ATTN_ROW_TOL 3e-2
+
+static bk_backend *g_bf16;
+
+/* max over rows of max_c |a - b| / max_c |b| (rows of n) */
+static double row_rel_err(const float *a, const float *b, int64_t rows, int64_t n)
+{
+    double worst = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        double e = 0, m = 0;
+        for (int64_t c = 0; c < n; c++) {
+            double d = fabs((double)a[r * n + c] - (double)b[r * n + c]);
+            e = d > e || isnan(d) ? d : e;
+            m = fabs((double)b[r * n + c]) > m ? fabs((double)b[r * n + c]) : m;
+        }
+        double q = m > 0 ? e / m : e;
+        if (!(q <= worst))
+            worst = isnan(q) ? INFINITY : q;
+    }
+    return worst;
+}
+
+static float *dl(bk_gfwd *gf, const float *d, int64_t n)
+{
+    float *h = tu_hbuf(n);
+    OKS(bk_gpu_download(gf, h, d, (size_t)n * sizeof(float)));
+    return h;
+}
+
+static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t T, int64_t cut,
+                       int qk_norm)
+{
+    bk_model_config c = syn_cfg(heads, kv, hd, T);
+    bk_layer_weights lw;
+    random_layer(&c, 91 + (uint64_t)T, &lw);
+    if (qk_norm) { /* Qwen3: q_norm / k_norm before RoPE */
+        bk_rng rq;
+        bk_rng_seed(&rq, 17);
+        c.qk_norm = 1;
+        lw.q_norm = randn(&rq, hd, 0.1, 1.0);
+        lw.k_norm = randn(&rq, hd, 0.1, 1.0);
+    }
+    const int64_t N = S * T, qd = heads * hd, H = c.hidden;
+    bk_rng r;
+    bk_rng_seed(&r, 6);
+    float *x = randn(&r, N * H, 1.0, 0.0), *o = tu_hbuf(N * qd);
+    bk_fwd *f = NULL;
+    bk_gfwd *gf = NULL;
+    OKS(bk_fwd_create(&c, S, T, &f));
+    OKS(bk_gfwd_create(g_bf16, &c, S, T, &gf));
+    assert_int_equal(bk_gfwd_attn_fused(gf), 1);
+    bk_glayer *gl = NULL;
+    OKS(bk_glayer_upload(gf, &lw, &gl));
+    float *dx = tu_dbuf(gf, N * H), *dor = tu_dbuf(gf, N * qd);
+    OKS(bk_fwd_attention(f, &lw, x, S, o, NULL, NULL, NULL));
+    tu_up(gf, dx, x, N * H);
+    OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
+    float *fu = dl(gf, dor, N * qd);
+    OKS(bk_gfwd_set_attn_fused(gf, 0));
+    OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
+    float *un = dl(gf, dor, N * qd);
+    OKS(bk_gfwd_set_attn_fused(gf, 1));
+    const double e_cpu = tu_rel_err_f(fu, o, N * qd), e_un = tu_rel_err_f(un, o, N * qd);
+    const double e_row = row_rel_err(fu, un, N * heads, hd);
+    /* causality: positions >= cut of every sequence get new inputs */
+    float *x2 = tu_hbuf(N * H);
+    memcpy(x2, x, (size_t)(N * H) * sizeof(float));
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t t = cut; t < T; t++)
+            for (int64_t i = 0; i < H; i++)
+                x2[(s * T + t) * H + i] = (float)bk_rng_normal(&r);
+    tu_up(gf, dx, x2, N * H);
+    OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
+    float *fu2 = dl(gf, dor, N * qd);
+    int64_t before_diff = 0, after_same = 0;
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t t = 0; t < T; t++) {
+            const size_t at = (size_t)((s * T + t) * qd);
+            const int same = !memcmp(fu + at, fu2 + at, (size_t)qd * sizeof(float));
+            if (t < cut)
+                before_diff += !same;
+            else
+                after_same += same;
+        }
+    printf("  fused attention %lld heads / %lld kv, head_dim %lld, %lld x %lld tokens%s: vs cpu "
+           "%.3e (unfused %.3e), per row vs unfused %.3e; cut %lld: %lld positions before "
+           "changed, %lld after unchanged\n",
+           (long long)heads, (long long)kv, (long long)hd, (long long)S, (long long)T,
+           qk_norm ? " (q/k norm)" : "", e_cpu,
+           e_un, e_row, (long long)cut, (long long)before_diff, (long long)after_same);
+    bk_gpu_free(gf, dx);
+    bk_gpu_free(gf, dor);
+    bk_glayer_free(gf, gl);
+    bk_gfwd_free(gf);
+    bk_fwd_free(f);
+    bk_layer_weights_free(&lw);
+    free(x);
+    free(x2);
+    free(o);
+    free(fu);
+    free(fu2);
+    free(un);
+    assert_true(e_cpu <= BF16_ATTN_TOL);
+    assert_true(e_row <= BF16_ATTN_ROW_TOL);
+    assert_int_equal(before_diff, 0);
+    assert_int_equal(after_same, 0);
+}
+
+static void test_attention_fused(void **state)
+{
+    (void)state;
+    fused_case(4, 4, 128, 2, 200, 37, 0);  /* rep 1: 200 rows, keys 6 x 32 + 8 */
+    fused_case(8, 2, 128, 2, 300, 64, 0);  /* rep 4: 1200 rows = 9 x 128 + 48; cut at a block */
+    fused_case(4, 1, 64, 3, 40, 31, 0);    /* rep 4, T below a key block, 160 rows */
+    fused_case(2, 2, 64, 1, 5, 4, 0);      /* T = 5 */
+    fused_case(6, 2, 64, 1, 1000, 500, 0); /* rep 3 (warps straddle positions), 16 key blocks */
+    fused_case(8, 2, 128, 1, 130, 100, 1); /* Qwen3 q/k norm */
+}
+
+/* which forward uses the fused kernel: BF16 mode with head_dim 64 / 128 only */
+static void test_attention_fused_where(void **state)
+{
+    (void)state;
+    const int64_t hds[] = {16, 64, 128};
+    for (int i = 0; i < 3; i++) {
+        bk_model_config c = syn_cfg(4, 2, hds[i], 8);
+        bk_gfwd *a = NULL, *b = NULL;
+        OKS(bk_gfwd_create(g_gpu, &c, 1, 8, &a));   /* fp32: the oracle path */
+        OKS(bk_gfwd_create(g_bf16, &c, 1, 8, &b));
+        assert_int_equal(bk_gfwd_attn_fused(a), 0);
+        assert_int_equal(bk_gfwd_attn_fused(b), hds[i] != 16);
+        assert_int_equal(bk_gfwd_set_attn_fused(a, 1), BK_ERR_INVALID_ARG);
+        if (hds[i] == 16)
+            assert_int_equal(bk_gfwd_set_attn_fused(b, 1), BK_ERR_INVALID_ARG);
+        bk_gfwd_free(a);
+        bk_gfwd_free(b);
+    }
+}
+
 /* ------------------------------------------------------------ bad inputs */
 
 static void test_bad_inputs(void **state)
@@ -513,15 +671,22 @@ int main(void)
     int rc0 = tu_gpu_begin(&g_gpu);
     if (rc0)
         return rc0;
+    if (bk_backend_create(BK_BACKEND_CUDA, &g_bf16) != BK_OK) {
+        fprintf(stderr, "cannot create the CUDA backend: %s\n", bk_last_error());
+        return 1;
+    }
+    bk_backend_set_gemm_math(g_bf16, BK_GEMM_BF16);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_llama3),     cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_qwen3),      cmocka_unit_test(test_kerneldocs),
         cmocka_unit_test(test_nll_kerneldocs),  cmocka_unit_test(test_attention_4096),
         cmocka_unit_test(test_attention_pairs),
-        cmocka_unit_test(test_attention_chunks), cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_attention_chunks), cmocka_unit_test(test_attention_fused),
+        cmocka_unit_test(test_attention_fused_where), cmocka_unit_test(test_bad_inputs),
         cmocka_unit_test(test_upload),
     };
     int rc = cmocka_run_group_tests_name("cuda_forward", tests, NULL, NULL);
+    bk_backend_destroy(g_bf16);
     bk_backend_destroy(g_gpu);
     return rc;
 }

@@ -98,7 +98,8 @@ typedef enum bk_gemm_math {
     BK_GEMM_FP32 = 0,
     BK_GEMM_TF32 = 1,
     BK_GEMM_BF16 = 2, /* the projections and Gram matrices with BF16 inputs (8-bit mantissa)
-                         and fp32 accumulation, attention in TF32 */
+                         and fp32 accumulation; attention fused with BF16 operands for
+                         head_dim 64 / 128, else TF32 */
     BK_GEMM_AUTO = 3  /* quantize only: BF16 for a checkpoint whose linear weights are BF16,
                          else TF32 (a backend given AUTO uses FP32) */
 } bk_gemm_math;
