@@ -50,6 +50,42 @@ BK_HD inline void rot_quad(double c00, double c01, double c10, double c11, doubl
     o[3] = t11 * cp - t01 * sp;
 }
 
+/* One position of a quad: the running quad Gram c += Σ_i v_i v_iᵀ over the
+ * nv vectors of row (h entries each), then acc += wt · R_tᵀ C_t R_t on the
+ * quad ((cp, sp), (cq, sq): RoPE of row pair p, column pair q at t). V is
+ * float (the activations) or double (a staged copy: the same values). */
+template <typename V>
+BK_HD inline void quad_step(const V *row, int nv, int64_t h, int64_t p, int64_t q, double cp,
+                            double sp, double cq, double sq, double wt, double *c, double *acc)
+{
+    const int64_t h2 = h / 2;
+    for (int i = 0; i < nv; i++) {
+        const V *v = row + i * h;
+        const double vp = v[p], vP = v[p + h2], vq = v[q], vQ = v[q + h2];
+        c[0] += vp * vq;
+        c[1] += vp * vQ;
+        c[2] += vP * vq;
+        c[3] += vP * vQ;
+    }
+    double o[4];
+    rot_quad(c[0], c[1], c[2], c[3], cp, sp, cq, sq, o);
+    acc[0] += wt * o[0];
+    acc[1] += wt * o[1];
+    acc[2] += wt * o[2];
+    acc[3] += wt * o[3];
+}
+
+BK_HD inline void quad_store(const quad_args &a, int64_t s, int64_t blk, int64_t p, int64_t q,
+                             const double *acc)
+{
+    const int64_t h2 = a.h / 2;
+    double *d = a.part + (s * a.nb + blk) * a.h * a.h;
+    d[p * a.h + q] = acc[0];
+    d[p * a.h + q + h2] = acc[1];
+    d[(p + h2) * a.h + q] = acc[2];
+    d[(p + h2) * a.h + q + h2] = acc[3];
+}
+
 /* Item idx = ((s * nb + blk) * h2 + p) * h2 + q: the quad's running Gram over
  * the positions, and Σ_t w_t R_tᵀ C_t R_t on the quad into part[s, blk]. */
 BK_HD inline void quad_item(const quad_args &a, int64_t idx)
@@ -57,34 +93,114 @@ BK_HD inline void quad_item(const quad_args &a, int64_t idx)
     const int64_t h2 = a.h / 2, nq = h2 * h2;
     const int64_t q = idx % h2, p = (idx / h2) % h2;
     const int64_t blk = (idx / nq) % a.nb, s = idx / (nq * a.nb);
-    double c00 = 0, c01 = 0, c10 = 0, c11 = 0;
-    double a00 = 0, a01 = 0, a10 = 0, a11 = 0;
+    double c[4] = {0, 0, 0, 0}, acc[4] = {0, 0, 0, 0};
     for (int64_t step = 0; step < a.T; step++) {
         const int64_t t = a.backward ? a.T - 1 - step : step;
         const float *row = a.vec + (s * a.T + t) * a.vstride + blk * a.nv * a.h;
-        for (int i = 0; i < a.nv; i++) {
-            const float *v = row + i * a.h;
-            const double vp = v[p], vP = v[p + h2], vq = v[q], vQ = v[q + h2];
-            c00 += vp * vq;
-            c01 += vp * vQ;
-            c10 += vP * vq;
-            c11 += vP * vQ;
-        }
-        double o[4];
-        rot_quad(c00, c01, c10, c11, a.cs[t * h2 + p], a.sn[t * h2 + p], a.cs[t * h2 + q],
-                 a.sn[t * h2 + q], o);
         const double wt = a.w ? a.w[s * a.T + t] : 1.0;
-        a00 += wt * o[0];
-        a01 += wt * o[1];
-        a10 += wt * o[2];
-        a11 += wt * o[3];
+        quad_step(row, a.nv, a.h, p, q, a.cs[t * h2 + p], a.sn[t * h2 + p], a.cs[t * h2 + q],
+                  a.sn[t * h2 + q], wt, c, acc);
     }
-    double *d = a.part + (s * a.nb + blk) * a.h * a.h;
-    d[p * a.h + q] = a00;
-    d[p * a.h + q + h2] = a01;
-    d[(p + h2) * a.h + q] = a10;
-    d[(p + h2) * a.h + q + h2] = a11;
+    quad_store(a, s, blk, p, q, acc);
 }
+
+#ifdef __CUDACC__
+/* The quads on the device, positions staged in shared memory. The per-thread
+ * form (one thread = one quad_item, reading its four entries of every vector
+ * from global memory at every position) is latency-bound: each of the T
+ * serial steps waits for global loads (nv of them per step for k_proj) and
+ * converts each float to double in every thread. Here a block holds the
+ * quads of one (sequence, block) head, same mapping of threads to quads, and
+ * stages tc positions at a time (the head's nv·h entries, the RoPE rows and
+ * the weights, already as doubles) with coalesced loads; each thread then
+ * runs quad_step over them. Same operations in the same order per quad as
+ * quad_item: identical results. */
+template <int NOTHING = 0>
+__global__ void k_attn_quads_staged(quad_args a, int tc)
+{
+    extern __shared__ double quad_sh[];
+    const int64_t h = a.h, h2 = h / 2, nq = h2 * h2;
+    const int vw = a.nv * (int)h, ih2 = (int)h2;
+    const int64_t bph = (nq + blockDim.x - 1) / blockDim.x;
+    const int64_t head = blockIdx.x / bph, s = head / a.nb, blk = head % a.nb;
+    const int64_t quad = (blockIdx.x % bph) * blockDim.x + threadIdx.x;
+    const bool on = quad < nq;
+    const int64_t p = on ? quad / h2 : 0, q = on ? quad % h2 : 0;
+    double *vs = quad_sh;                /* [tc, vw] */
+    double *cs = vs + (int64_t)tc * vw;  /* [tc, h2] */
+    double *sn = cs + (int64_t)tc * ih2; /* [tc, h2] */
+    double *ws = sn + (int64_t)tc * ih2; /* [tc] */
+    double c[4] = {0, 0, 0, 0}, acc[4] = {0, 0, 0, 0};
+    for (int64_t c0 = 0; c0 < a.T; c0 += tc) {
+        const int n = a.T - c0 < tc ? (int)(a.T - c0) : tc;
+        __syncthreads(); /* the previous round's reads are done */
+        for (int j = 0; j < n; j++) {
+            const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
+            const float *row = a.vec + (s * a.T + t) * a.vstride + blk * vw;
+            for (int r = threadIdx.x; r < vw; r += blockDim.x)
+                vs[j * vw + r] = row[r];
+            for (int r = threadIdx.x; r < ih2; r += blockDim.x) {
+                cs[j * ih2 + r] = a.cs[t * h2 + r];
+                sn[j * ih2 + r] = a.sn[t * h2 + r];
+            }
+            if (threadIdx.x == 0)
+                ws[j] = a.w ? a.w[s * a.T + t] : 1.0;
+        }
+        __syncthreads();
+        if (on)
+            for (int j = 0; j < n; j++)
+                quad_step(vs + j * vw, a.nv, h, p, q, cs[j * ih2 + p], sn[j * ih2 + p],
+                          cs[j * ih2 + q], sn[j * ih2 + q], ws[j], c, acc);
+    }
+    if (on)
+        quad_store(a, s, blk, p, q, acc);
+}
+
+template <int NOTHING = 0>
+__global__ void k_attn_quads_thread(quad_args a)
+{
+    const int64_t n = a.S * a.nb * (a.h / 2) * (a.h / 2);
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        quad_item(a, i);
+}
+
+/* Shared memory of one staged round (48 KiB: no opt-in needed). */
+const int QUAD_SMEM = 48 * 1024;
+
+/* All quads of a: part[s, blk] for every sequence and block. Staged when one
+ * position fits in QUAD_SMEM (every model we know: h = 128 needs nv ≤ 46),
+ * else one thread per quad_item; per_thread forces the latter (the test
+ * compares the two). Returns the launch's error. */
+inline cudaError_t quads_launch(const quad_args &a, cudaStream_t stream, int per_thread)
+{
+    const int64_t h2 = a.h / 2, nq = h2 * h2, n = a.S * a.nb * nq;
+    const int64_t per = ((int64_t)a.nv * a.h + 2 * h2 + 1) * (int64_t)sizeof(double);
+    if (n <= 0)
+        return cudaSuccess;
+    if (per_thread || per > QUAD_SMEM) {
+        int64_t b = (n + 255) / 256;
+        if (b > 1048576)
+            b = 1048576;
+        k_attn_quads_thread<<<(unsigned)b, 256, 0, stream>>>(a);
+        return cudaGetLastError();
+    }
+    int64_t tc = QUAD_SMEM / per;
+    if (tc > 32)
+        tc = 32;
+    if (tc > a.T)
+        tc = a.T;
+    if (tc < 1)
+        tc = 1;
+    /* 256 threads, or the quads of a small head rounded up to a warp */
+    const int64_t bd = nq >= 256 ? 256 : (nq + 31) / 32 * 32;
+    const int64_t grid = a.S * a.nb * ((nq + bd - 1) / bd);
+    if (grid > 2147483647)
+        return cudaErrorInvalidConfiguration;
+    k_attn_quads_staged<<<(unsigned)grid, (unsigned)bd, (size_t)(tc * per), stream>>>(a, (int)tc);
+    return cudaGetLastError();
+}
+#endif
 
 /* Shampoo A-weights without q/k norm: wout[s*T + t] = mult · Σ_blk tr(C_t)
  * (tr R_tᵀ C R_t = tr C, the running Σ |v|² over the positions seen; the CPU

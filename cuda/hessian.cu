@@ -11,7 +11,9 @@
  *                             pairs RoPE mixes), one thread runs the prefix
  *                             (q) or suffix (k) Gram of that quad and its RoPE
  *                             sandwich R_tᵀ C_t R_t over the positions, in
- *                             double, exactly as rot_sandwich; with q_norm /
+ *                             double, exactly as rot_sandwich (a block per
+ *                             head, the positions staged in shared memory:
+ *                             hess_attn.cuh quads_launch); with q_norm /
  *                             k_norm (Qwen3) each position is one round of five
  *                             small kernels (Gram update, sandwich, J-products,
  *                             scalars, accumulation) on the whole blocks, as
@@ -188,12 +190,6 @@ __global__ void k_sum_parts(const double *part, int64_t S, int64_t nb, int64_t h
 }
 
 /* ---- fully-local attention (items in hess_attn.cuh) ---- */
-
-__global__ void k_attn_quads(quad_args a)
-{
-    GRID_LOOP(idx, a.S * a.nb * (a.h / 2) * (a.h / 2))
-    quad_item(a, idx);
-}
 
 __global__ void k_trace_rows(const float *vec, int64_t vstride, int nv, int64_t S, int64_t T,
                              int64_t nb, int64_t h, double *rows)
@@ -685,8 +681,8 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
             q.w = sw;
             q.backward = part;
             q.part = a->part;
-            k_attn_quads<<<bk_grid(S * a->dim.nkv * hh / 4), 256, 0, sm>>>(q);
-            if ((st = BK_LAUNCHED("k_attn_quads")) != BK_OK)
+            if ((st = bk_cuda_status(quads_launch(q, sm, 0), "k_attn_quads_staged", __FILE__,
+                                     __LINE__)) != BK_OK)
                 return st;
             k_sum_parts<<<bk_grid(a->dim.nkv * hh), 256, 0, sm>>>(a->part, S, a->dim.nkv, hh,
                                                             part == 0 ? a->bq : a->bk);
