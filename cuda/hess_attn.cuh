@@ -104,53 +104,93 @@ BK_HD inline void quad_item(const quad_args &a, int64_t idx)
     quad_store(a, s, blk, p, q, acc);
 }
 
+/* The staged form of the quads (k_attn_quads_staged below): the quads of one
+ * (sequence s, block blk) head, tc positions a round. Shared memory of a
+ * round, doubles: vs [tc, nv·h] (the head's vectors), cs, sn [tc, h/2] (the
+ * RoPE rows), ws [tc] (the weights). Round c0 holds steps c0 .. c0+n-1 (the
+ * positions in prefix or suffix order). Thread tid of nthreads copies its
+ * share (quad_stage), then each quad runs quad_step over the round
+ * (quad_round): the same operations in the same order as quad_item. */
+BK_HD inline int64_t quad_round_doubles(const quad_args &a, int64_t tc)
+{
+    return tc * ((int64_t)a.nv * a.h + 2 * (a.h / 2) + 1);
+}
+
+/* Shared memory of one staged round (48 KiB: no opt-in needed). */
+constexpr int64_t QUAD_SMEM = 48 * 1024;
+
+/* Positions a staged round holds (at most 32, at most T), or 0 where one
+ * position does not fit in QUAD_SMEM (h = 128 fits up to nv = 46). */
+BK_HD inline int64_t quad_round_positions(const quad_args &a)
+{
+    const int64_t per = quad_round_doubles(a, 1) * (int64_t)sizeof(double);
+    int64_t tc = QUAD_SMEM / per;
+    if (tc > 32)
+        tc = 32;
+    if (tc > a.T)
+        tc = a.T;
+    return tc;
+}
+
+BK_HD inline void quad_stage(const quad_args &a, int tc, int64_t s, int64_t blk, int64_t c0, int n,
+                             int tid, int nthreads, double *sh)
+{
+    const int vw = a.nv * (int)a.h, h2 = (int)(a.h / 2);
+    double *vs = sh, *cs = vs + (int64_t)tc * vw, *sn = cs + (int64_t)tc * h2,
+           *ws = sn + (int64_t)tc * h2;
+    for (int j = 0; j < n; j++) {
+        const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
+        const float *row = a.vec + (s * a.T + t) * a.vstride + blk * vw;
+        for (int r = tid; r < vw; r += nthreads)
+            vs[j * vw + r] = row[r];
+        for (int r = tid; r < h2; r += nthreads) {
+            cs[j * h2 + r] = a.cs[t * h2 + r];
+            sn[j * h2 + r] = a.sn[t * h2 + r];
+        }
+        if (tid == 0)
+            ws[j] = a.w ? a.w[s * a.T + t] : 1.0;
+    }
+}
+
+BK_HD inline void quad_round(const quad_args &a, int tc, const double *sh, int n, int64_t p,
+                             int64_t q, double *c, double *acc)
+{
+    const int vw = a.nv * (int)a.h, h2 = (int)(a.h / 2);
+    const double *vs = sh, *cs = vs + (int64_t)tc * vw, *sn = cs + (int64_t)tc * h2,
+                 *ws = sn + (int64_t)tc * h2;
+    for (int j = 0; j < n; j++)
+        quad_step(vs + j * vw, a.nv, a.h, p, q, cs[j * h2 + p], sn[j * h2 + p], cs[j * h2 + q],
+                  sn[j * h2 + q], ws[j], c, acc);
+}
+
 #ifdef __CUDACC__
 /* The quads on the device, positions staged in shared memory. The per-thread
  * form (one thread = one quad_item, reading its four entries of every vector
  * from global memory at every position) is latency-bound: each of the T
  * serial steps waits for global loads (nv of them per step for k_proj) and
- * converts each float to double in every thread. Here a block holds the
- * quads of one (sequence, block) head, same mapping of threads to quads, and
- * stages tc positions at a time (the head's nv·h entries, the RoPE rows and
- * the weights, already as doubles) with coalesced loads; each thread then
- * runs quad_step over them. Same operations in the same order per quad as
- * quad_item: identical results. */
+ * converts each float to double in every thread. Here a block holds quads
+ * of one (sequence, block) head, the same quad per thread as quad_item's
+ * index order, and stages tc positions at a time (quad_stage: coalesced
+ * loads, converted once); each thread then runs quad_round over them.
+ * Identical results to the per-thread form. */
 template <int NOTHING = 0>
 __global__ void k_attn_quads_staged(quad_args a, int tc)
 {
     extern __shared__ double quad_sh[];
-    const int64_t h = a.h, h2 = h / 2, nq = h2 * h2;
-    const int vw = a.nv * (int)h, ih2 = (int)h2;
+    const int64_t h2 = a.h / 2, nq = h2 * h2;
     const int64_t bph = (nq + blockDim.x - 1) / blockDim.x;
     const int64_t head = blockIdx.x / bph, s = head / a.nb, blk = head % a.nb;
     const int64_t quad = (blockIdx.x % bph) * blockDim.x + threadIdx.x;
     const bool on = quad < nq;
     const int64_t p = on ? quad / h2 : 0, q = on ? quad % h2 : 0;
-    double *vs = quad_sh;                /* [tc, vw] */
-    double *cs = vs + (int64_t)tc * vw;  /* [tc, h2] */
-    double *sn = cs + (int64_t)tc * ih2; /* [tc, h2] */
-    double *ws = sn + (int64_t)tc * ih2; /* [tc] */
     double c[4] = {0, 0, 0, 0}, acc[4] = {0, 0, 0, 0};
     for (int64_t c0 = 0; c0 < a.T; c0 += tc) {
         const int n = a.T - c0 < tc ? (int)(a.T - c0) : tc;
         __syncthreads(); /* the previous round's reads are done */
-        for (int j = 0; j < n; j++) {
-            const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
-            const float *row = a.vec + (s * a.T + t) * a.vstride + blk * vw;
-            for (int r = threadIdx.x; r < vw; r += blockDim.x)
-                vs[j * vw + r] = row[r];
-            for (int r = threadIdx.x; r < ih2; r += blockDim.x) {
-                cs[j * ih2 + r] = a.cs[t * h2 + r];
-                sn[j * ih2 + r] = a.sn[t * h2 + r];
-            }
-            if (threadIdx.x == 0)
-                ws[j] = a.w ? a.w[s * a.T + t] : 1.0;
-        }
+        quad_stage(a, tc, s, blk, c0, n, (int)threadIdx.x, (int)blockDim.x, quad_sh);
         __syncthreads();
         if (on)
-            for (int j = 0; j < n; j++)
-                quad_step(vs + j * vw, a.nv, h, p, q, cs[j * ih2 + p], sn[j * ih2 + p],
-                          cs[j * ih2 + q], sn[j * ih2 + q], ws[j], c, acc);
+            quad_round(a, tc, quad_sh, n, p, q, c, acc);
     }
     if (on)
         quad_store(a, s, blk, p, q, acc);
@@ -165,39 +205,30 @@ __global__ void k_attn_quads_thread(quad_args a)
         quad_item(a, i);
 }
 
-/* Shared memory of one staged round (48 KiB: no opt-in needed). */
-const int QUAD_SMEM = 48 * 1024;
-
 /* All quads of a: part[s, blk] for every sequence and block. Staged when one
- * position fits in QUAD_SMEM (every model we know: h = 128 needs nv ≤ 46),
- * else one thread per quad_item; per_thread forces the latter (the test
- * compares the two). Returns the launch's error. */
+ * position fits in QUAD_SMEM (quad_round_positions), else one thread per
+ * quad_item; per_thread forces the latter (the test compares the two).
+ * Returns the launch's error. */
 inline cudaError_t quads_launch(const quad_args &a, cudaStream_t stream, int per_thread)
 {
-    const int64_t h2 = a.h / 2, nq = h2 * h2, n = a.S * a.nb * nq;
-    const int64_t per = ((int64_t)a.nv * a.h + 2 * h2 + 1) * (int64_t)sizeof(double);
+    const int64_t nq = (a.h / 2) * (a.h / 2), n = a.S * a.nb * nq;
+    const int64_t tc = quad_round_positions(a);
     if (n <= 0)
         return cudaSuccess;
-    if (per_thread || per > QUAD_SMEM) {
+    if (per_thread || tc < 1) {
         int64_t b = (n + 255) / 256;
         if (b > 1048576)
             b = 1048576;
         k_attn_quads_thread<<<(unsigned)b, 256, 0, stream>>>(a);
         return cudaGetLastError();
     }
-    int64_t tc = QUAD_SMEM / per;
-    if (tc > 32)
-        tc = 32;
-    if (tc > a.T)
-        tc = a.T;
-    if (tc < 1)
-        tc = 1;
     /* 256 threads, or the quads of a small head rounded up to a warp */
     const int64_t bd = nq >= 256 ? 256 : (nq + 31) / 32 * 32;
     const int64_t grid = a.S * a.nb * ((nq + bd - 1) / bd);
     if (grid > 2147483647)
         return cudaErrorInvalidConfiguration;
-    k_attn_quads_staged<<<(unsigned)grid, (unsigned)bd, (size_t)(tc * per), stream>>>(a, (int)tc);
+    k_attn_quads_staged<<<(unsigned)grid, (unsigned)bd,
+                          (size_t)quad_round_doubles(a, tc) * sizeof(double), stream>>>(a, (int)tc);
     return cudaGetLastError();
 }
 #endif

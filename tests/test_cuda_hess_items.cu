@@ -52,6 +52,45 @@ std::vector<float> randn(bk_rng *r, size_t n, double scale, double offset = 0.0)
     return v;
 }
 
+/* The staged form (k_attn_quads_staged's quad_stage / quad_round, its
+ * threads run one after the other: stage, then every quad) gives the
+ * per-item results bitwise: with the launch's round size and with rounds of
+ * 2 positions (a remainder round when T is odd), 3 staging threads. */
+void staged_same(const quad_args &a, const std::vector<double> &want, const char *what)
+{
+    const int64_t h2 = a.h / 2, nq = h2 * h2;
+    const int64_t sizes[2] = {quad_round_positions(a), 2};
+    for (int k = 0; k < 2; k++) {
+        const int tc = (int)sizes[k];
+        std::vector<double> sh((size_t)quad_round_doubles(a, tc), NAN);
+        std::vector<double> got((size_t)(a.S * a.nb * a.h * a.h), NAN);
+        std::vector<double> c((size_t)(nq * 4)), acc((size_t)(nq * 4));
+        quad_args b = a;
+        b.part = got.data();
+        for (int64_t s = 0; s < a.S; s++)
+            for (int64_t blk = 0; blk < a.nb; blk++) {
+                std::fill(c.begin(), c.end(), 0.0);
+                std::fill(acc.begin(), acc.end(), 0.0);
+                for (int64_t c0 = 0; c0 < a.T; c0 += tc) {
+                    const int n = a.T - c0 < tc ? (int)(a.T - c0) : tc;
+                    for (int tid = 0; tid < 3; tid++)
+                        quad_stage(b, tc, s, blk, c0, n, tid, 3, sh.data());
+                    for (int64_t quad = 0; quad < nq; quad++)
+                        quad_round(b, tc, sh.data(), n, quad / h2, quad % h2, &c[quad * 4],
+                                   &acc[quad * 4]);
+                }
+                for (int64_t quad = 0; quad < nq; quad++)
+                    quad_store(b, s, blk, quad / h2, quad % h2, &acc[quad * 4]);
+            }
+        const size_t n = (size_t)(a.S * a.nb * a.h * a.h);
+        const bool ok = tc >= 1 && memcmp(got.data(), want.data(), n * sizeof(double)) == 0;
+        printf("  staged %s, rounds of %d positions: %s\n", what, tc,
+               ok ? "bitwise equal ok" : "FAIL");
+        if (!ok)
+            failures++;
+    }
+}
+
 void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_t T, int64_t S)
 {
     bk_model_config c;
@@ -130,6 +169,7 @@ void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_
             a.part = part.data();
             for (int64_t idx = 0; idx < S * G * hh / 4; idx++)
                 quad_item(a, idx);
+            staged_same(a, part, p == 0 ? "q_proj" : "k_proj");
             std::vector<double> &dst = p == 0 ? bq : bk;
             for (int64_t e = 0; e < G * hh; e++)
                 for (int64_t s = 0; s < S; s++)
