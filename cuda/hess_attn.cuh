@@ -394,4 +394,139 @@ BK_HD inline void qn_acc_item(const qn_args &a, int64_t t, int64_t idx)
     a.acc[idx] += wt * (rho2 * val);
 }
 
+/* ---- with q_norm / k_norm: a round of positions at a time ----
+ * The five rounds above, one position each, meant 5 launches per position
+ * (2 x 5 x T per micro-batch: launch-bound). Only the running Gram C is
+ * sequential over the positions; the rest of a position reads C_t alone. So
+ * a round of n positions (steps c0 .. c0+n-1 in prefix or suffix order) is
+ * four launches: the Gram and its sandwich M_j per quad for every position
+ * of the round in order (qn_gramrot_item), v and the scalars for every
+ * (position, head) (qn_slot: per-position copies j of M, v, sc), and the
+ * accumulation per entry over the round's positions in order. Every entry
+ * sees the same operations in the same order as the per-position rounds. */
+BK_HD inline int64_t qn_t(const qn_args &a, int backward, int64_t c0, int64_t j)
+{
+    return backward ? a.T - 1 - (c0 + j) : c0 + j;
+}
+
+/* a with M, v, sc moved to position slot j of a round */
+BK_HD inline qn_args qn_slot(const qn_args &a, int64_t j)
+{
+    qn_args b = a;
+    b.M = a.M + j * a.S * a.nb * a.h * a.h;
+    b.v = a.v + j * a.S * a.nn * a.h;
+    b.sc = a.sc + j * a.S * a.nn * 4;
+    return b;
+}
+
+/* 1 + 2 for a round (item = (s, blk, quad)): C updated entry by entry as
+ * qn_gram_item, M_j = R_tᵀ C R_t as qn_rot_item into slot j */
+BK_HD inline void qn_gramrot_item(const qn_args &a, int backward, int64_t c0, int64_t n, int64_t idx)
+{
+    const int64_t h = a.h, h2 = h / 2, nq = h2 * h2, hh = h * h;
+    const int64_t q = idx % h2, p = (idx / h2) % h2, sb = idx / nq;
+    const int64_t s = sb / a.nb, blk = sb % a.nb;
+    const int64_t ii[4] = {p, p, p + h2, p + h2}, jj[4] = {q, q + h2, q, q + h2};
+    double *C = a.C + sb * hh;
+    double c[4];
+    for (int u = 0; u < 4; u++)
+        c[u] = C[ii[u] * h + jj[u]];
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t t = qn_t(a, backward, c0, j);
+        const float *row = a.vec + (s * a.T + t) * a.vstride + blk * a.nv * h;
+        for (int u = 0; u < 4; u++)
+            for (int k = 0; k < a.nv; k++)
+                c[u] += (double)row[k * h + ii[u]] * (double)row[k * h + jj[u]];
+        double o[4];
+        rot_quad(c[0], c[1], c[2], c[3], a.cs[t * h2 + p], a.sn[t * h2 + p], a.cs[t * h2 + q],
+                 a.sn[t * h2 + q], o);
+        double *M = qn_slot(a, j).M + sb * hh;
+        for (int u = 0; u < 4; u++)
+            M[ii[u] * h + jj[u]] = o[u];
+    }
+    for (int u = 0; u < 4; u++)
+        C[ii[u] * h + jj[u]] = c[u];
+}
+
+/* 3 for a round (item = (j, s, m, i)) */
+BK_HD inline void qn_v_round_item(const qn_args &a, int backward, int64_t c0, int64_t idx)
+{
+    const int64_t per = a.S * a.nn * a.h, j = idx / per;
+    qn_v_item(qn_slot(a, j), qn_t(a, backward, c0, j), idx % per);
+}
+
+/* 4 for a round (item = (j, s, m)) */
+BK_HD inline void qn_scalars_round_item(const qn_args &a, int backward, int64_t c0, int64_t idx)
+{
+    const int64_t per = a.S * a.nn, j = idx / per;
+    qn_scalars_item(qn_slot(a, j), qn_t(a, backward, c0, j), idx % per);
+}
+
+/* 5 for a round (item = (s, m, entry)): the positions in order */
+BK_HD inline void qn_acc_round_item(const qn_args &a, int backward, int64_t c0, int64_t n, int64_t idx)
+{
+    for (int64_t j = 0; j < n; j++)
+        qn_acc_item(qn_slot(a, j), qn_t(a, backward, c0, j), idx);
+}
+
+#ifdef __CUDACC__
+#define BK_QN_LOOP(i, n)                                                                     \
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n);              \
+         i += (int64_t)gridDim.x * blockDim.x)
+
+template <int NOTHING = 0>
+__global__ void k_qn_gramrot(qn_args a, int bwd, int64_t c0, int64_t n)
+{
+    BK_QN_LOOP(idx, a.S * a.nb * (a.h / 2) * (a.h / 2))
+    qn_gramrot_item(a, bwd, c0, n, idx);
+}
+
+template <int NOTHING = 0>
+__global__ void k_qn_v_round(qn_args a, int bwd, int64_t c0, int64_t n)
+{
+    BK_QN_LOOP(idx, n * a.S * a.nn * a.h)
+    qn_v_round_item(a, bwd, c0, idx);
+}
+
+template <int NOTHING = 0>
+__global__ void k_qn_scalars_round(qn_args a, int bwd, int64_t c0, int64_t n)
+{
+    BK_QN_LOOP(idx, n * a.S * a.nn)
+    qn_scalars_round_item(a, bwd, c0, idx);
+}
+
+template <int NOTHING = 0>
+__global__ void k_qn_acc_round(qn_args a, int bwd, int64_t c0, int64_t n)
+{
+    BK_QN_LOOP(idx, a.S * a.nn * a.h * a.h)
+    qn_acc_round_item(a, bwd, c0, n, idx);
+}
+#undef BK_QN_LOOP
+
+inline unsigned qn_grid(int64_t n)
+{
+    int64_t b = (n + 255) / 256;
+    return (unsigned)(b < 1 ? 1 : b > 1048576 ? 1048576 : b);
+}
+
+/* Every position of a q/k-norm part (prefix: backward 0, suffix: 1) in
+ * rounds of nr positions; a.M, a.v, a.sc hold nr positions, a.C and a.acc
+ * start zeroed (the caller's). Returns the first launch error. */
+inline cudaError_t qn_rounds_launch(const qn_args &a, int backward, int64_t nr, cudaStream_t stream)
+{
+    const int64_t hh = a.h * a.h;
+    for (int64_t c0 = 0; c0 < a.T; c0 += nr) {
+        const int64_t n = a.T - c0 < nr ? a.T - c0 : nr;
+        k_qn_gramrot<<<qn_grid(a.S * a.nb * hh / 4), 256, 0, stream>>>(a, backward, c0, n);
+        k_qn_v_round<<<qn_grid(n * a.S * a.nn * a.h), 256, 0, stream>>>(a, backward, c0, n);
+        k_qn_scalars_round<<<qn_grid(n * a.S * a.nn), 256, 0, stream>>>(a, backward, c0, n);
+        k_qn_acc_round<<<qn_grid(a.S * a.nn * hh), 256, 0, stream>>>(a, backward, c0, n);
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            return e;
+    }
+    return cudaSuccess;
+}
+#endif
+
 #endif /* BK_HESS_ATTN_CUH */

@@ -91,6 +91,48 @@ void staged_same(const quad_args &a, const std::vector<double> &want, const char
     }
 }
 
+/* The q/k-norm rounds (qn_gramrot_item, qn_*_round_item: several positions
+ * a launch) give the one-position-at-a-time results bitwise (the partial
+ * blocks and the Shampoo traces): rounds of 3 positions (a remainder round
+ * at T = 4) and of T. */
+void qn_rounds_same(const qn_args &a0, int backward, const std::vector<double> &want_acc,
+                    const std::vector<double> &want_tr, const char *what)
+{
+    const int64_t hh = a0.h * a0.h, sizes[2] = {3, a0.T};
+    for (int k = 0; k < 2; k++) {
+        const int64_t nr = sizes[k];
+        std::vector<double> C((size_t)(a0.S * a0.nb * hh), 0.0),
+            M((size_t)(nr * a0.S * a0.nb * hh), NAN), v((size_t)(nr * a0.S * a0.nn * a0.h), NAN),
+            sc((size_t)(nr * a0.S * a0.nn * 4), NAN), acc(want_acc.size(), 0.0),
+            tr(want_tr.size(), NAN);
+        qn_args a = a0;
+        a.C = C.data();
+        a.M = M.data();
+        a.v = v.data();
+        a.sc = sc.data();
+        a.acc = acc.data();
+        a.tr = a0.tr ? tr.data() : NULL;
+        for (int64_t c0 = 0; c0 < a.T; c0 += nr) {
+            const int64_t n = a.T - c0 < nr ? a.T - c0 : nr;
+            for (int64_t i = 0; i < a.S * a.nb * hh / 4; i++)
+                qn_gramrot_item(a, backward, c0, n, i);
+            for (int64_t i = 0; i < n * a.S * a.nn * a.h; i++)
+                qn_v_round_item(a, backward, c0, i);
+            for (int64_t i = 0; i < n * a.S * a.nn; i++)
+                qn_scalars_round_item(a, backward, c0, i);
+            for (int64_t i = 0; i < a.S * a.nn * hh; i++)
+                qn_acc_round_item(a, backward, c0, n, i);
+        }
+        const size_t na = (size_t)(a.S * a.nn * hh), nt = (size_t)(a.S * a.nn * a.T);
+        const bool ok = memcmp(acc.data(), want_acc.data(), na * sizeof(double)) == 0 &&
+                        (!a0.tr || memcmp(tr.data(), want_tr.data(), nt * sizeof(double)) == 0);
+        printf("  q/k-norm %s%s, rounds of %lld positions: %s\n", a0.tr ? "shampoo " : "", what,
+               (long long)nr, ok ? "bitwise equal ok" : "FAIL");
+        if (!ok)
+            failures++;
+    }
+}
+
 void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_t T, int64_t S)
 {
     bk_model_config c;
@@ -239,6 +281,7 @@ void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_
                 for (int64_t i = 0; i < S * a.nn * hh; i++)
                     qn_acc_item(a, t, i);
             }
+            qn_rounds_same(a, p, part, tr, p == 0 ? "q_proj" : "k_proj");
             std::vector<double> &dst = p == 0 ? bq : bk;
             for (int64_t e = 0; e < a.nn * hh; e++)
                 for (int64_t s = 0; s < S; s++)

@@ -17,7 +17,12 @@
  *     fallback);
  *   - the Llama-3-8B shape of one micro-batch (2 sequences x 2048 positions,
  *     8 kv heads of 128, 4 queries per group): bitwise equal, and both
- *     kernels timed (printed, not checked).
+ *     kernels timed (printed, not checked);
+ *   - with q_norm / k_norm (Qwen3): qn_rounds_launch (four launches per round
+ *     of positions) against the former five launches per position (kernels
+ *     here over the same per-position items): the partial blocks and the
+ *     Shampoo traces bitwise equal, small shapes with remainder rounds and the
+ *     Qwen3-8B micro-batch shape, the latter timed (printed, not checked).
  */
 #include <cmath>
 #include <cstdint>
@@ -175,6 +180,175 @@ void run_case(const shape &c, bool timed)
     cudaFree(dp2);
 }
 
+/* ---- q/k norm: rounds of positions against one position at a time ---- */
+
+__global__ void k_pos_gram(qn_args a, int64_t t)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < a.S * a.nb * a.h * a.h;
+         i += (int64_t)gridDim.x * blockDim.x)
+        qn_gram_item(a, t, i);
+}
+__global__ void k_pos_rot(qn_args a, int64_t t)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+         i < a.S * a.nb * (a.h / 2) * (a.h / 2); i += (int64_t)gridDim.x * blockDim.x)
+        qn_rot_item(a, t, i);
+}
+__global__ void k_pos_v(qn_args a, int64_t t)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < a.S * a.nn * a.h;
+         i += (int64_t)gridDim.x * blockDim.x)
+        qn_v_item(a, t, i);
+}
+__global__ void k_pos_scalars(qn_args a, int64_t t)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < a.S * a.nn;
+         i += (int64_t)gridDim.x * blockDim.x)
+        qn_scalars_item(a, t, i);
+}
+__global__ void k_pos_acc(qn_args a, int64_t t)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < a.S * a.nn * a.h * a.h;
+         i += (int64_t)gridDim.x * blockDim.x)
+        qn_acc_item(a, t, i);
+}
+
+struct qshape {
+    const char *what;
+    int64_t S, T, nb, nn, h;
+    int nv, backward, weights, trace;
+    int64_t nr; /* positions a round */
+};
+
+void run_qn(const qshape &c, bool timed)
+{
+    const int64_t h = c.h, hh = h * h, N = c.S * c.T, vstride = c.nb * c.nv * h,
+                  zstride = c.nn * h, h2 = h / 2;
+    std::vector<float> vec((size_t)(N * vstride)), z((size_t)(N * zstride)), g((size_t)h),
+        cs((size_t)(c.T * h2)), sn((size_t)(c.T * h2));
+    std::vector<double> w((size_t)N);
+    for (auto &x : vec)
+        x = (float)(2.0 * unif() - 1.0);
+    for (auto &x : z)
+        x = (float)(2.0 * unif() - 1.0);
+    for (auto &x : g)
+        x = (float)(0.8 + 0.4 * unif());
+    for (auto &x : w)
+        x = 0.5 + unif();
+    for (int64_t t = 0; t < c.T; t++)
+        for (int64_t i = 0; i < h2; i++) {
+            const double ang = (double)t * std::pow(100.0, -(double)i / (double)h2);
+            cs[t * h2 + i] = (float)std::cos(ang);
+            sn[t * h2 + i] = (float)std::sin(ang);
+        }
+    const size_t nC = (size_t)(c.S * c.nb * hh), nacc = (size_t)(c.S * c.nn * hh),
+                 ntr = (size_t)(c.S * c.nn * c.T);
+    float *dvec = NULL, *dz = NULL, *dg = NULL, *dcs = NULL, *dsn = NULL;
+    double *dw = NULL, *dC = NULL, *dM = NULL, *dv = NULL, *dsc = NULL, *dacc1 = NULL,
+           *dacc2 = NULL, *dtr1 = NULL, *dtr2 = NULL;
+    CK(cudaMalloc(&dvec, vec.size() * 4));
+    CK(cudaMalloc(&dz, z.size() * 4));
+    CK(cudaMalloc(&dg, g.size() * 4));
+    CK(cudaMalloc(&dcs, cs.size() * 4));
+    CK(cudaMalloc(&dsn, sn.size() * 4));
+    CK(cudaMalloc(&dw, w.size() * 8));
+    CK(cudaMalloc(&dC, nC * 8));
+    CK(cudaMalloc(&dM, (size_t)c.nr * nC * 8));
+    CK(cudaMalloc(&dv, (size_t)(c.nr * c.S * c.nn * h) * 8));
+    CK(cudaMalloc(&dsc, (size_t)(c.nr * c.S * c.nn * 4) * 8));
+    CK(cudaMalloc(&dacc1, nacc * 8));
+    CK(cudaMalloc(&dacc2, nacc * 8));
+    CK(cudaMalloc(&dtr1, ntr * 8));
+    CK(cudaMalloc(&dtr2, ntr * 8));
+    CK(cudaMemcpy(dvec, vec.data(), vec.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dz, z.data(), z.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dg, g.data(), g.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dcs, cs.data(), cs.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dsn, sn.data(), sn.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dw, w.data(), w.size() * 8, cudaMemcpyHostToDevice));
+    CK(cudaMemset(dtr1, 0xff, ntr * 8));
+    CK(cudaMemset(dtr2, 0xff, ntr * 8));
+    qn_args a;
+    a.vec = dvec;
+    a.vstride = vstride;
+    a.nv = c.nv;
+    a.z = dz;
+    a.zstride = zstride;
+    a.gamma = dg;
+    a.S = c.S;
+    a.T = c.T;
+    a.nb = c.nb;
+    a.nn = c.nn;
+    a.h = h;
+    a.cs = dcs;
+    a.sn = dsn;
+    a.eps = 1e-6;
+    a.w = c.weights ? dw : NULL;
+    a.C = dC;
+    a.M = dM;
+    a.v = dv;
+    a.sc = dsc;
+    cudaEvent_t e0, e1, e2;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaEventCreate(&e2));
+    /* rounds */
+    a.acc = dacc1;
+    a.tr = c.trace ? dtr1 : NULL;
+    CK(cudaMemset(dC, 0, nC * 8));
+    CK(cudaMemset(dacc1, 0, nacc * 8));
+    CK(cudaEventRecord(e0, 0));
+    CK(qn_rounds_launch(a, c.backward, c.nr, 0));
+    CK(cudaEventRecord(e1, 0));
+    /* one position at a time (the former launches) */
+    a.acc = dacc2;
+    a.tr = c.trace ? dtr2 : NULL;
+    CK(cudaMemset(dC, 0, nC * 8));
+    CK(cudaMemset(dacc2, 0, nacc * 8));
+    for (int64_t step = 0; step < c.T; step++) {
+        const int64_t t = c.backward ? c.T - 1 - step : step;
+        k_pos_gram<<<qn_grid(c.S * c.nb * hh), 256>>>(a, t);
+        k_pos_rot<<<qn_grid(c.S * c.nb * hh / 4), 256>>>(a, t);
+        k_pos_v<<<qn_grid(c.S * c.nn * h), 256>>>(a, t);
+        k_pos_scalars<<<qn_grid(c.S * c.nn), 256>>>(a, t);
+        k_pos_acc<<<qn_grid(c.S * c.nn * hh), 256>>>(a, t);
+    }
+    CK(cudaGetLastError());
+    CK(cudaEventRecord(e2, 0));
+    CK(cudaDeviceSynchronize());
+    float ms1 = 0, ms2 = 0;
+    CK(cudaEventElapsedTime(&ms1, e0, e1));
+    CK(cudaEventElapsedTime(&ms2, e1, e2));
+    std::vector<double> a1(nacc), a2(nacc), t1(ntr), t2(ntr);
+    CK(cudaMemcpy(a1.data(), dacc1, nacc * 8, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(a2.data(), dacc2, nacc * 8, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(t1.data(), dtr1, ntr * 8, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(t2.data(), dtr2, ntr * 8, cudaMemcpyDeviceToHost));
+    size_t differ = 0, nonfinite = 0;
+    for (size_t i = 0; i < nacc; i++) {
+        differ += std::memcmp(&a1[i], &a2[i], 8) != 0;
+        nonfinite += !std::isfinite(a1[i]);
+    }
+    for (size_t i = 0; c.trace && i < ntr; i++) {
+        differ += std::memcmp(&t1[i], &t2[i], 8) != 0;
+        nonfinite += !std::isfinite(t1[i]);
+    }
+    const bool same = differ == 0 && nonfinite == 0;
+    printf("  %-44s rounds = per position bitwise: %s (%zu differ, %zu non-finite)\n", c.what,
+           same ? "ok" : "FAIL", differ, nonfinite);
+    if (!same)
+        failures++;
+    if (timed)
+        printf("  %-44s rounds of %lld: %.3f ms, per position: %.3f ms\n", "", (long long)c.nr,
+               ms1, ms2);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaEventDestroy(e2);
+    void *bufs[] = {dvec, dz, dg, dcs, dsn, dw, dC, dM, dv, dsc, dacc1, dacc2, dtr1, dtr2};
+    for (void *b : bufs)
+        cudaFree(b);
+}
+
 } // namespace
 
 int main(void)
@@ -204,6 +378,23 @@ int main(void)
     };
     for (const shape &c : big)
         run_case(c, true);
+    printf("q/k-norm rounds on the device: several positions a launch vs one\n");
+    /* what S T nb nn h nv bwd w trace nr */
+    const qshape qcases[] = {
+        {"q side (4 heads, 2 blocks), prefix", 2, 37, 2, 4, 8, 1, 0, 0, 0, 5},
+        {"k side (2 queries a block), suffix, Shampoo", 3, 37, 2, 2, 8, 2, 1, 1, 1, 4},
+        {"h64 q side, Shampoo, one round of all", 2, 20, 2, 4, 64, 1, 0, 1, 1, 20},
+    };
+    for (const qshape &c : qcases)
+        run_qn(c, false);
+    /* Qwen3-8B: 32 / 8 heads of 128, micro-batch 2 x 2048; the round size the
+     * GPU Hessians pick there (64 MiB of per-position state: 31) */
+    const qshape qbig[] = {
+        {"Qwen3-8B shape q side (1 key, 32 heads)", 2, 2048, 8, 32, 128, 1, 0, 0, 0, 31},
+        {"Qwen3-8B shape k side (4 queries, 8 heads)", 2, 2048, 8, 8, 128, 4, 1, 0, 0, 31},
+    };
+    for (const qshape &c : qbig)
+        run_qn(c, true);
     printf(failures ? "%d FAILED\n" : "all ok\n", failures);
     return failures ? 1 : 0;
 }
