@@ -138,17 +138,44 @@ BK_HD inline void quad_stage(const quad_args &a, int tc, int64_t s, int64_t blk,
     const int vw = a.nv * (int)a.h, h2 = (int)(a.h / 2);
     double *vs = sh, *cs = vs + (int64_t)tc * vw, *sn = cs + (int64_t)tc * h2,
            *ws = sn + (int64_t)tc * h2;
-    for (int j = 0; j < n; j++) {
-        const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
-        const float *row = a.vec + (s * a.T + t) * a.vstride + blk * vw;
-        for (int r = tid; r < vw; r += nthreads)
-            vs[j * vw + r] = row[r];
-        for (int r = tid; r < h2; r += nthreads) {
-            cs[j * h2 + r] = a.cs[t * h2 + r];
-            sn[j * h2 + r] = a.sn[t * h2 + r];
+    /* entry e = j·width + r of the round, (j, r) stepped without a division
+     * per entry: the loop has no other dependence, so the unrolled loads of
+     * several entries are in flight together */
+    {
+        int j = tid / vw, r = tid % vw;
+        const int dj = nthreads / vw, dr = nthreads % vw;
+#ifdef __CUDA_ARCH__
+#pragma unroll 4
+#endif
+        for (int e = tid; e < n * vw; e += nthreads) {
+            const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
+            vs[e] = a.vec[(s * a.T + t) * a.vstride + blk * vw + r];
+            j += dj;
+            r += dr;
+            if (r >= vw) {
+                r -= vw;
+                j++;
+            }
         }
-        if (tid == 0)
-            ws[j] = a.w ? a.w[s * a.T + t] : 1.0;
+    }
+    {
+        int j = tid / h2, r = tid % h2;
+        const int dj = nthreads / h2, dr = nthreads % h2;
+        for (int e = tid; e < n * h2; e += nthreads) {
+            const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
+            cs[e] = a.cs[t * h2 + r];
+            sn[e] = a.sn[t * h2 + r];
+            j += dj;
+            r += dr;
+            if (r >= h2) {
+                r -= h2;
+                j++;
+            }
+        }
+    }
+    for (int j = tid; j < n; j += nthreads) {
+        const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
+        ws[j] = a.w ? a.w[s * a.T + t] : 1.0;
     }
 }
 

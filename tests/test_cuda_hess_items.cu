@@ -54,8 +54,9 @@ std::vector<float> randn(bk_rng *r, size_t n, double scale, double offset = 0.0)
 
 /* The staged form (k_attn_quads_staged's quad_stage / quad_round, its
  * threads run one after the other: stage, then every quad) gives the
- * per-item results bitwise: with the launch's round size and with rounds of
- * 2 positions (a remainder round when T is odd), 3 staging threads. */
+ * per-item results bitwise: with the launch's round size and 3 staging
+ * threads (fewer than a row's entries), and with rounds of 2 positions (a
+ * remainder round when T is odd) and 37 threads (more than a row). */
 void staged_same(const quad_args &a, const std::vector<double> &want, const char *what)
 {
     const int64_t h2 = a.h / 2, nq = h2 * h2;
@@ -73,8 +74,9 @@ void staged_same(const quad_args &a, const std::vector<double> &want, const char
                 std::fill(acc.begin(), acc.end(), 0.0);
                 for (int64_t c0 = 0; c0 < a.T; c0 += tc) {
                     const int n = a.T - c0 < tc ? (int)(a.T - c0) : tc;
-                    for (int tid = 0; tid < 3; tid++)
-                        quad_stage(b, tc, s, blk, c0, n, tid, 3, sh.data());
+                    const int nth = k == 0 ? 3 : 37;
+                    for (int tid = 0; tid < nth; tid++)
+                        quad_stage(b, tc, s, blk, c0, n, tid, nth, sh.data());
                     for (int64_t quad = 0; quad < nq; quad++)
                         quad_round(b, tc, sh.data(), n, quad / h2, quad % h2, &c[quad * 4],
                                    &acc[quad * 4]);
@@ -84,8 +86,8 @@ void staged_same(const quad_args &a, const std::vector<double> &want, const char
             }
         const size_t n = (size_t)(a.S * a.nb * a.h * a.h);
         const bool ok = tc >= 1 && memcmp(got.data(), want.data(), n * sizeof(double)) == 0;
-        printf("  staged %s, rounds of %d positions: %s\n", what, tc,
-               ok ? "bitwise equal ok" : "FAIL");
+        printf("  staged %s, rounds of %d positions, %d threads: %s\n", what, tc,
+               k == 0 ? 3 : 37, ok ? "bitwise equal ok" : "FAIL");
         if (!ok)
             failures++;
     }
