@@ -50,6 +50,42 @@ BK_HD inline void rot_quad(double c00, double c01, double c10, double c11, doubl
     o[3] = t11 * cp - t01 * sp;
 }
 
+/* One position of a quad: the running quad Gram c += Σ_i v_i v_iᵀ over the
+ * nv vectors of row (h entries each), then acc += wt · R_tᵀ C_t R_t on the
+ * quad ((cp, sp), (cq, sq): RoPE of row pair p, column pair q at t). V is
+ * float (the activations) or double (a staged copy: the same values). */
+template <typename V>
+BK_HD inline void quad_step(const V *row, int nv, int64_t h, int64_t p, int64_t q, double cp,
+                            double sp, double cq, double sq, double wt, double *c, double *acc)
+{
+    const int64_t h2 = h / 2;
+    for (int i = 0; i < nv; i++) {
+        const V *v = row + i * h;
+        const double vp = v[p], vP = v[p + h2], vq = v[q], vQ = v[q + h2];
+        c[0] += vp * vq;
+        c[1] += vp * vQ;
+        c[2] += vP * vq;
+        c[3] += vP * vQ;
+    }
+    double o[4];
+    rot_quad(c[0], c[1], c[2], c[3], cp, sp, cq, sq, o);
+    acc[0] += wt * o[0];
+    acc[1] += wt * o[1];
+    acc[2] += wt * o[2];
+    acc[3] += wt * o[3];
+}
+
+BK_HD inline void quad_store(const quad_args &a, int64_t s, int64_t blk, int64_t p, int64_t q,
+                             const double *acc)
+{
+    const int64_t h2 = a.h / 2;
+    double *d = a.part + (s * a.nb + blk) * a.h * a.h;
+    d[p * a.h + q] = acc[0];
+    d[p * a.h + q + h2] = acc[1];
+    d[(p + h2) * a.h + q] = acc[2];
+    d[(p + h2) * a.h + q + h2] = acc[3];
+}
+
 /* Item idx = ((s * nb + blk) * h2 + p) * h2 + q: the quad's running Gram over
  * the positions, and Σ_t w_t R_tᵀ C_t R_t on the quad into part[s, blk]. */
 BK_HD inline void quad_item(const quad_args &a, int64_t idx)
@@ -57,34 +93,172 @@ BK_HD inline void quad_item(const quad_args &a, int64_t idx)
     const int64_t h2 = a.h / 2, nq = h2 * h2;
     const int64_t q = idx % h2, p = (idx / h2) % h2;
     const int64_t blk = (idx / nq) % a.nb, s = idx / (nq * a.nb);
-    double c00 = 0, c01 = 0, c10 = 0, c11 = 0;
-    double a00 = 0, a01 = 0, a10 = 0, a11 = 0;
+    double c[4] = {0, 0, 0, 0}, acc[4] = {0, 0, 0, 0};
     for (int64_t step = 0; step < a.T; step++) {
         const int64_t t = a.backward ? a.T - 1 - step : step;
         const float *row = a.vec + (s * a.T + t) * a.vstride + blk * a.nv * a.h;
-        for (int i = 0; i < a.nv; i++) {
-            const float *v = row + i * a.h;
-            const double vp = v[p], vP = v[p + h2], vq = v[q], vQ = v[q + h2];
-            c00 += vp * vq;
-            c01 += vp * vQ;
-            c10 += vP * vq;
-            c11 += vP * vQ;
-        }
-        double o[4];
-        rot_quad(c00, c01, c10, c11, a.cs[t * h2 + p], a.sn[t * h2 + p], a.cs[t * h2 + q],
-                 a.sn[t * h2 + q], o);
         const double wt = a.w ? a.w[s * a.T + t] : 1.0;
-        a00 += wt * o[0];
-        a01 += wt * o[1];
-        a10 += wt * o[2];
-        a11 += wt * o[3];
+        quad_step(row, a.nv, a.h, p, q, a.cs[t * h2 + p], a.sn[t * h2 + p], a.cs[t * h2 + q],
+                  a.sn[t * h2 + q], wt, c, acc);
     }
-    double *d = a.part + (s * a.nb + blk) * a.h * a.h;
-    d[p * a.h + q] = a00;
-    d[p * a.h + q + h2] = a01;
-    d[(p + h2) * a.h + q] = a10;
-    d[(p + h2) * a.h + q + h2] = a11;
+    quad_store(a, s, blk, p, q, acc);
 }
+
+/* The staged form of the quads (k_attn_quads_staged below): the quads of one
+ * (sequence s, block blk) head, tc positions a round. Shared memory of a
+ * round, doubles: vs [tc, nv·h] (the head's vectors), cs, sn [tc, h/2] (the
+ * RoPE rows), ws [tc] (the weights). Round c0 holds steps c0 .. c0+n-1 (the
+ * positions in prefix or suffix order). Thread tid of nthreads copies its
+ * share (quad_stage), then each quad runs quad_step over the round
+ * (quad_round): the same operations in the same order as quad_item. */
+BK_HD inline int64_t quad_round_doubles(const quad_args &a, int64_t tc)
+{
+    return tc * ((int64_t)a.nv * a.h + 2 * (a.h / 2) + 1);
+}
+
+/* Shared memory of one staged round (48 KiB: no opt-in needed). */
+constexpr int64_t QUAD_SMEM = 48 * 1024;
+
+/* Positions a staged round holds (at most 32, at most T), or 0 where one
+ * position does not fit in QUAD_SMEM (h = 128 fits up to nv = 46). */
+BK_HD inline int64_t quad_round_positions(const quad_args &a)
+{
+    const int64_t per = quad_round_doubles(a, 1) * (int64_t)sizeof(double);
+    int64_t tc = QUAD_SMEM / per;
+    if (tc > 32)
+        tc = 32;
+    if (tc > a.T)
+        tc = a.T;
+    return tc;
+}
+
+BK_HD inline void quad_stage(const quad_args &a, int tc, int64_t s, int64_t blk, int64_t c0, int n,
+                             int tid, int nthreads, double *sh)
+{
+    const int vw = a.nv * (int)a.h, h2 = (int)(a.h / 2);
+    double *vs = sh, *cs = vs + (int64_t)tc * vw, *sn = cs + (int64_t)tc * h2,
+           *ws = sn + (int64_t)tc * h2;
+    /* entry e = j·width + r of the round, (j, r) stepped without a division
+     * per entry: the loop has no other dependence, so the unrolled loads of
+     * several entries are in flight together */
+    {
+        int j = tid / vw, r = tid % vw;
+        const int dj = nthreads / vw, dr = nthreads % vw;
+#ifdef __CUDA_ARCH__
+#pragma unroll 4
+#endif
+        for (int e = tid; e < n * vw; e += nthreads) {
+            const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
+            vs[e] = a.vec[(s * a.T + t) * a.vstride + blk * vw + r];
+            j += dj;
+            r += dr;
+            if (r >= vw) {
+                r -= vw;
+                j++;
+            }
+        }
+    }
+    {
+        int j = tid / h2, r = tid % h2;
+        const int dj = nthreads / h2, dr = nthreads % h2;
+        for (int e = tid; e < n * h2; e += nthreads) {
+            const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
+            cs[e] = a.cs[t * h2 + r];
+            sn[e] = a.sn[t * h2 + r];
+            j += dj;
+            r += dr;
+            if (r >= h2) {
+                r -= h2;
+                j++;
+            }
+        }
+    }
+    for (int j = tid; j < n; j += nthreads) {
+        const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
+        ws[j] = a.w ? a.w[s * a.T + t] : 1.0;
+    }
+}
+
+BK_HD inline void quad_round(const quad_args &a, int tc, const double *sh, int n, int64_t p,
+                             int64_t q, double *c, double *acc)
+{
+    const int vw = a.nv * (int)a.h, h2 = (int)(a.h / 2);
+    const double *vs = sh, *cs = vs + (int64_t)tc * vw, *sn = cs + (int64_t)tc * h2,
+                 *ws = sn + (int64_t)tc * h2;
+    for (int j = 0; j < n; j++)
+        quad_step(vs + j * vw, a.nv, a.h, p, q, cs[j * h2 + p], sn[j * h2 + p], cs[j * h2 + q],
+                  sn[j * h2 + q], ws[j], c, acc);
+}
+
+#ifdef __CUDACC__
+/* The quads on the device, positions staged in shared memory. The per-thread
+ * form (one thread = one quad_item, reading its four entries of every vector
+ * from global memory at every position) is latency-bound: each of the T
+ * serial steps waits for global loads (nv of them per step for k_proj) and
+ * converts each float to double in every thread. Here a block holds quads
+ * of one (sequence, block) head, the same quad per thread as quad_item's
+ * index order, and stages tc positions at a time (quad_stage: coalesced
+ * loads, converted once); each thread then runs quad_round over them.
+ * Identical results to the per-thread form. */
+template <int NOTHING = 0>
+__global__ void k_attn_quads_staged(quad_args a, int tc)
+{
+    extern __shared__ double quad_sh[];
+    const int64_t h2 = a.h / 2, nq = h2 * h2;
+    const int64_t bph = (nq + blockDim.x - 1) / blockDim.x;
+    const int64_t head = blockIdx.x / bph, s = head / a.nb, blk = head % a.nb;
+    const int64_t quad = (blockIdx.x % bph) * blockDim.x + threadIdx.x;
+    const bool on = quad < nq;
+    const int64_t p = on ? quad / h2 : 0, q = on ? quad % h2 : 0;
+    double c[4] = {0, 0, 0, 0}, acc[4] = {0, 0, 0, 0};
+    for (int64_t c0 = 0; c0 < a.T; c0 += tc) {
+        const int n = a.T - c0 < tc ? (int)(a.T - c0) : tc;
+        __syncthreads(); /* the previous round's reads are done */
+        quad_stage(a, tc, s, blk, c0, n, (int)threadIdx.x, (int)blockDim.x, quad_sh);
+        __syncthreads();
+        if (on)
+            quad_round(a, tc, quad_sh, n, p, q, c, acc);
+    }
+    if (on)
+        quad_store(a, s, blk, p, q, acc);
+}
+
+template <int NOTHING = 0>
+__global__ void k_attn_quads_thread(quad_args a)
+{
+    const int64_t n = a.S * a.nb * (a.h / 2) * (a.h / 2);
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        quad_item(a, i);
+}
+
+/* All quads of a: part[s, blk] for every sequence and block. Staged when one
+ * position fits in QUAD_SMEM (quad_round_positions), else one thread per
+ * quad_item; per_thread forces the latter (the test compares the two).
+ * Returns the launch's error. */
+inline cudaError_t quads_launch(const quad_args &a, cudaStream_t stream, int per_thread)
+{
+    const int64_t nq = (a.h / 2) * (a.h / 2), n = a.S * a.nb * nq;
+    const int64_t tc = quad_round_positions(a);
+    if (n <= 0)
+        return cudaSuccess;
+    if (per_thread || tc < 1) {
+        int64_t b = (n + 255) / 256;
+        if (b > 1048576)
+            b = 1048576;
+        k_attn_quads_thread<<<(unsigned)b, 256, 0, stream>>>(a);
+        return cudaGetLastError();
+    }
+    /* 256 threads, or the quads of a small head rounded up to a warp */
+    const int64_t bd = nq >= 256 ? 256 : (nq + 31) / 32 * 32;
+    const int64_t grid = a.S * a.nb * ((nq + bd - 1) / bd);
+    if (grid > 2147483647)
+        return cudaErrorInvalidConfiguration;
+    k_attn_quads_staged<<<(unsigned)grid, (unsigned)bd,
+                          (size_t)quad_round_doubles(a, tc) * sizeof(double), stream>>>(a, (int)tc);
+    return cudaGetLastError();
+}
+#endif
 
 /* Shampoo A-weights without q/k norm: wout[s*T + t] = mult · Σ_blk tr(C_t)
  * (tr R_tᵀ C R_t = tr C, the running Σ |v|² over the positions seen; the CPU
@@ -246,5 +420,140 @@ BK_HD inline void qn_acc_item(const qn_args &a, int64_t t, int64_t idx)
     const double wt = a.w ? a.w[s * a.T + t] : 1.0;
     a.acc[idx] += wt * (rho2 * val);
 }
+
+/* ---- with q_norm / k_norm: a round of positions at a time ----
+ * The five rounds above, one position each, meant 5 launches per position
+ * (2 x 5 x T per micro-batch: launch-bound). Only the running Gram C is
+ * sequential over the positions; the rest of a position reads C_t alone. So
+ * a round of n positions (steps c0 .. c0+n-1 in prefix or suffix order) is
+ * four launches: the Gram and its sandwich M_j per quad for every position
+ * of the round in order (qn_gramrot_item), v and the scalars for every
+ * (position, head) (qn_slot: per-position copies j of M, v, sc), and the
+ * accumulation per entry over the round's positions in order. Every entry
+ * sees the same operations in the same order as the per-position rounds. */
+BK_HD inline int64_t qn_t(const qn_args &a, int backward, int64_t c0, int64_t j)
+{
+    return backward ? a.T - 1 - (c0 + j) : c0 + j;
+}
+
+/* a with M, v, sc moved to position slot j of a round */
+BK_HD inline qn_args qn_slot(const qn_args &a, int64_t j)
+{
+    qn_args b = a;
+    b.M = a.M + j * a.S * a.nb * a.h * a.h;
+    b.v = a.v + j * a.S * a.nn * a.h;
+    b.sc = a.sc + j * a.S * a.nn * 4;
+    return b;
+}
+
+/* 1 + 2 for a round (item = (s, blk, quad)): C updated entry by entry as
+ * qn_gram_item, M_j = R_tᵀ C R_t as qn_rot_item into slot j */
+BK_HD inline void qn_gramrot_item(const qn_args &a, int backward, int64_t c0, int64_t n, int64_t idx)
+{
+    const int64_t h = a.h, h2 = h / 2, nq = h2 * h2, hh = h * h;
+    const int64_t q = idx % h2, p = (idx / h2) % h2, sb = idx / nq;
+    const int64_t s = sb / a.nb, blk = sb % a.nb;
+    const int64_t ii[4] = {p, p, p + h2, p + h2}, jj[4] = {q, q + h2, q, q + h2};
+    double *C = a.C + sb * hh;
+    double c[4];
+    for (int u = 0; u < 4; u++)
+        c[u] = C[ii[u] * h + jj[u]];
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t t = qn_t(a, backward, c0, j);
+        const float *row = a.vec + (s * a.T + t) * a.vstride + blk * a.nv * h;
+        for (int u = 0; u < 4; u++)
+            for (int k = 0; k < a.nv; k++)
+                c[u] += (double)row[k * h + ii[u]] * (double)row[k * h + jj[u]];
+        double o[4];
+        rot_quad(c[0], c[1], c[2], c[3], a.cs[t * h2 + p], a.sn[t * h2 + p], a.cs[t * h2 + q],
+                 a.sn[t * h2 + q], o);
+        double *M = qn_slot(a, j).M + sb * hh;
+        for (int u = 0; u < 4; u++)
+            M[ii[u] * h + jj[u]] = o[u];
+    }
+    for (int u = 0; u < 4; u++)
+        C[ii[u] * h + jj[u]] = c[u];
+}
+
+/* 3 for a round (item = (j, s, m, i)) */
+BK_HD inline void qn_v_round_item(const qn_args &a, int backward, int64_t c0, int64_t idx)
+{
+    const int64_t per = a.S * a.nn * a.h, j = idx / per;
+    qn_v_item(qn_slot(a, j), qn_t(a, backward, c0, j), idx % per);
+}
+
+/* 4 for a round (item = (j, s, m)) */
+BK_HD inline void qn_scalars_round_item(const qn_args &a, int backward, int64_t c0, int64_t idx)
+{
+    const int64_t per = a.S * a.nn, j = idx / per;
+    qn_scalars_item(qn_slot(a, j), qn_t(a, backward, c0, j), idx % per);
+}
+
+/* 5 for a round (item = (s, m, entry)): the positions in order */
+BK_HD inline void qn_acc_round_item(const qn_args &a, int backward, int64_t c0, int64_t n, int64_t idx)
+{
+    for (int64_t j = 0; j < n; j++)
+        qn_acc_item(qn_slot(a, j), qn_t(a, backward, c0, j), idx);
+}
+
+#ifdef __CUDACC__
+#define BK_QN_LOOP(i, n)                                                                     \
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n);              \
+         i += (int64_t)gridDim.x * blockDim.x)
+
+template <int NOTHING = 0>
+__global__ void k_qn_gramrot(qn_args a, int bwd, int64_t c0, int64_t n)
+{
+    BK_QN_LOOP(idx, a.S * a.nb * (a.h / 2) * (a.h / 2))
+    qn_gramrot_item(a, bwd, c0, n, idx);
+}
+
+template <int NOTHING = 0>
+__global__ void k_qn_v_round(qn_args a, int bwd, int64_t c0, int64_t n)
+{
+    BK_QN_LOOP(idx, n * a.S * a.nn * a.h)
+    qn_v_round_item(a, bwd, c0, idx);
+}
+
+template <int NOTHING = 0>
+__global__ void k_qn_scalars_round(qn_args a, int bwd, int64_t c0, int64_t n)
+{
+    BK_QN_LOOP(idx, n * a.S * a.nn)
+    qn_scalars_round_item(a, bwd, c0, idx);
+}
+
+template <int NOTHING = 0>
+__global__ void k_qn_acc_round(qn_args a, int bwd, int64_t c0, int64_t n)
+{
+    BK_QN_LOOP(idx, a.S * a.nn * a.h * a.h)
+    qn_acc_round_item(a, bwd, c0, n, idx);
+}
+#undef BK_QN_LOOP
+
+inline unsigned qn_grid(int64_t n)
+{
+    int64_t b = (n + 255) / 256;
+    return (unsigned)(b < 1 ? 1 : b > 1048576 ? 1048576 : b);
+}
+
+/* Every position of a q/k-norm part (prefix: backward 0, suffix: 1) in
+ * rounds of nr positions; a.M, a.v, a.sc hold nr positions, a.C and a.acc
+ * start zeroed (the caller's). Returns the first launch error. */
+inline cudaError_t qn_rounds_launch(const qn_args &a, int backward, int64_t nr, cudaStream_t stream)
+{
+    const int64_t hh = a.h * a.h;
+    for (int64_t c0 = 0; c0 < a.T; c0 += nr) {
+        const int64_t n = a.T - c0 < nr ? a.T - c0 : nr;
+        k_qn_gramrot<<<qn_grid(a.S * a.nb * hh / 4), 256, 0, stream>>>(a, backward, c0, n);
+        k_qn_v_round<<<qn_grid(n * a.S * a.nn * a.h), 256, 0, stream>>>(a, backward, c0, n);
+        k_qn_scalars_round<<<qn_grid(n * a.S * a.nn), 256, 0, stream>>>(a, backward, c0, n);
+        k_qn_acc_round<<<qn_grid(a.S * a.nn * hh), 256, 0, stream>>>(a, backward, c0, n);
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            return e;
+    }
+    return cudaSuccess;
+}
+#endif
 
 #endif /* BK_HESS_ATTN_CUH */

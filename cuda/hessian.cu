@@ -11,11 +11,16 @@
  *                             pairs RoPE mixes), one thread runs the prefix
  *                             (q) or suffix (k) Gram of that quad and its RoPE
  *                             sandwich R_tᵀ C_t R_t over the positions, in
- *                             double, exactly as rot_sandwich; with q_norm /
- *                             k_norm (Qwen3) each position is one round of five
- *                             small kernels (Gram update, sandwich, J-products,
- *                             scalars, accumulation) on the whole blocks, as
- *                             norm_sandwich; per-sequence partial sums are
+ *                             double, exactly as rot_sandwich (a block per
+ *                             head, the positions staged in shared memory:
+ *                             hess_attn.cuh quads_launch); with q_norm /
+ *                             k_norm (Qwen3) each position takes five steps
+ *                             (Gram update, sandwich, J-products, scalars,
+ *                             accumulation) on the whole blocks, as
+ *                             norm_sandwich, run for a round of up to 64
+ *                             positions by four launches (the Gram and the
+ *                             accumulation in position order, the rest
+ *                             per position); per-sequence partial sums are
  *                             reduced in sequence order (deterministic);
  *   v                         B_O = Σ_{j in κ} O_jᵀ O_j by SYRK from W_o.
  *
@@ -47,6 +52,10 @@ struct dgram {
 /* Rows per chunk when rows are scaled or converted before a SYRK: at most
  * 64 Mi elements of scratch. */
 const int64_t SCRATCH_ELEMS = (int64_t)1 << 26;
+
+/* Per-position state of a q/k-norm round (sandwiched Grams, norm products
+ * and scalars for each position of the round): about 64 MiB at most. */
+const int64_t QN_ROUND_BYTES = (int64_t)64 << 20;
 
 /* ------------------------------------------------------------- kernels */
 
@@ -189,12 +198,6 @@ __global__ void k_sum_parts(const double *part, int64_t S, int64_t nb, int64_t h
 
 /* ---- fully-local attention (items in hess_attn.cuh) ---- */
 
-__global__ void k_attn_quads(quad_args a)
-{
-    GRID_LOOP(idx, a.S * a.nb * (a.h / 2) * (a.h / 2))
-    quad_item(a, idx);
-}
-
 __global__ void k_trace_rows(const float *vec, int64_t vstride, int nv, int64_t S, int64_t T,
                              int64_t nb, int64_t h, double *rows)
 {
@@ -213,36 +216,6 @@ __global__ void k_trace_blocks(const double *rows, int64_t S, int64_t T, int64_t
 {
     GRID_LOOP(idx, S * T)
     trace_sum_item(rows, T, nb, mult, wout, idx);
-}
-
-__global__ void k_qn_gram(qn_args a, int64_t t)
-{
-    GRID_LOOP(idx, a.S * a.nb * a.h * a.h)
-    qn_gram_item(a, t, idx);
-}
-
-__global__ void k_qn_rot(qn_args a, int64_t t)
-{
-    GRID_LOOP(idx, a.S * a.nb * (a.h / 2) * (a.h / 2))
-    qn_rot_item(a, t, idx);
-}
-
-__global__ void k_qn_v(qn_args a, int64_t t)
-{
-    GRID_LOOP(idx, a.S * a.nn * a.h)
-    qn_v_item(a, t, idx);
-}
-
-__global__ void k_qn_scalars(qn_args a, int64_t t)
-{
-    GRID_LOOP(idx, a.S * a.nn)
-    qn_scalars_item(a, t, idx);
-}
-
-__global__ void k_qn_acc(qn_args a, int64_t t)
-{
-    GRID_LOOP(idx, a.S * a.nn * a.h * a.h)
-    qn_acc_item(a, t, idx);
 }
 
 /* wout[s*T + t] = Σ_m tr[s, m, t] in head order. */
@@ -310,7 +283,8 @@ struct bk_ghess {
     double *w1, *w2, *w3; /* [R] row weights */
     double *part;    /* [max_seqs, max(H, G), h, h] */
     float *zq, *zk;  /* q/k norm: pre-norm projections [R, qd], [R, kvd] */
-    double *qC, *qM, *qv, *qsc, *qtr; /* q/k norm per-position state */
+    double *qC, *qM, *qv, *qsc, *qtr; /* q/k norm state; qM, qv, qsc per position of a round */
+    int64_t qn_round;                  /* positions a q/k-norm round holds */
     float *dev_out;  /* factor output staging on the device */
     size_t dev_out_elems;
     float *outA[BK_MOD_COUNT], *outB[BK_MOD_COUNT], *outP[BK_MOD_COUNT];
@@ -558,12 +532,19 @@ extern "C" bk_status bk_ghess_create(bk_gfwd *f, bk_hessian_kind kind, int fp64,
             (st = alloc_d(a, &a->qtr, S * a->dim.nkv * a->dim.T, "trace rows")))
             goto fail;
         if (a->qknorm) {
+            /* positions a round: at most 64 and about QN_ROUND_BYTES of
+             * per-position state (at least one position) */
+            const int64_t per = S * (a->dim.nkv * hh + a->dim.nh * a->dim.hd + a->dim.nh * 4) * 8;
+            int64_t nr = QN_ROUND_BYTES / per;
+            nr = nr > 64 ? 64 : nr;
+            nr = nr > a->dim.T ? a->dim.T : nr;
+            a->qn_round = nr < 1 ? 1 : nr;
             if ((st = alloc_f(a, &a->zq, R * a->dim.qdim, "pre-norm queries")) ||
                 (st = alloc_f(a, &a->zk, R * a->dim.kvdim, "pre-norm keys")) ||
                 (st = alloc_d(a, &a->qC, S * a->dim.nkv * hh, "running Grams")) ||
-                (st = alloc_d(a, &a->qM, S * a->dim.nkv * hh, "sandwiched Grams")) ||
-                (st = alloc_d(a, &a->qv, S * a->dim.nh * a->dim.hd, "norm products")) ||
-                (st = alloc_d(a, &a->qsc, S * a->dim.nh * 4, "norm scalars")) ||
+                (st = alloc_d(a, &a->qM, a->qn_round * S * a->dim.nkv * hh, "sandwiched Grams")) ||
+                (st = alloc_d(a, &a->qv, a->qn_round * S * a->dim.nh * a->dim.hd, "norm products")) ||
+                (st = alloc_d(a, &a->qsc, a->qn_round * S * a->dim.nh * 4, "norm scalars")) ||
                 (st = alloc_d(a, &a->qtr, S * a->dim.nh * a->dim.T, "traces")))
                 goto fail;
         }
@@ -688,8 +669,8 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
             q.w = sw;
             q.backward = part;
             q.part = a->part;
-            k_attn_quads<<<bk_grid(S * a->dim.nkv * hh / 4), 256, 0, sm>>>(q);
-            if ((st = BK_LAUNCHED("k_attn_quads")) != BK_OK)
+            if ((st = bk_cuda_status(quads_launch(q, sm, 0), "k_attn_quads_staged", __FILE__,
+                                     __LINE__)) != BK_OK)
                 return st;
             k_sum_parts<<<bk_grid(a->dim.nkv * hh), 256, 0, sm>>>(a->part, S, a->dim.nkv, hh,
                                                             part == 0 ? a->bq : a->bk);
@@ -738,16 +719,11 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
             cudaMemsetAsync(q.acc, 0, (size_t)(S * q.nn * hh) * 8, sm);
             if ((st = BK_LAUNCHED("memset")) != BK_OK)
                 return st;
-            for (int64_t step = 0; step < T; step++) {
-                const int64_t t = part == 0 ? step : T - 1 - step;
-                k_qn_gram<<<bk_grid(S * a->dim.nkv * hh), 256, 0, sm>>>(q, t);
-                k_qn_rot<<<bk_grid(S * a->dim.nkv * hh / 4), 256, 0, sm>>>(q, t);
-                k_qn_v<<<bk_grid(S * q.nn * h), 256, 0, sm>>>(q, t);
-                k_qn_scalars<<<bk_grid(S * q.nn), 256, 0, sm>>>(q, t);
-                k_qn_acc<<<bk_grid(S * q.nn * hh), 256, 0, sm>>>(q, t);
-                if ((st = BK_LAUNCHED("q/k-norm position kernels")) != BK_OK)
-                    return st;
-            }
+            /* rounds of qn_round positions (hess_attn.cuh: four launches a
+             * round, the same operations per entry as one position at a time) */
+            if ((st = bk_cuda_status(qn_rounds_launch(q, part, a->qn_round, sm),
+                                     "q/k-norm round kernels", __FILE__, __LINE__)) != BK_OK)
+                return st;
             k_sum_parts<<<bk_grid(q.nn * hh), 256, 0, sm>>>(a->part, S, q.nn, hh,
                                                             part == 0 ? a->bq : a->bk);
             if ((st = BK_LAUNCHED("k_sum_parts")) != BK_OK)

@@ -52,6 +52,89 @@ std::vector<float> randn(bk_rng *r, size_t n, double scale, double offset = 0.0)
     return v;
 }
 
+/* The staged form (k_attn_quads_staged's quad_stage / quad_round, its
+ * threads run one after the other: stage, then every quad) gives the
+ * per-item results bitwise: with the launch's round size and 3 staging
+ * threads (fewer than a row's entries), and with rounds of 2 positions (a
+ * remainder round when T is odd) and 37 threads (more than a row). */
+void staged_same(const quad_args &a, const std::vector<double> &want, const char *what)
+{
+    const int64_t h2 = a.h / 2, nq = h2 * h2;
+    const int64_t sizes[2] = {quad_round_positions(a), 2};
+    for (int k = 0; k < 2; k++) {
+        const int tc = (int)sizes[k];
+        std::vector<double> sh((size_t)quad_round_doubles(a, tc), NAN);
+        std::vector<double> got((size_t)(a.S * a.nb * a.h * a.h), NAN);
+        std::vector<double> c((size_t)(nq * 4)), acc((size_t)(nq * 4));
+        quad_args b = a;
+        b.part = got.data();
+        for (int64_t s = 0; s < a.S; s++)
+            for (int64_t blk = 0; blk < a.nb; blk++) {
+                std::fill(c.begin(), c.end(), 0.0);
+                std::fill(acc.begin(), acc.end(), 0.0);
+                for (int64_t c0 = 0; c0 < a.T; c0 += tc) {
+                    const int n = a.T - c0 < tc ? (int)(a.T - c0) : tc;
+                    const int nth = k == 0 ? 3 : 37;
+                    for (int tid = 0; tid < nth; tid++)
+                        quad_stage(b, tc, s, blk, c0, n, tid, nth, sh.data());
+                    for (int64_t quad = 0; quad < nq; quad++)
+                        quad_round(b, tc, sh.data(), n, quad / h2, quad % h2, &c[quad * 4],
+                                   &acc[quad * 4]);
+                }
+                for (int64_t quad = 0; quad < nq; quad++)
+                    quad_store(b, s, blk, quad / h2, quad % h2, &acc[quad * 4]);
+            }
+        const size_t n = (size_t)(a.S * a.nb * a.h * a.h);
+        const bool ok = tc >= 1 && memcmp(got.data(), want.data(), n * sizeof(double)) == 0;
+        printf("  staged %s, rounds of %d positions, %d threads: %s\n", what, tc,
+               k == 0 ? 3 : 37, ok ? "bitwise equal ok" : "FAIL");
+        if (!ok)
+            failures++;
+    }
+}
+
+/* The q/k-norm rounds (qn_gramrot_item, qn_*_round_item: several positions
+ * a launch) give the one-position-at-a-time results bitwise (the partial
+ * blocks and the Shampoo traces): rounds of 3 positions (a remainder round
+ * at T = 4) and of T. */
+void qn_rounds_same(const qn_args &a0, int backward, const std::vector<double> &want_acc,
+                    const std::vector<double> &want_tr, const char *what)
+{
+    const int64_t hh = a0.h * a0.h, sizes[2] = {3, a0.T};
+    for (int k = 0; k < 2; k++) {
+        const int64_t nr = sizes[k];
+        std::vector<double> C((size_t)(a0.S * a0.nb * hh), 0.0),
+            M((size_t)(nr * a0.S * a0.nb * hh), NAN), v((size_t)(nr * a0.S * a0.nn * a0.h), NAN),
+            sc((size_t)(nr * a0.S * a0.nn * 4), NAN), acc(want_acc.size(), 0.0),
+            tr(want_tr.size(), NAN);
+        qn_args a = a0;
+        a.C = C.data();
+        a.M = M.data();
+        a.v = v.data();
+        a.sc = sc.data();
+        a.acc = acc.data();
+        a.tr = a0.tr ? tr.data() : NULL;
+        for (int64_t c0 = 0; c0 < a.T; c0 += nr) {
+            const int64_t n = a.T - c0 < nr ? a.T - c0 : nr;
+            for (int64_t i = 0; i < a.S * a.nb * hh / 4; i++)
+                qn_gramrot_item(a, backward, c0, n, i);
+            for (int64_t i = 0; i < n * a.S * a.nn * a.h; i++)
+                qn_v_round_item(a, backward, c0, i);
+            for (int64_t i = 0; i < n * a.S * a.nn; i++)
+                qn_scalars_round_item(a, backward, c0, i);
+            for (int64_t i = 0; i < a.S * a.nn * hh; i++)
+                qn_acc_round_item(a, backward, c0, n, i);
+        }
+        const size_t na = (size_t)(a.S * a.nn * hh), nt = (size_t)(a.S * a.nn * a.T);
+        const bool ok = memcmp(acc.data(), want_acc.data(), na * sizeof(double)) == 0 &&
+                        (!a0.tr || memcmp(tr.data(), want_tr.data(), nt * sizeof(double)) == 0);
+        printf("  q/k-norm %s%s, rounds of %lld positions: %s\n", a0.tr ? "shampoo " : "", what,
+               (long long)nr, ok ? "bitwise equal ok" : "FAIL");
+        if (!ok)
+            failures++;
+    }
+}
+
 void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_t T, int64_t S)
 {
     bk_model_config c;
@@ -130,6 +213,7 @@ void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_
             a.part = part.data();
             for (int64_t idx = 0; idx < S * G * hh / 4; idx++)
                 quad_item(a, idx);
+            staged_same(a, part, p == 0 ? "q_proj" : "k_proj");
             std::vector<double> &dst = p == 0 ? bq : bk;
             for (int64_t e = 0; e < G * hh; e++)
                 for (int64_t s = 0; s < S; s++)
@@ -199,6 +283,7 @@ void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_
                 for (int64_t i = 0; i < S * a.nn * hh; i++)
                     qn_acc_item(a, t, i);
             }
+            qn_rounds_same(a, p, part, tr, p == 0 ? "q_proj" : "k_proj");
             std::vector<double> &dst = p == 0 ? bq : bk;
             for (int64_t e = 0; e < a.nn * hh; e++)
                 for (int64_t s = 0; s < S; s++)
