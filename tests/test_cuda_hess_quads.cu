@@ -4,10 +4,10 @@
  * against quad_item run on the host. Suite cuda; exit 77 = skipped without
  * a GPU.
  *
- *   - every case: the staged partial blocks equal the per-thread ones
- *     bitwise (same operations in the same order per quad), and both equal
- *     the host's quad_item within 1e-12 relative (the host may contract
- *     multiply-adds differently);
+ *   - every case: the staged partial blocks equal the per-thread ones within
+ *     TOL_KERNELS (same operations in the same order per quad; nvcc contracts
+ *     multiply-adds differently in the two kernels, so not bitwise), and the
+ *     staged ones equal the host's quad_item within 1e-12 relative;
  *   - cases: head_dim 128 / 64 / 80 (a head's quads not a multiple of the
  *     block) / 8 / 4 (a block of 32 threads, most idle), 1..4 vectors per
  *     block (q_proj reads the kv head's key, k_proj the group's queries),
@@ -16,12 +16,12 @@
  *     round; one position too large for the shared memory (the per-thread
  *     fallback);
  *   - the Llama-3-8B shape of one micro-batch (2 sequences x 2048 positions,
- *     8 kv heads of 128, 4 queries per group): bitwise equal, and both
- *     kernels timed (printed, not checked);
+ *     8 kv heads of 128, 4 queries per group): equal within TOL_KERNELS, and
+ *     both kernels timed (printed, not checked);
  *   - with q_norm / k_norm (Qwen3): qn_rounds_launch (four launches per round
  *     of positions) against the former five launches per position (kernels
  *     here over the same per-position items): the partial blocks and the
- *     Shampoo traces bitwise equal, small shapes with remainder rounds and the
+ *     Shampoo traces equal within TOL_KERNELS, small shapes with remainder rounds and the
  *     Qwen3-8B micro-batch shape, the latter timed (printed, not checked).
  */
 #include <cmath>
@@ -30,6 +30,35 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+/* The two device kernels of each comparison do the same operations per entry
+ * in the same order, but nvcc may contract multiply-adds differently in each:
+ * on the H200 (session 11) up to ~70% of the entries differed in their last
+ * bits, the staged kernel's within 3.4e-16 (relative to the largest entry) of
+ * the host's quad_item, and the q/k-norm rounds also differed bitwise from the
+ * per-position kernels (by how much was not printed then). So they are
+ * compared to TOL_KERNELS relative to the largest entry: rounding differences
+ * of double sums over a few thousand positions stay far below it, a wrong
+ * index, weight or order exceeds it by many orders of magnitude. */
+#define TOL_KERNELS 1e-13
+
+/* max |a - b| / max |b| (NaN counts as infinite); *differ: entries not
+ * bitwise equal, *nonfinite: non-finite entries of a. */
+static double rel_diff(const double *a, const double *b, size_t n, size_t *differ,
+                       size_t *nonfinite)
+{
+    double md = 0, mb = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0)
+            (*differ)++;
+        if (!std::isfinite(a[i]))
+            (*nonfinite)++;
+        const double d = std::fabs(a[i] - b[i]);
+        md = std::isnan(d) ? INFINITY : std::fmax(md, d);
+        mb = std::fmax(mb, std::fabs(b[i]));
+    }
+    return mb > 0 ? md / mb : md;
+}
 
 #include <cuda_runtime.h>
 
@@ -134,15 +163,11 @@ void run_case(const shape &c, bool timed)
     CK(cudaMemcpy(p1.data(), dp1, npart * sizeof(double), cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(p2.data(), dp2, npart * sizeof(double), cudaMemcpyDeviceToHost));
     size_t differ = 0, nonfinite = 0;
-    for (size_t i = 0; i < npart; i++) {
-        if (std::memcmp(&p1[i], &p2[i], sizeof(double)) != 0)
-            differ++;
-        if (!std::isfinite(p1[i]))
-            nonfinite++;
-    }
-    const bool same = differ == 0 && nonfinite == 0;
-    printf("  %-44s staged = per-thread bitwise: %s (%zu of %zu differ, %zu non-finite)\n",
-           c.what, same ? "ok" : "FAIL", differ, npart, nonfinite);
+    const double rel = rel_diff(p1.data(), p2.data(), npart, &differ, &nonfinite);
+    const bool same = rel <= TOL_KERNELS && nonfinite == 0;
+    printf("  %-44s staged vs per-thread: rel %.3e (TOL_KERNELS %.0e) %s (%zu of %zu bitwise "
+           "different, %zu non-finite)\n",
+           c.what, rel, TOL_KERNELS, same ? "ok" : "FAIL", differ, npart, nonfinite);
     if (!same)
         failures++;
     if (timed)
@@ -324,18 +349,17 @@ void run_qn(const qshape &c, bool timed)
     CK(cudaMemcpy(a2.data(), dacc2, nacc * 8, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(t1.data(), dtr1, ntr * 8, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(t2.data(), dtr2, ntr * 8, cudaMemcpyDeviceToHost));
-    size_t differ = 0, nonfinite = 0;
-    for (size_t i = 0; i < nacc; i++) {
-        differ += std::memcmp(&a1[i], &a2[i], 8) != 0;
-        nonfinite += !std::isfinite(a1[i]);
+    size_t differ = 0, nonfinite = 0, dt = 0, nt = 0;
+    double rel = rel_diff(a1.data(), a2.data(), nacc, &differ, &nonfinite);
+    if (c.trace) {
+        rel = std::fmax(rel, rel_diff(t1.data(), t2.data(), ntr, &dt, &nt));
+        differ += dt;
+        nonfinite += nt;
     }
-    for (size_t i = 0; c.trace && i < ntr; i++) {
-        differ += std::memcmp(&t1[i], &t2[i], 8) != 0;
-        nonfinite += !std::isfinite(t1[i]);
-    }
-    const bool same = differ == 0 && nonfinite == 0;
-    printf("  %-44s rounds = per position bitwise: %s (%zu differ, %zu non-finite)\n", c.what,
-           same ? "ok" : "FAIL", differ, nonfinite);
+    const bool same = rel <= TOL_KERNELS && nonfinite == 0;
+    printf("  %-44s rounds vs per position: rel %.3e (TOL_KERNELS %.0e) %s (%zu bitwise "
+           "different, %zu non-finite)\n",
+           c.what, rel, TOL_KERNELS, same ? "ok" : "FAIL", differ, nonfinite);
     if (!same)
         failures++;
     if (timed)
