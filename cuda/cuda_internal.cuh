@@ -101,6 +101,9 @@ void bk_dev_note_transient(bk_cuda_ctx *c, size_t bytes);
  * pinned slots: the DMA of one chunk overlaps the host threads copying the
  * previous one out (a pageable cudaMemcpy copies out on one thread, at a
  * fraction of the link's speed). Byte for byte the same as cudaMemcpy. */
+/* Host memcpy in np parts (1..64), the parts after the first on their own
+ * threads; a part whose thread cannot start is copied by the caller. */
+void bk_host_copy_parts(char *dst, const char *src, size_t bytes, int np);
 bk_status bk_cuda_download(bk_cuda_ctx *c, void *dst, const void *src, size_t bytes);
 /* Its staging released (bk_cuda_ctx_destroy). */
 void bk_cuda_download_release(bk_cuda_ctx *c);

@@ -792,21 +792,6 @@ void *narrow_main(void *arg)
     return NULL;
 }
 
-struct copy_job {
-    const char *src;
-    char *dst;
-    size_t bytes;
-    pthread_t tid;
-    int started;
-};
-
-void *copy_main(void *arg)
-{
-    copy_job *j = static_cast<copy_job *>(arg);
-    memcpy(j->dst, j->src, j->bytes);
-    return NULL;
-}
-
 /* Split [0, n) into parts of at least min_part elements, at most threads. */
 int parts_of(const bk_gfwd *f, int64_t n)
 {
@@ -845,22 +830,8 @@ int stage_chunk(const bk_gfwd *f, const float *src, int64_t n, void *pin)
     }
     if (!lossy)
         return 1;
-    copy_job cj[MAXP];
-    const char *cs = reinterpret_cast<const char *>(src);
-    char *cd = static_cast<char *>(pin);
-    for (int p = 0; p < np; p++) {
-        const int64_t a = n * p / np, b = n * (p + 1) / np;
-        cj[p].src = cs + a * 4;
-        cj[p].dst = cd + a * 4;
-        cj[p].bytes = (size_t)(b - a) * 4;
-        cj[p].started = p > 0 && pthread_create(&cj[p].tid, NULL, copy_main, &cj[p]) == 0;
-    }
-    for (int p = 0; p < np; p++)
-        if (!cj[p].started)
-            copy_main(&cj[p]);
-    for (int p = 0; p < np; p++)
-        if (cj[p].started)
-            pthread_join(cj[p].tid, NULL);
+    bk_host_copy_parts(static_cast<char *>(pin), reinterpret_cast<const char *>(src),
+                       (size_t)n * 4, np);
     return 0;
 }
 

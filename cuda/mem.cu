@@ -78,9 +78,7 @@ void bk_dev_note_transient(bk_cuda_ctx *c, size_t bytes)
 
 /* ------------------------------------------------------- downloads */
 
-namespace {
-
-struct dl_part {
+struct copy_part {
     const char *src;
     char *dst;
     size_t bytes;
@@ -88,39 +86,46 @@ struct dl_part {
     int started;
 };
 
-void *dl_copy(void *arg)
+static void *copy_part_main(void *arg)
 {
-    dl_part *p = static_cast<dl_part *>(arg);
+    copy_part *p = static_cast<copy_part *>(arg);
     memcpy(p->dst, p->src, p->bytes);
     return NULL;
 }
 
-/* dst = src over host threads (parts of 4 MiB at least); a part whose thread
- * cannot start is copied here. */
-void par_copy(char *dst, const char *src, size_t bytes, int threads)
+void bk_host_copy_parts(char *dst, const char *src, size_t bytes, int np)
 {
-    enum { MAXP = 16 };
-    size_t np = bytes / ((size_t)4 << 20);
-    if (np > (size_t)threads)
-        np = (size_t)threads;
+    enum { MAXP = 64 };
     if (np > MAXP)
         np = MAXP;
     if (np < 1)
         np = 1;
-    dl_part parts[MAXP];
-    for (size_t p = 0; p < np; p++) {
+    copy_part parts[MAXP];
+    for (int p = 0; p < np; p++) {
         const size_t a = bytes * p / np, b = bytes * (p + 1) / np;
         parts[p].src = src + a;
         parts[p].dst = dst + a;
         parts[p].bytes = b - a;
-        parts[p].started = p > 0 && pthread_create(&parts[p].tid, NULL, dl_copy, &parts[p]) == 0;
+        parts[p].started =
+            p > 0 && pthread_create(&parts[p].tid, NULL, copy_part_main, &parts[p]) == 0;
     }
-    for (size_t p = 0; p < np; p++)
+    for (int p = 0; p < np; p++)
         if (!parts[p].started)
-            dl_copy(&parts[p]);
-    for (size_t p = 0; p < np; p++)
+            copy_part_main(&parts[p]);
+    for (int p = 0; p < np; p++)
         if (parts[p].started)
             pthread_join(parts[p].tid, NULL);
+}
+
+namespace {
+
+/* dst = src over host threads (parts of 4 MiB at least) */
+void par_copy(char *dst, const char *src, size_t bytes, int threads)
+{
+    size_t np = bytes / ((size_t)4 << 20);
+    if (np > (size_t)threads)
+        np = (size_t)threads;
+    bk_host_copy_parts(dst, src, bytes, np < 1 ? 1 : (int)np);
 }
 
 /* The two pinned slots and their events; 0 when they exist. On failure the

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "../fwd_internal.cuh"
+#include "dev_common.cuh"
 
 extern "C" {
 #include "bakron/backend.h"
@@ -45,31 +46,15 @@ namespace {
 const double ATTN_TOL = 5e-3;     /* max |x - ref| / max |ref| */
 const double ATTN_ROW_TOL = 2e-2; /* the same per (token, head) row */
 
-#define ACK(x)                                                                                     \
-    do {                                                                                           \
-        bk_status s_ = (x);                                                                        \
-        if (s_ != BK_OK) {                                                                         \
-            fprintf(stderr, "FAILED %s: %s (%s)\n", #x, bk_last_error(), bk_status_name(s_));      \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-#define ACU(x) ACK(bk_cuda_status((x), #x, __FILE__, __LINE__))
 
-__device__ __forceinline__ uint64_t amix(uint64_t z)
-{
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 /* dst[i] = BF16-rounded N(0, amp^2) in F32 and as BF16 */
 __global__ void k_gen(float *dst, __nv_bfloat16 *dstb, int64_t n, double amp, uint64_t seed)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        uint64_t a = amix(seed * 0x632be59bd9b4e019ull + 2 * (uint64_t)i),
-                 b = amix(a ^ (2 * (uint64_t)i + 1));
+        uint64_t a = dev_mix(seed * 0x632be59bd9b4e019ull + 2 * (uint64_t)i),
+                 b = dev_mix(a ^ (2 * (uint64_t)i + 1));
         double u1 = ((a >> 11) + 0.5) * (1.0 / 9007199254740992.0);
         double u2 = (b >> 11) * (1.0 / 9007199254740992.0);
         const float g = (float)(amp * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
@@ -169,24 +154,12 @@ template <typename A, typename B> errs compare(const A *x, const B *ref, int64_t
     return e;
 }
 
-std::vector<int64_t> int_list(const char *s)
+/* "a,b,c" -> {a, b, c} (conv: atoll or atof) */
+template <typename T, typename F> std::vector<T> num_list(const char *s, F conv)
 {
-    std::vector<int64_t> v;
+    std::vector<T> v;
     for (const char *p = s; *p;) {
-        v.push_back(atoll(p));
-        const char *c = strchr(p, ',');
-        if (!c)
-            break;
-        p = c + 1;
-    }
-    return v;
-}
-
-std::vector<double> dbl_list(const char *s)
-{
-    std::vector<double> v;
-    for (const char *p = s; *p;) {
-        v.push_back(atof(p));
+        v.push_back((T)conv(p));
         const char *c = strchr(p, ',');
         if (!c)
             break;
@@ -199,21 +172,21 @@ double median_ms(bk_gfwd *f, int64_t S, float *d_o, int fused, int reps, int bn 
 {
     cudaStream_t sm = f->c->stream;
     cudaEvent_t a, b;
-    ACU(cudaEventCreate(&a));
-    ACU(cudaEventCreate(&b));
-    ACK(bk_g_attn_core(f, S, d_o, fused, bn, mt)); /* warm-up */
+    CU(cudaEventCreate(&a));
+    CU(cudaEventCreate(&b));
+    CK(bk_g_attn_core(f, S, d_o, fused, bn, mt)); /* warm-up */
     std::vector<float> t;
     for (int i = 0; i < reps; i++) {
-        ACU(cudaEventRecord(a, sm));
-        ACK(bk_g_attn_core(f, S, d_o, fused, bn, mt));
-        ACU(cudaEventRecord(b, sm));
-        ACU(cudaEventSynchronize(b));
+        CU(cudaEventRecord(a, sm));
+        CK(bk_g_attn_core(f, S, d_o, fused, bn, mt));
+        CU(cudaEventRecord(b, sm));
+        CU(cudaEventSynchronize(b));
         float ms = 0;
-        ACU(cudaEventElapsedTime(&ms, a, b));
+        CU(cudaEventElapsedTime(&ms, a, b));
         t.push_back(ms);
     }
-    ACU(cudaEventDestroy(a));
-    ACU(cudaEventDestroy(b));
+    CU(cudaEventDestroy(a));
+    CU(cudaEventDestroy(b));
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
 }
@@ -238,9 +211,9 @@ int cmd_attn(int argc, char **argv)
         else if (a == "--kv" && more)
             nkv = atoll(argv[++i]);
         else if (a == "--hd" && more)
-            hds = int_list(argv[++i]);
+            hds = num_list<int64_t>(argv[++i], atoll);
         else if (a == "--amp" && more)
-            amps = dbl_list(argv[++i]);
+            amps = num_list<double>(argv[++i], atof);
         else if (a == "--reps" && more)
             reps = atoi(argv[++i]);
         else if (a == "--variants")
@@ -256,7 +229,7 @@ int cmd_attn(int argc, char **argv)
         return 1;
     }
     bk_backend *be = NULL;
-    ACK(bk_backend_create(BK_BACKEND_CUDA, &be));
+    CK(bk_backend_create(BK_BACKEND_CUDA, &be));
     bk_backend_set_gemm_math(be, BK_GEMM_BF16);
     int bad = 0, bad_var = 0;
     printf("attention core, %lld x %lld tokens, %lld query / %lld kv heads, BF16 mode; "
@@ -281,7 +254,7 @@ int cmd_attn(int argc, char **argv)
         strcpy(c.hidden_act, "silu");
         c.bos_token_id = c.eos_token_id = -1;
         bk_gfwd *f = NULL;
-        ACK(bk_gfwd_create(be, &c, S, T, &f));
+        CK(bk_gfwd_create(be, &c, S, T, &f));
         if (!bk_gfwd_attn_fused(f)) {
             printf("hd %lld: the fused kernel does not support this head_dim: skipped\n",
                    (long long)hd);
@@ -292,9 +265,9 @@ int cmd_attn(int argc, char **argv)
         const int64_t N = S * T, qd = nh * hd, kd = nkv * hd, rep = nh / nkv;
         float *d_old = NULL, *d_new = NULL;
         double *d_ref = NULL;
-        ACK(bk_gpu_alloc(f, (void **)&d_old, (size_t)(N * qd) * 4, "unfused output"));
-        ACK(bk_gpu_alloc(f, (void **)&d_new, (size_t)(N * qd) * 4, "fused output"));
-        ACK(bk_gpu_alloc(f, (void **)&d_ref, (size_t)(N * qd) * 8, "reference output"));
+        CK(bk_gpu_alloc(f, (void **)&d_old, (size_t)(N * qd) * 4, "unfused output"));
+        CK(bk_gpu_alloc(f, (void **)&d_new, (size_t)(N * qd) * 4, "fused output"));
+        CK(bk_gpu_alloc(f, (void **)&d_ref, (size_t)(N * qd) * 8, "reference output"));
         std::vector<float> h_old((size_t)(N * qd)), h_new((size_t)(N * qd));
         std::vector<double> h_ref((size_t)(N * qd));
         for (double amp : amps) {
@@ -302,18 +275,18 @@ int cmd_attn(int argc, char **argv)
             k_gen<<<bk_grid(N * qd), 256, 0, sm>>>(f->qh, f->qb, N * qd, amp, 11 + (uint64_t)hd);
             k_gen<<<bk_grid(N * kd), 256, 0, sm>>>(f->kh, f->kb, N * kd, 1.0, 12 + (uint64_t)hd);
             k_gen<<<bk_grid(N * kd), 256, 0, sm>>>(f->vh, f->vb, N * kd, 1.0, 13 + (uint64_t)hd);
-            ACK(BK_LAUNCHED("k_gen"));
+            CK(BK_LAUNCHED("k_gen"));
             const size_t rsh = (size_t)(hd + T + 128) * sizeof(double);
-            ACU(cudaFuncSetAttribute(k_ref, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rsh));
+            CU(cudaFuncSetAttribute(k_ref, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rsh));
             k_ref<<<(unsigned)(S * nkv * T * rep), 128, rsh, sm>>>(
                 f->qh, f->kh, f->vh, d_ref, T, nkv, rep, hd, 1.0 / sqrt((double)hd));
-            ACK(BK_LAUNCHED("k_ref"));
-            ACK(bk_gfwd_nf_clear(f));
-            ACK(bk_g_attn_core(f, S, d_old, 0));
-            ACK(bk_g_attn_core(f, S, d_new, 1));
-            ACK(bk_gpu_download(f, h_old.data(), d_old, h_old.size() * 4));
-            ACK(bk_gpu_download(f, h_new.data(), d_new, h_new.size() * 4));
-            ACK(bk_gpu_download(f, h_ref.data(), d_ref, h_ref.size() * 8));
+            CK(BK_LAUNCHED("k_ref"));
+            CK(bk_gfwd_nf_clear(f));
+            CK(bk_g_attn_core(f, S, d_old, 0));
+            CK(bk_g_attn_core(f, S, d_new, 1));
+            CK(bk_gpu_download(f, h_old.data(), d_old, h_old.size() * 4));
+            CK(bk_gpu_download(f, h_new.data(), d_new, h_new.size() * 4));
+            CK(bk_gpu_download(f, h_ref.data(), d_ref, h_ref.size() * 8));
             const double t_old = median_ms(f, S, d_old, 0, reps);
             const double t_new = median_ms(f, S, d_new, 1, reps);
             const errs eo = compare(h_old.data(), h_ref.data(), N * nh, hd);
@@ -339,8 +312,8 @@ int cmd_attn(int argc, char **argv)
                 const int vb[3][2] = {{hd == 128 ? 64 : 32, 1}, {hd == 128 ? 32 : 64, 2}, {64, 2}};
                 for (int vi = 0; vi < (hd == 128 ? 3 : 2); vi++) {
                     const int bn = vb[vi][0], mt = vb[vi][1];
-                    ACK(bk_g_attn_core(f, S, d_new, 1, bn, mt));
-                    ACK(bk_gpu_download(f, h_new.data(), d_new, h_new.size() * 4));
+                    CK(bk_g_attn_core(f, S, d_new, 1, bn, mt));
+                    CK(bk_gpu_download(f, h_new.data(), d_new, h_new.size() * 4));
                     const errs ev = compare(h_new.data(), h_ref.data(), N * nh, hd);
                     const double t_v = median_ms(f, S, d_new, 1, reps, bn, mt);
                     const int vf =

@@ -28,6 +28,7 @@
 #include <cblas.h>
 
 #include "../cuda_internal.cuh"
+#include "dev_common.cuh"
 
 extern "C" {
 #include "quant.h"
@@ -35,28 +36,12 @@ extern "C" {
 #include "util.h"
 }
 
-#define CK(x)                                                                                  \
-    do {                                                                                       \
-        bk_status s_ = (x);                                                                    \
-        if (s_ != BK_OK) {                                                                     \
-            fprintf(stderr, "FAILED %s: %s (%s)\n", #x, bk_last_error(), bk_status_name(s_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
-#define CU(x) CK(bk_cuda_status((x), #x, __FILE__, __LINE__))
 
 /* --------------------------------------------------------- device problems */
 
-__device__ __forceinline__ uint64_t mix(uint64_t z)
-{
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 __device__ __forceinline__ double gauss(uint64_t seed, uint64_t idx)
 {
-    uint64_t a = mix(seed * 0x632be59bd9b4e019ull + 2 * idx), b = mix(a ^ (2 * idx + 1));
+    uint64_t a = dev_mix(seed * 0x632be59bd9b4e019ull + 2 * idx), b = dev_mix(a ^ (2 * idx + 1));
     double u1 = ((a >> 11) + 0.5) * (1.0 / 9007199254740992.0);
     double u2 = (b >> 11) * (1.0 / 9007199254740992.0);
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
