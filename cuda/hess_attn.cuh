@@ -199,7 +199,11 @@ BK_HD inline void quad_round(const quad_args &a, int tc, const double *sh, int n
  * of one (sequence, block) head, the same quad per thread as quad_item's
  * index order, and stages tc positions at a time (quad_stage: coalesced
  * loads, converted once); each thread then runs quad_round over them.
- * Identical results to the per-thread form. */
+ * The same operations in the same order as the per-thread form, but not
+ * bitwise the same results on the device: nvcc contracts multiply-adds
+ * differently in the two kernels (H200, session 11; test_cuda_hess_quads
+ * compares them to 1e-13 relative, test_cuda_hess_items bitwise on the
+ * host). */
 template <int NOTHING = 0>
 __global__ void k_attn_quads_staged(quad_args a, int tc)
 {
@@ -430,7 +434,9 @@ BK_HD inline void qn_acc_item(const qn_args &a, int64_t t, int64_t idx)
  * of the round in order (qn_gramrot_item), v and the scalars for every
  * (position, head) (qn_slot: per-position copies j of M, v, sc), and the
  * accumulation per entry over the round's positions in order. Every entry
- * sees the same operations in the same order as the per-position rounds. */
+ * sees the same operations in the same order as the per-position rounds
+ * (bitwise equal on the host; on the device within 1e-13 relative, not
+ * bitwise: multiply-add contraction differs between the kernels). */
 BK_HD inline int64_t qn_t(const qn_args &a, int backward, int64_t c0, int64_t j)
 {
     return backward ? a.T - 1 - (c0 + j) : c0 + j;
