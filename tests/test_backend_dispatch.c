@@ -18,27 +18,7 @@
 #include "backend_impl.h"
 #include "bakron/bakron.h"
 #include "bakron/pipeline.h"
-
-static int g_fail;
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            printf("FAIL (line %d): ", __LINE__);                                                  \
-            printf(__VA_ARGS__);                                                                   \
-            printf("\n");                                                                          \
-            g_fail = 1;                                                                            \
-        }                                                                                          \
-    } while (0)
-
-#define OK(call)                                                                                   \
-    do {                                                                                           \
-        bk_status s_ = (call);                                                                     \
-        if (s_ != BK_OK) {                                                                         \
-            printf("FAIL: %s: %s\n", #call, bk_last_error());                                      \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "test_check.h"
 
 /* ------------------------------------------------------- the fake backend */
 

@@ -68,6 +68,7 @@
 #include "bakron/pipeline.h"
 #include "hess_blocks.h"
 #include "test_solver_util.h"
+#include "test_check.h"
 #include "test_util.h"
 
 #define TOL_SOLVE_FP64 0.0
@@ -80,25 +81,7 @@
 #define TOL_CODES_FP32 0.01
 #define TOL_LOSS_GPTQ 1e-6
 
-static int g_fail;
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            printf("FAIL: " __VA_ARGS__);                                                          \
-            printf("\n");                                                                          \
-            g_fail = 1;                                                                            \
-        }                                                                                          \
-    } while (0)
-
-#define OK(call)                                                                                   \
-    do {                                                                                           \
-        bk_status s_ = (call);                                                                     \
-        if (s_ != BK_OK) {                                                                         \
-            printf("FAIL: %s: %s\n", #call, bk_last_error());                                      \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 /* ------------------------------------------------------------------ solve */
 

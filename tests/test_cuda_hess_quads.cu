@@ -31,6 +31,8 @@
 #include <cstring>
 #include <vector>
 
+#include "test_util.h"
+
 /* The two device kernels of each comparison do the same operations per entry
  * in the same order, but nvcc may contract multiply-adds differently in each:
  * on the H200 (session 11) up to ~70% of the entries differed in their last
@@ -42,22 +44,16 @@
  * index, weight or order exceeds it by many orders of magnitude. */
 #define TOL_KERNELS 1e-13
 
-/* max |a - b| / max |b| (NaN counts as infinite); *differ: entries not
- * bitwise equal, *nonfinite: non-finite entries of a. */
+/* tu_rel_err_d (max |a - b| / max |b|, NaN as infinite), and the entries that
+ * are not bitwise equal (*differ) and the non-finite ones of a (*nonfinite). */
 static double rel_diff(const double *a, const double *b, size_t n, size_t *differ,
                        size_t *nonfinite)
 {
-    double md = 0, mb = 0;
     for (size_t i = 0; i < n; i++) {
-        if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0)
-            (*differ)++;
-        if (!std::isfinite(a[i]))
-            (*nonfinite)++;
-        const double d = std::fabs(a[i] - b[i]);
-        md = std::isnan(d) ? INFINITY : std::fmax(md, d);
-        mb = std::fmax(mb, std::fabs(b[i]));
+        *differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
+        *nonfinite += !std::isfinite(a[i]);
     }
-    return mb > 0 ? md / mb : md;
+    return tu_rel_err_d(a, b, (int64_t)n);
 }
 
 #include <cuda_runtime.h>
