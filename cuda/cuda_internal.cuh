@@ -250,20 +250,25 @@ bk_status bk_cuda_solve(bk_cuda_ctx *c, const bk_solve_problem *p, const bk_solv
 /* The input side of one device solve kept for the next solves whose A is the
  * same matrix (q/k/v take the same E[x x^T] of attn_in, gate/up that of
  * mlp_in): the damping, Cholesky factor of the inverse, X~ and dead columns
- * of A are then computed once. The caller names A's content by (src, scale):
- * equal names must mean equal matrices, so it drops the kept side
- * (bk_dshare_drop) whenever what a name stands for may change. Reusing the
+ * of A are then computed once. The caller names A's content by (src, scale,
+ * gen): equal names must mean equal matrices, so it drops the kept side
+ * (bk_dshare_drop) whenever what a name stands for may change; the
+ * generation (bk_ghess_factor_key: a new one at every change of the Grams)
+ * keeps a forgotten drop from reusing a stale side. Reusing the
  * side gives the results that factoring A again gives (the same
  * deterministic steps on the same matrix with the same options). */
 typedef struct bk_dshare {
     /* set by the caller for each solve */
     const void *src;  /* the name of this solve's A; NULL: not shareable (drops a kept side) */
     double scale;
+    uint64_t gen;     /* the generation of src's content (bk_ghess_factor_key): a kept side
+                         of another generation is never used, bk_dshare_drop or not */
     int keep;         /* keep this solve's input side for a later solve of the same A */
     /* the kept side (owned; bk_dshare_drop releases it) */
     int valid;
     const void *k_src;
     double k_scale;
+    uint64_t k_gen;
     int64_t n, dead;
     bk_precision prec;
     double damp;

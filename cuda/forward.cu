@@ -473,7 +473,51 @@ bk_status upload_tokens(bk_gfwd *f, const int32_t *tokens, int64_t N)
     return bk_gpu_upload(f, f->tok, tokens, (size_t)N * sizeof(int32_t));
 }
 
+/* The unfused attention's buffers, on first use (session-11 review R1): in
+ * fused mode (BF16, head_dim 64 / 128) the attention never touches the F32
+ * head-major qh/kh/vh/oh and only the LM head uses the score buffer: rows x
+ * (2 q_dim + 2 kv_dim) x 4 B + 256 MiB not allocated (416 MiB at the 8B
+ * shape's 2 x 2048 rows, ~1.4 GiB at 70B width with 2 x 8192). Tracked
+ * allocations (bk_dev_alloc), so the peak memory counts them from when they
+ * exist; those allocated stay until bk_gfwd_free (after a failure too: a
+ * later call allocates only the missing ones). Errors unprefixed
+ * (bk_gfwd_create prefixes its own). */
+bk_status g_scores_alloc(bk_gfwd *f)
+{
+    /* score_floats floats: the unfused attention's scores, the logits' and
+     * the log-sum-exp's vocabulary blocks */
+    return f->scores ? BK_OK
+                     : g_alloc_f32(f, &f->scores, f->score_floats, 1,
+                                   "score buffer (attention scores, LM head blocks)");
+}
+
+bk_status g_unfused_alloc(bk_gfwd *f)
+{
+    const int64_t R = f->dim.rows;
+    struct {
+        float **p;
+        int64_t w;
+        const char *what;
+    } bufs[] = {{&f->qh, f->dim.qdim, "queries (head-major)"},
+                {&f->kh, f->dim.kvdim, "keys (head-major)"},
+                {&f->vh, f->dim.kvdim, "values (head-major)"},
+                {&f->oh, f->dim.qdim, "attention output (head-major)"}};
+    bk_status st = BK_OK;
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
+        if (!*bufs[i].p)
+            st = g_alloc_f32(f, bufs[i].p, R, bufs[i].w, bufs[i].what);
+    return st == BK_OK ? g_scores_alloc(f) : st;
+}
+
 } // namespace
+
+bk_status bk_g_attn_unfused_alloc(bk_gfwd *f)
+{
+    if (f->qh && f->kh && f->vh && f->oh && f->scores)
+        return BK_OK;
+    bk_status st = g_unfused_alloc(f);
+    return st == BK_OK ? st : bk_error_prefix(st, "GPU forward (unfused attention)");
+}
 
 /* check_op (the stages' checks) and bk_gfwd_layer */
 #define FWD_CTX bk_gfwd
@@ -869,23 +913,43 @@ extern "C" bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src,
     int k = 0;
     /* slot k&1: the host stages chunk k while chunk k-1 is copied; a slot is
      * reused once the copy out of it (its event) is done */
-    for (int64_t off = 0; off < n; off += f->up_chunk, k++) {
+    for (int64_t off = 0; off < n && st == BK_OK; off += f->up_chunk, k++) {
         const int64_t cnt = n - off < f->up_chunk ? n - off : f->up_chunk;
         const int slot = k & 1;
-        BK_CUDA_CHECK(cudaEventSynchronize(f->up_ev[slot]));
+        st = bk_cuda_status(cudaEventSynchronize(f->up_ev[slot]), "weight upload: slot event",
+                            __FILE__, __LINE__);
+        if (st != BK_OK)
+            break;
         if (stage_chunk(f, src + off, cnt, f->up_pin[slot])) {
-            BK_CUDA_CHECK(cudaMemcpyAsync(f->up_dev[slot], f->up_pin[slot],
-                                          (size_t)cnt * sizeof(uint16_t), cudaMemcpyHostToDevice,
-                                          s));
-            k_widen_bf16<<<bk_grid(cnt), 256, 0, s>>>(f->up_dev[slot], dst + off, cnt);
-            st = BK_LAUNCHED("k_widen_bf16");
-            if (st != BK_OK)
-                return st;
+            st = bk_cuda_status(cudaMemcpyAsync(f->up_dev[slot], f->up_pin[slot],
+                                                (size_t)cnt * sizeof(uint16_t),
+                                                cudaMemcpyHostToDevice, s),
+                                "weight upload: BF16 chunk", __FILE__, __LINE__);
+            if (st == BK_OK) {
+                k_widen_bf16<<<bk_grid(cnt), 256, 0, s>>>(f->up_dev[slot], dst + off, cnt);
+                st = BK_LAUNCHED("k_widen_bf16");
+            }
         } else {
-            BK_CUDA_CHECK(cudaMemcpyAsync(dst + off, f->up_pin[slot], (size_t)cnt * sizeof(float),
-                                          cudaMemcpyHostToDevice, s));
+            st = bk_cuda_status(cudaMemcpyAsync(dst + off, f->up_pin[slot],
+                                                (size_t)cnt * sizeof(float),
+                                                cudaMemcpyHostToDevice, s),
+                                "weight upload: F32 chunk", __FILE__, __LINE__);
         }
-        BK_CUDA_CHECK(cudaEventRecord(f->up_ev[slot], s));
+        /* recorded whatever happened above (session-11 review R6): the slot's
+         * event covers every copy queued out of its pinned buffer, the one
+         * before a widening that failed to launch included, since the next
+         * chunk or upload staged into that buffer waits on it */
+        const cudaError_t er = cudaEventRecord(f->up_ev[slot], s);
+        if (st == BK_OK)
+            st = bk_cuda_status(er, "weight upload: recording the slot event", __FILE__,
+                                __LINE__);
+    }
+    if (st != BK_OK) {
+        /* nothing queued out of the pinned slots is left in flight after an
+         * error (the error's message stays the first one) */
+        cudaStreamSynchronize(s);
+        cudaGetLastError();
+        return st;
     }
     BK_CUDA_CHECK(cudaStreamSynchronize(s));
     return BK_OK;
@@ -1015,9 +1079,7 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
         const char *what;
     } bufs[] = {
         {&f->q, f->dim.qdim, "queries"},       {&f->k, f->dim.kvdim, "keys"},
-        {&f->v, f->dim.kvdim, "values"},       {&f->qh, f->dim.qdim, "queries (head-major)"},
-        {&f->kh, f->dim.kvdim, "keys (head-major)"}, {&f->vh, f->dim.kvdim, "values (head-major)"},
-        {&f->oh, f->dim.qdim, "attention output (head-major)"}, {&f->o, f->dim.qdim, "attention output"},
+        {&f->v, f->dim.kvdim, "values"},       {&f->o, f->dim.qdim, "attention output"},
         {&f->x, f->dim.hidden > f->dim.qdim ? f->dim.hidden : f->dim.qdim, "normalized input"},
         {&f->tmp, f->dim.hidden, "module output"}, {&f->gate, f->dim.inter, "gate projection"},
         {&f->up, f->dim.inter, "up projection"},   {&f->down, f->dim.inter, "down_proj input"},
@@ -1025,8 +1087,6 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
         st = g_alloc_f32(f, bufs[i].p, R, bufs[i].w, bufs[i].what);
-    if (st == BK_OK)
-        st = g_alloc_f32(f, &f->scores, f->score_floats, 1, "attention scores");
     void *p = NULL;
     if (st == BK_OK && (st = bk_dev_alloc(f->c, &p, (size_t)R * sizeof(double), "log-sum-exp")) == BK_OK)
         f->lse_se = static_cast<double *>(p);
@@ -1062,6 +1122,12 @@ extern "C" bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, i
         }
         f->attn_fused = st == BK_OK;
     }
+    /* the unfused path's buffers (bk_g_attn_unfused_alloc): here when the
+     * forward runs unfused, so that running out of device memory shows at
+     * creation (where the GPU stages halve the micro-batch); on first use in
+     * fused mode */
+    if (st == BK_OK && !f->attn_fused)
+        st = g_unfused_alloc(f);
     if (st == BK_OK && f->bf16) {
         int64_t wmax = f->dim.hidden > f->dim.qdim ? f->dim.hidden : f->dim.qdim;
         if (f->dim.inter > wmax)
@@ -1375,8 +1441,11 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
     if (lw->k_norm && (st = g_rmsnorm_nf(f, f->k, N * f->dim.nkv, hd, lw->k_norm, f->k,
                                          nf + BK_FS_K, NULL)) != BK_OK)
         return st;
-    /* fused: the rotated heads as BF16 only (the kernel's inputs) */
+    /* fused: the rotated heads as BF16 only (the kernel's inputs); unfused:
+     * as F32 into qh/kh/vh (allocated on the first unfused call) */
     const int fu = f->attn_fused;
+    if (!fu && (st = bk_g_attn_unfused_alloc(f)) != BK_OK)
+        return st;
     k_rope_heads<<<bk_grid(N * f->dim.nh * hd / 2), 256, 0, sm>>>(
         f->q, N, T, f->dim.nh, hd, f->dim.rep, f->cos, f->sin, 1, fu ? NULL : f->qh,
         fu ? f->qb : NULL, d_qrot, lw->q_norm ? NULL : nf + BK_FS_Q, nf + BK_FS_QROT);
@@ -1406,7 +1475,10 @@ bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn, i
                              f->nf + BK_FS_O_IN, f->c->stream, bn, mt);
     }
     cudaStream_t sm = f->c->stream;
-    bk_status st = BK_OK;
+    /* (a no-op after bk_gfwd_attention or the dev harness allocated them) */
+    bk_status st = bk_g_attn_unfused_alloc(f);
+    if (st != BK_OK)
+        return st;
     /* (sequence, kv group) pairs; a pair's query rows are T positions x rep
      * heads. Causal: the queries are taken in chunks of positions [t0, t0+tc)
      * that see only the keys [0, t0+tc), so about half of the score work and
@@ -1525,6 +1597,8 @@ extern "C" bk_status bk_gfwd_logits(bk_gfwd *f, const bk_model *m, const float *
     bk_status st = bk__fwd_check_call(f ? &f->dim : NULL, m, NULL, S, "GPU forward", "logits");
     if (st == BK_OK)
         st = head_load(f, m);
+    if (st == BK_OK)
+        st = g_scores_alloc(f);
     if (st != BK_OK)
         return st;
     const int64_t N = S * f->dim.T, V = f->cfg.vocab;
@@ -1556,7 +1630,8 @@ extern "C" bk_status bk_gfwd_nll(bk_gfwd *f, const bk_model *m, const float *d_h
     if (st != BK_OK || !predict) /* (fewer than 2 tokens: nothing to predict) */
         return st;
     const int64_t T = f->dim.T, N = S * T, V = f->cfg.vocab;
-    if ((st = head_load(f, m)) != BK_OK || (st = upload_tokens(f, tokens, N)) != BK_OK)
+    if ((st = head_load(f, m)) != BK_OK || (st = g_scores_alloc(f)) != BK_OK ||
+        (st = upload_tokens(f, tokens, N)) != BK_OK)
         return st;
     int64_t vc = bk__fwd_vocab_block(&f->dim, N);
     if (N * vc > f->score_floats) /* the block goes through the score buffer */

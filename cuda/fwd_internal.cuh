@@ -35,9 +35,11 @@ struct bk_gfwd {
     float *cos, *sin;          /* [T, hd/2] (src/rope.c tables) */
     /* micro-batch scratch, [max_rows, width] */
     float *q, *k, *v;          /* projections, token-major */
-    float *qh, *kh, *vh, *oh;  /* head-major [S, heads, T, hd] */
+    float *qh, *kh, *vh, *oh;  /* head-major [S, heads, T, hd]: the unfused attention's; NULL
+                                  until bk_g_attn_unfused_alloc in fused mode */
     float *o, *x, *tmp, *gate, *up, *down;
-    float *scores;             /* attention scores, score_floats floats */
+    float *scores;             /* score_floats floats: the unfused attention's scores, the LM
+                                  head's vocabulary blocks; NULL until first use in fused mode */
     int64_t score_floats;
     /* fused attention (attn_flash.cu): BF16 mode with a supported head_dim;
      * the rotated queries, keys and values as BF16, group-major as qh/kh/vh */
@@ -93,6 +95,12 @@ bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __
  * f->attn_fused), else the unfused path from f->qh/kh/vh (cuBLAS scores,
  * causal softmax, cuBLAS P V). The dev harness times one against the other. */
 bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn = 0, int mt = 0);
+/* The unfused path's buffers f->qh/kh/vh/oh and f->scores: allocated by
+ * bk_gfwd_create when the forward runs unfused, else here on the first
+ * unfused use (bk_gfwd_attention and bk_g_attn_core call it; a caller that
+ * writes qh/kh/vh itself, as the dev harness, calls it first). No-op once
+ * they exist; they stay until bk_gfwd_free. */
+bk_status bk_g_attn_unfused_alloc(bk_gfwd *f);
 
 /* Grid size for a grid-stride loop over n items with 256 threads. */
 static inline unsigned bk_grid(int64_t n)

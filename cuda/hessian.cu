@@ -28,6 +28,7 @@
  * A and the gate/up B are formed on the device and downloaded. One layer's
  * accumulators are resident; bk_ghess_reset clears them.
  */
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -309,9 +310,28 @@ struct bk_ghess {
     /* what the last successful factors call formed A from (bk_ghess_factor_key) */
     const dgram *akey_src, *akey_try;
     double akey_scale, akey_try_scale;
+    uint64_t akey_gen;
+    /* the generation of the accumulated state (session-11 review R2): a new
+     * value (gen_bump) whenever a Gram, the output blocks, the counts or the
+     * output side may change, taken before the change (a failed add counts
+     * too): the adds, bk_ghess_reset, bk_ghess_sums, bk_ghess_set_grads(_dev),
+     * and gram_add / gram_zero themselves. bk_ghess_factor_key hands it out
+     * with the name of A, so that a kept input side (bk_dshare) of an earlier
+     * state is never taken for the current one, even where a caller forgot
+     * bk_dshare_drop. Process-wide (g_gen): a new accumulator at the address
+     * of a freed one never repeats a generation. */
+    uint64_t gen;
 };
 
 namespace {
+
+std::atomic<uint64_t> g_gen{0};
+
+/* A new generation of a's state (bk_ghess::gen): before every change. */
+void gen_bump(bk_ghess *a)
+{
+    a->gen = ++g_gen;
+}
 
 bk_status gram_init(bk_ghess *a, dgram *g, int64_t n)
 {
@@ -321,6 +341,7 @@ bk_status gram_init(bk_ghess *a, dgram *g, int64_t n)
 
 void gram_zero(bk_ghess *a, dgram *g)
 {
+    gen_bump(a);
     if (g->s)
         cudaMemsetAsync(g->s, 0, (size_t)(g->n * g->n) * (a->fp64 ? 8 : 4), a->c->stream);
 }
@@ -328,6 +349,7 @@ void gram_zero(bk_ghess *a, dgram *g)
 /* g += Σ_r w_r x_r x_rᵀ over rows of X [rows, n] (device; w device or NULL). */
 bk_status gram_add(bk_ghess *a, dgram *g, const float *X, int64_t rows, const double *w)
 {
+    gen_bump(a);
     const int64_t n = g->n;
     if (rows <= 0)
         return BK_OK;
@@ -563,6 +585,7 @@ extern "C" void bk_ghess_reset(bk_ghess *a)
 {
     if (!a)
         return;
+    gen_bump(a);
     dgram *gs[] = {BK_HESS_GRAMS(a)};
     for (size_t i = 0; i < sizeof gs / sizeof gs[0]; i++)
         gram_zero(a, gs[i]);
@@ -758,6 +781,7 @@ extern "C" bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *lw, const f
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     bk_status st;
     int64_t N = 0;
+    gen_bump(a); /* (the counts, q/k blocks and Grams change below) */
     if ((st = check_layer(a, lw, "bk_ghess_add_attn")) != BK_OK)
         return st;
     if ((st = bk__hess_check_attn(a->kind, a->attn2, a->qknorm, lw->layer, d_attn_in,
@@ -800,6 +824,7 @@ bk_status add_plain(bk_ghess *a, dgram *g, int grp, const float *x, int64_t S, i
     bk_status st = bk__hess_check_input(a != NULL, a && a->broken, x, what, "bk_ghess_reset");
     if (st != BK_OK)
         return st;
+    gen_bump(a); /* (the count and Gram change below) */
     if ((st = batch_rows(a, S, what, &N)) != BK_OK)
         return st;
     if ((st = check_finite(a, x, N, width, a->layer, what)) != BK_OK)
@@ -832,6 +857,7 @@ extern "C" bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *lw, const fl
         return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL accumulator");
     bk_status st;
     int64_t N = 0;
+    gen_bump(a); /* (the counts and Grams change below) */
     if ((st = check_layer(a, lw, "bk_ghess_add_mlp")) != BK_OK)
         return st;
     if (!d_mlp_in)
@@ -1136,6 +1162,7 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
         *B = dev ? fbd : fb;
         a->akey_src = a->akey_try;
         a->akey_scale = a->akey_try_scale;
+        a->akey_gen = a->gen;
         return BK_OK;
     }
     const double N = (double)a->count[grp], P = (double)a->n_pairs;
@@ -1277,6 +1304,7 @@ static bk_status factors_impl(bk_ghess *a, const bk_glayer *orig, bk_module mod,
     *B = dev ? fbd : fb;
     a->akey_src = a->akey_try;
     a->akey_scale = a->akey_try_scale;
+    a->akey_gen = a->gen;
     return BK_OK;
 }
 
@@ -1287,10 +1315,11 @@ extern "C" bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_mod
 }
 
 extern "C" void bk_ghess_factor_key(const bk_ghess *a, const void **src, double *scale,
-                                    int *shared)
+                                    uint64_t *gen, int *shared)
 {
     *src = a ? a->akey_src : NULL;
     *scale = a && a->akey_src ? a->akey_scale : 0.0;
+    *gen = a && a->akey_src ? a->akey_gen : 0;
     *shared = a && a->akey_src && (a->akey_src == &a->x_attn || a->akey_src == &a->x_mlp);
 }
 
@@ -1308,6 +1337,7 @@ extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int r
 {
     if (!a || !fn)
         return bk_error(BK_ERR_INVALID_ARG, "GPU hessian: NULL argument to bk_ghess_sums");
+    gen_bump(a); /* (the Grams, blocks and counts may be overwritten by the sums) */
     int grp[G_COUNT];
     bk__hess_groups(modules, grp);
     bk_status st = BK_OK;
@@ -1380,6 +1410,7 @@ extern "C" bk_status bk_ghess_set_grads(bk_ghess *a, const bk_hess_acc *g)
                         "hessian: bk_ghess_set_grads: output gradients only enter the backprop "
                         "kinds (Hessian is %s)",
                         bk_hessian_name(a->kind));
+    gen_bump(a); /* (the output side and the token weights change) */
     a->grads = g;
     for (int m = 0; m < BK_MOD_COUNT; m++)
         a->Gdev[m] = NULL;
@@ -1433,6 +1464,7 @@ extern "C" bk_status bk_ghess_set_grads_dev(bk_ghess *a, int layer,
         if (!G[m] || (a->bp_shampoo && (!gw || !gw[m])))
             return bk_error(BK_ERR_INTERNAL, "hessian: layer %d %s: no device Gram or token "
                             "weights", layer, bk_module_name((bk_module)m));
+    gen_bump(a); /* (the output side and the token weights change) */
     a->grads = NULL;
     a->Gdev_layer = layer;
     a->Gdev_N = N;

@@ -53,6 +53,7 @@ struct gstages {
     const void *ksrc;
     const void *kA; /* the device A it returned */
     double kscale;
+    uint64_t kgen;
     int kshared, kmod;
     char desc[256];
 };
@@ -339,7 +340,7 @@ bk_status g_factors_dev(void *ctx, bk_module mod, const float **A, const float *
     bk_status st = bk_ghess_factors_dev(g->acc, g->orig, mod, A, B, A_plain);
     g->kmod = -1;
     if (st == BK_OK) {
-        bk_ghess_factor_key(g->acc, &g->ksrc, &g->kscale, &g->kshared);
+        bk_ghess_factor_key(g->acc, &g->ksrc, &g->kscale, &g->kgen, &g->kshared);
         g->kA = *A;
         g->kmod = (int)mod;
     }
@@ -378,6 +379,7 @@ bk_status g_solve_dev(void *ctx, bk_module mod, const bk_solve_problem *p, const
     const int named = g->kmod == (int)mod && p->A == g->kA;
     g->share.src = named ? g->ksrc : NULL;
     g->share.scale = named ? g->kscale : 0.0;
+    g->share.gen = named ? g->kgen : 0; /* (a kept side of another generation is not used) */
     g->share.keep = named && g->kshared &&
                     (mod == BK_MOD_Q || mod == BK_MOD_K || mod == BK_MOD_GATE);
     dp.share = &g->share;

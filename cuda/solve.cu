@@ -858,13 +858,17 @@ void bk_dshare_drop(bk_cuda_ctx *c, bk_dshare *s)
 
 namespace {
 
-/* Does the kept side serve this solve: the same A (by name and order) with
- * the same input-side options (damping, escalation, precision, X~ for the
- * statistics, the factorization's precision)? */
+/* Does the kept side serve this solve: the same A (by name, scale,
+ * generation and order) with the same input-side options (damping,
+ * escalation, precision, X~ for the statistics, the factorization's
+ * precision)? The generation (session-11 review R2) catches a Gram that
+ * changed under the same pointer and scale where the caller did not drop the
+ * kept side. */
 int share_match(const bk_cuda_ctx *c, const bk_dshare *s, int64_t n, const bk_solve_opts *o)
 {
     return s->src && s->valid && s->k_src == s->src &&
-           memcmp(&s->k_scale, &s->scale, sizeof s->scale) == 0 && s->n == n &&
+           memcmp(&s->k_scale, &s->scale, sizeof s->scale) == 0 && s->k_gen == s->gen &&
+           s->n == n &&
            s->prec == o->precision && memcmp(&s->damp, &o->damp, sizeof s->damp) == 0 &&
            s->max_retries == o->max_damp_retries && s->stats == (o->compute_stats != 0) &&
            s->fp64_factor == c->factor_fp64;
@@ -1000,6 +1004,7 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
         sh->valid = 1;
         sh->k_src = sh->src;
         sh->k_scale = sh->scale;
+        sh->k_gen = sh->gen;
         sh->n = n;
         sh->dead = s.dead;
         sh->prec = o->precision;

@@ -33,7 +33,9 @@ typedef struct bk_glayer bk_glayer;
 
 /* b must be a CUDA backend (its device, stream and tracked allocator are
  * used). Scratch for micro-batches of up to max_seqs sequences of seqlen
- * tokens; RoPE tables (src/rope.c) uploaded once. */
+ * tokens (with the fused attention, the unfused path's buffers and the score
+ * buffer only on their first use: cuda/forward.cu); RoPE tables (src/rope.c)
+ * uploaded once. */
 bk_status bk_gfwd_create(bk_backend *b, const bk_model_config *cfg, int64_t max_seqs,
                          int64_t seqlen, bk_gfwd **out);
 void bk_gfwd_free(bk_gfwd *f);
@@ -140,12 +142,13 @@ bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk_module mod
 
 /* What the last successful bk_ghess_factors / bk_ghess_factors_dev formed its
  * input factor A from: *src names the accumulated Gram (NULL when none was
- * formed) and *scale its factor, so that two calls with the same name formed
- * the same A (as long as nothing was accumulated, reset, exchanged or given
- * gradients in between: the caller's to watch). *shared: the Gram is one that
- * several modules take as it is (attn_in's for q/k/v, mlp_in's for
- * gate/up). */
-void bk_ghess_factor_key(const bk_ghess *a, const void **src, double *scale, int *shared);
+ * formed), *scale its factor and *gen the accumulator's generation then (a
+ * new one after anything was accumulated, reset, exchanged or given
+ * gradients; never repeated in the process), so that two calls with the same
+ * (src, scale, gen) formed the same A. *shared: the Gram is one that several
+ * modules take as it is (attn_in's for q/k/v, mlp_in's for gate/up). */
+void bk_ghess_factor_key(const bk_ghess *a, const void **src, double *scale, uint64_t *gen,
+                         int *shared);
 
 /* MPI ranks: the running sums of modules `modules` to fn (bk_stage_ops.sums;
  * bk_hess_acc_sums's order). Backprop kinds: the input side only

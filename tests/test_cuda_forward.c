@@ -13,7 +13,8 @@
  *  - attention at 4096 tokens (one kv group of 8 query heads: the score
  *    buffer is split by rows) and several (sequence, group) pairs per chunk;
  *  - the fused attention of BF16 mode (head_dim 64 / 128) against the CPU,
- *    the unfused path and exact causality, and where it is used;
+ *    the unfused path and exact causality, and where it is used; in fused
+ *    mode the unfused path's buffers are allocated by its first call only;
  *  - bad inputs give the CPU's statuses;
  *  - weight uploads (bk_gpu_upload_f32: BF16 chunks widened on the device,
  *    others as F32) leave byte-identical device copies.
@@ -459,8 +460,19 @@ static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t
     tu_up(gf, dx, x, N * H);
     OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
     float *fu = dl(gf, dor, N * qd);
+    /* the unfused path's F32 head-major buffers come with its first call
+     * (cuda/forward.cu, bk_g_attn_unfused_alloc): the tracked memory grows by
+     * at least their size then, and not on the next call */
+    const size_t unfused_bytes = (size_t)(N * (2 * qd + 2 * kv * hd)) * sizeof(float);
+    bk_backend_reset_peak_memory(g_bf16);
+    const size_t mem0 = bk_backend_peak_memory(g_bf16);
     OKS(bk_gfwd_set_attn_fused(gf, 0));
     OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
+    const size_t mem1 = bk_backend_peak_memory(g_bf16);
+    bk_backend_reset_peak_memory(g_bf16);
+    const size_t mem1r = bk_backend_peak_memory(g_bf16);
+    OKS(bk_gfwd_attention(gf, gl, dx, S, dor, NULL, NULL, NULL));
+    const size_t mem2 = bk_backend_peak_memory(g_bf16);
     float *un = dl(gf, dor, N * qd);
     OKS(bk_gfwd_set_attn_fused(gf, 1));
     const double e_cpu = tu_rel_err_f(fu, o, N * qd), e_un = tu_rel_err_f(un, o, N * qd);
@@ -505,6 +517,11 @@ static void fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t
     free(un);
     assert_true(e_cpu <= BF16_ATTN_TOL);
     assert_true(e_row <= BF16_ATTN_ROW_TOL);
+    if (mem1 < mem0 + unfused_bytes)
+        fail_msg("the first unfused call allocated %zu bytes, expected at least %zu (allocated "
+                 "before it?)",
+                 mem1 - mem0, unfused_bytes);
+    assert_int_equal(mem2, mem1r); /* kept: nothing allocated by the second call */
     assert_int_equal(before_diff, 0);
     assert_int_equal(after_same, 0);
 }

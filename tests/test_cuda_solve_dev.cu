@@ -26,6 +26,12 @@
  *     escalated damping; with and without dW), the kept side really used,
  *     another name or damping factored anew, a NULL name and bk_dshare_drop
  *     release it;
+ *   - the kept side against the GPU accumulator's generations (bk_ghess,
+ *     cuda/hessian.cu; session-11 review R2): o_proj's A formed twice with
+ *     nothing in between reuses it; the Gram reset and accumulated again from
+ *     other rows (same pointer, same scale) or exchanged by the sums, with
+ *     the kept side NOT dropped, is factored anew: bit for bit the solve of
+ *     the new A alone (set_grads' raise is not exercised here);
  *   - bk_cuda_download (the codes' and weights' pinned, multi-threaded
  *     download): byte for byte, around its size limits, unaligned, ordered
  *     after queued work, nothing written past the end.
@@ -44,6 +50,7 @@ extern "C" { /* cmocka 1.1 declares its functions without C linkage in C++ */
 }
 
 #include "cuda/cuda_internal.cuh"
+#include "pipeline_gpu.h"
 
 static bk_cuda_ctx *g_c;
 
@@ -851,6 +858,176 @@ static void shared_side(const share_cfg *k)
     }
 }
 
+/* ------------------------------------------- kept side vs the Grams' generation */
+
+/* A collective that leaves every buffer as it is (bk_ghess_sums' fn). */
+static bk_status sums_noop(void *user, void *buf, size_t n, int f64, int dev, void *stream)
+{
+    (void)user;
+    (void)buf;
+    (void)n;
+    (void)f64;
+    (void)dev;
+    (void)stream;
+    return BK_OK;
+}
+
+struct keyed_a {
+    const float *A; /* device, the accumulator's (one buffer, reused) */
+    const void *src;
+    double scale;
+    uint64_t gen;
+};
+
+static keyed_a factors_o(bk_ghess *a)
+{
+    keyed_a k;
+    const float *B = NULL, *P = NULL;
+    int shared = 0;
+    if (bk_ghess_factors_dev(a, NULL, BK_MOD_O, &k.A, &B, &P) != BK_OK)
+        fail_msg("o_proj factors: %s", bk_last_error());
+    bk_ghess_factor_key(a, &k.src, &k.scale, &k.gen, &shared);
+    assert_non_null(k.src);
+    return k;
+}
+
+/* o_proj's solve on A = k->A, the input side shared through sh (or not) */
+static void solve_o(bk_cuda_ctx *c, const keyed_a *k, const float *W, int64_t m, int64_t n,
+                    bk_dshare *sh, const bk_solve_opts *o, bk_solve_result *r, float **dwh)
+{
+    bk_dsolve_problem dp;
+    memset(&dp, 0, sizeof dp);
+    dp.m = m;
+    dp.n = n;
+    dp.W = W;
+    dp.A = k->A;
+    dp.label_w = "o_proj";
+    dp.label_a = "A";
+    if (sh) { /* as the GPU stages name it (g_solve_dev) */
+        sh->src = k->src;
+        sh->scale = k->scale;
+        sh->gen = k->gen;
+        sh->keep = 1;
+    }
+    dp.share = sh;
+    const size_t mn = (size_t)(m * n);
+    float *dw = NULL;
+    assert_int_equal(cudaMalloc((void **)&dw, sizeof(float) * mn), cudaSuccess);
+    if (bk_cuda_solve_dev(c, &dp, o, r, dw, NULL) != BK_OK)
+        fail_msg("o_proj solve: %s", bk_last_error());
+    *dwh = hbuf(mn);
+    assert_int_equal(cudaMemcpy(*dwh, dw, sizeof(float) * mn, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+    cudaFree(dw);
+}
+
+static void test_share_generation(void **state)
+{
+    (void)state;
+    bk_backend *be = NULL;
+    if (bk_backend_create(BK_BACKEND_CUDA, &be) != BK_OK)
+        fail_msg("CUDA backend: %s", bk_last_error());
+    bk_cuda_ctx *c = static_cast<bk_cuda_ctx *>(be->ctx);
+    bk_model_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.arch = BK_ARCH_LLAMA;
+    strcpy(cfg.model_type, "llama");
+    cfg.n_layers = 1;
+    cfg.hidden = 64;
+    cfg.intermediate = 96;
+    cfg.n_heads = 4;
+    cfg.n_kv_heads = 2;
+    cfg.head_dim = 16;
+    cfg.vocab = 17;
+    cfg.max_positions = 16;
+    cfg.rms_eps = 1e-5;
+    cfg.rope_theta = 10000.0;
+    cfg.rope_type = BK_ROPE_DEFAULT;
+    strcpy(cfg.hidden_act, "silu");
+    cfg.bos_token_id = cfg.eos_token_id = -1;
+    const int64_t S = 4, T = 16, N = S * T, m = cfg.hidden, n = cfg.n_heads * cfg.head_dim;
+    bk_gfwd *f = NULL;
+    bk_ghess *a = NULL;
+    if (bk_gfwd_create(be, &cfg, S, T, &f) != BK_OK ||
+        bk_ghess_create(f, BK_HESS_GPTQ, 0, 0, &a) != BK_OK)
+        fail_msg("GPU forward / accumulator: %s", bk_last_error());
+    /* two sets of o_proj input rows: the same count (the same scale 1/N) */
+    rng r = {4242u, 0, 0.0};
+    float *X1 = hbuf((size_t)(N * n)), *X2 = hbuf((size_t)(N * n));
+    for (int64_t t = 0; t < N * n; t++) {
+        X1[t] = (float)rng_normal(&r);
+        X2[t] = (float)rng_normal(&r);
+    }
+    float *dX1 = dcopy(X1, (size_t)(N * n)), *dX2 = dcopy(X2, (size_t)(N * n));
+    float *W = weights(m, n, 77u);
+    const bk_solve_opts o = make_opts(BK_ALG_GPTQ, BK_PREC_FP64, 0);
+    bk_dshare sh;
+    memset(&sh, 0, sizeof sh);
+    bk_solve_result r1, r1b, fresh, r2, r3;
+    float *w1 = NULL, *w1b = NULL, *wf = NULL, *w2 = NULL, *w3 = NULL;
+
+    /* generation of X1: factored and kept */
+    bk_ghess_reset(a);
+    if (bk_ghess_add_o(a, dX1, S) != BK_OK)
+        fail_msg("add_o: %s", bk_last_error());
+    const keyed_a k1 = factors_o(a);
+    solve_o(c, &k1, W, m, n, &sh, &o, &r1, &w1);
+    assert_true(sh.valid);
+    assert_int_equal(sh.hits, 0);
+    /* nothing changed: the same name and generation, the kept side used */
+    const keyed_a k1b = factors_o(a);
+    assert_ptr_equal(k1b.A, k1.A);
+    assert_ptr_equal(k1b.src, k1.src);
+    assert_true(k1b.gen == k1.gen);
+    solve_o(c, &k1b, W, m, n, &sh, &o, &r1b, &w1b);
+    assert_int_equal(sh.hits, 1);
+    same_bits(&r1, &r1b, w1, w1b, 0.0, 0.0, "generation: the same A twice");
+
+    /* the Gram reset and accumulated from X2 WITHOUT bk_dshare_drop: the
+     * same device A, name and scale, another generation: factored anew */
+    bk_ghess_reset(a);
+    if (bk_ghess_add_o(a, dX2, S) != BK_OK)
+        fail_msg("add_o: %s", bk_last_error());
+    const keyed_a k2 = factors_o(a);
+    assert_ptr_equal(k2.A, k1.A);
+    assert_ptr_equal(k2.src, k1.src);
+    assert_memory_equal(&k2.scale, &k1.scale, sizeof k1.scale);
+    assert_true(k2.gen != k1.gen);
+    solve_o(c, &k2, W, m, n, NULL, &o, &fresh, &wf); /* the new A alone */
+    if (fresh.loss_one_sided == r1.loss_one_sided &&
+        !memcmp(fresh.codes, r1.codes, sizeof(int16_t) * (size_t)(m * n)))
+        fail_msg("generation: the two Grams give the same results: the test cannot tell");
+    solve_o(c, &k2, W, m, n, &sh, &o, &r2, &w2);
+    assert_int_equal(sh.hits, 1); /* not reused */
+    assert_true(sh.valid);        /* (kept again, for generation k2) */
+    same_bits(&fresh, &r2, wf, w2, 0.0, 0.0, "generation: a new Gram, the kept side not dropped");
+
+    /* the sums (MPI ranks) may overwrite the Grams: another generation, the
+     * same name and scale (the no-op collective leaves A as it was) */
+    if (bk_ghess_sums(a, 1u << BK_MOD_O, 1, BK_BUF_READ | BK_BUF_WRITE, sums_noop, NULL) !=
+        BK_OK)
+        fail_msg("sums: %s", bk_last_error());
+    const keyed_a k3 = factors_o(a);
+    assert_memory_equal(&k3.scale, &k2.scale, sizeof k2.scale);
+    assert_true(k3.gen != k2.gen);
+    solve_o(c, &k3, W, m, n, &sh, &o, &r3, &w3);
+    assert_int_equal(sh.hits, 1);
+    same_bits(&fresh, &r3, wf, w3, 0.0, 0.0, "generation: after the sums");
+
+    bk_dshare_drop(c, &sh);
+    bk_solve_result *rs[] = {&r1, &r1b, &fresh, &r2, &r3};
+    float *ws[] = {w1, w1b, wf, w2, w3, X1, X2, W};
+    for (size_t i = 0; i < sizeof rs / sizeof rs[0]; i++)
+        bk_solve_result_free(rs[i]);
+    for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++)
+        free(ws[i]);
+    cudaFree(dX1);
+    cudaFree(dX2);
+    bk_ghess_free(a);
+    bk_gfwd_free(f);
+    bk_backend_destroy(be);
+}
+
 static void test_shared_input_side(void **state)
 {
     (void)state;
@@ -972,6 +1149,7 @@ int main(void)
         cmocka_unit_test(test_bad_inputs_dw),
         cmocka_unit_test(test_zero_diagonals_dw),
         cmocka_unit_test(test_shared_input_side),
+        cmocka_unit_test(test_share_generation),
         cmocka_unit_test(test_download),
     };
     const int rc = cmocka_run_group_tests_name("cuda_solve_dev", tests, NULL, NULL);

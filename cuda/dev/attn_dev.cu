@@ -262,6 +262,8 @@ int cmd_attn(int argc, char **argv)
             bk_gfwd_free(f);
             continue;
         }
+        /* the unfused path's F32 inputs (allocated on first use in fused mode) */
+        CK(bk_g_attn_unfused_alloc(f));
         const int64_t N = S * T, qd = nh * hd, kd = nkv * hd, rep = nh / nkv;
         float *d_old = NULL, *d_new = NULL;
         double *d_ref = NULL;
