@@ -29,6 +29,7 @@
 #include "bakron/backward.h"
 #include "backward_internal.h"
 #include "forward_internal.h"
+#include "stop.h"
 #include "util.h"
 
 /* ------------------------------------------------------------ the driver */
@@ -95,6 +96,14 @@ static bk_status sweep(flow *f, int from, const void *X_from, int save_at, void 
     double t;
     bk_status st = BK_OK;
     for (int64_t s0 = 0; s0 < f->S && st == BK_OK; s0 += f->B) {
+        /* a stop request (SIGINT/SIGTERM) ends the pass at the next micro-batch:
+         * a pass can take minutes at scale, longer than a batch system's grace
+         * period; the layers already done stay resumable */
+        if (bk__stop_requested()) {
+            st = bk_error(BK_ERR_INTERRUPTED, "interrupted in backward pass %d (layers %d-%d)",
+                          f->st->passes + 1, grad_lo + 1, to);
+            break;
+        }
         const int64_t sb = f->S - s0 < f->B ? f->S - s0 : f->B;
         const size_t mb = (size_t)(sb * rows_seq) * ops->elem_bytes;
         const size_t off = (size_t)(s0 * rows_seq) * ops->elem_bytes;

@@ -152,6 +152,23 @@ else
 fi
 check "SIGINT" ref1
 
+# SIGINT inside the backprop flow: the pass stops at its next micro-batch (a pass can
+# take minutes at scale) with exit 3 and a line naming the pass, not after the flow
+bpi=(--calib c.safetensors --samples 16 --seqlen 64 --backend cpu --hessian backprop-kfac --levels 3)
+rm -rf qb
+"$B" quantize m "${bpi[@]}" --out qb >/dev/null 2>err &
+pid=$!
+for _ in $(seq 600); do grep -q "backward pass 1 " err && break; sleep 0.05; done
+kill -INT $pid
+wait $pid
+rc=$?
+[ $rc -eq 3 ] || die "SIGINT in the flow: exit $rc: $(tail -1 err)"
+grep -q "error: interrupted in backward pass [0-9]* (layers [0-9]*-[0-9]*)" err ||
+    die "SIGINT in the flow: not stopped inside the flow: $(tail -1 err)"
+"$B" quantize m "${bpi[@]}" --out qb --resume >/dev/null 2>err || die "resume after SIGINT in the flow: $(tail -1 err)"
+[ -f qb/report.json ] || die "resume after SIGINT in the flow: no output"
+rm -rf qb
+
 # --- refusals: other arguments, model or calibration ----------------------
 BK_FAULT_KILL_AT=journal-3 "$B" quantize m "${args[@]}" --out q >/dev/null 2>&1
 refused() { # why rc what args...
