@@ -56,8 +56,9 @@ qp two --eval e2.safetensors --eval e1.safetensors --report-only || die "report-
 qp old --eval e1.safetensors || die "one file: failed"
 rm old/eval-files.json
 cp -r old wrong
-qp wrong --eval e2.safetensors --eval e1.safetensors
-[ $? -ne 0 ] && grep -q "give that file first" wrong.log || die "one-file folder, wrong first --eval: not refused"
+if qp wrong --eval e2.safetensors --eval e1.safetensors || ! grep -q "give that file first" wrong.log; then
+    die "one-file folder, wrong first --eval: not refused"
+fi
 cp old/eval-0-gptq.json keep.json
 qp old --eval e1.safetensors --eval e2.safetensors || { cat old.log; die "one-file folder + e2: failed"; }
 cmp -s keep.json old/eval-0-gptq.json || die "one-file folder: the stored result was rewritten"
@@ -68,8 +69,10 @@ cmp -s keep.json old/eval-0-gptq.json || die "one-file folder: the stored result
 
 # the same tokens twice
 cp e1.safetensors e1copy.safetensors
-qp two --eval e1.safetensors --eval e1copy.safetensors --report-only
-[ $? -ne 0 ] && grep -q "the same tokens as an earlier --eval" two.log || die "same tokens twice: not refused"
+if qp two --eval e1.safetensors --eval e1copy.safetensors --report-only ||
+    ! grep -q "the same tokens as an earlier --eval" two.log; then
+    die "same tokens twice: not refused"
+fi
 
-[ $fail = 0 ] && echo "1 passed, 0 failed" || echo "0 passed, 1 failed"
+if [ $fail = 0 ]; then echo "1 passed, 0 failed"; else echo "0 passed, 1 failed"; fi
 exit $fail
