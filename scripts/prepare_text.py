@@ -19,6 +19,7 @@ tokenizer into
   OUT/calib.safetensors       128 x 512   (CPU study)
   OUT/calib-2048.safetensors  256 x 2048  (paper setting, GPU run)
   OUT/eval.safetensors         64 x 512
+  OUT/eval-2048.safetensors    16 x 2048  (the same evaluation text in longer windows)
 
 Windows are sampled without overlap, with fixed seeds, each starting with
 <|endoftext|> (id 0, SmolLM2's document separator); documents are joined
@@ -62,6 +63,7 @@ TOKEN_FILES = [
     ("calib.safetensors", "calib", 512, 128, 0),
     ("calib-2048.safetensors", "calib", 2048, 256, 0),
     ("eval.safetensors", "eval", 512, 64, 1),
+    ("eval-2048.safetensors", "eval", 2048, 16, 1),
 ]
 
 
