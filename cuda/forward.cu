@@ -1419,21 +1419,26 @@ extern "C" bk_status bk_gfwd_attn_in(bk_gfwd *f, const bk_glayer *lw, const floa
                         f->nf + BK_FS_ATTN_IN);
 }
 
-extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const float *d_x,
-                                       int64_t S, float *d_o, float *d_qrot, float *d_krot,
-                                       float *d_v)
+namespace {
+
+/* The queries and keys of bk_gfwd_attention from d_x (the layer checked):
+ * q_proj / k_proj outputs (+ bias) into f->q / f->k, q_norm / k_norm where the
+ * layer has them (in place), then RoPE (k_rope_heads) into the rotated
+ * token-major d_qrot / d_krot (each optional) and, with heads, into the
+ * head-major copies the attention core reads (f->qh / f->kh, or f->qb / f->kb
+ * as BF16 when fused). Flags q_proj / k_proj outputs where they are read next
+ * (q_norm / k_norm or RoPE) and the rotated queries and keys where RoPE writes
+ * them. bk_gfwd_attention and bk_gfwd_qk_rot share it: the same launches with
+ * the same arguments, so the rotated values are the same bits either way. */
+bk_status attn_qk(bk_gfwd *f, const bk_glayer *lw, const float *d_x, int64_t S, float *d_qrot,
+                  float *d_krot, int heads)
 {
-    bk_status st = check_op(f, S, lw, FWD_ATTENTION);
-    if (st != BK_OK)
-        return st;
     const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, qd = f->dim.qdim, kd = f->dim.kvdim;
     cudaStream_t sm = f->c->stream;
+    bk_status st;
     if ((st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_Q, qd, 1, f->q)) ||
-        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_K, kd, 1, f->k)) ||
-        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_V, kd, 1, f->v)))
+        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_K, kd, 1, f->k)))
         return st;
-    /* the q/k/v_proj outputs are flagged where they are read next (q_norm /
-     * k_norm or RoPE), the rotated queries and keys where RoPE writes them */
     unsigned long long *nf = f->nf;
     if (lw->q_norm && (st = g_rmsnorm_nf(f, f->q, N * f->dim.nh, hd, lw->q_norm, f->q,
                                          nf + BK_FS_Q, NULL)) != BK_OK)
@@ -1447,21 +1452,51 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
     if (!fu && (st = bk_g_attn_unfused_alloc(f)) != BK_OK)
         return st;
     k_rope_heads<<<bk_grid(N * f->dim.nh * hd / 2), 256, 0, sm>>>(
-        f->q, N, T, f->dim.nh, hd, f->dim.rep, f->cos, f->sin, 1, fu ? NULL : f->qh,
-        fu ? f->qb : NULL, d_qrot, lw->q_norm ? NULL : nf + BK_FS_Q, nf + BK_FS_QROT);
+        f->q, N, T, f->dim.nh, hd, f->dim.rep, f->cos, f->sin, 1, heads && !fu ? f->qh : NULL,
+        heads && fu ? f->qb : NULL, d_qrot, lw->q_norm ? NULL : nf + BK_FS_Q, nf + BK_FS_QROT);
     if ((st = BK_LAUNCHED("k_rope_heads (queries)")) != BK_OK)
         return st;
     k_rope_heads<<<bk_grid(N * f->dim.nkv * hd / 2), 256, 0, sm>>>(
-        f->k, N, T, f->dim.nkv, hd, 1, f->cos, f->sin, 1, fu ? NULL : f->kh, fu ? f->kb : NULL,
-        d_krot, lw->k_norm ? NULL : nf + BK_FS_K, nf + BK_FS_KROT);
-    if ((st = BK_LAUNCHED("k_rope_heads (keys)")) != BK_OK)
+        f->k, N, T, f->dim.nkv, hd, 1, f->cos, f->sin, 1, heads && !fu ? f->kh : NULL,
+        heads && fu ? f->kb : NULL, d_krot, lw->k_norm ? NULL : nf + BK_FS_K, nf + BK_FS_KROT);
+    return BK_LAUNCHED("k_rope_heads (keys)");
+}
+
+} // namespace
+
+extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const float *d_x,
+                                       int64_t S, float *d_o, float *d_qrot, float *d_krot,
+                                       float *d_v)
+{
+    bk_status st = check_op(f, S, lw, FWD_ATTENTION);
+    if (st != BK_OK)
         return st;
+    const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, kd = f->dim.kvdim;
+    cudaStream_t sm = f->c->stream;
+    /* the rotated queries and keys (and their head-major copies), then the
+     * values; the v_proj output is flagged where RoPE's copy reads it */
+    if ((st = attn_qk(f, lw, d_x, S, d_qrot, d_krot, 1)) != BK_OK ||
+        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_V, kd, 1, f->v)) != BK_OK)
+        return st;
+    const int fu = f->attn_fused;
     k_rope_heads<<<bk_grid(N * f->dim.nkv * hd / 2), 256, 0, sm>>>(
         f->v, N, T, f->dim.nkv, hd, 1, f->cos, f->sin, 0, fu ? NULL : f->vh, fu ? f->vb : NULL, d_v,
-        nf + BK_FS_V, NULL);
+        f->nf + BK_FS_V, NULL);
     if ((st = BK_LAUNCHED("k_rope_heads (values)")) != BK_OK)
         return st;
     return bk_g_attn_core(f, S, d_o, fu);
+}
+
+extern "C" bk_status bk_gfwd_qk_rot(bk_gfwd *f, const bk_glayer *lw, const float *d_x, int64_t S,
+                                    float *d_qrot, float *d_krot)
+{
+    bk_status st = check_op(f, S, lw, FWD_ATTENTION);
+    if (st != BK_OK)
+        return st;
+    if (!d_qrot || !d_krot)
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward qk_rot: layer %d: NULL output",
+                        lw->layer);
+    return attn_qk(f, lw, d_x, S, d_qrot, d_krot, 0);
 }
 
 bk_status bk_g_attn_core(bk_gfwd *f, int64_t S, float *d_o, int fused, int bn, int mt)

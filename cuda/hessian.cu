@@ -656,6 +656,7 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
     const int64_t T = a->dim.T, N = S * T, h = a->dim.hd, hh = h * h;
     cudaStream_t sm = a->c->stream;
     bk_status st;
+    double tp = bk_now(); /* BK_PROFILE marks ha.* (bk_ghess_add_attn) */
     /* B-side weights: |x_t|^2 (Shampoo, identity start) or 1 */
     const double *sw = NULL;
     if (a->shampoo) {
@@ -675,6 +676,8 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
     } else {
         a->v_wb += (double)N;
     }
+    if (a->shampoo)
+        bk_cuda_pmark(sm, &tp, "ha.shampoo_wb");
     const int64_t nq = a->qknorm ? a->dim.nh : a->dim.nkv;
     if (!a->qknorm) {
         /* q_proj: prefix Grams of the keys; k_proj: suffix Grams of the group's queries */
@@ -709,12 +712,14 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
                 if ((st = BK_LAUNCHED("Shampoo trace kernels")) != BK_OK)
                     return st;
             }
+            bk_cuda_pmark(sm, &tp, part == 0 ? "ha.quads_q" : "ha.quads_k");
         }
     } else {
         /* pre-norm projections z = x Wᵀ + b (as the CPU's project) */
         if ((st = bk_g_linear_mod(a->f, X, N, a->dim.hidden, lw, BK_MOD_Q, a->dim.qdim, 1, a->zq)) != BK_OK ||
             (st = bk_g_linear_mod(a->f, X, N, a->dim.hidden, lw, BK_MOD_K, a->dim.kvdim, 1, a->zk)) != BK_OK)
             return st;
+        bk_cuda_pmark(sm, &tp, "ha.qn_preproj");
         for (int part = 0; part < 2; part++) {
             qn_args q;
             q.vec = part == 0 ? Kr : Qr;
@@ -757,6 +762,7 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
                 if ((st = BK_LAUNCHED("k_trace_sum")) != BK_OK)
                     return st;
             }
+            bk_cuda_pmark(sm, &tp, part == 0 ? "ha.qn_q" : "ha.qn_k");
         }
     }
     (void)nq;
@@ -768,6 +774,7 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
         if ((st = gram_add(a, &a->a_q, X, N, a->w2)) != BK_OK ||
             (st = gram_add(a, &a->a_k, X, N, a->w3)) != BK_OK)
             return st;
+        bk_cuda_pmark(sm, &tp, "ha.shampoo_grams");
     }
     return BK_OK;
 }
@@ -791,11 +798,16 @@ extern "C" bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *lw, const f
         return st;
     if ((st = batch_rows(a, S, "attn_in", &N)) != BK_OK)
         return st;
+    /* BK_PROFILE, fully-local kinds: where hess.qkv goes (ha.*; each mark
+     * synchronizes the stream, only when profiling) */
+    double tp = bk_now();
     if ((st = check_finite(a, d_attn_in, N, a->dim.hidden, lw->layer, "attn_in")) != BK_OK)
         return st;
     if (a->attn2 && ((st = check_finite(a, d_qrot, N, a->dim.qdim, lw->layer, "q_rot")) != BK_OK ||
                      (st = check_finite(a, d_krot, N, a->dim.kvdim, lw->layer, "k_rot")) != BK_OK))
         return st;
+    if (a->attn2)
+        bk_cuda_pmark(a->c->stream, &tp, "ha.check_finite");
     a->layer = lw->layer;
     if (a->kind == BK_HESS_RTN) {
         a->count[G_ATTN] += N;
@@ -803,6 +815,8 @@ extern "C" bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *lw, const f
     }
     st = a->bp ? bp_adds(a, &a->x_attn, G_ATTN, d_attn_in, N)
                : gram_add(a, &a->x_attn, d_attn_in, N, NULL);
+    if (a->attn2)
+        bk_cuda_pmark(a->c->stream, &tp, "ha.gram_attn_in");
     if (st == BK_OK && a->attn2)
         st = attn_local(a, lw, d_attn_in, d_qrot, d_krot, S);
     if (st != BK_OK) {

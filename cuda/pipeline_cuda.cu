@@ -43,7 +43,8 @@ struct gstages {
     float *hwin, *owin; /* device windows [B*T, ...] (not resident) */
     float *D;         /* device [N, intermediate]: down_proj inputs of the sequences held,
                          kept from stage DOWN for stage OUT when they fit (else recomputed) */
-    /* micro-batch buffers */
+    /* micro-batch buffers (oscr: the o_proj input tap of stage TAPS; qrot,
+     * krot: fully-local only) */
     float *x, *qrot, *krot, *down, *mlp_in, *oscr;
     bk_glayer *orig, *lw;
     /* the input side of q (k) kept for k and v, gate's for up: their A is the
@@ -230,8 +231,12 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
     switch (stage) {
     case BK_STAGE_QKV:
         st = bk_gfwd_attn_in(f, g->orig, h, sb, g->x);
+        /* fully-local: the FP rotated queries and keys only (the attention's
+         * output is not used here: stage O recomputes it with the quantized
+         * q/k/v; v_proj and the attention output are checked for non-finite
+         * values there, as for the other kinds) */
         if (st == BK_OK && g->fully)
-            st = bk_gfwd_attention(f, g->orig, g->x, sb, g->oscr, g->qrot, g->krot, NULL);
+            st = bk_gfwd_qk_rot(f, g->orig, g->x, sb, g->qrot, g->krot);
         forward_end(g, g->orig, t, t_forward, &st);
         if (st != BK_OK)
             return st;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "backend_impl.h"
+#include "forward_internal.h"
 #include "util.h"
 
 typedef struct cpu_stages {
@@ -104,10 +105,14 @@ static bk_status cpu_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, doub
     double t = bk_now();
     switch (stage) {
     case BK_STAGE_QKV:
-        /* q, k, v from attn_in (and, fully-local, the FP queries/keys) */
+        /* q, k, v from attn_in (and, fully-local, the FP rotated queries and
+         * keys only: the attention's output is not used here, stage O
+         * recomputes it with the quantized q/k/v and checks v_proj and the
+         * attention output for non-finite values there, as for the other
+         * kinds) */
         st = bk_fwd_attn_in(c->fwd, orig, hb, sb, c->x);
         if (st == BK_OK && fully)
-            st = bk_fwd_attention(c->fwd, orig, c->x, sb, ob, c->q_rot, c->k_rot, NULL);
+            st = bk__fwd_qk_rot(c->fwd, orig, c->x, sb, c->q_rot, c->k_rot);
         *t_forward += bk_now() - t;
         if (st != BK_OK)
             return st;
@@ -208,8 +213,7 @@ static bk_status cpu_add_inputs(void *ctx, int64_t s0, int64_t sb, const float *
         /* queries/keys after norm and RoPE, recomputed from attn_in (the
          * attention's output is not used) */
         double t = bk_now();
-        bk_status st =
-            bk_fwd_attention(c->fwd, c->orig, in[0], sb, c->o_in, c->q_rot, c->k_rot, NULL);
+        bk_status st = bk__fwd_qk_rot(c->fwd, c->orig, in[0], sb, c->q_rot, c->k_rot);
         *t_forward += bk_now() - t;
         if (st != BK_OK)
             return st;

@@ -706,22 +706,27 @@ bk_status bk_fwd_attn_in(bk_fwd *f, const bk_layer_weights *lw, const float *h, 
     return norm_in(f, lw, h, S, x, FWD_ATTN_IN, BK_FS_ATTN_IN);
 }
 
-bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
-                           float *o_in, float *q_rot, float *k_rot, float *v)
+/* The projections of bk_fwd_attention into f->q, f->k (and f->v with
+ * with_v), each checked as it is made, then q_norm / k_norm and RoPE of the
+ * queries and keys in place (checked after): the same operations in the same
+ * order whether the values are made or not, so bk__fwd_qk_rot's queries and
+ * keys are bk_fwd_attention's bits. */
+static bk_status attn_project(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
+                              int with_v)
 {
-    bk_status st = check_op(f, S, lw, FWD_ATTENTION);
-    if (st != BK_OK)
-        return st;
     const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, qd = f->dim.qdim, kd = f->dim.kvdim;
+    bk_status st;
     linear(x, N, f->dim.hidden, lw->w[BK_MOD_Q], qd, lw->b[BK_MOD_Q], f->q);
     if ((st = fwd_check(f, f->q, N, qd, lw, BK_FS_Q)) != BK_OK)
         return st;
     linear(x, N, f->dim.hidden, lw->w[BK_MOD_K], kd, lw->b[BK_MOD_K], f->k);
     if ((st = fwd_check(f, f->k, N, kd, lw, BK_FS_K)) != BK_OK)
         return st;
-    linear(x, N, f->dim.hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v);
-    if ((st = fwd_check(f, f->v, N, kd, lw, BK_FS_V)) != BK_OK)
-        return st;
+    if (with_v) {
+        linear(x, N, f->dim.hidden, lw->w[BK_MOD_V], kd, lw->b[BK_MOD_V], f->v);
+        if ((st = fwd_check(f, f->v, N, kd, lw, BK_FS_V)) != BK_OK)
+            return st;
+    }
     if (lw->q_norm)
         rmsnorm_rows(f->q, N * f->dim.nh, hd, lw->q_norm, f->eps, f->q);
     if (lw->k_norm)
@@ -733,6 +738,34 @@ bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x
     }
     if ((st = fwd_check(f, f->q, N, qd, lw, BK_FS_QROT)) != BK_OK ||
         (st = fwd_check(f, f->k, N, kd, lw, BK_FS_KROT)) != BK_OK)
+        return st;
+    return BK_OK;
+}
+
+bk_status bk__fwd_qk_rot(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
+                         float *q_rot, float *k_rot)
+{
+    bk_status st = check_op(f, S, lw, FWD_ATTENTION);
+    if (st != BK_OK)
+        return st;
+    if (!q_rot || !k_rot)
+        return bk_error(BK_ERR_INVALID_ARG, "forward qk_rot: layer %d: NULL output", lw->layer);
+    if ((st = attn_project(f, lw, x, S, 0)) != BK_OK)
+        return st;
+    const int64_t N = S * f->dim.T;
+    memcpy(q_rot, f->q, (size_t)(N * f->dim.qdim) * sizeof(float));
+    memcpy(k_rot, f->k, (size_t)(N * f->dim.kvdim) * sizeof(float));
+    return BK_OK;
+}
+
+bk_status bk_fwd_attention(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
+                           float *o_in, float *q_rot, float *k_rot, float *v)
+{
+    bk_status st = check_op(f, S, lw, FWD_ATTENTION);
+    if (st != BK_OK)
+        return st;
+    const int64_t T = f->dim.T, N = S * T, hd = f->dim.hd, qd = f->dim.qdim, kd = f->dim.kvdim;
+    if ((st = attn_project(f, lw, x, S, 1)) != BK_OK)
         return st;
     if (q_rot)
         memcpy(q_rot, f->q, (size_t)(N * qd) * sizeof(float));

@@ -5,6 +5,7 @@
 
 #include <stdint.h>
 
+#include "bakron/forward.h"
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
 
@@ -57,6 +58,15 @@ bk_status bk__fwd_embed_rows(const bk_tensor_info *t, const int32_t *tokens, int
 /* Vocabulary rows per block of the head so that [rows, vc] logits and
  * [vc, hidden] weights each stay within their block size. */
 int64_t bk__fwd_vocab_block(const bk_dims *d, int64_t rows);
+
+/* Only the rotated queries and keys of bk_fwd_attention (q_rot, k_rot both
+ * required): the same operations, without v_proj, scores, softmax or the
+ * output, so the same bits as its q_rot / k_rot; the non-finite checks of the
+ * q/k side only (q_proj, k_proj outputs and the rotated queries and keys).
+ * The fully-local Hessians' stage QKV (src/backend_cpu_stages.c; the GPU's
+ * bk_gfwd_qk_rot, src/pipeline_gpu.h). */
+bk_status bk__fwd_qk_rot(bk_fwd *f, const bk_layer_weights *lw, const float *x, int64_t S,
+                         float *q_rot, float *k_rot);
 
 /* Token sequences [S, T] for a whole-model run: at least one sequence of at
  * least min_T tokens, T within max_position_embeddings, every id in

@@ -88,6 +88,16 @@ bk_status bk_gfwd_attn_in(bk_gfwd *f, const bk_glayer *lw, const float *d_h, int
                           float *d_x);
 bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const float *d_x, int64_t S,
                             float *d_o, float *d_qrot, float *d_krot, float *d_v);
+/* Only the rotated queries and keys of bk_gfwd_attention (q_proj / k_proj
+ * (+ bias), q_norm / k_norm where the layer has them, RoPE with the model's
+ * scaling): d_qrot [N, heads*head_dim], d_krot [N, kv_heads*head_dim], both
+ * required; no values, scores, softmax or output. The same kernels and GEMMs
+ * as bk_gfwd_attention's, so the same bits as its d_qrot / d_krot (the
+ * fully-local Hessians' stage QKV, cuda/pipeline_cuda.cu). Its non-finite
+ * checks are those of the q/k side: q_proj / k_proj outputs and the rotated
+ * queries / keys (not v_proj nor the attention output). */
+bk_status bk_gfwd_qk_rot(bk_gfwd *f, const bk_glayer *lw, const float *d_x, int64_t S,
+                         float *d_qrot, float *d_krot);
 bk_status bk_gfwd_attn_out(bk_gfwd *f, const bk_glayer *lw, const float *d_o, int64_t S,
                            float *d_h);
 bk_status bk_gfwd_mlp_in(bk_gfwd *f, const bk_glayer *lw, const float *d_h, int64_t S,

@@ -15,6 +15,9 @@
  *  - the fused attention of BF16 mode (head_dim 64 / 128) against the CPU,
  *    the unfused path and exact causality, and where it is used; in fused
  *    mode the unfused path's buffers are allocated by its first call only;
+ *  - the rotated queries and keys alone (bk_gfwd_qk_rot, the fully-local
+ *    stage QKV) are bitwise those of the full attention: test models in
+ *    fp32 / TF32 / BF16 GEMM modes, fused and unfused BF16 attention;
  *  - bad inputs give the CPU's statuses;
  *  - weight uploads (bk_gpu_upload_f32: BF16 chunks widened on the device,
  *    others as F32) leave byte-identical device copies.
@@ -557,6 +560,208 @@ static void test_attention_fused_where(void **state)
     }
 }
 
+/* ------------------------------------- rotated queries and keys only */
+
+/* bk_gfwd_qk_rot (the fully-local Hessians' stage QKV) gives the same bits as
+ * bk_gfwd_attention's d_qrot / d_krot on the same input: every layer of the
+ * test models (Llama 3 RoPE scaling; Qwen2 q/k/v biases; Qwen3 q/k norm, F32
+ * and BF16 checkpoints; kerneldocs) in fp32, TF32 and BF16 GEMM modes, the
+ * layer input from the GPU forward itself; and synthetic layers with head_dim
+ * 64 / 128 in BF16 mode, where bk_gfwd_attention runs the fused kernel (its
+ * RoPE writes BF16 head copies), with q/k norm and biases. The q/k-only
+ * outputs start as NaN (every entry must be written) and are taken before
+ * and after a full attention on the same context (no state carried over). */
+
+static bk_backend *g_tf32;
+
+/* Differing entries of a and b (n floats, bitwise), and whether a has a
+ * non-finite entry. */
+static int64_t bits_differ(const float *a, const float *b, int64_t n, int *nonfinite)
+{
+    int64_t d = 0;
+    *nonfinite = 0;
+    for (int64_t i = 0; i < n; i++) {
+        d += memcmp(a + i, b + i, sizeof(float)) != 0;
+        *nonfinite |= !isfinite(a[i]);
+    }
+    return d;
+}
+
+static void nan_fill(bk_gfwd *gf, float *d, int64_t n)
+{
+    float *h = tu_hbuf(n);
+    for (int64_t i = 0; i < n; i++)
+        h[i] = NAN;
+    tu_up(gf, d, h, n);
+    free(h);
+}
+
+/* One layer on input dx: q/k-only, the full attention, q/k-only again; the
+ * differing entries are added to *diff. */
+static void qk_same(bk_gfwd *gf, const bk_glayer *gl, float *dx, int64_t S, int64_t N,
+                    int64_t qd, int64_t kd, int64_t *diff, const char *what)
+{
+    float *dq = tu_dbuf(gf, N * qd), *dk = tu_dbuf(gf, N * kd), *dor = tu_dbuf(gf, N * qd);
+    float *dq2 = tu_dbuf(gf, N * qd), *dk2 = tu_dbuf(gf, N * kd);
+    nan_fill(gf, dq2, N * qd);
+    nan_fill(gf, dk2, N * kd);
+    OKS(bk_gfwd_qk_rot(gf, gl, dx, S, dq2, dk2));
+    float *q0 = dl(gf, dq2, N * qd), *k0 = dl(gf, dk2, N * kd);
+    OKS(bk_gfwd_attention(gf, gl, dx, S, dor, dq, dk, NULL));
+    float *q1 = dl(gf, dq, N * qd), *k1 = dl(gf, dk, N * kd);
+    nan_fill(gf, dq2, N * qd);
+    nan_fill(gf, dk2, N * kd);
+    OKS(bk_gfwd_qk_rot(gf, gl, dx, S, dq2, dk2));
+    float *q2 = dl(gf, dq2, N * qd), *k2 = dl(gf, dk2, N * kd);
+    int nf[4];
+    const int64_t d = bits_differ(q0, q1, N * qd, &nf[0]) + bits_differ(k0, k1, N * kd, &nf[1]) +
+                      bits_differ(q2, q1, N * qd, &nf[2]) + bits_differ(k2, k1, N * kd, &nf[3]);
+    if (d || nf[0] || nf[1] || nf[2] || nf[3])
+        printf("  %s: %lld entries differ from the full attention's%s\n", what, (long long)d,
+               nf[0] || nf[1] || nf[2] || nf[3] ? " (non-finite q/k-only outputs)" : "");
+    *diff += d + nf[0] + nf[1] + nf[2] + nf[3];
+    float *dd[] = {dq, dk, dor, dq2, dk2};
+    for (size_t i = 0; i < sizeof dd / sizeof dd[0]; i++)
+        bk_gpu_free(gf, dd[i]);
+    float *hh[] = {q0, k0, q1, k1, q2, k2};
+    for (size_t i = 0; i < sizeof hh / sizeof hh[0]; i++)
+        free(hh[i]);
+}
+
+static void qk_model(const char *label, const char *dir)
+{
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    const int64_t S = 3, T = 29, N = S * T, H = c->hidden;
+    const int64_t qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
+    int32_t *ids = tu_random_tokens(41, N, c->vocab);
+    bk_backend *const bes[] = {g_gpu, g_tf32, g_bf16};
+    const char *const names[] = {"fp32", "tf32", "bf16"};
+    int64_t diff = 0;
+    for (int b = 0; b < 3; b++) {
+        bk_gfwd *gf = NULL;
+        OKS(bk_gfwd_create(bes[b], c, S, T, &gf));
+        float *dh = tu_dbuf(gf, N * H), *dx = tu_dbuf(gf, N * H);
+        OKS(bk_gfwd_embed(gf, m, ids, S, dh));
+        bk_gfwd_embed_release(gf);
+        for (int L = 0; L < c->n_layers; L++) {
+            bk_layer_weights lw;
+            OKS(bk_layer_weights_load(m, L, &lw));
+            bk_glayer *gl = NULL;
+            OKS(bk_glayer_upload(gf, &lw, &gl));
+            OKS(bk_gfwd_attn_in(gf, gl, dh, S, dx));
+            char what[160];
+            snprintf(what, sizeof what, "%s %s layer %d", label, names[b], L);
+            qk_same(gf, gl, dx, S, N, qd, kd, &diff, what);
+            OKS(bk_gfwd_layer(gf, gl, S, dh, NULL)); /* the next layer's input */
+            bk_glayer_free(gf, gl);
+            bk_layer_weights_free(&lw);
+        }
+        bk_gpu_free(gf, dh);
+        bk_gpu_free(gf, dx);
+        bk_gfwd_free(gf);
+    }
+    printf("  q/k only vs attention, %s (%lld layers, fp32/tf32/bf16): %lld entries differ\n",
+           label, (long long)c->n_layers, (long long)diff);
+    free(ids);
+    bk_model_close(m);
+    assert_int_equal(diff, 0);
+}
+
+static void test_qk_rot_models(void **state)
+{
+    (void)state;
+    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-bf16"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        char dir[1024];
+        snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"),
+                 models[i]);
+        qk_model(models[i], dir);
+    }
+    char dir[1024], gp[1024];
+    tu_kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
+    qk_model("kerneldocs-1.6m", dir);
+}
+
+static void qk_fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t T,
+                          int qk_norm, int bias)
+{
+    bk_model_config c = syn_cfg(heads, kv, hd, T);
+    bk_layer_weights lw;
+    random_layer(&c, 123 + (uint64_t)T, &lw);
+    bk_rng r;
+    bk_rng_seed(&r, 19);
+    if (qk_norm) {
+        c.qk_norm = 1;
+        lw.q_norm = randn(&r, hd, 0.1, 1.0);
+        lw.k_norm = randn(&r, hd, 0.1, 1.0);
+    }
+    if (bias) {
+        lw.b[BK_MOD_Q] = randn(&r, heads * hd, 0.1, 0.0);
+        lw.b[BK_MOD_K] = randn(&r, kv * hd, 0.1, 0.0);
+        lw.b[BK_MOD_V] = randn(&r, kv * hd, 0.1, 0.0);
+    }
+    const int64_t N = S * T, H = c.hidden;
+    float *x = randn(&r, N * H, 1.0, 0.0);
+    bk_gfwd *gf = NULL;
+    OKS(bk_gfwd_create(g_bf16, &c, S, T, &gf));
+    assert_int_equal(bk_gfwd_attn_fused(gf), 1);
+    bk_glayer *gl = NULL;
+    OKS(bk_glayer_upload(gf, &lw, &gl));
+    float *dx = tu_dbuf(gf, N * H);
+    tu_up(gf, dx, x, N * H);
+    int64_t diff = 0;
+    char what[128];
+    snprintf(what, sizeof what, "fused %lld/%lld heads, head_dim %lld, %lld x %lld%s%s",
+             (long long)heads, (long long)kv, (long long)hd, (long long)S, (long long)T,
+             qk_norm ? ", q/k norm" : "", bias ? ", biases" : "");
+    qk_same(gf, gl, dx, S, N, heads * hd, kv * hd, &diff, what);
+    OKS(bk_gfwd_set_attn_fused(gf, 0)); /* the unfused path's RoPE writes F32 heads */
+    qk_same(gf, gl, dx, S, N, heads * hd, kv * hd, &diff, what);
+    printf("  q/k only vs attention, %s (fused and unfused): %lld entries differ\n", what,
+           (long long)diff);
+    bk_gpu_free(gf, dx);
+    bk_glayer_free(gf, gl);
+    bk_gfwd_free(gf);
+    bk_layer_weights_free(&lw);
+    free(x);
+    assert_int_equal(diff, 0);
+}
+
+static void test_qk_rot_fused(void **state)
+{
+    (void)state;
+    qk_fused_case(8, 2, 128, 2, 150, 0, 0);
+    qk_fused_case(8, 2, 128, 2, 150, 1, 0); /* Qwen3 */
+    qk_fused_case(6, 2, 64, 1, 70, 0, 1);   /* Qwen2-like biases, rep 3 */
+    qk_fused_case(4, 4, 64, 3, 33, 1, 1);
+}
+
+/* bad inputs: NULL outputs, a layer without q/k/v weights, too many sequences */
+static void test_qk_rot_bad(void **state)
+{
+    (void)state;
+    bk_model_config c = syn_cfg(4, 2, 16, 8);
+    bk_layer_weights lw;
+    random_layer(&c, 5, &lw);
+    bk_gfwd *gf = NULL;
+    OKS(bk_gfwd_create(g_gpu, &c, 1, 8, &gf));
+    bk_glayer *gl = NULL;
+    OKS(bk_glayer_upload(gf, &lw, &gl));
+    float *dx = tu_dbuf(gf, 8 * c.hidden), *dq = tu_dbuf(gf, 8 * 64), *dk = tu_dbuf(gf, 8 * 32);
+    assert_int_equal(bk_gfwd_qk_rot(gf, gl, dx, 1, NULL, dk), BK_ERR_INVALID_ARG);
+    assert_int_equal(bk_gfwd_qk_rot(gf, gl, dx, 1, dq, NULL), BK_ERR_INVALID_ARG);
+    assert_int_equal(bk_gfwd_qk_rot(gf, NULL, dx, 1, dq, dk), BK_ERR_INVALID_ARG);
+    assert_int_equal(bk_gfwd_qk_rot(gf, gl, dx, 2, dq, dk), BK_ERR_INVALID_ARG);
+    OKS(bk_gfwd_qk_rot(gf, gl, dx, 1, dq, dk));
+    bk_gpu_free(gf, dx);
+    bk_gpu_free(gf, dq);
+    bk_gpu_free(gf, dk);
+    bk_glayer_free(gf, gl);
+    bk_gfwd_free(gf);
+    bk_layer_weights_free(&lw);
+}
+
 /* ------------------------------------------------------------ bad inputs */
 
 static void test_bad_inputs(void **state)
@@ -693,16 +898,23 @@ int main(void)
         return 1;
     }
     bk_backend_set_gemm_math(g_bf16, BK_GEMM_BF16);
+    if (bk_backend_create(BK_BACKEND_CUDA, &g_tf32) != BK_OK) {
+        fprintf(stderr, "cannot create the CUDA backend: %s\n", bk_last_error());
+        return 1;
+    }
+    bk_backend_set_gemm_math(g_tf32, BK_GEMM_TF32);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_llama3),     cmocka_unit_test(test_tiny_qwen2),
         cmocka_unit_test(test_tiny_qwen3),      cmocka_unit_test(test_kerneldocs),
         cmocka_unit_test(test_nll_kerneldocs),  cmocka_unit_test(test_attention_4096),
         cmocka_unit_test(test_attention_pairs),
         cmocka_unit_test(test_attention_chunks), cmocka_unit_test(test_attention_fused),
-        cmocka_unit_test(test_attention_fused_where), cmocka_unit_test(test_bad_inputs),
-        cmocka_unit_test(test_upload),
+        cmocka_unit_test(test_attention_fused_where), cmocka_unit_test(test_qk_rot_models),
+        cmocka_unit_test(test_qk_rot_fused),    cmocka_unit_test(test_qk_rot_bad),
+        cmocka_unit_test(test_bad_inputs),      cmocka_unit_test(test_upload),
     };
     int rc = cmocka_run_group_tests_name("cuda_forward", tests, NULL, NULL);
+    bk_backend_destroy(g_tf32);
     bk_backend_destroy(g_bf16);
     bk_backend_destroy(g_gpu);
     return rc;

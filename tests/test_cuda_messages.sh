@@ -77,9 +77,14 @@ done
 tensor_short=post_attention_layernorm.weight
 run m2 model.layers.1.post_attention_layernorm.weight elem0 gptq \
     "layer 1 gate/up_proj input \(post_attention_layernorm\)"
-# the fully local Hessians run the attention in stage QKV on the original weights
+# the fully local Hessians run the q/k projections and RoPE in stage QKV on the
+# original weights (a q_proj overflow is caught there); the values and the
+# attention output only in stage O, as for gptq (both stage tables: a v_proj
+# overflow is reported after the q/k/v solves, with the same line)
 tensor_short=self_attn.q_proj.weight
 run m3 model.layers.0.self_attn.q_proj.weight row0 fullylocal-kfac "layer 0 q_proj output"
+tensor_short=self_attn.v_proj.weight
+run m4 model.layers.0.self_attn.v_proj.weight row0 fullylocal-kfac "layer 0 v_proj output"
 
 [ $fail -eq 0 ] && echo "GPU non-finite messages match the CPU's"
 exit $fail

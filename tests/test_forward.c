@@ -29,6 +29,7 @@
 #include "bakron/forward.h"
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
+#include "forward_internal.h"
 #include "rope.h"
 #include "test_util.h"
 #include "util.h"
@@ -694,6 +695,103 @@ static void test_golden_tiny_qwen3_bf16(void **state)
     assert_true(w > 1e-6);
 }
 
+/* bk__fwd_qk_rot (the fully-local Hessians' stage QKV) against
+ * bk_fwd_attention's q_rot / k_rot: bitwise, every layer of the test models
+ * (Llama 3 RoPE scaling, Qwen2 biases, Qwen3 q/k norm in F32 and BF16,
+ * kerneldocs) on random tokens; its non-finite checks are the q/k side's
+ * (a q_proj overflow is named as by bk_fwd_attention, a v_proj one is not
+ * seen); NULL outputs refused. */
+static int64_t qk_differ(const float *a, const float *b, int64_t n)
+{
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++)
+        d += memcmp(a + i, b + i, sizeof(float)) != 0;
+    return d;
+}
+
+static void qk_rot_model(const char *label, const char *dir)
+{
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    const int64_t S = 2, T = 23, N = S * T, H = c->hidden;
+    const int64_t qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
+    int32_t *ids = malloc((size_t)N * sizeof(int32_t));
+    assert_non_null(ids);
+    bk_rng r;
+    bk_rng_seed(&r, 43);
+    for (int64_t i = 0; i < N; i++)
+        ids[i] = (int32_t)(bk_rng_next(&r) % (uint64_t)c->vocab);
+    bk_fwd *f = NULL;
+    assert_int_equal(bk_fwd_create(c, S, T, &f), BK_OK);
+    const size_t fs = sizeof(float);
+    float *h = malloc((size_t)(N * H) * fs), *x = malloc((size_t)(N * H) * fs);
+    float *o = malloc((size_t)(N * qd) * fs);
+    float *q1 = malloc((size_t)(N * qd) * fs), *k1 = malloc((size_t)(N * kd) * fs);
+    float *q2 = malloc((size_t)(N * qd) * fs), *k2 = malloc((size_t)(N * kd) * fs);
+    assert_true(h && x && o && q1 && k1 && q2 && k2);
+    assert_int_equal(bk_fwd_embed(f, m, ids, S, h), BK_OK);
+    int64_t diff = 0;
+    for (int L = 0; L < c->n_layers; L++) {
+        bk_layer_weights lw;
+        assert_int_equal(bk_layer_weights_load(m, L, &lw), BK_OK);
+        assert_int_equal(bk_fwd_attn_in(f, &lw, h, S, x), BK_OK);
+        for (int64_t i = 0; i < N * qd; i++)
+            q2[i] = NAN;
+        for (int64_t i = 0; i < N * kd; i++)
+            k2[i] = NAN;
+        assert_int_equal(bk__fwd_qk_rot(f, &lw, x, S, q2, k2), BK_OK);
+        assert_int_equal(bk_fwd_attention(f, &lw, x, S, o, q1, k1, NULL), BK_OK);
+        diff += qk_differ(q1, q2, N * qd) + qk_differ(k1, k2, N * kd);
+        assert_int_equal(bk_fwd_layer(f, &lw, S, h, NULL), BK_OK);
+        bk_layer_weights_free(&lw);
+    }
+    printf("  q/k only vs attention, %s (%lld layers): %lld entries differ\n", label,
+           (long long)c->n_layers, (long long)diff);
+    assert_int_equal(diff, 0);
+    /* layer 0: NULL outputs; a q_proj overflow as the attention names it; a
+     * v_proj overflow left to the attention (stage O) */
+    bk_layer_weights lw;
+    assert_int_equal(bk_layer_weights_load(m, 0, &lw), BK_OK);
+    assert_int_equal(bk_fwd_embed(f, m, ids, S, h), BK_OK);
+    assert_int_equal(bk_fwd_attn_in(f, &lw, h, S, x), BK_OK);
+    assert_int_equal(bk__fwd_qk_rot(f, &lw, x, S, NULL, k2), BK_ERR_INVALID_ARG);
+    assert_int_equal(bk__fwd_qk_rot(f, &lw, x, S, q2, NULL), BK_ERR_INVALID_ARG);
+    assert_int_equal(bk__fwd_qk_rot(f, NULL, x, S, q2, k2), BK_ERR_INVALID_ARG);
+    assert_int_equal(bk__fwd_qk_rot(f, &lw, x, S + 1, q2, k2), BK_ERR_INVALID_ARG);
+    for (int64_t j = 0; j < H; j++)
+        lw.w[BK_MOD_V][j] = 3.4e38f;
+    assert_int_equal(bk__fwd_qk_rot(f, &lw, x, S, q2, k2), BK_OK);
+    assert_int_equal(bk_fwd_attention(f, &lw, x, S, o, NULL, NULL, NULL), BK_ERR_NONFINITE);
+    assert_non_null(strstr(bk_last_error(), "v_proj output"));
+    for (int64_t j = 0; j < H; j++)
+        lw.w[BK_MOD_Q][j] = 3.4e38f;
+    assert_int_equal(bk__fwd_qk_rot(f, &lw, x, S, q2, k2), BK_ERR_NONFINITE);
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", bk_last_error());
+    assert_non_null(strstr(msg, "q_proj output"));
+    assert_int_equal(bk_fwd_attention(f, &lw, x, S, o, NULL, NULL, NULL), BK_ERR_NONFINITE);
+    assert_string_equal(msg, bk_last_error());
+    bk_layer_weights_free(&lw);
+    free(h), free(x), free(o), free(q1), free(k1), free(q2), free(k2), free(ids);
+    bk_fwd_free(f);
+    bk_model_close(m);
+}
+
+static void test_qk_rot(void **state)
+{
+    (void)state;
+    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-bf16"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        char dir[1024];
+        snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"),
+                 models[i]);
+        qk_rot_model(models[i], dir);
+    }
+    char dir[1024], gp[1024];
+    kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
+    qk_rot_model("kerneldocs-1.6m", dir);
+}
+
 /* NLL from the native forward == NLL computed here from transformers' logits. */
 static double nll_from_logits(const float *lg, const int32_t *ids, int64_t B, int64_t T,
                               int64_t V, int64_t *count)
@@ -1028,6 +1126,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_golden_tiny_llama3),
         cmocka_unit_test(test_golden_tiny_qwen2),
         cmocka_unit_test(test_golden_tiny_qwen3),
+        cmocka_unit_test(test_qk_rot),
         cmocka_unit_test(test_golden_kerneldocs),
         cmocka_unit_test(test_golden_tiny_qwen3_bf16),
         cmocka_unit_test(test_nll_golden),
