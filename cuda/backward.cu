@@ -274,14 +274,28 @@ template <typename R> __global__ void k_row_sq(const R *x, int64_t rows, int64_t
         out[row] = ss;
 }
 
-/* out = sqrt(w[row]) g (w NULL: 1), in double */
-template <typename R>
-__global__ void k_scale_rows(const R *g, int64_t rows, int64_t m, const double *w, double *out)
+/* out = sqrt(w[row]) g (w NULL: 1), computed in double, stored as O (double
+ * for DSYRK; float for the tensor-core Grams of --bwd-precision tf32 / bf16) */
+template <typename R, typename O>
+__global__ void k_scale_rows(const R *g, int64_t rows, int64_t m, const double *w, O *out)
 {
     GSTRIDE(i, rows * m)
     {
         const double v = (double)g[i];
-        out[i] = w ? sqrt(w[i / m]) * v : v;
+        out[i] = (O)(w ? sqrt(w[i / m]) * v : v);
+    }
+}
+
+/* G += C on the column-major lower triangle (row >= column) of [m, m]: a
+ * micro-batch's F32 Gram into the double accumulator (the entries DSYRK
+ * with CUBLAS_FILL_MODE_LOWER would write; the others stay untouched) */
+__global__ void k_gram_acc_lower(double *G, const float *C, int64_t m)
+{
+    GSTRIDE(idx, m * m)
+    {
+        const int64_t col = idx / m, row = idx % m;
+        if (row >= col)
+            G[idx] += (double)C[idx];
     }
 }
 
@@ -1440,6 +1454,7 @@ struct flow {
     double *hgw[64][BK_MOD_COUNT];
     double *dgw[64][BK_MOD_COUNT]; /* cb->grams_dev, weighted: |g|² per token on the device */
     double *gscr, *rn_g, *rn_a; /* device [B*T, max out], [B*T], [B*T] */
+    float *g32;                 /* tf32 / bf16: one micro-batch's F32 Gram [max out²] */
     double *hG;                 /* host [max out²] */
 };
 
@@ -1468,12 +1483,36 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
             k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(as[i]), N, n, f->rn_a);
             LAUNCH_CHECK("k_row_sq");
         }
-        k_scale_rows<R><<<grid_for(N * m), 256, 0, s>>>(
-            CRP(gs[i]), N, m, f->cb->gram_weighted ? f->rn_a : (const double *)NULL, f->gscr);
-        LAUNCH_CHECK("k_scale_rows");
-        /* row-major upper triangle of Σ x xᵀ = cuBLAS's column-major lower */
-        GEMM_CHECK(cublasDsyrk(g->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)m, (int)N, &one,
-                               f->gscr, (int)m, &one, f->gram[k][i], (int)m));
+        const double *wrow = f->cb->gram_weighted ? f->rn_a : (const double *)NULL;
+        if (f->g32) {
+            /* --bwd-precision tf32 / bf16: this micro-batch's Gram on tensor
+             * cores in the flow's GEMM arithmetic (F32 inputs and
+             * accumulation), lower-trapezoid panels of the column-major view
+             * (X = [m, N], C[j0:m, j0:j1] = X[j0:m, :] X[j0:j1, :]ᵀ), then
+             * added in double to the leaf's Gram: the sum over micro-batches
+             * stays in double as with DSYRK */
+            float *xs = reinterpret_cast<float *>(f->gscr);
+            k_scale_rows<R, float><<<grid_for(N * m), 256, 0, s>>>(CRP(gs[i]), N, m, wrow, xs);
+            LAUNCH_CHECK("k_scale_rows");
+            const float one32 = 1.0f, zero32 = 0.0f;
+            const int64_t nb = m >= 8192 ? 1024 : 512;
+            for (int64_t j0 = 0; j0 < m; j0 += nb) {
+                const int64_t w = m - j0 < nb ? m - j0 : nb;
+                GEMM_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)(m - j0), (int)w,
+                                        (int)N, &one32, xs + j0, CUDA_R_32F, (int)m, xs + j0,
+                                        CUDA_R_32F, (int)m, &zero32, f->g32 + j0 * m + j0,
+                                        CUDA_R_32F, (int)m, g->bl.ct, CUBLAS_GEMM_DEFAULT));
+            }
+            k_gram_acc_lower<<<grid_for(m * m), 256, 0, s>>>(f->gram[k][i], f->g32, m);
+            LAUNCH_CHECK("k_gram_acc_lower");
+        } else {
+            k_scale_rows<R, double><<<grid_for(N * m), 256, 0, s>>>(CRP(gs[i]), N, m, wrow,
+                                                                    f->gscr);
+            LAUNCH_CHECK("k_scale_rows");
+            /* row-major upper triangle of Σ x xᵀ = cuBLAS's column-major lower */
+            GEMM_CHECK(cublasDsyrk(g->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)m, (int)N,
+                                   &one, f->gscr, (int)m, &one, f->gram[k][i], (int)m));
+        }
         if (!dev)
             BK_CUDA_CHECK(cudaMemcpyAsync(f->hgw[k][i] + s0 * f->T, f->rn_g, (size_t)N * 8,
                                           cudaMemcpyDeviceToHost, s));
@@ -1784,6 +1823,8 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         }
         if (st == BK_OK)
             st = dalloc(g, (void **)&f.gscr, f.B * T * mo, 8, "gradient Gram scratch");
+        if (st == BK_OK && !g->fp64 && g->bl.ct != CUBLAS_COMPUTE_32F)
+            st = dalloc(g, (void **)&f.g32, mo * mo, 4, "gradient Gram scratch");
         if (st == BK_OK)
             st = dalloc(g, (void **)&f.rn_g, f.B * T, 8, "gradient norms");
         if (st == BK_OK)
@@ -1825,6 +1866,7 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     dfree(g, f.dh);
     dfree(g, f.acts);
     dfree(g, f.gscr);
+    dfree(g, f.g32);
     dfree(g, f.rn_g);
     dfree(g, f.rn_a);
     for (int k = 0; k < 64; k++)
