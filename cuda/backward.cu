@@ -106,6 +106,14 @@ template <typename R> __global__ void k_to_f64(double *dst, const R *src, int64_
     GSTRIDE(i, n) dst[i] = (double)src[i];
 }
 
+/* h[n] = table[tok[n]] (rows of d): the embedding of a micro-batch from the
+ * device copy of embed_tokens in R (the values bk_convert gives on the host) */
+template <typename R>
+__global__ void k_embed_rows(const R *table, const int32_t *tok, int64_t N, int64_t d, R *h)
+{
+    GSTRIDE(i, N * d) h[i] = table[(int64_t)tok[i / d] * d + i % d];
+}
+
 template <typename R> __global__ void k_bias(R *Y, int64_t rows, int64_t cols, const R *b)
 {
     GSTRIDE(i, rows * cols) Y[i] = (R)((double)Y[i] + (double)b[i % cols]);
@@ -527,6 +535,11 @@ struct gbwd {
     double *rf, *mx, *se, *tg, *cum, *lse, *tgl, *U;
     int32_t *lab, *last;
     unsigned long long *flags; /* [8] */
+    /* embedding: embed_tokens in R on the device (the LM head's array when
+     * the embeddings are tied, else emb_own), a micro-batch's token ids */
+    void *emb;
+    int emb_own;
+    int32_t *dtok;
     /* weights: host copies (loaded on first use) and the device cache */
     bk_layer_weights *hw;
     int *hloaded;
@@ -693,6 +706,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         {(void **)&g->cum, R, 8, "head buffers"}, {(void **)&g->lse, R, 8, "head buffers"},
         {(void **)&g->tgl, R, 8, "head buffers"}, {(void **)&g->U, R, 8, "head buffers"},
         {(void **)&g->lab, R, 4, "head buffers"}, {(void **)&g->last, R, 4, "head buffers"},
+        {(void **)&g->dtok, R, 4, "token ids"},
         {(void **)&g->flags, 8, 8, "flags"},
         {(void **)&g->cos, T * (g->dim.hd / 2), 4, "RoPE tables"},
         {(void **)&g->sin, T * (g->dim.hd / 2), 4, "RoPE tables"},
@@ -823,7 +837,8 @@ void gb_free(gbwd *g)
                     g->dob, g->dq,  g->dk,  g->dv,  g->cpy,   g->P,    g->dP,   g->r1,  g->r2,
                     g->rq,  g->rk,  g->headw, g->headn, g->xf, g->dxf,  g->lg,  g->rf,
                     g->mx,  g->se,  g->tg,  g->cum, g->lse,   g->tgl,  g->U,    g->lab, g->last,
-                    g->flags, g->cos, g->sin, g->wstage};
+                    g->flags, g->cos, g->sin, g->wstage, g->dtok,
+                    g->emb_own ? g->emb : NULL};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         dfree(g, bufs[i]);
     if (g->slots) {
@@ -1408,29 +1423,40 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
     return st;
 }
 
-/* embedding rows of S sequences into the device array h (R) */
-bk_status embed(gbwd *g, const int32_t *tokens, int64_t S, void *h)
+/* embed_tokens on the device in R, once: the LM head's array when tied (the
+ * same tensor, converted by the same upload_rows), else a copy of its own */
+bk_status embed_init(gbwd *g)
 {
     const bk_tensor_info *t = bk_model_find(g->m, -1, "embed_tokens.weight");
     if (!t || t->ndim != 2 || t->shape[0] != g->V || t->shape[1] != g->dim.hidden)
         return bk_error(BK_ERR_MISSING_TENSOR, "embed_tokens.weight: missing or of a wrong shape");
-    const size_t esrc = bk_dtype_bits(t->dtype) / 8, row = (size_t)g->dim.hidden * g->es;
-    const int64_t per = (int64_t)(g->hstage_bytes / row);
-    const int64_t N = S * g->dim.T;
-    for (int64_t a = 0; a < N; a += per) {
-        const int64_t n = N - a < per ? N - a : per;
-        for (int64_t i = 0; i < n; i++) {
-            const unsigned char *src =
-                (const unsigned char *)t->data + (size_t)tokens[a + i] * (size_t)g->dim.hidden * esrc;
-            bk_status st = bk_convert(src, t->dtype, (char *)g->hstage + (size_t)i * row,
-                                      g->fp64 ? BK_DT_F64 : BK_DT_F32, (size_t)g->dim.hidden);
-            if (st != BK_OK)
-                return bk_error_prefix(st, t->name ? t->name : "embed_tokens.weight");
-        }
-        BK_CUDA_CHECK(cudaMemcpyAsync((char *)h + (size_t)a * row, g->hstage, (size_t)n * row,
-                                      cudaMemcpyHostToDevice, g->c->stream));
-        BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+    if (g->emb)
+        return BK_OK;
+    if (g->cfg.tie_embeddings) {
+        g->emb = g->headw;
+        return BK_OK;
     }
+    bk_status st = dalloc(g, &g->emb, g->V * g->dim.hidden, g->es, "embedding table");
+    if (st == BK_OK) {
+        g->emb_own = 1;
+        st = upload_rows(g, t, 0, g->V, g->emb);
+    }
+    return st;
+}
+
+/* embedding rows of S sequences (host token ids, checked by the flow) into
+ * the device array h (R): a gather from the device table */
+template <typename R> bk_status embed(gbwd *g, const int32_t *tokens, int64_t S, void *h)
+{
+    bk_status st = embed_init(g);
+    if (st != BK_OK)
+        return st;
+    const int64_t N = S * g->dim.T, d = g->dim.hidden;
+    /* (pageable source: the copy has read it when the call returns) */
+    BK_CUDA_CHECK(cudaMemcpyAsync(g->dtok, tokens, (size_t)N * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, g->c->stream));
+    k_embed_rows<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(CRP(g->emb), g->dtok, N, d, RP(h));
+    LAUNCH_CHECK("k_embed_rows");
     return BK_OK;
 }
 
@@ -1561,11 +1587,11 @@ void op_boundary_free(void *x, void *p)
     cudaFreeHost(p);
 }
 
-bk_status op_embed(void *x, const int32_t *tokens, int64_t sb)
+template <typename R> bk_status op_embed(void *x, const int32_t *tokens, int64_t sb)
 {
     flow *f = static_cast<flow *>(x);
     double tp = bk_now();
-    bk_status st = embed(f->g, tokens, sb, f->h);
+    bk_status st = embed<R>(f->g, tokens, sb, f->h);
     bk_cuda_pmark(f->g->c->stream, &tp, "bwd.embed");
     return st;
 }
@@ -1735,7 +1761,7 @@ template <typename R> bk_bwd_flow_ops flow_ops()
     ops.boundary_mem = "pinned host memory";
     ops.boundary_alloc = op_boundary_alloc;
     ops.boundary_free = op_boundary_free;
-    ops.embed = op_embed;
+    ops.embed = op_embed<R>;
     ops.load = op_load;
     ops.store = op_store;
     ops.keep = op_keep;
@@ -1798,6 +1824,8 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     st = dalloc(g, &f.h, mrow, g->es, "micro-batch hidden states");
     if (st == BK_OK)
         st = dalloc(g, &f.dh, mrow, g->es, "micro-batch gradients");
+    if (st == BK_OK)
+        st = embed_init(g);
     if (st == BK_OK)
         st = dalloc(g, &f.acts, mrow * f.acts_layers, g->es, "micro-batch layer inputs");
     stats->micro_bytes = (uint64_t)g->dev_bytes;
