@@ -43,6 +43,7 @@
 #include "backward_gpu.h"
 #include "cuda_internal.cuh"
 #include "forward_internal.h"
+#include "fwd_internal.cuh" /* bk_attn_flash (attn_flash.cu) */
 
 extern "C" {
 #include "backward_internal.h"
@@ -104,6 +105,21 @@ template <typename R> __global__ void k_from_f32(R *dst, const float *src, int64
 template <typename R> __global__ void k_to_f64(double *dst, const R *src, int64_t n)
 {
     GSTRIDE(i, n) dst[i] = (double)src[i];
+}
+
+/* token-major src [N, heads*hd] -> BF16 group-major dst [S, heads/rep, T,
+ * rep, hd] (attn_flash.cu's layout; rep = 1: [S, heads, T, hd]) */
+__global__ void k_tok_to_groups_bf16(const float *src, int64_t N, int64_t T, int64_t heads,
+                                     int64_t hd, int64_t rep, __nv_bfloat16 *dst)
+{
+    const int64_t w = heads * hd;
+    GSTRIDE(idx, N * w)
+    {
+        const int64_t c = idx % w, n = idx / w;
+        const int64_t head = c / hd, i = c % hd, s = n / T, pos = n % T;
+        dst[(((s * (heads / rep) + head / rep) * T + pos) * rep + head % rep) * hd + i] =
+            __float2bfloat16_rn(src[idx]);
+    }
 }
 
 /* h[n] = table[tok[n]] (rows of d): the embedding of a micro-batch from the
@@ -540,6 +556,11 @@ struct gbwd {
     void *emb;
     int emb_own;
     int32_t *dtok;
+    /* --bwd-precision bf16 with head_dim 64 / 128: the layer forward's
+     * attention fused (attn_flash.cu) from BF16 copies of the rotated q, k and
+     * v, group-major; the backward still recomputes P per head */
+    int flash;
+    __nv_bfloat16 *qb, *kb, *vb;
     /* weights: host copies (loaded on first use) and the device cache */
     bk_layer_weights *hw;
     int *hloaded;
@@ -713,6 +734,13 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
         st = dalloc(g, bufs[i].p, bufs[i].n, bufs[i].es, bufs[i].what);
+    g->flash = !g->fp64 && go && go->math == BK_GBWD_BF16 && bk_attn_flash_supported(g->dim.hd);
+    if (st == BK_OK && g->flash)
+        st = dalloc(g, (void **)&g->qb, R * qd, 2, "attention inputs (BF16)");
+    if (st == BK_OK && g->flash)
+        st = dalloc(g, (void **)&g->kb, R * kvd, 2, "attention inputs (BF16)");
+    if (st == BK_OK && g->flash)
+        st = dalloc(g, (void **)&g->vb, R * kvd, 2, "attention inputs (BF16)");
     /* F32 staging of the largest weight (fp64 mode) */
     int64_t wbig = 0;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
@@ -837,7 +865,7 @@ void gb_free(gbwd *g)
                     g->dob, g->dq,  g->dk,  g->dv,  g->cpy,   g->P,    g->dP,   g->r1,  g->r2,
                     g->rq,  g->rk,  g->headw, g->headn, g->xf, g->dxf,  g->lg,  g->rf,
                     g->mx,  g->se,  g->tg,  g->cum, g->lse,   g->tgl,  g->U,    g->lab, g->last,
-                    g->flags, g->cos, g->sin, g->wstage, g->dtok,
+                    g->flags, g->cos, g->sin, g->wstage, g->dtok, g->qb, g->kb, g->vb,
                     g->emb_own ? g->emb : NULL};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         dfree(g, bufs[i]);
@@ -1090,6 +1118,32 @@ template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
     return BK_OK;
 }
 
+/* O (g->o, token-major) = causal attention of the rotated q, k (qr, kr) and
+ * v (zv) in one fused kernel per micro-batch: BF16 Q, K, V and P, F32
+ * scores, sums and output (attn_flash.cu); g->flash, F32 storage only */
+template <typename R> bk_status attn_fused(gbwd *, int64_t)
+{
+    return bk_error(BK_ERR_INTERNAL, "GPU backward: fused attention needs F32 storage");
+}
+
+template <> bk_status attn_fused<float>(gbwd *g, int64_t S)
+{
+    const int64_t T = g->dim.T, N = S * T, hd = g->dim.hd, nh = g->dim.nh, nkv = g->dim.nkv,
+                  rep = g->dim.rep;
+    cudaStream_t s = g->c->stream;
+    k_tok_to_groups_bf16<<<grid_for(N * nh * hd), 256, 0, s>>>((const float *)g->qr, N, T, nh, hd,
+                                                              rep, g->qb);
+    LAUNCH_CHECK("k_tok_to_groups_bf16");
+    k_tok_to_groups_bf16<<<grid_for(N * nkv * hd), 256, 0, s>>>((const float *)g->kr, N, T, nkv,
+                                                               hd, 1, g->kb);
+    LAUNCH_CHECK("k_tok_to_groups_bf16");
+    k_tok_to_groups_bf16<<<grid_for(N * nkv * hd), 256, 0, s>>>((const float *)g->zv, N, T, nkv,
+                                                               hd, 1, g->vb);
+    LAUNCH_CHECK("k_tok_to_groups_bf16");
+    return bk_attn_flash(g->qb, g->kb, g->vb, (float *)g->o, S, nkv, T, rep, hd,
+                         (float)(1.0 / sqrt((double)hd)), NULL, s);
+}
+
 /* the layer's forward from hin (saving what the backward needs); hout (may
  * equal hin, or be NULL) receives the output */
 template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, const R *hin, R *hout)
@@ -1112,13 +1166,16 @@ template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, co
     }
     TRY(rope<R>(g, RP(g->qr), N, g->dim.nh, +1));
     TRY(rope<R>(g, RP(g->kr), N, g->dim.nkv, +1));
-    for (int64_t j = 0; j < g->dim.nh; j++) {
-        const int64_t gi = j / g->dim.rep;
-        TRY(attn_probs<R>(g, S, j));
-        GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, 1.0, RP(g->P), T, T * T,
-                             RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->o) + j * hd, qd, T * qd,
-                             S));
-    }
+    if (g->flash) {
+        TRY(attn_fused<R>(g, S));
+    } else
+        for (int64_t j = 0; j < g->dim.nh; j++) {
+            const int64_t gi = j / g->dim.rep;
+            TRY(attn_probs<R>(g, S, j));
+            GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, 1.0, RP(g->P), T, T * T,
+                                 RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->o) + j * hd, qd,
+                                 T * qd, S));
+        }
     TRY(lin<R>(g, RP(g->o), N, qd, CRP(w->w[BK_MOD_O]), d, CRP(w->b[BK_MOD_O]), RP(g->tmp)));
     k_add<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(RP(g->h1), hin, RP(g->tmp), N * d);
     LAUNCH_CHECK("k_add");
