@@ -548,6 +548,9 @@ struct gbwd {
     void *headw, *headn; /* [V, d], [d] */
     int64_t vc;
     void *xf, *dxf, *lg;
+    int lg_all; /* lg holds every vocabulary block of a micro-batch ([R, V]: the
+                   logits are computed once, not in each of the head's three
+                   passes); else one block [R, vc], recomputed per pass */
     double *rf, *mx, *se, *tg, *cum, *lse, *tgl, *U;
     int32_t *lab, *last;
     unsigned long long *flags; /* [8] */
@@ -721,7 +724,6 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         {(void **)&g->rq, R * g->dim.nh, 8, "backward buffers"}, {(void **)&g->rk, R * g->dim.nkv, 8, "backward buffers"},
         {&g->headw, g->V * d, (size_t)es, "LM head"},       {&g->headn, d, (size_t)es, "final norm"},
         {&g->xf, R * d, (size_t)es, "head buffers"},        {&g->dxf, R * d, (size_t)es, "head buffers"},
-        {&g->lg, R * vc, (size_t)es, "logit block"},
         {(void **)&g->rf, R, 8, "head buffers"},  {(void **)&g->mx, R, 8, "head buffers"},
         {(void **)&g->se, R, 8, "head buffers"},  {(void **)&g->tg, R, 8, "head buffers"},
         {(void **)&g->cum, R, 8, "head buffers"}, {(void **)&g->lse, R, 8, "head buffers"},
@@ -734,6 +736,22 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
         st = dalloc(g, bufs[i].p, bufs[i].n, bufs[i].es, bufs[i].what);
+    /* the logits: all blocks of a micro-batch when that takes at most an
+     * eighth of the free device memory (the same GEMMs, once instead of
+     * three times per block), else one block */
+    if (st == BK_OK && vc < g->V) {
+        size_t fr = 0, tot = 0;
+        if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+            cudaGetLastError();
+            fr = 0;
+        }
+        if ((double)R * (double)g->V * (double)es <= (double)fr / 8 &&
+            dalloc(g, &g->lg, R * g->V, (size_t)es, "logits") == BK_OK)
+            g->lg_all = 1;
+    } else if (st == BK_OK)
+        g->lg_all = 1; /* (one block is the whole vocabulary) */
+    if (st == BK_OK && !g->lg)
+        st = dalloc(g, &g->lg, R * vc, (size_t)es, "logit block");
     g->flash = !g->fp64 && go && go->math == BK_GBWD_BF16 && bk_attn_flash_supported(g->dim.hd);
     if (st == BK_OK && g->flash)
         st = dalloc(g, (void **)&g->qb, R * qd, 2, "attention inputs (BF16)");
@@ -1346,11 +1364,13 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
     TRY(rms_fwd<R>(g, h, N, d, CRP(g->headn), g->rf, RP(g->xf)));
     k_lse_init<<<grid_for(N), 256, 0, s>>>(g->mx, g->se, N);
     LAUNCH_CHECK("k_lse_init");
+    /* block v0's logits [N, n]: at N·v0 in lg when every block is kept */
+#define LGB(v0) (RP(g->lg) + (g->lg_all ? N * (v0) : 0))
     for (int64_t v0 = 0; v0 < V; v0 += g->vc) {
         const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
         GEMM_CHECK(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
-                           CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n));
-        k_lse_block<R><<<warp_grid(N), 256, 0, s>>>(RP(g->lg), N, n, g->mx, g->se);
+                           CRP(g->headw) + v0 * d, d, 0.0, LGB(v0), n));
+        k_lse_block<R><<<warp_grid(N), 256, 0, s>>>(LGB(v0), N, n, g->mx, g->se);
         LAUNCH_CHECK("k_lse_block");
     }
     /* finite logits (as the CPU) */
@@ -1404,11 +1424,12 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
         }
         for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += g->vc) {
             const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
-            st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
-                                          CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n),
-                                  "GPU backward: logits", __FILE__, __LINE__);
+            if (!g->lg_all)
+                st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
+                                              CRP(g->headw) + v0 * d, d, 0.0, LGB(v0), n),
+                                      "GPU backward: logits", __FILE__, __LINE__);
             if (st == BK_OK) {
-                k_sample_block<R><<<warp_grid(N), 256, 0, s>>>(RP(g->lg), N, n, v0, g->mx, g->tg,
+                k_sample_block<R><<<warp_grid(N), 256, 0, s>>>(LGB(v0), N, n, v0, g->mx, g->tg,
                                                                g->cum, g->last, g->lab);
                 st = BK_LAUNCHED_OK();
             }
@@ -1434,16 +1455,17 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
                             __FILE__, __LINE__);
     for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += g->vc) {
         const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
-        st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
-                                      CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n),
-                              "GPU backward: logits", __FILE__, __LINE__);
+        if (!g->lg_all)
+            st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
+                                          CRP(g->headw) + v0 * d, d, 0.0, LGB(v0), n),
+                                  "GPU backward: logits", __FILE__, __LINE__);
         if (st == BK_OK) {
-            k_head_grad<R><<<grid_for(N * n), 256, 0, s>>>(RP(g->lg), N, n, v0, g->lab, g->lse,
+            k_head_grad<R><<<grid_for(N * n), 256, 0, s>>>(LGB(v0), N, n, v0, g->lab, g->lse,
                                                            g->tgl);
             st = BK_LAUNCHED_OK();
         }
         if (st == BK_OK && dh)
-            st = bk_cublas_status(rm_gemm(g->bl, false, false, N, d, n, 1.0, RP(g->lg), n,
+            st = bk_cublas_status(rm_gemm(g->bl, false, false, N, d, n, 1.0, LGB(v0), n,
                                           CRP(g->headw) + v0 * d, d, 1.0, RP(g->dxf), d),
                                   "GPU backward: head gradient", __FILE__, __LINE__);
     }
@@ -1478,6 +1500,7 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
                             idx[0], d);
     }
     return st;
+#undef LGB
 }
 
 /* embed_tokens on the device in R, once: the LM head's array when tied (the
