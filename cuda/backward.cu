@@ -110,6 +110,11 @@ template <typename R> __global__ void k_to_f64(double *dst, const R *src, int64_
     GSTRIDE(i, n) dst[i] = (double)src[i];
 }
 
+template <typename R> __global__ void k_to_bf16_rn(const R *src, __nv_bfloat16 *dst, int64_t n)
+{
+    GSTRIDE(i, n) dst[i] = __float2bfloat16_rn((float)src[i]);
+}
+
 /* token-major src [N, heads*hd] -> BF16 group-major dst [S, heads/rep, T,
  * rep, hd] (attn_flash.cu's layout; rep = 1: [S, heads, T, hd]) */
 __global__ void k_tok_to_groups_bf16(const float *src, int64_t N, int64_t T, int64_t heads,
@@ -512,6 +517,18 @@ cublasStatus_t rm_gemm_b(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t 
                                      (int)batch);
 }
 
+/* row-major C[M, N] (F32) = alpha op(A) op(B) + beta C with BF16 A and B,
+ * F32 accumulation (--bwd-precision bf16: the layers' linear maps) */
+cublasStatus_t rm_gemm_bf(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                          float alpha, const __nv_bfloat16 *A, int64_t lda,
+                          const __nv_bfloat16 *B, int64_t ldb, float beta, float *C, int64_t ldc)
+{
+    return cublasGemmEx(bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                        (int)N, (int)M, (int)K, &alpha, B, CUDA_R_16BF, (int)ldb, A, CUDA_R_16BF,
+                        (int)lda, &beta, C, CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT);
+}
+
 #define GEMM_CHECK(call) BK_CUBLAS_CHECK(call)
 #define LAUNCH_CHECK(what) BK_CUDA_CHECK(cudaGetLastError())
 #define BK_LAUNCHED_OK() bk_cuda_status(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
@@ -567,6 +584,11 @@ struct gbwd {
      * v, group-major; the backward still recomputes P per head */
     int flash;
     __nv_bfloat16 *qb, *kb, *vb;
+    /* --bwd-precision bf16: the layers' weights cached as BF16 (gslot.w; F32
+     * through wstage on upload) and their GEMMs on BF16 inputs, the
+     * activation or gradient rounded into xb [R, widest] on the way */
+    int wbf;
+    __nv_bfloat16 *xb;
     /* weights: host copies (loaded on first use) and the device cache */
     bk_layer_weights *hw;
     int *hloaded;
@@ -647,6 +669,22 @@ bk_status upload_f32(gbwd *g, const float *src, int64_t n, void *dst)
                                   g->c->stream));
     k_from_f32<double><<<grid_for(n), 256, 0, g->c->stream>>>((double *)dst, g->wstage, n);
     LAUNCH_CHECK("k_from_f32");
+    return BK_OK;
+}
+
+/* a host F32 weight of n into the device array dst in the slot's type: R,
+ * or BF16 (round to nearest even) when g->wbf */
+bk_status upload_weight(gbwd *g, const float *src, int64_t n, void *dst)
+{
+    if (!g->wbf)
+        return upload_f32(g, src, n, dst);
+    if (n > g->wstage_elems)
+        return bk_error(BK_ERR_INTERNAL, "GPU backward: weight staging too small");
+    BK_CUDA_CHECK(cudaMemcpyAsync(g->wstage, src, (size_t)n * 4, cudaMemcpyHostToDevice,
+                                  g->c->stream));
+    k_to_bf16_rn<float><<<grid_for(n), 256, 0, g->c->stream>>>(g->wstage,
+                                                               (__nv_bfloat16 *)dst, n);
+    LAUNCH_CHECK("k_to_bf16_rn");
     return BK_OK;
 }
 
@@ -756,6 +794,12 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
     if (st == BK_OK && !g->lg)
         st = dalloc(g, &g->lg, R * vc, (size_t)es, "logit block");
     g->flash = !g->fp64 && go && go->math == BK_GBWD_BF16 && bk_attn_flash_supported(g->dim.hd);
+    g->wbf = !g->fp64 && go && go->math == BK_GBWD_BF16;
+    if (st == BK_OK && g->wbf) {
+        int64_t xw = d > NI ? d : NI;
+        xw = xw > qd ? xw : qd;
+        st = dalloc(g, (void **)&g->xb, R * xw, 2, "GEMM inputs (BF16)");
+    }
     if (st == BK_OK && g->flash)
         st = dalloc(g, (void **)&g->qb, R * qd, 2, "attention inputs (BF16)");
     if (st == BK_OK && g->flash)
@@ -771,7 +815,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
             wbig = o * in;
     }
     g->wstage_elems = wbig;
-    if (st == BK_OK && g->fp64)
+    if (st == BK_OK && (g->fp64 || g->wbf))
         st = dalloc(g, (void **)&g->wstage, wbig, 4, "weight staging");
     if (st == BK_ERR_DEVICE_OOM) {
         char msg[512];
@@ -886,7 +930,7 @@ void gb_free(gbwd *g)
                     g->dob, g->dq,  g->dk,  g->dv,  g->cpy,   g->P,    g->dP,   g->r1,  g->r2,
                     g->rq,  g->rk,  g->headw, g->headn, g->xf, g->dxf,  g->lg,  g->rf,
                     g->mx,  g->se,  g->tg,  g->cum, g->lse,   g->tgl,  g->U,    g->lab, g->last,
-                    g->flags, g->cos, g->sin, g->wstage, g->dtok, g->qb, g->kb, g->vb,
+                    g->flags, g->cos, g->sin, g->wstage, g->dtok, g->qb, g->kb, g->vb, g->xb,
                     g->emb_own ? g->emb : NULL};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         dfree(g, bufs[i]);
@@ -934,6 +978,12 @@ bk_status slots_init(gbwd *g, int want)
             fr = 0;
         }
         double per = (double)layer_elems(g) * (double)g->es;
+        if (g->wbf) /* (the matrices in BF16) */
+            for (int i = 0; i < BK_MOD_COUNT; i++) {
+                int64_t o, in;
+                bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
+                per -= (double)(o * in) * (double)(g->es - 2);
+            }
         n = (int)(0.5 * (double)fr / per);
     }
     if (n < 1)
@@ -1046,9 +1096,9 @@ bk_status weights(gbwd *g, int l, const gslot **out)
         int64_t o, in;
         bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
         if (!s->w[i])
-            st = dalloc(g, &s->w[i], o * in, g->es, "layer weights");
+            st = dalloc(g, &s->w[i], o * in, g->wbf ? 2 : g->es, "layer weights");
         if (st == BK_OK)
-            st = upload_f32(g, lw->w[i], o * in, s->w[i]);
+            st = upload_weight(g, lw->w[i], o * in, s->w[i]);
         if (st == BK_OK && lw->b[i]) {
             if (!s->b[i])
                 st = dalloc(g, &s->b[i], o, g->es, "layer biases");
@@ -1133,11 +1183,33 @@ bk_status bad_grad(int layer, const char *what, unsigned long long i, int64_t co
 #define RP(p) static_cast<R *>(p)
 #define CRP(p) static_cast<const R *>(p)
 
-template <typename R>
-bk_status lin(gbwd *g, const R *X, int64_t N, int64_t in, const R *W, int64_t out, const R *b,
-              R *Y)
+/* X [n] rounded to BF16 into g->xb (--bwd-precision bf16) */
+template <typename R> const __nv_bfloat16 *to_xb(gbwd *g, const R *X, int64_t n)
 {
-    GEMM_CHECK(rm_gemm(g->bl, false, true, N, out, in, 1.0, X, in, W, in, 0.0, Y, out));
+    k_to_bf16_rn<R><<<grid_for(n), 256, 0, g->c->stream>>>(X, g->xb, n);
+    return g->xb;
+}
+
+/* Y = X Wᵀ (+ b) with module mod of slot w: W in R, or BF16 (g->wbf: X
+ * rounded to BF16, F32 accumulation; xb_ready: the previous lin's X, still
+ * in g->xb) */
+template <typename R>
+bk_status lin(gbwd *g, const R *X, int64_t N, int64_t in, const gslot *w, bk_module mod,
+              int64_t out, R *Y, int xb_ready = 0)
+{
+    const R *b = CRP(w->b[mod]);
+    if (g->wbf) {
+        const __nv_bfloat16 *xb = g->xb;
+        if (!xb_ready) {
+            xb = to_xb<R>(g, X, N * in);
+            LAUNCH_CHECK("k_to_bf16_rn");
+        }
+        GEMM_CHECK(rm_gemm_bf(g->bl, false, true, N, out, in, 1.0f, xb, in,
+                              static_cast<const __nv_bfloat16 *>(w->w[mod]), in, 0.0f,
+                              reinterpret_cast<float *>(Y), out));
+    } else
+        GEMM_CHECK(rm_gemm(g->bl, false, true, N, out, in, 1.0, X, in, CRP(w->w[mod]), in, 0.0,
+                           Y, out));
     if (b) {
         k_bias<R><<<grid_for(N * out), 256, 0, g->c->stream>>>(Y, N, out, b);
         LAUNCH_CHECK("k_bias");
@@ -1145,11 +1217,20 @@ bk_status lin(gbwd *g, const R *X, int64_t N, int64_t in, const R *W, int64_t ou
     return BK_OK;
 }
 
+/* dX (= or, beta 1, +=) dY W with module mod of slot w (as lin) */
 template <typename R>
-bk_status lin_back(gbwd *g, const R *dY, int64_t N, int64_t out, const R *W, int64_t in,
-                   double beta, R *dX)
+bk_status lin_back(gbwd *g, const R *dY, int64_t N, int64_t out, const gslot *w, bk_module mod,
+                   int64_t in, double beta, R *dX)
 {
-    GEMM_CHECK(rm_gemm(g->bl, false, false, N, in, out, 1.0, dY, out, W, in, beta, dX, in));
+    if (g->wbf) {
+        const __nv_bfloat16 *xb = to_xb<R>(g, dY, N * out);
+        LAUNCH_CHECK("k_to_bf16_rn");
+        GEMM_CHECK(rm_gemm_bf(g->bl, false, false, N, in, out, 1.0f, xb, out,
+                              static_cast<const __nv_bfloat16 *>(w->w[mod]), in, (float)beta,
+                              reinterpret_cast<float *>(dX), in));
+    } else
+        GEMM_CHECK(rm_gemm(g->bl, false, false, N, in, out, 1.0, dY, out, CRP(w->w[mod]), in,
+                           beta, dX, in));
     return BK_OK;
 }
 
@@ -1224,9 +1305,9 @@ template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, co
                   NI = g->dim.inter;
     bk_status st;
     TRY(rms_fwd<R>(g, hin, N, d, CRP(w->an), g->r1, RP(g->xa)));
-    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_Q]), qd, CRP(w->b[BK_MOD_Q]), RP(g->zq)));
-    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_K]), kvd, CRP(w->b[BK_MOD_K]), RP(g->zk)));
-    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_V]), kvd, CRP(w->b[BK_MOD_V]), RP(g->zv)));
+    TRY(lin<R>(g, RP(g->xa), N, d, w, BK_MOD_Q, qd, RP(g->zq)));
+    TRY(lin<R>(g, RP(g->xa), N, d, w, BK_MOD_K, kvd, RP(g->zk), 1));
+    TRY(lin<R>(g, RP(g->xa), N, d, w, BK_MOD_V, kvd, RP(g->zv), 1));
     if (w->qn) {
         TRY(rms_fwd<R>(g, RP(g->zq), N * g->dim.nh, hd, CRP(w->qn), g->rq, RP(g->qr)));
         TRY(rms_fwd<R>(g, RP(g->zk), N * g->dim.nkv, hd, CRP(w->kn), g->rk, RP(g->kr)));
@@ -1248,17 +1329,17 @@ template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, co
                                  RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->o) + j * hd, qd,
                                  T * qd, S));
         }
-    TRY(lin<R>(g, RP(g->o), N, qd, CRP(w->w[BK_MOD_O]), d, CRP(w->b[BK_MOD_O]), RP(g->tmp)));
+    TRY(lin<R>(g, RP(g->o), N, qd, w, BK_MOD_O, d, RP(g->tmp)));
     k_add<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(RP(g->h1), hin, RP(g->tmp), N * d);
     LAUNCH_CHECK("k_add");
     TRY(rms_fwd<R>(g, RP(g->h1), N, d, CRP(w->mn), g->r2, RP(g->xm)));
-    TRY(lin<R>(g, RP(g->xm), N, d, CRP(w->w[BK_MOD_GATE]), NI, CRP(w->b[BK_MOD_GATE]), RP(g->zg)));
-    TRY(lin<R>(g, RP(g->xm), N, d, CRP(w->w[BK_MOD_UP]), NI, CRP(w->b[BK_MOD_UP]), RP(g->zu)));
+    TRY(lin<R>(g, RP(g->xm), N, d, w, BK_MOD_GATE, NI, RP(g->zg)));
+    TRY(lin<R>(g, RP(g->xm), N, d, w, BK_MOD_UP, NI, RP(g->zu), 1));
     k_swiglu<R><<<grid_for(N * NI), 256, 0, g->c->stream>>>(RP(g->zg), RP(g->zu), RP(g->mm), N * NI);
     LAUNCH_CHECK("k_swiglu");
     if (!hout)
         return BK_OK;
-    TRY(lin<R>(g, RP(g->mm), N, NI, CRP(w->w[BK_MOD_DOWN]), d, CRP(w->b[BK_MOD_DOWN]), RP(g->tmp)));
+    TRY(lin<R>(g, RP(g->mm), N, NI, w, BK_MOD_DOWN, d, RP(g->tmp)));
     k_add<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(hout, RP(g->h1), RP(g->tmp), N * d);
     LAUNCH_CHECK("k_add");
     return BK_OK;
@@ -1277,18 +1358,18 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
     /* MLP: g_down = dh (kept in tmp) */
     BK_CUDA_CHECK(cudaMemcpyAsync(g->tmp, dh, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
                                   g->c->stream));
-    TRY(lin_back<R>(g, dh, N, d, CRP(w->w[BK_MOD_DOWN]), NI, 0.0, RP(g->dm)));
+    TRY(lin_back<R>(g, dh, N, d, w, BK_MOD_DOWN, NI, 0.0, RP(g->dm)));
     k_swiglu_back<R><<<grid_for(N * NI), 256, 0, g->c->stream>>>(
         RP(g->zg), RP(g->zu), RP(g->dm), RP(g->dzg), RP(g->dzu), N * NI);
     LAUNCH_CHECK("k_swiglu_back");
-    TRY(lin_back<R>(g, RP(g->dzg), N, NI, CRP(w->w[BK_MOD_GATE]), d, 0.0, RP(g->dx)));
-    TRY(lin_back<R>(g, RP(g->dzu), N, NI, CRP(w->w[BK_MOD_UP]), d, 1.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dzg), N, NI, w, BK_MOD_GATE, d, 0.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dzu), N, NI, w, BK_MOD_UP, d, 1.0, RP(g->dx)));
     /* dh1 = dh2 + RMSNorm_2 adjoint */
     BK_CUDA_CHECK(cudaMemcpyAsync(g->dh1, dh, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
                                   g->c->stream));
     TRY(rms_back<R>(g, RP(g->h1), g->r2, N, d, CRP(w->mn), RP(g->dx), 1, RP(g->dh1)));
     /* attention: g_o = dh1 */
-    TRY(lin_back<R>(g, RP(g->dh1), N, d, CRP(w->w[BK_MOD_O]), qd, 0.0, RP(g->dob)));
+    TRY(lin_back<R>(g, RP(g->dh1), N, d, w, BK_MOD_O, qd, 0.0, RP(g->dob)));
     BK_CUDA_CHECK(cudaMemsetAsync(g->dq, 0, (size_t)(N * qd) * g->es, g->c->stream));
     BK_CUDA_CHECK(cudaMemsetAsync(g->dk, 0, (size_t)(N * kvd) * g->es, g->c->stream));
     BK_CUDA_CHECK(cudaMemsetAsync(g->dv, 0, (size_t)(N * kvd) * g->es, g->c->stream));
@@ -1325,9 +1406,9 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
         TRY(rms_back<R>(g, RP(g->zk), g->rk, N * g->dim.nkv, hd, CRP(w->kn), RP(g->cpy), 0, RP(g->dk)));
     }
     /* dxa = dq Wq + dk Wk + dv Wv; dh = dh1 + RMSNorm_1 adjoint */
-    TRY(lin_back<R>(g, RP(g->dq), N, qd, CRP(w->w[BK_MOD_Q]), d, 0.0, RP(g->dx)));
-    TRY(lin_back<R>(g, RP(g->dk), N, kvd, CRP(w->w[BK_MOD_K]), d, 1.0, RP(g->dx)));
-    TRY(lin_back<R>(g, RP(g->dv), N, kvd, CRP(w->w[BK_MOD_V]), d, 1.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dq), N, qd, w, BK_MOD_Q, d, 0.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dk), N, kvd, w, BK_MOD_K, d, 1.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dv), N, kvd, w, BK_MOD_V, d, 1.0, RP(g->dx)));
     BK_CUDA_CHECK(cudaMemcpyAsync(dh, g->dh1, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
                                   g->c->stream));
     TRY(rms_back<R>(g, hin, g->r1, N, d, CRP(w->an), RP(g->dx), 1, dh));
