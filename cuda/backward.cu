@@ -24,6 +24,10 @@
  *                against U·Σ with the CPU's uniforms U = bk__bwd_uniform(seed,
  *                sequence, position) computed on the host; then
  *                dlogits = softmax - onehot and dxf += dlogits W_block;
+ *   speed modes  --bwd-precision tf32 / bf16: the output-gradient Grams per
+ *                micro-batch on tensor cores (F32), added in double; bf16:
+ *                the layer weights cached as BF16, BF16 x BF16 layer GEMMs,
+ *                the layer forward's attention fused (attn_flash.cu);
  *   flows        naive I and recursive halving as src/backward_flow.c,
  *                micro-batch by micro-batch; the boundary matrices X_mid,
  *                G_mid, G_L in pinned host memory in R, copied in and out per
