@@ -220,15 +220,18 @@ __global__ void k_rope(R *x, int64_t N, int64_t T, int64_t heads, int64_t hd, co
     }
 }
 
-/* causal softmax of the rows of [batch, T, T] (row t keeps u <= t) */
-template <typename R> __global__ void k_softmax(R *P, int64_t rows, int64_t T)
+/* causal softmax of rows of [batch, T, T] (row t keeps u <= t): rows r0 ..
+ * r0+rc of every sequence (rows = batch·rc), columns < kc written (the
+ * others are not read); the whole matrix: r0 = 0, rc = kc = T */
+template <typename R>
+__global__ void k_softmax(R *P, int64_t rows, int64_t T, int64_t r0, int64_t rc, int64_t kc)
 {
     const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     if (row >= rows)
         return;
-    const int64_t t = row % T;
-    R *pr = P + row * T;
+    const int64_t t = r0 + row % rc;
+    R *pr = P + ((row / rc) * T + t) * T;
     double mx = -INFINITY;
     for (int64_t u = lane; u <= t; u += 32)
         mx = fmax(mx, (double)pr[u]);
@@ -237,25 +240,29 @@ template <typename R> __global__ void k_softmax(R *P, int64_t rows, int64_t T)
     for (int64_t u = lane; u <= t; u += 32)
         sum += exp((double)pr[u] - mx);
     sum = warp_sum(sum);
-    for (int64_t u = lane; u < T; u += 32)
+    for (int64_t u = lane; u < kc; u += 32)
         pr[u] = u <= t ? (R)(exp((double)pr[u] - mx) / sum) : (R)0;
 }
 
-/* dS = P ⊙ (dP - rowsum(P ⊙ dP)), into dP, zero above the diagonal */
-template <typename R> __global__ void k_dsoftmax(const R *P, R *dP, int64_t rows, int64_t T)
+/* dS = P ⊙ (dP - rowsum(P ⊙ dP)), into dP, zero above the diagonal (rows
+ * and columns as k_softmax) */
+template <typename R>
+__global__ void k_dsoftmax(const R *P, R *dP, int64_t rows, int64_t T, int64_t r0, int64_t rc,
+                           int64_t kc)
 {
     const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     if (row >= rows)
         return;
-    const int64_t t = row % T;
-    const R *pr = P + row * T;
-    R *dr = dP + row * T;
+    const int64_t t = r0 + row % rc;
+    const int64_t at = ((row / rc) * T + t) * T;
+    const R *pr = P + at;
+    R *dr = dP + at;
     double dot = 0;
     for (int64_t u = lane; u <= t; u += 32)
         dot += (double)pr[u] * (double)dr[u];
     dot = warp_sum(dot);
-    for (int64_t u = lane; u < T; u += 32)
+    for (int64_t u = lane; u < kc; u += 32)
         dr[u] = u <= t ? (R)((double)pr[u] * ((double)dr[u] - dot)) : (R)0;
 }
 
@@ -1263,16 +1270,42 @@ template <typename R> bk_status rope(gbwd *g, R *x, int64_t N, int64_t heads, in
     return BK_OK;
 }
 
-/* P[s] = causal softmax(scale Q_j K_gᵀ) for every sequence s of the micro-batch */
-template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
+/* P[s] rows r0 .. r1 (keys 0 .. r1) = causal softmax(scale Q_j K_gᵀ) for
+ * every sequence s of the micro-batch (P keeps its [T, T] layout) */
+template <typename R> bk_status attn_probs_rows(gbwd *g, int64_t S, int64_t j, int64_t r0, int64_t r1)
 {
     const int64_t T = g->dim.T, qd = g->dim.qdim, kvd = g->dim.kvdim, hd = g->dim.hd, gi = j / g->dim.rep;
     const double scale = 1.0 / sqrt((double)hd);
-    GEMM_CHECK(rm_gemm_b(g->bl, false, true, T, T, hd, scale, RP(g->qr) + j * hd, qd, T * qd,
-                         RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->P), T, T * T, S));
-    k_softmax<R><<<warp_grid(S * T), 256, 0, g->c->stream>>>(RP(g->P), S * T, T);
+    GEMM_CHECK(rm_gemm_b(g->bl, false, true, r1 - r0, r1, hd, scale, RP(g->qr) + r0 * qd + j * hd,
+                         qd, T * qd, RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->P) + r0 * T, T,
+                         T * T, S));
+    k_softmax<R><<<warp_grid(S * (r1 - r0)), 256, 0, g->c->stream>>>(RP(g->P), S * (r1 - r0), T,
+                                                                      r0, r1 - r0, r1);
     LAUNCH_CHECK("k_softmax");
     return BK_OK;
+}
+
+/* the whole P[s] */
+template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
+{
+    return attn_probs_rows<R>(g, S, j, 0, g->dim.T);
+}
+
+/* The backward's attention in row chunks (tf32 / bf16 only): query rows
+ * [r0, r1) need keys [0, r1) only, so with C chunks of T/C rows the GEMMs
+ * and softmax passes cover (C+1)/2C of the [T, T] matrices (3/4 at C = 2,
+ * 5/8 at C = 4) instead of all of it; the dV / dK sums then run over the
+ * chunks (another order of the same sums). Two chunks from T = 16 on (so the
+ * tests' short sequences take this path too), more only with at least 1024
+ * rows each: each op of a chunk is a few microseconds of memory traffic per
+ * head, and smaller ones would be bound by the launches (7 per chunk and
+ * head). fp32 and fp64 keep one chunk (their bits). */
+int attn_chunks(const gbwd *g)
+{
+    if (g->fp64 || g->bl.ct == CUBLAS_COMPUTE_32F || g->dim.T < 16)
+        return 1;
+    int64_t c = g->dim.T / 1024;
+    return (int)(c < 2 ? 2 : (c > 4 ? 4 : c));
 }
 
 /* O (g->o, token-major) = causal attention of the rotated q, k (qr, kr) and
@@ -1378,25 +1411,32 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
     BK_CUDA_CHECK(cudaMemsetAsync(g->dk, 0, (size_t)(N * kvd) * g->es, g->c->stream));
     BK_CUDA_CHECK(cudaMemsetAsync(g->dv, 0, (size_t)(N * kvd) * g->es, g->c->stream));
     const double scale = 1.0 / sqrt((double)hd);
-    for (int64_t j = 0; j < g->dim.nh; j++) {
-        const int64_t gi = j / g->dim.rep;
-        TRY(attn_probs<R>(g, S, j));
-        /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
-        GEMM_CHECK(rm_gemm_b(g->bl, true, false, T, hd, T, 1.0, RP(g->P), T, T * T,
-                             RP(g->dob) + j * hd, qd, T * qd, 1.0, RP(g->dv) + gi * hd, kvd,
-                             T * kvd, S));
-        GEMM_CHECK(rm_gemm_b(g->bl, false, true, T, T, hd, 1.0, RP(g->dob) + j * hd, qd, T * qd,
-                             RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->dP), T, T * T, S));
-        k_dsoftmax<R><<<warp_grid(S * T), 256, 0, g->c->stream>>>(RP(g->P), RP(g->dP), S * T, T);
-        LAUNCH_CHECK("k_dsoftmax");
-        /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
-        GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, scale, RP(g->dP), T, T * T,
-                             RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->dq) + j * hd, qd,
-                             T * qd, S));
-        GEMM_CHECK(rm_gemm_b(g->bl, true, false, T, hd, T, scale, RP(g->dP), T, T * T,
-                             RP(g->qr) + j * hd, qd, T * qd, 1.0, RP(g->dk) + gi * hd, kvd,
-                             T * kvd, S));
-    }
+    const int64_t nch = attn_chunks(g);
+    for (int64_t j = 0; j < g->dim.nh; j++)
+        for (int64_t c = 0; c < nch; c++) {
+            /* query rows [r0, r1) of head j against keys [0, r1) (one chunk:
+             * the whole [T, T]) */
+            const int64_t gi = j / g->dim.rep, r0 = T * c / nch, r1 = T * (c + 1) / nch,
+                          rc = r1 - r0;
+            R *Pc = RP(g->P) + r0 * T, *dPc = RP(g->dP) + r0 * T;
+            const R *dOc = RP(g->dob) + r0 * qd + j * hd;
+            TRY(attn_probs_rows<R>(g, S, j, r0, r1));
+            /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
+            GEMM_CHECK(rm_gemm_b(g->bl, true, false, r1, hd, rc, 1.0, Pc, T, T * T, dOc, qd,
+                                 T * qd, 1.0, RP(g->dv) + gi * hd, kvd, T * kvd, S));
+            GEMM_CHECK(rm_gemm_b(g->bl, false, true, rc, r1, hd, 1.0, dOc, qd, T * qd,
+                                 RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, dPc, T, T * T, S));
+            k_dsoftmax<R><<<warp_grid(S * rc), 256, 0, g->c->stream>>>(RP(g->P), RP(g->dP),
+                                                                        S * rc, T, r0, rc, r1);
+            LAUNCH_CHECK("k_dsoftmax");
+            /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
+            GEMM_CHECK(rm_gemm_b(g->bl, false, false, rc, hd, r1, scale, dPc, T, T * T,
+                                 RP(g->kr) + gi * hd, kvd, T * kvd, 0.0,
+                                 RP(g->dq) + r0 * qd + j * hd, qd, T * qd, S));
+            GEMM_CHECK(rm_gemm_b(g->bl, true, false, r1, hd, rc, scale, dPc, T, T * T,
+                                 RP(g->qr) + r0 * qd + j * hd, qd, T * qd, 1.0,
+                                 RP(g->dk) + gi * hd, kvd, T * kvd, S));
+        }
     /* RoPE adjoint, then the q/k norm adjoints: dq, dk become the gradients
      * of the q_proj / k_proj outputs */
     TRY(rope<R>(g, RP(g->dq), N, g->dim.nh, -1));
