@@ -317,15 +317,27 @@ template <typename R> __global__ void k_row_sq(const R *x, int64_t rows, int64_t
         out[row] = ss;
 }
 
+template <typename O> __device__ inline O from_double(double v)
+{
+    return (O)v;
+}
+
+/* (through F32, as the F32 arrays that cuBLAS's 32F_FAST_16BF rounds) */
+template <> __device__ inline __nv_bfloat16 from_double<__nv_bfloat16>(double v)
+{
+    return __float2bfloat16_rn((float)v);
+}
+
 /* out = sqrt(w[row]) g (w NULL: 1), computed in double, stored as O (double
- * for DSYRK; float for the tensor-core Grams of --bwd-precision tf32 / bf16) */
+ * for DSYRK; float / BF16 for the tensor-core Grams of --bwd-precision tf32 /
+ * bf16) */
 template <typename R, typename O>
 __global__ void k_scale_rows(const R *g, int64_t rows, int64_t m, const double *w, O *out)
 {
     GSTRIDE(i, rows * m)
     {
         const double v = (double)g[i];
-        out[i] = (O)(w ? sqrt(w[i / m]) * v : v);
+        out[i] = from_double<O>(w ? sqrt(w[i / m]) * v : v);
     }
 }
 
@@ -1776,17 +1788,30 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
              * (X = [m, N], C[j0:m, j0:j1] = X[j0:m, :] X[j0:j1, :]ᵀ), then
              * added in double to the leaf's Gram: the sum over micro-batches
              * stays in double as with DSYRK */
-            float *xs = reinterpret_cast<float *>(f->gscr);
-            k_scale_rows<R, float><<<grid_for(N * m), 256, 0, s>>>(CRP(gs[i]), N, m, wrow, xs);
+            /* bf16: the scaled gradients stored as BF16 and BF16 x BF16 GEMMs
+             * (CUBLAS_COMPUTE_32F; the products 32F_FAST_16BF forms from F32
+             * arrays, without its conversions); tf32: F32 with 32F_FAST_TF32 */
+            const bool bf = g->wbf != 0;
+            void *xs = f->gscr;
+            if (bf)
+                k_scale_rows<R, __nv_bfloat16><<<grid_for(N * m), 256, 0, s>>>(
+                    CRP(gs[i]), N, m, wrow, static_cast<__nv_bfloat16 *>(xs));
+            else
+                k_scale_rows<R, float><<<grid_for(N * m), 256, 0, s>>>(CRP(gs[i]), N, m, wrow,
+                                                                       static_cast<float *>(xs));
             LAUNCH_CHECK("k_scale_rows");
+            const size_t xe = bf ? 2 : 4;
+            const cudaDataType_t xt = bf ? CUDA_R_16BF : CUDA_R_32F;
+            const cublasComputeType_t ct = bf ? CUBLAS_COMPUTE_32F : g->bl.ct;
             const float one32 = 1.0f, zero32 = 0.0f;
             const int64_t nb = m >= 8192 ? 1024 : 512;
             for (int64_t j0 = 0; j0 < m; j0 += nb) {
                 const int64_t w = m - j0 < nb ? m - j0 : nb;
+                const void *xj = static_cast<const char *>(xs) + (size_t)j0 * xe;
                 GEMM_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)(m - j0), (int)w,
-                                        (int)N, &one32, xs + j0, CUDA_R_32F, (int)m, xs + j0,
-                                        CUDA_R_32F, (int)m, &zero32, f->g32 + j0 * m + j0,
-                                        CUDA_R_32F, (int)m, g->bl.ct, CUBLAS_GEMM_DEFAULT));
+                                        (int)N, &one32, xj, xt, (int)m, xj, xt, (int)m, &zero32,
+                                        f->g32 + j0 * m + j0, CUDA_R_32F, (int)m, ct,
+                                        CUBLAS_GEMM_DEFAULT));
             }
             k_gram_acc_lower<<<grid_for(m * m), 256, 0, s>>>(f->gram[k][i], f->g32, m);
             LAUNCH_CHECK("k_gram_acc_lower");
