@@ -266,6 +266,54 @@ __global__ void k_dsoftmax(const R *P, R *dP, int64_t rows, int64_t T, int64_t r
         dr[u] = u <= t ? (R)((double)pr[u] * ((double)dr[u] - dot)) : (R)0;
 }
 
+/* --bwd-precision bf16: k_softmax from the F32 scores S into BF16
+ * probabilities Pb (same rows and columns; S untouched) */
+__global__ void k_softmax_bf(const float *S, __nv_bfloat16 *Pb, int64_t rows, int64_t T,
+                             int64_t r0, int64_t rc, int64_t kc)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const int64_t t = r0 + row % rc;
+    const int64_t at = ((row / rc) * T + t) * T;
+    const float *sr = S + at;
+    __nv_bfloat16 *pr = Pb + at;
+    double mx = -INFINITY;
+    for (int64_t u = lane; u <= t; u += 32)
+        mx = fmax(mx, (double)sr[u]);
+    mx = warp_max(mx);
+    double sum = 0;
+    for (int64_t u = lane; u <= t; u += 32)
+        sum += exp((double)sr[u] - mx);
+    sum = warp_sum(sum);
+    for (int64_t u = lane; u < kc; u += 32)
+        pr[u] = __float2bfloat16_rn(u <= t ? (float)(exp((double)sr[u] - mx) / sum) : 0.0f);
+}
+
+/* --bwd-precision bf16: k_dsoftmax from the BF16 probabilities and the F32
+ * dP into the BF16 dS */
+__global__ void k_dsoftmax_bf(const __nv_bfloat16 *Pb, const float *dP, __nv_bfloat16 *dSb,
+                              int64_t rows, int64_t T, int64_t r0, int64_t rc, int64_t kc)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const int64_t t = r0 + row % rc;
+    const int64_t at = ((row / rc) * T + t) * T;
+    const __nv_bfloat16 *pr = Pb + at;
+    const float *dr = dP + at;
+    __nv_bfloat16 *sr = dSb + at;
+    double dot = 0;
+    for (int64_t u = lane; u <= t; u += 32)
+        dot += (double)__bfloat162float(pr[u]) * (double)dr[u];
+    dot = warp_sum(dot);
+    for (int64_t u = lane; u < kc; u += 32)
+        sr[u] = __float2bfloat16_rn(
+            u <= t ? (float)((double)__bfloat162float(pr[u]) * ((double)dr[u] - dot)) : 0.0f);
+}
+
 __device__ inline double sigm(double z)
 {
     return 1.0 / (1.0 + exp(-z));
@@ -552,6 +600,18 @@ cublasStatus_t rm_gemm_bf(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t
                         CUBLAS_GEMM_DEFAULT);
 }
 
+/* strided-batched rm_gemm_bf */
+cublasStatus_t rm_gemm_b_bf(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                            float alpha, const __nv_bfloat16 *A, int64_t lda, int64_t sa,
+                            const __nv_bfloat16 *B, int64_t ldb, int64_t sb, float beta, float *C,
+                            int64_t ldc, int64_t sc, int64_t batch)
+{
+    return cublasGemmStridedBatchedEx(
+        bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M,
+        (int)K, &alpha, B, CUDA_R_16BF, (int)ldb, sb, A, CUDA_R_16BF, (int)lda, sa, &beta, C,
+        CUDA_R_32F, (int)ldc, sc, (int)batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
 #define GEMM_CHECK(call) BK_CUBLAS_CHECK(call)
 #define LAUNCH_CHECK(what) BK_CUDA_CHECK(cudaGetLastError())
 #define BK_LAUNCHED_OK() bk_cuda_status(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
@@ -612,6 +672,9 @@ struct gbwd {
      * activation or gradient rounded into xb [R, widest] on the way */
     int wbf;
     __nv_bfloat16 *xb;
+    /* bf16: the backward's attention on BF16 operands: token-major copies of
+     * the rotated q, k, of v and dO, and the probabilities and dS [B, T, T] */
+    __nv_bfloat16 *aqb, *akb, *avb, *adob, *Pb, *dSb;
     /* weights: host copies (loaded on first use) and the device cache */
     bk_layer_weights *hw;
     int *hloaded;
@@ -823,6 +886,15 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         xw = xw > qd ? xw : qd;
         st = dalloc(g, (void **)&g->xb, R * xw, 2, "GEMM inputs (BF16)");
     }
+    {
+        struct {
+            __nv_bfloat16 **p;
+            int64_t n;
+        } ab[] = {{&g->aqb, R * qd},  {&g->akb, R * kvd}, {&g->avb, R * kvd},
+                  {&g->adob, R * qd}, {&g->Pb, B * T * T}, {&g->dSb, B * T * T}};
+        for (size_t i = 0; i < sizeof ab / sizeof ab[0] && st == BK_OK && g->wbf; i++)
+            st = dalloc(g, (void **)ab[i].p, ab[i].n, 2, "attention backward (BF16)");
+    }
     if (st == BK_OK && g->flash)
         st = dalloc(g, (void **)&g->qb, R * qd, 2, "attention inputs (BF16)");
     if (st == BK_OK && g->flash)
@@ -954,6 +1026,7 @@ void gb_free(gbwd *g)
                     g->rq,  g->rk,  g->headw, g->headn, g->xf, g->dxf,  g->lg,  g->rf,
                     g->mx,  g->se,  g->tg,  g->cum, g->lse,   g->tgl,  g->U,    g->lab, g->last,
                     g->flags, g->cos, g->sin, g->wstage, g->dtok, g->qb, g->kb, g->vb, g->xb,
+                    g->aqb, g->akb, g->avb, g->adob, g->Pb, g->dSb,
                     g->emb_own ? g->emb : NULL};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         dfree(g, bufs[i]);
@@ -1320,6 +1393,69 @@ int attn_chunks(const gbwd *g)
     return (int)(c < 2 ? 2 : (c > 4 ? 4 : c));
 }
 
+/* --bwd-precision bf16: the layer backward's attention (the loop of
+ * layer_bwd, in the same row chunks) on BF16 operands with F32 accumulation:
+ * q, k (rotated), v and dO rounded to BF16 once per layer; per head and
+ * chunk the F32 scores, the probabilities as BF16 (softmax sums in double),
+ * dV += Pᵀ dO, dP = dO Vᵀ (F32), dS as BF16 (double row sums), dQ = scale
+ * dS K, dK += scale dSᵀ Q. The same products as the F32 arrays under
+ * 32F_FAST_16BF, without its conversions, and half the bytes of P and dS for
+ * the GEMMs that read them. dq, dk, dv: F32, zeroed by the caller. */
+template <typename R> bk_status attn_back_bf(gbwd *, int64_t, int64_t)
+{
+    return bk_error(BK_ERR_INTERNAL, "GPU backward: BF16 attention needs F32 storage");
+}
+
+template <> bk_status attn_back_bf<float>(gbwd *g, int64_t S, int64_t nch)
+{
+    const int64_t T = g->dim.T, N = S * T, qd = g->dim.qdim, kvd = g->dim.kvdim, hd = g->dim.hd;
+    cudaStream_t st = g->c->stream;
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    const struct {
+        const void *src;
+        __nv_bfloat16 *dst;
+        int64_t n;
+    } cv[] = {{g->qr, g->aqb, N * qd}, {g->kr, g->akb, N * kvd}, {g->zv, g->avb, N * kvd},
+              {g->dob, g->adob, N * qd}};
+    for (int i = 0; i < 4; i++) {
+        k_to_bf16_rn<float><<<grid_for(cv[i].n), 256, 0, st>>>(static_cast<const float *>(cv[i].src),
+                                                               cv[i].dst, cv[i].n);
+        LAUNCH_CHECK("k_to_bf16_rn");
+    }
+    float *P = static_cast<float *>(g->P), *dP = static_cast<float *>(g->dP);
+    for (int64_t j = 0; j < g->dim.nh; j++)
+        for (int64_t c = 0; c < nch; c++) {
+            const int64_t gi = j / g->dim.rep, r0 = T * c / nch, r1 = T * (c + 1) / nch,
+                          rc = r1 - r0;
+            const __nv_bfloat16 *Qc = g->aqb + r0 * qd + j * hd, *Kg = g->akb + gi * hd,
+                                *Vg = g->avb + gi * hd, *dOc = g->adob + r0 * qd + j * hd;
+            __nv_bfloat16 *Pbc = g->Pb + r0 * T, *dSbc = g->dSb + r0 * T;
+            /* scores (F32), then P (BF16) */
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, false, true, rc, r1, hd, scale, Qc, qd, T * qd, Kg,
+                                    kvd, T * kvd, 0.0f, P + r0 * T, T, T * T, S));
+            k_softmax_bf<<<warp_grid(S * rc), 256, 0, st>>>(P, g->Pb, S * rc, T, r0, rc, r1);
+            LAUNCH_CHECK("k_softmax_bf");
+            /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, true, false, r1, hd, rc, 1.0f, Pbc, T, T * T, dOc, qd,
+                                    T * qd, 1.0f, static_cast<float *>(g->dv) + gi * hd, kvd,
+                                    T * kvd, S));
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, false, true, rc, r1, hd, 1.0f, dOc, qd, T * qd, Vg,
+                                    kvd, T * kvd, 0.0f, dP + r0 * T, T, T * T, S));
+            k_dsoftmax_bf<<<warp_grid(S * rc), 256, 0, st>>>(g->Pb, dP, g->dSb, S * rc, T, r0,
+                                                              rc, r1);
+            LAUNCH_CHECK("k_dsoftmax_bf");
+            /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, false, false, rc, hd, r1, scale, dSbc, T, T * T, Kg,
+                                    kvd, T * kvd, 0.0f,
+                                    static_cast<float *>(g->dq) + r0 * qd + j * hd, qd, T * qd,
+                                    S));
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, true, false, r1, hd, rc, scale, dSbc, T, T * T, Qc, qd,
+                                    T * qd, 1.0f, static_cast<float *>(g->dk) + gi * hd, kvd,
+                                    T * kvd, S));
+        }
+    return BK_OK;
+}
+
 /* O (g->o, token-major) = causal attention of the rotated q, k (qr, kr) and
  * v (zv) in one fused kernel per micro-batch: BF16 Q, K, V and P, F32
  * scores, sums and output (attn_flash.cu); g->flash, F32 storage only */
@@ -1424,6 +1560,9 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
     BK_CUDA_CHECK(cudaMemsetAsync(g->dv, 0, (size_t)(N * kvd) * g->es, g->c->stream));
     const double scale = 1.0 / sqrt((double)hd);
     const int64_t nch = attn_chunks(g);
+    if (g->wbf) {
+        TRY(attn_back_bf<R>(g, S, nch));
+    } else
     for (int64_t j = 0; j < g->dim.nh; j++)
         for (int64_t c = 0; c < nch; c++) {
             /* query rows [r0, r1) of head j against keys [0, r1) (one chunk:
