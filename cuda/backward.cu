@@ -1892,6 +1892,15 @@ struct flow {
     double *gscr, *rn_g, *rn_a; /* device [B*T, max out], [B*T], [B*T] */
     float *g32;                 /* tf32 / bf16: one micro-batch's F32 Gram [max out²] */
     double *hG;                 /* host [max out²] */
+    /* boundary stores off the compute stream: the micro-batch's h or dh is
+     * copied to a device scratch (sbuf[0] for h, [1] for dh) on the compute
+     * stream, then to the pinned boundary on cs; ev_done[k] marks the end
+     * of scratch k's last device-to-host copy, whose host range is
+     * [pend_lo[k], pend_hi[k]) */
+    cudaStream_t cs;
+    cudaEvent_t ev_ready, ev_done[2];
+    void *sbuf[2];
+    const char *pend_lo[2], *pend_hi[2];
 };
 
 /* this micro-batch's (sequences s0 .. s0+sb) output gradients of the last
@@ -2007,6 +2016,7 @@ void op_boundary_free(void *x, void *p)
 {
     flow *f = static_cast<flow *>(x);
     cudaStreamSynchronize(f->g->c->stream);
+    cudaStreamSynchronize(f->cs); /* (a store into it may still be running) */
     cudaFreeHost(p);
 }
 
@@ -2023,19 +2033,40 @@ bk_status op_load(void *x, int buf, const void *src, size_t bytes)
 {
     flow *f = static_cast<flow *>(x);
     double tp = bk_now();
+    cudaStream_t s = f->g->c->stream;
+    /* a store still copying into these host bytes: wait for it (on the
+     * device). Only the last store of each scratch can be pending: a store
+     * waits for the previous copy out of its scratch before reusing it, and
+     * every later operation of the compute stream is ordered after that */
+    const char *lo = static_cast<const char *>(src), *hi = lo + bytes;
+    for (int k = 0; k < 2; k++)
+        if (f->pend_lo[k] && lo < f->pend_hi[k] && hi > f->pend_lo[k])
+            BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0));
     BK_CUDA_CHECK(cudaMemcpyAsync(buf == BK_BWD_H ? f->h : f->dh, src, bytes,
-                                  cudaMemcpyHostToDevice, f->g->c->stream));
-    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.boundary_in");
+                                  cudaMemcpyHostToDevice, s));
+    bk_cuda_pmark(s, &tp, "bwd.boundary_in");
     return BK_OK;
 }
 
+/* h or dh to a boundary without stalling the compute stream: a device copy
+ * into the buffer's scratch, then the device-to-host copy on f->cs
+ * (overlapping the next layers); op_load and op_boundary_free wait for it */
 bk_status op_store(void *x, int buf, void *dst, size_t bytes)
 {
     flow *f = static_cast<flow *>(x);
     double tp = bk_now();
-    BK_CUDA_CHECK(cudaMemcpyAsync(dst, buf == BK_BWD_H ? f->h : f->dh, bytes,
-                                  cudaMemcpyDeviceToHost, f->g->c->stream));
-    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.boundary_out");
+    cudaStream_t s = f->g->c->stream;
+    const int k = buf == BK_BWD_H ? 0 : 1;
+    BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0)); /* (scratch k free) */
+    BK_CUDA_CHECK(cudaMemcpyAsync(f->sbuf[k], k ? f->dh : f->h, bytes, cudaMemcpyDeviceToDevice,
+                                  s));
+    BK_CUDA_CHECK(cudaEventRecord(f->ev_ready, s));
+    BK_CUDA_CHECK(cudaStreamWaitEvent(f->cs, f->ev_ready, 0));
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->sbuf[k], bytes, cudaMemcpyDeviceToHost, f->cs));
+    BK_CUDA_CHECK(cudaEventRecord(f->ev_done[k], f->cs));
+    f->pend_lo[k] = static_cast<const char *>(dst);
+    f->pend_hi[k] = f->pend_lo[k] + bytes;
+    bk_cuda_pmark(s, &tp, "bwd.boundary_out");
     return BK_OK;
 }
 
@@ -2250,6 +2281,20 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     if (st == BK_OK)
         st = embed_init(g);
     if (st == BK_OK)
+        st = dalloc(g, &f.sbuf[0], mrow, g->es, "boundary staging");
+    if (st == BK_OK)
+        st = dalloc(g, &f.sbuf[1], mrow, g->es, "boundary staging");
+    if (st == BK_OK) {
+        cudaError_t e = cudaStreamCreateWithFlags(&f.cs, cudaStreamNonBlocking);
+        if (e == cudaSuccess)
+            e = cudaEventCreateWithFlags(&f.ev_ready, cudaEventDisableTiming);
+        if (e == cudaSuccess)
+            e = cudaEventCreateWithFlags(&f.ev_done[0], cudaEventDisableTiming);
+        if (e == cudaSuccess)
+            e = cudaEventCreateWithFlags(&f.ev_done[1], cudaEventDisableTiming);
+        st = bk_cuda_status(e, "GPU backward: copy stream", __FILE__, __LINE__);
+    }
+    if (st == BK_OK)
         st = dalloc(g, &f.acts, mrow * f.acts_layers, g->es, "micro-batch layer inputs");
     stats->micro_bytes = (uint64_t)g->dev_bytes;
     if (st == BK_ERR_DEVICE_OOM) {
@@ -2318,6 +2363,21 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         const bk_bwd_flow_ops ops = g->fp64 ? flow_ops<double>() : flow_ops<float>();
         st = bk__bwd_flow_drive(&ops, &f, m, tokens, S, T, B, o, cb, stats);
     }
+    if (f.cs) {
+        /* the last stores (their boundaries are freed by the driver already,
+         * after a synchronisation; nothing should be left) */
+        cudaError_t e = cudaStreamSynchronize(f.cs);
+        if (st == BK_OK)
+            st = bk_cuda_status(e, "GPU backward: boundary copies", __FILE__, __LINE__);
+        cudaStreamDestroy(f.cs);
+    }
+    if (f.ev_ready)
+        cudaEventDestroy(f.ev_ready);
+    for (int k = 0; k < 2; k++)
+        if (f.ev_done[k])
+            cudaEventDestroy(f.ev_done[k]);
+    dfree(g, f.sbuf[0]);
+    dfree(g, f.sbuf[1]);
     dfree(g, f.h);
     dfree(g, f.dh);
     dfree(g, f.acts);
