@@ -24,6 +24,10 @@
  *                against U·Σ with the CPU's uniforms U = bk__bwd_uniform(seed,
  *                sequence, position) computed on the host; then
  *                dlogits = softmax - onehot and dxf += dlogits W_block;
+ *   speed modes  --bwd-precision tf32 / bf16: the output-gradient Grams per
+ *                micro-batch on tensor cores (F32), added in double; bf16:
+ *                the layer weights cached as BF16, BF16 x BF16 layer GEMMs,
+ *                the layer forward's attention fused (attn_flash.cu);
  *   flows        naive I and recursive halving as src/backward_flow.c,
  *                micro-batch by micro-batch; the boundary matrices X_mid,
  *                G_mid, G_L in pinned host memory in R, copied in and out per
@@ -39,10 +43,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include "backend_impl.h"
 #include "backward_gpu.h"
 #include "cuda_internal.cuh"
 #include "forward_internal.h"
+#include "fwd_internal.cuh" /* bk_attn_flash (attn_flash.cu) */
 
 extern "C" {
 #include "backward_internal.h"
@@ -104,6 +112,34 @@ template <typename R> __global__ void k_from_f32(R *dst, const float *src, int64
 template <typename R> __global__ void k_to_f64(double *dst, const R *src, int64_t n)
 {
     GSTRIDE(i, n) dst[i] = (double)src[i];
+}
+
+template <typename R> __global__ void k_to_bf16_rn(const R *src, __nv_bfloat16 *dst, int64_t n)
+{
+    GSTRIDE(i, n) dst[i] = __float2bfloat16_rn((float)src[i]);
+}
+
+/* token-major src [N, heads*hd] -> BF16 group-major dst [S, heads/rep, T,
+ * rep, hd] (attn_flash.cu's layout; rep = 1: [S, heads, T, hd]) */
+__global__ void k_tok_to_groups_bf16(const float *src, int64_t N, int64_t T, int64_t heads,
+                                     int64_t hd, int64_t rep, __nv_bfloat16 *dst)
+{
+    const int64_t w = heads * hd;
+    GSTRIDE(idx, N * w)
+    {
+        const int64_t c = idx % w, n = idx / w;
+        const int64_t head = c / hd, i = c % hd, s = n / T, pos = n % T;
+        dst[(((s * (heads / rep) + head / rep) * T + pos) * rep + head % rep) * hd + i] =
+            __float2bfloat16_rn(src[idx]);
+    }
+}
+
+/* h[n] = table[tok[n]] (rows of d): the embedding of a micro-batch from the
+ * device copy of embed_tokens in R (the values bk_convert gives on the host) */
+template <typename R>
+__global__ void k_embed_rows(const R *table, const int32_t *tok, int64_t N, int64_t d, R *h)
+{
+    GSTRIDE(i, N * d) h[i] = table[(int64_t)tok[i / d] * d + i % d];
 }
 
 template <typename R> __global__ void k_bias(R *Y, int64_t rows, int64_t cols, const R *b)
@@ -184,15 +220,18 @@ __global__ void k_rope(R *x, int64_t N, int64_t T, int64_t heads, int64_t hd, co
     }
 }
 
-/* causal softmax of the rows of [batch, T, T] (row t keeps u <= t) */
-template <typename R> __global__ void k_softmax(R *P, int64_t rows, int64_t T)
+/* causal softmax of rows of [batch, T, T] (row t keeps u <= t): rows r0 ..
+ * r0+rc of every sequence (rows = batch·rc), columns < kc written (the
+ * others are not read); the whole matrix: r0 = 0, rc = kc = T */
+template <typename R>
+__global__ void k_softmax(R *P, int64_t rows, int64_t T, int64_t r0, int64_t rc, int64_t kc)
 {
     const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     if (row >= rows)
         return;
-    const int64_t t = row % T;
-    R *pr = P + row * T;
+    const int64_t t = r0 + row % rc;
+    R *pr = P + ((row / rc) * T + t) * T;
     double mx = -INFINITY;
     for (int64_t u = lane; u <= t; u += 32)
         mx = fmax(mx, (double)pr[u]);
@@ -201,26 +240,78 @@ template <typename R> __global__ void k_softmax(R *P, int64_t rows, int64_t T)
     for (int64_t u = lane; u <= t; u += 32)
         sum += exp((double)pr[u] - mx);
     sum = warp_sum(sum);
-    for (int64_t u = lane; u < T; u += 32)
+    for (int64_t u = lane; u < kc; u += 32)
         pr[u] = u <= t ? (R)(exp((double)pr[u] - mx) / sum) : (R)0;
 }
 
-/* dS = P ⊙ (dP - rowsum(P ⊙ dP)), into dP, zero above the diagonal */
-template <typename R> __global__ void k_dsoftmax(const R *P, R *dP, int64_t rows, int64_t T)
+/* dS = P ⊙ (dP - rowsum(P ⊙ dP)), into dP, zero above the diagonal (rows
+ * and columns as k_softmax) */
+template <typename R>
+__global__ void k_dsoftmax(const R *P, R *dP, int64_t rows, int64_t T, int64_t r0, int64_t rc,
+                           int64_t kc)
 {
     const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     if (row >= rows)
         return;
-    const int64_t t = row % T;
-    const R *pr = P + row * T;
-    R *dr = dP + row * T;
+    const int64_t t = r0 + row % rc;
+    const int64_t at = ((row / rc) * T + t) * T;
+    const R *pr = P + at;
+    R *dr = dP + at;
     double dot = 0;
     for (int64_t u = lane; u <= t; u += 32)
         dot += (double)pr[u] * (double)dr[u];
     dot = warp_sum(dot);
-    for (int64_t u = lane; u < T; u += 32)
+    for (int64_t u = lane; u < kc; u += 32)
         dr[u] = u <= t ? (R)((double)pr[u] * ((double)dr[u] - dot)) : (R)0;
+}
+
+/* --bwd-precision bf16: k_softmax from the F32 scores S into BF16
+ * probabilities Pb (same rows and columns; S untouched) */
+__global__ void k_softmax_bf(const float *S, __nv_bfloat16 *Pb, int64_t rows, int64_t T,
+                             int64_t r0, int64_t rc, int64_t kc)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const int64_t t = r0 + row % rc;
+    const int64_t at = ((row / rc) * T + t) * T;
+    const float *sr = S + at;
+    __nv_bfloat16 *pr = Pb + at;
+    double mx = -INFINITY;
+    for (int64_t u = lane; u <= t; u += 32)
+        mx = fmax(mx, (double)sr[u]);
+    mx = warp_max(mx);
+    double sum = 0;
+    for (int64_t u = lane; u <= t; u += 32)
+        sum += exp((double)sr[u] - mx);
+    sum = warp_sum(sum);
+    for (int64_t u = lane; u < kc; u += 32)
+        pr[u] = __float2bfloat16_rn(u <= t ? (float)(exp((double)sr[u] - mx) / sum) : 0.0f);
+}
+
+/* --bwd-precision bf16: k_dsoftmax from the BF16 probabilities and the F32
+ * dP into the BF16 dS */
+__global__ void k_dsoftmax_bf(const __nv_bfloat16 *Pb, const float *dP, __nv_bfloat16 *dSb,
+                              int64_t rows, int64_t T, int64_t r0, int64_t rc, int64_t kc)
+{
+    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows)
+        return;
+    const int64_t t = r0 + row % rc;
+    const int64_t at = ((row / rc) * T + t) * T;
+    const __nv_bfloat16 *pr = Pb + at;
+    const float *dr = dP + at;
+    __nv_bfloat16 *sr = dSb + at;
+    double dot = 0;
+    for (int64_t u = lane; u <= t; u += 32)
+        dot += (double)__bfloat162float(pr[u]) * (double)dr[u];
+    dot = warp_sum(dot);
+    for (int64_t u = lane; u < kc; u += 32)
+        sr[u] = __float2bfloat16_rn(
+            u <= t ? (float)((double)__bfloat162float(pr[u]) * ((double)dr[u] - dot)) : 0.0f);
 }
 
 __device__ inline double sigm(double z)
@@ -274,14 +365,40 @@ template <typename R> __global__ void k_row_sq(const R *x, int64_t rows, int64_t
         out[row] = ss;
 }
 
-/* out = sqrt(w[row]) g (w NULL: 1), in double */
-template <typename R>
-__global__ void k_scale_rows(const R *g, int64_t rows, int64_t m, const double *w, double *out)
+template <typename O> __device__ inline O from_double(double v)
+{
+    return (O)v;
+}
+
+/* (through F32, as the F32 arrays that cuBLAS's 32F_FAST_16BF rounds) */
+template <> __device__ inline __nv_bfloat16 from_double<__nv_bfloat16>(double v)
+{
+    return __float2bfloat16_rn((float)v);
+}
+
+/* out = sqrt(w[row]) g (w NULL: 1), computed in double, stored as O (double
+ * for DSYRK; float / BF16 for the tensor-core Grams of --bwd-precision tf32 /
+ * bf16) */
+template <typename R, typename O>
+__global__ void k_scale_rows(const R *g, int64_t rows, int64_t m, const double *w, O *out)
 {
     GSTRIDE(i, rows * m)
     {
         const double v = (double)g[i];
-        out[i] = w ? sqrt(w[i / m]) * v : v;
+        out[i] = from_double<O>(w ? sqrt(w[i / m]) * v : v);
+    }
+}
+
+/* G += C on the column-major lower triangle (row >= column) of [m, m]: a
+ * micro-batch's F32 Gram into the double accumulator (the entries DSYRK
+ * with CUBLAS_FILL_MODE_LOWER would write; the others stay untouched) */
+__global__ void k_gram_acc_lower(double *G, const float *C, int64_t m)
+{
+    GSTRIDE(idx, m * m)
+    {
+        const int64_t col = idx / m, row = idx % m;
+        if (row >= col)
+            G[idx] += (double)C[idx];
     }
 }
 
@@ -471,6 +588,30 @@ cublasStatus_t rm_gemm_b(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t 
                                      (int)batch);
 }
 
+/* row-major C[M, N] (F32) = alpha op(A) op(B) + beta C with BF16 A and B,
+ * F32 accumulation (--bwd-precision bf16: the layers' linear maps) */
+cublasStatus_t rm_gemm_bf(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                          float alpha, const __nv_bfloat16 *A, int64_t lda,
+                          const __nv_bfloat16 *B, int64_t ldb, float beta, float *C, int64_t ldc)
+{
+    return cublasGemmEx(bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                        (int)N, (int)M, (int)K, &alpha, B, CUDA_R_16BF, (int)ldb, A, CUDA_R_16BF,
+                        (int)lda, &beta, C, CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT);
+}
+
+/* strided-batched rm_gemm_bf */
+cublasStatus_t rm_gemm_b_bf(const blas_t &bl, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                            float alpha, const __nv_bfloat16 *A, int64_t lda, int64_t sa,
+                            const __nv_bfloat16 *B, int64_t ldb, int64_t sb, float beta, float *C,
+                            int64_t ldc, int64_t sc, int64_t batch)
+{
+    return cublasGemmStridedBatchedEx(
+        bl.h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M,
+        (int)K, &alpha, B, CUDA_R_16BF, (int)ldb, sb, A, CUDA_R_16BF, (int)lda, sa, &beta, C,
+        CUDA_R_32F, (int)ldc, sc, (int)batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
 #define GEMM_CHECK(call) BK_CUBLAS_CHECK(call)
 #define LAUNCH_CHECK(what) BK_CUDA_CHECK(cudaGetLastError())
 #define BK_LAUNCHED_OK() bk_cuda_status(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
@@ -510,9 +651,30 @@ struct gbwd {
     void *headw, *headn; /* [V, d], [d] */
     int64_t vc;
     void *xf, *dxf, *lg;
+    int lg_all; /* lg holds every vocabulary block of a micro-batch ([R, V]: the
+                   logits are computed once, not in each of the head's three
+                   passes); else one block [R, vc], recomputed per pass */
     double *rf, *mx, *se, *tg, *cum, *lse, *tgl, *U;
     int32_t *lab, *last;
     unsigned long long *flags; /* [8] */
+    /* embedding: embed_tokens in R on the device (the LM head's array when
+     * the embeddings are tied, else emb_own), a micro-batch's token ids */
+    void *emb;
+    int emb_own;
+    int32_t *dtok;
+    /* --bwd-precision bf16 with head_dim 64 / 128: the layer forward's
+     * attention fused (attn_flash.cu) from BF16 copies of the rotated q, k and
+     * v, group-major; the backward still recomputes P per head */
+    int flash;
+    __nv_bfloat16 *qb, *kb, *vb;
+    /* --bwd-precision bf16: the layers' weights cached as BF16 (gslot.w; F32
+     * through wstage on upload) and their GEMMs on BF16 inputs, the
+     * activation or gradient rounded into xb [R, widest] on the way */
+    int wbf;
+    __nv_bfloat16 *xb;
+    /* bf16: the backward's attention on BF16 operands: token-major copies of
+     * the rotated q, k, of v and dO, and the probabilities and dS [B, T, T] */
+    __nv_bfloat16 *aqb, *akb, *avb, *adob, *Pb, *dSb;
     /* weights: host copies (loaded on first use) and the device cache */
     bk_layer_weights *hw;
     int *hloaded;
@@ -596,6 +758,22 @@ bk_status upload_f32(gbwd *g, const float *src, int64_t n, void *dst)
     return BK_OK;
 }
 
+/* a host F32 weight of n into the device array dst in the slot's type: R,
+ * or BF16 (round to nearest even) when g->wbf */
+bk_status upload_weight(gbwd *g, const float *src, int64_t n, void *dst)
+{
+    if (!g->wbf)
+        return upload_f32(g, src, n, dst);
+    if (n > g->wstage_elems)
+        return bk_error(BK_ERR_INTERNAL, "GPU backward: weight staging too small");
+    BK_CUDA_CHECK(cudaMemcpyAsync(g->wstage, src, (size_t)n * 4, cudaMemcpyHostToDevice,
+                                  g->c->stream));
+    k_to_bf16_rn<float><<<grid_for(n), 256, 0, g->c->stream>>>(g->wstage,
+                                                               (__nv_bfloat16 *)dst, n);
+    LAUNCH_CHECK("k_to_bf16_rn");
+    return BK_OK;
+}
+
 bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const bk_gbwd_opts *go,
                  int need_layers, gbwd **out)
 {
@@ -673,18 +851,56 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         {(void **)&g->rq, R * g->dim.nh, 8, "backward buffers"}, {(void **)&g->rk, R * g->dim.nkv, 8, "backward buffers"},
         {&g->headw, g->V * d, (size_t)es, "LM head"},       {&g->headn, d, (size_t)es, "final norm"},
         {&g->xf, R * d, (size_t)es, "head buffers"},        {&g->dxf, R * d, (size_t)es, "head buffers"},
-        {&g->lg, R * vc, (size_t)es, "logit block"},
         {(void **)&g->rf, R, 8, "head buffers"},  {(void **)&g->mx, R, 8, "head buffers"},
         {(void **)&g->se, R, 8, "head buffers"},  {(void **)&g->tg, R, 8, "head buffers"},
         {(void **)&g->cum, R, 8, "head buffers"}, {(void **)&g->lse, R, 8, "head buffers"},
         {(void **)&g->tgl, R, 8, "head buffers"}, {(void **)&g->U, R, 8, "head buffers"},
         {(void **)&g->lab, R, 4, "head buffers"}, {(void **)&g->last, R, 4, "head buffers"},
+        {(void **)&g->dtok, R, 4, "token ids"},
         {(void **)&g->flags, 8, 8, "flags"},
         {(void **)&g->cos, T * (g->dim.hd / 2), 4, "RoPE tables"},
         {(void **)&g->sin, T * (g->dim.hd / 2), 4, "RoPE tables"},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
         st = dalloc(g, bufs[i].p, bufs[i].n, bufs[i].es, bufs[i].what);
+    /* the logits: all blocks of a micro-batch when that takes at most an
+     * eighth of the free device memory (the same GEMMs, once instead of
+     * three times per block), else one block */
+    if (st == BK_OK && vc < g->V) {
+        size_t fr = 0, tot = 0;
+        if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+            cudaGetLastError();
+            fr = 0;
+        }
+        if ((double)R * (double)g->V * (double)es <= (double)fr / 8 &&
+            dalloc(g, &g->lg, R * g->V, (size_t)es, "logits") == BK_OK)
+            g->lg_all = 1;
+    } else if (st == BK_OK)
+        g->lg_all = 1; /* (one block is the whole vocabulary) */
+    if (st == BK_OK && !g->lg)
+        st = dalloc(g, &g->lg, R * vc, (size_t)es, "logit block");
+    g->flash = !g->fp64 && go && go->math == BK_GBWD_BF16 && bk_attn_flash_supported(g->dim.hd);
+    g->wbf = !g->fp64 && go && go->math == BK_GBWD_BF16;
+    if (st == BK_OK && g->wbf) {
+        int64_t xw = d > NI ? d : NI;
+        xw = xw > qd ? xw : qd;
+        st = dalloc(g, (void **)&g->xb, R * xw, 2, "GEMM inputs (BF16)");
+    }
+    {
+        struct {
+            __nv_bfloat16 **p;
+            int64_t n;
+        } ab[] = {{&g->aqb, R * qd},  {&g->akb, R * kvd}, {&g->avb, R * kvd},
+                  {&g->adob, R * qd}, {&g->Pb, B * T * T}, {&g->dSb, B * T * T}};
+        for (size_t i = 0; i < sizeof ab / sizeof ab[0] && st == BK_OK && g->wbf; i++)
+            st = dalloc(g, (void **)ab[i].p, ab[i].n, 2, "attention backward (BF16)");
+    }
+    if (st == BK_OK && g->flash)
+        st = dalloc(g, (void **)&g->qb, R * qd, 2, "attention inputs (BF16)");
+    if (st == BK_OK && g->flash)
+        st = dalloc(g, (void **)&g->kb, R * kvd, 2, "attention inputs (BF16)");
+    if (st == BK_OK && g->flash)
+        st = dalloc(g, (void **)&g->vb, R * kvd, 2, "attention inputs (BF16)");
     /* F32 staging of the largest weight (fp64 mode) */
     int64_t wbig = 0;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
@@ -694,7 +910,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
             wbig = o * in;
     }
     g->wstage_elems = wbig;
-    if (st == BK_OK && g->fp64)
+    if (st == BK_OK && (g->fp64 || g->wbf))
         st = dalloc(g, (void **)&g->wstage, wbig, 4, "weight staging");
     if (st == BK_ERR_DEVICE_OOM) {
         char msg[512];
@@ -809,7 +1025,9 @@ void gb_free(gbwd *g)
                     g->dob, g->dq,  g->dk,  g->dv,  g->cpy,   g->P,    g->dP,   g->r1,  g->r2,
                     g->rq,  g->rk,  g->headw, g->headn, g->xf, g->dxf,  g->lg,  g->rf,
                     g->mx,  g->se,  g->tg,  g->cum, g->lse,   g->tgl,  g->U,    g->lab, g->last,
-                    g->flags, g->cos, g->sin, g->wstage};
+                    g->flags, g->cos, g->sin, g->wstage, g->dtok, g->qb, g->kb, g->vb, g->xb,
+                    g->aqb, g->akb, g->avb, g->adob, g->Pb, g->dSb,
+                    g->emb_own ? g->emb : NULL};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         dfree(g, bufs[i]);
     if (g->slots) {
@@ -856,6 +1074,12 @@ bk_status slots_init(gbwd *g, int want)
             fr = 0;
         }
         double per = (double)layer_elems(g) * (double)g->es;
+        if (g->wbf) /* (the matrices in BF16) */
+            for (int i = 0; i < BK_MOD_COUNT; i++) {
+                int64_t o, in;
+                bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
+                per -= (double)(o * in) * (double)(g->es - 2);
+            }
         n = (int)(0.5 * (double)fr / per);
     }
     if (n < 1)
@@ -869,6 +1093,57 @@ bk_status slots_init(gbwd *g, int want)
     for (int k = 0; k < n; k++)
         g->slots[k].layer = -1;
     return BK_OK;
+}
+
+/* The host F32 copies of all layers, loaded by up to 8 threads at the start
+ * of a flow (every layer is used by its first sweep, and each copy is kept
+ * until the flow ends, so this holds no more host memory than loading them
+ * one by one on first use; it overlaps the safetensors reads and the
+ * conversions, which took ≈ 0.27 s per 1B layer on one thread). A layer
+ * that fails here is left unloaded: weights() loads it again on this thread
+ * and reports the error. */
+struct preload_job {
+    gbwd *g;
+    int next;
+    pthread_mutex_t mu;
+};
+
+void *preload_main(void *x)
+{
+    preload_job *j = static_cast<preload_job *>(x);
+    for (;;) {
+        pthread_mutex_lock(&j->mu);
+        const int l = j->next < j->g->L ? j->next++ : -1;
+        pthread_mutex_unlock(&j->mu);
+        if (l < 0)
+            return NULL;
+        if (bk_layer_weights_load(j->g->m, l, &j->g->hw[l]) == BK_OK)
+            j->g->hloaded[l] = 1;
+    }
+}
+
+void preload_host_weights(gbwd *g)
+{
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int nt = ncpu > 8 ? 8 : (ncpu < 1 ? 1 : (int)ncpu);
+    if (nt > g->L)
+        nt = g->L;
+    if (nt < 2)
+        return; /* (one thread: weights() loads on first use) */
+    preload_job j;
+    j.g = g;
+    j.next = 0;
+    pthread_mutex_init(&j.mu, NULL);
+    pthread_t tid[8];
+    int started = 0;
+    for (int t = 0; t < nt; t++)
+        if (pthread_create(&tid[started], NULL, preload_main, &j) == 0)
+            started++;
+    if (started == 0) /* (no threads: weights() loads on first use) */
+        j.next = g->L;
+    for (int t = 0; t < started; t++)
+        pthread_join(tid[t], NULL);
+    pthread_mutex_destroy(&j.mu);
 }
 
 /* layer l's weights on the device (uploaded when not resident; the least
@@ -917,9 +1192,9 @@ bk_status weights(gbwd *g, int l, const gslot **out)
         int64_t o, in;
         bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
         if (!s->w[i])
-            st = dalloc(g, &s->w[i], o * in, g->es, "layer weights");
+            st = dalloc(g, &s->w[i], o * in, g->wbf ? 2 : g->es, "layer weights");
         if (st == BK_OK)
-            st = upload_f32(g, lw->w[i], o * in, s->w[i]);
+            st = upload_weight(g, lw->w[i], o * in, s->w[i]);
         if (st == BK_OK && lw->b[i]) {
             if (!s->b[i])
                 st = dalloc(g, &s->b[i], o, g->es, "layer biases");
@@ -1004,11 +1279,33 @@ bk_status bad_grad(int layer, const char *what, unsigned long long i, int64_t co
 #define RP(p) static_cast<R *>(p)
 #define CRP(p) static_cast<const R *>(p)
 
-template <typename R>
-bk_status lin(gbwd *g, const R *X, int64_t N, int64_t in, const R *W, int64_t out, const R *b,
-              R *Y)
+/* X [n] rounded to BF16 into g->xb (--bwd-precision bf16) */
+template <typename R> const __nv_bfloat16 *to_xb(gbwd *g, const R *X, int64_t n)
 {
-    GEMM_CHECK(rm_gemm(g->bl, false, true, N, out, in, 1.0, X, in, W, in, 0.0, Y, out));
+    k_to_bf16_rn<R><<<grid_for(n), 256, 0, g->c->stream>>>(X, g->xb, n);
+    return g->xb;
+}
+
+/* Y = X Wᵀ (+ b) with module mod of slot w: W in R, or BF16 (g->wbf: X
+ * rounded to BF16, F32 accumulation; xb_ready: the previous lin's X, still
+ * in g->xb) */
+template <typename R>
+bk_status lin(gbwd *g, const R *X, int64_t N, int64_t in, const gslot *w, bk_module mod,
+              int64_t out, R *Y, int xb_ready = 0)
+{
+    const R *b = CRP(w->b[mod]);
+    if (g->wbf) {
+        const __nv_bfloat16 *xb = g->xb;
+        if (!xb_ready) {
+            xb = to_xb<R>(g, X, N * in);
+            LAUNCH_CHECK("k_to_bf16_rn");
+        }
+        GEMM_CHECK(rm_gemm_bf(g->bl, false, true, N, out, in, 1.0f, xb, in,
+                              static_cast<const __nv_bfloat16 *>(w->w[mod]), in, 0.0f,
+                              reinterpret_cast<float *>(Y), out));
+    } else
+        GEMM_CHECK(rm_gemm(g->bl, false, true, N, out, in, 1.0, X, in, CRP(w->w[mod]), in, 0.0,
+                           Y, out));
     if (b) {
         k_bias<R><<<grid_for(N * out), 256, 0, g->c->stream>>>(Y, N, out, b);
         LAUNCH_CHECK("k_bias");
@@ -1016,11 +1313,20 @@ bk_status lin(gbwd *g, const R *X, int64_t N, int64_t in, const R *W, int64_t ou
     return BK_OK;
 }
 
+/* dX (= or, beta 1, +=) dY W with module mod of slot w (as lin) */
 template <typename R>
-bk_status lin_back(gbwd *g, const R *dY, int64_t N, int64_t out, const R *W, int64_t in,
-                   double beta, R *dX)
+bk_status lin_back(gbwd *g, const R *dY, int64_t N, int64_t out, const gslot *w, bk_module mod,
+                   int64_t in, double beta, R *dX)
 {
-    GEMM_CHECK(rm_gemm(g->bl, false, false, N, in, out, 1.0, dY, out, W, in, beta, dX, in));
+    if (g->wbf) {
+        const __nv_bfloat16 *xb = to_xb<R>(g, dY, N * out);
+        LAUNCH_CHECK("k_to_bf16_rn");
+        GEMM_CHECK(rm_gemm_bf(g->bl, false, false, N, in, out, 1.0f, xb, out,
+                              static_cast<const __nv_bfloat16 *>(w->w[mod]), in, (float)beta,
+                              reinterpret_cast<float *>(dX), in));
+    } else
+        GEMM_CHECK(rm_gemm(g->bl, false, false, N, in, out, 1.0, dY, out, CRP(w->w[mod]), in,
+                           beta, dX, in));
     return BK_OK;
 }
 
@@ -1049,16 +1355,131 @@ template <typename R> bk_status rope(gbwd *g, R *x, int64_t N, int64_t heads, in
     return BK_OK;
 }
 
-/* P[s] = causal softmax(scale Q_j K_gᵀ) for every sequence s of the micro-batch */
-template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
+/* P[s] rows r0 .. r1 (keys 0 .. r1) = causal softmax(scale Q_j K_gᵀ) for
+ * every sequence s of the micro-batch (P keeps its [T, T] layout) */
+template <typename R> bk_status attn_probs_rows(gbwd *g, int64_t S, int64_t j, int64_t r0, int64_t r1)
 {
     const int64_t T = g->dim.T, qd = g->dim.qdim, kvd = g->dim.kvdim, hd = g->dim.hd, gi = j / g->dim.rep;
     const double scale = 1.0 / sqrt((double)hd);
-    GEMM_CHECK(rm_gemm_b(g->bl, false, true, T, T, hd, scale, RP(g->qr) + j * hd, qd, T * qd,
-                         RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->P), T, T * T, S));
-    k_softmax<R><<<warp_grid(S * T), 256, 0, g->c->stream>>>(RP(g->P), S * T, T);
+    GEMM_CHECK(rm_gemm_b(g->bl, false, true, r1 - r0, r1, hd, scale, RP(g->qr) + r0 * qd + j * hd,
+                         qd, T * qd, RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->P) + r0 * T, T,
+                         T * T, S));
+    k_softmax<R><<<warp_grid(S * (r1 - r0)), 256, 0, g->c->stream>>>(RP(g->P), S * (r1 - r0), T,
+                                                                      r0, r1 - r0, r1);
     LAUNCH_CHECK("k_softmax");
     return BK_OK;
+}
+
+/* the whole P[s] */
+template <typename R> bk_status attn_probs(gbwd *g, int64_t S, int64_t j)
+{
+    return attn_probs_rows<R>(g, S, j, 0, g->dim.T);
+}
+
+/* The backward's attention in row chunks (tf32 / bf16 only): query rows
+ * [r0, r1) need keys [0, r1) only, so with C chunks of T/C rows the GEMMs
+ * and softmax passes cover (C+1)/2C of the [T, T] matrices (3/4 at C = 2,
+ * 5/8 at C = 4) instead of all of it; the dV / dK sums then run over the
+ * chunks (another order of the same sums). Two chunks from T = 16 on (so the
+ * tests' short sequences take this path too), more only with at least 1024
+ * rows each: each op of a chunk is a few microseconds of memory traffic per
+ * head, and smaller ones would be bound by the launches (7 per chunk and
+ * head). fp32 and fp64 keep one chunk (their bits). */
+int attn_chunks(const gbwd *g)
+{
+    if (g->fp64 || g->bl.ct == CUBLAS_COMPUTE_32F || g->dim.T < 16)
+        return 1;
+    int64_t c = g->dim.T / 1024;
+    return (int)(c < 2 ? 2 : (c > 4 ? 4 : c));
+}
+
+/* --bwd-precision bf16: the layer backward's attention (the loop of
+ * layer_bwd, in the same row chunks) on BF16 operands with F32 accumulation:
+ * q, k (rotated), v and dO rounded to BF16 once per layer; per head and
+ * chunk the F32 scores, the probabilities as BF16 (softmax sums in double),
+ * dV += Pᵀ dO, dP = dO Vᵀ (F32), dS as BF16 (double row sums), dQ = scale
+ * dS K, dK += scale dSᵀ Q. The same products as the F32 arrays under
+ * 32F_FAST_16BF, without its conversions, and half the bytes of P and dS for
+ * the GEMMs that read them. dq, dk, dv: F32, zeroed by the caller. */
+template <typename R> bk_status attn_back_bf(gbwd *, int64_t, int64_t)
+{
+    return bk_error(BK_ERR_INTERNAL, "GPU backward: BF16 attention needs F32 storage");
+}
+
+template <> bk_status attn_back_bf<float>(gbwd *g, int64_t S, int64_t nch)
+{
+    const int64_t T = g->dim.T, N = S * T, qd = g->dim.qdim, kvd = g->dim.kvdim, hd = g->dim.hd;
+    cudaStream_t st = g->c->stream;
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    const struct {
+        const void *src;
+        __nv_bfloat16 *dst;
+        int64_t n;
+    } cv[] = {{g->qr, g->aqb, N * qd}, {g->kr, g->akb, N * kvd}, {g->zv, g->avb, N * kvd},
+              {g->dob, g->adob, N * qd}};
+    for (int i = 0; i < 4; i++) {
+        k_to_bf16_rn<float><<<grid_for(cv[i].n), 256, 0, st>>>(static_cast<const float *>(cv[i].src),
+                                                               cv[i].dst, cv[i].n);
+        LAUNCH_CHECK("k_to_bf16_rn");
+    }
+    float *P = static_cast<float *>(g->P), *dP = static_cast<float *>(g->dP);
+    for (int64_t j = 0; j < g->dim.nh; j++)
+        for (int64_t c = 0; c < nch; c++) {
+            const int64_t gi = j / g->dim.rep, r0 = T * c / nch, r1 = T * (c + 1) / nch,
+                          rc = r1 - r0;
+            const __nv_bfloat16 *Qc = g->aqb + r0 * qd + j * hd, *Kg = g->akb + gi * hd,
+                                *Vg = g->avb + gi * hd, *dOc = g->adob + r0 * qd + j * hd;
+            __nv_bfloat16 *Pbc = g->Pb + r0 * T, *dSbc = g->dSb + r0 * T;
+            /* scores (F32), then P (BF16) */
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, false, true, rc, r1, hd, scale, Qc, qd, T * qd, Kg,
+                                    kvd, T * kvd, 0.0f, P + r0 * T, T, T * T, S));
+            k_softmax_bf<<<warp_grid(S * rc), 256, 0, st>>>(P, g->Pb, S * rc, T, r0, rc, r1);
+            LAUNCH_CHECK("k_softmax_bf");
+            /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, true, false, r1, hd, rc, 1.0f, Pbc, T, T * T, dOc, qd,
+                                    T * qd, 1.0f, static_cast<float *>(g->dv) + gi * hd, kvd,
+                                    T * kvd, S));
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, false, true, rc, r1, hd, 1.0f, dOc, qd, T * qd, Vg,
+                                    kvd, T * kvd, 0.0f, dP + r0 * T, T, T * T, S));
+            k_dsoftmax_bf<<<warp_grid(S * rc), 256, 0, st>>>(g->Pb, dP, g->dSb, S * rc, T, r0,
+                                                              rc, r1);
+            LAUNCH_CHECK("k_dsoftmax_bf");
+            /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, false, false, rc, hd, r1, scale, dSbc, T, T * T, Kg,
+                                    kvd, T * kvd, 0.0f,
+                                    static_cast<float *>(g->dq) + r0 * qd + j * hd, qd, T * qd,
+                                    S));
+            GEMM_CHECK(rm_gemm_b_bf(g->bl, true, false, r1, hd, rc, scale, dSbc, T, T * T, Qc, qd,
+                                    T * qd, 1.0f, static_cast<float *>(g->dk) + gi * hd, kvd,
+                                    T * kvd, S));
+        }
+    return BK_OK;
+}
+
+/* O (g->o, token-major) = causal attention of the rotated q, k (qr, kr) and
+ * v (zv) in one fused kernel per micro-batch: BF16 Q, K, V and P, F32
+ * scores, sums and output (attn_flash.cu); g->flash, F32 storage only */
+template <typename R> bk_status attn_fused(gbwd *, int64_t)
+{
+    return bk_error(BK_ERR_INTERNAL, "GPU backward: fused attention needs F32 storage");
+}
+
+template <> bk_status attn_fused<float>(gbwd *g, int64_t S)
+{
+    const int64_t T = g->dim.T, N = S * T, hd = g->dim.hd, nh = g->dim.nh, nkv = g->dim.nkv,
+                  rep = g->dim.rep;
+    cudaStream_t s = g->c->stream;
+    k_tok_to_groups_bf16<<<grid_for(N * nh * hd), 256, 0, s>>>((const float *)g->qr, N, T, nh, hd,
+                                                              rep, g->qb);
+    LAUNCH_CHECK("k_tok_to_groups_bf16");
+    k_tok_to_groups_bf16<<<grid_for(N * nkv * hd), 256, 0, s>>>((const float *)g->kr, N, T, nkv,
+                                                               hd, 1, g->kb);
+    LAUNCH_CHECK("k_tok_to_groups_bf16");
+    k_tok_to_groups_bf16<<<grid_for(N * nkv * hd), 256, 0, s>>>((const float *)g->zv, N, T, nkv,
+                                                               hd, 1, g->vb);
+    LAUNCH_CHECK("k_tok_to_groups_bf16");
+    return bk_attn_flash(g->qb, g->kb, g->vb, (float *)g->o, S, nkv, T, rep, hd,
+                         (float)(1.0 / sqrt((double)hd)), NULL, s);
 }
 
 /* the layer's forward from hin (saving what the backward needs); hout (may
@@ -1069,9 +1490,9 @@ template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, co
                   NI = g->dim.inter;
     bk_status st;
     TRY(rms_fwd<R>(g, hin, N, d, CRP(w->an), g->r1, RP(g->xa)));
-    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_Q]), qd, CRP(w->b[BK_MOD_Q]), RP(g->zq)));
-    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_K]), kvd, CRP(w->b[BK_MOD_K]), RP(g->zk)));
-    TRY(lin<R>(g, RP(g->xa), N, d, CRP(w->w[BK_MOD_V]), kvd, CRP(w->b[BK_MOD_V]), RP(g->zv)));
+    TRY(lin<R>(g, RP(g->xa), N, d, w, BK_MOD_Q, qd, RP(g->zq)));
+    TRY(lin<R>(g, RP(g->xa), N, d, w, BK_MOD_K, kvd, RP(g->zk), 1));
+    TRY(lin<R>(g, RP(g->xa), N, d, w, BK_MOD_V, kvd, RP(g->zv), 1));
     if (w->qn) {
         TRY(rms_fwd<R>(g, RP(g->zq), N * g->dim.nh, hd, CRP(w->qn), g->rq, RP(g->qr)));
         TRY(rms_fwd<R>(g, RP(g->zk), N * g->dim.nkv, hd, CRP(w->kn), g->rk, RP(g->kr)));
@@ -1083,24 +1504,27 @@ template <typename R> bk_status layer_fwd(gbwd *g, const gslot *w, int64_t S, co
     }
     TRY(rope<R>(g, RP(g->qr), N, g->dim.nh, +1));
     TRY(rope<R>(g, RP(g->kr), N, g->dim.nkv, +1));
-    for (int64_t j = 0; j < g->dim.nh; j++) {
-        const int64_t gi = j / g->dim.rep;
-        TRY(attn_probs<R>(g, S, j));
-        GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, 1.0, RP(g->P), T, T * T,
-                             RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->o) + j * hd, qd, T * qd,
-                             S));
-    }
-    TRY(lin<R>(g, RP(g->o), N, qd, CRP(w->w[BK_MOD_O]), d, CRP(w->b[BK_MOD_O]), RP(g->tmp)));
+    if (g->flash) {
+        TRY(attn_fused<R>(g, S));
+    } else
+        for (int64_t j = 0; j < g->dim.nh; j++) {
+            const int64_t gi = j / g->dim.rep;
+            TRY(attn_probs<R>(g, S, j));
+            GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, 1.0, RP(g->P), T, T * T,
+                                 RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->o) + j * hd, qd,
+                                 T * qd, S));
+        }
+    TRY(lin<R>(g, RP(g->o), N, qd, w, BK_MOD_O, d, RP(g->tmp)));
     k_add<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(RP(g->h1), hin, RP(g->tmp), N * d);
     LAUNCH_CHECK("k_add");
     TRY(rms_fwd<R>(g, RP(g->h1), N, d, CRP(w->mn), g->r2, RP(g->xm)));
-    TRY(lin<R>(g, RP(g->xm), N, d, CRP(w->w[BK_MOD_GATE]), NI, CRP(w->b[BK_MOD_GATE]), RP(g->zg)));
-    TRY(lin<R>(g, RP(g->xm), N, d, CRP(w->w[BK_MOD_UP]), NI, CRP(w->b[BK_MOD_UP]), RP(g->zu)));
+    TRY(lin<R>(g, RP(g->xm), N, d, w, BK_MOD_GATE, NI, RP(g->zg)));
+    TRY(lin<R>(g, RP(g->xm), N, d, w, BK_MOD_UP, NI, RP(g->zu), 1));
     k_swiglu<R><<<grid_for(N * NI), 256, 0, g->c->stream>>>(RP(g->zg), RP(g->zu), RP(g->mm), N * NI);
     LAUNCH_CHECK("k_swiglu");
     if (!hout)
         return BK_OK;
-    TRY(lin<R>(g, RP(g->mm), N, NI, CRP(w->w[BK_MOD_DOWN]), d, CRP(w->b[BK_MOD_DOWN]), RP(g->tmp)));
+    TRY(lin<R>(g, RP(g->mm), N, NI, w, BK_MOD_DOWN, d, RP(g->tmp)));
     k_add<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(hout, RP(g->h1), RP(g->tmp), N * d);
     LAUNCH_CHECK("k_add");
     return BK_OK;
@@ -1119,41 +1543,51 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
     /* MLP: g_down = dh (kept in tmp) */
     BK_CUDA_CHECK(cudaMemcpyAsync(g->tmp, dh, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
                                   g->c->stream));
-    TRY(lin_back<R>(g, dh, N, d, CRP(w->w[BK_MOD_DOWN]), NI, 0.0, RP(g->dm)));
+    TRY(lin_back<R>(g, dh, N, d, w, BK_MOD_DOWN, NI, 0.0, RP(g->dm)));
     k_swiglu_back<R><<<grid_for(N * NI), 256, 0, g->c->stream>>>(
         RP(g->zg), RP(g->zu), RP(g->dm), RP(g->dzg), RP(g->dzu), N * NI);
     LAUNCH_CHECK("k_swiglu_back");
-    TRY(lin_back<R>(g, RP(g->dzg), N, NI, CRP(w->w[BK_MOD_GATE]), d, 0.0, RP(g->dx)));
-    TRY(lin_back<R>(g, RP(g->dzu), N, NI, CRP(w->w[BK_MOD_UP]), d, 1.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dzg), N, NI, w, BK_MOD_GATE, d, 0.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dzu), N, NI, w, BK_MOD_UP, d, 1.0, RP(g->dx)));
     /* dh1 = dh2 + RMSNorm_2 adjoint */
     BK_CUDA_CHECK(cudaMemcpyAsync(g->dh1, dh, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
                                   g->c->stream));
     TRY(rms_back<R>(g, RP(g->h1), g->r2, N, d, CRP(w->mn), RP(g->dx), 1, RP(g->dh1)));
     /* attention: g_o = dh1 */
-    TRY(lin_back<R>(g, RP(g->dh1), N, d, CRP(w->w[BK_MOD_O]), qd, 0.0, RP(g->dob)));
+    TRY(lin_back<R>(g, RP(g->dh1), N, d, w, BK_MOD_O, qd, 0.0, RP(g->dob)));
     BK_CUDA_CHECK(cudaMemsetAsync(g->dq, 0, (size_t)(N * qd) * g->es, g->c->stream));
     BK_CUDA_CHECK(cudaMemsetAsync(g->dk, 0, (size_t)(N * kvd) * g->es, g->c->stream));
     BK_CUDA_CHECK(cudaMemsetAsync(g->dv, 0, (size_t)(N * kvd) * g->es, g->c->stream));
     const double scale = 1.0 / sqrt((double)hd);
-    for (int64_t j = 0; j < g->dim.nh; j++) {
-        const int64_t gi = j / g->dim.rep;
-        TRY(attn_probs<R>(g, S, j));
-        /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
-        GEMM_CHECK(rm_gemm_b(g->bl, true, false, T, hd, T, 1.0, RP(g->P), T, T * T,
-                             RP(g->dob) + j * hd, qd, T * qd, 1.0, RP(g->dv) + gi * hd, kvd,
-                             T * kvd, S));
-        GEMM_CHECK(rm_gemm_b(g->bl, false, true, T, T, hd, 1.0, RP(g->dob) + j * hd, qd, T * qd,
-                             RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, RP(g->dP), T, T * T, S));
-        k_dsoftmax<R><<<warp_grid(S * T), 256, 0, g->c->stream>>>(RP(g->P), RP(g->dP), S * T, T);
-        LAUNCH_CHECK("k_dsoftmax");
-        /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
-        GEMM_CHECK(rm_gemm_b(g->bl, false, false, T, hd, T, scale, RP(g->dP), T, T * T,
-                             RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->dq) + j * hd, qd,
-                             T * qd, S));
-        GEMM_CHECK(rm_gemm_b(g->bl, true, false, T, hd, T, scale, RP(g->dP), T, T * T,
-                             RP(g->qr) + j * hd, qd, T * qd, 1.0, RP(g->dk) + gi * hd, kvd,
-                             T * kvd, S));
-    }
+    const int64_t nch = attn_chunks(g);
+    if (g->wbf) {
+        TRY(attn_back_bf<R>(g, S, nch));
+    } else
+    for (int64_t j = 0; j < g->dim.nh; j++)
+        for (int64_t c = 0; c < nch; c++) {
+            /* query rows [r0, r1) of head j against keys [0, r1) (one chunk:
+             * the whole [T, T]) */
+            const int64_t gi = j / g->dim.rep, r0 = T * c / nch, r1 = T * (c + 1) / nch,
+                          rc = r1 - r0;
+            R *Pc = RP(g->P) + r0 * T, *dPc = RP(g->dP) + r0 * T;
+            const R *dOc = RP(g->dob) + r0 * qd + j * hd;
+            TRY(attn_probs_rows<R>(g, S, j, r0, r1));
+            /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
+            GEMM_CHECK(rm_gemm_b(g->bl, true, false, r1, hd, rc, 1.0, Pc, T, T * T, dOc, qd,
+                                 T * qd, 1.0, RP(g->dv) + gi * hd, kvd, T * kvd, S));
+            GEMM_CHECK(rm_gemm_b(g->bl, false, true, rc, r1, hd, 1.0, dOc, qd, T * qd,
+                                 RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, dPc, T, T * T, S));
+            k_dsoftmax<R><<<warp_grid(S * rc), 256, 0, g->c->stream>>>(RP(g->P), RP(g->dP),
+                                                                        S * rc, T, r0, rc, r1);
+            LAUNCH_CHECK("k_dsoftmax");
+            /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
+            GEMM_CHECK(rm_gemm_b(g->bl, false, false, rc, hd, r1, scale, dPc, T, T * T,
+                                 RP(g->kr) + gi * hd, kvd, T * kvd, 0.0,
+                                 RP(g->dq) + r0 * qd + j * hd, qd, T * qd, S));
+            GEMM_CHECK(rm_gemm_b(g->bl, true, false, r1, hd, rc, scale, dPc, T, T * T,
+                                 RP(g->qr) + r0 * qd + j * hd, qd, T * qd, 1.0,
+                                 RP(g->dk) + gi * hd, kvd, T * kvd, S));
+        }
     /* RoPE adjoint, then the q/k norm adjoints: dq, dk become the gradients
      * of the q_proj / k_proj outputs */
     TRY(rope<R>(g, RP(g->dq), N, g->dim.nh, -1));
@@ -1167,9 +1601,9 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
         TRY(rms_back<R>(g, RP(g->zk), g->rk, N * g->dim.nkv, hd, CRP(w->kn), RP(g->cpy), 0, RP(g->dk)));
     }
     /* dxa = dq Wq + dk Wk + dv Wv; dh = dh1 + RMSNorm_1 adjoint */
-    TRY(lin_back<R>(g, RP(g->dq), N, qd, CRP(w->w[BK_MOD_Q]), d, 0.0, RP(g->dx)));
-    TRY(lin_back<R>(g, RP(g->dk), N, kvd, CRP(w->w[BK_MOD_K]), d, 1.0, RP(g->dx)));
-    TRY(lin_back<R>(g, RP(g->dv), N, kvd, CRP(w->w[BK_MOD_V]), d, 1.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dq), N, qd, w, BK_MOD_Q, d, 0.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dk), N, kvd, w, BK_MOD_K, d, 1.0, RP(g->dx)));
+    TRY(lin_back<R>(g, RP(g->dv), N, kvd, w, BK_MOD_V, d, 1.0, RP(g->dx)));
     BK_CUDA_CHECK(cudaMemcpyAsync(dh, g->dh1, (size_t)(N * d) * g->es, cudaMemcpyDeviceToDevice,
                                   g->c->stream));
     TRY(rms_back<R>(g, hin, g->r1, N, d, CRP(w->an), RP(g->dx), 1, dh));
@@ -1260,11 +1694,13 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
     TRY(rms_fwd<R>(g, h, N, d, CRP(g->headn), g->rf, RP(g->xf)));
     k_lse_init<<<grid_for(N), 256, 0, s>>>(g->mx, g->se, N);
     LAUNCH_CHECK("k_lse_init");
+    /* block v0's logits [N, n]: at N·v0 in lg when every block is kept */
+#define LGB(v0) (RP(g->lg) + (g->lg_all ? N * (v0) : 0))
     for (int64_t v0 = 0; v0 < V; v0 += g->vc) {
         const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
         GEMM_CHECK(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
-                           CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n));
-        k_lse_block<R><<<warp_grid(N), 256, 0, s>>>(RP(g->lg), N, n, g->mx, g->se);
+                           CRP(g->headw) + v0 * d, d, 0.0, LGB(v0), n));
+        k_lse_block<R><<<warp_grid(N), 256, 0, s>>>(LGB(v0), N, n, g->mx, g->se);
         LAUNCH_CHECK("k_lse_block");
     }
     /* finite logits (as the CPU) */
@@ -1318,11 +1754,12 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
         }
         for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += g->vc) {
             const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
-            st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
-                                          CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n),
-                                  "GPU backward: logits", __FILE__, __LINE__);
+            if (!g->lg_all)
+                st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
+                                              CRP(g->headw) + v0 * d, d, 0.0, LGB(v0), n),
+                                      "GPU backward: logits", __FILE__, __LINE__);
             if (st == BK_OK) {
-                k_sample_block<R><<<warp_grid(N), 256, 0, s>>>(RP(g->lg), N, n, v0, g->mx, g->tg,
+                k_sample_block<R><<<warp_grid(N), 256, 0, s>>>(LGB(v0), N, n, v0, g->mx, g->tg,
                                                                g->cum, g->last, g->lab);
                 st = BK_LAUNCHED_OK();
             }
@@ -1348,16 +1785,17 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
                             __FILE__, __LINE__);
     for (int64_t v0 = 0; v0 < V && st == BK_OK; v0 += g->vc) {
         const int64_t n = V - v0 < g->vc ? V - v0 : g->vc;
-        st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
-                                      CRP(g->headw) + v0 * d, d, 0.0, RP(g->lg), n),
-                              "GPU backward: logits", __FILE__, __LINE__);
+        if (!g->lg_all)
+            st = bk_cublas_status(rm_gemm(g->bl, false, true, N, n, d, 1.0, RP(g->xf), d,
+                                          CRP(g->headw) + v0 * d, d, 0.0, LGB(v0), n),
+                                  "GPU backward: logits", __FILE__, __LINE__);
         if (st == BK_OK) {
-            k_head_grad<R><<<grid_for(N * n), 256, 0, s>>>(RP(g->lg), N, n, v0, g->lab, g->lse,
+            k_head_grad<R><<<grid_for(N * n), 256, 0, s>>>(LGB(v0), N, n, v0, g->lab, g->lse,
                                                            g->tgl);
             st = BK_LAUNCHED_OK();
         }
         if (st == BK_OK && dh)
-            st = bk_cublas_status(rm_gemm(g->bl, false, false, N, d, n, 1.0, RP(g->lg), n,
+            st = bk_cublas_status(rm_gemm(g->bl, false, false, N, d, n, 1.0, LGB(v0), n,
                                           CRP(g->headw) + v0 * d, d, 1.0, RP(g->dxf), d),
                                   "GPU backward: head gradient", __FILE__, __LINE__);
     }
@@ -1392,31 +1830,43 @@ bk_status head_run(gbwd *g, const R *h, int64_t S, int64_t seq0, const int32_t *
                             idx[0], d);
     }
     return st;
+#undef LGB
 }
 
-/* embedding rows of S sequences into the device array h (R) */
-bk_status embed(gbwd *g, const int32_t *tokens, int64_t S, void *h)
+/* embed_tokens on the device in R, once: the LM head's array when tied (the
+ * same tensor, converted by the same upload_rows), else a copy of its own */
+bk_status embed_init(gbwd *g)
 {
     const bk_tensor_info *t = bk_model_find(g->m, -1, "embed_tokens.weight");
     if (!t || t->ndim != 2 || t->shape[0] != g->V || t->shape[1] != g->dim.hidden)
         return bk_error(BK_ERR_MISSING_TENSOR, "embed_tokens.weight: missing or of a wrong shape");
-    const size_t esrc = bk_dtype_bits(t->dtype) / 8, row = (size_t)g->dim.hidden * g->es;
-    const int64_t per = (int64_t)(g->hstage_bytes / row);
-    const int64_t N = S * g->dim.T;
-    for (int64_t a = 0; a < N; a += per) {
-        const int64_t n = N - a < per ? N - a : per;
-        for (int64_t i = 0; i < n; i++) {
-            const unsigned char *src =
-                (const unsigned char *)t->data + (size_t)tokens[a + i] * (size_t)g->dim.hidden * esrc;
-            bk_status st = bk_convert(src, t->dtype, (char *)g->hstage + (size_t)i * row,
-                                      g->fp64 ? BK_DT_F64 : BK_DT_F32, (size_t)g->dim.hidden);
-            if (st != BK_OK)
-                return bk_error_prefix(st, t->name ? t->name : "embed_tokens.weight");
-        }
-        BK_CUDA_CHECK(cudaMemcpyAsync((char *)h + (size_t)a * row, g->hstage, (size_t)n * row,
-                                      cudaMemcpyHostToDevice, g->c->stream));
-        BK_CUDA_CHECK(cudaStreamSynchronize(g->c->stream));
+    if (g->emb)
+        return BK_OK;
+    if (g->cfg.tie_embeddings) {
+        g->emb = g->headw;
+        return BK_OK;
     }
+    bk_status st = dalloc(g, &g->emb, g->V * g->dim.hidden, g->es, "embedding table");
+    if (st == BK_OK) {
+        g->emb_own = 1;
+        st = upload_rows(g, t, 0, g->V, g->emb);
+    }
+    return st;
+}
+
+/* embedding rows of S sequences (host token ids, checked by the flow) into
+ * the device array h (R): a gather from the device table */
+template <typename R> bk_status embed(gbwd *g, const int32_t *tokens, int64_t S, void *h)
+{
+    bk_status st = embed_init(g);
+    if (st != BK_OK)
+        return st;
+    const int64_t N = S * g->dim.T, d = g->dim.hidden;
+    /* (pageable source: the copy has read it when the call returns) */
+    BK_CUDA_CHECK(cudaMemcpyAsync(g->dtok, tokens, (size_t)N * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, g->c->stream));
+    k_embed_rows<R><<<grid_for(N * d), 256, 0, g->c->stream>>>(CRP(g->emb), g->dtok, N, d, RP(h));
+    LAUNCH_CHECK("k_embed_rows");
     return BK_OK;
 }
 
@@ -1440,7 +1890,17 @@ struct flow {
     double *hgw[64][BK_MOD_COUNT];
     double *dgw[64][BK_MOD_COUNT]; /* cb->grams_dev, weighted: |g|² per token on the device */
     double *gscr, *rn_g, *rn_a; /* device [B*T, max out], [B*T], [B*T] */
+    float *g32;                 /* tf32 / bf16: one micro-batch's F32 Gram [max out²] */
     double *hG;                 /* host [max out²] */
+    /* boundary stores off the compute stream: the micro-batch's h or dh is
+     * copied to a device scratch (sbuf[0] for h, [1] for dh) on the compute
+     * stream, then to the pinned boundary on cs; ev_done[k] marks the end
+     * of scratch k's last device-to-host copy, whose host range is
+     * [pend_lo[k], pend_hi[k]) */
+    cudaStream_t cs;
+    cudaEvent_t ev_ready, ev_done[2];
+    void *sbuf[2];
+    const char *pend_lo[2], *pend_hi[2];
 };
 
 /* this micro-batch's (sequences s0 .. s0+sb) output gradients of the last
@@ -1468,12 +1928,49 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
             k_row_sq<R><<<warp_grid(N), 256, 0, s>>>(CRP(as[i]), N, n, f->rn_a);
             LAUNCH_CHECK("k_row_sq");
         }
-        k_scale_rows<R><<<grid_for(N * m), 256, 0, s>>>(
-            CRP(gs[i]), N, m, f->cb->gram_weighted ? f->rn_a : (const double *)NULL, f->gscr);
-        LAUNCH_CHECK("k_scale_rows");
-        /* row-major upper triangle of Σ x xᵀ = cuBLAS's column-major lower */
-        GEMM_CHECK(cublasDsyrk(g->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)m, (int)N, &one,
-                               f->gscr, (int)m, &one, f->gram[k][i], (int)m));
+        const double *wrow = f->cb->gram_weighted ? f->rn_a : (const double *)NULL;
+        if (f->g32) {
+            /* --bwd-precision tf32 / bf16: this micro-batch's Gram on tensor
+             * cores in the flow's GEMM arithmetic (F32 inputs and
+             * accumulation), lower-trapezoid panels of the column-major view
+             * (X = [m, N], C[j0:m, j0:j1] = X[j0:m, :] X[j0:j1, :]ᵀ), then
+             * added in double to the leaf's Gram: the sum over micro-batches
+             * stays in double as with DSYRK */
+            /* bf16: the scaled gradients stored as BF16 and BF16 x BF16 GEMMs
+             * (CUBLAS_COMPUTE_32F; the products 32F_FAST_16BF forms from F32
+             * arrays, without its conversions); tf32: F32 with 32F_FAST_TF32 */
+            const bool bf = g->wbf != 0;
+            void *xs = f->gscr;
+            if (bf)
+                k_scale_rows<R, __nv_bfloat16><<<grid_for(N * m), 256, 0, s>>>(
+                    CRP(gs[i]), N, m, wrow, static_cast<__nv_bfloat16 *>(xs));
+            else
+                k_scale_rows<R, float><<<grid_for(N * m), 256, 0, s>>>(CRP(gs[i]), N, m, wrow,
+                                                                       static_cast<float *>(xs));
+            LAUNCH_CHECK("k_scale_rows");
+            const size_t xe = bf ? 2 : 4;
+            const cudaDataType_t xt = bf ? CUDA_R_16BF : CUDA_R_32F;
+            const cublasComputeType_t ct = bf ? CUBLAS_COMPUTE_32F : g->bl.ct;
+            const float one32 = 1.0f, zero32 = 0.0f;
+            const int64_t nb = m >= 8192 ? 1024 : 512;
+            for (int64_t j0 = 0; j0 < m; j0 += nb) {
+                const int64_t w = m - j0 < nb ? m - j0 : nb;
+                const void *xj = static_cast<const char *>(xs) + (size_t)j0 * xe;
+                GEMM_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)(m - j0), (int)w,
+                                        (int)N, &one32, xj, xt, (int)m, xj, xt, (int)m, &zero32,
+                                        f->g32 + j0 * m + j0, CUDA_R_32F, (int)m, ct,
+                                        CUBLAS_GEMM_DEFAULT));
+            }
+            k_gram_acc_lower<<<grid_for(m * m), 256, 0, s>>>(f->gram[k][i], f->g32, m);
+            LAUNCH_CHECK("k_gram_acc_lower");
+        } else {
+            k_scale_rows<R, double><<<grid_for(N * m), 256, 0, s>>>(CRP(gs[i]), N, m, wrow,
+                                                                    f->gscr);
+            LAUNCH_CHECK("k_scale_rows");
+            /* row-major upper triangle of Σ x xᵀ = cuBLAS's column-major lower */
+            GEMM_CHECK(cublasDsyrk(g->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)m, (int)N,
+                                   &one, f->gscr, (int)m, &one, f->gram[k][i], (int)m));
+        }
         if (!dev)
             BK_CUDA_CHECK(cudaMemcpyAsync(f->hgw[k][i] + s0 * f->T, f->rn_g, (size_t)N * 8,
                                           cudaMemcpyDeviceToHost, s));
@@ -1519,14 +2016,15 @@ void op_boundary_free(void *x, void *p)
 {
     flow *f = static_cast<flow *>(x);
     cudaStreamSynchronize(f->g->c->stream);
+    cudaStreamSynchronize(f->cs); /* (a store into it may still be running) */
     cudaFreeHost(p);
 }
 
-bk_status op_embed(void *x, const int32_t *tokens, int64_t sb)
+template <typename R> bk_status op_embed(void *x, const int32_t *tokens, int64_t sb)
 {
     flow *f = static_cast<flow *>(x);
     double tp = bk_now();
-    bk_status st = embed(f->g, tokens, sb, f->h);
+    bk_status st = embed<R>(f->g, tokens, sb, f->h);
     bk_cuda_pmark(f->g->c->stream, &tp, "bwd.embed");
     return st;
 }
@@ -1535,19 +2033,40 @@ bk_status op_load(void *x, int buf, const void *src, size_t bytes)
 {
     flow *f = static_cast<flow *>(x);
     double tp = bk_now();
+    cudaStream_t s = f->g->c->stream;
+    /* a store still copying into these host bytes: wait for it (on the
+     * device). Only the last store of each scratch can be pending: a store
+     * waits for the previous copy out of its scratch before reusing it, and
+     * every later operation of the compute stream is ordered after that */
+    const char *lo = static_cast<const char *>(src), *hi = lo + bytes;
+    for (int k = 0; k < 2; k++)
+        if (f->pend_lo[k] && lo < f->pend_hi[k] && hi > f->pend_lo[k])
+            BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0));
     BK_CUDA_CHECK(cudaMemcpyAsync(buf == BK_BWD_H ? f->h : f->dh, src, bytes,
-                                  cudaMemcpyHostToDevice, f->g->c->stream));
-    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.boundary_in");
+                                  cudaMemcpyHostToDevice, s));
+    bk_cuda_pmark(s, &tp, "bwd.boundary_in");
     return BK_OK;
 }
 
+/* h or dh to a boundary without stalling the compute stream: a device copy
+ * into the buffer's scratch, then the device-to-host copy on f->cs
+ * (overlapping the next layers); op_load and op_boundary_free wait for it */
 bk_status op_store(void *x, int buf, void *dst, size_t bytes)
 {
     flow *f = static_cast<flow *>(x);
     double tp = bk_now();
-    BK_CUDA_CHECK(cudaMemcpyAsync(dst, buf == BK_BWD_H ? f->h : f->dh, bytes,
-                                  cudaMemcpyDeviceToHost, f->g->c->stream));
-    bk_cuda_pmark(f->g->c->stream, &tp, "bwd.boundary_out");
+    cudaStream_t s = f->g->c->stream;
+    const int k = buf == BK_BWD_H ? 0 : 1;
+    BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0)); /* (scratch k free) */
+    BK_CUDA_CHECK(cudaMemcpyAsync(f->sbuf[k], k ? f->dh : f->h, bytes, cudaMemcpyDeviceToDevice,
+                                  s));
+    BK_CUDA_CHECK(cudaEventRecord(f->ev_ready, s));
+    BK_CUDA_CHECK(cudaStreamWaitEvent(f->cs, f->ev_ready, 0));
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->sbuf[k], bytes, cudaMemcpyDeviceToHost, f->cs));
+    BK_CUDA_CHECK(cudaEventRecord(f->ev_done[k], f->cs));
+    f->pend_lo[k] = static_cast<const char *>(dst);
+    f->pend_hi[k] = f->pend_lo[k] + bytes;
+    bk_cuda_pmark(s, &tp, "bwd.boundary_out");
     return BK_OK;
 }
 
@@ -1696,7 +2215,7 @@ template <typename R> bk_bwd_flow_ops flow_ops()
     ops.boundary_mem = "pinned host memory";
     ops.boundary_alloc = op_boundary_alloc;
     ops.boundary_free = op_boundary_free;
-    ops.embed = op_embed;
+    ops.embed = op_embed<R>;
     ops.load = op_load;
     ops.store = op_store;
     ops.keep = op_keep;
@@ -1760,6 +2279,22 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     if (st == BK_OK)
         st = dalloc(g, &f.dh, mrow, g->es, "micro-batch gradients");
     if (st == BK_OK)
+        st = embed_init(g);
+    if (st == BK_OK)
+        st = dalloc(g, &f.sbuf[0], mrow, g->es, "boundary staging");
+    if (st == BK_OK)
+        st = dalloc(g, &f.sbuf[1], mrow, g->es, "boundary staging");
+    if (st == BK_OK) {
+        cudaError_t e = cudaStreamCreateWithFlags(&f.cs, cudaStreamNonBlocking);
+        if (e == cudaSuccess)
+            e = cudaEventCreateWithFlags(&f.ev_ready, cudaEventDisableTiming);
+        if (e == cudaSuccess)
+            e = cudaEventCreateWithFlags(&f.ev_done[0], cudaEventDisableTiming);
+        if (e == cudaSuccess)
+            e = cudaEventCreateWithFlags(&f.ev_done[1], cudaEventDisableTiming);
+        st = bk_cuda_status(e, "GPU backward: copy stream", __FILE__, __LINE__);
+    }
+    if (st == BK_OK)
         st = dalloc(g, &f.acts, mrow * f.acts_layers, g->es, "micro-batch layer inputs");
     stats->micro_bytes = (uint64_t)g->dev_bytes;
     if (st == BK_ERR_DEVICE_OOM) {
@@ -1784,6 +2319,8 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         }
         if (st == BK_OK)
             st = dalloc(g, (void **)&f.gscr, f.B * T * mo, 8, "gradient Gram scratch");
+        if (st == BK_OK && !g->fp64 && g->bl.ct != CUBLAS_COMPUTE_32F)
+            st = dalloc(g, (void **)&f.g32, mo * mo, 4, "gradient Gram scratch");
         if (st == BK_OK)
             st = dalloc(g, (void **)&f.rn_g, f.B * T, 8, "gradient norms");
         if (st == BK_OK)
@@ -1818,13 +2355,34 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     if (st == BK_OK)
         st = slots_init(g, go->max_resident_layers);
     if (st == BK_OK) {
+        double tp = bk_now();
+        preload_host_weights(g);
+        bk_prof_add("bwd.preload_weights", bk_now() - tp);
+    }
+    if (st == BK_OK) {
         const bk_bwd_flow_ops ops = g->fp64 ? flow_ops<double>() : flow_ops<float>();
         st = bk__bwd_flow_drive(&ops, &f, m, tokens, S, T, B, o, cb, stats);
     }
+    if (f.cs) {
+        /* the last stores (their boundaries are freed by the driver already,
+         * after a synchronisation; nothing should be left) */
+        cudaError_t e = cudaStreamSynchronize(f.cs);
+        if (st == BK_OK)
+            st = bk_cuda_status(e, "GPU backward: boundary copies", __FILE__, __LINE__);
+        cudaStreamDestroy(f.cs);
+    }
+    if (f.ev_ready)
+        cudaEventDestroy(f.ev_ready);
+    for (int k = 0; k < 2; k++)
+        if (f.ev_done[k])
+            cudaEventDestroy(f.ev_done[k]);
+    dfree(g, f.sbuf[0]);
+    dfree(g, f.sbuf[1]);
     dfree(g, f.h);
     dfree(g, f.dh);
     dfree(g, f.acts);
     dfree(g, f.gscr);
+    dfree(g, f.g32);
     dfree(g, f.rn_g);
     dfree(g, f.rn_a);
     for (int k = 0; k < 64; k++)

@@ -83,7 +83,8 @@ static bk_status sync_ops(flow *f, bk_status st)
 
 /* One sweep over every micro-batch:
  *   h = X_from (or the embedding when from == 0 and X_from == NULL);
- *   forward through [from, to), copying h into X_save before layer save_at;
+ *   forward through [from, to), copying h into X_save before layer save_at
+ *   (not through layer to - 1 when G_to is given: its output is not needed);
  *   dh = G_to, or the head's gradient (to == n_layers), copied to G_head;
  *   backward through [grad_lo, to), with taps for layers < taps_hi;
  *   G_out = dh. */
@@ -116,6 +117,11 @@ static bk_status sweep(flow *f, int from, const void *X_from, int save_at, void 
             if (l == save_at && (st = ops->store(x, BK_BWD_H, (char *)X_save + off, mb)) != BK_OK)
                 break;
             if (l >= grad_lo && (st = ops->keep(x, l - grad_lo, mb)) != BK_OK)
+                break;
+            /* with its output gradient given (G_to) the last layer's output is
+             * not needed: its input is kept and the backward recomputes its
+             * forward from there (a leaf sweep of one layer runs no forward) */
+            if (G_to && l == to - 1)
                 break;
             st = ops->forward(x, l, sb);
         }
@@ -152,7 +158,8 @@ static bk_status sweep(flow *f, int from, const void *X_from, int save_at, void 
     }
     if (st == BK_OK) {
         f->st->passes++;
-        f->st->layer_forwards += (to - from) + (to - grad_lo); /* + the recomputation */
+        /* (without the last layer's when G_to is given) + the recomputation */
+        f->st->layer_forwards += (to - from) - (G_to ? 1 : 0) + (to - grad_lo);
         f->st->layer_backwards += to - grad_lo;
     }
     return st;

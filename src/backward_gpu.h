@@ -3,7 +3,7 @@
  *
  * The same decomposition as the CPU oracle (bakron/backward.h,
  * src/backward.c, src/backward_flow.c), op by op, on one micro-batch at a
- * time: embedding rows converted on the host, per-layer forward with
+ * time: embedding rows gathered on the device, per-layer forward with
  * recomputation, per-layer backward, the LM head's cross entropy in
  * vocabulary blocks, the model-Fisher labels by the same inverse CDF with
  * the same uniforms (bk__bwd_uniform, computed on the host).
@@ -15,7 +15,12 @@
  *   fp64 = 0  GEMMs in IEEE F32 (cuBLAS SGEMM, no TF32), activations,
  *             gradients and boundary matrices stored in F32; every
  *             elementwise step and every reduction (RMSNorm sums, softmax
- *             sums, log-sum-exp, the label CDF) in double.
+ *             sums, log-sum-exp, the label CDF) in double. math TF32 / BF16
+ *             (bk_gbwd_opts.math): GEMMs on tensor cores, the output-gradient
+ *             Grams per micro-batch too (F32, summed in double); BF16 also
+ *             keeps the layer weights as BF16 on the device and runs the
+ *             layer forward's attention fused (attn_flash.cu) at head_dim
+ *             64 / 128 (docs/hessians.md "On the GPU").
  *
  * Memory: boundary matrices (recursive halving) in pinned host memory,
  * copied to and from the device micro-batch by micro-batch; on the device
