@@ -693,6 +693,27 @@ struct gbwd {
 
 void gb_free(gbwd *g);
 
+/* Device bytes the flow may still take: the free memory, and no more than
+ * what the setting mem_limit leaves (bk_dev_alloc refuses beyond it; the
+ * physical free memory alone sized the logits and the weight cache for the
+ * whole GPU, so under a limit the cache filled it to the last byte and left
+ * nothing for the leaf layers' stages). 0 when it cannot be read. */
+size_t dev_avail(const gbwd *g)
+{
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+        cudaGetLastError();
+        fr = 0;
+    }
+    const bk_cuda_ctx *c = g->c;
+    if (c->mem_limit) {
+        const size_t left = c->mem_current < c->mem_limit ? c->mem_limit - c->mem_current : 0;
+        if (left < fr)
+            fr = left;
+    }
+    return fr;
+}
+
 bk_status dalloc(gbwd *g, void **p, int64_t elems, size_t es, const char *what)
 {
     uint64_t bytes;
@@ -867,11 +888,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
      * eighth of the free device memory (the same GEMMs, once instead of
      * three times per block), else one block */
     if (st == BK_OK && vc < g->V) {
-        size_t fr = 0, tot = 0;
-        if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
-            cudaGetLastError();
-            fr = 0;
-        }
+        const size_t fr = dev_avail(g);
         if ((double)R * (double)g->V * (double)es <= (double)fr / 8 &&
             dalloc(g, &g->lg, R * g->V, (size_t)es, "logits") == BK_OK)
             g->lg_all = 1;
@@ -1068,11 +1085,7 @@ bk_status slots_init(gbwd *g, int want)
 {
     int n = want;
     if (n <= 0) {
-        size_t fr = 0, tot = 0;
-        if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
-            cudaGetLastError();
-            fr = 0;
-        }
+        const size_t fr = dev_avail(g);
         double per = (double)layer_elems(g) * (double)g->es;
         if (g->wbf) /* (the matrices in BF16) */
             for (int i = 0; i < BK_MOD_COUNT; i++) {
