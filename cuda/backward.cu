@@ -693,6 +693,27 @@ struct gbwd {
 
 void gb_free(gbwd *g);
 
+/* Device bytes the flow may still take: the free memory, and no more than
+ * what the setting mem_limit leaves (bk_dev_alloc refuses beyond it; the
+ * physical free memory alone sized the logits and the weight cache for the
+ * whole GPU, so under a limit the cache filled it to the last byte and left
+ * nothing for the leaf layers' stages). 0 when it cannot be read. */
+size_t dev_avail(const gbwd *g)
+{
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+        cudaGetLastError();
+        fr = 0;
+    }
+    const bk_cuda_ctx *c = g->c;
+    if (c->mem_limit) {
+        const size_t left = c->mem_current < c->mem_limit ? c->mem_limit - c->mem_current : 0;
+        if (left < fr)
+            fr = left;
+    }
+    return fr;
+}
+
 bk_status dalloc(gbwd *g, void **p, int64_t elems, size_t es, const char *what)
 {
     uint64_t bytes;
@@ -863,21 +884,11 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0] && st == BK_OK; i++)
         st = dalloc(g, bufs[i].p, bufs[i].n, bufs[i].es, bufs[i].what);
-    /* the logits: all blocks of a micro-batch when that takes at most an
-     * eighth of the free device memory (the same GEMMs, once instead of
-     * three times per block), else one block */
-    if (st == BK_OK && vc < g->V) {
-        size_t fr = 0, tot = 0;
-        if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
-            cudaGetLastError();
-            fr = 0;
-        }
-        if ((double)R * (double)g->V * (double)es <= (double)fr / 8 &&
-            dalloc(g, &g->lg, R * g->V, (size_t)es, "logits") == BK_OK)
-            g->lg_all = 1;
-    } else if (st == BK_OK)
-        g->lg_all = 1; /* (one block is the whole vocabulary) */
-    if (st == BK_OK && !g->lg)
+    /* the logits: one block (every block when one is the whole vocabulary);
+     * head_logits_all widens it to all blocks once the buffers that cannot
+     * be done without are allocated */
+    g->lg_all = vc >= g->V;
+    if (st == BK_OK)
         st = dalloc(g, &g->lg, R * vc, (size_t)es, "logit block");
     g->flash = !g->fp64 && go && go->math == BK_GBWD_BF16 && bk_attn_flash_supported(g->dim.hd);
     g->wbf = !g->fp64 && go && go->math == BK_GBWD_BF16;
@@ -1000,6 +1011,32 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
     return BK_OK;
 }
 
+/* The logits of every vocabulary block of a micro-batch ([R, V] in R: the
+ * head's three passes then compute each block's logits once instead of three
+ * times; the same GEMMs) in place of the one block, when that takes at most
+ * an eighth of the device memory left. Called after every buffer the run
+ * cannot do without (it was allocated before them, so on a nearly full
+ * device this optional buffer could make a needed one fail, with an error
+ * asking for a smaller --batch or --leaf-size) and before the weight cache
+ * is sized. */
+void head_logits_all(gbwd *g)
+{
+    if (g->lg_all || !g->lg)
+        return;
+    const int64_t R = g->dim.rows;
+    if ((double)R * (double)g->V * (double)g->es > (double)dev_avail(g) / 8)
+        return;
+    void *all = NULL;
+    if (dalloc(g, &all, R * g->V, g->es, "logits") != BK_OK) {
+        bk_clear_error(); /* (optional: the one block stays) */
+        return;
+    }
+    dfree(g, g->lg);
+    g->dev_bytes -= (size_t)(R * g->vc) * g->es;
+    g->lg = all;
+    g->lg_all = 1;
+}
+
 void slot_free(gbwd *g, gslot *s)
 {
     for (int i = 0; i < BK_MOD_COUNT; i++) {
@@ -1068,11 +1105,7 @@ bk_status slots_init(gbwd *g, int want)
 {
     int n = want;
     if (n <= 0) {
-        size_t fr = 0, tot = 0;
-        if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
-            cudaGetLastError();
-            fr = 0;
-        }
+        const size_t fr = dev_avail(g);
         double per = (double)layer_elems(g) * (double)g->es;
         if (g->wbf) /* (the matrices in BF16) */
             for (int i = 0; i < BK_MOD_COUNT; i++) {
@@ -2352,6 +2385,10 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         }
         stats->micro_bytes = (uint64_t)g->dev_bytes;
     }
+    if (st == BK_OK) {
+        head_logits_all(g);
+        stats->micro_bytes = (uint64_t)g->dev_bytes;
+    }
     if (st == BK_OK)
         st = slots_init(g, go->max_resident_layers);
     if (st == BK_OK) {
@@ -2419,6 +2456,8 @@ extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const b
     double *hd_dev = NULL;
     if (st == BK_OK)
         st = dalloc(g, (void **)&hd_dev, n, 8, "test staging");
+    if (st == BK_OK)
+        head_logits_all(g);
     /* Every copy goes on the backend's stream and is synchronised before the
      * head's kernels run: that stream is non-blocking, so it is not ordered
      * after plain cudaMemcpy calls (legacy default stream), and a

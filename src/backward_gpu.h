@@ -49,7 +49,8 @@ enum { BK_GBWD_F32 = 0, BK_GBWD_TF32 = 1, BK_GBWD_BF16 = 2 };
 typedef struct bk_gbwd_opts {
     int fp64;                /* 1: double arithmetic (parity with the CPU); 0: F32 storage */
     int max_resident_layers; /* layers' weights kept on the device at once; 0: as many as
-                                fit in half the free device memory (at least 1) */
+                                fit in half the free device memory (within the setting
+                                mem_limit, when set; at least 1) */
     int math;                /* fp64 = 0: BK_GBWD_F32 (IEEE F32 GEMMs, default), _TF32 or
                                 _BF16 (F32 arrays on tensor cores, F32 accumulation:
                                 cuBLAS compute types 32F_FAST_TF32 / 32F_FAST_16BF); the

@@ -20,6 +20,7 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -792,6 +793,108 @@ static void test_qk_rot(void **state)
     qk_rot_model("kerneldocs-1.6m", dir);
 }
 
+/* The GPU backprop flow loads every layer's host weights on up to 8 threads
+ * at once (cuda/backward.cu, preload_host_weights): bk_layer_weights_load
+ * must be reentrant. Here 8 threads each load every layer at once (each
+ * starting at another layer) and must get the serial load's bits; a thread
+ * asking for a layer past the end gets its own error message (the error
+ * buffer is per thread). The CPU half of the preload, runnable without a GPU. */
+#define LW_THREADS 8
+typedef struct {
+    const bk_model *m;
+    int L, t;
+    bk_layer_weights *out; /* [L] */
+    bk_status bad_st;
+    char bad_msg[256];
+} lw_job;
+
+static void *lw_thread(void *x)
+{
+    lw_job *j = x;
+    for (int k = 0; k < j->L; k++) {
+        const int l = (k + j->t) % j->L;
+        if (bk_layer_weights_load(j->m, l, &j->out[l]) != BK_OK)
+            return x; /* (out[l] stays zeroed: the comparison fails) */
+    }
+    j->bad_st = bk_layer_weights_load(j->m, j->L + j->t, &(bk_layer_weights){0});
+    snprintf(j->bad_msg, sizeof j->bad_msg, "%s", bk_last_error());
+    return NULL;
+}
+
+static int lw_same(const float *a, const float *b, size_t n)
+{
+    if (!a || !b)
+        return a == b;
+    return memcmp(a, b, n * sizeof(float)) == 0;
+}
+
+static void layer_weights_threads_model(const char *label, const char *dir)
+{
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    const int L = (int)c->n_layers;
+    bk_layer_weights *ref = calloc((size_t)L, sizeof *ref);
+    assert_non_null(ref);
+    for (int l = 0; l < L; l++)
+        assert_int_equal(bk_layer_weights_load(m, l, &ref[l]), BK_OK);
+    lw_job jobs[LW_THREADS];
+    pthread_t tid[LW_THREADS];
+    for (int t = 0; t < LW_THREADS; t++) {
+        jobs[t] = (lw_job){.m = m, .L = L, .t = t, .bad_st = BK_OK};
+        jobs[t].out = calloc((size_t)L, sizeof(bk_layer_weights));
+        assert_non_null(jobs[t].out);
+    }
+    for (int t = 0; t < LW_THREADS; t++)
+        assert_int_equal(pthread_create(&tid[t], NULL, lw_thread, &jobs[t]), 0);
+    for (int t = 0; t < LW_THREADS; t++)
+        assert_int_equal(pthread_join(tid[t], NULL), 0);
+    for (int t = 0; t < LW_THREADS; t++) {
+        for (int l = 0; l < L; l++) {
+            const bk_layer_weights *a = &ref[l], *b = &jobs[t].out[l];
+            int ok = b->layer == l;
+            for (int i = 0; i < BK_MOD_COUNT; i++) {
+                int64_t o, in;
+                bk_module_shape(c, (bk_module)i, &o, &in);
+                ok = ok && lw_same(a->w[i], b->w[i], (size_t)(o * in)) &&
+                     lw_same(a->b[i], b->b[i], (size_t)o);
+            }
+            ok = ok && lw_same(a->attn_norm, b->attn_norm, (size_t)c->hidden) &&
+                 lw_same(a->mlp_norm, b->mlp_norm, (size_t)c->hidden) &&
+                 lw_same(a->q_norm, b->q_norm, (size_t)c->head_dim) &&
+                 lw_same(a->k_norm, b->k_norm, (size_t)c->head_dim);
+            if (!ok)
+                fail_msg("%s: thread %d, layer %d: not the serial load's weights", label, t, l);
+            bk_layer_weights_free(&jobs[t].out[l]);
+        }
+        free(jobs[t].out);
+        /* its own error: the layer it asked for */
+        char want[64];
+        snprintf(want, sizeof want, "layer %d outside", L + t);
+        assert_int_equal(jobs[t].bad_st, BK_ERR_INVALID_ARG);
+        if (!strstr(jobs[t].bad_msg, want))
+            fail_msg("%s: thread %d: error '%s' lacks '%s'", label, t, jobs[t].bad_msg, want);
+    }
+    for (int l = 0; l < L; l++)
+        bk_layer_weights_free(&ref[l]);
+    free(ref);
+    bk_model_close(m);
+}
+
+static void test_layer_weights_threads(void **state)
+{
+    (void)state;
+    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3-bf16"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        char dir[1024];
+        snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"),
+                 models[i]);
+        layer_weights_threads_model(models[i], dir);
+    }
+    char dir[1024], gp[1024];
+    kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
+    layer_weights_threads_model("kerneldocs-1.6m", dir);
+}
+
 /* NLL from the native forward == NLL computed here from transformers' logits. */
 static double nll_from_logits(const float *lg, const int32_t *ids, int64_t B, int64_t T,
                               int64_t V, int64_t *count)
@@ -1127,6 +1230,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_golden_tiny_qwen2),
         cmocka_unit_test(test_golden_tiny_qwen3),
         cmocka_unit_test(test_qk_rot),
+        cmocka_unit_test(test_layer_weights_threads),
         cmocka_unit_test(test_golden_kerneldocs),
         cmocka_unit_test(test_golden_tiny_qwen3_bf16),
         cmocka_unit_test(test_nll_golden),
