@@ -678,6 +678,12 @@ struct gbwd {
     /* weights: host copies (loaded on first use) and the device cache */
     bk_layer_weights *hw;
     int *hloaded;
+    /* host bytes the F32 copies may take (half the host's available memory
+     * when the flow starts) and what they take now: beyond the budget a copy
+     * is dropped once uploaded and reloaded from the checkpoint on its next
+     * cache miss, so a model larger than the host's memory streams instead of
+     * exhausting it (70B width: 274 GB of F32 copies) */
+    size_t hbudget, hbytes;
     gslot *slots;
     int nslots;
     int64_t tick;
@@ -811,6 +817,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
     if (!g)
         return bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
     g->c = static_cast<bk_cuda_ctx *>(b->ctx);
+    g->hbudget = (size_t)-1; /* (the flow sets it from the host's memory) */
     g->fp64 = go ? go->fp64 : 0;
     g->es = g->fp64 ? sizeof(double) : sizeof(float);
     g->m = m;
@@ -1089,6 +1096,42 @@ void gb_free(gbwd *g)
     free(g);
 }
 
+/* host bytes of one layer's F32 copy (bk_layer_weights_load: matrices,
+ * biases, norms) */
+size_t host_layer_bytes(const gbwd *g)
+{
+    int64_t n = 0;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
+        n += o * in + o;
+    }
+    n += 2 * g->dim.hidden + 2 * g->dim.hd;
+    return (size_t)n * sizeof(float);
+}
+
+/* the host's available memory (MemAvailable of /proc/meminfo, else the free
+ * pages), 0 when unknown */
+size_t host_avail_bytes(void)
+{
+    size_t kb = 0;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        unsigned long long v;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &v) == 1) {
+                kb = (size_t)v;
+                break;
+            }
+        fclose(f);
+    }
+    if (kb)
+        return kb * 1024;
+    long pages = sysconf(_SC_AVPHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
+    return pages > 0 && ps > 0 ? (size_t)pages * (size_t)ps : 0;
+}
+
 /* bytes of one layer's weights in R */
 int64_t layer_elems(const gbwd *g)
 {
@@ -1137,7 +1180,7 @@ bk_status slots_init(gbwd *g, int want)
  * and reports the error. */
 struct preload_job {
     gbwd *g;
-    int next;
+    int next, limit; /* layers [0, limit) are loaded: as many as the host budget holds */
     pthread_mutex_t mu;
 };
 
@@ -1148,7 +1191,7 @@ void *preload_main(void *x)
         pthread_mutex_lock(&j->mu);
         const int l = j->next < j->g->L ? j->next++ : -1;
         pthread_mutex_unlock(&j->mu);
-        if (l < 0)
+        if (l < 0 || l >= j->limit)
             return NULL;
         if (bk_layer_weights_load(j->g->m, l, &j->g->hw[l]) == BK_OK)
             j->g->hloaded[l] = 1;
@@ -1166,6 +1209,10 @@ void preload_host_weights(gbwd *g)
     preload_job j;
     j.g = g;
     j.next = 0;
+    const size_t lb = host_layer_bytes(g);
+    j.limit = lb && g->hbudget / lb < (size_t)g->L ? (int)(g->hbudget / lb) : g->L;
+    if (j.limit < 1)
+        return; /* (weights() loads on first use, within the budget) */
     pthread_mutex_init(&j.mu, NULL);
     pthread_t tid[8];
     int started = 0;
@@ -1177,6 +1224,9 @@ void preload_host_weights(gbwd *g)
     for (int t = 0; t < started; t++)
         pthread_join(tid[t], NULL);
     pthread_mutex_destroy(&j.mu);
+    for (int l = 0; l < g->L; l++)
+        if (g->hloaded[l])
+            g->hbytes += lb;
 }
 
 /* layer l's weights on the device (uploaded when not resident; the least
@@ -1195,6 +1245,7 @@ bk_status weights(gbwd *g, int l, const gslot **out)
         if (st != BK_OK)
             return st;
         g->hloaded[l] = 1;
+        g->hbytes += host_layer_bytes(g);
     }
     const bk_layer_weights *lw = &g->hw[l];
     for (int i = 0; i < BK_MOD_COUNT; i++)
@@ -1280,6 +1331,14 @@ bk_status weights(gbwd *g, int l, const gslot **out)
     s->layer = l;
     s->used = g->tick;
     *out = s;
+    /* the host copy is needed again only after an eviction: not when every
+     * layer has its own slot, and beyond the host budget it is reloaded then
+     * (the upload above is complete: the stream was synchronised) */
+    if (g->nslots >= g->L || g->hbytes > g->hbudget) {
+        bk_layer_weights_free(&g->hw[l]);
+        g->hloaded[l] = 0;
+        g->hbytes -= host_layer_bytes(g);
+    }
     return BK_OK;
 }
 
@@ -2392,6 +2451,9 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     if (st == BK_OK)
         st = slots_init(g, go->max_resident_layers);
     if (st == BK_OK) {
+        const size_t avail = host_avail_bytes();
+        g->hbudget = avail ? avail / 2 : (size_t)-1;
+        g->hbytes = 0;
         double tp = bk_now();
         preload_host_weights(g);
         bk_prof_add("bwd.preload_weights", bk_now() - tp);
