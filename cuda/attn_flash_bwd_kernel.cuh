@@ -180,27 +180,24 @@ k_attn_bwd_dkdv(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__res
                     s[j][e] = p0;
                     s[j][2 + e] = p1;
                 }
-            /* dV += Pᵀ dO (A: Pᵀ in BF16; B: dO rows by ldmatrix.trans) */
-            {
-                uint32_t pa[BMQ / 16][4];
+            /* dV += Pᵀ dO (A: Pᵀ in BF16, one k-step of 16 rows at a time;
+             * B: dO rows by ldmatrix.trans) */
 #pragma unroll
-                for (int k2 = 0; k2 < BMQ / 16; k2++)
+            for (int k2 = 0; k2 < BMQ / 16; k2++) {
+                uint32_t pa[4];
 #pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int j = 2 * k2 + h;
-                        pa[k2][2 * h] = bf2_bits(__floats2bfloat162_rn(s[j][0], s[j][1]));
-                        pa[k2][2 * h + 1] = bf2_bits(__floats2bfloat162_rn(s[j][2], s[j][3]));
-                    }
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * k2 + h;
+                    pa[2 * h] = bf2_bits(__floats2bfloat162_rn(s[j][0], s[j][1]));
+                    pa[2 * h + 1] = bf2_bits(__floats2bfloat162_rn(s[j][2], s[j][3]));
+                }
 #pragma unroll
-                for (int n2 = 0; n2 < HD / 16; n2++)
-#pragma unroll
-                    for (int k2 = 0; k2 < BMQ / 16; k2++) {
-                        uint32_t b0, b1, b2, b3;
-                        ldsm_x4_t(ot + (k2 * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
-                        mma_bf16(adv[2 * n2], pa[k2][0], pa[k2][1], pa[k2][2], pa[k2][3], b0, b1);
-                        mma_bf16(adv[2 * n2 + 1], pa[k2][0], pa[k2][1], pa[k2][2], pa[k2][3], b2,
-                                 b3);
-                    }
+                for (int n2 = 0; n2 < HD / 16; n2++) {
+                    uint32_t b0, b1, b2, b3;
+                    ldsm_x4_t(ot + (k2 * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
+                    mma_bf16(adv[2 * n2], pa[0], pa[1], pa[2], pa[3], b0, b1);
+                    mma_bf16(adv[2 * n2 + 1], pa[0], pa[1], pa[2], pa[3], b2, b3);
+                }
             }
             /* dPᵀ = V_w dOᵀ */
             float d[BMQ / 8][4];
@@ -219,29 +216,28 @@ k_attn_bwd_dkdv(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__res
                     mma_bf16(d[2 * n2 + 1], a0, a1, a2, a3, b2, b3);
                 }
             }
-            /* dSᵀ = Pᵀ ∘ (dPᵀ - D) in BF16; dK += dSᵀ Q */
-            uint32_t da[BMQ / 16][4];
+            /* dSᵀ = Pᵀ ∘ (dPᵀ - D) in BF16, a k-step at a time; dK += dSᵀ Q */
 #pragma unroll
-            for (int k2 = 0; k2 < BMQ / 16; k2++)
+            for (int k2 = 0; k2 < BMQ / 16; k2++) {
+                uint32_t da[4];
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int j = 2 * k2 + h;
                     const int c = j * 8 + 2 * tq;
                     const float D0 = Db[c], D1 = Db[c + 1];
-                    da[k2][2 * h] = bf2_bits(__floats2bfloat162_rn(s[j][0] * (d[j][0] - D0),
-                                                                   s[j][1] * (d[j][1] - D1)));
-                    da[k2][2 * h + 1] = bf2_bits(__floats2bfloat162_rn(
-                        s[j][2] * (d[j][2] - D0), s[j][3] * (d[j][3] - D1)));
+                    da[2 * h] = bf2_bits(__floats2bfloat162_rn(s[j][0] * (d[j][0] - D0),
+                                                               s[j][1] * (d[j][1] - D1)));
+                    da[2 * h + 1] = bf2_bits(__floats2bfloat162_rn(s[j][2] * (d[j][2] - D0),
+                                                                   s[j][3] * (d[j][3] - D1)));
                 }
 #pragma unroll
-            for (int n2 = 0; n2 < HD / 16; n2++)
-#pragma unroll
-                for (int k2 = 0; k2 < BMQ / 16; k2++) {
+                for (int n2 = 0; n2 < HD / 16; n2++) {
                     uint32_t b0, b1, b2, b3;
                     ldsm_x4_t(qt + (k2 * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
-                    mma_bf16(adk[2 * n2], da[k2][0], da[k2][1], da[k2][2], da[k2][3], b0, b1);
-                    mma_bf16(adk[2 * n2 + 1], da[k2][0], da[k2][1], da[k2][2], da[k2][3], b2, b3);
+                    mma_bf16(adk[2 * n2], da[0], da[1], da[2], da[3], b0, b1);
+                    mma_bf16(adk[2 * n2 + 1], da[0], da[1], da[2], da[3], b2, b3);
                 }
+            }
         }
         fa_sync(); /* buffer buf is refilled by the next iteration's prefetch */
     }
@@ -270,9 +266,11 @@ k_attn_bwd_dkdv(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__res
 
 /* ----------------------------------------------------------------- dQ */
 
-/* keys per block of the dQ kernel: as the forward's */
+/* keys per block of the dQ kernel: 32 (S and dP of a warp's 16 rows, 16
+ * registers each, next to the 16 x HD accumulators; 64 at head_dim 64
+ * spills 4 bytes at 128 registers, ptxas sm_90) */
 template <int HD> struct fb_q_default {
-    static constexpr int BN = HD >= 128 ? 32 : 64;
+    static constexpr int BN = 32;
 };
 
 template <int HD, int BN> struct fb_q_shape {
