@@ -37,17 +37,19 @@ template <int HD, int NW, int BMQ> struct fb_kv_shape {
  * L = +inf, so that their probabilities are 0 whatever the mask says, D = 0) */
 template <int HD, int NW, int BMQ>
 FA_DEV void fb_load_q(uint32_t sQ_a, uint32_t sO_a, float *sL, float *sD,
-                      const __nv_bfloat16 *qp, const __nv_bfloat16 *op, const float *lp,
-                      const float *dp, int R0, int RP, int b, int row_t, int col_t, int tid)
+                      const __nv_bfloat16 *qb, const __nv_bfloat16 *dob, const float *lse,
+                      const float *dsum, int64_t rb, int R0, int RP, int b, int row_t, int col_t,
+                      int tid)
 {
     using sh = fb_kv_shape<HD, NW, BMQ>;
     const uint32_t bo = (uint32_t)(b * sh::QT_ELEMS * 2);
-    load_tile<HD, BMQ, sh::THREADS>(sQ_a + bo, qp + (size_t)R0 * HD, RP - R0, row_t, col_t);
-    load_tile<HD, BMQ, sh::THREADS>(sO_a + bo, op + (size_t)R0 * HD, RP - R0, row_t, col_t);
+    const int64_t r0 = rb + R0; /* the block's first row of all pairs */
+    load_tile<HD, BMQ, sh::THREADS>(sQ_a + bo, qb + r0 * HD, RP - R0, row_t, col_t);
+    load_tile<HD, BMQ, sh::THREADS>(sO_a + bo, dob + r0 * HD, RP - R0, row_t, col_t);
     if (tid < BMQ) {
-        const int r = R0 + tid;
-        sL[b * BMQ + tid] = r < RP ? lp[r] : INFINITY;
-        sD[b * BMQ + tid] = r < RP ? dp[r] : 0.0f;
+        const bool ok = R0 + tid < RP;
+        sL[b * BMQ + tid] = ok ? lse[r0 + tid] : INFINITY;
+        sD[b * BMQ + tid] = ok ? dsum[r0 + tid] : 0.0f;
     }
 }
 
@@ -90,18 +92,17 @@ k_attn_bwd_dkdv(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__res
     const int tid = FA_TID, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tq = lane & 3;
 
-    const __nv_bfloat16 *qp = qb + (size_t)pair * RP * HD, *op = dob + (size_t)pair * RP * HD;
+    const int64_t rb = pair * RP; /* the pair's first row */
     const __nv_bfloat16 *kp = kb + ((size_t)pair * T + key0) * HD;
     const __nv_bfloat16 *vp = vb + ((size_t)pair * T + key0) * HD;
-    const float *lp = lse + (size_t)pair * RP, *dp = dsum + (size_t)pair * RP;
 
     const int row_t = tid / (HD / 8), col_t = (tid % (HD / 8)) * 8;
     const uint32_t sQ_a = smem_addr(sQ), sO_a = smem_addr(sO);
     load_tile<HD, KEYS, NT>(smem_addr(sK), kp, T - key0, row_t, col_t);
     load_tile<HD, KEYS, NT>(smem_addr(sV), vp, T - key0, row_t, col_t);
     const int qb0 = key0 * rep / BMQ, nqb = (RP + BMQ - 1) / BMQ;
-    fb_load_q<HD, NW, BMQ>(sQ_a, sO_a, sL, sD, qp, op, lp, dp, qb0 * BMQ, RP, 0, row_t, col_t,
-                           tid);
+    fb_load_q<HD, NW, BMQ>(sQ_a, sO_a, sL, sD, qb, dob, lse, dsum, rb, qb0 * BMQ, RP, 0, row_t,
+                           col_t, tid);
     cp_async_commit();
 
     /* this warp's keys kw .. kw + 15; this thread's rows of the C fragments:
@@ -127,8 +128,8 @@ k_attn_bwd_dkdv(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__res
     for (int qi = qb0; qi < nqb; qi++) {
         const int buf = (qi - qb0) & 1;
         if (qi + 1 < nqb) {
-            fb_load_q<HD, NW, BMQ>(sQ_a, sO_a, sL, sD, qp, op, lp, dp, (qi + 1) * BMQ, RP, buf ^ 1,
-                                   row_t, col_t, tid);
+            fb_load_q<HD, NW, BMQ>(sQ_a, sO_a, sL, sD, qb, dob, lse, dsum, rb, (qi + 1) * BMQ, RP,
+                                   buf ^ 1, row_t, col_t, tid);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
