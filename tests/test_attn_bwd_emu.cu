@@ -11,7 +11,7 @@
  * dQ, dK, dV per (token, head) row: max |x - ref| / max |ref| <= EMU_ROW_TOL,
  * and over each whole array <= EMU_TOL (what remains: the BF16 rounding of P
  * and dS, F32 sums). Both cp.async completion orders must give the same
- * bytes. Shapes: head_dim 64 and 128, 1, 2, 3, 4 query heads per kv group,
+ * bytes. Shapes: head_dim 64 and 128, 1, 2, 3, 4, 8 query heads per kv group,
  * T below a key block, T not a multiple of the 128-key CTA or of the 32-row
  * query blocks, several key CTAs per pair, more pairs than a scheduling
  * group, a peaked softmax (query amplitude 4). Suite cpu (no GPU needed).
@@ -261,7 +261,7 @@ int main(void)
     printf("fused attention backward, host emulation (tolerances: L %.0e, rows %.0e, arrays "
            "%.0e)\n",
            EMU_L_TOL, EMU_ROW_TOL, EMU_TOL);
-    const int NC = 8;
+    const int NC = 10;
     std::vector<float> r[2][NC];
     for (emu_immediate = 0; emu_immediate < 2; emu_immediate++) {
         std::vector<float> *o = r[emu_immediate];
@@ -273,6 +273,8 @@ int main(void)
         o[5] = run_case<64>(1, 1, 1, 5, 1.0);    /* T = 5 */
         o[6] = run_case<64>(1, 18, 1, 8, 1.0);   /* 18 pairs: two scheduling groups */
         o[7] = run_case<128>(1, 1, 2, 33, 1.0);  /* rep 2, hd 128, a query block across */
+        o[8] = run_case<128>(1, 1, 8, 37, 4.0);  /* rep 8 (70B's groups): 4 positions a block */
+        o[9] = run_case<64>(2, 2, 4, 140, 1.0);  /* 4 pairs, rep 4, two key CTAs of 128 + 12 */
     }
     for (int i = 0; i < NC; i++)
         if (r[0][i].size() != r[1][i].size() ||
