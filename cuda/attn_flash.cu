@@ -28,7 +28,9 @@
  *   - the causal mask only on the key blocks that reach past a warp's first
  *     position; a warp skips the blocks that lie wholly after its last one;
  *   - at the end the rows are divided by their sums (every row sees key 0,
- *     so the sums are positive).
+ *     so the sums are positive); with lse != NULL each row's log2-domain
+ *     log-sum-exp m + log2 l is stored too, for the fused backward
+ *     (attn_flash_bwd.cu; the output does not change).
  * Keys and query rows past the end are zero-filled by cp.async (their rows
  * are masked or never stored; zeros keep 0·V finite).
  * (Dev-harness variants from the same source, not used by the product: the
