@@ -28,7 +28,9 @@
  *   - the causal mask only on the key blocks that reach past a warp's first
  *     position; a warp skips the blocks that lie wholly after its last one;
  *   - at the end the rows are divided by their sums (every row sees key 0,
- *     so the sums are positive).
+ *     so the sums are positive); with lse != NULL each row's log2-domain
+ *     log-sum-exp m + log2 l is stored too, for the fused backward
+ *     (attn_flash_bwd.cu; the output does not change).
  * Keys and query rows past the end are zero-filled by cp.async (their rows
  * are masked or never stored; zeros keep 0·V finite).
  * (Dev-harness variants from the same source, not used by the product: the
@@ -51,7 +53,7 @@ namespace {
 template <int HD, int BN, int MT>
 bk_status launch(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v, float *out,
                  int64_t S, int64_t nkv, int64_t T, int64_t rep, float scale,
-                 unsigned long long *nf, cudaStream_t stream)
+                 unsigned long long *nf, cudaStream_t stream, float *lse)
 {
     using sh = fa_shape<HD, BN, MT>;
     const int64_t nblk = (T * rep + FA_BM - 1) / FA_BM, grid = S * nkv * nblk;
@@ -64,7 +66,7 @@ bk_status launch(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bflo
         return bk_cuda_status(e, "fused attention: shared memory", __FILE__, __LINE__);
     const float scale_log2 = (float)((double)scale * 1.4426950408889634);
     k_attn_flash<HD, BN, MT><<<(unsigned)grid, sh::THREADS, sh::SMEM, stream>>>(
-        q, k, v, out, S * nkv, (int)T, (int)nkv, (int)rep, (int)nblk, scale_log2, nf);
+        q, k, v, out, S * nkv, (int)T, (int)nkv, (int)rep, (int)nblk, scale_log2, nf, lse);
     return BK_LAUNCHED("k_attn_flash");
 }
 
@@ -77,7 +79,8 @@ int bk_attn_flash_supported(int64_t hd)
 
 bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                         float *out, int64_t S, int64_t nkv, int64_t T, int64_t rep, int64_t hd,
-                        float scale, unsigned long long *nf, cudaStream_t stream, int bn, int mt)
+                        float scale, unsigned long long *nf, cudaStream_t stream, int bn, int mt,
+                        float *lse)
 {
     if (S <= 0 || T <= 0)
         return BK_OK;
@@ -87,20 +90,20 @@ bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __
     if (mt == 0)
         mt = 1;
     if (hd == 128 && bn == B128 && mt == 1)
-        return launch<128, B128, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+        return launch<128, B128, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream, lse);
     if (hd == 64 && bn == B64 && mt == 1)
-        return launch<64, B64, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+        return launch<64, B64, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream, lse);
     /* dev-harness variants: the other key-block size; two m-tiles per warp */
     if (hd == 128 && bn == 64 && mt == 1)
-        return launch<128, 64, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+        return launch<128, 64, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream, lse);
     if (hd == 64 && bn == 32 && mt == 1)
-        return launch<64, 32, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+        return launch<64, 32, 1>(q, k, v, out, S, nkv, T, rep, scale, nf, stream, lse);
     if (hd == 128 && bn == 32 && mt == 2)
-        return launch<128, 32, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+        return launch<128, 32, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream, lse);
     if (hd == 128 && bn == 64 && mt == 2)
-        return launch<128, 64, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+        return launch<128, 64, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream, lse);
     if (hd == 64 && bn == 64 && mt == 2)
-        return launch<64, 64, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream);
+        return launch<64, 64, 2>(q, k, v, out, S, nkv, T, rep, scale, nf, stream, lse);
     return bk_error(BK_ERR_INTERNAL,
                     "fused attention: head_dim %lld with key blocks of %d and %d m-tiles per warp "
                     "is not supported",

@@ -131,7 +131,8 @@ template <int HD, int BN, int MT>
 FA_KERNEL(FA_BM / (16 * MT) * 32) /* fa_shape<HD, BN, MT>::THREADS */
 k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
              const __nv_bfloat16 *__restrict__ vb, float *__restrict__ out, int64_t npairs, int T,
-             int nkv, int rep, int nblk, float scale_log2, unsigned long long *nf)
+             int nkv, int rep, int nblk, float scale_log2, unsigned long long *nf,
+             float *__restrict__ lse)
 {
     using sh = fa_shape<HD, BN, MT>;
     constexpr int LD = sh::LD, FA_BN = sh::FA_BN, NT = sh::THREADS;
@@ -338,6 +339,10 @@ k_attn_flash(const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restri
             if (row >= RP)
                 continue;
             const float inv = 1.0f / lt;
+            /* the log2-domain log-sum-exp of the row (scale_log2 · s), for
+             * the backward (attn_flash_bwd_kernel.cuh): P = exp2(s·scale_log2 - L) */
+            if (lse && tq == 0)
+                lse[pair * RP + row] = m[t][h] + log2f(lt);
             const int64_t base = (s_ * T + pos[t][h]) * qd + (gk * rep + row % rep) * HD;
 #pragma unroll
             for (int j = 0; j < HD / 8; j++) {

@@ -89,7 +89,26 @@ int bk_attn_flash_supported(int64_t hd);
 bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                         float *out, int64_t S, int64_t nkv, int64_t T, int64_t rep, int64_t hd,
                         float scale, unsigned long long *nf, cudaStream_t stream, int bn = 0,
-                        int mt = 0);
+                        int mt = 0, float *lse = NULL);
+/* (lse, or NULL: per row of q's layout, [S, nkv, T, rep], the log2-domain
+ * log-sum-exp of the scaled scores, m + log2 l with the row's maximum m of
+ * scale·log2(e)·s and its sum l; for bk_attn_flash_bwd. The output is the
+ * same with and without it.)
+ *
+ * Fused causal attention backward (attn_flash_bwd.cu; written without a GPU,
+ * not used by the product yet): from the forward's BF16 q, k, v (layouts as
+ * above), its F32 output o and the output gradient dout (token-major [S*T,
+ * nkv*rep*hd]) and its lse, the F32 gradients dq [S*T, nkv*rep*hd], dk and
+ * dv [S*T, nkv*hd] token-major (written, not accumulated), of the scaled
+ * softmax attention (scale as the forward's). Scratch: dob (BF16, S*nkv*T*
+ * rep*hd: dout group-major) and dsum (F32, S*nkv*T*rep: rowsum(dout ∘ o)).
+ * Deterministic (no atomics; dk/dv sum the group's query heads in row
+ * order). head_dim 64 and 128 (bk_attn_flash_supported). */
+bk_status bk_attn_flash_bwd(const __nv_bfloat16 *q, const __nv_bfloat16 *k,
+                            const __nv_bfloat16 *v, const float *o, const float *dout,
+                            const float *lse, float *dq, float *dk, float *dv, __nv_bfloat16 *dob,
+                            float *dsum, int64_t S, int64_t nkv, int64_t T, int64_t rep,
+                            int64_t hd, float scale, cudaStream_t stream);
 /* The attention of bk_gfwd_attention after RoPE, from the rotated head-major
  * inputs into d_o (token-major [S*T, qdim]): fused from f->qb/kb/vb (needs
  * f->attn_fused), else the unfused path from f->qh/kh/vh (cuBLAS scores,

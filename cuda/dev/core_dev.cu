@@ -12,6 +12,9 @@
  *   bk-cuda-dev attn [OPTIONS]    the GPU forward's attention, unfused against
  *                                 the fused kernel: errors against a double
  *                                 reference and times (attn_dev.cu)
+ *   bk-cuda-dev attn-bwd [OPTS]   the backprop flow's attention backward, unfused
+ *                                 (BF16 GEMMs) against the fused kernels: errors
+ *                                 against double, times (attn_bwd_dev.cu)
  *
  * Output: a table on stdout and one JSON object per measurement on stderr
  * prefixed with "JSON ". Not part of the library; built with the CUDA
@@ -626,18 +629,23 @@ static int cmd_validate(int argc, char **argv)
     return bad ? 1 : 0;
 }
 
-int cmd_attn(int argc, char **argv); /* attn_dev.cu */
+int cmd_attn(int argc, char **argv);     /* attn_dev.cu */
+int cmd_attn_bwd(int argc, char **argv); /* attn_bwd_dev.cu */
 
 int main(int argc, char **argv)
 {
     if (argc >= 2 && !strcmp(argv[1], "attn"))
         return cmd_attn(argc - 2, argv + 2);
+    if (argc >= 2 && !strcmp(argv[1], "attn-bwd"))
+        return cmd_attn_bwd(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "validate"))
         return cmd_validate(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "bench"))
         return cmd_bench(argc - 2, argv + 2);
     fprintf(stderr, "usage: bk-cuda-dev validate | bench [SHAPES] [--algs L] [--reps N] "
                     "[--antidiag-max MN] [--variants] | attn [--seqs S] [--T T] [--heads H] "
-                    "[--kv K] [--hd D,..] [--amp A,..] [--reps N] [--variants]\n");
+                    "[--kv K] [--hd D,..] [--amp A,..] [--reps N] [--variants] | attn-bwd [--seqs S] "
+                    "[--T T] [--heads H] [--kv K] [--hd D,..] [--amp A,..] [--reps N] "
+                    "[--chunks C]\n");
     return 1;
 }
