@@ -46,6 +46,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include "attn_softmax.cuh" /* k_softmax, k_dsoftmax, warp_sum, warp_max */
 #include "backend_impl.h"
 #include "backward_gpu.h"
 #include "cuda_internal.cuh"
@@ -87,20 +88,6 @@ inline unsigned warp_grid(int64_t rows)
 #define GSTRIDE(i, n)                                                                    \
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n);            \
          i += (int64_t)gridDim.x * blockDim.x)
-
-__device__ inline double warp_sum(double v)
-{
-    for (int o = 16; o; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ inline double warp_max(double v)
-{
-    for (int o = 16; o; o >>= 1)
-        v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 /* ---------------------------------------------------------------- kernels */
 
@@ -218,100 +205,6 @@ __global__ void k_rope(R *x, int64_t N, int64_t T, int64_t heads, int64_t hd, co
         v[i] = (R)(a * c - b * s);
         v[i + h2] = (R)(b * c + a * s);
     }
-}
-
-/* causal softmax of rows of [batch, T, T] (row t keeps u <= t): rows r0 ..
- * r0+rc of every sequence (rows = batch·rc), columns < kc written (the
- * others are not read); the whole matrix: r0 = 0, rc = kc = T */
-template <typename R>
-__global__ void k_softmax(R *P, int64_t rows, int64_t T, int64_t r0, int64_t rc, int64_t kc)
-{
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows)
-        return;
-    const int64_t t = r0 + row % rc;
-    R *pr = P + ((row / rc) * T + t) * T;
-    double mx = -INFINITY;
-    for (int64_t u = lane; u <= t; u += 32)
-        mx = fmax(mx, (double)pr[u]);
-    mx = warp_max(mx);
-    double sum = 0;
-    for (int64_t u = lane; u <= t; u += 32)
-        sum += exp((double)pr[u] - mx);
-    sum = warp_sum(sum);
-    for (int64_t u = lane; u < kc; u += 32)
-        pr[u] = u <= t ? (R)(exp((double)pr[u] - mx) / sum) : (R)0;
-}
-
-/* dS = P ⊙ (dP - rowsum(P ⊙ dP)), into dP, zero above the diagonal (rows
- * and columns as k_softmax) */
-template <typename R>
-__global__ void k_dsoftmax(const R *P, R *dP, int64_t rows, int64_t T, int64_t r0, int64_t rc,
-                           int64_t kc)
-{
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows)
-        return;
-    const int64_t t = r0 + row % rc;
-    const int64_t at = ((row / rc) * T + t) * T;
-    const R *pr = P + at;
-    R *dr = dP + at;
-    double dot = 0;
-    for (int64_t u = lane; u <= t; u += 32)
-        dot += (double)pr[u] * (double)dr[u];
-    dot = warp_sum(dot);
-    for (int64_t u = lane; u < kc; u += 32)
-        dr[u] = u <= t ? (R)((double)pr[u] * ((double)dr[u] - dot)) : (R)0;
-}
-
-/* --bwd-precision bf16: k_softmax from the F32 scores S into BF16
- * probabilities Pb (same rows and columns; S untouched) */
-__global__ void k_softmax_bf(const float *S, __nv_bfloat16 *Pb, int64_t rows, int64_t T,
-                             int64_t r0, int64_t rc, int64_t kc)
-{
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows)
-        return;
-    const int64_t t = r0 + row % rc;
-    const int64_t at = ((row / rc) * T + t) * T;
-    const float *sr = S + at;
-    __nv_bfloat16 *pr = Pb + at;
-    double mx = -INFINITY;
-    for (int64_t u = lane; u <= t; u += 32)
-        mx = fmax(mx, (double)sr[u]);
-    mx = warp_max(mx);
-    double sum = 0;
-    for (int64_t u = lane; u <= t; u += 32)
-        sum += exp((double)sr[u] - mx);
-    sum = warp_sum(sum);
-    for (int64_t u = lane; u < kc; u += 32)
-        pr[u] = __float2bfloat16_rn(u <= t ? (float)(exp((double)sr[u] - mx) / sum) : 0.0f);
-}
-
-/* --bwd-precision bf16: k_dsoftmax from the BF16 probabilities and the F32
- * dP into the BF16 dS */
-__global__ void k_dsoftmax_bf(const __nv_bfloat16 *Pb, const float *dP, __nv_bfloat16 *dSb,
-                              int64_t rows, int64_t T, int64_t r0, int64_t rc, int64_t kc)
-{
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows)
-        return;
-    const int64_t t = r0 + row % rc;
-    const int64_t at = ((row / rc) * T + t) * T;
-    const __nv_bfloat16 *pr = Pb + at;
-    const float *dr = dP + at;
-    __nv_bfloat16 *sr = dSb + at;
-    double dot = 0;
-    for (int64_t u = lane; u <= t; u += 32)
-        dot += (double)__bfloat162float(pr[u]) * (double)dr[u];
-    dot = warp_sum(dot);
-    for (int64_t u = lane; u < kc; u += 32)
-        sr[u] = __float2bfloat16_rn(
-            u <= t ? (float)((double)__bfloat162float(pr[u]) * ((double)dr[u] - dot)) : 0.0f);
 }
 
 __device__ inline double sigm(double z)
@@ -1096,20 +989,6 @@ void gb_free(gbwd *g)
     free(g);
 }
 
-/* host bytes of one layer's F32 copy (bk_layer_weights_load: matrices,
- * biases, norms) */
-size_t host_layer_bytes(const gbwd *g)
-{
-    int64_t n = 0;
-    for (int i = 0; i < BK_MOD_COUNT; i++) {
-        int64_t o, in;
-        bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
-        n += o * in + o;
-    }
-    n += 2 * g->dim.hidden + 2 * g->dim.hd;
-    return (size_t)n * sizeof(float);
-}
-
 /* the host's available memory (MemAvailable of /proc/meminfo, else the free
  * pages), 0 when unknown */
 size_t host_avail_bytes(void)
@@ -1142,6 +1021,13 @@ int64_t layer_elems(const gbwd *g)
         n += o * in + o;
     }
     return n + 2 * g->dim.hidden + 2 * g->dim.hd;
+}
+
+/* host bytes of one layer's F32 copy (bk_layer_weights_load: layer_elems
+ * as floats) */
+size_t host_layer_bytes(const gbwd *g)
+{
+    return (size_t)layer_elems(g) * sizeof(float);
 }
 
 bk_status slots_init(gbwd *g, int want)
@@ -1456,8 +1342,9 @@ template <typename R> bk_status attn_probs_rows(gbwd *g, int64_t S, int64_t j, i
     GEMM_CHECK(rm_gemm_b(g->bl, false, true, r1 - r0, r1, hd, scale, RP(g->qr) + r0 * qd + j * hd,
                          qd, T * qd, RP(g->kr) + gi * hd, kvd, T * kvd, 0.0, RP(g->P) + r0 * T, T,
                          T * T, S));
-    k_softmax<R><<<warp_grid(S * (r1 - r0)), 256, 0, g->c->stream>>>(RP(g->P), S * (r1 - r0), T,
-                                                                      r0, r1 - r0, r1);
+    k_softmax<<<warp_grid(S * (r1 - r0)), 256, 0, g->c->stream>>>(RP(g->P), RP(g->P),
+                                                                   S * (r1 - r0), T, r0, r1 - r0,
+                                                                   r1);
     LAUNCH_CHECK("k_softmax");
     return BK_OK;
 }
@@ -1525,17 +1412,17 @@ template <> bk_status attn_back_bf<float>(gbwd *g, int64_t S, int64_t nch)
             /* scores (F32), then P (BF16) */
             GEMM_CHECK(rm_gemm_b_bf(g->bl, false, true, rc, r1, hd, scale, Qc, qd, T * qd, Kg,
                                     kvd, T * kvd, 0.0f, P + r0 * T, T, T * T, S));
-            k_softmax_bf<<<warp_grid(S * rc), 256, 0, st>>>(P, g->Pb, S * rc, T, r0, rc, r1);
-            LAUNCH_CHECK("k_softmax_bf");
+            k_softmax<<<warp_grid(S * rc), 256, 0, st>>>(P, g->Pb, S * rc, T, r0, rc, r1);
+            LAUNCH_CHECK("k_softmax (bf16)");
             /* dV_g += Pᵀ dO_j; dP = dO_j V_gᵀ */
             GEMM_CHECK(rm_gemm_b_bf(g->bl, true, false, r1, hd, rc, 1.0f, Pbc, T, T * T, dOc, qd,
                                     T * qd, 1.0f, static_cast<float *>(g->dv) + gi * hd, kvd,
                                     T * kvd, S));
             GEMM_CHECK(rm_gemm_b_bf(g->bl, false, true, rc, r1, hd, 1.0f, dOc, qd, T * qd, Vg,
                                     kvd, T * kvd, 0.0f, dP + r0 * T, T, T * T, S));
-            k_dsoftmax_bf<<<warp_grid(S * rc), 256, 0, st>>>(g->Pb, dP, g->dSb, S * rc, T, r0,
-                                                              rc, r1);
-            LAUNCH_CHECK("k_dsoftmax_bf");
+            k_dsoftmax<<<warp_grid(S * rc), 256, 0, st>>>(g->Pb, dP, g->dSb, S * rc, T, r0, rc,
+                                                           r1);
+            LAUNCH_CHECK("k_dsoftmax (bf16)");
             /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
             GEMM_CHECK(rm_gemm_b_bf(g->bl, false, false, rc, hd, r1, scale, dSbc, T, T * T, Kg,
                                     kvd, T * kvd, 0.0f,
@@ -1669,8 +1556,8 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
                                  T * qd, 1.0, RP(g->dv) + gi * hd, kvd, T * kvd, S));
             GEMM_CHECK(rm_gemm_b(g->bl, false, true, rc, r1, hd, 1.0, dOc, qd, T * qd,
                                  RP(g->zv) + gi * hd, kvd, T * kvd, 0.0, dPc, T, T * T, S));
-            k_dsoftmax<R><<<warp_grid(S * rc), 256, 0, g->c->stream>>>(RP(g->P), RP(g->dP),
-                                                                        S * rc, T, r0, rc, r1);
+            k_dsoftmax<<<warp_grid(S * rc), 256, 0, g->c->stream>>>(RP(g->P), RP(g->dP), RP(g->dP),
+                                                                     S * rc, T, r0, rc, r1);
             LAUNCH_CHECK("k_dsoftmax");
             /* dQ_j = scale dS K_g; dK_g += scale dSᵀ Q_j */
             GEMM_CHECK(rm_gemm_b(g->bl, false, false, rc, hd, r1, scale, dPc, T, T * T,
