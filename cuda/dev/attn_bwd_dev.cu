@@ -1,7 +1,7 @@
 /* bk-cuda-dev attn-bwd — the fused attention backward (cuda/attn_flash_bwd.cu,
  * written without a GPU) against the unfused BF16 backward of the GPU backprop
- * flow (cuda/backward.cu attn_back_bf, reproduced here: per head and causal
- * row chunk cuBLAS BF16 GEMMs, softmax / dsoftmax kernels with double sums) and
+ * flow (cuda/backward.cu attn_back_bf, its GEMM sequence reproduced here, its
+ * softmax / dsoftmax kernels shared through cuda/attn_softmax.cuh) and
  * a double reference:
  *
  *   bk-cuda-dev attn-bwd [--seqs S] [--T T] [--heads H] [--kv K] [--hd D,D..]
@@ -34,6 +34,7 @@
 
 #include <cublas_v2.h>
 
+#include "../attn_softmax.cuh" /* backward.cu's k_softmax, k_dsoftmax */
 #include "../fwd_internal.cuh"
 #include "dev_common.cuh"
 
@@ -90,61 +91,6 @@ __global__ void k_groups(const float *src, int64_t N, int64_t T, int64_t heads, 
     }
 }
 
-__device__ inline double wsum(double v)
-{
-    for (int o = 16; o; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ inline double wmax(double v)
-{
-    for (int o = 16; o; o >>= 1)
-        v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-/* backward.cu's k_softmax_bf and k_dsoftmax_bf */
-__global__ void k_softmax_bf(const float *S, __nv_bfloat16 *Pb, int64_t rows, int64_t T,
-                             int64_t r0, int64_t rc, int64_t kc)
-{
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows)
-        return;
-    const int64_t t = r0 + row % rc, at = ((row / rc) * T + t) * T;
-    const float *sr = S + at;
-    __nv_bfloat16 *pr = Pb + at;
-    double mx = -INFINITY;
-    for (int64_t u = lane; u <= t; u += 32)
-        mx = fmax(mx, (double)sr[u]);
-    mx = wmax(mx);
-    double sum = 0;
-    for (int64_t u = lane; u <= t; u += 32)
-        sum += exp((double)sr[u] - mx);
-    sum = wsum(sum);
-    for (int64_t u = lane; u < kc; u += 32)
-        pr[u] = __float2bfloat16_rn(u <= t ? (float)(exp((double)sr[u] - mx) / sum) : 0.0f);
-}
-__global__ void k_dsoftmax_bf(const __nv_bfloat16 *Pb, const float *dP, __nv_bfloat16 *dSb,
-                              int64_t rows, int64_t T, int64_t r0, int64_t rc, int64_t kc)
-{
-    const int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows)
-        return;
-    const int64_t t = r0 + row % rc, at = ((row / rc) * T + t) * T;
-    const __nv_bfloat16 *pr = Pb + at;
-    const float *dr = dP + at;
-    __nv_bfloat16 *sr = dSb + at;
-    double dot = 0;
-    for (int64_t u = lane; u <= t; u += 32)
-        dot += (double)__bfloat162float(pr[u]) * (double)dr[u];
-    dot = wsum(dot);
-    for (int64_t u = lane; u < kc; u += 32)
-        sr[u] = __float2bfloat16_rn(
-            u <= t ? (float)((double)__bfloat162float(pr[u]) * ((double)dr[u] - dot)) : 0.0f);
-}
-
 /* reference, pass 1: a CTA of 128 threads per (sequence, head, position):
  * lse (natural log), D = Σ P dP and the dQ row, in double; token-major q/dO
  * [N, qd], k/v [N, kd]; sh: scores [T], P dP [T], reduction [128] */
@@ -165,8 +111,8 @@ __global__ void k_ref_rows(const float *q, const float *k, const float *v, const
             a += (double)qr[c] * kr[c];
             b += (double)dr[c] * vr[c];
         }
-        a = wsum(a);
-        b = wsum(b);
+        a = warp_sum(a);
+        b = warp_sum(b);
         if (lane == 0) {
             sc[u] = a * scale;
             pd[u] = b;
@@ -260,47 +206,6 @@ __global__ void k_ref_keys(const float *q, const float *k, const float *v, const
     dv[(s * T + u) * kd + gk * hd + c] = av;
 }
 
-struct errs {
-    double max_abs, rel, row_rel;
-    int64_t nonfinite;
-};
-
-template <typename A, typename B> errs compare(const A *x, const B *ref, int64_t rows, int64_t n)
-{
-    errs e = {0, 0, 0, 0};
-    double mref = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        double er = 0, mr = 0;
-        for (int64_t c = 0; c < n; c++) {
-            const double a = (double)x[r * n + c], b = (double)ref[r * n + c];
-            if (!std::isfinite(a)) {
-                e.nonfinite++;
-                continue;
-            }
-            er = std::max(er, fabs(a - b));
-            mr = std::max(mr, fabs(b));
-        }
-        e.max_abs = std::max(e.max_abs, er);
-        mref = std::max(mref, mr);
-        e.row_rel = std::max(e.row_rel, mr > 0 ? er / mr : er);
-    }
-    e.rel = mref > 0 ? e.max_abs / mref : e.max_abs;
-    return e;
-}
-
-template <typename T, typename F> std::vector<T> num_list(const char *s, F conv)
-{
-    std::vector<T> v;
-    for (const char *p = s; *p;) {
-        v.push_back((T)conv(p));
-        const char *c = strchr(p, ',');
-        if (!c)
-            break;
-        p = c + 1;
-    }
-    return v;
-}
-
 struct bufs {
     int64_t S, T, nh, nkv, rep, hd, N, qd, kd, nch;
     float scale;
@@ -353,13 +258,13 @@ void unfused(bufs &b)
             __nv_bfloat16 *Pbc = b.Pb + r0 * T, *dSbc = b.dSb + r0 * T;
             gemm(b, false, true, rc, r1, hd, b.scale, Qc, qd, T * qd, Kg, kvd, T * kvd, 0.0f,
                  b.P + r0 * T, T, T * T, S);
-            k_softmax_bf<<<(unsigned)((S * rc + 7) / 8), 256, 0, st>>>(b.P, b.Pb, S * rc, T, r0,
+            k_softmax<<<(unsigned)((S * rc + 7) / 8), 256, 0, st>>>(b.P, b.Pb, S * rc, T, r0,
                                                                        rc, r1);
             gemm(b, true, false, r1, hd, rc, 1.0f, Pbc, T, T * T, dOc, qd, T * qd, 1.0f,
                  b.dv + gi * hd, kvd, T * kvd, S);
             gemm(b, false, true, rc, r1, hd, 1.0f, dOc, qd, T * qd, Vg, kvd, T * kvd, 0.0f,
                  b.dP + r0 * T, T, T * T, S);
-            k_dsoftmax_bf<<<(unsigned)((S * rc + 7) / 8), 256, 0, st>>>(b.Pb, b.dP, b.dSb, S * rc,
+            k_dsoftmax<<<(unsigned)((S * rc + 7) / 8), 256, 0, st>>>(b.Pb, b.dP, b.dSb, S * rc,
                                                                         T, r0, rc, r1);
             gemm(b, false, false, rc, hd, r1, b.scale, dSbc, T, T * T, Kg, kvd, T * kvd, 0.0f,
                  b.dq + r0 * qd + j * hd, qd, T * qd, S);

@@ -126,48 +126,6 @@ __global__ void k_ref(const float *q, const float *k, const float *v, double *ou
     }
 }
 
-struct errs {
-    double max_abs, rel, row_rel;
-    int64_t nonfinite;
-};
-
-template <typename A, typename B> errs compare(const A *x, const B *ref, int64_t rows, int64_t n)
-{
-    errs e = {0, 0, 0, 0};
-    double mref = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        double er = 0, mr = 0;
-        for (int64_t c = 0; c < n; c++) {
-            const double a = (double)x[r * n + c], b = (double)ref[r * n + c];
-            if (!std::isfinite(a)) {
-                e.nonfinite++;
-                continue;
-            }
-            er = std::max(er, fabs(a - b));
-            mr = std::max(mr, fabs(b));
-        }
-        e.max_abs = std::max(e.max_abs, er);
-        mref = std::max(mref, mr);
-        e.row_rel = std::max(e.row_rel, mr > 0 ? er / mr : er);
-    }
-    e.rel = mref > 0 ? e.max_abs / mref : e.max_abs;
-    return e;
-}
-
-/* "a,b,c" -> {a, b, c} (conv: atoll or atof) */
-template <typename T, typename F> std::vector<T> num_list(const char *s, F conv)
-{
-    std::vector<T> v;
-    for (const char *p = s; *p;) {
-        v.push_back((T)conv(p));
-        const char *c = strchr(p, ',');
-        if (!c)
-            break;
-        p = c + 1;
-    }
-    return v;
-}
-
 double median_ms(bk_gfwd *f, int64_t S, float *d_o, int fused, int reps, int bn = 0, int mt = 0)
 {
     cudaStream_t sm = f->c->stream;
