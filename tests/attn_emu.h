@@ -361,4 +361,36 @@ static void run_cta(void (*body)(), int nt)
             EMU_FAIL("thread %d ended with cp.async copies pending", t);
 }
 
+/* Gaussian test inputs: xorshift64 + Box-Muller (the tests seed emu_rng) */
+static uint64_t emu_rng = 88172645463325252ull;
+static double emu_gauss()
+{
+    emu_rng ^= emu_rng << 13;
+    emu_rng ^= emu_rng >> 7;
+    emu_rng ^= emu_rng << 17;
+    const double u1 = ((emu_rng >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+    emu_rng ^= emu_rng << 13;
+    emu_rng ^= emu_rng >> 7;
+    emu_rng ^= emu_rng << 17;
+    const double u2 = (emu_rng >> 11) * (1.0 / 9007199254740992.0);
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/* run every CTA of a kernel of nt threads (shared memory of smem bytes,
+ * NaN-filled before each CTA: BF16 NaNs, F32 NaNs as their pairs) */
+static void emu_run_grid(void (*body)(), int64_t ctas, int nt, size_t smem_bytes)
+{
+    std::vector<unsigned char> smem(smem_bytes ? smem_bytes : 16);
+    emu_smem = smem.data();
+    emu_smem_size = smem_bytes;
+    for (int64_t b = 0; b < ctas; b++) {
+        for (size_t i = 0; i + 1 < smem.size(); i += 2) {
+            smem[i] = 0xc0;
+            smem[i + 1] = 0x7f;
+        }
+        emu_bid = b;
+        run_cta(body, nt);
+    }
+}
+
 #endif /* BK_TEST_ATTN_EMU_H */

@@ -60,40 +60,10 @@ template <int HD> static void body_dq()
                                             a.T, a.nkv, a.rep, a.nblk, a.scale_log2, a.scale);
 }
 
-static uint64_t rng = 88172645463325252ull;
-static double gauss()
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    const double u1 = ((rng >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    const double u2 = (rng >> 11) * (1.0 / 9007199254740992.0);
-    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-
 #define EMU_L_TOL 5e-3
 #define EMU_TOL 1e-2
 #define EMU_ROW_TOL 5e-2
 #define EMU_GUARD 64
-
-/* run every CTA of a kernel (shared memory of smem bytes, NaN-filled first) */
-static void run_grid(void (*body)(), int64_t ctas, int nt, size_t smem_bytes)
-{
-    std::vector<unsigned char> smem(smem_bytes ? smem_bytes : 16);
-    emu_smem = smem.data();
-    emu_smem_size = smem_bytes;
-    for (int64_t b = 0; b < ctas; b++) {
-        for (size_t i = 0; i + 1 < smem.size(); i += 2) { /* BF16 NaN; F32 NaN as pairs */
-            smem[i] = 0xc0;
-            smem[i + 1] = 0x7f;
-        }
-        emu_bid = b;
-        run_cta(body, nt);
-    }
-}
 
 /* a buffer of n floats between NaN guards, pre-filled with NaN */
 struct guarded {
@@ -141,25 +111,25 @@ static void rel_err(const float *x, const double *ref, int64_t rows, int64_t w, 
 template <int HD>
 static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t T, double amp)
 {
-    rng = 0x9e3779b97f4a7c15ull + (uint64_t)(T * 131 + rep * 7 + nkv * 3 + HD);
+    emu_rng = 0x9e3779b97f4a7c15ull + (uint64_t)(T * 131 + rep * 7 + nkv * 3 + HD);
     const int64_t pairs = S * nkv, RP = T * rep, nq = pairs * RP * HD, nk = pairs * T * HD;
     const int64_t qd = nkv * rep * HD, kd = nkv * HD, N = S * T;
     std::vector<__nv_bfloat16> q(nq), k(nk), v(nk);
     std::vector<double> qf(nq), kf(nk), vf(nk);
     for (int64_t i = 0; i < nq; i++) {
-        q[i] = __float2bfloat16_rn((float)(amp * gauss()));
+        q[i] = __float2bfloat16_rn((float)(amp * emu_gauss()));
         qf[i] = __bfloat162float(q[i]);
     }
     for (int64_t i = 0; i < nk; i++) {
-        k[i] = __float2bfloat16_rn((float)gauss());
+        k[i] = __float2bfloat16_rn((float)emu_gauss());
         kf[i] = __bfloat162float(k[i]);
-        v[i] = __float2bfloat16_rn((float)gauss());
+        v[i] = __float2bfloat16_rn((float)emu_gauss());
         vf[i] = __bfloat162float(v[i]);
     }
     /* dO token-major F32, BF16-exact */
     std::vector<float> dout((size_t)(N * qd));
     for (float &x : dout)
-        x = __bfloat162float(__float2bfloat16_rn((float)gauss()));
+        x = __bfloat162float(__float2bfloat16_rn((float)emu_gauss()));
     std::vector<__nv_bfloat16> dob((size_t)nq);
     const double scale = 1.0 / sqrt((double)HD);
     const int64_t nblk = (RP + FA_BM - 1) / FA_BM;
@@ -175,13 +145,13 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
     /* the forward (its own checks in test_attn_flash_emu), with L */
     emu_inputs = {
         {q.data(), (size_t)nq * 2}, {k.data(), (size_t)nk * 2}, {v.data(), (size_t)nk * 2}};
-    run_grid(body_fwd<HD>, pairs * nblk, fa_shape<HD, fa_default_bn<HD>::value, 1>::THREADS,
+    emu_run_grid(body_fwd<HD>, pairs * nblk, fa_shape<HD, fa_default_bn<HD>::value, 1>::THREADS,
              fa_shape<HD, fa_default_bn<HD>::value, 1>::SMEM);
     /* prep: no shared memory, no cp.async */
-    run_grid(body_prep<HD>, (pairs * RP + 7) / 8, 256, 0);
+    emu_run_grid(body_prep<HD>, (pairs * RP + 7) / 8, 256, 0);
     emu_inputs.push_back({dob.data(), (size_t)nq * 2});
-    run_grid(body_dkdv<HD>, pairs * nkb, shk::THREADS, shk::SMEM);
-    run_grid(body_dq<HD>, pairs * nblk, fb_q_shape<HD, fb_q_default<HD>::BN>::THREADS,
+    emu_run_grid(body_dkdv<HD>, pairs * nkb, shk::THREADS, shk::SMEM);
+    emu_run_grid(body_dq<HD>, pairs * nblk, fb_q_shape<HD, fb_q_default<HD>::BN>::THREADS,
              fb_q_shape<HD, fb_q_default<HD>::BN>::SMEM);
 
     int64_t unwritten = 0, guard = 0;

@@ -45,39 +45,25 @@ template <int HD, int BN, int MT> static void body()
                              a.scale_log2, NULL, NULL);
 }
 
-static uint64_t rng = 88172645463325252ull;
-static double gauss()
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    const double u1 = ((rng >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    const double u2 = (rng >> 11) * (1.0 / 9007199254740992.0);
-    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-
 #define EMU_ROW_TOL 1e-2
 #define EMU_GUARD 64
 
 template <int HD, int BN = fa_default_bn<HD>::value, int MT = 1>
 static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t T, double amp)
 {
-    rng = 88172645463325252ull + (uint64_t)(T * 131 + rep * 7 + nkv);
+    emu_rng = 88172645463325252ull + (uint64_t)(T * 131 + rep * 7 + nkv);
     const int64_t pairs = S * nkv, RP = T * rep, nq = pairs * RP * HD, nk = pairs * T * HD;
     const int64_t qd = nkv * rep * HD, nout = S * T * qd;
     std::vector<__nv_bfloat16> q(nq), k(nk), v(nk);
     std::vector<double> qf(nq), kf(nk), vf(nk);
     for (int64_t i = 0; i < nq; i++) {
-        q[i] = __float2bfloat16_rn((float)(amp * gauss()));
+        q[i] = __float2bfloat16_rn((float)(amp * emu_gauss()));
         qf[i] = __bfloat162float(q[i]);
     }
     for (int64_t i = 0; i < nk; i++) {
-        k[i] = __float2bfloat16_rn((float)gauss());
+        k[i] = __float2bfloat16_rn((float)emu_gauss());
         kf[i] = __bfloat162float(k[i]);
-        v[i] = __float2bfloat16_rn((float)gauss());
+        v[i] = __float2bfloat16_rn((float)emu_gauss());
         vf[i] = __bfloat162float(v[i]);
     }
     std::vector<float> outbuf(nout + 2 * EMU_GUARD, NAN);
@@ -88,18 +74,9 @@ static std::vector<float> run_case(int64_t S, int64_t nkv, int64_t rep, int64_t 
     const double scale = 1.0 / sqrt((double)HD);
     emu_args = {q.data(), k.data(), v.data(), out,       pairs,
                 (int)T,   (int)nkv, (int)rep, (int)nblk, (float)(scale * 1.4426950408889634)};
-    emu_smem_size = fa_shape<HD, BN, MT>::SMEM;
-    std::vector<unsigned char> smem(emu_smem_size);
-    emu_smem = smem.data();
     emu_nonfinite = 0;
-    for (int64_t b = 0; b < pairs * nblk; b++) {
-        for (size_t i = 0; i + 1 < smem.size(); i += 2) { /* BF16 NaN */
-            smem[i] = 0xc0;
-            smem[i + 1] = 0x7f;
-        }
-        emu_bid = b;
-        run_cta(body<HD, BN, MT>, fa_shape<HD, BN, MT>::THREADS);
-    }
+    emu_run_grid(body<HD, BN, MT>, pairs * nblk, fa_shape<HD, BN, MT>::THREADS,
+                 fa_shape<HD, BN, MT>::SMEM);
     int64_t unwritten = 0, guard = 0;
     for (int64_t i = 0; i < EMU_GUARD; i++)
         guard += !std::isnan(outbuf[i]) + !std::isnan(outbuf[EMU_GUARD + nout + i]);

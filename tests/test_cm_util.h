@@ -49,6 +49,18 @@ static inline bk_model *tu_open_model(const char *name)
     return m;
 }
 
+/* fn(name, folder) for each of the n test models named (tu_model_path's
+ * names), in order */
+static inline void tu_each_model(const char *const *names, size_t n,
+                                 void (*fn)(const char *name, const char *dir))
+{
+    for (size_t i = 0; i < n; i++) {
+        char dir[4096];
+        tu_model_path(dir, sizeof dir, names[i]);
+        fn(names[i], dir);
+    }
+}
+
 /* The bundled model's folder and its golden forward (tests/data/golden). */
 static inline void tu_kerneldocs_paths(char *dir, size_t dcap, char *golden, size_t gcap)
 {

@@ -671,16 +671,9 @@ static void qk_model(const char *label, const char *dir)
 static void test_qk_rot_models(void **state)
 {
     (void)state;
-    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-bf16"};
-    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
-        char dir[1024];
-        snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"),
-                 models[i]);
-        qk_model(models[i], dir);
-    }
-    char dir[1024], gp[1024];
-    tu_kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
-    qk_model("kerneldocs-1.6m", dir);
+    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-bf16",
+                                  "kerneldocs-1.6m"};
+    tu_each_model(models, sizeof models / sizeof models[0], qk_model);
 }
 
 static void qk_fused_case(int64_t heads, int64_t kv, int64_t hd, int64_t S, int64_t T,

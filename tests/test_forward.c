@@ -32,7 +32,7 @@
 #include "bakron/safetensors.h"
 #include "forward_internal.h"
 #include "rope.h"
-#include "test_util.h"
+#include "test_cm_util.h" /* (includes test_util.h) */
 #include "util.h"
 
 /* --------------------------------------------------------------- helpers */
@@ -661,18 +661,11 @@ static void test_golden_tiny_qwen3(void **state)
     golden_model("tiny-qwen3");
 }
 
-static void kerneldocs_paths(char *dir, size_t dcap, char *gp, size_t gcap)
-{
-    snprintf(dir, dcap, "%s/examples/kerneldocs-1.6m", tu_env_or("BK_SOURCE_ROOT", "."));
-    snprintf(gp, gcap, "%s/golden/kerneldocs-1.6m/golden.safetensors",
-             tu_env_or("BK_TEST_DATA", "tests/data"));
-}
-
 static void test_golden_kerneldocs(void **state)
 {
     (void)state;
     char dir[1024], gp[1024];
-    kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
+    tu_kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
     double w = run_golden("kerneldocs-1.6m", dir, gp);
     assert_true(w <= 1e-4);
 }
@@ -781,16 +774,9 @@ static void qk_rot_model(const char *label, const char *dir)
 static void test_qk_rot(void **state)
 {
     (void)state;
-    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-bf16"};
-    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
-        char dir[1024];
-        snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"),
-                 models[i]);
-        qk_rot_model(models[i], dir);
-    }
-    char dir[1024], gp[1024];
-    kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
-    qk_rot_model("kerneldocs-1.6m", dir);
+    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-bf16",
+                                  "kerneldocs-1.6m"};
+    tu_each_model(models, sizeof models / sizeof models[0], qk_rot_model);
 }
 
 /* The GPU backprop flow loads every layer's host weights on up to 8 threads
@@ -883,16 +869,8 @@ static void layer_weights_threads_model(const char *label, const char *dir)
 static void test_layer_weights_threads(void **state)
 {
     (void)state;
-    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3-bf16"};
-    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
-        char dir[1024];
-        snprintf(dir, sizeof dir, "%s/models/%s", tu_env_or("BK_TEST_DATA", "tests/data"),
-                 models[i]);
-        layer_weights_threads_model(models[i], dir);
-    }
-    char dir[1024], gp[1024];
-    kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
-    layer_weights_threads_model("kerneldocs-1.6m", dir);
+    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3-bf16", "kerneldocs-1.6m"};
+    tu_each_model(models, sizeof models / sizeof models[0], layer_weights_threads_model);
 }
 
 /* NLL from the native forward == NLL computed here from transformers' logits. */
@@ -948,7 +926,7 @@ static void test_nll_golden(void **state)
 {
     (void)state;
     char dir[1024], gp[1024];
-    kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
+    tu_kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
     check_nll_against_golden(dir, gp);
     const char *data = tu_env_or("BK_TEST_DATA", "tests/data");
     snprintf(dir, sizeof dir, "%s/models/tiny-qwen2", data);
@@ -981,7 +959,7 @@ static void test_model_nll_microbatch(void **state)
 {
     (void)state;
     char dir[1024], gp[1024];
-    kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
+    tu_kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
     bk_model *m = open_model(dir);
     const int64_t S = 5, T = 64;
     int32_t *ids = eval_tokens(S, T);
@@ -1007,7 +985,7 @@ static void test_model_bad_tokens(void **state)
 {
     (void)state;
     char dir[1024], gp[1024];
-    kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
+    tu_kerneldocs_paths(dir, sizeof dir, gp, sizeof gp);
     bk_model *m = open_model(dir);
     int32_t ids[2 * 8];
     for (int i = 0; i < 16; i++)
@@ -1107,7 +1085,7 @@ static void test_cli_eval_bad_input(void **state)
     if (!exe)
         skip();
     char model[1024], gp[1024];
-    kerneldocs_paths(model, sizeof model, gp, sizeof gp);
+    tu_kerneldocs_paths(model, sizeof model, gp, sizeof gp);
     char tmpd[] = "/tmp/bk-fwd-eval-XXXXXX";
     assert_non_null(mkdtemp(tmpd));
     char p[1200], cmd[4096];

@@ -135,13 +135,21 @@ for i in 1 2 3 4 5; do
     check "random kill $i" ref1
 done
 
+# interrupt_at PATTERN OUT ARGS...: quantize m into OUT in the background
+# (stderr to err), SIGINT once PATTERN shows in err; rc: its exit status
+interrupt_at() {
+    local pattern=$1 out=$2 pid
+    shift 2
+    "$B" quantize m "$@" --out "$out" >/dev/null 2>err &
+    pid=$!
+    for _ in $(seq 1200); do grep -q "$pattern" err && break; sleep 0.05; done
+    kill -INT $pid
+    wait $pid
+    rc=$?
+}
+
 # SIGINT: exit 3, the work folder kept with a message, --resume finishes it
-"$B" quantize m "${args[@]}" --out q >/dev/null 2>err &
-pid=$!
-for _ in $(seq 600); do grep -q "done (2/4)" err && break; sleep 0.1; done
-kill -INT $pid
-wait $pid
-rc=$?
+interrupt_at "done (2/4)" q "${args[@]}"
 if [ $rc -eq 0 ]; then
     echo "SIGINT came after the end (not tested this time)"
 else
@@ -156,12 +164,7 @@ check "SIGINT" ref1
 # take minutes at scale) with exit 3 and a line naming the pass, not after the flow
 bpi=(--calib c.safetensors --samples 16 --seqlen 64 --backend cpu --hessian backprop-kfac --levels 3)
 rm -rf qb
-"$B" quantize m "${bpi[@]}" --out qb >/dev/null 2>err &
-pid=$!
-for _ in $(seq 600); do grep -q "backward pass 1 " err && break; sleep 0.05; done
-kill -INT $pid
-wait $pid
-rc=$?
+interrupt_at "backward pass 1 " qb "${bpi[@]}"
 [ $rc -eq 3 ] || die "SIGINT in the flow: exit $rc: $(tail -1 err)"
 grep -q "error: interrupted in backward pass [0-9]* (layers [0-9]*-[0-9]*)" err ||
     die "SIGINT in the flow: not stopped inside the flow: $(tail -1 err)"
