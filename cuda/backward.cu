@@ -517,7 +517,8 @@ cublasStatus_t rm_gemm_b_bf(const blas_t &bl, bool ta, bool tb, int64_t M, int64
 /* one layer's weights on the device, in R */
 struct gslot {
     int layer;
-    int64_t used; /* tick of the last use */
+    int64_t used;   /* tick of the last use */
+    int64_t loaded; /* tick of the upload */
     void *w[BK_MOD_COUNT], *b[BK_MOD_COUNT];
     void *an, *mn, *qn, *kn;
 };
@@ -580,6 +581,8 @@ struct gbwd {
     gslot *slots;
     int nslots;
     int64_t tick;
+    int64_t mb_cur, mb_prev; /* ticks at the starts of this micro-batch and the last */
+    int64_t requests, uploads; /* weights() calls and layer uploads of the flow */
     float *wstage; /* device F32 staging of one tensor (fp64 mode) */
     int64_t wstage_elems;
     /* host: pinned staging [R, max width] in R; tap copies in double */
@@ -1115,11 +1118,20 @@ void preload_host_weights(gbwd *g)
             g->hbytes += lb;
 }
 
-/* layer l's weights on the device (uploaded when not resident; the least
- * recently used slot is replaced) */
+/* a micro-batch begins (its embedding or its boundary load): marks which
+ * slots the last two micro-batches used (weights()) */
+void mb_begin(gbwd *g)
+{
+    g->mb_prev = g->mb_cur;
+    g->mb_cur = g->tick + 1;
+}
+
+/* layer l's weights on the device (uploaded when not resident; which slot
+ * is replaced: see below) */
 bk_status weights(gbwd *g, int l, const gslot **out)
 {
     g->tick++;
+    g->requests++;
     for (int k = 0; k < g->nslots; k++)
         if (g->slots[k].layer == l) {
             g->slots[k].used = g->tick;
@@ -1140,15 +1152,30 @@ bk_status weights(gbwd *g, int l, const gslot **out)
                             bk_module_name((bk_module)i));
     if (!lw->attn_norm || !lw->mlp_norm || (g->cfg.qk_norm && (!lw->q_norm || !lw->k_norm)))
         return bk_error(BK_ERR_INVALID_ARG, "GPU backward: layer %d lacks its norms", l);
-    /* an empty slot, else the least recently used */
+    /* An empty slot; else the least recently used of the slots that neither
+     * this micro-batch nor the last one used (layers of an earlier pass);
+     * else the slot uploaded last. Every micro-batch of a sweep walks the same
+     * layers in the same order, so with fewer slots than layers the least
+     * recently used layer is always the next one needed: LRU would upload
+     * every layer of every micro-batch (seen at the 8B shape under an 80 GB
+     * limit: 48 uploads per micro-batch). Replacing the last upload instead
+     * keeps the other slots' layers resident from one micro-batch to the next:
+     * nslots - 1 layers stay, one slot rotates through the rest. */
     int v = -1;
     for (int k = 0; k < g->nslots && v < 0; k++)
         if (g->slots[k].layer < 0)
             v = k;
+    for (int k = 0; k < g->nslots && v < 0; k++)
+        if (g->slots[k].used < g->mb_prev)
+            v = k;
+    if (v >= 0 && g->slots[v].layer >= 0)
+        for (int k = v + 1; k < g->nslots; k++)
+            if (g->slots[k].used < g->mb_prev && g->slots[k].used < g->slots[v].used)
+                v = k;
     if (v < 0) {
         v = 0;
         for (int k = 1; k < g->nslots; k++)
-            if (g->slots[k].used < g->slots[v].used)
+            if (g->slots[k].loaded > g->slots[v].loaded)
                 v = k;
     }
     gslot *s = &g->slots[v];
@@ -1215,7 +1242,8 @@ bk_status weights(gbwd *g, int l, const gslot **out)
         return st;
     }
     s->layer = l;
-    s->used = g->tick;
+    s->used = s->loaded = g->tick;
+    g->uploads++;
     *out = s;
     /* the host copy is needed again only after an eviction: not when every
      * layer has its own slot, and beyond the host budget it is reloaded then
@@ -2003,6 +2031,7 @@ template <typename R> bk_status op_embed(void *x, const int32_t *tokens, int64_t
 {
     flow *f = static_cast<flow *>(x);
     double tp = bk_now();
+    mb_begin(f->g);
     bk_status st = embed<R>(f->g, tokens, sb, f->h);
     bk_cuda_pmark(f->g->c->stream, &tp, "bwd.embed");
     return st;
@@ -2018,6 +2047,8 @@ bk_status op_load(void *x, int buf, const void *src, size_t bytes)
      * waits for the previous copy out of its scratch before reusing it, and
      * every later operation of the compute stream is ordered after that */
     const char *lo = static_cast<const char *>(src), *hi = lo + bytes;
+    if (buf == BK_BWD_H)
+        mb_begin(f->g);
     for (int k = 0; k < 2; k++)
         if (f->pend_lo[k] && lo < f->pend_hi[k] && hi > f->pend_lo[k])
             BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0));
@@ -2348,6 +2379,9 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     if (st == BK_OK) {
         const bk_bwd_flow_ops ops = g->fp64 ? flow_ops<double>() : flow_ops<float>();
         st = bk__bwd_flow_drive(&ops, &f, m, tokens, S, T, B, o, cb, stats);
+        stats->resident_layers = g->nslots;
+        stats->weight_requests = g->requests;
+        stats->weight_uploads = g->uploads;
     }
     if (f.cs) {
         /* the last stores (their boundaries are freed by the driver already,

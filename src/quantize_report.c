@@ -132,6 +132,11 @@ bk_status bk__q_write_metadata(job *j)
         cJSON_AddNumberToObject(b, j->bp_gpu ? "micro_batch_device_bytes" : "micro_batch_host_bytes",
                                 (double)bs->micro_bytes);
         cJSON_AddNumberToObject(b, "peak_boundary_device_bytes", 0);
+        if (j->bp_gpu) {
+            cJSON_AddNumberToObject(b, "resident_layers", bs->resident_layers);
+            cJSON_AddNumberToObject(b, "weight_requests", (double)bs->weight_requests);
+            cJSON_AddNumberToObject(b, "weight_uploads", (double)bs->weight_uploads);
+        }
         cJSON *bt = cJSON_AddObjectToObject(b, "times_s");
         cJSON_AddNumberToObject(bt, "forward", bs->time_forward_s);
         cJSON_AddNumberToObject(bt, "backward", bs->time_backward_s);

@@ -158,6 +158,10 @@ typedef struct bk_bwd_flow_stats {
     int64_t layer_backwards;       /* (each counts once per layer per sweep) */
     uint64_t peak_boundary_bytes;  /* boundary activations + gradients alive at once */
     uint64_t micro_bytes;          /* per-micro-batch working memory of the flow */
+    /* GPU: the layers whose weights fit on the device at once, and how often
+     * a layer's weights were asked for and uploaded (0 on the CPU) */
+    int resident_layers;
+    int64_t weight_requests, weight_uploads;
     double time_forward_s, time_backward_s, time_head_s;
 } bk_bwd_flow_stats;
 
