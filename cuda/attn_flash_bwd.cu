@@ -1,8 +1,9 @@
 /* CUDA backend — fused causal attention backward (FlashAttention-2 style),
- * the adjoint of attn_flash.cu's forward. Written without a GPU (session 12);
- * checked on the host by tests/test_attn_bwd_emu.cu; NOT used by the product
- * yet (cuda/dev/NOTES.md "Session 12: fused attention backward" says how it
- * would replace attn_back_bf in cuda/backward.cu).
+ * the adjoint of attn_flash.cu's forward. Written without a GPU (session 12),
+ * checked on the host by tests/test_attn_bwd_emu.cu and on the H200 by
+ * bk-cuda-dev attn-bwd (session 13). Used by cuda/backward.cu's layer
+ * backward in bf16 mode with head_dim 64 / 128 (attn_back_fused, in place of
+ * the unfused attn_back_bf; cuda/dev/NOTES.md "Session 13").
  *
  * Inputs: the forward's BF16 q [S, nkv, T, rep, hd] and k, v [S, nkv, T, hd]
  * (group-major, what attn_flash.cu reads), its F32 output o and the output

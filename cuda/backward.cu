@@ -27,7 +27,9 @@
  *   speed modes  --bwd-precision tf32 / bf16: the output-gradient Grams per
  *                micro-batch on tensor cores (F32), added in double; bf16:
  *                the layer weights cached as BF16, BF16 x BF16 layer GEMMs,
- *                the layer forward's attention fused (attn_flash.cu);
+ *                the layer forward's attention fused (attn_flash.cu) and,
+ *                with the same condition (head_dim 64 / 128), the layer
+ *                backward's (attn_flash_bwd.cu: no [B, T, T] arrays);
  *   flows        naive I and recursive halving as src/backward_flow.c,
  *                micro-batch by micro-batch; the boundary matrices X_mid,
  *                G_mid, G_L in pinned host memory in R, copied in and out per
@@ -558,16 +560,22 @@ struct gbwd {
     int32_t *dtok;
     /* --bwd-precision bf16 with head_dim 64 / 128: the layer forward's
      * attention fused (attn_flash.cu) from BF16 copies of the rotated q, k and
-     * v, group-major; the backward still recomputes P per head */
+     * v, group-major, and the layer backward's (attn_flash_bwd.cu) from the
+     * same copies, the forward's output o and its per-row log-sum-exp flse;
+     * fdsum: the backward's rowsum(dO ∘ O). flse, fdsum: [S, nkv, T, rep]
+     * (q's rows), R·nh floats each. No P, dP, Pb, dSb, aqb, akb, avb then
+     * (adob is the backward's BF16 dO, group-major) */
     int flash;
     __nv_bfloat16 *qb, *kb, *vb;
+    float *flse, *fdsum;
     /* --bwd-precision bf16: the layers' weights cached as BF16 (gslot.w; F32
      * through wstage on upload) and their GEMMs on BF16 inputs, the
      * activation or gradient rounded into xb [R, widest] on the way */
     int wbf;
     __nv_bfloat16 *xb;
-    /* bf16: the backward's attention on BF16 operands: token-major copies of
-     * the rotated q, k, of v and dO, and the probabilities and dS [B, T, T] */
+    /* bf16 (unfused, head_dim other than 64 / 128): the backward's attention
+     * on BF16 operands: token-major copies of the rotated q, k, of v and dO,
+     * and the probabilities and dS [B, T, T] */
     __nv_bfloat16 *aqb, *akb, *avb, *adob, *Pb, *dSb;
     /* weights: host copies (loaded on first use) and the device cache */
     bk_layer_weights *hw;
@@ -769,8 +777,6 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         {&g->dob, R * qd, (size_t)es, "backward buffers"}, {&g->dq, R * qd, (size_t)es, "backward buffers"},
         {&g->dk, R * kvd, (size_t)es, "backward buffers"}, {&g->dv, R * kvd, (size_t)es, "backward buffers"},
         {&g->cpy, R * wmax, (size_t)es, "backward buffers"},
-        {&g->P, B * T * T, (size_t)es, "attention probabilities"},
-        {&g->dP, B * T * T, (size_t)es, "attention probabilities"},
         {(void **)&g->r1, R, 8, "backward buffers"},        {(void **)&g->r2, R, 8, "backward buffers"},
         {(void **)&g->rq, R * g->dim.nh, 8, "backward buffers"}, {(void **)&g->rk, R * g->dim.nkv, 8, "backward buffers"},
         {&g->headw, g->V * d, (size_t)es, "LM head"},       {&g->headn, d, (size_t)es, "final norm"},
@@ -793,21 +799,30 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
     g->lg_all = vc >= g->V;
     if (st == BK_OK)
         st = dalloc(g, &g->lg, R * vc, (size_t)es, "logit block");
-    g->flash = !g->fp64 && go && go->math == BK_GBWD_BF16 && bk_attn_flash_supported(g->dim.hd);
+    g->flash = bk__cuda_bwd_attn_fused(go, g->dim.hd);
     g->wbf = !g->fp64 && go && go->math == BK_GBWD_BF16;
+    /* the unfused attention's [B, T, T] probabilities and their gradient
+     * (the fused one keeps them on chip) */
+    if (st == BK_OK && !g->flash)
+        st = dalloc(g, &g->P, B * T * T, (size_t)es, "attention probabilities");
+    if (st == BK_OK && !g->flash)
+        st = dalloc(g, &g->dP, B * T * T, (size_t)es, "attention probabilities");
     if (st == BK_OK && g->wbf) {
         int64_t xw = d > NI ? d : NI;
         xw = xw > qd ? xw : qd;
         st = dalloc(g, (void **)&g->xb, R * xw, 2, "GEMM inputs (BF16)");
     }
     {
+        /* fused: dO only (the fused backward's group-major BF16 copy) */
         struct {
             __nv_bfloat16 **p;
             int64_t n;
-        } ab[] = {{&g->aqb, R * qd},  {&g->akb, R * kvd}, {&g->avb, R * kvd},
-                  {&g->adob, R * qd}, {&g->Pb, B * T * T}, {&g->dSb, B * T * T}};
+            int fused;
+        } ab[] = {{&g->aqb, R * qd, 0},  {&g->akb, R * kvd, 0},     {&g->avb, R * kvd, 0},
+                  {&g->adob, R * qd, 1}, {&g->Pb, B * T * T, 0}, {&g->dSb, B * T * T, 0}};
         for (size_t i = 0; i < sizeof ab / sizeof ab[0] && st == BK_OK && g->wbf; i++)
-            st = dalloc(g, (void **)ab[i].p, ab[i].n, 2, "attention backward (BF16)");
+            if (!g->flash || ab[i].fused)
+                st = dalloc(g, (void **)ab[i].p, ab[i].n, 2, "attention backward (BF16)");
     }
     if (st == BK_OK && g->flash)
         st = dalloc(g, (void **)&g->qb, R * qd, 2, "attention inputs (BF16)");
@@ -815,6 +830,10 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         st = dalloc(g, (void **)&g->kb, R * kvd, 2, "attention inputs (BF16)");
     if (st == BK_OK && g->flash)
         st = dalloc(g, (void **)&g->vb, R * kvd, 2, "attention inputs (BF16)");
+    if (st == BK_OK && g->flash)
+        st = dalloc(g, (void **)&g->flse, R * g->dim.nh, 4, "attention backward (fused)");
+    if (st == BK_OK && g->flash)
+        st = dalloc(g, (void **)&g->fdsum, R * g->dim.nh, 4, "attention backward (fused)");
     /* F32 staging of the largest weight (fp64 mode) */
     int64_t wbig = 0;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
@@ -966,7 +985,7 @@ void gb_free(gbwd *g)
                     g->rq,  g->rk,  g->headw, g->headn, g->xf, g->dxf,  g->lg,  g->rf,
                     g->mx,  g->se,  g->tg,  g->cum, g->lse,   g->tgl,  g->U,    g->lab, g->last,
                     g->flags, g->cos, g->sin, g->wstage, g->dtok, g->qb, g->kb, g->vb, g->xb,
-                    g->aqb, g->akb, g->avb, g->adob, g->Pb, g->dSb,
+                    g->aqb, g->akb, g->avb, g->adob, g->Pb, g->dSb, g->flse, g->fdsum,
                     g->emb_own ? g->emb : NULL};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         dfree(g, bufs[i]);
@@ -1465,7 +1484,9 @@ template <> bk_status attn_back_bf<float>(gbwd *g, int64_t S, int64_t nch)
 
 /* O (g->o, token-major) = causal attention of the rotated q, k (qr, kr) and
  * v (zv) in one fused kernel per micro-batch: BF16 Q, K, V and P, F32
- * scores, sums and output (attn_flash.cu); g->flash, F32 storage only */
+ * scores, sums and output (attn_flash.cu); g->flash, F32 storage only. Also
+ * each row's log-sum-exp (flse) for attn_back_fused: the output is the same
+ * bits with and without it (bk-cuda-dev attn-bwd checks it) */
 template <typename R> bk_status attn_fused(gbwd *, int64_t)
 {
     return bk_error(BK_ERR_INTERNAL, "GPU backward: fused attention needs F32 storage");
@@ -1486,7 +1507,29 @@ template <> bk_status attn_fused<float>(gbwd *g, int64_t S)
                                                                hd, 1, g->vb);
     LAUNCH_CHECK("k_tok_to_groups_bf16");
     return bk_attn_flash(g->qb, g->kb, g->vb, (float *)g->o, S, nkv, T, rep, hd,
-                         (float)(1.0 / sqrt((double)hd)), NULL, s);
+                         (float)(1.0 / sqrt((double)hd)), NULL, s, 0, 0, g->flse);
+}
+
+/* dq, dk, dv (F32, token-major, the gradients of the rotated q, k and of v,
+ * dq and dk including the score scale: attn_back_bf's results) of the
+ * attention of the micro-batch from dob (dL/dO) in fused kernels
+ * (attn_flash_bwd.cu: P and dS on chip, no [B, T, T] arrays): from the BF16
+ * group-major qb, kb, vb, the output o and flse that layer_fwd's attn_fused
+ * left (layer_bwd runs it first; nothing in between writes them); adob and
+ * fdsum are its scratch. dq, dk, dv are written, not accumulated (no zeroing
+ * needed). Deterministic (no atomics): the same bits on every run, so
+ * recursive halving and naive I still agree bit for bit. g->flash only. */
+template <typename R> bk_status attn_back_fused(gbwd *, int64_t)
+{
+    return bk_error(BK_ERR_INTERNAL, "GPU backward: fused attention needs F32 storage");
+}
+
+template <> bk_status attn_back_fused<float>(gbwd *g, int64_t S)
+{
+    return bk_attn_flash_bwd(g->qb, g->kb, g->vb, (const float *)g->o, (const float *)g->dob,
+                             g->flse, (float *)g->dq, (float *)g->dk, (float *)g->dv, g->adob,
+                             g->fdsum, S, g->dim.nkv, g->dim.T, g->dim.rep, g->dim.hd,
+                             (float)(1.0 / sqrt((double)g->dim.hd)), g->c->stream);
 }
 
 /* the layer's forward from hin (saving what the backward needs); hout (may
@@ -1562,12 +1605,16 @@ bk_status layer_bwd(gbwd *g, const gslot *w, int layer, int64_t S, const R *hin,
     TRY(rms_back<R>(g, RP(g->h1), g->r2, N, d, CRP(w->mn), RP(g->dx), 1, RP(g->dh1)));
     /* attention: g_o = dh1 */
     TRY(lin_back<R>(g, RP(g->dh1), N, d, w, BK_MOD_O, qd, 0.0, RP(g->dob)));
-    BK_CUDA_CHECK(cudaMemsetAsync(g->dq, 0, (size_t)(N * qd) * g->es, g->c->stream));
-    BK_CUDA_CHECK(cudaMemsetAsync(g->dk, 0, (size_t)(N * kvd) * g->es, g->c->stream));
-    BK_CUDA_CHECK(cudaMemsetAsync(g->dv, 0, (size_t)(N * kvd) * g->es, g->c->stream));
+    if (!g->flash) { /* (the unfused paths accumulate dk, dv over heads and chunks) */
+        BK_CUDA_CHECK(cudaMemsetAsync(g->dq, 0, (size_t)(N * qd) * g->es, g->c->stream));
+        BK_CUDA_CHECK(cudaMemsetAsync(g->dk, 0, (size_t)(N * kvd) * g->es, g->c->stream));
+        BK_CUDA_CHECK(cudaMemsetAsync(g->dv, 0, (size_t)(N * kvd) * g->es, g->c->stream));
+    }
     const double scale = 1.0 / sqrt((double)hd);
     const int64_t nch = attn_chunks(g);
-    if (g->wbf) {
+    if (g->flash) {
+        TRY(attn_back_fused<R>(g, S));
+    } else if (g->wbf) {
         TRY(attn_back_bf<R>(g, S, nch));
     } else
     for (int64_t j = 0; j < g->dim.nh; j++)
@@ -2503,6 +2550,11 @@ extern "C" bk_status bk__cuda_bwd_head(bk_backend *b, const bk_model *m, const b
     dfree(g, hd_dev);
     gb_free(g);
     return st;
+}
+
+extern "C" int bk__cuda_bwd_attn_fused(const bk_gbwd_opts *g, int64_t head_dim)
+{
+    return g && !g->fp64 && g->math == BK_GBWD_BF16 && bk_attn_flash_supported(head_dim);
 }
 
 extern "C" bk_status bk__cuda_download(bk_backend *b, void *dst, const void *src, size_t bytes)

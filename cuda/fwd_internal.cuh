@@ -95,8 +95,8 @@ bk_status bk_attn_flash(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __
  * scale·log2(e)·s and its sum l; for bk_attn_flash_bwd. The output is the
  * same with and without it.)
  *
- * Fused causal attention backward (attn_flash_bwd.cu; written without a GPU,
- * not used by the product yet): from the forward's BF16 q, k, v (layouts as
+ * Fused causal attention backward (attn_flash_bwd.cu; the backprop flow's
+ * bf16 layer backward, cuda/backward.cu attn_back_fused): from the forward's BF16 q, k, v (layouts as
  * above), its F32 output o and the output gradient dout (token-major [S*T,
  * nkv*rep*hd]) and its lse, the F32 gradients dq [S*T, nkv*rep*hd], dk and
  * dv [S*T, nkv*hd] token-major (written, not accumulated), of the scaled

@@ -19,8 +19,9 @@
  *             (bk_gbwd_opts.math): GEMMs on tensor cores, the output-gradient
  *             Grams per micro-batch too (F32, summed in double); BF16 also
  *             keeps the layer weights as BF16 on the device and runs the
- *             layer forward's attention fused (attn_flash.cu) at head_dim
- *             64 / 128 (docs/hessians.md "On the GPU").
+ *             layer forward's and backward's attention fused (attn_flash.cu,
+ *             attn_flash_bwd.cu) at head_dim 64 / 128 (docs/hessians.md "On
+ *             the GPU").
  *
  * Memory: boundary matrices (recursive halving) in pinned host memory,
  * copied to and from the device micro-batch by micro-batch; on the device
@@ -67,6 +68,12 @@ bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *
                                int64_t S, int64_t T, const bk_bwd_flow_opts *o,
                                const bk_gbwd_opts *g, const bk_bwd_flow_cb *cb,
                                bk_bwd_flow_stats *stats);
+
+/* Whether the flow's layer forward and backward run the fused attention
+ * (cuda/attn_flash.cu, attn_flash_bwd.cu) with options g at this head_dim:
+ * BK_GBWD_BF16 (not fp64) and head_dim 64 / 128; else the unfused path
+ * (cuBLAS products over [B, T, T] arrays). */
+int bk__cuda_bwd_attn_fused(const bk_gbwd_opts *g, int64_t head_dim);
 
 /* Tests: bytes from device memory of backend b (e.g. the arrays handed to
  * bk_bwd_flow_cb.grams_dev) to host memory, on the backend's stream. */

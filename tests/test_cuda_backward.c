@@ -29,6 +29,13 @@
  *    to grams_dev (the GPU stages' path) equal to the downloaded Grams bit
  *    for bit (leaves of 1 and 2); passes, depth, layer counts as the CPU;
  *    the boundary bytes in R;
+ *  - the flow's own bf16 taps (every model): halving == naive bit for bit,
+ *    within TOL_BF16 of the CPU with the empirical Fisher's labels;
+ *  - synthetic two-layer models with head_dim 64 (Qwen2: biases, tied) and
+ *    128 (Qwen3: q/k norm), written to a temporary folder: all of the above,
+ *    where bf16 runs the fused attention forward and backward
+ *    (attn_flash.cu, attn_flash_bwd.cu), plus the bf16 taps at T 150 / 70
+ *    (several key and query blocks of the fused kernels);
  *  - leaf sizes 2..5 (kerneldocs, 4 layers): the same gradients, the CPU's
  *    pass counts; device Grams of whole leaves;
  *  - head: model-Fisher labels of 16640 rows (two vocabulary blocks, so the
@@ -52,6 +59,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bakron/backend.h"
 #include "bakron/backward.h"
@@ -431,9 +439,39 @@ static double cmp_gram_factors(const char *what, const bk_model *m, const gcolle
     return worst;
 }
 
-static void flow_model(const char *name)
+/* --bwd-precision bf16 (the flow's own taps, not only its Grams): recursive
+ * halving and naive I deliver the same bits (the fused attention backward
+ * has no atomics either), and both are within TOL_BF16 of the CPU with the
+ * empirical Fisher's labels (fixed: no label flips). At head_dim 64 / 128
+ * this is the fused attention (cuda/attn_flash.cu, attn_flash_bwd.cu),
+ * elsewhere the unfused BF16 path. Returns the worst error. */
+static double bf16_taps(const char *name, const bk_model *m, const int32_t *tok, int64_t S,
+                        int64_t T)
 {
-    bk_model *m = tu_open_model(name);
+    collect refe, bn, bh;
+    bk_bwd_flow_stats se, sn, sh;
+    bk_gbwd_opts gbf = {0, 0, BK_GBWD_BF16};
+    g_fisher = BK_FISHER_EMPIRICAL;
+    run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 2, NULL, &refe, &se);
+    run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 3, &gbf, &bn, &sn);
+    run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &gbf, &bh, &sh);
+    g_fisher = BK_FISHER_MODEL;
+    same_taps("GPU bf16 halving vs GPU bf16 naive", &bh, &bn);
+    double e = cmp_taps("GPU bf16 halving vs CPU (empirical Fisher)", &bh, &refe, TOL_BF16);
+    if (verbose())
+        fprintf(stderr, "  %s (T %lld): bf16 taps %.3g (tol %g), %s attention; halving == naive "
+                "bit for bit\n",
+                name, (long long)T, e, TOL_BF16,
+                bk__cuda_bwd_attn_fused(&gbf, bk_model_get_config(m)->head_dim) ? "fused"
+                                                                                 : "unfused");
+    collect_free(&refe);
+    collect_free(&bn);
+    collect_free(&bh);
+    return e;
+}
+
+static void flow_model_m(const char *name, bk_model *m)
+{
     const bk_model_config *c = bk_model_get_config(m);
     assert_true(c->n_layers <= MAXL);
     const int64_t S = 5, T = 24;
@@ -486,6 +524,7 @@ static void flow_model(const char *name)
     }
     g_fisher = BK_FISHER_MODEL;
     collect_free(&refe);
+    bf16_taps(name, m, tok, S, T);
     for (int weighted = 0; weighted < 2; weighted++) {
         gcollect gk;
         run_grams(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &g64, weighted, &gk);
@@ -545,7 +584,146 @@ static void flow_model(const char *name)
     collect_free(&f32n);
     collect_free(&f32h);
     free(tok);
+}
+
+static void flow_model(const char *name)
+{
+    bk_model *m = tu_open_model(name);
+    flow_model_m(name, m);
     bk_model_close(m);
+}
+
+/* ------------------------------------------- synthetic head_dim 64 / 128 */
+
+/* A two-layer checkpoint (F32, random: matrices N(0, 1/fan_in), embeddings
+ * N(0, 1), norms 1 + N(0, 0.1)) of the given shape into dir: the test models
+ * have head_dim 16 / 32, and only head_dim 64 / 128 take the fused attention
+ * of bf16 mode. type "qwen2": q/k/v biases, tied embeddings; "qwen3": q/k
+ * norm, lm_head. */
+static void write_syn(const char *dir, const char *type, int64_t H, int64_t I, int64_t nh,
+                      int64_t nkv, int64_t hd, int64_t V, uint64_t seed)
+{
+    const int L = 2, qwen3 = !strcmp(type, "qwen3");
+    bk_rng r;
+    bk_rng_seed(&r, seed);
+    bk_st_writer *w = NULL;
+    assert_int_equal(bk_st_writer_create(&w), BK_OK);
+    const int64_t qd = nh * hd, kvd = nkv * hd;
+    /* (name, rows, cols (0: a vector), scale, offset) */
+    struct {
+        char name[96];
+        int64_t rows, cols;
+        double scale, offset;
+    } t[64];
+    int n = 0;
+#define SYN(r_, c_, sc_, of_, ...)                                                                 \
+    do {                                                                                           \
+        snprintf(t[n].name, sizeof t[n].name, __VA_ARGS__);                                        \
+        t[n].rows = (r_), t[n].cols = (c_), t[n].scale = (sc_), t[n].offset = (of_);               \
+        n++;                                                                                       \
+    } while (0)
+    SYN(V, H, 1.0, 0.0, "model.embed_tokens.weight");
+    if (qwen3)
+        SYN(V, H, 1.0 / sqrt((double)H), 0.0, "lm_head.weight");
+    SYN(H, 0, 0.1, 1.0, "model.norm.weight");
+    for (int l = 0; l < L; l++) {
+        SYN(H, 0, 0.1, 1.0, "model.layers.%d.input_layernorm.weight", l);
+        SYN(H, 0, 0.1, 1.0, "model.layers.%d.post_attention_layernorm.weight", l);
+        const int64_t o[BK_MOD_COUNT] = {qd, kvd, kvd, H, I, I, H},
+                      in[BK_MOD_COUNT] = {H, H, H, qd, H, H, I};
+        for (int i = 0; i < BK_MOD_COUNT; i++)
+            SYN(o[i], in[i], 1.0 / sqrt((double)in[i]), 0.0, "model.layers.%d.%s.weight", l,
+                bk_module_name((bk_module)i));
+        if (qwen3) {
+            SYN(hd, 0, 0.1, 1.0, "model.layers.%d.self_attn.q_norm.weight", l);
+            SYN(hd, 0, 0.1, 1.0, "model.layers.%d.self_attn.k_norm.weight", l);
+        } else
+            for (int i = 0; i < 3; i++)
+                SYN(o[i], 0, 0.1, 0.0, "model.layers.%d.%s.bias", l, bk_module_name((bk_module)i));
+    }
+#undef SYN
+    assert_true(n <= 64);
+    for (int k = 0; k < n; k++) {
+        const int64_t cnt = t[k].cols ? t[k].rows * t[k].cols : t[k].rows;
+        float *v = malloc((size_t)cnt * sizeof(float));
+        assert_non_null(v);
+        for (int64_t i = 0; i < cnt; i++)
+            v[i] = (float)(t[k].offset + t[k].scale * bk_rng_normal(&r));
+        int64_t shape[2] = {t[k].rows, t[k].cols};
+        assert_int_equal(bk_st_writer_add(w, t[k].name, BK_DT_F32, t[k].cols ? 2 : 1, shape, v, 1),
+                         BK_OK);
+        free(v);
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    assert_int_equal(bk_st_writer_save(w, path), BK_OK);
+    bk_st_writer_free(w);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fprintf(f,
+            "{\"model_type\": \"%s\", \"num_hidden_layers\": %d, \"hidden_size\": %lld, "
+            "\"intermediate_size\": %lld, \"num_attention_heads\": %lld, "
+            "\"num_key_value_heads\": %lld, \"head_dim\": %lld, \"vocab_size\": %lld, "
+            "\"rms_norm_eps\": 1e-06, \"rope_theta\": 10000.0, \"tie_word_embeddings\": %s}\n",
+            type, L, (long long)H, (long long)I, (long long)nh, (long long)nkv, (long long)hd,
+            (long long)V, qwen3 ? "false" : "true");
+    fclose(f);
+}
+
+static void rm_syn(const char *dir)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    unlink(p);
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    unlink(p);
+    rmdir(dir);
+}
+
+/* The flows of flow_model on a synthetic model (the bf16 ones with the fused
+ * attention), then bf16_taps at a longer T: several 128-key blocks of the
+ * dK/dV kernel and 128-row blocks of the dQ kernel, partial ones at the end */
+static void flow_syn(const char *type, int64_t H, int64_t I, int64_t nh, int64_t nkv, int64_t hd,
+                     int64_t T_long)
+{
+    char dir[] = "/tmp/bk_test_cuda_backward_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    write_syn(dir, type, H, I, nh, nkv, hd, 256, 40 + (uint64_t)hd);
+    bk_model *m = NULL;
+    if (bk_model_open(dir, &m) != BK_OK)
+        fail_msg("%s: %s", dir, bk_last_error());
+    const bk_model_config *c = bk_model_get_config(m);
+    assert_int_equal(c->head_dim, hd);
+    bk_gbwd_opts gbf = {0, 0, BK_GBWD_BF16}, g32 = {0, 0, 0}, g64 = {1, 0, BK_GBWD_BF16};
+    assert_int_equal(bk__cuda_bwd_attn_fused(&gbf, hd), 1);
+    assert_int_equal(bk__cuda_bwd_attn_fused(&g32, hd), 0);
+    assert_int_equal(bk__cuda_bwd_attn_fused(&g64, hd), 0);
+    char name[64];
+    snprintf(name, sizeof name, "synthetic %s head_dim %lld", type, (long long)hd);
+    flow_model_m(name, m);
+    const int64_t S = 3;
+    int32_t *tok = tu_random_tokens(23, S * T_long, c->vocab);
+    bf16_taps(name, m, tok, S, T_long);
+    free(tok);
+    bk_model_close(m);
+    rm_syn(dir);
+}
+
+/* head_dim 64: Qwen2 (biases, tied embeddings), 4 / 2 heads, T 150 (two
+ * 128-key blocks; 300 query rows: three 128-row blocks) */
+static void test_flow_syn_hd64(void **state)
+{
+    (void)state;
+    flow_syn("qwen2", 128, 256, 4, 2, 64, 150);
+}
+
+/* head_dim 128: Qwen3 (q/k norm, lm_head), 4 query heads on 1 kv head,
+ * T 70 (280 query rows) */
+static void test_flow_syn_hd128(void **state)
+{
+    (void)state;
+    flow_syn("qwen3", 128, 256, 4, 1, 128, 70);
 }
 
 static void test_flow_llama3(void **state)
@@ -816,6 +994,7 @@ int main(void)
         cmocka_unit_test(test_flow_llama3),     cmocka_unit_test(test_flow_qwen2),
         cmocka_unit_test(test_flow_qwen3),      cmocka_unit_test(test_flow_kerneldocs),
         cmocka_unit_test(test_flow_leaf),       cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_flow_syn_hd64),   cmocka_unit_test(test_flow_syn_hd128),
     };
     int rc = cmocka_run_group_tests_name("cuda_backward", tests, NULL, NULL);
     bk_backend_destroy(g_gpu);
