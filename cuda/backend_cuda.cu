@@ -154,8 +154,8 @@ bk_status cuda_stages_create(bk_backend *b, const bk_stage_params *p, int64_t *b
     if (st != BK_OK)
         return st;
     return bk_gpu_stages_create(b, p->model, p->kind, p->fp64, p->keep_plain, p->fully,
-                                p->codes_only, p->S, p->T, p->rank, p->nranks, batch, ops,
-                                ctx);
+                                p->codes_only, p->S, p->T, p->rank, p->nranks, p->bwd, batch,
+                                ops, ctx);
 }
 
 bk_status cuda_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tokens, int64_t S,

@@ -51,6 +51,7 @@
 #include "attn_softmax.cuh" /* k_softmax, k_dsoftmax, warp_sum, warp_max */
 #include "backend_impl.h"
 #include "backward_gpu.h"
+#include "bwd_mem.h" /* bk_bwd_cache_layers, bk_gpu_stage_reserve */
 #include "cuda_internal.cuh"
 #include "forward_internal.h"
 #include "fwd_internal.cuh" /* bk_attn_flash (attn_flash.cu) */
@@ -61,6 +62,7 @@ extern "C" {
 #include "util.h"
 }
 
+#include "bakron/pipeline.h" /* BK_BWD_* */
 #include "bakron/safetensors.h"
 
 namespace {
@@ -284,16 +286,22 @@ __global__ void k_scale_rows(const R *g, int64_t rows, int64_t m, const double *
     }
 }
 
-/* G += C on the column-major lower triangle (row >= column) of [m, m]: a
- * micro-batch's F32 Gram into the double accumulator (the entries DSYRK
- * with CUBLAS_FILL_MODE_LOWER would write; the others stay untouched) */
-__global__ void k_gram_acc_lower(double *G, const float *C, int64_t m)
+/* G += C on the column-major lower triangle (row >= column) of [m, m], one
+ * panel of columns [j0, j0 + w) at a time: a micro-batch's F32 Gram into the
+ * double accumulator (the entries DSYRK with CUBLAS_FILL_MODE_LOWER would
+ * write; the others stay untouched). P: the panel's rows [j0, m), column c
+ * at P[c * m + j0 + r] (the GEMM's output at P + j0, leading dimension m);
+ * every lower entry of the panel's columns lies in those rows, so each entry
+ * is added once, from the same GEMM as when the whole [m, m] was formed
+ * first (the same sums in the same order) */
+__global__ void k_gram_acc_panel(double *G, const float *P, int64_t m, int64_t j0, int64_t w)
 {
-    GSTRIDE(idx, m * m)
+    const int64_t h = m - j0;
+    GSTRIDE(idx, h * w)
     {
-        const int64_t col = idx / m, row = idx % m;
-        if (row >= col)
-            G[idx] += (double)C[idx];
+        const int64_t c = idx / h, r = idx % h;
+        if (r >= c)
+            G[(j0 + c) * m + j0 + r] += (double)P[c * m + j0 + r];
     }
 }
 
@@ -611,15 +619,9 @@ void gb_free(gbwd *g);
 size_t dev_avail(const gbwd *g)
 {
     size_t fr = 0, tot = 0;
-    if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
-        cudaGetLastError();
+    if (bk_dev_mem_free(g->c, &fr, &tot) != BK_OK) {
+        bk_clear_error();
         fr = 0;
-    }
-    const bk_cuda_ctx *c = g->c;
-    if (c->mem_limit) {
-        const size_t left = c->mem_current < c->mem_limit ? c->mem_limit - c->mem_current : 0;
-        if (left < fr)
-            fr = left;
     }
     return fr;
 }
@@ -871,12 +873,14 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
                           (double)g->hstage_bytes / 1048576.0);
         }
     }
+    /* need_layers: 1 the layers' host copies, 2 also the host tap buffers
+     * (download_taps: cb->grads) */
     if (st == BK_OK && need_layers) {
         const int64_t ws[4] = {d, qd, d, NI};
-        for (int i = 0; i < 4 && st == BK_OK; i++)
+        for (int i = 0; i < 4 && st == BK_OK && need_layers > 1; i++)
             if (!(g->ha[i] = (double *)bk_alloc((size_t)(R * ws[i]), sizeof(double))))
                 st = BK_ERR_NOMEM;
-        for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
+        for (int i = 0; i < BK_MOD_COUNT && st == BK_OK && need_layers > 1; i++) {
             int64_t o, in;
             bk_module_shape(c, (bk_module)i, &o, &in);
             if (!(g->hg[i] = (double *)bk_alloc((size_t)(R * o), sizeof(double))))
@@ -1052,20 +1056,15 @@ size_t host_layer_bytes(const gbwd *g)
     return (size_t)layer_elems(g) * sizeof(float);
 }
 
-bk_status slots_init(gbwd *g, int want)
+/* want <= 0: as many layers as fit in half of the available memory and
+ * beside `reserve` (bk_bwd_cache_layers: the leaf layers' GPU stages run
+ * while the flow holds its memory and need their reserve free) */
+bk_status slots_init(gbwd *g, int want, uint64_t reserve)
 {
     int n = want;
-    if (n <= 0) {
-        const size_t fr = dev_avail(g);
-        double per = (double)layer_elems(g) * (double)g->es;
-        if (g->wbf) /* (the matrices in BF16) */
-            for (int i = 0; i < BK_MOD_COUNT; i++) {
-                int64_t o, in;
-                bk_module_shape(&g->cfg, (bk_module)i, &o, &in);
-                per -= (double)(o * in) * (double)(g->es - 2);
-            }
-        n = (int)(0.5 * (double)fr / per);
-    }
+    if (n <= 0)
+        n = bk_bwd_cache_layers(&g->cfg, g->fp64 ? BK_BWD_FP64 : g->wbf ? BK_BWD_BF16 : BK_BWD_FP32,
+                                (uint64_t)dev_avail(g), reserve);
     if (n < 1)
         n = 1;
     if (n > g->L)
@@ -1943,8 +1942,10 @@ struct flow {
     double *gram[64][BK_MOD_COUNT];
     double *hgw[64][BK_MOD_COUNT];
     double *dgw[64][BK_MOD_COUNT]; /* cb->grams_dev, weighted: |g|² per token on the device */
-    double *gscr, *rn_g, *rn_a; /* device [B*T, max out], [B*T], [B*T] */
-    float *g32;                 /* tf32 / bf16: one micro-batch's F32 Gram [max out²] */
+    double *gscr, *rn_g, *rn_a; /* device [B*T, max out] (BF16 / F32 on tensor cores, else
+                                   double), [B*T], [B*T] */
+    float *g32;                 /* tf32 / bf16: one column panel of a micro-batch's F32 Gram
+                                   [max out, 1024 or 512] */
     double *hG;                 /* host [max out²] */
     /* boundary stores off the compute stream: the micro-batch's h or dh is
      * copied to a device scratch (sbuf[0] for h, [1] for dh) on the compute
@@ -2010,13 +2011,16 @@ template <typename R> bk_status gram_add(flow *f, int k, int64_t s0, int64_t sb)
             for (int64_t j0 = 0; j0 < m; j0 += nb) {
                 const int64_t w = m - j0 < nb ? m - j0 : nb;
                 const void *xj = static_cast<const char *>(xs) + (size_t)j0 * xe;
+                /* the panel [m - j0, w] into g32 ([m, nb], rows from j0), then
+                 * added: g32 holds one panel, not the whole [m, m] */
                 GEMM_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)(m - j0), (int)w,
                                         (int)N, &one32, xj, xt, (int)m, xj, xt, (int)m, &zero32,
-                                        f->g32 + j0 * m + j0, CUDA_R_32F, (int)m, ct,
+                                        f->g32 + j0, CUDA_R_32F, (int)m, ct,
                                         CUBLAS_GEMM_DEFAULT));
+                k_gram_acc_panel<<<grid_for((m - j0) * w), 256, 0, s>>>(f->gram[k][i], f->g32,
+                                                                        m, j0, w);
+                LAUNCH_CHECK("k_gram_acc_panel");
             }
-            k_gram_acc_lower<<<grid_for(m * m), 256, 0, s>>>(f->gram[k][i], f->g32, m);
-            LAUNCH_CHECK("k_gram_acc_lower");
         } else {
             k_scale_rows<R, double><<<grid_for(N * m), 256, 0, s>>>(CRP(gs[i]), N, m, wrow,
                                                                     f->gscr);
@@ -2114,6 +2118,8 @@ bk_status op_store(void *x, int buf, void *dst, size_t bytes)
     double tp = bk_now();
     cudaStream_t s = f->g->c->stream;
     const int k = buf == BK_BWD_H ? 0 : 1;
+    if (!f->sbuf[k]) /* (allocated for the flows that store boundaries) */
+        return bk_error(BK_ERR_INTERNAL, "GPU backward: a boundary store without its scratch");
     BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0)); /* (scratch k free) */
     BK_CUDA_CHECK(cudaMemcpyAsync(f->sbuf[k], k ? f->dh : f->h, bytes, cudaMemcpyDeviceToDevice,
                                   s));
@@ -2327,7 +2333,8 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
     bk_gbwd_opts_default(&dflt);
     if (!go)
         go = &dflt;
-    st = create(b, m, f.B, T, go, 1, &f.g);
+    /* (the host tap copies only where taps are downloaded: cb->grads) */
+    st = create(b, m, f.B, T, go, cb->grads ? 2 : 1, &f.g);
     if (st != BK_OK)
         return st;
     gbwd *g = f.g;
@@ -2337,9 +2344,10 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         st = dalloc(g, &f.dh, mrow, g->es, "micro-batch gradients");
     if (st == BK_OK)
         st = embed_init(g);
-    if (st == BK_OK)
+    /* (the naive flow stores no boundaries) */
+    if (st == BK_OK && o->flow != BK_FLOW_NAIVE)
         st = dalloc(g, &f.sbuf[0], mrow, g->es, "boundary staging");
-    if (st == BK_OK)
+    if (st == BK_OK && o->flow != BK_FLOW_NAIVE)
         st = dalloc(g, &f.sbuf[1], mrow, g->es, "boundary staging");
     if (st == BK_OK) {
         cudaError_t e = cudaStreamCreateWithFlags(&f.cs, cudaStreamNonBlocking);
@@ -2374,10 +2382,16 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
             bk_module_shape(c, (bk_module)i, &mm, &nn);
             mo = mm > mo ? mm : mo;
         }
+        /* the scaled gradients in the Gram's input type (BF16 / F32 on tensor
+         * cores, double for DSYRK); the F32 Gram one column panel at a time
+         * ([mo, nb], gram_add's panel width for the widest module) */
+        const bool tc = !g->fp64 && g->bl.ct != CUBLAS_COMPUTE_32F;
         if (st == BK_OK)
-            st = dalloc(g, (void **)&f.gscr, f.B * T * mo, 8, "gradient Gram scratch");
-        if (st == BK_OK && !g->fp64 && g->bl.ct != CUBLAS_COMPUTE_32F)
-            st = dalloc(g, (void **)&f.g32, mo * mo, 4, "gradient Gram scratch");
+            st = dalloc(g, (void **)&f.gscr, f.B * T * mo, tc ? (g->wbf ? 2 : 4) : 8,
+                        "gradient Gram scratch");
+        if (st == BK_OK && tc)
+            st = dalloc(g, (void **)&f.g32, mo * (mo >= 8192 ? 1024 : 512), 4,
+                        "gradient Gram scratch");
         if (st == BK_OK)
             st = dalloc(g, (void **)&f.rn_g, f.B * T, 8, "gradient norms");
         if (st == BK_OK)
@@ -2414,7 +2428,10 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         stats->micro_bytes = (uint64_t)g->dev_bytes;
     }
     if (st == BK_OK)
-        st = slots_init(g, go->max_resident_layers);
+        /* (the job's flows: the GPU stages of the leaf layers keep their
+         * reserve, as they do next to the calibration states) */
+        st = slots_init(g, go->max_resident_layers,
+                        cb->grams || cb->grams_dev ? bk_gpu_stage_reserve(c, 4, 2) : 0);
     if (st == BK_OK) {
         const size_t avail = host_avail_bytes();
         g->hbudget = avail ? avail / 2 : (size_t)-1;

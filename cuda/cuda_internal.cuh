@@ -93,6 +93,11 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c);
  * `what` and the size. *p is NULL on failure. */
 bk_status bk_dev_alloc(bk_cuda_ctx *c, void **p, size_t bytes, const char *what);
 void bk_dev_free(bk_cuda_ctx *c, void *p);
+/* The device's free memory (cudaMemGetInfo), capped by what the setting
+ * mem_limit leaves (limit - bytes held), so that the memory decisions made
+ * from it (residency, kept inputs, the backward flow's cache and logits)
+ * see an emulated smaller card. *total: the physical total. */
+bk_status bk_dev_mem_free(const bk_cuda_ctx *c, size_t *free_bytes, size_t *total_bytes);
 /* Count library workspace (cuSOLVER buffers) towards the peak. */
 void bk_dev_note_transient(bk_cuda_ctx *c, size_t bytes);
 

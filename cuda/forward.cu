@@ -1192,11 +1192,10 @@ extern "C" bk_status bk_gpu_sync(bk_gfwd *f)
     return BK_OK;
 }
 
+/* (within the setting mem_limit: bk_dev_mem_free) */
 extern "C" bk_status bk_gpu_mem_info(bk_gfwd *f, size_t *free_bytes, size_t *total_bytes)
 {
-    (void)f;
-    BK_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
-    return BK_OK;
+    return bk_dev_mem_free(f ? f->c : NULL, free_bytes, total_bytes);
 }
 
 /* ------------------------------------------------------- layer weights */

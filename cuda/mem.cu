@@ -55,6 +55,25 @@ bk_status bk_dev_alloc(bk_cuda_ctx *c, void **p, size_t bytes, const char *what)
     return BK_OK;
 }
 
+bk_status bk_dev_mem_free(const bk_cuda_ctx *c, size_t *free_bytes, size_t *total_bytes)
+{
+    size_t fr = 0, tot = 0;
+    cudaError_t e = cudaMemGetInfo(&fr, &tot);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        *free_bytes = *total_bytes = 0;
+        return bk_cuda_status(e, "reading the device's free memory", __FILE__, __LINE__);
+    }
+    if (c && c->mem_limit) {
+        const size_t left = c->mem_current < c->mem_limit ? c->mem_limit - c->mem_current : 0;
+        if (left < fr)
+            fr = left;
+    }
+    *free_bytes = fr;
+    *total_bytes = tot;
+    return BK_OK;
+}
+
 void bk_dev_free(bk_cuda_ctx *c, void *p)
 {
     if (!p)

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "backend_impl.h"
+#include "bwd_mem.h"
 #include "fwd_internal.cuh"
 
 extern "C" {
@@ -519,30 +520,28 @@ extern "C" bk_status bk_gpu_stage_buf(bk_gfwd *f, void *d, size_t n, int f64, in
 
 namespace {
 
+/* Device bytes per token of the forward scratch and stage buffers of one
+ * micro-batch (the budget of auto_batch). */
+double stage_row_bytes(const bk_model_config *c)
+{
+    return 4.0 * (double)(6 * c->n_heads * c->head_dim + 6 * c->n_kv_heads * c->head_dim +
+                          5 * c->hidden + 4 * c->intermediate);
+}
+
 /* Sequences per micro-batch: the forward scratch and stage buffers of one
  * micro-batch around 2 GiB. */
 int64_t auto_batch(const bk_model_config *c, int64_t S, int64_t T)
 {
-    const double per_row = 4.0 * (double)(6 * c->n_heads * c->head_dim +
-                                          6 * c->n_kv_heads * c->head_dim + 5 * c->hidden +
-                                          4 * c->intermediate);
-    return bk_batch_within(2048.0 * 1024 * 1024, per_row * (double)T, S);
+    return bk_batch_within(2048.0 * 1024 * 1024, stage_row_bytes(c) * (double)T, S);
 }
 
 /* Device memory to keep free next to the calibration states: one layer's
  * weights twice (original + working copy), `squares` F32 matrices of the
  * largest factor size (accumulators, factor staging, the solve's copies) and
- * `gib` GiB of margin. */
+ * `gib` GiB of margin (bk_gpu_stage_reserve). */
 uint64_t device_reserve(const bk_model_config *c, int squares, int gib)
 {
-    uint64_t layer = 0;
-    for (int i = 0; i < BK_MOD_COUNT; i++) {
-        int64_t o, in;
-        bk_module_shape(c, (bk_module)i, &o, &in);
-        layer += (uint64_t)(o * in) * 4u;
-    }
-    const uint64_t big = (uint64_t)(c->intermediate > c->hidden ? c->intermediate : c->hidden);
-    return 2 * layer + (uint64_t)squares * big * big * 4u + ((uint64_t)gib << 30);
+    return bk_gpu_stage_reserve(c, squares, gib);
 }
 
 /* The micro-batch's device state for batch B (the context's state is freed
@@ -576,8 +575,8 @@ bk_status g_setup(gstages *g, int64_t B)
 extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_hessian_kind kind,
                                           int fp64, int keep_plain, int fully,
                                           int codes_only, int64_t S, int64_t T, int rank,
-                                          int nranks, int64_t *batch, const bk_stage_ops **ops,
-                                          void **ctx)
+                                          int nranks, const bk_bwd_mem_params *bwd,
+                                          int64_t *batch, const bk_stage_ops **ops, void **ctx)
 {
     *ops = NULL;
     *ctx = NULL;
@@ -603,6 +602,46 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     const int asked = *batch > 0;
     int64_t B = asked ? (*batch < S ? *batch : S) : auto_batch(&g->cfg, S, T);
     bk_status st;
+    /* the backprop flow runs on this device beside the stages (bwd): its
+     * buffers grow by ~3.4 GB per sequence at 8B against the stages' 0.89,
+     * so the micro-batch is the largest (up to auto_batch's) with which the
+     * stages' micro-batch, the flow at one logit block, one cached layer and
+     * the stages' reserve fit in the free memory (within mem_limit) beside
+     * the residual stream, else beside nothing; a --batch that does not fit
+     * even without the stream is refused here, before any work */
+    const char *reduced_why = "out of device memory";
+    if (bwd) {
+        size_t fr = 0, tot = 0;
+        st = bk_dev_mem_free(static_cast<const bk_cuda_ctx *>(b->ctx), &fr, &tot);
+        if (st != BK_OK) {
+            g_destroy(g);
+            return st;
+        }
+        const int64_t share = (S + (nranks > 1 ? nranks : 1) - 1) / (nranks > 1 ? nranks : 1);
+        const uint64_t stream = (uint64_t)share * (uint64_t)T * (uint64_t)(g->hid + g->qd) * 4u;
+        const uint64_t per_seq = (uint64_t)(stage_row_bytes(&g->cfg) * (double)T);
+        const uint64_t reserve = device_reserve(&g->cfg, 4, 2);
+        int64_t fit = fr > stream ? bk_bwd_fit_batch(&g->cfg, T, S, bwd, B, (uint64_t)fr - stream,
+                                                     per_seq, reserve, 1)
+                                  : 0;
+        if (fit < 1)
+            fit = bk_bwd_fit_batch(&g->cfg, T, S, bwd, B, (uint64_t)fr, per_seq, reserve, 1);
+        if (asked && bk_bwd_fit_batch(&g->cfg, T, S, bwd, B, (uint64_t)fr, per_seq, reserve, 1) < B) {
+            const double need = (double)(per_seq * (uint64_t)B + reserve +
+                                         bk_bwd_dev_bytes(&g->cfg, B, T, S, bwd, 0) +
+                                         bk_bwd_dev_layer_bytes(&g->cfg, bwd->precision));
+            g_destroy(g);
+            return bk_error(BK_ERR_DEVICE_OOM,
+                            "GPU pipeline: a micro-batch of %lld sequences needs about %.1f GiB "
+                            "on the device for the stages and the backward flow, %.1f GiB "
+                            "free: use a smaller --batch",
+                            (long long)B, need / 1073741824.0, (double)fr / 1073741824.0);
+        }
+        if (!asked && fit >= 1 && fit < B) {
+            B = fit;
+            reduced_why = "the backward flow's device memory";
+        }
+    }
     /* out of device memory: halve the micro-batch and try again */
     for (;;) {
         st = g_setup(g, B);
@@ -624,7 +663,12 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     if (st == BK_OK) {
         size_t fr = 0, tot = 0;
         st = bk_gpu_mem_info(g->f, &fr, &tot);
-        const uint64_t reserve = device_reserve(&g->cfg, 2, 1);
+        /* (with the backprop flow: also its buffers at this micro-batch and
+         * one cached layer, and the stages' reserve for the leaf layers) */
+        const uint64_t reserve =
+            bwd ? device_reserve(&g->cfg, 4, 2) + bk_bwd_dev_bytes(&g->cfg, B, T, S, bwd, 0) +
+                      bk_bwd_dev_layer_bytes(&g->cfg, bwd->precision)
+                : device_reserve(&g->cfg, 2, 1);
         g->resident = st == BK_OK && (uint64_t)fr > reserve && (uint64_t)fr - reserve >= need;
         /* setting residual=host forces the pinned-host stream (tests, measurements) */
         if (bk_backend_get_params(b)->residual_host)
@@ -637,11 +681,13 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
             st = falloc(g, &g->O, (int64_t)N, g->qd, "o_proj inputs");
         /* the down_proj inputs of all sequences too when they fit with the same
          * reserve (saves recomputing gate/up in stage OUT: a third of the
-         * forward work); setting keep_down=0 turns it off */
+         * forward work); setting keep_down=0 turns it off. Not with the
+         * backprop flow (bwd): 30 GB at 8B that the flow, its weight cache
+         * and the leaf layers' stages need (stage OUT recomputes gate/up) */
         size_t fr = 0, tot = 0;
         dneed = N * (uint64_t)g->cfg.intermediate * 4u;
         const uint64_t reserve = device_reserve(&g->cfg, 4, 2);
-        if (st == BK_OK && bk_backend_get_params(b)->keep_down && bk_gpu_mem_info(g->f, &fr, &tot) == BK_OK &&
+        if (st == BK_OK && !bwd && bk_backend_get_params(b)->keep_down && bk_gpu_mem_info(g->f, &fr, &tot) == BK_OK &&
             (uint64_t)fr > reserve && (uint64_t)fr - reserve >= dneed) {
             bk_status sd = falloc(g, &g->D, (int64_t)N, g->cfg.intermediate,
                                   "down_proj inputs");
@@ -678,7 +724,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
     const int64_t wanted = asked ? (*batch < S ? *batch : S) : auto_batch(&g->cfg, S, T);
     char red[96] = "";
     if (B != wanted)
-        snprintf(red, sizeof red, " (reduced from %lld: out of device memory)", (long long)wanted);
+        snprintf(red, sizeof red, " (reduced from %lld: %s)", (long long)wanted, reduced_why);
     snprintf(g->desc, sizeof g->desc,
              "forward + Hessians on the GPU (%s GEMMs): micro-batch %lld sequences%s, residual "
              "stream %s (%.2f GiB%s)%s",
@@ -686,7 +732,8 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
              g->resident ? "on the device" : "in pinned host memory",
              (double)need / (1024.0 * 1024.0 * 1024.0),
              g->s_hi - g->s_lo < S ? ", this rank's sequences" : "",
-             g->D ? "; down_proj inputs kept on the device" : "");
+             g->D ? "; down_proj inputs kept on the device"
+                  : bwd && g->resident ? "; down_proj inputs recomputed (backward flow)" : "");
     *batch = B;
     *ops = &gpu_stage_ops;
     *ctx = g;

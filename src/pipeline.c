@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bwd_mem.h"
 #include "hess_blocks.h"
 #include "quantize_job.h"
 #include "st_internal.h"
@@ -322,6 +323,16 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         goto fail;
     }
     {
+        /* the backprop flow on the device of the stages: what it will hold
+         * there (the GPU stages size their micro-batch from it) */
+        const bk_bwd_mem_params bm = {
+            .flow = (int)o->bwd_flow,
+            .leaf = o->leaf_size,
+            .precision = (int)o->bwd_precision,
+            .grams = 1,
+            .grams_dev = j->nranks <= 1,
+            .shampoo = o->hessian == BK_HESS_BACKPROP_SHAMPOO,
+        };
         const bk_stage_params sp = {
             .model = j->model,
             .kind = o->hessian == BK_HESS_RTN ? BK_HESS_GPTQ : o->hessian,
@@ -336,6 +347,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             .sequential = o->sequential,
             .inputs = !j->tokens,
             .cpu = !j->own_stages,
+            .bwd = j->bp_gpu && j->own_stages ? &bm : NULL,
         };
         int64_t gb = o->batch > 0 ? j->batch : 0;
         st = bk_backend_stages_create(j->backend, &sp, &gb, &j->ops, &j->ops_ctx);

@@ -1,0 +1,144 @@
+/* Device-memory model of the GPU backward flow (src/bwd_mem.h). */
+#include "bwd_mem.h"
+
+#include "bakron/backward.h"
+#include "bakron/pipeline.h"
+
+int64_t bk_bwd_acts_layers(int64_t L, int flow, int leaf)
+{
+    int64_t a = flow == BK_FLOW_NAIVE ? L : (L + 1) / 2;
+    if (leaf > a)
+        a = leaf < L ? leaf : L;
+    return a;
+}
+
+static int64_t max3(int64_t a, int64_t b, int64_t c)
+{
+    int64_t m = a > b ? a : b;
+    return m > c ? m : c;
+}
+
+uint64_t bk_bwd_dev_bytes(const bk_model_config *c, int64_t B, int64_t T, int64_t S,
+                          const bk_bwd_mem_params *p, int logits_all)
+{
+    const int fp64 = p->precision == BK_BWD_FP64;
+    const uint64_t es = fp64 ? 8 : 4;
+    const int wbf = !fp64 && p->precision == BK_BWD_BF16;
+    const int g32 = !fp64 && (p->precision == BK_BWD_TF32 || p->precision == BK_BWD_BF16);
+    const int64_t hd = c->head_dim, nh = c->n_heads, nkv = c->n_kv_heads;
+    const int flash = wbf && (hd == 64 || hd == 128);
+    const uint64_t R = (uint64_t)(B * T), d = (uint64_t)c->hidden, qd = (uint64_t)(nh * hd),
+                   kvd = (uint64_t)(nkv * hd), NI = (uint64_t)c->intermediate,
+                   V = (uint64_t)c->vocab, TT = (uint64_t)(B * T * T);
+    const uint64_t wmax = qd > kvd ? qd : kvd;
+    uint64_t n = 0;
+    /* create: one layer's forward and backward buffers, P / dP */
+    n += R * (6 * d + 5 * qd + 5 * kvd + 6 * NI + wmax) * es + 2 * TT * es;
+    n += R * 8 * (uint64_t)(2 + nh + nkv);         /* r1, r2, rq, rk */
+    n += V * d * es + d * es + 2 * R * d * es;     /* LM head, final norm, xf, dxf */
+    n += 8 * R * 8 + 3 * R * 4 + 8 * 8;             /* head rows, lab, last, dtok, flags */
+    n += 2 * (uint64_t)(T * (hd / 2)) * 4;          /* RoPE tables */
+    {                                               /* logits: one block or all */
+        int64_t vc = ((int64_t)1 << 22) / (int64_t)R;
+        if (vc > ((int64_t)1 << 21) / (int64_t)d)
+            vc = ((int64_t)1 << 21) / (int64_t)d;
+        if (vc < 16)
+            vc = 16;
+        if (vc > (int64_t)V)
+            vc = (int64_t)V;
+        n += R * (logits_all || vc >= (int64_t)V ? V : (uint64_t)vc) * es;
+    }
+    if (wbf) {
+        n += R * (uint64_t)max3((int64_t)d, (int64_t)NI, (int64_t)qd) * 2; /* xb */
+        n += (2 * R * qd + 2 * R * kvd + 2 * TT) * 2; /* aqb akb avb adob Pb dSb */
+    }
+    if (flash)
+        n += R * (qd + 2 * kvd) * 2;
+    int64_t wbig = 0, mo = 0;
+    uint64_t sq = 0;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        wbig = o * in > wbig ? o * in : wbig;
+        mo = o > mo ? o : mo;
+        sq += (uint64_t)(o * o);
+    }
+    if (fp64 || wbf)
+        n += (uint64_t)wbig * 4; /* weight staging */
+    /* the flow: h, dh, the embedding copy (untied), boundary scratch
+     * (halving), the kept layer inputs */
+    n += 2 * R * d * es;
+    if (!c->tie_embeddings)
+        n += V * d * es;
+    if (p->flow != BK_FLOW_NAIVE)
+        n += 2 * R * d * es;
+    n += R * d * es * (uint64_t)bk_bwd_acts_layers((int64_t)c->n_layers, p->flow, p->leaf);
+    if (p->grams) {
+        const int64_t gleaf = p->leaf < (int)c->n_layers ? p->leaf : (int)c->n_layers;
+        /* scaled gradients in the Gram's input type; F32 panel [mo, 1024 or 512] */
+        n += R * (uint64_t)mo * (g32 ? (wbf ? 2 : 4) : 8);
+        if (g32)
+            n += (uint64_t)mo * (uint64_t)(mo >= 8192 ? 1024 : 512) * 4;
+        n += 2 * R * 8;                             /* rn_g, rn_a */
+        n += (uint64_t)gleaf * sq * 8;              /* the Grams */
+        if (p->grams_dev && p->shampoo)
+            n += (uint64_t)gleaf * BK_MOD_COUNT * (uint64_t)(S * T) * 8;
+    }
+    return n;
+}
+
+uint64_t bk_bwd_dev_layer_bytes(const bk_model_config *c, int precision)
+{
+    const int fp64 = precision == BK_BWD_FP64;
+    const uint64_t es = fp64 ? 8 : 4, ew = !fp64 && precision == BK_BWD_BF16 ? 2 : es;
+    uint64_t n = 0;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        n += (uint64_t)(o * in) * ew + (uint64_t)o * es;
+    }
+    return n + (uint64_t)(2 * c->hidden + 2 * c->head_dim) * es;
+}
+
+uint64_t bk_gpu_stage_reserve(const bk_model_config *c, int squares, int gib)
+{
+    uint64_t layer = 0;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        layer += (uint64_t)(o * in) * 4u;
+    }
+    const uint64_t big = (uint64_t)(c->intermediate > c->hidden ? c->intermediate : c->hidden);
+    return 2 * layer + (uint64_t)squares * big * big * 4u + ((uint64_t)gib << 30);
+}
+
+int bk_bwd_cache_layers(const bk_model_config *c, int precision, uint64_t avail,
+                        uint64_t reserve)
+{
+    const uint64_t per = bk_bwd_dev_layer_bytes(c, precision);
+    uint64_t budget = avail / 2;
+    const uint64_t beside = avail > reserve ? avail - reserve : 0;
+    if (beside < budget)
+        budget = beside;
+    uint64_t n = per ? budget / per : 0;
+    if (n > (uint64_t)c->n_layers)
+        n = (uint64_t)c->n_layers;
+    return n < 1 ? 1 : (int)n;
+}
+
+int64_t bk_bwd_fit_batch(const bk_model_config *c, int64_t T, int64_t S,
+                         const bk_bwd_mem_params *p, int64_t want, uint64_t avail,
+                         uint64_t stage_per_seq, uint64_t reserve, int cache_min)
+{
+    if (want > S)
+        want = S;
+    const uint64_t fixed = reserve + (uint64_t)(cache_min > 0 ? cache_min : 0) *
+                                         bk_bwd_dev_layer_bytes(c, p->precision);
+    for (int64_t B = want; B >= 1; B--) {
+        const uint64_t need = fixed + stage_per_seq * (uint64_t)B +
+                              bk_bwd_dev_bytes(c, B, T, S, p, 0);
+        if (need <= avail)
+            return B;
+    }
+    return 0;
+}

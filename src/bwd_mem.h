@@ -1,0 +1,63 @@
+/* Device-memory model of the GPU backward flow (cuda/backward.cu) and of the
+ * GPU stages' reserve (cuda/pipeline_cuda.cu): pure functions, so the
+ * micro-batch choice can be checked on the CPU (tests/test_bwd_mem.c).
+ * Every buffer the flow allocates with dalloc is counted here; a change of
+ * those allocations must change this model (the GPU test cuda_backward
+ * compares the model with the flow's micro_batch_device_bytes). */
+#ifndef BK_BWD_MEM_H
+#define BK_BWD_MEM_H
+
+#include <stdint.h>
+
+#include "bakron/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct bk_bwd_mem_params {
+    int flow;      /* BK_FLOW_HALVING / BK_FLOW_NAIVE */
+    int leaf;      /* --leaf-size */
+    int precision; /* BK_BWD_FP32 / _FP64 / _TF32 / _BF16 */
+    int grams;     /* the output-gradient Grams are formed on the device (the job's GPU flow) */
+    int grams_dev; /* ... and stay there for the GPU stages (one process) */
+    int shampoo;   /* token weights of the Grams kept (backprop-shampoo with grams_dev) */
+} bk_bwd_mem_params;
+
+/* Layer inputs a micro-batch keeps (bk__bwd_flow_check's rule). */
+int64_t bk_bwd_acts_layers(int64_t L, int flow, int leaf);
+
+/* Device bytes of the flow's buffers for micro-batch B (sequences of T
+ * tokens, S sequences), without the weight cache: logits_all 1 when the
+ * logits of every vocabulary block are held, 0 for one block. */
+uint64_t bk_bwd_dev_bytes(const bk_model_config *c, int64_t B, int64_t T, int64_t S,
+                          const bk_bwd_mem_params *p, int logits_all);
+
+/* Device bytes of one layer of the flow's weight cache. */
+uint64_t bk_bwd_dev_layer_bytes(const bk_model_config *c, int precision);
+
+/* Device memory the GPU stages keep free next to the calibration states:
+ * one layer's F32 weights twice (original + working copy), `squares` F32
+ * matrices of the largest factor size and `gib` GiB of margin. */
+uint64_t bk_gpu_stage_reserve(const bk_model_config *c, int squares, int gib);
+
+/* Layers the flow's weight cache holds when it sizes itself (slot count 0):
+ * half of the available memory and no more than leaves `reserve` (the leaf
+ * layers' GPU stages run while the flow holds its memory), between 1 and
+ * L. */
+int bk_bwd_cache_layers(const bk_model_config *c, int precision, uint64_t avail,
+                        uint64_t reserve);
+
+/* The GPU stages' micro-batch when the backprop flow runs beside them: the
+ * largest B in [1, want] with stage_per_seq * B + the flow's bytes at B (one
+ * logit block) + `cache_min` cached layers + reserve <= avail; 0 when not
+ * even B = 1 fits. */
+int64_t bk_bwd_fit_batch(const bk_model_config *c, int64_t T, int64_t S,
+                         const bk_bwd_mem_params *p, int64_t want, uint64_t avail,
+                         uint64_t stage_per_seq, uint64_t reserve, int cache_min);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
