@@ -32,8 +32,11 @@ uint64_t bk_bwd_dev_bytes(const bk_model_config *c, int64_t B, int64_t T, int64_
                    V = (uint64_t)c->vocab, TT = (uint64_t)(B * T * T);
     const uint64_t wmax = qd > kvd ? qd : kvd;
     uint64_t n = 0;
-    /* create: one layer's forward and backward buffers, P / dP */
-    n += R * (6 * d + 5 * qd + 5 * kvd + 6 * NI + wmax) * es + 2 * TT * es;
+    /* create: one layer's forward and backward buffers; P / dP (the unfused
+     * attention backward only) */
+    n += R * (6 * d + 5 * qd + 5 * kvd + 6 * NI + wmax) * es;
+    if (!flash)
+        n += 2 * TT * es;
     n += R * 8 * (uint64_t)(2 + nh + nkv);         /* r1, r2, rq, rk */
     n += V * d * es + d * es + 2 * R * d * es;     /* LM head, final norm, xf, dxf */
     n += 8 * R * 8 + 3 * R * 4 + 8 * 8;             /* head rows, lab, last, dtok, flags */
@@ -50,10 +53,13 @@ uint64_t bk_bwd_dev_bytes(const bk_model_config *c, int64_t B, int64_t T, int64_
     }
     if (wbf) {
         n += R * (uint64_t)max3((int64_t)d, (int64_t)NI, (int64_t)qd) * 2; /* xb */
-        n += (2 * R * qd + 2 * R * kvd + 2 * TT) * 2; /* aqb akb avb adob Pb dSb */
+        if (flash)
+            n += R * qd * 2; /* adob (the fused backward's dO) */
+        else
+            n += (2 * R * qd + 2 * R * kvd + 2 * TT) * 2; /* aqb akb avb adob Pb dSb */
     }
-    if (flash)
-        n += R * (qd + 2 * kvd) * 2;
+    if (flash) /* qb kb vb; the fused backward's row sums lse and D */
+        n += R * (qd + 2 * kvd) * 2 + 2 * R * (uint64_t)nh * 4;
     int64_t wbig = 0, mo = 0;
     uint64_t sq = 0;
     for (int i = 0; i < BK_MOD_COUNT; i++) {

@@ -69,6 +69,7 @@
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
 #include "bk_config.h"
+#include "bwd_mem.h"
 #include "util.h"
 
 #if !BK_HAVE_CUDA
@@ -439,6 +440,21 @@ static double cmp_gram_factors(const char *what, const bk_model *m, const gcolle
     return worst;
 }
 
+/* the flow's device buffers (stats->micro_bytes) are what src/bwd_mem.c's
+ * model counts: the model sizes the job's micro-batch and weight cache, and
+ * must follow every change of the flow's allocations */
+static void mem_model_check(const char *what, const bk_model_config *c, int64_t S, int64_t T,
+                            int64_t B, int flow, int precision, const bk_bwd_flow_stats *st)
+{
+    const bk_bwd_mem_params p = {flow, 1, precision, 0, 0, 0};
+    const uint64_t model = bk_bwd_dev_bytes(c, B, T, S, &p, 1);
+    if (st->micro_bytes != model)
+        fail_msg("%s: the flow allocated %llu device bytes, src/bwd_mem.c's model says %llu "
+                 "(difference %lld)",
+                 what, (unsigned long long)st->micro_bytes, (unsigned long long)model,
+                 (long long)st->micro_bytes - (long long)model);
+}
+
 /* --bwd-precision bf16 (the flow's own taps, not only its Grams): recursive
  * halving and naive I deliver the same bits (the fused attention backward
  * has no atomics either), and both are within TOL_BF16 of the CPU with the
@@ -456,6 +472,10 @@ static double bf16_taps(const char *name, const bk_model *m, const int32_t *tok,
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 3, &gbf, &bn, &sn);
     run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &gbf, &bh, &sh);
     g_fisher = BK_FISHER_MODEL;
+    mem_model_check("GPU bf16 halving", bk_model_get_config(m), S, T, 3, BK_FLOW_HALVING,
+                    BK_BWD_BF16, &sh);
+    mem_model_check("GPU bf16 naive", bk_model_get_config(m), S, T, 3, BK_FLOW_NAIVE,
+                    BK_BWD_BF16, &sn);
     same_taps("GPU bf16 halving vs GPU bf16 naive", &bh, &bn);
     double e = cmp_taps("GPU bf16 halving vs CPU (empirical Fisher)", &bh, &refe, TOL_BF16);
     if (verbose())
@@ -491,6 +511,37 @@ static void flow_model_m(const char *name, bk_model *m)
     run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &g64one, &hv1, &shv1);
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 3, &g32, &f32n, &s32n);
     run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &g32, &f32h, &s32h);
+    mem_model_check("GPU fp64 halving", c, S, T, 3, BK_FLOW_HALVING, BK_BWD_FP64, &shv);
+    mem_model_check("GPU fp64 naive", c, S, T, 3, BK_FLOW_NAIVE, BK_BWD_FP64, &snv);
+    mem_model_check("GPU fp32 halving", c, S, T, 3, BK_FLOW_HALVING, BK_BWD_FP32, &s32h);
+    /* the weight cache: with every layer resident each is uploaded once; with
+     * one slot fewer than layers (naive I: every sweep walks all layers from
+     * the first) the layers uploaded in the first micro-batch but the last two
+     * stay resident, so every later micro-batch hits at least L - 2 of them */
+    assert_int_equal(shv.resident_layers, (int)c->n_layers);
+    assert_int_equal(shv.weight_uploads, c->n_layers);
+    assert_int_equal(shv1.resident_layers, 1);
+    if (c->n_layers >= 3) {
+        collect kv;
+        bk_bwd_flow_stats skv;
+        bk_gbwd_opts g64k = {1, (int)c->n_layers - 1, 0};
+        run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 3, &g64k, &kv, &skv);
+        same_taps("GPU fp64 naive, L - 1 resident layers, vs all resident", &kv, &nv);
+        const int64_t mbs = (int64_t)skv.passes * ((S + 2) / 3);
+        assert_int_equal(skv.resident_layers, (int)c->n_layers - 1);
+        if (!(skv.weight_uploads <= skv.weight_requests - (mbs - 1) * (c->n_layers - 2)))
+            fail_msg("%s: %lld of %lld weight requests uploaded with %d of %d layers resident "
+                     "over %lld micro-batches (at most %lld expected)",
+                     name, (long long)skv.weight_uploads, (long long)skv.weight_requests,
+                     skv.resident_layers, (int)c->n_layers, (long long)mbs,
+                     (long long)(skv.weight_requests - (mbs - 1) * (c->n_layers - 2)));
+        if (verbose())
+            fprintf(stderr, "  %s: weight cache %d of %d layers: %lld uploads of %lld requests "
+                    "(all resident: %lld)\n",
+                    name, skv.resident_layers, (int)c->n_layers, (long long)skv.weight_uploads,
+                    (long long)skv.weight_requests, (long long)shv.weight_uploads);
+        collect_free(&kv);
+    }
 
     double e64 = cmp_taps("GPU fp64 naive vs CPU", &nv, &ref, TOL_FP64);
     cmp_taps("GPU fp64 halving vs CPU", &hv, &ref, TOL_FP64);
