@@ -575,7 +575,7 @@ bk_status g_setup(gstages *g, int64_t B)
 extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_hessian_kind kind,
                                           int fp64, int keep_plain, int fully,
                                           int codes_only, int64_t S, int64_t T, int rank,
-                                          int nranks, const bk_bwd_mem_params *bwd,
+                                          int nranks, bk_bwd_mem_params *bwd,
                                           int64_t *batch, const bk_stage_ops **ops, void **ctx)
 {
     *ops = NULL;
@@ -611,6 +611,9 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
      * even without the stream is refused here, before any work */
     const char *reduced_why = "out of device memory";
     if (bwd) {
+        const int auto_leaf = bwd->leaf <= 0;
+        if (auto_leaf) /* (the micro-batch is fitted with the smallest leaf) */
+            bwd->leaf = 1;
         size_t fr = 0, tot = 0;
         st = bk_dev_mem_free(static_cast<const bk_cuda_ctx *>(b->ctx), &fr, &tot);
         if (st != BK_OK) {
@@ -641,6 +644,11 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
             B = fit;
             reduced_why = "the backward flow's device memory";
         }
+        /* no --leaf-size: the largest leaf whose Grams fit beside the rest,
+         * the residual stream and the whole weight cache (fewer passes) */
+        if (auto_leaf)
+            bwd->leaf = bk_bwd_auto_leaf(&g->cfg, T, S, bwd, B, fr > stream ? fr - stream : fr,
+                                         per_seq * (uint64_t)B, reserve);
     }
     /* out of device memory: halve the micro-batch and try again */
     for (;;) {

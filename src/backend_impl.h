@@ -161,9 +161,10 @@ typedef struct bk_stage_params {
     int cpu;              /* 1: the CPU implementation even where the backend has its own
                              (--cpu-stages, --activations, the backprop input side with the
                              setting bwd_input=cpu) */
-    const struct bk_bwd_mem_params *bwd; /* backprop kinds with the backend's flow: what the
+    struct bk_bwd_mem_params *bwd; /* backprop kinds with the backend's flow: what the
                              flow will hold on the same device beside the stages (src/bwd_mem.h;
-                             the GPU stages size their micro-batch and what they keep from it);
+                             the GPU stages size their micro-batch and what they keep from it;
+                             leaf 0: they choose it, bk_bwd_auto_leaf, and set it here);
                              NULL: no flow */
 } bk_stage_params;
 

@@ -148,3 +148,20 @@ int64_t bk_bwd_fit_batch(const bk_model_config *c, int64_t T, int64_t S,
     }
     return 0;
 }
+
+int bk_bwd_auto_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd_mem_params *p,
+                     int64_t B, uint64_t avail, uint64_t stage_bytes, uint64_t reserve)
+{
+    const int64_t L = c->n_layers;
+    const uint64_t cache = (uint64_t)L * bk_bwd_dev_layer_bytes(c, p->precision);
+    for (int s = 8; s > 1; s /= 2) {
+        if (2 * s > L)
+            continue;
+        bk_bwd_mem_params q = *p;
+        q.leaf = s;
+        const uint64_t need = stage_bytes + reserve + cache + bk_bwd_dev_bytes(c, B, T, S, &q, 0);
+        if (need <= avail - avail / 8)
+            return s;
+    }
+    return 1;
+}

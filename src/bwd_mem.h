@@ -56,6 +56,17 @@ int64_t bk_bwd_fit_batch(const bk_model_config *c, int64_t T, int64_t S,
                          const bk_bwd_mem_params *p, int64_t want, uint64_t avail,
                          uint64_t stage_per_seq, uint64_t reserve, int cache_min);
 
+/* The leaf size when the user gave none (--leaf-size, bk_quantize_opts 0):
+ * the largest of 8, 4, 2 (at most L / 2) with which the stages' bytes
+ * `stage_bytes`, their `reserve`, the flow at micro-batch B (one logit
+ * block) and the weight cache of all L layers fit in 7/8 of `avail` (an
+ * eighth for what the model does not count: the stages' accumulators,
+ * allocator rounding, cuBLAS workspaces); else 1. A
+ * larger leaf means fewer passes (recursive halving: log2(L / s) levels)
+ * and s layers' Grams held at once; it does not change the result. */
+int bk_bwd_auto_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd_mem_params *p,
+                     int64_t B, uint64_t avail, uint64_t stage_bytes, uint64_t reserve);
+
 #ifdef __cplusplus
 }
 #endif

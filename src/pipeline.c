@@ -23,7 +23,7 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     o->fisher = BK_FISHER_MODEL;
     o->seed = 0;
     o->bwd_flow = BK_FLOW_HALVING;
-    o->leaf_size = 1;
+    o->leaf_size = 0; /* chosen from the device memory (GPU flow), else 1 */
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
     bk_backend_params_default(&o->backend_params);
@@ -149,7 +149,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                       bk_hessian_name(o->hessian));
         goto fail;
     }
-    if (j->bp && o->leaf_size < 1) {
+    if (j->bp && o->leaf_size < 0) {
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
     }
@@ -322,12 +322,15 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                           "build with the CUDA backend");
         goto fail;
     }
+    int leaf = o->leaf_size > 0 ? o->leaf_size : 1; /* the backprop flow's */
     {
         /* the backprop flow on the device of the stages: what it will hold
          * there (the GPU stages size their micro-batch from it) */
-        const bk_bwd_mem_params bm = {
+        /* (no --leaf-size: the stages choose it from the device memory; with
+         * several ranks every rank must run the same leaves: 1) */
+        bk_bwd_mem_params bm = {
             .flow = (int)o->bwd_flow,
-            .leaf = o->leaf_size,
+            .leaf = o->leaf_size > 0 ? o->leaf_size : j->nranks > 1 ? 1 : 0,
             .precision = (int)o->bwd_precision,
             .grams = 1,
             .grams_dev = j->nranks <= 1,
@@ -387,12 +390,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             if ((st = bk__q_split_ranks(j)) != BK_OK)
                 goto fail;
         }
+        leaf = bm.leaf > 0 ? bm.leaf : 1;
     }
     /* backprop kinds: one host accumulator per layer of a leaf; the flow's
      * output side enters it, the stages get it with bp_grads (the CPU stages
      * add the input side into it, the GPU stages take the output side) */
     if (j->S > 0 && j->bp) {
-        j->bp_leaf = o->leaf_size < (int)j->cfg->n_layers ? o->leaf_size : (int)j->cfg->n_layers;
+        j->bp_leaf = leaf < (int)j->cfg->n_layers ? leaf : (int)j->cfg->n_layers;
         j->bp_acc = calloc((size_t)j->bp_leaf, sizeof *j->bp_acc);
         if (!j->bp_acc) {
             st = bk_error(BK_ERR_NOMEM, "quantize: out of memory");

@@ -201,7 +201,7 @@ bk_status bk_ghess_set_grads_dev(bk_ghess *a, int layer, const double *const G[B
 bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_hessian_kind kind,
                                int fp64, int keep_plain, int fully, int codes_only, int64_t S,
                                int64_t T, int rank, int nranks,
-                               const struct bk_bwd_mem_params *bwd, int64_t *batch,
+                               struct bk_bwd_mem_params *bwd, int64_t *batch,
                                const bk_stage_ops **ops, void **ctx);
 
 #ifdef __cplusplus

@@ -137,7 +137,7 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
                            "--hessian %s needs calibration tokens (--calib-text or --calib), not "
                            "--activations: the backward pass runs the model",
                            bk_hessian_name(o->hessian)));
-    if (bp && o->leaf_size < 1)
+    if (bp && o->leaf_size < 0)
         failed(c, bk_error(BK_ERR_USAGE, "--leaf-size %d must be >= 1", o->leaf_size));
     if (o->gpu_pipeline && o->cpu_stages)
         failed(c, bk_error(BK_ERR_USAGE, "--gpu-pipeline and --cpu-stages contradict each other"));

@@ -129,12 +129,44 @@ static void test_cache_layers(void **state)
     assert_true(bk_bwd_dev_layer_bytes(&c, BK_BWD_FP32) > 2 * lay - 1000000);
 }
 
+/* the leaf chosen when none is given: each leaf layer holds its Grams,
+ * sum of out^2 doubles = (3 * 4096^2 + 2 * 1024^2 + 2 * 14336^2) * 8 bytes at 8B */
+static void test_auto_leaf(void **state)
+{
+    (void)state;
+    const bk_model_config c = cfg(32, 4096, 14336, 32, 8, 128, 0);
+    const uint64_t G = (3ull * 4096 * 4096 + 2ull * 1024 * 1024 + 2ull * 14336 * 14336) * 8;
+    assert_int_equal(G, 3707764736ull);
+    bk_bwd_mem_params p = BF16_HALVING;
+    const uint64_t stage = 2ull * 4 * (6 * 4096 + 6 * 1024 + 5 * 4096 + 4 * 14336) * 2048;
+    const uint64_t reserve = bk_gpu_stage_reserve(&c, 4, 2);
+    const uint64_t fixed = stage + reserve + 32 * bk_bwd_dev_layer_bytes(&c, BK_BWD_BF16);
+    const uint64_t need1 = fixed + bk_bwd_dev_bytes(&c, 2, 2048, 256, &p, 0);
+    /* leaf s adds s - 1 layers' Grams (the kept inputs stay 16 layers up to s = 16) */
+    p.leaf = 0;
+    for (int s = 2; s <= 8; s *= 2) {
+        const uint64_t need = need1 + (uint64_t)(s - 1) * G;
+        /* 7/8 of avail must hold it */
+        assert_int_equal(bk_bwd_auto_leaf(&c, 2048, 256, &p, 2, need + need / 7 + 64, stage, reserve), s);
+        assert_true(bk_bwd_auto_leaf(&c, 2048, 256, &p, 2, need, stage, reserve) < s);
+    }
+    assert_int_equal(bk_bwd_auto_leaf(&c, 2048, 256, &p, 2, need1, stage, reserve), 1);
+    assert_int_equal(bk_bwd_auto_leaf(&c, 2048, 256, &p, 2, 0, stage, reserve), 1);
+    assert_int_equal(bk_bwd_auto_leaf(&c, 2048, 256, &p, 2, 1ull << 50, stage, reserve), 8);
+    /* an 80 GB card beside the residual stream and o_proj inputs (17.2 GB): 4 */
+    const uint64_t stream = 256ull * 2048 * (4096 + 4096) * 4;
+    assert_int_equal(bk_bwd_auto_leaf(&c, 2048, 256, &p, 2, 80000000000ull - stream, stage, reserve), 4);
+    /* at most L / 2 layers: a 4-layer model takes 2 however much memory */
+    const bk_model_config c4 = cfg(4, 4096, 14336, 32, 8, 128, 0);
+    assert_int_equal(bk_bwd_auto_leaf(&c4, 2048, 256, &p, 2, 1ull << 50, stage, reserve), 2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_8b_buffers),   cmocka_unit_test(test_1b_measured),
         cmocka_unit_test(test_8b_job_fits_80gb), cmocka_unit_test(test_fit_batch),
-        cmocka_unit_test(test_cache_layers),
+        cmocka_unit_test(test_cache_layers), cmocka_unit_test(test_auto_leaf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -111,7 +111,9 @@ typedef struct bk_quantize_opts {
     bk_fisher_kind fisher;        /* labels: model (default) or empirical */
     uint64_t seed;                /* seed of the sampled labels (default 0) */
     bk_bwd_flow_kind bwd_flow;    /* halving (default) or naive */
-    int leaf_size;                /* layers per leaf of the flow (default 1) */
+    int leaf_size;                /* layers per leaf of the flow (default 0: the GPU flow
+                                     beside the GPU stages takes the largest of 8/4/2/1 that
+                                     fits in the device memory, bk_bwd_auto_leaf; else 1) */
     /* MPI ranks (bakron/dist.h); NULL: one process */
     struct bk_dist *dist;
     bk_dist_reduce dist_reduce;
