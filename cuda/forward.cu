@@ -539,16 +539,24 @@ bk_status bk_g_linear(bk_gfwd *f, const float *X, int64_t N, int64_t in, const f
     return BK_LAUNCHED("k_bias_rows");
 }
 
-bk_status bk_g_linear_mod(bk_gfwd *f, const float *X, int64_t N, int64_t in, const bk_glayer *lw,
-                          bk_module mod, int64_t out, int with_bias, float *Y)
+namespace {
+
+bk_status linear_mod(bk_gfwd *f, const float *X, int64_t N, int64_t in, const bk_glayer *lw,
+                     bk_module mod, int64_t out, int with_bias, float *Y, int same)
 {
     const float *b = with_bias ? lw->b[mod] : NULL;
+    const int have = same && f->xb_src && f->xb_src == X && f->xb_n == N * in;
+    f->xb_src = NULL; /* (set again below once xb holds X) */
     if (!f->bf16 || !lw->wb[mod] || N * in > f->xb_elems)
         return bk_g_linear(f, X, N, in, lw->w[mod], out, b, Y);
-    k_to_bf16<<<bk_grid(N * in), 256, 0, f->c->stream>>>(X, f->xb, N * in);
-    bk_status st = BK_LAUNCHED("k_to_bf16");
-    if (st != BK_OK)
-        return st;
+    if (!have) {
+        k_to_bf16<<<bk_grid(N * in), 256, 0, f->c->stream>>>(X, f->xb, N * in);
+        bk_status st = BK_LAUNCHED("k_to_bf16");
+        if (st != BK_OK)
+            return st;
+    }
+    f->xb_src = X;
+    f->xb_n = N * in;
     const float one = 1.0f, zero = 0.0f;
     /* column-major: Y^T [out, N] = W [in, out]^T X^T [in, N] */
     BK_CUBLAS_CHECK(cublasGemmEx_64(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, &one, lw->wb[mod],
@@ -560,8 +568,24 @@ bk_status bk_g_linear_mod(bk_gfwd *f, const float *X, int64_t N, int64_t in, con
     return BK_LAUNCHED("k_bias_rows");
 }
 
+} // namespace
+
+bk_status bk_g_linear_mod(bk_gfwd *f, const float *X, int64_t N, int64_t in, const bk_glayer *lw,
+                          bk_module mod, int64_t out, int with_bias, float *Y)
+{
+    return linear_mod(f, X, N, in, lw, mod, out, with_bias, Y, 0);
+}
+
+bk_status bk_g_linear_mod_same(bk_gfwd *f, const float *X, int64_t N, int64_t in,
+                               const bk_glayer *lw, bk_module mod, int64_t out, int with_bias,
+                               float *Y)
+{
+    return linear_mod(f, X, N, in, lw, mod, out, with_bias, Y, 1);
+}
+
 bk_status bk_g_syrk(bk_gfwd *f, int64_t n, int64_t rows, const float *X, float *C)
 {
+    f->xb_src = NULL; /* (xb is overwritten below) */
     if (rows <= 0 || n <= 0)
         return BK_OK;
     const float one = 1.0f;
@@ -626,9 +650,9 @@ bk_status bk_g_first_nonfinite(bk_gfwd *f, const float *d, int64_t rows, int64_t
                                int *found, int64_t *row, int64_t *col, float *val)
 {
     *found = 0;
-    const unsigned long long none = ~0ull;
-    BK_CUDA_CHECK(cudaMemcpyAsync(f->flag, &none, sizeof none, cudaMemcpyHostToDevice,
-                                  f->c->stream));
+    const unsigned long long none = ~0ull; /* (all bytes 0xff: set by a memset, not a
+                                              * copy from pageable memory) */
+    BK_CUDA_CHECK(cudaMemsetAsync(f->flag, 0xff, sizeof none, f->c->stream));
     const int64_t n = rows * cols;
     if (n > 0) {
         k_first_nonfinite<<<bk_grid(n), 256, 0, f->c->stream>>>(d, n, f->flag);
@@ -1436,7 +1460,7 @@ bk_status attn_qk(bk_gfwd *f, const bk_glayer *lw, const float *d_x, int64_t S, 
     cudaStream_t sm = f->c->stream;
     bk_status st;
     if ((st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_Q, qd, 1, f->q)) ||
-        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_K, kd, 1, f->k)))
+        (st = bk_g_linear_mod_same(f, d_x, N, f->dim.hidden, lw, BK_MOD_K, kd, 1, f->k)))
         return st;
     unsigned long long *nf = f->nf;
     if (lw->q_norm && (st = g_rmsnorm_nf(f, f->q, N * f->dim.nh, hd, lw->q_norm, f->q,
@@ -1475,7 +1499,7 @@ extern "C" bk_status bk_gfwd_attention(bk_gfwd *f, const bk_glayer *lw, const fl
     /* the rotated queries and keys (and their head-major copies), then the
      * values; the v_proj output is flagged where RoPE's copy reads it */
     if ((st = attn_qk(f, lw, d_x, S, d_qrot, d_krot, 1)) != BK_OK ||
-        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_V, kd, 1, f->v)) != BK_OK)
+        (st = bk_g_linear_mod_same(f, d_x, N, f->dim.hidden, lw, BK_MOD_V, kd, 1, f->v)) != BK_OK)
         return st;
     const int fu = f->attn_fused;
     k_rope_heads<<<bk_grid(N * f->dim.nkv * hd / 2), 256, 0, sm>>>(
@@ -1599,7 +1623,7 @@ extern "C" bk_status bk_gfwd_mlp_hidden(bk_gfwd *f, const bk_glayer *lw, const f
     float *g = d_gate_pre ? d_gate_pre : f->gate;
     float *u = d_up_pre ? d_up_pre : f->up;
     if ((st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_GATE, ni, 1, g)) ||
-        (st = bk_g_linear_mod(f, d_x, N, f->dim.hidden, lw, BK_MOD_UP, ni, 1, u)))
+        (st = bk_g_linear_mod_same(f, d_x, N, f->dim.hidden, lw, BK_MOD_UP, ni, 1, u)))
         return st;
     k_swiglu<<<bk_grid(N * ni), 256, 0, f->c->stream>>>(g, u, d_down, N * ni, f->nf + BK_FS_GATE,
                                                         f->nf + BK_FS_UP, f->nf + BK_FS_DOWN_IN);

@@ -29,6 +29,11 @@ struct bk_gfwd {
     int tf32, bf16;
     __nv_bfloat16 *xb;         /* BF16 staging of GEMM inputs (bf16 only) */
     int64_t xb_elems;
+    /* what xb holds: the BF16 rounding of xb_src [xb_n] converted by the last
+     * bk_g_linear_mod (NULL: nothing known; cleared by every other writer of
+     * xb and at the start of every bk_g_linear_mod) — bk_g_linear_mod_same */
+    const float *xb_src;
+    int64_t xb_n;
     bk_model_config cfg;
     bk_dims dim;
     float eps;
@@ -148,6 +153,14 @@ bk_status bk_g_linear(bk_gfwd *f, const float *X, int64_t N, int64_t in, const f
  * (the weight's BF16 copy, X rounded to BF16 on the way), else bk_g_linear. */
 bk_status bk_g_linear_mod(bk_gfwd *f, const float *X, int64_t N, int64_t in, const bk_glayer *lw,
                           bk_module mod, int64_t out, int with_bias, float *Y);
+/* As bk_g_linear_mod, for a call that directly follows a bk_g_linear_mod (or
+ * _same) on the same X, N and in with nothing written to X in between (q, k,
+ * v from one attn_in; gate, up from one mlp_in): the BF16 copy of X that call
+ * made is used again instead of rounding X once more (the same bits). Where
+ * the previous call did not make one, as bk_g_linear_mod. */
+bk_status bk_g_linear_mod_same(bk_gfwd *f, const float *X, int64_t N, int64_t in,
+                               const bk_glayer *lw, bk_module mod, int64_t out, int with_bias,
+                               float *Y);
 /* Refresh lw's BF16 copy of module mod from its F32 weight (no-op unless bf16). */
 bk_status bk_glayer_sync_bf16(bk_gfwd *f, bk_glayer *lw, bk_module mod);
 /* C += X^T X for X [rows, n] row-major (ld n), C [n, n] row-major: its

@@ -270,6 +270,10 @@ struct bk_ghess {
     int fp64, mlp2, attn2, shampoo, qknorm, keep_plain;
     bk_dims dim;
     int layer, broken;
+    /* bk_ghess_inputs_checked: the adds' activations were checked by the
+     * caller's forward (its per-operation non-finite flags), so the adds skip
+     * their own scans */
+    int inputs_checked;
     int64_t count[G_COUNT];
     int64_t n_pairs;
     double v_wb;
@@ -397,6 +401,8 @@ bk_status batch_rows(const bk_ghess *a, int64_t S, const char *what, int64_t *N)
 bk_status check_finite(bk_ghess *a, const float *x, int64_t rows, int64_t cols, int layer,
                        const char *what)
 {
+    if (a->inputs_checked)
+        return BK_OK;
     int found = 0;
     int64_t r = 0, c = 0;
     float v = 0;
@@ -717,7 +723,7 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
     } else {
         /* pre-norm projections z = x Wᵀ + b (as the CPU's project) */
         if ((st = bk_g_linear_mod(a->f, X, N, a->dim.hidden, lw, BK_MOD_Q, a->dim.qdim, 1, a->zq)) != BK_OK ||
-            (st = bk_g_linear_mod(a->f, X, N, a->dim.hidden, lw, BK_MOD_K, a->dim.kvdim, 1, a->zk)) != BK_OK)
+            (st = bk_g_linear_mod_same(a->f, X, N, a->dim.hidden, lw, BK_MOD_K, a->dim.kvdim, 1, a->zk)) != BK_OK)
             return st;
         bk_cuda_pmark(sm, &tp, "ha.qn_preproj");
         for (int part = 0; part < 2; part++) {
@@ -854,6 +860,12 @@ bk_status add_plain(bk_ghess *a, dgram *g, int grp, const float *x, int64_t S, i
 
 } // namespace
 
+extern "C" void bk_ghess_inputs_checked(bk_ghess *a, int on)
+{
+    if (a)
+        a->inputs_checked = on != 0;
+}
+
 extern "C" bk_status bk_ghess_add_o(bk_ghess *a, const float *d_o_in, int64_t S)
 {
     return add_plain(a, a ? &a->x_o : NULL, G_O, d_o_in, S, a ? a->dim.qdim : 0, "o_in");
@@ -906,7 +918,7 @@ extern "C" bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *lw, const fl
         /* the forward context's gate/up scratch holds z_g, z_u (free between stages) */
         float *zg = a->f->gate, *zu = a->f->up;
         if ((st = bk_g_linear_mod(a->f, d_mlp_in, N, d, lw, BK_MOD_GATE, NI, 1, zg)) != BK_OK ||
-            (st = bk_g_linear_mod(a->f, d_mlp_in, N, d, lw, BK_MOD_UP, NI, 1, zu)) !=
+            (st = bk_g_linear_mod_same(a->f, d_mlp_in, N, d, lw, BK_MOD_UP, NI, 1, zu)) !=
                 BK_OK)
             goto done;
         k_mlp_gf<<<bk_grid(N * NI), 256, 0, sm>>>(zg, zu, N * NI);

@@ -200,6 +200,20 @@ bk_status g_layer_begin(void *ctx, const bk_layer_weights *orig, const bk_layer_
     return st;
 }
 
+/* The adds of g_run, after its forward part passed forward_end: every
+ * activation they read (attn_in, the rotated q/k, o_in, mlp_in, down_in) is
+ * the output of a forward operation of this micro-batch whose non-finite flag
+ * was fetched and reported there, so the accumulator skips its own scans (one
+ * full read of each input and a synchronization per add; the messages are
+ * unchanged: a non-finite input never reached the adds). */
+struct checked_adds {
+    bk_ghess *a;
+    explicit checked_adds(bk_ghess *x) : a(x) { bk_ghess_inputs_checked(a, 1); }
+    ~checked_adds() { bk_ghess_inputs_checked(a, 0); }
+    checked_adds(const checked_adds &) = delete;
+    checked_adds &operator=(const checked_adds &) = delete;
+};
+
 bk_status g_adds(gstages *g, int64_t sb, const float *x, const float *o, const float *mlp_in,
                  const float *down)
 {
@@ -242,8 +256,11 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         if (st != BK_OK)
             return st;
         t = bk_now();
-        st = bk_ghess_add_attn(g->acc, g->orig, g->x, g->fully ? g->qrot : NULL,
-                               g->fully ? g->krot : NULL, sb);
+        {
+            checked_adds ca(g->acc);
+            st = bk_ghess_add_attn(g->acc, g->orig, g->x, g->fully ? g->qrot : NULL,
+                                   g->fully ? g->krot : NULL, sb);
+        }
         *t_hessian += now_synced(g, &st) - t;
         return st;
     case BK_STAGE_O:
@@ -258,7 +275,10 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         if (st != BK_OK)
             return st;
         t = bk_now();
-        st = bk_ghess_add_o(g->acc, o, sb);
+        {
+            checked_adds ca(g->acc);
+            st = bk_ghess_add_o(g->acc, o, sb);
+        }
         *t_hessian += now_synced(g, &st) - t;
         return st;
     case BK_STAGE_MLP:
@@ -273,7 +293,10 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         if (st != BK_OK)
             return st;
         t = bk_now();
-        st = bk_ghess_add_mlp(g->acc, g->orig, g->x, sb);
+        {
+            checked_adds ca(g->acc);
+            st = bk_ghess_add_mlp(g->acc, g->orig, g->x, sb);
+        }
         *t_hessian += now_synced(g, &st) - t;
         return st;
     case BK_STAGE_DOWN: {
@@ -285,7 +308,10 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         if (st != BK_OK)
             return st;
         t = bk_now();
-        st = bk_ghess_add_down(g->acc, d, sb);
+        {
+            checked_adds ca(g->acc);
+            st = bk_ghess_add_down(g->acc, d, sb);
+        }
         *t_hessian += now_synced(g, &st) - t;
         return st;
     }
@@ -320,7 +346,10 @@ bk_status g_run(void *ctx, bk_stage stage, int64_t s0, int64_t sb, double *t_for
         if (st != BK_OK)
             return st;
         t = bk_now();
-        st = g_adds(g, sb, g->x, g->oscr, g->mlp_in, g->down);
+        {
+            checked_adds ca(g->acc);
+            st = g_adds(g, sb, g->x, g->oscr, g->mlp_in, g->down);
+        }
         *t_hessian += now_synced(g, &st) - t;
         return st;
     }

@@ -240,6 +240,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         if (st != BK_OK)
             goto fail;
     }
+    /* token calibration: layer 0's weights are read on the layer driver's
+     * helper thread while the backend, the stages, the output and the
+     * embedding are set up (bk_driver_layers takes them for layer 0, which
+     * every token run visits first; the backprop flow drives the layers
+     * itself) */
+    if (j->tokens && !j->bp)
+        bk_prefetch_start(&j->drv.pf, j->model, 0);
     j->N = j->S * j->T;
     j->batch = o->batch > 0 ? o->batch : bk_fwd_auto_batch(j->cfg, 0, j->T);
     if (j->S > 0 && j->batch > j->S)
@@ -443,7 +450,11 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         int reused = 0;
         if (st == BK_OK && j->rs)
             st = bk_st_stream_open_files(j->out, &reused);
-        if (st == BK_OK)
+        /* token calibration on a fresh journal: the tensors passed through
+         * go to the writer thread (below), overlapping the first layer; else
+         * here, before the journaled layers' digests are read */
+        const int pass_later = j->tokens && bk_resume_layers_done(j->rs) == 0;
+        if (st == BK_OK && !pass_later)
             st = bk__q_write_passthrough(j);
         if (st == BK_OK && j->rs) {
             double t = bk_now();
@@ -454,6 +465,8 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         if (st != BK_OK)
             goto fail;
         bk__q_writer_start(j);
+        if (pass_later && (st = bk__q_writer_put_passthrough(j)) != BK_OK)
+            goto fail;
     }
 
     {

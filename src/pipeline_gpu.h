@@ -138,6 +138,12 @@ void bk_ghess_reset(bk_ghess *a);
 bk_status bk_ghess_add_attn(bk_ghess *a, const bk_glayer *orig, const float *d_attn_in,
                             const float *d_qrot, const float *d_krot, int64_t S);
 bk_status bk_ghess_add_o(bk_ghess *a, const float *d_o_in, int64_t S);
+/* on = 1: the caller has checked every activation the next adds read (the GPU
+ * stages: each is the output of a forward operation whose non-finite flag
+ * was fetched and reported before the adds, forward_end), so the adds skip
+ * their own finiteness scans (a full read of each input and a synchronization
+ * per add); 0 (the default): the adds scan their inputs. */
+void bk_ghess_inputs_checked(bk_ghess *a, int on);
 bk_status bk_ghess_add_mlp(bk_ghess *a, const bk_glayer *orig, const float *d_mlp_in, int64_t S);
 bk_status bk_ghess_add_down(bk_ghess *a, const float *d_down_in, int64_t S);
 /* Host factors as bk_hess_factors (owned by the accumulator, valid until

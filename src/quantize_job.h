@@ -103,7 +103,8 @@ typedef struct job {
         pthread_cond_t cv;
         struct wjob {
             int layer;
-            bk_module mod;     /* BK_MOD_COUNT: the layer is complete (journal it) */
+            bk_module mod;     /* BK_MOD_COUNT: the layer is complete (journal it);
+                                  with layer -1: the tensors passed through */
             bk_solve_result r;
             char *entries;     /* the layer's report entries (journal) */
         } q[2]; /* WQ_CAP */
@@ -138,6 +139,12 @@ bk_status bk__q_declare_outputs(job *j);
 bk_status bk__q_write_passthrough(job *j);
 bk_status bk__q_writer_put(job *j, int layer, bk_module mod, bk_solve_result *r, char *entries);
 void bk__q_writer_start(job *j);
+/* The tensors passed through (bk__q_write_passthrough) as the writer
+ * thread's first work item, overlapping the first layer; without a writer
+ * thread, written here. Only where nothing else writes the output on the
+ * calling thread meanwhile (token calibration) and no journaled layer is
+ * being restored (their digests are read before the writer starts). */
+bk_status bk__q_writer_put_passthrough(job *j);
 bk_status bk__q_writer_finish(job *j, int abandon);
 bk_status bk__q_writer_drain(job *j);
 bk_status bk__q_journal_layer(job *j, int l);

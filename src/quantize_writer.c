@@ -38,10 +38,9 @@ bk_status bk__q_declare_outputs(job *j)
 /* Copy every tensor that is not a quantized linear weight straight through.
  * In dequantized mode the linear weights of quantized layers are written
  * later, when solved. */
-bk_status bk__q_write_passthrough(job *j)
+static bk_status passthrough_tensors(job *j)
 {
     const bk_st_set *in = bk_model_tensors(j->model);
-    double t = bk_now();
     for (size_t i = 0; i < bk_st_set_count(in); i++) {
         const bk_tensor_info *ti = bk_st_set_tensor(in, i);
         int layer;
@@ -52,9 +51,16 @@ bk_status bk__q_write_passthrough(job *j)
         if (st != BK_OK)
             return st;
     }
+    return BK_OK;
+}
+
+bk_status bk__q_write_passthrough(job *j)
+{
+    double t = bk_now();
+    bk_status st = passthrough_tensors(j);
     j->t_io += bk_now() - t;
     bk_prof_add("io.passthrough", bk_now() - t);
-    return BK_OK;
+    return st;
 }
 
 /* ------------------------------------------------------------ writer thread */
@@ -92,6 +98,12 @@ static void resume_kill_point(const char *what, long k)
 /* The writer's work item: a module, or a layer's end (journal line). */
 static bk_status writer_do(job *j, struct wjob *w)
 {
+    if (w->layer < 0) { /* (on the writer thread: not in j->t_io, which the caller owns) */
+        const double t = bk_now();
+        bk_status st = passthrough_tensors(j);
+        bk_prof_add("writer.passthrough (thread)", bk_now() - t);
+        return st;
+    }
     if (w->mod == BK_MOD_COUNT) {
         const long k = bk_resume_layers_done(j->rs) + 1;
         resume_kill_point("journal", k);
@@ -180,6 +192,17 @@ bk_status bk__q_writer_put(job *j, int layer, bk_module mod, bk_solve_result *r,
     pthread_cond_broadcast(&j->wr.cv);
     pthread_mutex_unlock(&j->wr.mu);
     return BK_OK;
+}
+
+bk_status bk__q_writer_put_passthrough(job *j)
+{
+    if (!j->out)
+        return BK_OK;
+    if (!j->wr.started)
+        return bk__q_write_passthrough(j);
+    bk_solve_result none;
+    memset(&none, 0, sizeof none);
+    return bk__q_writer_put(j, -1, BK_MOD_COUNT, &none, NULL);
 }
 
 void bk__q_writer_start(job *j)

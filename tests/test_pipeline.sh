@@ -301,6 +301,33 @@ else
     echo "output too large for the disk: exit 3: $(grep error "$W/full.err")"
 fi
 
+# the tensors passed through (embedding, norms, head) are written by the writer
+# thread while the first layer runs: the same bytes as written on the calling
+# thread (BK_WRITER_THREAD=0), and a write of them failing there (a file-size
+# limit of 8 KiB: the shard's first write fails, reserving its size)
+# is one error line naming the output file, exit 3, nothing left behind
+for wt in 1 0; do
+    BK_WRITER_THREAD=$wt "$B" quantize "$M" $CAL --hessian gptq --levels 3 --out "$W/pt-$wt" \
+        >/dev/null 2>"$W/pt-$wt.err" || die "quantize (writer thread $wt): $(cat "$W/pt-$wt.err")"
+done
+for f in "$W"/pt-1/*.safetensors; do
+    cmp -s "$f" "$W/pt-0/$(basename "$f")" ||
+        die "writer thread: $(basename "$f") differs from the one written on the calling thread"
+done
+for wt in 1 0; do
+    (trap '' XFSZ; ulimit -f 8; BK_WRITER_THREAD=$wt "$B" quantize "$M" $CAL --hessian gptq \
+        --out "$W/ptbad-$wt" 2>"$W/ptbad.err" >/dev/null)
+    rc=$?
+    if [ $rc -ne 3 ] || [ "$(grep -c error "$W/ptbad.err")" -ne 1 ] ||
+        ! grep -q "ptbad-$wt\.tmp-[0-9]*/model.*\.safetensors: " "$W/ptbad.err"; then
+        die "passthrough write failure (writer thread $wt): exit $rc: $(cat "$W/ptbad.err")"
+    else
+        echo "passthrough write failure (writer thread $wt): exit 3: $(grep error "$W/ptbad.err")"
+    fi
+    [ -e "$W/ptbad-$wt" ] && die "passthrough write failure: an output folder was left behind"
+    ls -d "$W/ptbad-$wt".tmp-* >/dev/null 2>&1 && die "passthrough write failure: a temporary folder was left behind"
+done
+
 # a module write failing in the writer thread (fault injection), with and without the
 # thread: exit 3, one line naming the module, nothing left behind
 for wt in 1 0; do
