@@ -535,6 +535,15 @@ static void flow_model_m(const char *name, bk_model *m)
                      name, (long long)skv.weight_uploads, (long long)skv.weight_requests,
                      skv.resident_layers, (int)c->n_layers, (long long)mbs,
                      (long long)(skv.weight_requests - (mbs - 1) * (c->n_layers - 2)));
+        /* three layers, two slots, S = 5 in micro-batches of 3 (two per pass), naive I
+         * with leaves 0, 1, 2: per micro-batch the forward asks for 0 1 2 and the
+         * backward for 2 .. leaf. Slot A keeps layer 0 from the first upload on, slot B
+         * rotates: uploads per micro-batch 4 + 2 (leaf 0), 2 + 2 (leaf 1), 1 + 2 (leaf 2:
+         * the second micro-batch finds 2 in B and needs 1 first) = 13 of 30 requests.
+         * LRU (before session 13) misses on all three forward requests of every
+         * micro-batch: 4 + 4, 3 + 3, 3 + 3 = 20. */
+        if (c->n_layers == 3)
+            assert_int_equal(skv.weight_uploads, 13);
         if (verbose())
             fprintf(stderr, "  %s: weight cache %d of %d layers: %lld uploads of %lld requests "
                     "(all resident: %lld)\n",
