@@ -155,6 +155,8 @@ static bk_status sweep(flow *f, int from, const void *X_from, int save_at, void 
             st = ops->store(x, BK_BWD_DH, (char *)G_out + off, mb);
         st = sync_ops(f, st);
         f->st->time_backward_s += bk_now() - t;
+        if (st == BK_OK && f->cb->micro_done)
+            f->cb->micro_done(f->cb->user, f->st->passes, s0 + sb, f->S);
     }
     if (st == BK_OK) {
         f->st->passes++;
@@ -292,6 +294,63 @@ bk_status bk__bwd_flow_drive(const bk_bwd_flow_ops *ops, void *ctx, const bk_mod
         st = node(&f, 0, L, NULL, NULL, 0);
     }
     return st;
+}
+
+/* ------------------------------------------------------- the schedule */
+
+typedef struct sched {
+    int L, leaf, n, cap;
+    bk_bwd_pass_work *out;
+} sched;
+
+/* one sweep as sweep() runs it: forward through [from, to) (without layer
+ * to - 1 when the output gradient is given), the head when it is not,
+ * backward through [grad_lo, to) */
+static void sched_add(sched *s, int depth, int lo, int hi, int leaf, int from, int to, int g_to,
+                      int grad_lo)
+{
+    if (s->out && s->n < s->cap) {
+        bk_bwd_pass_work *w = &s->out[s->n];
+        w->depth = depth;
+        w->lo = lo;
+        w->hi = hi;
+        w->leaf = leaf;
+        w->forwards = (to - from) - (g_to ? 1 : 0);
+        w->backwards = to - grad_lo;
+        w->head = !g_to;
+        w->layer_forwards = w->forwards + w->backwards;
+    }
+    s->n++;
+}
+
+/* as node() */
+static void sched_node(sched *s, int lo, int hi, int g_hi, int depth)
+{
+    if (hi - lo <= s->leaf) {
+        sched_add(s, depth, lo, hi, 1, lo, hi, g_hi, lo);
+        return;
+    }
+    const int mid = lo + (hi - lo) / 2;
+    sched_add(s, depth, mid, hi, 0, lo, hi, g_hi, mid);
+    sched_node(s, lo, mid, 1, depth + 1);
+    sched_node(s, mid, hi, 1, depth + 1); /* G_hi, or the head's G_L at the root */
+}
+
+int bk_bwd_flow_schedule(int n_layers, int leaf, bk_bwd_flow_kind flow, bk_bwd_pass_work *out,
+                         int cap)
+{
+    if (n_layers < 1 || leaf < 1 || cap < 0 || (flow != BK_FLOW_HALVING && flow != BK_FLOW_NAIVE))
+        return -1;
+    sched s = {n_layers, leaf, 0, out ? cap : 0, out};
+    if (flow == BK_FLOW_NAIVE) {
+        for (int lo = 0; lo < n_layers; lo += leaf) {
+            int hi = lo + leaf < n_layers ? lo + leaf : n_layers;
+            sched_add(&s, 0, lo, hi, 1, 0, n_layers, 0, lo);
+        }
+    } else {
+        sched_node(&s, 0, n_layers, 0, 0);
+    }
+    return s.n;
 }
 
 /* ------------------------------------------------- the CPU's operations */

@@ -58,6 +58,8 @@ void bk__q_emit(job *j, bk_event_kind kind, int layer, const char *module, const
     int todo = j->layer_end - j->first_layer;
     ev.eta_s = (done > 0 && todo > done) ? ev.elapsed_s / done * (todo - done) : 0;
     ev.message = msg;
+    if (j->bp_sched) /* the backprop kinds: from the flow's work */
+        bk__q_bp_progress(j, &ev);
     j->o->on_event(j->o->user, &ev);
 }
 
@@ -72,6 +74,8 @@ void bk__q_emit_module(job *j, int layer, bk_module mod, const bk_solve_result *
     ev.loss_gptq = loss_gptq;
     ev.damp_a = r->damp_a;
     ev.damp_b = r->damp_b;
+    if (j->bp_sched)
+        bk__q_bp_progress(j, &ev);
     j->o->on_event(j->o->user, &ev);
 }
 

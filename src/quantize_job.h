@@ -91,6 +91,17 @@ typedef struct job {
      * of the output-gradient sums from rank to rank (quantize_ranks.c) */
     int bp_recvd, bp_sent, bp_in_layers;
     bk_status bp_chain_st;      /* a failed receive, returned at the next tap */
+    /* progress of the backprop kinds (quantize_backprop.c bk__q_bp_progress):
+     * the flow's schedule, the pass running, and the work per kind of unit
+     * (BP_U_*: layer forwards, layer backwards, heads, quantized leaf layers'
+     * stages, other leaf layers) in all and done, with the time spent on the
+     * done units (the leaf layers'; the flow's are in bp_stats) */
+    bk_bwd_pass_work *bp_sched;
+    int bp_npass, bp_pass;
+    int64_t bp_pass_done;
+    double bp_total[5], bp_done[5], bp_time[5];
+    double bp_lt0;              /* start of the leaf layer's stages not yet counted */
+    int bp_layer_counted;       /* the current leaf layer was counted at its LAYER_DONE */
     int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
                                    (cuda/backward.cu); the input-side stages are j->ops
                                    (the GPU stages unless --setting bwd_input=cpu) */
@@ -130,6 +141,9 @@ static inline int bk__q_in_range(const job *j, int l)
 
 /* src/pipeline.c: progress events (the caller's on_event). */
 void bk__q_emit(job *j, bk_event_kind kind, int layer, const char *module, const char *msg);
+/* the backprop kinds: the pass fields, eta_s and work_done of an event (and,
+ * at a quantized layer's LAYER_DONE, that layer's stages counted as done) */
+void bk__q_bp_progress(job *j, bk_event *ev);
 void bk__q_emit_module(job *j, int layer, bk_module mod, const bk_solve_result *r,
                        double loss_gptq);
 void bk__q_note(void *user, const char *msg);

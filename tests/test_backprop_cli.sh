@@ -8,6 +8,10 @@
 #  - report.json records the flow's passes, depth and boundary memory (the
 #    counts follow from the recursion over 4 layers);
 #  - the progress events show every backward pass with its depth;
+#  - progress within a pass (BK_PROGRESS_INTERVAL=0: every micro-batch but a
+#    pass's last) with the pass count and an ETA from the flow's work: the
+#    work share only grows, ends at 1, and every pass line of the schedule
+#    (7 passes over 4 layers, leaf 1) is there; none at the default interval;
 #  - Shampoo, the empirical Fisher and a leaf of 2 layers run;
 #  - bad input fails with one line.
 set -eu
@@ -51,6 +55,38 @@ mods = [e for e in ev if e["event"] == "module"]
 assert len(mods) == 28 and all(m["damp_b"] > 0 for m in mods), "every module two-sided"
 print("halving == naive, passes/depth/boundary bytes as expected, 7 backward events")
 EOF
+# progress within the passes: text lines and JSON events
+BK_PROGRESS_INTERVAL=0 q --hessian backprop-kfac --out "$T/p" 2>"$T/p.log" ||
+    { cat "$T/p.log"; fail "BK_PROGRESS_INTERVAL=0"; }
+for p in 1 2 3 4 5 6 7; do
+    grep -q "^  backward pass $p of 7 (halving, depth [0-2]): .*  elapsed [0-9.]*s  ETA " "$T/p.log" ||
+        { cat "$T/p.log"; fail "no line for backward pass $p of 7 with an ETA"; }
+    # 4 sequences in micro-batches of 3: a line after the first
+    grep -q "^  backward pass $p of 7: 3/4 sequences  elapsed [0-9.]*s  ETA [0-9.]*s$" "$T/p.log" ||
+        { cat "$T/p.log"; fail "no progress line within backward pass $p"; }
+done
+grep -q "^layer 0 done (1/4)  elapsed [0-9.]*s  ETA [0-9.]*s  (" "$T/p.log" ||
+    { cat "$T/p.log"; fail "layer 0 done: no ETA"; }
+q --hessian backprop-kfac --out "$T/d" 2>"$T/d.log"
+grep -q " sequences  elapsed" "$T/d.log" && { cat "$T/d.log"; fail "progress lines at the default interval"; }
+BK_PROGRESS_INTERVAL=0 q --hessian backprop-kfac --bwd-flow naive --out "$T/pj" --json >"$T/pj.json"
+python3 - "$T/pj.json" <<'EOF2'
+import json, sys
+ev = [json.loads(l) for l in open(sys.argv[1])]
+pr = [e for e in ev if e["event"] == "backward_progress"]
+# naive over 4 layers, leaf 1: 4 passes, one event each (3 of 4 sequences)
+assert [(e["pass"], e["passes"], e["pass_seqs_done"], e["pass_seqs"]) for e in pr] == \
+    [(p, 4, 3, 4) for p in (1, 2, 3, 4)], pr
+assert all(e["eta_s"] is not None and e["eta_s"] >= 0 for e in pr), pr
+bp = [e for e in ev if "work_done" in e]
+w = [e["work_done"] for e in bp]
+assert all(b >= a - 1e-12 for a, b in zip(w, w[1:])), w
+assert w[0] == 0 and 0 < max(w[:-1]) < 1 and abs(w[-1] - 1) < 1e-9, w
+ld = [e for e in ev if e["event"] == "layer_done"]
+assert len(ld) == 4 and ld[-1]["eta_s"] == 0 and all(e["eta_s"] is not None for e in ld), ld
+print("progress within the passes: %d events, work share %.3f .. %.3f" % (len(pr), w[0], w[-1]))
+EOF2
+
 q --hessian backprop-shampoo --leaf-size 2 --fisher empirical --out "$T/e" 2>"$T/e.log" ||
     { cat "$T/e.log"; fail "backprop-shampoo --leaf-size 2 --fisher empirical"; }
 # backprop-shampoo is unstable on SmolLM2 (docs/hessians.md): a warning line on stderr

@@ -467,14 +467,44 @@ typedef struct collect {
     int delivered[64];   /* micro-batches per layer */
     int done_next;       /* next layer leaf_done must start at */
     int passes_seen, max_depth_seen;
+    /* the schedule computed in advance (bk_bwd_flow_schedule): every pass as
+     * announced, and the micro-batches within each (micro_done) */
+    bk_bwd_pass_work sched[128];
+    int nsched, cur_pass;
+    int64_t S, B, micro_seen, last_done;
 } collect;
 
 static void cb_pass(void *user, const bk_bwd_pass_info *info)
 {
     collect *k = user;
+    /* the pass is the schedule's next, with its depth, layers and kind */
+    assert_int_equal(info->index, k->passes_seen);
+    assert_true(info->index < k->nsched);
+    const bk_bwd_pass_work *w = &k->sched[info->index];
+    assert_int_equal(info->depth, w->depth);
+    assert_int_equal(info->lo, w->lo);
+    assert_int_equal(info->hi, w->hi);
+    assert_int_equal(info->leaf, w->leaf);
+    /* the pass before delivered every micro-batch */
+    if (info->index > 0)
+        assert_int_equal(k->last_done, k->S);
+    k->cur_pass = info->index;
+    k->last_done = 0;
     k->passes_seen++;
     if (info->depth > k->max_depth_seen)
         k->max_depth_seen = info->depth;
+}
+
+static void cb_micro(void *user, int pass, int64_t done, int64_t S)
+{
+    collect *k = user;
+    assert_int_equal(pass, k->cur_pass);
+    assert_int_equal(S, k->S);
+    /* one call per micro-batch, in order */
+    int64_t want = k->last_done + k->B < S ? k->last_done + k->B : S;
+    assert_int_equal(done, want);
+    k->last_done = done;
+    k->micro_seen++;
 }
 
 static bk_status cb_grads(void *user, int layer, int64_t s0, int64_t S, const bk_grad_taps *t)
@@ -520,10 +550,29 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->c = bk_model_get_config(m);
     k->N = S * T;
     k->T = T;
+    k->S = S;
+    k->B = batch;
+    const int L = (int)k->c->n_layers;
+    k->nsched = bk_bwd_flow_schedule(L, leaf, kind, k->sched, 128);
+    assert_true(k->nsched >= 1 && k->nsched <= 128);
     bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 42, batch, 0};
-    bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf, NULL, 0, NULL, NULL};
+    bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf, NULL, 0, NULL, NULL, cb_micro};
     if (bk_bwd_flow_run(m, tok, S, T, &o, &cb, st) != BK_OK)
         fail_msg("%s", bk_last_error());
+    /* the work computed in advance is the work done: passes, layer forwards
+     * (with the recomputed ones) and backwards, one micro_done per micro-batch
+     * of every pass */
+    int64_t fw = 0, bw = 0;
+    for (int p = 0; p < k->nsched; p++) {
+        assert_int_equal(k->sched[p].layer_forwards, k->sched[p].forwards + k->sched[p].backwards);
+        fw += k->sched[p].layer_forwards;
+        bw += k->sched[p].backwards;
+    }
+    assert_int_equal(k->nsched, st->passes);
+    assert_int_equal(fw, st->layer_forwards);
+    assert_int_equal(bw, st->layer_backwards);
+    assert_int_equal(k->micro_seen, (int64_t)st->passes * ((S + batch - 1) / batch));
+    assert_int_equal(k->last_done, S);
     assert_int_equal(k->done_next, (int)k->c->n_layers);
     int64_t nb = (S + batch - 1) / batch;
     for (int l = 0; l < k->c->n_layers; l++)
@@ -653,6 +702,72 @@ static void test_flows_qwen3(void **state)
     flows_model("tiny-qwen3");
 }
 
+/* The schedule alone, over many layer counts and leaf sizes: the leaves
+ * cover the layers in order, every pass's work follows from its range, and
+ * the Llama-3-8B shape (32 layers, leaf 4) is the 15 passes the H200 printed
+ * (pass 9 the split at depth 1 of layers 17-32). */
+static void test_flow_schedule(void **state)
+{
+    (void)state;
+    static bk_bwd_pass_work w[256];
+    for (int L = 1; L <= 40; L++)
+        for (int s = 1; s <= L + 1; s++)
+            for (int naive = 0; naive < 2; naive++) {
+                bk_bwd_flow_kind kind = naive ? BK_FLOW_NAIVE : BK_FLOW_HALVING;
+                int n = bk_bwd_flow_schedule(L, s, kind, w, 256);
+                assert_int_equal(bk_bwd_flow_schedule(L, s, kind, NULL, 0), n);
+                assert_true(n >= 1 && n <= 256);
+                int next = 0, leaves = 0, heads = 0;
+                int64_t bwd = 0;
+                for (int p = 0; p < n; p++) {
+                    assert_int_equal(w[p].layer_forwards, w[p].forwards + w[p].backwards);
+                    /* back through the pass's layers (naive: from the head down to its leaf) */
+                    assert_int_equal(w[p].backwards, (naive ? L : w[p].hi) - w[p].lo);
+                    heads += w[p].head;
+                    bwd += w[p].backwards;
+                    if (w[p].leaf) {
+                        assert_int_equal(w[p].lo, next);
+                        assert_true(w[p].hi > w[p].lo && w[p].hi - w[p].lo <= s);
+                        next = w[p].hi;
+                        leaves++;
+                    }
+                    if (naive) {
+                        /* the whole model forward (its last layer too: the head follows) */
+                        assert_int_equal(w[p].forwards, L);
+                        assert_int_equal(w[p].head, 1);
+                        assert_int_equal(w[p].depth, 0);
+                    }
+                }
+                assert_int_equal(next, L);
+                if (naive) {
+                    assert_int_equal(n, (L + s - 1) / s);
+                    int64_t want = 0;
+                    for (int lo = 0; lo < L; lo += s)
+                        want += L - lo;
+                    assert_int_equal(bwd, want);
+                } else {
+                    /* the root's sweep runs the head, or the one leaf's when L <= s */
+                    assert_int_equal(heads, 1);
+                    assert_int_equal(w[0].head, 1);
+                    assert_int_equal(n, L <= s ? 1 : 2 * leaves - 1);
+                }
+            }
+    int n = bk_bwd_flow_schedule(32, 4, BK_FLOW_HALVING, w, 256);
+    assert_int_equal(n, 15);
+    /* pass 1: forward through the 32 layers, the head, back through layers 17-32 */
+    assert_int_equal(w[0].forwards, 32);
+    assert_int_equal(w[0].backwards, 16);
+    assert_int_equal(w[0].lo, 16);
+    assert_true(w[3].leaf && w[3].lo == 0 && w[3].hi == 4 && w[3].depth == 3);
+    assert_true(!w[8].leaf && w[8].depth == 1 && w[8].lo == 24 && w[8].hi == 32);
+    /* cap: counts every pass, fills only cap */
+    w[2].depth = -7;
+    assert_int_equal(bk_bwd_flow_schedule(32, 4, BK_FLOW_HALVING, w, 2), 15);
+    assert_int_equal(w[2].depth, -7);
+    assert_int_equal(bk_bwd_flow_schedule(0, 4, BK_FLOW_HALVING, w, 256), -1);
+    assert_int_equal(bk_bwd_flow_schedule(4, 0, BK_FLOW_NAIVE, w, 256), -1);
+}
+
 /* ======================================================== bad input */
 
 static void test_bad_input(void **state)
@@ -683,7 +798,7 @@ static void test_bad_input(void **state)
     /* the empirical Fisher has no label in sequences of one token */
     int32_t tok[2] = {1, 2};
     bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_EMPIRICAL, 0, 1, 0};
-    bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL};
+    bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     bk_bwd_flow_stats st;
     assert_int_equal(bk_bwd_flow_run(m, tok, 2, 1, &o, &cb, &st), BK_ERR_CALIB);
     assert_non_null(strstr(bk_last_error(), "--fisher empirical"));
@@ -1166,6 +1281,7 @@ int main(void)
         cmocka_unit_test(test_sampled_labels),
         cmocka_unit_test(test_flows_kerneldocs),
         cmocka_unit_test(test_flows_qwen3),
+        cmocka_unit_test(test_flow_schedule),
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_backprop_factors),
         cmocka_unit_test(test_bp_sum_items),

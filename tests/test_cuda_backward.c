@@ -179,7 +179,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->N = S * T;
     k->T = T;
     bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0};
-    bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0, NULL, NULL};
+    bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0, NULL, NULL, NULL};
     bk_status s = gpu ? bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, st)
                       : bk_bwd_flow_run(m, tok, S, T, &o, &cb, st);
     if (s != BK_OK)
@@ -1004,7 +1004,7 @@ static void test_bad_inputs(void **state)
     const bk_model_config *c = bk_model_get_config(m);
     const int64_t S = 2, T = 8;
     int32_t *tok = tu_random_tokens(1, S * T, c->vocab);
-    bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0, NULL, NULL};
+    bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0, NULL, NULL, NULL};
     bk_bwd_flow_stats st;
     bk_gbwd_opts go = {0, 0, 0};
     bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2, 0};

@@ -149,6 +149,11 @@ typedef struct bk_bwd_flow_cb {
      * upper triangle, the layout grams delivers; the rest zero), *set = 0 to
      * start from zero. The Grams then delivered to grams include them. */
     bk_status (*grams_start)(void *user, int layer, bk_module mod, double *G, int *set);
+    /* Optional (both flows): a micro-batch of pass `pass` (bk_bwd_pass_info.index)
+     * went through the whole sweep; done of S sequences of this process are now
+     * through it (progress within a pass; called after the backend's sync, so
+     * the work is finished, not just queued). */
+    void (*micro_done)(void *user, int pass, int64_t done, int64_t S);
 } bk_bwd_flow_cb;
 
 typedef struct bk_bwd_flow_stats {
@@ -164,6 +169,27 @@ typedef struct bk_bwd_flow_stats {
     int64_t weight_requests, weight_uploads;
     double time_forward_s, time_backward_s, time_head_s;
 } bk_bwd_flow_stats;
+
+/* The flow's schedule, known in advance from the layer count, the leaf size
+ * and the flow (not the data, not the micro-batching): one entry per pass, in
+ * the order the passes run (index = bk_bwd_pass_info.index), with the same
+ * depth, lo, hi and leaf as the pass's bk_bwd_pass_info and the work of its
+ * sweep over the calibration set, counted as bk_bwd_flow_stats counts it:
+ * summed over the schedule, layer_forwards and layer_backwards equal the
+ * stats of a completed run. For progress and ETA (docs/hessians.md). */
+typedef struct bk_bwd_pass_work {
+    int depth, lo, hi, leaf;     /* as bk_bwd_pass_info */
+    int forwards;                /* layer forwards before the backward (the sweep's forward part) */
+    int backwards;               /* layer backwards; each also recomputes the layer's forward */
+    int head;                    /* 1: the sweep runs the final norm, LM head and loss */
+    int layer_forwards;          /* forwards + backwards (bk_bwd_flow_stats.layer_forwards) */
+} bk_bwd_pass_work;
+
+/* Fills out[0 .. min(n, cap)) and returns n, the number of passes (cap 0,
+ * out NULL: only counts); -1 for bad arguments (n_layers < 1, leaf < 1, an
+ * unknown flow). */
+int bk_bwd_flow_schedule(int n_layers, int leaf, bk_bwd_flow_kind flow, bk_bwd_pass_work *out,
+                         int cap);
 
 /* Run the flow over the calibration tokens [S, T] of model m (its original,
  * full-precision weights). The gradients are those of the original model;

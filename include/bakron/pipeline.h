@@ -35,7 +35,9 @@ typedef enum bk_event_kind {
     BK_EV_DONE,
     BK_EV_NOTE,        /* something the user should know (message): a stale lock cleared,
                           a killed run's leftover removed, a run resumed */
-    BK_EV_BACKWARD     /* a pass of the backprop flow begins (message: layers, depth) */
+    BK_EV_BACKWARD,    /* a pass of the backprop flow begins (message: layers, depth) */
+    BK_EV_BACKWARD_PROGRESS /* a micro-batch of the running pass is done (pass_seqs_done of
+                               pass_seqs); one per micro-batch: a consumer thins them out */
 } bk_event_kind;
 
 typedef struct bk_event {
@@ -50,6 +52,17 @@ typedef struct bk_event {
     const char *message;         /* free text (START / WRITE / DONE) */
     int layers_kept;             /* --resume: layers the interrupted run finished (not redone;
                                     elapsed_s and eta_s count this run's work only) */
+    /* the backprop kinds (every event while the flow runs; 0 otherwise): the
+     * pass running or last begun (1-based) of the flow's passes, and the
+     * sequences of that pass done (this process's share). eta_s is then the
+     * work left (every pass's layer forwards, backwards and head, and the
+     * leaf layers' stages, from bk_bwd_flow_schedule) at the unit times
+     * measured so far (constants before the first measurement; eta_s < 0:
+     * nothing measured yet), not the layer count's extrapolation; work_done:
+     * the share of the run's work done, 0..1. */
+    int pass, passes;
+    int64_t pass_seqs_done, pass_seqs;
+    double work_done;
 } bk_event;
 
 typedef void (*bk_event_fn)(void *user, const bk_event *ev);

@@ -576,6 +576,7 @@ static const char *ev_name(bk_event_kind k)
     case BK_EV_WRITE: return "write";
     case BK_EV_DONE: return "done";
     case BK_EV_BACKWARD: return "backward";
+    case BK_EV_BACKWARD_PROGRESS: return "backward_progress";
     case BK_EV_NOTE: return "note";
     }
     return "?";
@@ -594,7 +595,11 @@ static void fmt_time(double s, char *buf, size_t cap)
 /* Progress of a quantize run as the CLI reports it: layers numbered from 0
  * as in the checkpoint's tensor names (model.layers.N) and in --layers A:B,
  * with "(k/n)" counting the selected layers; the ETA from the share of the
- * selected modules' weights done so far. */
+ * selected modules' weights done so far, or, for the backprop kinds, the
+ * job's own (eta_s: the flow's passes and the leaf layers' stages at their
+ * measured unit times). Within a backward pass a line at most every
+ * BK_PROGRESS_INTERVAL seconds (default 30) since the last line: plain lines,
+ * also on a terminal (no carriage returns in batch logs). */
 typedef struct progress {
     int json;
     int have_plan;
@@ -603,6 +608,8 @@ typedef struct progress {
     int cur_module;      /* index of the next module of that layer (-1: none) */
     double layer_work, total_work, done_work;
     double last_eta;
+    double interval;     /* seconds between lines within a backward pass */
+    double last_line_s;  /* elapsed_s of the last line or JSON event printed */
 } progress;
 
 static int module_index(const char *name)
@@ -619,6 +626,14 @@ static void progress_init(progress *p, int json, const bk_quantize_plan *plan)
     p->json = json;
     p->cur_layer = -1;
     p->cur_module = -1;
+    p->interval = 30;
+    const char *iv = getenv("BK_PROGRESS_INTERVAL");
+    if (iv && *iv) {
+        char *end;
+        double v = strtod(iv, &end);
+        if (*end == '\0' && v >= 0)
+            p->interval = v;
+    }
     if (plan && plan->model_ok) {
         p->have_plan = 1;
         p->plan = *plan;
@@ -630,6 +645,8 @@ static void progress_init(progress *p, int json, const bk_quantize_plan *plan)
 
 static double progress_eta(progress *p, const bk_event *ev)
 {
+    if (ev->passes > 0) /* the backprop kinds: from the flow's work (< 0: not known yet) */
+        return ev->eta_s;
     if (p->total_work <= 0 || p->done_work <= 0)
         return ev->eta_s;
     /* (--resume: the kept layers' work is not part of this run) */
@@ -686,6 +703,13 @@ static void on_event(void *user, const bk_event *ev)
     double eta = progress_eta(p, ev);
     if (ev->kind == BK_EV_DONE)
         eta = 0;
+    if (ev->kind == BK_EV_BACKWARD_PROGRESS) {
+        /* within a pass: a line now and then, not at its last micro-batch
+         * (the next pass's or layer's line follows) */
+        if (ev->pass_seqs_done >= ev->pass_seqs || ev->elapsed_s - p->last_line_s < p->interval)
+            return;
+    }
+    p->last_line_s = ev->elapsed_s;
     if (p->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "event", ev_name(ev->kind));
@@ -706,7 +730,17 @@ static void on_event(void *user, const bk_event *ev)
             cJSON_AddNumberToObject(j, "damp_b", ev->damp_b);
         }
         cJSON_AddNumberToObject(j, "elapsed_s", ev->elapsed_s);
-        cJSON_AddNumberToObject(j, "eta_s", eta);
+        if (eta >= 0)
+            cJSON_AddNumberToObject(j, "eta_s", eta);
+        else
+            cJSON_AddNullToObject(j, "eta_s");
+        if (ev->passes > 0) {
+            cJSON_AddNumberToObject(j, "pass", ev->pass);
+            cJSON_AddNumberToObject(j, "passes", ev->passes);
+            cJSON_AddNumberToObject(j, "pass_seqs_done", (double)ev->pass_seqs_done);
+            cJSON_AddNumberToObject(j, "pass_seqs", (double)ev->pass_seqs);
+            cJSON_AddNumberToObject(j, "work_done", ev->work_done);
+        }
         cJSON *t = cJSON_AddObjectToObject(j, "stage_s");
         cJSON_AddNumberToObject(t, "forward", ev->t_forward);
         cJSON_AddNumberToObject(t, "hessian", ev->t_hessian);
@@ -727,7 +761,10 @@ static void on_event(void *user, const bk_event *ev)
     }
     char el[32], et[32];
     fmt_time(ev->elapsed_s, el, sizeof el);
-    fmt_time(eta, et, sizeof et);
+    if (eta >= 0)
+        fmt_time(eta, et, sizeof et);
+    else
+        snprintf(et, sizeof et, "?");
     const int k = ev->layer - begin + 1; /* among the selected layers */
     switch (ev->kind) {
     case BK_EV_START: fprintf(stderr, "bakron: %s\n", ev->message); break;
@@ -749,7 +786,12 @@ static void on_event(void *user, const bk_event *ev)
         break;
     case BK_EV_WRITE:
     case BK_EV_NOTE: fprintf(stderr, "bakron: %s\n", ev->message); break;
-    case BK_EV_BACKWARD: fprintf(stderr, "  %s  elapsed %s\n", ev->message, el); break;
+    case BK_EV_BACKWARD: fprintf(stderr, "  %s  elapsed %s  ETA %s\n", ev->message, el, et); break;
+    case BK_EV_BACKWARD_PROGRESS:
+        fprintf(stderr, "  backward pass %d of %d: %lld/%lld sequences  elapsed %s  ETA %s\n",
+                ev->pass, ev->passes, (long long)ev->pass_seqs_done, (long long)ev->pass_seqs, el,
+                et);
+        break;
     case BK_EV_DONE:
         fprintf(stderr, "bakron: wrote %s in %s\n", ev->message ? ev->message : "", el);
         break;
