@@ -364,7 +364,7 @@ static void run_grams_cb(const bk_model *m, const int32_t *tok, int64_t S, int64
     k->T = T;
     bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0};
     bk_bwd_flow_cb cb = {k,        NULL, NULL, cb_gleaf, dev ? NULL : cb_grams,
-                         weighted, dev ? cb_grams_dev : NULL, NULL};
+                         weighted, dev ? cb_grams_dev : NULL, NULL, NULL};
     bk_bwd_flow_stats st;
     if (bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, &st) != BK_OK)
         fail_msg("GPU flow with Grams (%s, leaf %d): %s", bk_bwd_flow_name(kind), leaf,
