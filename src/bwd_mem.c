@@ -1,4 +1,6 @@
 /* Device-memory model of the GPU backward flow (src/bwd_mem.h). */
+#include <stdio.h>
+
 #include "bwd_mem.h"
 
 #include "bakron/backward.h"
@@ -164,4 +166,104 @@ int bk_bwd_auto_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bw
             return s;
     }
     return 1;
+}
+
+/* ------------------------------------------------ host memory of the flows */
+
+/* the most boundary matrices node(lo, hi) holds at once, its own included
+ * (root: G_hi is the head's, and the node allocates G_L too) */
+static int node_units(int64_t lo, int64_t hi, int root, int leaf)
+{
+    if (hi - lo <= leaf)
+        return 0;
+    const int64_t mid = lo + (hi - lo) / 2;
+    const int own = root ? 3 : 2;
+    const int left = own + node_units(lo, mid, 0, leaf);      /* X_mid, G_mid (G_L) */
+    const int right = own - 1 + node_units(mid, hi, 0, leaf); /* G_mid freed */
+    return left > right ? left : right;
+}
+
+int bk_bwd_boundary_units(int64_t L, int flow, int leaf)
+{
+    if (flow == BK_FLOW_NAIVE || leaf < 1 || L < 1)
+        return 0;
+    return node_units(0, L, 1, leaf);
+}
+
+uint64_t bk_bwd_boundary_peak_bytes(int64_t L, int flow, int leaf, int64_t N, int64_t hidden,
+                                    int elem_bytes)
+{
+    return (uint64_t)bk_bwd_boundary_units(L, flow, leaf) * (uint64_t)N * (uint64_t)hidden *
+           (uint64_t)elem_bytes;
+}
+
+void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t N,
+                           int elem_bytes, int gpu, uint64_t avail, bk_bwd_host_plan *p)
+{
+    const int64_t L = c->n_layers;
+    /* one layer's F32 copy (bk_layer_weights_load; cuda/backward.cu
+     * host_layer_bytes): the device cache's layer at fp32 */
+    const uint64_t lb = bk_bwd_dev_layer_bytes(c, BK_BWD_FP32);
+    p->units = bk_bwd_boundary_units(L, flow, leaf);
+    p->elem_bytes = elem_bytes;
+    p->boundary_bytes = bk_bwd_boundary_peak_bytes(L, flow, leaf, N, c->hidden, elem_bytes);
+    p->copies_budget = gpu ? (avail ? avail / 2 : UINT64_MAX) : (uint64_t)L * lb;
+    uint64_t n = lb ? p->copies_budget / lb : 0;
+    if (n > (uint64_t)L)
+        n = (uint64_t)L;
+    p->copies_bytes = n * lb;
+    p->margin = avail / 8;
+    p->need = p->boundary_bytes + p->copies_bytes + p->margin;
+    p->avail = avail;
+}
+
+bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_t S, int64_t T,
+                            int elem_bytes, int gpu, int ranks, uint64_t avail,
+                            bk_bwd_host_plan *out)
+{
+    bk_bwd_host_plan p;
+    bk_bwd_host_plan_make(c, flow, leaf, S * T, elem_bytes, gpu, avail, &p);
+    if (out)
+        *out = p;
+    if (!avail || p.need <= avail)
+        return BK_OK;
+    const double G = 1e9;
+    const int64_t L = c->n_layers;
+    const uint64_t room = avail > p.copies_bytes + p.margin ? avail - p.copies_bytes - p.margin : 0;
+    char fix[256] = "";
+    int k = 0;
+    if (p.units > 0) {
+        const uint64_t per_seq = (uint64_t)p.units * (uint64_t)T * (uint64_t)c->hidden *
+                                 (uint64_t)elem_bytes;
+        const int64_t smax = per_seq ? (int64_t)(room / per_seq) : 0;
+        if (smax >= 1)
+            k += snprintf(fix + k, sizeof fix - (size_t)k, "--samples %lld or fewer, ",
+                          (long long)smax * (ranks > 1 ? ranks : 1));
+        for (int s = leaf + 1; s <= L; s++)
+            if (bk_bwd_boundary_peak_bytes(L, flow, s, S * T, c->hidden, elem_bytes) <= room) {
+                const int u = bk_bwd_boundary_units(L, flow, s);
+                if (u)
+                    k += snprintf(fix + k, sizeof fix - (size_t)k,
+                                  "--leaf-size %d (%d matrices, %.1f GB), ", s, u,
+                                  (double)bk_bwd_boundary_peak_bytes(L, flow, s, S * T,
+                                                                     c->hidden, elem_bytes) / G);
+                else
+                    k += snprintf(fix + k, sizeof fix - (size_t)k,
+                                  "--leaf-size %d (no boundary matrices), ", s);
+                break;
+            }
+        snprintf(fix + k, sizeof fix - (size_t)k,
+                 "or --bwd-flow naive (no boundary matrices, more passes)");
+    } else {
+        snprintf(fix, sizeof fix, "a host with more memory (the layers' copies alone do not fit)");
+    }
+    return bk_error(BK_ERR_NOMEM,
+                    "quantize: the backprop flow (%s, --leaf-size %d) needs %.1f GB of host "
+                    "memory: %.1f GB of boundary matrices (%d x [%lld tokens x %lld] %s) + "
+                    "%.1f GB of the layers' host copies + %.1f GB margin, more than the %.1f GB "
+                    "available (MemAvailable): use %s",
+                    flow == BK_FLOW_NAIVE ? "naive" : "halving", leaf, (double)p.need / G,
+                    (double)p.boundary_bytes / G, p.units, (long long)(S * T),
+                    (long long)c->hidden, elem_bytes == 8 ? "F64" : "F32",
+                    (double)p.copies_bytes / G, (double)p.margin / G, (double)avail / G, fix);
 }

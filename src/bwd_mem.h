@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "bakron/model.h"
+#include "bakron/status.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -66,6 +67,49 @@ int64_t bk_bwd_fit_batch(const bk_model_config *c, int64_t T, int64_t S,
  * and s layers' Grams held at once; it does not change the result. */
 int bk_bwd_auto_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd_mem_params *p,
                      int64_t B, uint64_t avail, uint64_t stage_bytes, uint64_t reserve);
+
+/* ------------------------------------------------ host memory of the flows
+ *
+ * The boundary matrices of recursive halving (src/backward_flow.c, node):
+ * a split of [lo, hi) allocates X_mid and G_mid [N, hidden], and the root
+ * also G_L (the head's gradient); G_mid is freed after the left child,
+ * X_mid and G_L after the right one. bk_bwd_boundary_units walks the same
+ * recursion: the most matrices alive at once (0: naive, or leaf >= L).
+ * Elements are the flow's storage type: 8 bytes on the CPU (double), 4 on
+ * the GPU at fp32 / tf32 / bf16 (F32), 8 at fp64. */
+int bk_bwd_boundary_units(int64_t L, int flow, int leaf);
+
+/* units x N x hidden x elem_bytes: the flow's stats.peak_boundary_bytes */
+uint64_t bk_bwd_boundary_peak_bytes(int64_t L, int flow, int leaf, int64_t N, int64_t hidden,
+                                    int elem_bytes);
+
+/* What the flow will hold in host memory, planned before it starts. */
+typedef struct bk_bwd_host_plan {
+    int units;                /* boundary matrices alive at the peak */
+    int elem_bytes;
+    uint64_t boundary_bytes;  /* their bytes (bk_bwd_boundary_peak_bytes) */
+    uint64_t copies_budget;   /* the layers' host F32 copies: GPU flow, half of avail
+                                 (cuda/backward.cu hbudget); CPU flow, every layer */
+    uint64_t copies_bytes;    /* the copies held: min(L, budget / layer) layers */
+    uint64_t margin;          /* avail / 8: what the plan does not count (the leaf
+                                 layers' accumulators, the stages, allocator rounding) */
+    uint64_t need;            /* boundary + copies + margin */
+    uint64_t avail;           /* the host's available memory (0: unknown) */
+} bk_bwd_host_plan;
+
+/* The plan of a flow over N = S*T tokens; gpu: the GPU flow (its host
+ * budget for the copies), else the CPU's. */
+void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t N,
+                           int elem_bytes, int gpu, uint64_t avail, bk_bwd_host_plan *p);
+
+/* BK_OK when the plan fits (need <= avail, or avail unknown); else
+ * BK_ERR_NOMEM with one line naming the numbers and what to change: the
+ * largest --samples that fits (S sequences of T tokens here, `ranks` MPI
+ * ranks each holding its share), the smallest larger --leaf-size that fits,
+ * --bwd-flow naive (no boundary matrices). */
+bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_t S, int64_t T,
+                            int elem_bytes, int gpu, int ranks, uint64_t avail,
+                            bk_bwd_host_plan *out);
 
 #ifdef __cplusplus
 }

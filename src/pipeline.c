@@ -109,6 +109,28 @@ static void job_free(job *j)
     j->rs = NULL;
 }
 
+
+/* The backprop flow's host memory before it starts (issue 16): the
+ * boundary matrices of recursive halving at their peak, the layers' host
+ * copies and a margin against the host's available memory (MemAvailable):
+ * a clear BK_ERR_NOMEM (exit 3) here, not minutes of passes and then a
+ * failed allocation or the kernel's OOM killer. MPI ranks: each rank's
+ * share (ranks on one host share its memory: not counted). */
+static bk_status bp_host_check(job *j, int leaf)
+{
+    const bk_quantize_opts *o = j->o;
+    const int64_t L = j->cfg->n_layers;
+    if (leaf > L)
+        leaf = (int)L;
+    /* the flow's storage: double on the CPU, F32 on the GPU but at fp64 */
+    const int es = j->bp_gpu && o->bwd_precision != BK_BWD_FP64 ? 4 : 8;
+    bk_status st = bk_bwd_host_check(j->cfg, (int)o->bwd_flow, leaf, j->s_hi - j->s_lo, j->T, es,
+                                     j->bp_gpu, j->nranks, bk_host_avail_bytes(), &j->bp_host);
+    if (j->nranks > 1)
+        st = bk__q_sync(j, st);
+    return st;
+}
+
 bk_status bk_quantize(const bk_quantize_opts *o)
 {
     job jb, *j = &jb;
@@ -334,6 +356,11 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         goto fail;
     }
     int leaf = o->leaf_size > 0 ? o->leaf_size : 1; /* the backprop flow's */
+    /* the leaf size known already (--leaf-size, or 1 with MPI ranks): the
+     * flow's host memory is checked before the stages are set up */
+    if (j->S > 0 && j->bp && (o->leaf_size > 0 || j->nranks > 1) &&
+        (st = bp_host_check(j, o->leaf_size > 0 ? o->leaf_size : 1)) != BK_OK)
+        goto fail;
     {
         /* the backprop flow on the device of the stages: what it will hold
          * there (the GPU stages size their micro-batch from it) */
@@ -403,6 +430,9 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         }
         leaf = bm.leaf > 0 ? bm.leaf : 1;
     }
+    /* (again with the leaf the stages chose, and what they hold now) */
+    if (j->S > 0 && j->bp && (st = bp_host_check(j, leaf)) != BK_OK)
+        goto fail;
     /* backprop kinds: one host accumulator per layer of a leaf; the flow's
      * output side enters it, the stages get it with bp_grads (the CPU stages
      * add the input side into it, the GPU stages take the output side) */

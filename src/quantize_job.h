@@ -27,6 +27,7 @@
 #include "bakron/pipeline.h"
 #include "backend_impl.h"
 #include "backward_internal.h"
+#include "bwd_mem.h"
 #include "layer_driver.h"
 #include "outdir.h"
 #include "pipeline_internal.h"
@@ -86,6 +87,8 @@ typedef struct job {
     } *bp_dev;
     int bp_leaf_lo;             /* first layer of the current leaf */
     bk_bwd_flow_stats bp_stats;
+    bk_bwd_host_plan bp_host;   /* the flow's host memory, planned before it starts
+                                   (bp_host_check in pipeline.c; report.json) */
     double bp_time_counted;     /* flow time already added to t_forward */
     /* MPI ranks, ordered sums: where this rank is in the current leaf's pass
      * of the output-gradient sums from rank to rank (quantize_ranks.c) */

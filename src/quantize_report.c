@@ -127,6 +127,20 @@ bk_status bk__q_write_metadata(job *j)
         cJSON_AddNumberToObject(b, "layer_forwards", (double)bs->layer_forwards);
         cJSON_AddNumberToObject(b, "layer_backwards", (double)bs->layer_backwards);
         cJSON_AddNumberToObject(b, "peak_boundary_host_bytes", (double)bs->peak_boundary_bytes);
+        /* planned before the flow started (bp_host_check, src/bwd_mem.h): the
+         * boundary peak, the layers' host copies and their budget (the GPU
+         * flow: half of MemAvailable at its start; the CPU's: every layer), the
+         * host's available memory then */
+        cJSON_AddNumberToObject(b, "planned_peak_boundary_host_bytes",
+                                (double)j->bp_host.boundary_bytes);
+        cJSON_AddNumberToObject(b, "planned_boundary_matrices", j->bp_host.units);
+        cJSON_AddNumberToObject(b, "planned_host_weight_copies_bytes",
+                                (double)j->bp_host.copies_bytes);
+        cJSON_AddNumberToObject(b, "host_weight_copies_budget_bytes",
+                                j->bp_host.copies_budget == UINT64_MAX
+                                    ? -1.0
+                                    : (double)j->bp_host.copies_budget);
+        cJSON_AddNumberToObject(b, "host_available_bytes_at_plan", (double)j->bp_host.avail);
         /* CPU: the flow's micro-batch buffers in host memory; GPU: its device buffers
          * (micro-batch, LM head), the layer weights aside */
         cJSON_AddNumberToObject(b, j->bp_gpu ? "micro_batch_device_bytes" : "micro_batch_host_bytes",

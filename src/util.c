@@ -20,6 +20,26 @@ double bk_now(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+uint64_t bk_host_avail_bytes(void)
+{
+    uint64_t kb = 0;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        unsigned long long v;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &v) == 1) {
+                kb = (uint64_t)v;
+                break;
+            }
+        fclose(f);
+    }
+    if (kb)
+        return kb * 1024;
+    long pages = sysconf(_SC_AVPHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
+    return pages > 0 && ps > 0 ? (uint64_t)pages * (uint64_t)ps : 0;
+}
+
 /* ------------------------------------------------------------ profiling */
 
 #define BK_PROF_MAX 96

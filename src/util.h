@@ -21,6 +21,10 @@ size_t bk_utf8_invalid_at(const unsigned char *s, size_t n);
 /* Monotonic wall clock in seconds. */
 double bk_now(void);
 
+/* The host's available memory: MemAvailable of /proc/meminfo, else the
+ * free pages; 0 when unknown (as cuda/backward.cu host_avail_bytes). */
+uint64_t bk_host_avail_bytes(void);
+
 /* BK_PROFILE=1: named wall-time accumulators (thread-safe), printed to
  * stderr by bk_prof_print at the end of a quantize run. For finding where
  * time goes; the GPU code synchronizes its stream at each mark only when

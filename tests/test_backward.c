@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "backward_internal.h"
+#include "bwd_mem.h"
 #include "hess_blocks.h"
 #include "bakron/backward.h"
 #include "bakron/forward.h"
@@ -674,6 +675,13 @@ static void flows_model(const char *name)
             }
         }
         assert_int_equal(sh.passes, leaves + inner);
+        /* the planned peak (src/bwd_mem.c, before a job's flow starts) is the
+         * measured one, at either micro-batch */
+        assert_true(sh.peak_boundary_bytes ==
+                    bk_bwd_boundary_peak_bytes(L, BK_FLOW_HALVING, leaf, S * T, c->hidden, 8));
+        assert_true(sb.peak_boundary_bytes == sh.peak_boundary_bytes);
+        assert_true(sn.peak_boundary_bytes ==
+                    bk_bwd_boundary_peak_bytes(L, BK_FLOW_NAIVE, leaf, S * T, c->hidden, 8));
         double nbound = (double)sh.peak_boundary_bytes / (double)(S * T * c->hidden * 8);
         assert_true(nbound <= 2 * (log2((double)L) + 1) + 1e-9);
         assert_true(inner == 0 ? nbound == 0 : nbound >= 3);
@@ -766,6 +774,110 @@ static void test_flow_schedule(void **state)
     assert_int_equal(w[2].depth, -7);
     assert_int_equal(bk_bwd_flow_schedule(0, 4, BK_FLOW_HALVING, w, 256), -1);
     assert_int_equal(bk_bwd_flow_schedule(4, 0, BK_FLOW_NAIVE, w, 256), -1);
+}
+
+/* The flow driver (the one the GPU flow runs too) over operations that
+ * compute nothing, so any depth of layers can be driven: its measured
+ * peak_boundary_bytes is the planned one (bk_bwd_boundary_peak_bytes) for
+ * L = 1..40, every leaf size, both flows, F32 elements like the GPU's. The
+ * model only lends its config (n_layers changed for the drive, restored). */
+static void *fk_alloc(void *x, size_t n)
+{
+    (void)x;
+    return malloc(n);
+}
+static void fk_free(void *x, void *p)
+{
+    (void)x;
+    free(p);
+}
+static bk_status fk_embed(void *x, const int32_t *t, int64_t sb)
+{
+    (void)x, (void)t, (void)sb;
+    return BK_OK;
+}
+static bk_status fk_load(void *x, int b, const void *src, size_t n)
+{
+    (void)x, (void)b, (void)src, (void)n;
+    return BK_OK;
+}
+static bk_status fk_store(void *x, int b, void *dst, size_t n)
+{
+    (void)x, (void)b;
+    memset(dst, 0, n);
+    return BK_OK;
+}
+static bk_status fk_keep(void *x, int k, size_t n)
+{
+    (void)x, (void)k, (void)n;
+    return BK_OK;
+}
+static bk_status fk_forward(void *x, int l, int64_t sb)
+{
+    (void)x, (void)l, (void)sb;
+    return BK_OK;
+}
+static bk_status fk_head(void *x, const int32_t *t, int64_t sb, int64_t seq0)
+{
+    (void)x, (void)t, (void)sb, (void)seq0;
+    return BK_OK;
+}
+static bk_status fk_backward(void *x, int l, int k, int64_t sb, int taps)
+{
+    (void)x, (void)l, (void)k, (void)sb, (void)taps;
+    return BK_OK;
+}
+static bk_status fk_deliver(void *x, int l, int k, int64_t s0, int64_t sb)
+{
+    (void)x, (void)l, (void)k, (void)s0, (void)sb;
+    return BK_OK;
+}
+
+static void test_boundary_plan_driven(void **state)
+{
+    (void)state;
+    bk_model *m = tu_open_model("tiny-llama3");
+    bk_model_config *c = (bk_model_config *)bk_model_get_config(m);
+    const int64_t L0 = c->n_layers, S = 3, T = 2;
+    const int32_t tok[6] = {1, 2, 3, 4, 5, 6};
+    bk_bwd_flow_ops ops;
+    memset(&ops, 0, sizeof ops);
+    ops.elem_bytes = 4;
+    ops.boundary_mem = "memory";
+    ops.boundary_alloc = fk_alloc;
+    ops.boundary_free = fk_free;
+    ops.embed = fk_embed;
+    ops.load = fk_load;
+    ops.store = fk_store;
+    ops.keep = fk_keep;
+    ops.forward = fk_forward;
+    ops.head = fk_head;
+    ops.backward = fk_backward;
+    ops.deliver = fk_deliver;
+    bk_bwd_flow_cb cb;
+    memset(&cb, 0, sizeof cb);
+    int checked = 0;
+    for (int64_t L = 1; L <= 40; L++) {
+        c->n_layers = L;
+        for (int leaf = 1; leaf <= L + 1; leaf++)
+            for (int fl = 0; fl < 2; fl++) {
+                bk_bwd_flow_opts o = {(bk_bwd_flow_kind)fl, leaf, BK_FISHER_MODEL, 1, 2, 0};
+                bk_bwd_flow_stats st;
+                memset(&st, 0, sizeof st);
+                assert_int_equal(bk__bwd_flow_drive(&ops, NULL, m, tok, S, T, 2, &o, &cb, &st),
+                                 BK_OK);
+                const uint64_t want =
+                    bk_bwd_boundary_peak_bytes(L, fl, leaf, S * T, c->hidden, 4);
+                if (st.peak_boundary_bytes != want)
+                    fail_msg("L %lld leaf %d flow %d: measured %llu, planned %llu", (long long)L,
+                             leaf, fl, (unsigned long long)st.peak_boundary_bytes,
+                             (unsigned long long)want);
+                checked++;
+            }
+    }
+    c->n_layers = L0;
+    assert_true(checked > 1000);
+    bk_model_close(m);
 }
 
 /* ======================================================== bad input */
@@ -1282,6 +1394,7 @@ int main(void)
         cmocka_unit_test(test_flows_kerneldocs),
         cmocka_unit_test(test_flows_qwen3),
         cmocka_unit_test(test_flow_schedule),
+        cmocka_unit_test(test_boundary_plan_driven),
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_backprop_factors),
         cmocka_unit_test(test_bp_sum_items),

@@ -10,7 +10,10 @@
 
 #include <cmocka.h>
 
+#include <stdio.h>
 #include <string.h>
+
+#include "bakron/status.h"
 
 #include "bakron/backward.h"
 #include "bakron/pipeline.h"
@@ -161,12 +164,124 @@ static void test_auto_leaf(void **state)
     assert_int_equal(bk_bwd_auto_leaf(&c4, 2048, 256, &p, 2, 1ull << 50, stage, reserve), 2);
 }
 
+/* The boundary matrices of recursive halving, counted by hand from
+ * src/backward_flow.c's node: the root holds X_mid, G_mid, G_L (3); its left
+ * child 2 more, and so on down to the leaves' parents; the right children
+ * hold one fewer (G_mid freed). (The measured stats of real flows:
+ * tests/test_backward.c.) */
+static void test_boundary_units(void **state)
+{
+    (void)state;
+    /* L = 32: depth of the splits log2(32 / leaf) */
+    assert_int_equal(bk_bwd_boundary_units(32, BK_FLOW_HALVING, 1), 3 + 2 * 4);
+    assert_int_equal(bk_bwd_boundary_units(32, BK_FLOW_HALVING, 2), 3 + 2 * 3);
+    assert_int_equal(bk_bwd_boundary_units(32, BK_FLOW_HALVING, 4), 3 + 2 * 2);
+    assert_int_equal(bk_bwd_boundary_units(32, BK_FLOW_HALVING, 8), 3 + 2 * 1);
+    assert_int_equal(bk_bwd_boundary_units(32, BK_FLOW_HALVING, 16), 3);
+    assert_int_equal(bk_bwd_boundary_units(32, BK_FLOW_HALVING, 32), 0);
+    assert_int_equal(bk_bwd_boundary_units(32, BK_FLOW_HALVING, 99), 0);
+    for (int s = 1; s <= 32; s++)
+        assert_int_equal(bk_bwd_boundary_units(32, BK_FLOW_NAIVE, s), 0);
+    /* odd L: [0, 3) splits at 1: left [0, 1) a leaf, right [1, 3) splits */
+    assert_int_equal(bk_bwd_boundary_units(3, BK_FLOW_HALVING, 1), 3 + 2 - 1);
+    assert_int_equal(bk_bwd_boundary_units(2, BK_FLOW_HALVING, 1), 3);
+    assert_int_equal(bk_bwd_boundary_units(1, BK_FLOW_HALVING, 1), 0);
+    /* L = 28 (Qwen 7B-like), leaf 1: [0,28) 3, [0,14) 5, [0,7) 7, [0,3) 9 (its left
+     * child [0,1) a leaf), then its right child [1,3) after G_mid's free: 8 + 2 */
+    assert_int_equal(bk_bwd_boundary_units(28, BK_FLOW_HALVING, 1), 10);
+    /* the paper's bound 2 (log2 l + 1) */
+    for (int L = 1; L <= 80; L++)
+        for (int s = 1; s <= L; s++) {
+            int u = bk_bwd_boundary_units(L, BK_FLOW_HALVING, s);
+            int lg = 0;
+            while ((1 << lg) < L)
+                lg++;
+            assert_true(u <= 2 * (lg + 1));
+        }
+}
+
+/* The 8B job of issue 16: 256 x 2048 tokens, hidden 4096, F32 boundaries
+ * (bf16 precision), 32 layers: 8 GiB a matrix; at leaf 4 seven alive (the
+ * host's 60 GB at depth 2 measured on the H200 host). */
+static void test_boundary_8b(void **state)
+{
+    (void)state;
+    const int64_t N = 256 * 2048;
+    const uint64_t one = (uint64_t)N * 4096 * 4;
+    assert_true(one == 8ull << 30);
+    assert_true(bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, 1, N, 4096, 4) == 11 * one);
+    assert_true(bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, 2, N, 4096, 4) == 9 * one);
+    assert_true(bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, 4, N, 4096, 4) == 7 * one);
+    assert_true(bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, 8, N, 4096, 4) == 5 * one);
+    assert_true(bk_bwd_boundary_peak_bytes(32, BK_FLOW_NAIVE, 4, N, 4096, 4) == 0);
+    for (int s = 1; s <= 8; s *= 2)
+        printf("  8B boundary peak, leaf %d: %.1f GB\n", s,
+               (double)bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, s, N, 4096, 4) / 1e9);
+}
+
+/* The decision before the flow: the 8B job fits a 128 GB host (about 120 GB
+ * available), not a 64 GB one (about 58 GB): BK_ERR_NOMEM, one line naming
+ * the numbers and what to change. */
+static void test_host_check_8b(void **state)
+{
+    (void)state;
+    const bk_model_config c = cfg(32, 4096, 14336, 32, 8, 128, 0);
+    const uint64_t GB = 1000000000ull;
+    bk_bwd_host_plan p;
+    /* the layers' host copies: 218 M parameters a layer in F32, 32 layers =
+     * 27.9 GB, within half of 120 GB */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 120 * GB, &p),
+                     BK_OK);
+    assert_int_equal(p.units, 7);
+    assert_true(p.boundary_bytes == 7 * (8ull << 30));
+    assert_true(p.copies_bytes > 27 * GB && p.copies_bytes < 29 * GB);
+    assert_true(p.copies_budget == 60 * GB);
+    assert_true(p.need == p.boundary_bytes + p.copies_bytes + 15 * GB);
+    /* 64 GB host */
+    bk_status st = bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 58 * GB, &p);
+    assert_int_equal(st, BK_ERR_NOMEM);
+    assert_int_equal(bk_status_exit_code(st), 3);
+    const char *msg = bk_last_error();
+    printf("  %s\n", msg);
+    assert_null(strchr(msg, '\n'));
+    assert_non_null(strstr(msg, "60.1 GB of boundary matrices (7 x [524288 tokens x 4096] F32)"));
+    assert_non_null(strstr(msg, "58.0 GB available"));
+    assert_non_null(strstr(msg, "--bwd-flow naive"));
+    /* room = 58 - 27.9 (copies, within 29) - 7.25 = 22.8 GB: 7 x 2048 x 4096 x 4
+     * = 235 MB a sequence -> 97 sequences; leaf 16 (3 matrices, 25.8 GB) does not
+     * fit, leaf 32 (none) does */
+    assert_non_null(strstr(msg, "--samples 97 or fewer"));
+    assert_non_null(strstr(msg, "--leaf-size 32 (no boundary matrices)"));
+    /* the suggestions fit */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 97, 2048, 4, 1, 1, 58 * GB, &p),
+                     BK_OK);
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 98, 2048, 4, 1, 1, 58 * GB, &p),
+                     BK_ERR_NOMEM);
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_NAIVE, 4, 256, 2048, 4, 1, 1, 58 * GB, &p),
+                     BK_OK);
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 32, 256, 2048, 4, 1, 1, 58 * GB, &p),
+                     BK_OK);
+    /* unknown available memory: no check */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 1, 256, 2048, 4, 1, 1, 0, &p), BK_OK);
+    /* MPI ranks: --samples is of the whole set */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 2, 58 * GB, &p),
+                     BK_ERR_NOMEM);
+    assert_non_null(strstr(bk_last_error(), "--samples 194 or fewer"));
+    /* the CPU flow: every layer's copy, double boundaries */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_NAIVE, 4, 1, 2048, 8, 0, 1, 20 * GB, &p),
+                     BK_ERR_NOMEM);
+    assert_non_null(strstr(bk_last_error(), "more memory"));
+    assert_true(p.copies_bytes > 27 * GB);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_8b_buffers),   cmocka_unit_test(test_1b_measured),
         cmocka_unit_test(test_8b_job_fits_80gb), cmocka_unit_test(test_fit_batch),
         cmocka_unit_test(test_cache_layers), cmocka_unit_test(test_auto_leaf),
+        cmocka_unit_test(test_boundary_units), cmocka_unit_test(test_boundary_8b),
+        cmocka_unit_test(test_host_check_8b),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -14,7 +14,8 @@ cd "$W" || exit 1
 export OPENBLAS_NUM_THREADS=1 # (many short runs)
 CAL=(--calib c.safetensors --samples 4 --seqlen 32 --backend cpu)
 
-# same DIR REF: the same files, byte for byte; report.json without its times
+# same DIR REF: the same files, byte for byte; report.json without its times and
+# the host memory found at the start (backprop.host_*, planned_host_weight_copies_bytes)
 same() {
     [ -d "$1" ] || { echo "missing $1"; return 1; }
     [ "$(cd "$1" && ls -A)" = "$(cd "$2" && ls -A)" ] ||
@@ -25,7 +26,10 @@ same() {
 import json, sys
 def strip(x):
     if isinstance(x, dict):
-        return {k: strip(v) for k, v in x.items() if not k.endswith("_s")}
+        # (times; and what depends on the host's free memory at the start)
+        return {k: strip(v) for k, v in x.items() if not k.endswith("_s") and
+                k not in ("host_available_bytes_at_plan", "host_weight_copies_budget_bytes",
+                          "planned_host_weight_copies_bytes")}
     if isinstance(x, list):
         return [strip(v) for v in x]
     return x
