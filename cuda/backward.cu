@@ -1015,28 +1015,6 @@ void gb_free(gbwd *g)
     free(g);
 }
 
-/* the host's available memory (MemAvailable of /proc/meminfo, else the free
- * pages), 0 when unknown */
-size_t host_avail_bytes(void)
-{
-    size_t kb = 0;
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (f) {
-        char line[256];
-        unsigned long long v;
-        while (fgets(line, sizeof line, f))
-            if (sscanf(line, "MemAvailable: %llu kB", &v) == 1) {
-                kb = (size_t)v;
-                break;
-            }
-        fclose(f);
-    }
-    if (kb)
-        return kb * 1024;
-    long pages = sysconf(_SC_AVPHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
-    return pages > 0 && ps > 0 ? (size_t)pages * (size_t)ps : 0;
-}
-
 /* bytes of one layer's weights in R */
 int64_t layer_elems(const gbwd *g)
 {
@@ -2433,7 +2411,7 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         st = slots_init(g, go->max_resident_layers,
                         cb->grams || cb->grams_dev ? bk_gpu_stage_reserve(c, 4, 2) : 0);
     if (st == BK_OK) {
-        const size_t avail = host_avail_bytes();
+        const size_t avail = (size_t)bk_host_avail_bytes();
         g->hbudget = avail ? avail / 2 : (size_t)-1;
         g->hbytes = 0;
         double tp = bk_now();

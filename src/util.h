@@ -22,7 +22,7 @@ size_t bk_utf8_invalid_at(const unsigned char *s, size_t n);
 double bk_now(void);
 
 /* The host's available memory: MemAvailable of /proc/meminfo, else the
- * free pages; 0 when unknown (as cuda/backward.cu host_avail_bytes). */
+ * free pages; 0 when unknown (also the GPU flow's host budget, cuda/backward.cu). */
 uint64_t bk_host_avail_bytes(void);
 
 /* BK_PROFILE=1: named wall-time accumulators (thread-safe), printed to
