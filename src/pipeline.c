@@ -464,7 +464,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             .o = o, .backend = bk_backend_name(j->backend), .stages = j->ops->name,
             .gpu_math = bk_gemm_math_name(j->gemm_math), .S = j->S, .T = j->T,
             .batch = j->batch, .layer_begin = j->layer_begin, .layer_end = j->layer_end,
-            .tokens = j->tokens};
+            .leaf = j->bp_leaf, .tokens = j->tokens};
         st = bk_resume_open(j->od.work, adopted, &src, j->tokens && o->sequential, &j->rs);
         if (st != BK_OK) {
             if (adopted) /* left for a rerun with what it was made with */

@@ -135,7 +135,7 @@ static cJSON *args_of(const bk_resume_source *s)
         static const char *const prec[] = {"fp32", "fp64", "tf32", "bf16"};
         add_str(a, "--fisher", bk_fisher_name(o->fisher));
         add_int(a, "--seed", (long long)o->seed);
-        add_int(a, "--leaf-size", o->leaf_size);
+        add_int(a, "--leaf-size", s->leaf); /* (as run, not 0 for "choose") */
         add_str(a, "--bwd-flow", bk_bwd_flow_name(o->bwd_flow));
         add_str(a, "--bwd-precision", prec[(unsigned)o->bwd_precision & 3]);
     }

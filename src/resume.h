@@ -47,6 +47,8 @@ typedef struct bk_resume_source {
     const char *gpu_math; /* resolved GEMM arithmetic */
     int64_t S, T, batch;
     int layer_begin, layer_end;
+    int leaf;             /* backprop kinds: the flow's leaf size as run (--leaf-size, or
+                             the one chosen for the default 0), not o->leaf_size */
     const int32_t *tokens;
 } bk_resume_source;
 

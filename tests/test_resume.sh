@@ -212,7 +212,9 @@ read -r -a bargs <<<"${configs[5]#*|}"
 BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --out q >/dev/null 2>&1
 refused "other --seed (backprop)" 1 "--seed" "${bargs[@]}" --seed 1
 refused "other --fisher (backprop)" 1 "--fisher" "${bargs[@]}" --fisher empirical
-resume_until_done "backprop after refusals" "${bargs[@]}"
+# the leaf as run: the default (0, chosen: 1 on the CPU) is --leaf-size 1, not 2
+refused "other --leaf-size (backprop)" 1 "--leaf-size" "${bargs[@]}" --leaf-size 2
+resume_until_done "backprop after refusals" "${bargs[@]}" --leaf-size 1
 check "backprop after refusals" ref6
 
 # without --resume a killed run's folder is removed (with a message)
