@@ -8,7 +8,7 @@
 #  - report.json records the flow's passes, depth and boundary memory (the
 #    counts follow from the recursion over 4 layers);
 #  - the progress events show every backward pass with its depth;
-#  - progress within a pass (BK_PROGRESS_INTERVAL=0: every micro-batch but a
+#  - progress within a pass (--progress-interval 0: every micro-batch but a
 #    pass's last) with the pass count and an ETA from the flow's work: the
 #    work share only grows, ends at 1, and every pass line of the schedule
 #    (7 passes over 4 layers, leaf 1) is there; none at the default interval;
@@ -56,8 +56,8 @@ assert len(mods) == 28 and all(m["damp_b"] > 0 for m in mods), "every module two
 print("halving == naive, passes/depth/boundary bytes as expected, 7 backward events")
 EOF
 # progress within the passes: text lines and JSON events
-BK_PROGRESS_INTERVAL=0 q --hessian backprop-kfac --out "$T/p" 2>"$T/p.log" ||
-    { cat "$T/p.log"; fail "BK_PROGRESS_INTERVAL=0"; }
+q --hessian backprop-kfac --progress-interval 0 --out "$T/p" 2>"$T/p.log" ||
+    { cat "$T/p.log"; fail "--progress-interval 0"; }
 for p in 1 2 3 4 5 6 7; do
     grep -q "^  backward pass $p of 7 (halving, depth [0-2]): .*  elapsed [0-9.]*s  ETA " "$T/p.log" ||
         { cat "$T/p.log"; fail "no line for backward pass $p of 7 with an ETA"; }
@@ -69,7 +69,7 @@ grep -q "^layer 0 done (1/4)  elapsed [0-9.]*s  ETA [0-9.]*s  (" "$T/p.log" ||
     { cat "$T/p.log"; fail "layer 0 done: no ETA"; }
 q --hessian backprop-kfac --out "$T/d" 2>"$T/d.log"
 grep -q " sequences  elapsed" "$T/d.log" && { cat "$T/d.log"; fail "progress lines at the default interval"; }
-BK_PROGRESS_INTERVAL=0 q --hessian backprop-kfac --bwd-flow naive --out "$T/pj" --json >"$T/pj.json"
+q --hessian backprop-kfac --bwd-flow naive --progress-interval 0 --out "$T/pj" --json >"$T/pj.json"
 python3 - "$T/pj.json" <<'EOF2'
 import json, sys
 ev = [json.loads(l) for l in open(sys.argv[1])]
@@ -112,6 +112,7 @@ expect 1 "--fisher" q --hessian backprop-kfac --fisher nope --out "$T/x"
 expect 1 "--bwd-flow" q --hessian backprop-kfac --bwd-flow yaqa --out "$T/x"
 expect 1 "--leaf-size" q --hessian backprop-kfac --leaf-size 0 --out "$T/x"
 expect 1 "--bwd-precision" q --hessian backprop-kfac --bwd-precision fp16 --out "$T/x"
+expect 1 "--progress-interval" q --hessian backprop-kfac --progress-interval -1 --out "$T/x"
 mkdir -p "$T/acts"
 expect 1 "--calib" "$B" quantize "$K" --activations "$T/acts" --hessian backprop-kfac --out "$T/x"
 expect 2 "lm_head" "$B" quantize "$BAD/missing_lm_head" --calib "$K/calib.safetensors" \

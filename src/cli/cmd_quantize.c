@@ -97,6 +97,8 @@ static const char *quantize_usage =
     "  --dry-run             check everything, print the plan (modules, shapes, Hessians,\n"
     "                        estimated memory and output size) and exit without computing\n"
     "  --json                one JSON object per event on stdout instead of progress on stderr\n"
+    "  --progress-interval S within a backward pass, a progress line (or JSON event) at most\n"
+    "                        every S seconds (default 30; 0: after every micro-batch)\n"
     "                        (errors and interrupts too: events error, interrupted)\n"
     "  --version             print the version and exit\n"
     "MPI ranks (mpirun -np N bakron quantize ..., srun --mpi=pmix; docs/DISTRIBUTED.md):\n"
@@ -113,7 +115,7 @@ enum {
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
     O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN, O_RESUME,
-    O_BWDPREC, O_CALIBTEXT, O_DREDUCE, O_DTIMEOUT, O_SETTING
+    O_BWDPREC, O_CALIBTEXT, O_DREDUCE, O_DTIMEOUT, O_SETTING, O_PROGIV
 };
 
 static const struct option quantize_opts[] = {
@@ -157,6 +159,7 @@ static const struct option quantize_opts[] = {
     {"dist-reduce", required_argument, NULL, O_DREDUCE},
     {"dist-timeout", required_argument, NULL, O_DTIMEOUT},
     {"setting", required_argument, NULL, O_SETTING},
+    {"progress-interval", required_argument, NULL, O_PROGIV},
     {"help", no_argument, NULL, O_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -175,6 +178,7 @@ typedef struct qargs {
     bk_quantize_opts o;
     int json, dry_run;
     double dist_timeout;
+    double progress_interval; /* seconds between lines within a backward pass */
     qsrc src[2];     /* 0: the preset, 1: the command line */
     int from;        /* the source apply() is reading */
     char *preset_strings[MAX_PRESET_STRINGS];
@@ -287,6 +291,11 @@ static bk_status apply(qargs *q, int opt, const char *arg)
             return cli_usage_error("--export: unknown '%s' (native, dequantized, gptq)", arg);
         break;
     case O_JSON: q->json = 1; break;
+    case O_PROGIV:
+        if ((st = cli_parse_double("--progress-interval", arg, 0.0, 1e7, &dv)) != BK_OK)
+            return st;
+        q->progress_interval = dv;
+        break;
     case O_PREC:
         if ((st = cli_parse_choice("--precision", arg, cli_precision_names, 2, &iv)) != BK_OK)
             return st;
@@ -443,7 +452,8 @@ static bk_status apply_preset(qargs *q, const char *path)
             if (!strcmp(p->name, key))
                 opt = p;
         if (!opt || opt->val == O_CONFIG || opt->val == O_HELP || opt->val == O_OUT ||
-            opt->val == O_JSON || opt->val == O_DRYRUN || opt->val == O_RESUME) {
+            opt->val == O_JSON || opt->val == O_DRYRUN || opt->val == O_RESUME ||
+            opt->val == O_PROGIV) {
             st = bk_error(BK_ERR_CONFIG, "%s:%d:%d: unknown or not allowed preset key '%s'", path,
                           line, col, key);
             break;
@@ -598,7 +608,7 @@ static void fmt_time(double s, char *buf, size_t cap)
  * selected modules' weights done so far, or, for the backprop kinds, the
  * job's own (eta_s: the flow's passes and the leaf layers' stages at their
  * measured unit times). Within a backward pass a line at most every
- * BK_PROGRESS_INTERVAL seconds (default 30) since the last line: plain lines,
+ * --progress-interval seconds (default 30) since the last line: plain lines,
  * also on a terminal (no carriage returns in batch logs). */
 typedef struct progress {
     int json;
@@ -620,20 +630,13 @@ static int module_index(const char *name)
     return -1;
 }
 
-static void progress_init(progress *p, int json, const bk_quantize_plan *plan)
+static void progress_init(progress *p, int json, double interval, const bk_quantize_plan *plan)
 {
     memset(p, 0, sizeof *p);
     p->json = json;
     p->cur_layer = -1;
     p->cur_module = -1;
-    p->interval = 30;
-    const char *iv = getenv("BK_PROGRESS_INTERVAL");
-    if (iv && *iv) {
-        char *end;
-        double v = strtod(iv, &end);
-        if (*end == '\0' && v >= 0)
-            p->interval = v;
-    }
+    p->interval = interval;
     if (plan && plan->model_ok) {
         p->have_plan = 1;
         p->plan = *plan;
@@ -971,6 +974,7 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     static qargs q;
     memset(&q, 0, sizeof q);
     bk_quantize_opts_default(&q.o);
+    q.progress_interval = 30;
     bk_status st = BK_OK;
     const char *preset = NULL;
     int c, ran = 0, json_early = 0;
@@ -1083,7 +1087,7 @@ bk_status bk_cmd_quantize(int argc, char **argv)
         goto done;
     }
     static progress prog;
-    progress_init(&prog, q.json, &plan);
+    progress_init(&prog, q.json, q.progress_interval, &plan);
     q.o.on_event = on_event;
     q.o.user = &prog;
     q.o.dist = dist;
@@ -1230,7 +1234,7 @@ bk_status bk_cmd_dump(int argc, char **argv)
         bk_model_close(m);
     }
     static progress prog;
-    progress_init(&prog, json, NULL);
+    progress_init(&prog, json, 30, NULL);
     o.on_event = on_event;
     o.user = &prog;
     install_signals();
