@@ -678,6 +678,9 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         if (auto_leaf)
             bwd->leaf = bk_bwd_auto_leaf(&g->cfg, T, S, bwd, B, fr > stream ? fr - stream : fr,
                                          per_seq * (uint64_t)B, reserve);
+        /* the largest leaf the device holds (beside nothing else): the bound
+         * of the host check's --leaf-size suggestion (src/pipeline.c) */
+        bwd->leaf_max = bk_bwd_max_leaf(&g->cfg, T, S, bwd, B, fr, per_seq * (uint64_t)B, reserve);
     }
     /* out of device memory: halve the micro-batch and try again */
     for (;;) {

@@ -151,20 +151,29 @@ int64_t bk_bwd_fit_batch(const bk_model_config *c, int64_t T, int64_t S,
     return 0;
 }
 
-int bk_bwd_auto_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd_mem_params *p,
-                     int64_t B, uint64_t avail, uint64_t stage_bytes, uint64_t reserve)
+int bk_bwd_max_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd_mem_params *p,
+                    int64_t B, uint64_t avail, uint64_t stage_bytes, uint64_t reserve)
 {
     const int64_t L = c->n_layers;
     const uint64_t cache = (uint64_t)L * bk_bwd_dev_layer_bytes(c, p->precision);
-    for (int s = 8; s > 1; s /= 2) {
-        if (2 * s > L)
-            continue;
+    /* (the bytes grow with the leaf: its Grams, the kept inputs, the token weights) */
+    for (int64_t s = L; s >= 1; s--) {
         bk_bwd_mem_params q = *p;
-        q.leaf = s;
+        q.leaf = (int)s;
         const uint64_t need = stage_bytes + reserve + cache + bk_bwd_dev_bytes(c, B, T, S, &q, 0);
         if (need <= avail - avail / 8)
-            return s;
+            return (int)s;
     }
+    return 0;
+}
+
+int bk_bwd_auto_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd_mem_params *p,
+                     int64_t B, uint64_t avail, uint64_t stage_bytes, uint64_t reserve)
+{
+    const int m = bk_bwd_max_leaf(c, T, S, p, B, avail, stage_bytes, reserve);
+    for (int s = 8; s > 1; s /= 2)
+        if (2 * s <= c->n_layers && s <= m)
+            return s;
     return 1;
 }
 
@@ -218,7 +227,7 @@ void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t
 }
 
 bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_t S, int64_t T,
-                            int elem_bytes, int gpu, int ranks, uint64_t avail,
+                            int elem_bytes, int gpu, int ranks, int leaf_max, uint64_t avail,
                             bk_bwd_host_plan *out)
 {
     bk_bwd_host_plan p;
@@ -239,7 +248,9 @@ bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_
         if (smax >= 1)
             k += snprintf(fix + k, sizeof fix - (size_t)k, "--samples %lld or fewer, ",
                           (long long)smax * (ranks > 1 ? ranks : 1));
-        for (int s = leaf + 1; s <= L; s++)
+        /* (a larger leaf only up to what the device holds: s layers' Grams) */
+        const int64_t smax_leaf = leaf_max > 0 && leaf_max < L ? leaf_max : L;
+        for (int s = leaf + 1; s <= smax_leaf; s++)
             if (bk_bwd_boundary_peak_bytes(L, flow, s, S * T, c->hidden, elem_bytes) <= room) {
                 const int u = bk_bwd_boundary_units(L, flow, s);
                 if (u)

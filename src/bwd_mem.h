@@ -23,6 +23,8 @@ typedef struct bk_bwd_mem_params {
     int grams;     /* the output-gradient Grams are formed on the device (the job's GPU flow) */
     int grams_dev; /* ... and stay there for the GPU stages (one process) */
     int shampoo;   /* token weights of the Grams kept (backprop-shampoo with grams_dev) */
+    int leaf_max;  /* out (the GPU stages, bk_gpu_stages_create): the largest leaf whose
+                      Grams the device holds beside the rest (bk_bwd_max_leaf); 0: none */
 } bk_bwd_mem_params;
 
 /* Layer inputs a micro-batch keeps (bk__bwd_flow_check's rule). */
@@ -68,6 +70,12 @@ int64_t bk_bwd_fit_batch(const bk_model_config *c, int64_t T, int64_t S,
 int bk_bwd_auto_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd_mem_params *p,
                      int64_t B, uint64_t avail, uint64_t stage_bytes, uint64_t reserve);
 
+/* The largest leaf s in [1, L] (any, not only 8/4/2) that fits as
+ * bk_bwd_auto_leaf counts it; 0 when not even 1 does. The bound of the host
+ * check's --leaf-size suggestion in the GPU flow. */
+int bk_bwd_max_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd_mem_params *p,
+                    int64_t B, uint64_t avail, uint64_t stage_bytes, uint64_t reserve);
+
 /* ------------------------------------------------ host memory of the flows
  *
  * The boundary matrices of recursive halving (src/backward_flow.c, node):
@@ -105,10 +113,12 @@ void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t
 /* BK_OK when the plan fits (need <= avail, or avail unknown); else
  * BK_ERR_NOMEM with one line naming the numbers and what to change: the
  * largest --samples that fits (S sequences of T tokens here, `ranks` MPI
- * ranks each holding its share), the smallest larger --leaf-size that fits,
- * --bwd-flow naive (no boundary matrices). */
+ * ranks each holding its share), the smallest larger --leaf-size that fits
+ * and is at most leaf_max (0: L, the CPU flow; the GPU flow: the leaf whose
+ * Grams the device holds, bk_bwd_max_leaf, or `leaf` when not known: no
+ * --leaf-size suggested), --bwd-flow naive (no boundary matrices). */
 bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_t S, int64_t T,
-                            int elem_bytes, int gpu, int ranks, uint64_t avail,
+                            int elem_bytes, int gpu, int ranks, int leaf_max, uint64_t avail,
                             bk_bwd_host_plan *out);
 
 #ifdef __cplusplus

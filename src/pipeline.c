@@ -116,7 +116,7 @@ static void job_free(job *j)
  * a clear BK_ERR_NOMEM (exit 3) here, not minutes of passes and then a
  * failed allocation or the kernel's OOM killer. MPI ranks: each rank's
  * share (ranks on one host share its memory: not counted). */
-static bk_status bp_host_check(job *j, int leaf)
+static bk_status bp_host_check(job *j, int leaf, int leaf_max)
 {
     const bk_quantize_opts *o = j->o;
     const int64_t L = j->cfg->n_layers;
@@ -125,7 +125,8 @@ static bk_status bp_host_check(job *j, int leaf)
     /* the flow's storage: double on the CPU, F32 on the GPU but at fp64 */
     const int es = j->bp_gpu && o->bwd_precision != BK_BWD_FP64 ? 4 : 8;
     bk_status st = bk_bwd_host_check(j->cfg, (int)o->bwd_flow, leaf, j->s_hi - j->s_lo, j->T, es,
-                                     j->bp_gpu, j->nranks, bk_host_avail_bytes(), &j->bp_host);
+                                     j->bp_gpu, j->nranks, leaf_max, bk_host_avail_bytes(),
+                                     &j->bp_host);
     if (j->nranks > 1)
         st = bk__q_sync(j, st);
     return st;
@@ -356,10 +357,16 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         goto fail;
     }
     int leaf = o->leaf_size > 0 ? o->leaf_size : 1; /* the backprop flow's */
+    /* the largest leaf the host check may suggest: the CPU flow's any (0);
+     * the GPU flow's what the device holds (the GPU stages tell, bm.leaf_max;
+     * unknown: none larger than the leaf run) */
+    int leaf_max = j->bp_gpu ? leaf : 0;
     /* the leaf size known already (--leaf-size, or 1 with MPI ranks): the
-     * flow's host memory is checked before the stages are set up */
+     * flow's host memory is checked before the stages are set up (not when
+     * the GPU stages hold the flow: they tell which leaves the device holds) */
     if (j->S > 0 && j->bp && (o->leaf_size > 0 || j->nranks > 1) &&
-        (st = bp_host_check(j, o->leaf_size > 0 ? o->leaf_size : 1)) != BK_OK)
+        !(j->bp_gpu && j->own_stages) &&
+        (st = bp_host_check(j, o->leaf_size > 0 ? o->leaf_size : 1, leaf_max)) != BK_OK)
         goto fail;
     {
         /* the backprop flow on the device of the stages: what it will hold
@@ -429,9 +436,11 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                 goto fail;
         }
         leaf = bm.leaf > 0 ? bm.leaf : 1;
+        if (j->bp_gpu)
+            leaf_max = bm.leaf_max > leaf ? bm.leaf_max : leaf;
     }
     /* (again with the leaf the stages chose, and what they hold now) */
-    if (j->S > 0 && j->bp && (st = bp_host_check(j, leaf)) != BK_OK)
+    if (j->S > 0 && j->bp && (st = bp_host_check(j, leaf, leaf_max)) != BK_OK)
         goto fail;
     /* backprop kinds: one host accumulator per layer of a leaf; the flow's
      * output side enters it, the stages get it with bp_grads (the CPU stages

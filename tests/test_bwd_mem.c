@@ -35,7 +35,7 @@ static bk_model_config cfg(int64_t L, int64_t d, int64_t ni, int64_t nh, int64_t
     return c;
 }
 
-static const bk_bwd_mem_params BF16_HALVING = {BK_FLOW_HALVING, 1, BK_BWD_BF16, 1, 1, 0};
+static const bk_bwd_mem_params BF16_HALVING = {BK_FLOW_HALVING, 1, BK_BWD_BF16, 1, 1, 0, 0};
 
 static void test_8b_buffers(void **state)
 {
@@ -162,6 +162,17 @@ static void test_auto_leaf(void **state)
     /* at most L / 2 layers: a 4-layer model takes 2 however much memory */
     const bk_model_config c4 = cfg(4, 4096, 14336, 32, 8, 128, 0);
     assert_int_equal(bk_bwd_auto_leaf(&c4, 2048, 256, &p, 2, 1ull << 50, stage, reserve), 2);
+    /* the largest leaf that fits, any size: the bound of the host check's
+     * suggestion; the auto leaf is the largest of 8/4/2 up to it */
+    assert_int_equal(bk_bwd_max_leaf(&c, 2048, 256, &p, 2, 1ull << 50, stage, reserve), 32);
+    assert_int_equal(bk_bwd_max_leaf(&c, 2048, 256, &p, 2, 0, stage, reserve), 0);
+    assert_int_equal(bk_bwd_max_leaf(&c, 2048, 256, &p, 2, need1 + need1 / 7 + 64, stage, reserve), 1);
+    const int m80 = bk_bwd_max_leaf(&c, 2048, 256, &p, 2, 80000000000ull - stream, stage, reserve);
+    assert_true(m80 >= 4 && m80 < 8);
+    for (int s = 1; s <= 16; s++) { /* (beyond 16 the kept inputs grow too) */
+        const uint64_t need = need1 + (uint64_t)(s - 1) * G;
+        assert_int_equal(bk_bwd_max_leaf(&c, 2048, 256, &p, 2, need + need / 7 + 64, stage, reserve), s);
+    }
 }
 
 /* The boundary matrices of recursive halving, counted by hand from
@@ -230,7 +241,7 @@ static void test_host_check_8b(void **state)
     bk_bwd_host_plan p;
     /* the layers' host copies: 218 M parameters a layer in F32, 32 layers =
      * 27.9 GB, within half of 120 GB */
-    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 120 * GB, &p),
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 0, 120 * GB, &p),
                      BK_OK);
     assert_int_equal(p.units, 7);
     assert_true(p.boundary_bytes == 7 * (8ull << 30));
@@ -238,7 +249,7 @@ static void test_host_check_8b(void **state)
     assert_true(p.copies_budget == 60 * GB);
     assert_true(p.need == p.boundary_bytes + p.copies_bytes + 15 * GB);
     /* 64 GB host */
-    bk_status st = bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 58 * GB, &p);
+    bk_status st = bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 0, 58 * GB, &p);
     assert_int_equal(st, BK_ERR_NOMEM);
     assert_int_equal(bk_status_exit_code(st), 3);
     const char *msg = bk_last_error();
@@ -252,23 +263,37 @@ static void test_host_check_8b(void **state)
      * fit, leaf 32 (none) does */
     assert_non_null(strstr(msg, "--samples 97 or fewer"));
     assert_non_null(strstr(msg, "--leaf-size 32 (no boundary matrices)"));
-    /* the suggestions fit */
-    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 97, 2048, 4, 1, 1, 58 * GB, &p),
-                     BK_OK);
-    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 98, 2048, 4, 1, 1, 58 * GB, &p),
+    /* the GPU flow: no larger leaf than the device holds (32 layers' Grams are
+     * 119 GB on the device): leaf 32 suggested only when the device holds it */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 4, 58 * GB, &p),
                      BK_ERR_NOMEM);
-    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_NAIVE, 4, 256, 2048, 4, 1, 1, 58 * GB, &p),
+    printf("  %s\n", bk_last_error());
+    assert_null(strstr(strstr(bk_last_error(), ": use "), "--leaf-size"));
+    assert_non_null(strstr(bk_last_error(), "--samples 97 or fewer"));
+    assert_non_null(strstr(bk_last_error(), "--bwd-flow naive"));
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 31, 58 * GB, &p),
+                     BK_ERR_NOMEM);
+    assert_null(strstr(strstr(bk_last_error(), ": use "), "--leaf-size"));
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 32, 58 * GB, &p),
+                     BK_ERR_NOMEM);
+    assert_non_null(strstr(bk_last_error(), "--leaf-size 32 (no boundary matrices)"));
+    /* the suggestions fit */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 97, 2048, 4, 1, 1, 0, 58 * GB, &p),
                      BK_OK);
-    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 32, 256, 2048, 4, 1, 1, 58 * GB, &p),
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 98, 2048, 4, 1, 1, 0, 58 * GB, &p),
+                     BK_ERR_NOMEM);
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_NAIVE, 4, 256, 2048, 4, 1, 1, 0, 58 * GB, &p),
+                     BK_OK);
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 32, 256, 2048, 4, 1, 1, 0, 58 * GB, &p),
                      BK_OK);
     /* unknown available memory: no check */
-    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 1, 256, 2048, 4, 1, 1, 0, &p), BK_OK);
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 1, 256, 2048, 4, 1, 1, 0, 0, &p), BK_OK);
     /* MPI ranks: --samples is of the whole set */
-    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 2, 58 * GB, &p),
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 2, 0, 58 * GB, &p),
                      BK_ERR_NOMEM);
     assert_non_null(strstr(bk_last_error(), "--samples 194 or fewer"));
     /* the CPU flow: every layer's copy, double boundaries */
-    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_NAIVE, 4, 1, 2048, 8, 0, 1, 20 * GB, &p),
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_NAIVE, 4, 1, 2048, 8, 0, 1, 0, 20 * GB, &p),
                      BK_ERR_NOMEM);
     assert_non_null(strstr(bk_last_error(), "more memory"));
     assert_true(p.copies_bytes > 27 * GB);

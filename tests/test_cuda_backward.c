@@ -446,7 +446,7 @@ static double cmp_gram_factors(const char *what, const bk_model *m, const gcolle
 static void mem_model_check(const char *what, const bk_model_config *c, int64_t S, int64_t T,
                             int64_t B, int flow, int precision, const bk_bwd_flow_stats *st)
 {
-    const bk_bwd_mem_params p = {flow, 1, precision, 0, 0, 0};
+    const bk_bwd_mem_params p = {flow, 1, precision, 0, 0, 0, 0};
     const uint64_t model = bk_bwd_dev_bytes(c, B, T, S, &p, 1);
     if (st->micro_bytes != model)
         fail_msg("%s: the flow allocated %llu device bytes, src/bwd_mem.c's model says %llu "
