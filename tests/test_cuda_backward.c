@@ -55,6 +55,8 @@
 
 #include <cmocka.h>
 
+#include "test_util.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -732,16 +734,6 @@ static void write_syn(const char *dir, const char *type, int64_t H, int64_t I, i
     fclose(f);
 }
 
-static void rm_syn(const char *dir)
-{
-    char p[4096];
-    snprintf(p, sizeof p, "%s/model.safetensors", dir);
-    unlink(p);
-    snprintf(p, sizeof p, "%s/config.json", dir);
-    unlink(p);
-    rmdir(dir);
-}
-
 /* The flows of flow_model on a synthetic model (the bf16 ones with the fused
  * attention), then bf16_taps at a longer T: several 128-key blocks of the
  * dK/dV kernel and 128-row blocks of the dQ kernel, partial ones at the end */
@@ -768,7 +760,7 @@ static void flow_syn(const char *type, int64_t H, int64_t I, int64_t nh, int64_t
     bf16_taps(name, m, tok, S, T_long);
     free(tok);
     bk_model_close(m);
-    rm_syn(dir);
+    tu_rm_model_dir(dir);
 }
 
 /* head_dim 64: Qwen2 (biases, tied embeddings), 4 / 2 heads, T 150 (two

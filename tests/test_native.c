@@ -12,6 +12,8 @@
 
 #include <cmocka.h>
 
+#include "test_util.h"
+
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
 
@@ -140,16 +142,6 @@ static void write_model(const char *dir, const variant *v)
     fclose(f);
 }
 
-static void rm_model(const char *dir)
-{
-    char p[4096];
-    snprintf(p, sizeof p, "%s/model.safetensors", dir);
-    unlink(p);
-    snprintf(p, sizeof p, "%s/config.json", dir);
-    unlink(p);
-    rmdir(dir);
-}
-
 static void check_variant(const variant *v)
 {
     char dir[] = "/tmp/bk_test_native_XXXXXX";
@@ -185,7 +177,7 @@ static void check_variant(const variant *v)
         }
     }
     bk_model_close(model);
-    rm_model(dir);
+    tu_rm_model_dir(dir);
 }
 
 static void expect_refused(const variant *v, bk_status want, const char *fragment)
@@ -201,7 +193,7 @@ static void expect_refused(const variant *v, bk_status want, const char *fragmen
     assert_null(model);
     if (!strstr(bk_last_error(), fragment))
         fail_msg("%s: message '%s' lacks '%s'", v->breakage, bk_last_error(), fragment);
-    rm_model(dir);
+    tu_rm_model_dir(dir);
 }
 
 static void test_per_row_symmetric(void **state)

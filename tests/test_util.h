@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 /* The environment variable name, or dflt when it is unset or empty. */
@@ -13,6 +14,18 @@ static inline const char *tu_env_or(const char *name, const char *dflt)
 {
     const char *v = getenv(name);
     return v && v[0] ? v : dflt;
+}
+
+/* Removes a test's model folder: its model.safetensors, config.json and the
+ * (then empty) folder. */
+static inline void tu_rm_model_dir(const char *dir)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    remove(p);
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    remove(p);
+    remove(dir); /* (POSIX remove: an empty folder too) */
 }
 
 /* max |a - b| / max |b| over n elements (max |a - b| when b is all zero); a
