@@ -516,6 +516,7 @@ bk_status g_bp_grads(void *ctx, const bk_bp_side *side)
 const bk_stage_ops gpu_stage_ops = {
     "cuda", g_embed, g_layer_begin, g_run, g_factors, g_weight_updated, g_factors_dev,
     g_solve_dev, g_layer_end, g_destroy, g_describe, g_bp_grads, g_sums, g_share_weight,
+    NULL /* add_inputs: the CPU's (--activations) */, 0 /* bp_host_grads */,
 };
 
 } // namespace
