@@ -576,8 +576,9 @@ struct gbwd {
     int flash;
     __nv_bfloat16 *qb, *kb, *vb;
     float *flse, *fdsum;
-    /* --bwd-precision bf16: the layers' weights cached as BF16 (gslot.w; F32
-     * through wstage on upload) and their GEMMs on BF16 inputs, the
+    /* --bwd-precision bf16: the layers' weights cached as BF16 (gslot.w;
+     * uploaded as BF16 from hwb: the mapped checkpoint's BF16 or host copies
+     * rounded as the device rounds) and their GEMMs on BF16 inputs, the
      * activation or gradient rounded into xb [R, widest] on the way */
     int wbf;
     __nv_bfloat16 *xb;
@@ -585,10 +586,15 @@ struct gbwd {
      * on BF16 operands: token-major copies of the rotated q, k, of v and dO,
      * and the probabilities and dS [B, T, T] */
     __nv_bfloat16 *aqb, *akb, *avb, *adob, *Pb, *dSb;
-    /* weights: host copies (loaded on first use) and the device cache */
+    /* weights: host copies (loaded on first use) and the device cache; hw:
+     * F32 (fp32 / tf32 / fp64), hwb: BF16 matrices (bf16 mode, issue 16:
+     * no matrix copied when the checkpoint stores them as BF16; else half
+     * the F32 copies' bytes); wmapped: every matrix is mapped BF16 */
     bk_layer_weights *hw;
+    bk_layer_weights_bf16 *hwb;
+    int wmapped;
     int *hloaded;
-    /* host bytes the F32 copies may take (half the host's available memory
+    /* host bytes the copies may take (half the host's available memory
      * when the flow starts) and what they take now: beyond the budget a copy
      * is dropped once uploaded and reloaded from the checkpoint on its next
      * cache miss, so a model larger than the host's memory streams instead of
@@ -599,7 +605,8 @@ struct gbwd {
     int64_t tick;
     int64_t mb_cur, mb_prev; /* ticks at the starts of this micro-batch and the last */
     int64_t requests, uploads; /* weights() calls and layer uploads of the flow */
-    float *wstage; /* device F32 staging of one tensor (fp64 mode) */
+    float *wstage; /* device F32 staging of one tensor (fp64 mode; bf16 mode
+                      uploads BF16 directly since issue 16) */
     int64_t wstage_elems;
     /* host: pinned staging [R, max width] in R; tap copies in double */
     void *hstage;
@@ -610,6 +617,7 @@ struct gbwd {
 };
 
 void gb_free(gbwd *g);
+void hw_free(gbwd *g, int l);
 
 /* Device bytes the flow may still take: the free memory, and no more than
  * what the setting mem_limit leaves (bk_dev_alloc refuses beyond it; the
@@ -691,19 +699,16 @@ bk_status upload_f32(gbwd *g, const float *src, int64_t n, void *dst)
     return BK_OK;
 }
 
-/* a host F32 weight of n into the device array dst in the slot's type: R,
- * or BF16 (round to nearest even) when g->wbf */
-bk_status upload_weight(gbwd *g, const float *src, int64_t n, void *dst)
+/* a host weight of n into the device array dst in the slot's type: R from
+ * F32, or, when g->wbf, BF16 from BF16 (the mapped checkpoint's bits, or a
+ * host copy rounded by bk_f32_to_bf16_rn_dev: the bits k_to_bf16_rn gave
+ * from the F32 upload before issue 16) */
+bk_status upload_weight(gbwd *g, const void *src, int64_t n, void *dst)
 {
     if (!g->wbf)
-        return upload_f32(g, src, n, dst);
-    if (n > g->wstage_elems)
-        return bk_error(BK_ERR_INTERNAL, "GPU backward: weight staging too small");
-    BK_CUDA_CHECK(cudaMemcpyAsync(g->wstage, src, (size_t)n * 4, cudaMemcpyHostToDevice,
+        return upload_f32(g, static_cast<const float *>(src), n, dst);
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * 2, cudaMemcpyHostToDevice,
                                   g->c->stream));
-    k_to_bf16_rn<float><<<grid_for(n), 256, 0, g->c->stream>>>(g->wstage,
-                                                               (__nv_bfloat16 *)dst, n);
-    LAUNCH_CHECK("k_to_bf16_rn");
     return BK_OK;
 }
 
@@ -845,7 +850,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
             wbig = o * in;
     }
     g->wstage_elems = wbig;
-    if (st == BK_OK && (g->fp64 || g->wbf))
+    if (st == BK_OK && g->fp64)
         st = dalloc(g, (void **)&g->wstage, wbig, 4, "weight staging");
     if (st == BK_ERR_DEVICE_OOM) {
         char msg[512];
@@ -892,7 +897,11 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
                           "of one micro-batch (use a smaller --batch)");
         g->hw = static_cast<bk_layer_weights *>(calloc((size_t)g->L, sizeof(bk_layer_weights)));
         g->hloaded = static_cast<int *>(calloc((size_t)g->L, sizeof(int)));
-        if (st == BK_OK && (!g->hw || !g->hloaded))
+        if (g->wbf)
+            g->hwb = static_cast<bk_layer_weights_bf16 *>(
+                calloc((size_t)g->L, sizeof(bk_layer_weights_bf16)));
+        g->wmapped = g->wbf && bk_model_linears_mapped_bf16(m);
+        if (st == BK_OK && (!g->hw || !g->hloaded || (g->wbf && !g->hwb)))
             st = bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
     }
     /* RoPE tables */
@@ -998,11 +1007,11 @@ void gb_free(gbwd *g)
             slot_free(g, &g->slots[k]);
         free(g->slots);
     }
-    if (g->hw)
-        for (int l = 0; l < g->L; l++)
-            if (g->hloaded && g->hloaded[l])
-                bk_layer_weights_free(&g->hw[l]);
+    for (int l = 0; l < g->L; l++)
+        if (g->hloaded && g->hloaded[l])
+            hw_free(g, l);
     free(g->hw);
+    free(g->hwb);
     free(g->hloaded);
     for (int i = 0; i < 4; i++)
         free(g->ha[i]);
@@ -1027,11 +1036,38 @@ int64_t layer_elems(const gbwd *g)
     return n + 2 * g->dim.hidden + 2 * g->dim.hd;
 }
 
-/* host bytes of one layer's F32 copy (bk_layer_weights_load: layer_elems
- * as floats) */
+/* host bytes of one layer's copy: F32 (bk_layer_weights_load: layer_elems
+ * as floats); bf16 mode (bk_layer_weights_bf16_load): BF16 matrices, or
+ * none when mapped, F32 biases and norms (src/bwd_mem.c
+ * bk_bwd_host_layer_bytes: the host plan's number). What a loaded layer
+ * holds: hw_bytes. */
 size_t host_layer_bytes(const gbwd *g)
 {
-    return (size_t)layer_elems(g) * sizeof(float);
+    if (!g->wbf)
+        return (size_t)layer_elems(g) * sizeof(float);
+    return (size_t)bk_bwd_host_layer_bytes(&g->cfg, g->wmapped ? BK_BWD_HOST_GPU_MAPPED
+                                                               : BK_BWD_HOST_GPU_BF16);
+}
+
+/* layer l's host copy: load (thread-safe: touches only hw[l] / hwb[l]),
+ * its bytes, free */
+bk_status hw_load(gbwd *g, int l)
+{
+    return g->wbf ? bk_layer_weights_bf16_load(g->m, l, &g->hwb[l])
+                  : bk_layer_weights_load(g->m, l, &g->hw[l]);
+}
+
+size_t hw_bytes(const gbwd *g, int l)
+{
+    return g->wbf ? (size_t)g->hwb[l].host_bytes : host_layer_bytes(g);
+}
+
+void hw_free(gbwd *g, int l)
+{
+    if (g->wbf)
+        bk_layer_weights_bf16_free(&g->hwb[l]);
+    else
+        bk_layer_weights_free(&g->hw[l]);
 }
 
 /* want <= 0: as many layers as fit in half of the available memory and
@@ -1078,7 +1114,7 @@ void *preload_main(void *x)
         pthread_mutex_unlock(&j->mu);
         if (l < 0 || l >= j->limit)
             return NULL;
-        if (bk_layer_weights_load(j->g->m, l, &j->g->hw[l]) == BK_OK)
+        if (hw_load(j->g, l) == BK_OK)
             j->g->hloaded[l] = 1;
     }
 }
@@ -1111,7 +1147,7 @@ void preload_host_weights(gbwd *g)
     pthread_mutex_destroy(&j.mu);
     for (int l = 0; l < g->L; l++)
         if (g->hloaded[l])
-            g->hbytes += lb;
+            g->hbytes += hw_bytes(g, l);
 }
 
 /* a micro-batch begins (its embedding or its boundary load): marks which
@@ -1135,13 +1171,35 @@ bk_status weights(gbwd *g, int l, const gslot **out)
             return BK_OK;
         }
     if (!g->hloaded[l]) {
-        bk_status st = bk_layer_weights_load(g->m, l, &g->hw[l]);
+        bk_status st = hw_load(g, l);
         if (st != BK_OK)
             return st;
         g->hloaded[l] = 1;
-        g->hbytes += host_layer_bytes(g);
+        g->hbytes += hw_bytes(g, l);
     }
-    const bk_layer_weights *lw = &g->hw[l];
+    /* the host copy's pointers: matrices F32 or BF16 (bf16 mode), the rest F32 */
+    struct {
+        const void *w[BK_MOD_COUNT];
+        const float *b[BK_MOD_COUNT];
+        const float *attn_norm, *mlp_norm, *q_norm, *k_norm;
+    } hl;
+#define HL_TAKE(src)                                                                              \
+    do {                                                                                          \
+        for (int i = 0; i < BK_MOD_COUNT; i++) {                                                  \
+            hl.w[i] = (src)->w[i];                                                                \
+            hl.b[i] = (src)->b[i];                                                                \
+        }                                                                                         \
+        hl.attn_norm = (src)->attn_norm;                                                          \
+        hl.mlp_norm = (src)->mlp_norm;                                                            \
+        hl.q_norm = (src)->q_norm;                                                                \
+        hl.k_norm = (src)->k_norm;                                                                \
+    } while (0)
+    if (g->wbf)
+        HL_TAKE(&g->hwb[l]);
+    else
+        HL_TAKE(&g->hw[l]);
+#undef HL_TAKE
+    const auto *lw = &hl;
     for (int i = 0; i < BK_MOD_COUNT; i++)
         if (!lw->w[i])
             return bk_error(BK_ERR_INVALID_ARG, "GPU backward: layer %d lacks %s", l,
@@ -1245,9 +1303,9 @@ bk_status weights(gbwd *g, int l, const gslot **out)
      * layer has its own slot, and beyond the host budget it is reloaded then
      * (the upload above is complete: the stream was synchronised) */
     if (g->nslots >= g->L || g->hbytes > g->hbudget) {
-        bk_layer_weights_free(&g->hw[l]);
+        g->hbytes -= hw_bytes(g, l);
+        hw_free(g, l);
         g->hloaded[l] = 0;
-        g->hbytes -= host_layer_bytes(g);
     }
     return BK_OK;
 }

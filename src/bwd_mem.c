@@ -71,7 +71,7 @@ uint64_t bk_bwd_dev_bytes(const bk_model_config *c, int64_t B, int64_t T, int64_
         mo = o > mo ? o : mo;
         sq += (uint64_t)(o * o);
     }
-    if (fp64 || wbf)
+    if (fp64) /* (bf16 uploads BF16 weights directly since issue 16) */
         n += (uint64_t)wbig * 4; /* weight staging */
     /* the flow: h, dh, the embedding copy (untied), boundary scratch
      * (halving), the kept layer inputs */
@@ -206,13 +206,28 @@ uint64_t bk_bwd_boundary_peak_bytes(int64_t L, int flow, int leaf, int64_t N, in
            (uint64_t)elem_bytes;
 }
 
+uint64_t bk_bwd_host_layer_bytes(const bk_model_config *c, int gpu)
+{
+    /* F32: the device cache's layer at fp32; BF16 copy: at bf16 (matrices
+     * in BF16, the rest F32) */
+    const uint64_t f32 = bk_bwd_dev_layer_bytes(c, BK_BWD_FP32);
+    if (gpu != BK_BWD_HOST_GPU_BF16 && gpu != BK_BWD_HOST_GPU_MAPPED)
+        return f32;
+    const uint64_t bf = bk_bwd_dev_layer_bytes(c, BK_BWD_BF16);
+    if (gpu == BK_BWD_HOST_GPU_BF16)
+        return bf;
+    return bf - (f32 - bf); /* (f32 - bf: the matrices' elements x 2 bytes) */
+}
+
 void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t N,
                            int elem_bytes, int gpu, uint64_t avail, bk_bwd_host_plan *p)
 {
     const int64_t L = c->n_layers;
-    /* one layer's F32 copy (bk_layer_weights_load; cuda/backward.cu
-     * host_layer_bytes): the device cache's layer at fp32 */
-    const uint64_t lb = bk_bwd_dev_layer_bytes(c, BK_BWD_FP32);
+    /* one layer's copy (bk_layer_weights_load, bk_layer_weights_bf16_load;
+     * cuda/backward.cu host_layer_bytes) */
+    const uint64_t lb = bk_bwd_host_layer_bytes(c, gpu);
+    p->layer_bytes = lb;
+    p->copies_kind = gpu;
     p->units = bk_bwd_boundary_units(L, flow, leaf);
     p->elem_bytes = elem_bytes;
     p->boundary_bytes = bk_bwd_boundary_peak_bytes(L, flow, leaf, N, c->hidden, elem_bytes);

@@ -96,8 +96,11 @@ typedef struct bk_bwd_host_plan {
     int units;                /* boundary matrices alive at the peak */
     int elem_bytes;
     uint64_t boundary_bytes;  /* their bytes (bk_bwd_boundary_peak_bytes) */
-    uint64_t copies_budget;   /* the layers' host F32 copies: GPU flow, half of avail
-                                 (cuda/backward.cu hbudget); CPU flow, every layer */
+    uint64_t copies_budget;   /* the layers' host copies (F32; BF16 matrices in the GPU
+                                 flow's bf16 mode, none when mapped): GPU flow, half of
+                                 avail (cuda/backward.cu hbudget); CPU flow, every layer */
+    uint64_t layer_bytes;     /* one layer's copy (bk_bwd_host_layer_bytes) */
+    int copies_kind;          /* the `gpu` argument: BK_BWD_HOST_* */
     uint64_t copies_bytes;    /* the copies held: min(L, budget / layer) layers */
     uint64_t margin;          /* avail / 8: what the plan does not count (the leaf
                                  layers' accumulators, the stages, allocator rounding) */
@@ -105,8 +108,25 @@ typedef struct bk_bwd_host_plan {
     uint64_t avail;           /* the host's available memory (0: unknown) */
 } bk_bwd_host_plan;
 
-/* The plan of a flow over N = S*T tokens; gpu: the GPU flow (its host
- * budget for the copies), else the CPU's. */
+/* What the flow keeps of each layer on the host (the `gpu` argument below):
+ * the CPU flow's F32 copies of every layer; the GPU flow's F32 copies under
+ * its budget (fp32 / tf32 / fp64); its bf16 mode's BF16 copies of the
+ * matrices (checkpoint not BF16), or its bf16 mode reading BF16 matrices
+ * straight from the mapped checkpoint (only biases and norms copied). */
+enum {
+    BK_BWD_HOST_CPU = 0,
+    BK_BWD_HOST_GPU_F32 = 1,
+    BK_BWD_HOST_GPU_BF16 = 2,
+    BK_BWD_HOST_GPU_MAPPED = 3
+};
+
+/* host bytes one layer's copy takes in that mode (cuda/backward.cu
+ * host_layer_bytes: every module's bias counted): F32 / BF16 copy: the
+ * matrices in F32 / BF16, biases and norms in F32; mapped: biases and norms */
+uint64_t bk_bwd_host_layer_bytes(const bk_model_config *c, int gpu);
+
+/* The plan of a flow over N = S*T tokens; gpu: BK_BWD_HOST_* (non-zero: the
+ * GPU flow, its host budget for the copies; zero: the CPU's). */
 void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t N,
                            int elem_bytes, int gpu, uint64_t avail, bk_bwd_host_plan *p);
 

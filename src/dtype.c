@@ -121,6 +121,18 @@ uint16_t bk_f32_to_bf16(float f)
     return (uint16_t)((u + bias) >> 16);
 }
 
+void bk_f32_to_bf16_rn_dev(const float *src, uint16_t *dst, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &src[i], sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            dst[i] = 0x7fffu;
+        else
+            dst[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
 float bk_f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;

@@ -566,6 +566,112 @@ bk_status bk_layer_weights_load(const bk_model *m, int layer, bk_layer_weights *
     return st;
 }
 
+void bk_layer_weights_bf16_free(bk_layer_weights_bf16 *lw)
+{
+    if (!lw)
+        return;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        free(lw->own[i]);
+        free(lw->b[i]);
+        lw->own[i] = NULL;
+        lw->w[i] = NULL;
+        lw->b[i] = NULL;
+    }
+    free(lw->attn_norm);
+    free(lw->mlp_norm);
+    free(lw->q_norm);
+    free(lw->k_norm);
+    lw->attn_norm = lw->mlp_norm = lw->q_norm = lw->k_norm = NULL;
+    lw->host_bytes = 0;
+}
+
+/* the finiteness check of check_finite on BF16 elements (same message) */
+static bk_status check_finite_bf16(const uint16_t *a, uint64_t n, const char *name)
+{
+    for (uint64_t i = 0; i < n; i++)
+        if ((a[i] & 0x7f80u) == 0x7f80u)
+            return bk_error(BK_ERR_NONFINITE, "%s: element %llu is %s (weights must be finite)",
+                            name, (unsigned long long)i, (a[i] & 0x7fu) ? "NaN" : "Inf");
+    return BK_OK;
+}
+
+bk_status bk_layer_weights_bf16_load(const bk_model *m, int layer, bk_layer_weights_bf16 *lw)
+{
+    if (!lw)
+        return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL output");
+    memset(lw, 0, sizeof *lw);
+    lw->layer = layer;
+    if (!m)
+        return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL model");
+    const bk_model_config *c = bk_model_get_config(m);
+    if (layer < 0 || layer >= c->n_layers)
+        return bk_error(BK_ERR_INVALID_ARG, "layer weights: layer %d outside [0, %lld)", layer,
+                        (long long)c->n_layers);
+    bk_status st = BK_OK;
+    char name[256], suffix[128];
+    for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        snprintf(suffix, sizeof suffix, "%s.weight", bk_module_name((bk_module)i));
+        fmt_layer_name(name, sizeof name, layer, suffix);
+        const uint16_t *mapped = bk_model_linear_bf16_mapped(m, layer, (bk_module)i);
+        if (mapped) {
+            lw->w[i] = mapped;
+        } else {
+            /* one F32 matrix at a time, rounded as the device rounds */
+            float *f = alloc_f32(o, in);
+            lw->own[i] = (uint16_t *)malloc((size_t)(o * in) * sizeof(uint16_t));
+            if (!f || !lw->own[i]) {
+                free(f);
+                st = bk_error(BK_ERR_NOMEM, "%s: out of memory for [%lld, %lld]", name,
+                              (long long)o, (long long)in);
+                break;
+            }
+            st = bk_model_linear_f32(m, layer, (bk_module)i, f);
+            if (st == BK_OK)
+                st = check_finite(f, (uint64_t)(o * in), name);
+            if (st == BK_OK)
+                bk_f32_to_bf16_rn_dev(f, lw->own[i], (size_t)(o * in));
+            free(f);
+            lw->w[i] = lw->own[i];
+            lw->host_bytes += (uint64_t)(o * in) * sizeof(uint16_t);
+        }
+        if (st == BK_OK && mapped)
+            st = check_finite_bf16(mapped, (uint64_t)(o * in), name);
+        if (st == BK_OK && module_has_bias(c, (bk_module)i)) {
+            snprintf(suffix, sizeof suffix, "%s.bias", bk_module_name((bk_module)i));
+            st = load_vec(m, layer, suffix, o, &lw->b[i]);
+            lw->host_bytes += (uint64_t)o * sizeof(float);
+        }
+    }
+    if (st == BK_OK)
+        st = load_vec(m, layer, "input_layernorm.weight", c->hidden, &lw->attn_norm);
+    if (st == BK_OK)
+        st = load_vec(m, layer, "post_attention_layernorm.weight", c->hidden, &lw->mlp_norm);
+    lw->host_bytes += 2 * (uint64_t)c->hidden * sizeof(float);
+    if (st == BK_OK && c->qk_norm) {
+        st = load_vec(m, layer, "self_attn.q_norm.weight", c->head_dim, &lw->q_norm);
+        if (st == BK_OK)
+            st = load_vec(m, layer, "self_attn.k_norm.weight", c->head_dim, &lw->k_norm);
+        lw->host_bytes += 2 * (uint64_t)c->head_dim * sizeof(float);
+    }
+    if (st != BK_OK)
+        bk_layer_weights_bf16_free(lw);
+    return st;
+}
+
+int bk_model_linears_mapped_bf16(const bk_model *m)
+{
+    if (!m)
+        return 0;
+    const bk_model_config *c = bk_model_get_config(m);
+    for (int l = 0; l < c->n_layers; l++)
+        for (int i = 0; i < BK_MOD_COUNT; i++)
+            if (!bk_model_linear_bf16_mapped(m, l, (bk_module)i))
+                return 0;
+    return 1;
+}
+
 /* ------------------------------------------------------------- stages */
 
 /* Every token id of the sequences [S, T] inside the vocabulary [0, vocab). */

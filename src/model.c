@@ -1436,3 +1436,20 @@ bk_status bk_model_linear_f32(const bk_model *m, int layer, bk_module mod, float
                         t->name, (long long)o, (long long)i);
     return bk_tensor_to_f32(t, dst);
 }
+
+const uint16_t *bk_model_linear_bf16_mapped(const bk_model *m, int layer, bk_module mod)
+{
+    if (!m || layer < 0 || layer >= m->cfg.n_layers || (unsigned)mod >= BK_MOD_COUNT)
+        return NULL;
+    if (m->quantized && !find_mod(m, layer, mod, "weight"))
+        return NULL;
+    char suffix[64];
+    snprintf(suffix, sizeof suffix, "%s.weight", module_names[mod]);
+    const bk_tensor_info *t = bk_model_find(m, layer, suffix);
+    int64_t o, i;
+    bk_module_shape(&m->cfg, mod, &o, &i);
+    if (!t || !t->data || t->dtype != BK_DT_BF16 || t->ndim != 2 || t->shape[0] != o ||
+        t->shape[1] != i)
+        return NULL;
+    return (const uint16_t *)t->data;
+}

@@ -124,8 +124,14 @@ static bk_status bp_host_check(job *j, int leaf, int leaf_max)
         leaf = (int)L;
     /* the flow's storage: double on the CPU, F32 on the GPU but at fp64 */
     const int es = j->bp_gpu && o->bwd_precision != BK_BWD_FP64 ? 4 : 8;
+    /* the layers' host copies: the GPU flow's bf16 mode holds BF16 matrices,
+     * none when the checkpoint's are BF16 (read from the mapping) */
+    const int copies = !j->bp_gpu                          ? BK_BWD_HOST_CPU
+                       : o->bwd_precision != BK_BWD_BF16   ? BK_BWD_HOST_GPU_F32
+                       : bk_model_linears_mapped_bf16(j->model) ? BK_BWD_HOST_GPU_MAPPED
+                                                           : BK_BWD_HOST_GPU_BF16;
     bk_status st = bk_bwd_host_check(j->cfg, (int)o->bwd_flow, leaf, j->s_hi - j->s_lo, j->T, es,
-                                     j->bp_gpu, j->nranks, leaf_max, bk_host_avail_bytes(),
+                                     copies, j->nranks, leaf_max, bk_host_avail_bytes(),
                                      &j->bp_host);
     if (j->nranks > 1)
         st = bk__q_sync(j, st);

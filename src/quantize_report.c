@@ -136,6 +136,17 @@ bk_status bk__q_write_metadata(job *j)
         cJSON_AddNumberToObject(b, "planned_boundary_matrices", j->bp_host.units);
         cJSON_AddNumberToObject(b, "planned_host_weight_copies_bytes",
                                 (double)j->bp_host.copies_bytes);
+        /* what a layer's copy is (issue 16): f32; bf16 (the GPU flow's bf16
+         * mode, BF16 matrices); mapped_bf16 (its matrices read from the
+         * mapped BF16 checkpoint: only biases and norms copied) */
+        {
+            static const char *const kinds[] = {"f32", "f32", "bf16", "mapped_bf16"};
+            const int k = j->bp_host.copies_kind;
+            cJSON_AddStringToObject(b, "host_weight_copies_kind",
+                                    k >= 0 && k < 4 ? kinds[k] : "f32");
+            cJSON_AddNumberToObject(b, "host_weight_copy_layer_bytes",
+                                    (double)j->bp_host.layer_bytes);
+        }
         cJSON_AddNumberToObject(b, "host_weight_copies_budget_bytes",
                                 j->bp_host.copies_budget == UINT64_MAX
                                     ? -1.0

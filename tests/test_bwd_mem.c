@@ -41,9 +41,12 @@ static void test_8b_buffers(void **state)
 {
     (void)state;
     const bk_model_config c = cfg(32, 4096, 14336, 32, 8, 128, 0);
-    /* the job's default at 8B: 2 x 2048, halving, leaf 1, bf16 */
-    assert_int_equal(bk_bwd_dev_bytes(&c, 2, 2048, 256, &BF16_HALVING, 0), 12309954624ull);
-    assert_int_equal(bk_bwd_dev_bytes(&c, 2, 2048, 256, &BF16_HALVING, 1), 14402912320ull);
+    /* the job's default at 8B: 2 x 2048, halving, leaf 1, bf16 (issue 16: no
+     * F32 weight staging in bf16, 14336 x 4096 x 4 = 234881024 bytes less) */
+    assert_int_equal(bk_bwd_dev_bytes(&c, 2, 2048, 256, &BF16_HALVING, 0),
+                     12309954624ull - 234881024ull);
+    assert_int_equal(bk_bwd_dev_bytes(&c, 2, 2048, 256, &BF16_HALVING, 1),
+                     14402912320ull - 234881024ull);
     /* one cached layer in BF16 (matrices) + F32 biases and norms */
     assert_int_equal(bk_bwd_dev_layer_bytes(&c, BK_BWD_BF16), 436207616ull + 4ull * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096) + 4ull * (2 * 4096 + 2 * 128));
     /* the naive flow: no boundary scratch, but all 32 layer inputs kept (16 with halving) */
@@ -64,12 +67,13 @@ static void test_1b_measured(void **state)
     (void)state;
     const bk_model_config c = cfg(16, 2048, 8192, 32, 8, 64, 1);
     const uint64_t now = bk_bwd_dev_bytes(&c, 4, 2048, 256, &BF16_HALVING, 1);
-    assert_int_equal(now, 10330415168ull);
+    assert_int_equal(now, 10330415168ull - 8192ull * 2048 * 4);
     /* session 12's allocations: the Gram scratch in double, the whole [8192]^2 F32 Gram,
-     * and the unfused attention backward (F32 P, dP; BF16 q, k, v, P, dS; no lse, D) */
+     * and the unfused attention backward (F32 P, dP; BF16 q, k, v, P, dS; no lse, D),
+     * and the F32 weight staging (issue 16 uploads BF16 weights directly) */
     const uint64_t R = 4 * 2048, mo = 8192, TT = 4ull * 2048 * 2048, qd = 2048, kvd = 512;
     const uint64_t then = now + R * mo * (8 - 2) + mo * mo * 4 - mo * 1024 * 4 + 2 * TT * 4 +
-                          (R * qd + 2 * R * kvd + 2 * TT) * 2 - 2 * R * 32 * 4;
+                          (R * qd + 2 * R * kvd + 2 * TT) * 2 - 2 * R * 32 * 4 + mo * 2048 * 4;
     const uint64_t measured = 10698ull << 20;
     assert_true(then > measured - (1 << 20) && then < measured + (1 << 20));
 }
@@ -248,6 +252,35 @@ static void test_host_check_8b(void **state)
     assert_true(p.copies_bytes > 27 * GB && p.copies_bytes < 29 * GB);
     assert_true(p.copies_budget == 60 * GB);
     assert_true(p.need == p.boundary_bytes + p.copies_bytes + 15 * GB);
+    assert_true(p.layer_bytes == 872621056ull); /* 218103808 x 4 + 51456 x 4 */
+    /* bf16 mode (issue 16): BF16 copies of the matrices (F32 biases and norms)
+     * halve the copies, 14.0 GB; a BF16 checkpoint's matrices are read from the
+     * mapping: only the biases and norms, 51456 floats a layer (6.6 MB) */
+    const uint64_t rest = 4ull * ((4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096) +
+                                  (2 * 4096 + 2 * 128));
+    assert_true(bk_bwd_host_layer_bytes(&c, BK_BWD_HOST_CPU) == 872621056ull);
+    assert_true(bk_bwd_host_layer_bytes(&c, BK_BWD_HOST_GPU_F32) == 872621056ull);
+    assert_true(bk_bwd_host_layer_bytes(&c, BK_BWD_HOST_GPU_BF16) == 218103808ull * 2 + rest);
+    assert_true(bk_bwd_host_layer_bytes(&c, BK_BWD_HOST_GPU_MAPPED) == rest);
+    const uint64_t need32 = p.need;
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4,
+                                       BK_BWD_HOST_GPU_BF16, 1, 0, 120 * GB, &p),
+                     BK_OK);
+    assert_true(p.copies_bytes == 32 * (218103808ull * 2 + rest));
+    assert_true(p.copies_budget == 60 * GB);
+    assert_true(need32 - p.need == 32 * 218103808ull * 2);
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4,
+                                       BK_BWD_HOST_GPU_MAPPED, 1, 0, 120 * GB, &p),
+                     BK_OK);
+    assert_true(p.copies_bytes == 32 * rest);
+    assert_true(p.need == p.boundary_bytes + 32 * rest + 15 * GB);
+    /* 64 GB host: 60.1 GB of boundaries still do not fit, but the room for
+     * them grows by the 27.9 GB the copies no longer take (97 -> 216 sequences) */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4,
+                                       BK_BWD_HOST_GPU_MAPPED, 1, 0, 58 * GB, &p),
+                     BK_ERR_NOMEM);
+    printf("  %s\n", bk_last_error());
+    assert_non_null(strstr(bk_last_error(), "--samples 216 or fewer"));
     /* 64 GB host */
     bk_status st = bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 1, 0, 58 * GB, &p);
     assert_int_equal(st, BK_ERR_NOMEM);

@@ -238,6 +238,85 @@ static void test_narrowing_edges(void **state)
     assert_true(isnan(bk_bf16_to_f32(bk_f32_to_bf16(bits_f32(0x7f800001)))));
 }
 
+/* bk_f32_to_bf16_rn_dev (the GPU backward's host BF16 copies, issue 16)
+ * against a reference written independently: the two BF16 neighbours of x
+ * compared in double, ties to the even one, every NaN to 0x7fff (CUDA's
+ * __float2bfloat16_rn / cvt.rn.bf16.f32). Edge cases (NaN payloads and
+ * signs, Inf, ties up and down, subnormals, the overflow tie) and a stride
+ * through every bit pattern. */
+static uint16_t ref_bf16_rn_dev(uint32_t u)
+{
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fff;
+    const uint32_t lo = u & 0xffff0000u, hi = lo + 0x10000u; /* (hi: next magnitude) */
+    if (lo == u)
+        return (uint16_t)(lo >> 16);
+    const double x = fabs((double)bits_f32(u)), a = fabs((double)bits_f32(lo));
+    /* hi past the largest finite: the rounding's threshold is halfway to 2^128 */
+    const double b = (hi & 0x7f800000u) == 0x7f800000u ? ldexp(1.0, 128) : fabs((double)bits_f32(hi));
+    if (x - a < b - x)
+        return (uint16_t)(lo >> 16);
+    if (x - a > b - x)
+        return (uint16_t)(hi >> 16);
+    return (uint16_t)(((lo >> 16) & 1u) ? hi >> 16 : lo >> 16);
+}
+
+static void test_bf16_rn_dev(void **state)
+{
+    (void)state;
+    static const uint32_t edges[] = {
+        0x00000000, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000, 0xffc00000,
+        0x7f800001, 0xff800001, 0x7fffffff, 0xffffffff, 0x7fa00000, /* NaNs */
+        0x00000001, 0x80000001, 0x007fffff, 0x807fffff, 0x00008000, 0x00018000,
+        0x00008001, 0x00007fff, 0x007f8000, 0x007fc000, /* subnormals, their ties */
+        0x00800000, 0x3f808000, 0x3f818000, 0xbf808000, 0xbf818000, 0x3f808001,
+        0x3f807fff, 0x7f7f8000, 0xff7f8000, 0x7f7f7fff, 0x7f7fffff, 0x7f7f0000,
+        0x3f800000, 0x40490fdb,
+    };
+    const size_t ne = sizeof edges / sizeof edges[0];
+    float in[64];
+    uint16_t out[64];
+    for (size_t i = 0; i < ne; i++)
+        in[i] = bits_f32(edges[i]);
+    bk_f32_to_bf16_rn_dev(in, out, ne);
+    for (size_t i = 0; i < ne; i++) {
+        if (out[i] != ref_bf16_rn_dev(edges[i]))
+            fail_msg("0x%08x: 0x%04x, reference 0x%04x", edges[i], out[i],
+                     ref_bf16_rn_dev(edges[i]));
+        /* finite and Inf: bk_f32_to_bf16's bits too (they differ on NaN only) */
+        if ((edges[i] & 0x7fffffffu) <= 0x7f800000u)
+            assert_int_equal(out[i], bk_f32_to_bf16(in[i]));
+    }
+    /* by hand: ties to even, overflow tie to Inf, canonical NaN, subnormal tie */
+    assert_int_equal(out[22], 0x3f80);
+    assert_int_equal(out[23], 0x3f82);
+    assert_int_equal(out[24], 0xbf80);
+    assert_int_equal(out[28], 0x7f80);
+    assert_int_equal(out[29], 0xff80);
+    assert_int_equal(out[6], 0x7fff);
+    assert_int_equal(out[7], 0x7fff);
+    assert_int_equal(out[15], 0x0000); /* 0x00008000: tie to even 0 */
+    assert_int_equal(out[16], 0x0002); /* 0x00018000: tie to even 2 */
+    /* a stride through all 2^32 patterns (odd, so every low-16 residue
+     * class is visited), in blocks */
+    static float blk[4096];
+    static uint16_t ob[4096];
+    uint64_t bad = 0, n = 0;
+    for (uint64_t u = 0; u < (1ull << 32);) {
+        size_t k = 0;
+        uint32_t first = (uint32_t)u;
+        for (; k < 4096 && u < (1ull << 32); k++, u += 1021)
+            blk[k] = bits_f32((uint32_t)u);
+        bk_f32_to_bf16_rn_dev(blk, ob, k);
+        for (size_t i = 0; i < k; i++, n++)
+            if (ob[i] != ref_bf16_rn_dev((uint32_t)(first + i * 1021u)))
+                bad++;
+    }
+    printf("  bf16 rn (device rounding): %llu patterns, %llu differ from the reference\n",
+           (unsigned long long)n, (unsigned long long)bad);
+    assert_true(bad == 0);
+}
+
 static void test_narrowing_random(void **state)
 {
     (void)state;
@@ -510,6 +589,7 @@ int main(void)
         cmocka_unit_test(test_widening_exhaustive),
         cmocka_unit_test(test_narrowing_edges),
         cmocka_unit_test(test_narrowing_random),
+        cmocka_unit_test(test_bf16_rn_dev),
         cmocka_unit_test(test_convert_float_paths),
         cmocka_unit_test(test_convert_matrix),
         cmocka_unit_test(test_convert_int_ranges),

@@ -873,6 +873,106 @@ static void test_layer_weights_threads(void **state)
     tu_each_model(models, sizeof models / sizeof models[0], layer_weights_threads_model);
 }
 
+/* The GPU backward's bf16 host weights (bk_layer_weights_bf16_load, issue
+ * 16): every matrix's bits are bk_f32_to_bf16_rn_dev of the F32 load's (what
+ * the device's k_to_bf16_rn made of the F32 upload before), pointing into
+ * the mapped file for a BF16 checkpoint (no copy) and copied otherwise;
+ * biases and norms the F32 load's; host_bytes what the struct owns
+ * (src/bwd_mem.c's plan numbers); loads on 8 threads at once give the same. */
+typedef struct {
+    const bk_model *m;
+    int L;
+    bk_layer_weights_bf16 *out;
+} lwb_job;
+
+static void *lwb_thread(void *x)
+{
+    lwb_job *j = x;
+    for (int l = 0; l < j->L; l++)
+        if (bk_layer_weights_bf16_load(j->m, l, &j->out[l]) != BK_OK)
+            return x;
+    return NULL;
+}
+
+static void layer_weights_bf16_model(const char *label, const char *dir)
+{
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    const int L = (int)c->n_layers;
+    const int mapped = bk_model_linears_mapped_bf16(m);
+    int64_t copied = 0, total = 0;
+    lwb_job jobs[LW_THREADS];
+    pthread_t tid[LW_THREADS];
+    for (int t = 0; t < LW_THREADS; t++) {
+        jobs[t] = (lwb_job){.m = m, .L = L};
+        jobs[t].out = calloc((size_t)L, sizeof(bk_layer_weights_bf16));
+        assert_non_null(jobs[t].out);
+        assert_int_equal(pthread_create(&tid[t], NULL, lwb_thread, &jobs[t]), 0);
+    }
+    for (int t = 0; t < LW_THREADS; t++)
+        assert_int_equal(pthread_join(tid[t], NULL), 0);
+    for (int l = 0; l < L; l++) {
+        bk_layer_weights lw;
+        bk_layer_weights_bf16 lb;
+        assert_int_equal(bk_layer_weights_load(m, l, &lw), BK_OK);
+        assert_int_equal(bk_layer_weights_bf16_load(m, l, &lb), BK_OK);
+        assert_int_equal(lb.layer, l);
+        uint64_t own = 0;
+        for (int i = 0; i < BK_MOD_COUNT; i++) {
+            int64_t o, in;
+            bk_module_shape(c, (bk_module)i, &o, &in);
+            uint16_t *want = malloc((size_t)(o * in) * 2);
+            assert_non_null(want);
+            bk_f32_to_bf16_rn_dev(lw.w[i], want, (size_t)(o * in));
+            assert_non_null(lb.w[i]);
+            if (memcmp(want, lb.w[i], (size_t)(o * in) * 2) != 0)
+                fail_msg("%s: layer %d %s: BF16 bits differ from the F32 load rounded", label, l,
+                         bk_module_name((bk_module)i));
+            for (int t = 0; t < LW_THREADS; t++)
+                if (memcmp(want, jobs[t].out[l].w[i], (size_t)(o * in) * 2) != 0)
+                    fail_msg("%s: thread %d layer %d: not the serial load's bits", label, t, l);
+            free(want);
+            total++;
+            if (lb.own[i]) {
+                assert_ptr_equal(lb.own[i], lb.w[i]);
+                copied++;
+                own += (uint64_t)(o * in) * 2;
+            } else {
+                assert_ptr_equal(lb.w[i], bk_model_linear_bf16_mapped(m, l, (bk_module)i));
+            }
+            assert_true(lw_same(lw.b[i], lb.b[i], (size_t)o));
+            if (lb.b[i])
+                own += (uint64_t)o * 4;
+        }
+        assert_true(lw_same(lw.attn_norm, lb.attn_norm, (size_t)c->hidden));
+        assert_true(lw_same(lw.mlp_norm, lb.mlp_norm, (size_t)c->hidden));
+        assert_true(lw_same(lw.q_norm, lb.q_norm, (size_t)c->head_dim));
+        assert_true(lw_same(lw.k_norm, lb.k_norm, (size_t)c->head_dim));
+        own += 2 * (uint64_t)c->hidden * 4 + (c->qk_norm ? 2 * (uint64_t)c->head_dim * 4 : 0);
+        assert_true(lb.host_bytes == own);
+        bk_layer_weights_free(&lw);
+        bk_layer_weights_bf16_free(&lb);
+        assert_null(lb.w[0]);
+        for (int t = 0; t < LW_THREADS; t++)
+            bk_layer_weights_bf16_free(&jobs[t].out[l]);
+    }
+    for (int t = 0; t < LW_THREADS; t++)
+        free(jobs[t].out);
+    printf("  %s: %lld of %lld matrices copied (mapped BF16: %d)\n", label, (long long)copied,
+           (long long)total, mapped);
+    assert_int_equal(mapped, copied == 0);
+    assert_true(mapped || copied == total || bk_model_is_quantized(m));
+    bk_model_close(m);
+}
+
+static void test_layer_weights_bf16(void **state)
+{
+    (void)state;
+    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-bf16",
+                                  "kerneldocs-1.6m"};
+    tu_each_model(models, sizeof models / sizeof models[0], layer_weights_bf16_model);
+}
+
 /* NLL from the native forward == NLL computed here from transformers' logits. */
 static double nll_from_logits(const float *lg, const int32_t *ids, int64_t B, int64_t T,
                               int64_t V, int64_t *count)
@@ -1209,6 +1309,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_golden_tiny_qwen3),
         cmocka_unit_test(test_qk_rot),
         cmocka_unit_test(test_layer_weights_threads),
+        cmocka_unit_test(test_layer_weights_bf16),
         cmocka_unit_test(test_golden_kerneldocs),
         cmocka_unit_test(test_golden_tiny_qwen3_bf16),
         cmocka_unit_test(test_nll_golden),

@@ -35,6 +35,27 @@ typedef struct bk_layer_weights {
 bk_status bk_layer_weights_load(const bk_model *m, int layer, bk_layer_weights *lw);
 void bk_layer_weights_free(bk_layer_weights *lw);
 
+/* One decoder layer's weights for the GPU backward's bf16 mode
+ * (cuda/backward.cu): the matrices in BF16, biases and norms in F32 (owned).
+ * A matrix stored as BF16 [out, in] in an unquantized checkpoint points into
+ * the mapped file (no host copy; own[i] NULL); any other is loaded as F32
+ * and rounded into own[i] by bk_f32_to_bf16_rn_dev (the device's rounding).
+ * Every matrix is checked finite, as bk_layer_weights_load does. */
+typedef struct bk_layer_weights_bf16 {
+    int layer;
+    const uint16_t *w[BK_MOD_COUNT]; /* [out, in] BF16 */
+    uint16_t *own[BK_MOD_COUNT];     /* w[i]'s copy, or NULL when w[i] is mapped */
+    float *b[BK_MOD_COUNT];
+    float *attn_norm, *mlp_norm, *q_norm, *k_norm;
+    uint64_t host_bytes; /* heap bytes the struct owns: copies, biases, norms */
+} bk_layer_weights_bf16;
+
+bk_status bk_layer_weights_bf16_load(const bk_model *m, int layer, bk_layer_weights_bf16 *lw);
+void bk_layer_weights_bf16_free(bk_layer_weights_bf16 *lw);
+/* 1 when every layer's every matrix is BF16 in the mapped checkpoint (the
+ * bf16 load then copies no matrix), else 0 */
+int bk_model_linears_mapped_bf16(const bk_model *m);
+
 /* Forward context: config, RoPE tables for positions < seqlen, scratch
  * buffers for micro-batches of up to max_seqs sequences. */
 typedef struct bk_fwd bk_fwd;

@@ -120,6 +120,10 @@ const bk_tensor_info *bk_model_find(const bk_model *m, int layer, const char *su
 
 /* A linear module's weight [out, in] as float, dequantizing native codes. */
 bk_status bk_model_linear_f32(const bk_model *m, int layer, bk_module mod, float *dst);
+/* The same weight's BF16 [out, in] elements in the mapped checkpoint when it
+ * is stored so there (unquantized, dtype BF16, that shape), else NULL (no
+ * error set). Valid while the model is open. */
+const uint16_t *bk_model_linear_bf16_mapped(const bk_model *m, int layer, bk_module mod);
 
 #ifdef __cplusplus
 }

@@ -63,6 +63,13 @@ float bk_bf16_to_f32(uint16_t h);
 uint16_t bk_f32_to_bf16(float f);
 float bk_f16_to_f32(uint16_t h);
 uint16_t bk_f32_to_f16(float f);
+/* n F32 values to BF16 exactly as the GPU rounds them (__float2bfloat16_rn,
+ * PTX cvt.rn.bf16.f32): round to nearest even, subnormals kept, overflow to
+ * Inf, every NaN to the canonical 0x7fff (bk_f32_to_bf16 keeps a NaN's sign
+ * and payload instead). cuda/backward.cu's bf16 mode converts its host
+ * weight copies with this, so the device holds the bits its F32 upload and
+ * k_to_bf16_rn gave. */
+void bk_f32_to_bf16_rn_dev(const float *src, uint16_t *dst, size_t n);
 
 /* ----------------------------------------------------------------- tensors */
 
