@@ -593,6 +593,11 @@ struct gbwd {
     bk_layer_weights *hw;
     bk_layer_weights_bf16 *hwb;
     int wmapped;
+    /* hbf: the host weights are hwb (bf16 mode); not when the environment
+     * sets BK_BWD_BF16_FROM_F32=1, the pre-issue-16 path kept for A/B bit
+     * checks (F32 copies uploaded through wstage and rounded on the device
+     * by k_to_bf16_rn: tests/test_cuda_backward.c bf16_taps) */
+    int hbf;
     int *hloaded;
     /* host bytes the copies may take (half the host's available memory
      * when the flow starts) and what they take now: beyond the budget a copy
@@ -707,8 +712,19 @@ bk_status upload_weight(gbwd *g, const void *src, int64_t n, void *dst)
 {
     if (!g->wbf)
         return upload_f32(g, static_cast<const float *>(src), n, dst);
-    BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * 2, cudaMemcpyHostToDevice,
+    if (g->hbf) {
+        BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * 2, cudaMemcpyHostToDevice,
+                                      g->c->stream));
+        return BK_OK;
+    }
+    /* BK_BWD_BF16_FROM_F32=1: F32 through wstage, rounded on the device */
+    if (n > g->wstage_elems)
+        return bk_error(BK_ERR_INTERNAL, "GPU backward: weight staging too small");
+    BK_CUDA_CHECK(cudaMemcpyAsync(g->wstage, src, (size_t)n * 4, cudaMemcpyHostToDevice,
                                   g->c->stream));
+    k_to_bf16_rn<float><<<grid_for(n), 256, 0, g->c->stream>>>(
+        static_cast<const float *>(g->wstage), (__nv_bfloat16 *)dst, n);
+    LAUNCH_CHECK("k_to_bf16_rn");
     return BK_OK;
 }
 
@@ -808,6 +824,10 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         st = dalloc(g, &g->lg, R * vc, (size_t)es, "logit block");
     g->flash = bk__cuda_bwd_attn_fused(go, g->dim.hd);
     g->wbf = !g->fp64 && go && go->math == BK_GBWD_BF16;
+    {
+        const char *e = getenv("BK_BWD_BF16_FROM_F32");
+        g->hbf = g->wbf && !(e && strcmp(e, "1") == 0);
+    }
     /* the unfused attention's [B, T, T] probabilities and their gradient
      * (the fused one keeps them on chip) */
     if (st == BK_OK && !g->flash)
@@ -850,7 +870,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
             wbig = o * in;
     }
     g->wstage_elems = wbig;
-    if (st == BK_OK && g->fp64)
+    if (st == BK_OK && (g->fp64 || (g->wbf && !g->hbf)))
         st = dalloc(g, (void **)&g->wstage, wbig, 4, "weight staging");
     if (st == BK_ERR_DEVICE_OOM) {
         char msg[512];
@@ -897,11 +917,11 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
                           "of one micro-batch (use a smaller --batch)");
         g->hw = static_cast<bk_layer_weights *>(calloc((size_t)g->L, sizeof(bk_layer_weights)));
         g->hloaded = static_cast<int *>(calloc((size_t)g->L, sizeof(int)));
-        if (g->wbf)
+        if (g->hbf)
             g->hwb = static_cast<bk_layer_weights_bf16 *>(
                 calloc((size_t)g->L, sizeof(bk_layer_weights_bf16)));
-        g->wmapped = g->wbf && bk_model_linears_mapped_bf16(m);
-        if (st == BK_OK && (!g->hw || !g->hloaded || (g->wbf && !g->hwb)))
+        g->wmapped = g->hbf && bk_model_linears_mapped_bf16(m);
+        if (st == BK_OK && (!g->hw || !g->hloaded || (g->hbf && !g->hwb)))
             st = bk_error(BK_ERR_NOMEM, "GPU backward: out of memory");
     }
     /* RoPE tables */
@@ -1043,7 +1063,7 @@ int64_t layer_elems(const gbwd *g)
  * holds: hw_bytes. */
 size_t host_layer_bytes(const gbwd *g)
 {
-    if (!g->wbf)
+    if (!g->hbf)
         return (size_t)layer_elems(g) * sizeof(float);
     return (size_t)bk_bwd_host_layer_bytes(&g->cfg, g->wmapped ? BK_BWD_HOST_GPU_MAPPED
                                                                : BK_BWD_HOST_GPU_BF16);
@@ -1053,18 +1073,18 @@ size_t host_layer_bytes(const gbwd *g)
  * its bytes, free */
 bk_status hw_load(gbwd *g, int l)
 {
-    return g->wbf ? bk_layer_weights_bf16_load(g->m, l, &g->hwb[l])
+    return g->hbf ? bk_layer_weights_bf16_load(g->m, l, &g->hwb[l])
                   : bk_layer_weights_load(g->m, l, &g->hw[l]);
 }
 
 size_t hw_bytes(const gbwd *g, int l)
 {
-    return g->wbf ? (size_t)g->hwb[l].host_bytes : host_layer_bytes(g);
+    return g->hbf ? (size_t)g->hwb[l].host_bytes : host_layer_bytes(g);
 }
 
 void hw_free(gbwd *g, int l)
 {
-    if (g->wbf)
+    if (g->hbf)
         bk_layer_weights_bf16_free(&g->hwb[l]);
     else
         bk_layer_weights_free(&g->hw[l]);
@@ -1194,7 +1214,7 @@ bk_status weights(gbwd *g, int l, const gslot **out)
         hl.q_norm = (src)->q_norm;                                                                \
         hl.k_norm = (src)->k_norm;                                                                \
     } while (0)
-    if (g->wbf)
+    if (g->hbf)
         HL_TAKE(&g->hwb[l]);
     else
         HL_TAKE(&g->hw[l]);

@@ -1449,7 +1449,7 @@ const uint16_t *bk_model_linear_bf16_mapped(const bk_model *m, int layer, bk_mod
     int64_t o, i;
     bk_module_shape(&m->cfg, mod, &o, &i);
     if (!t || !t->data || t->dtype != BK_DT_BF16 || t->ndim != 2 || t->shape[0] != o ||
-        t->shape[1] != i)
+        t->shape[1] != i || ((uintptr_t)t->data & 1u)) /* (odd offset: copied instead) */
         return NULL;
     return (const uint16_t *)t->data;
 }

@@ -479,6 +479,21 @@ static double bf16_taps(const char *name, const bk_model *m, const int32_t *tok,
     mem_model_check("GPU bf16 naive", bk_model_get_config(m), S, T, 3, BK_FLOW_NAIVE,
                     BK_BWD_BF16, &sn);
     same_taps("GPU bf16 halving vs GPU bf16 naive", &bh, &bn);
+    /* issue 16: the BF16 host weights (mapped checkpoint or host RNE copies)
+     * give the device the bits the F32 upload rounded on the device gave
+     * (BK_BWD_BF16_FROM_F32=1: that path): the same taps, bit for bit */
+    {
+        collect bo;
+        bk_bwd_flow_stats so;
+        setenv("BK_BWD_BF16_FROM_F32", "1", 1);
+        g_fisher = BK_FISHER_EMPIRICAL;
+        run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &gbf, &bo, &so);
+        g_fisher = BK_FISHER_MODEL;
+        unsetenv("BK_BWD_BF16_FROM_F32");
+        same_taps("GPU bf16 halving: BF16 host weights vs F32 uploads rounded on the device", &bh,
+                  &bo);
+        collect_free(&bo);
+    }
     double e = cmp_taps("GPU bf16 halving vs CPU (empirical Fisher)", &bh, &refe, TOL_BF16);
     if (verbose())
         fprintf(stderr, "  %s (T %lld): bf16 taps %.3g (tol %g), %s attention; halving == naive "
