@@ -593,10 +593,10 @@ struct gbwd {
     bk_layer_weights *hw;
     bk_layer_weights_bf16 *hwb;
     int wmapped;
-    /* hbf: the host weights are hwb (bf16 mode); not when the environment
-     * sets BK_BWD_BF16_FROM_F32=1, the pre-issue-16 path kept for A/B bit
-     * checks (F32 copies uploaded through wstage and rounded on the device
-     * by k_to_bf16_rn: tests/test_cuda_backward.c bf16_taps) */
+    /* hbf: the host weights are hwb (bf16 mode); not with the option
+     * f32_weights (bk_gbwd_opts, tests only): the path before session 13 kept
+     * for a bit check (F32 copies uploaded through wstage and rounded on the
+     * device by k_to_bf16_rn: tests/test_cuda_backward.c bf16_taps) */
     int hbf;
     int *hloaded;
     /* host bytes the copies may take (half the host's available memory
@@ -717,7 +717,7 @@ bk_status upload_weight(gbwd *g, const void *src, int64_t n, void *dst)
                                       g->c->stream));
         return BK_OK;
     }
-    /* BK_BWD_BF16_FROM_F32=1: F32 through wstage, rounded on the device */
+    /* f32_weights: F32 through wstage, rounded on the device */
     if (n > g->wstage_elems)
         return bk_error(BK_ERR_INTERNAL, "GPU backward: weight staging too small");
     BK_CUDA_CHECK(cudaMemcpyAsync(g->wstage, src, (size_t)n * 4, cudaMemcpyHostToDevice,
@@ -824,10 +824,7 @@ bk_status create(bk_backend *b, const bk_model *m, int64_t B, int64_t T, const b
         st = dalloc(g, &g->lg, R * vc, (size_t)es, "logit block");
     g->flash = bk__cuda_bwd_attn_fused(go, g->dim.hd);
     g->wbf = !g->fp64 && go && go->math == BK_GBWD_BF16;
-    {
-        const char *e = getenv("BK_BWD_BF16_FROM_F32");
-        g->hbf = g->wbf && !(e && strcmp(e, "1") == 0);
-    }
+    g->hbf = g->wbf && !go->f32_weights;
     /* the unfused attention's [B, T, T] probabilities and their gradient
      * (the fused one keeps them on chip) */
     if (st == BK_OK && !g->flash)

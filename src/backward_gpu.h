@@ -56,6 +56,9 @@ typedef struct bk_gbwd_opts {
                                 _BF16 (F32 arrays on tensor cores, F32 accumulation:
                                 cuBLAS compute types 32F_FAST_TF32 / 32F_FAST_16BF); the
                                 elementwise steps and reductions stay in double */
+    int f32_weights;         /* _BF16 only, tests: the layers' F32 host copies uploaded and
+                                rounded on the device (the path before session 13) instead
+                                of BF16 host weights; the same device bits */
 } bk_gbwd_opts;
 
 void bk_gbwd_opts_default(bk_gbwd_opts *o);

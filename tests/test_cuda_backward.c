@@ -468,7 +468,7 @@ static double bf16_taps(const char *name, const bk_model *m, const int32_t *tok,
 {
     collect refe, bn, bh;
     bk_bwd_flow_stats se, sn, sh;
-    bk_gbwd_opts gbf = {0, 0, BK_GBWD_BF16};
+    bk_gbwd_opts gbf = {0, 0, BK_GBWD_BF16, 0};
     g_fisher = BK_FISHER_EMPIRICAL;
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 2, NULL, &refe, &se);
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 3, &gbf, &bn, &sn);
@@ -481,15 +481,15 @@ static double bf16_taps(const char *name, const bk_model *m, const int32_t *tok,
     same_taps("GPU bf16 halving vs GPU bf16 naive", &bh, &bn);
     /* issue 16: the BF16 host weights (mapped checkpoint or host RNE copies)
      * give the device the bits the F32 upload rounded on the device gave
-     * (BK_BWD_BF16_FROM_F32=1: that path): the same taps, bit for bit */
+     * (bk_gbwd_opts.f32_weights: that path): the same taps, bit for bit */
     {
         collect bo;
         bk_bwd_flow_stats so;
-        setenv("BK_BWD_BF16_FROM_F32", "1", 1);
+        bk_gbwd_opts gold = gbf;
+        gold.f32_weights = 1;
         g_fisher = BK_FISHER_EMPIRICAL;
-        run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &gbf, &bo, &so);
+        run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &gold, &bo, &so);
         g_fisher = BK_FISHER_MODEL;
-        unsetenv("BK_BWD_BF16_FROM_F32");
         same_taps("GPU bf16 halving: BF16 host weights vs F32 uploads rounded on the device", &bh,
                   &bo);
         collect_free(&bo);
@@ -522,7 +522,7 @@ static void flow_model_m(const char *name, bk_model *m)
         run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 2, NULL, &tmp, &scpuh);
         collect_free(&tmp);
     }
-    bk_gbwd_opts g64 = {1, 0, 0}, g64one = {1, 1, 0}, g32 = {0, 0, 0};
+    bk_gbwd_opts g64 = {1, 0, 0, 0}, g64one = {1, 1, 0, 0}, g32 = {0, 0, 0, 0};
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 3, &g64, &nv, &snv);
     run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &g64, &hv, &shv);
     run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &g64one, &hv1, &shv1);
@@ -541,7 +541,7 @@ static void flow_model_m(const char *name, bk_model *m)
     if (c->n_layers >= 3) {
         collect kv;
         bk_bwd_flow_stats skv;
-        bk_gbwd_opts g64k = {1, (int)c->n_layers - 1, 0};
+        bk_gbwd_opts g64k = {1, (int)c->n_layers - 1, 0, 0};
         run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 3, &g64k, &kv, &skv);
         same_taps("GPU fp64 naive, L - 1 resident layers, vs all resident", &kv, &nv);
         const int64_t mbs = (int64_t)skv.passes * ((S + 2) / 3);
@@ -580,7 +580,7 @@ static void flow_model_m(const char *name, bk_model *m)
     double f32 = cmp_factors("GPU fp32", m, &f32h, &ref, 2, TOL_FP32);
     /* the Grams formed on the device (the job's path) */
     double gr64 = 0, gr32 = 0, grtf = 0, grbf = 0;
-    bk_gbwd_opts gtf = {0, 0, BK_GBWD_TF32}, gbf = {0, 0, BK_GBWD_BF16};
+    bk_gbwd_opts gtf = {0, 0, BK_GBWD_TF32, 0}, gbf = {0, 0, BK_GBWD_BF16, 0};
     /* tf32 / bf16 against a CPU reference with the empirical Fisher's labels:
      * with sampled labels a label whose CDF step sits within the GEMMs' rounding
      * flips and moves a 120-token Gram by several per cent (seen on the H200 at
@@ -763,7 +763,7 @@ static void flow_syn(const char *type, int64_t H, int64_t I, int64_t nh, int64_t
         fail_msg("%s: %s", dir, bk_last_error());
     const bk_model_config *c = bk_model_get_config(m);
     assert_int_equal(c->head_dim, hd);
-    bk_gbwd_opts gbf = {0, 0, BK_GBWD_BF16}, g32 = {0, 0, 0}, g64 = {1, 0, BK_GBWD_BF16};
+    bk_gbwd_opts gbf = {0, 0, BK_GBWD_BF16, 0}, g32 = {0, 0, 0, 0}, g64 = {1, 0, BK_GBWD_BF16, 0};
     assert_int_equal(bk__cuda_bwd_attn_fused(&gbf, hd), 1);
     assert_int_equal(bk__cuda_bwd_attn_fused(&g32, hd), 0);
     assert_int_equal(bk__cuda_bwd_attn_fused(&g64, hd), 0);
@@ -829,7 +829,7 @@ static void test_flow_leaf(void **state)
     collect ref;
     bk_bwd_flow_stats sref;
     run_flow(m, tok, S, T, BK_FLOW_NAIVE, 1, 2, NULL, &ref, &sref);
-    bk_gbwd_opts g64 = {1, 0, 0};
+    bk_gbwd_opts g64 = {1, 0, 0, 0};
     for (int leaf = 2; leaf <= 5; leaf++) {
         for (int k = 0; k < 2; k++) {
             bk_bwd_flow_kind kind = k ? BK_FLOW_NAIVE : BK_FLOW_HALVING;
@@ -928,7 +928,7 @@ static void head_model(const char *name)
     const int64_t seq0 = 3;
     assert_int_equal(bk_bwd_labels(bw, m, h, tok, S, seq0, BK_FISHER_MODEL, seed, lab_c), BK_OK);
     for (int fp64 = 1; fp64 >= 0; fp64--) {
-        bk_gbwd_opts go = {fp64, 0, 0};
+        bk_gbwd_opts go = {fp64, 0, 0, 0};
         double loss_g = 0, loss_c = 0;
         if (bk__cuda_bwd_head(g_gpu, m, &go, T, h, tok, S, seq0, BK_FISHER_MODEL, seed, lab_g,
                               dh_g, &loss_g) != BK_OK)
@@ -959,7 +959,7 @@ static void head_model(const char *name)
             check_cdf(m, h + r * d, lab_g[r], bk__bwd_uniform(seed, seq0 + r / T, r % T));
     /* the empirical Fisher: the next tokens */
     {
-        bk_gbwd_opts go = {0, 0, 0};
+        bk_gbwd_opts go = {0, 0, 0, 0};
         double loss = 0;
         assert_int_equal(bk__cuda_bwd_head(g_gpu, m, &go, T, h, tok, S, seq0,
                                            BK_FISHER_EMPIRICAL, seed, lab_g, NULL, &loss),
@@ -1013,7 +1013,7 @@ static void test_bad_inputs(void **state)
     int32_t *tok = tu_random_tokens(1, S * T, c->vocab);
     bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0, NULL, NULL, NULL};
     bk_bwd_flow_stats st;
-    bk_gbwd_opts go = {0, 0, 0};
+    bk_gbwd_opts go = {0, 0, 0, 0};
     bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2, 0};
     /* a token out of range: the CPU's status */
     tok[3] = (int32_t)c->vocab;
