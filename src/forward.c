@@ -519,48 +519,77 @@ void bk_layer_weights_free(bk_layer_weights *lw)
     lw->attn_norm = lw->mlp_norm = lw->q_norm = lw->k_norm = NULL;
 }
 
+/* the arguments of the layer loaders: model and layer index */
+static bk_status layer_args(const bk_model *m, int layer, const bk_model_config **c)
+{
+    if (!m)
+        return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL model");
+    *c = bk_model_get_config(m);
+    if (layer < 0 || layer >= (*c)->n_layers)
+        return bk_error(BK_ERR_INVALID_ARG, "layer weights: layer %d outside [0, %lld)", layer,
+                        (long long)(*c)->n_layers);
+    return BK_OK;
+}
+
+/* module i's weight [o, in] as F32 (allocated), checked finite; *out NULL
+ * on failure. name: its tensor name (messages). */
+static bk_status load_matrix_f32(const bk_model *m, int layer, int i, const char *name,
+                                 int64_t o, int64_t in, float **out)
+{
+    float *w = alloc_f32(o, in);
+    *out = NULL;
+    if (!w)
+        return bk_error(BK_ERR_NOMEM, "%s: out of memory for [%lld, %lld]", name, (long long)o,
+                        (long long)in);
+    bk_status st = bk_model_linear_f32(m, layer, (bk_module)i, w);
+    if (st == BK_OK)
+        st = check_finite(w, (uint64_t)(o * in), name);
+    if (st != BK_OK)
+        free(w);
+    else
+        *out = w;
+    return st;
+}
+
+/* the layer's RMSNorm weights (q/k norms with qk_norm) */
+static bk_status load_norms(const bk_model *m, int layer, const bk_model_config *c, float **an,
+                            float **mn, float **qn, float **kn)
+{
+    bk_status st = load_vec(m, layer, "input_layernorm.weight", c->hidden, an);
+    if (st == BK_OK)
+        st = load_vec(m, layer, "post_attention_layernorm.weight", c->hidden, mn);
+    if (st == BK_OK && c->qk_norm) {
+        st = load_vec(m, layer, "self_attn.q_norm.weight", c->head_dim, qn);
+        if (st == BK_OK)
+            st = load_vec(m, layer, "self_attn.k_norm.weight", c->head_dim, kn);
+    }
+    return st;
+}
+
 bk_status bk_layer_weights_load(const bk_model *m, int layer, bk_layer_weights *lw)
 {
     if (!lw)
         return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL output");
     memset(lw, 0, sizeof *lw);
     lw->layer = layer;
-    if (!m)
-        return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL model");
-    const bk_model_config *c = bk_model_get_config(m);
-    if (layer < 0 || layer >= c->n_layers)
-        return bk_error(BK_ERR_INVALID_ARG, "layer weights: layer %d outside [0, %lld)", layer,
-                        (long long)c->n_layers);
-    bk_status st = BK_OK;
+    const bk_model_config *c = NULL;
+    bk_status st = layer_args(m, layer, &c);
+    if (st != BK_OK)
+        return st;
     char name[256], suffix[128];
     for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
         int64_t o, in;
         bk_module_shape(c, (bk_module)i, &o, &in);
         snprintf(suffix, sizeof suffix, "%s.weight", bk_module_name((bk_module)i));
         fmt_layer_name(name, sizeof name, layer, suffix);
-        lw->w[i] = alloc_f32(o, in);
-        if (!lw->w[i]) {
-            st = bk_error(BK_ERR_NOMEM, "%s: out of memory for [%lld, %lld]", name, (long long)o,
-                          (long long)in);
-            break;
-        }
-        st = bk_model_linear_f32(m, layer, (bk_module)i, lw->w[i]);
-        if (st == BK_OK)
-            st = check_finite(lw->w[i], (uint64_t)(o * in), name);
+        st = load_matrix_f32(m, layer, i, name, o, in, &lw->w[i]);
         if (st == BK_OK && module_has_bias(c, (bk_module)i)) {
             snprintf(suffix, sizeof suffix, "%s.bias", bk_module_name((bk_module)i));
             st = load_vec(m, layer, suffix, o, &lw->b[i]);
         }
     }
     if (st == BK_OK)
-        st = load_vec(m, layer, "input_layernorm.weight", c->hidden, &lw->attn_norm);
-    if (st == BK_OK)
-        st = load_vec(m, layer, "post_attention_layernorm.weight", c->hidden, &lw->mlp_norm);
-    if (st == BK_OK && c->qk_norm) {
-        st = load_vec(m, layer, "self_attn.q_norm.weight", c->head_dim, &lw->q_norm);
-        if (st == BK_OK)
-            st = load_vec(m, layer, "self_attn.k_norm.weight", c->head_dim, &lw->k_norm);
-    }
+        st = load_norms(m, layer, c, &lw->attn_norm, &lw->mlp_norm, &lw->q_norm, &lw->k_norm);
     if (st != BK_OK)
         bk_layer_weights_free(lw);
     return st;
@@ -601,13 +630,10 @@ bk_status bk_layer_weights_bf16_load(const bk_model *m, int layer, bk_layer_weig
         return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL output");
     memset(lw, 0, sizeof *lw);
     lw->layer = layer;
-    if (!m)
-        return bk_error(BK_ERR_INVALID_ARG, "layer weights: NULL model");
-    const bk_model_config *c = bk_model_get_config(m);
-    if (layer < 0 || layer >= c->n_layers)
-        return bk_error(BK_ERR_INVALID_ARG, "layer weights: layer %d outside [0, %lld)", layer,
-                        (long long)c->n_layers);
-    bk_status st = BK_OK;
+    const bk_model_config *c = NULL;
+    bk_status st = layer_args(m, layer, &c);
+    if (st != BK_OK)
+        return st;
     char name[256], suffix[128];
     for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
         int64_t o, in;
@@ -619,17 +645,14 @@ bk_status bk_layer_weights_bf16_load(const bk_model *m, int layer, bk_layer_weig
             lw->w[i] = mapped;
         } else {
             /* one F32 matrix at a time, rounded as the device rounds */
-            float *f = alloc_f32(o, in);
             lw->own[i] = (uint16_t *)malloc((size_t)(o * in) * sizeof(uint16_t));
-            if (!f || !lw->own[i]) {
-                free(f);
+            if (!lw->own[i]) {
                 st = bk_error(BK_ERR_NOMEM, "%s: out of memory for [%lld, %lld]", name,
                               (long long)o, (long long)in);
                 break;
             }
-            st = bk_model_linear_f32(m, layer, (bk_module)i, f);
-            if (st == BK_OK)
-                st = check_finite(f, (uint64_t)(o * in), name);
+            float *f;
+            st = load_matrix_f32(m, layer, i, name, o, in, &f);
             if (st == BK_OK)
                 bk_f32_to_bf16_rn_dev(f, lw->own[i], (size_t)(o * in));
             free(f);
@@ -645,16 +668,10 @@ bk_status bk_layer_weights_bf16_load(const bk_model *m, int layer, bk_layer_weig
         }
     }
     if (st == BK_OK)
-        st = load_vec(m, layer, "input_layernorm.weight", c->hidden, &lw->attn_norm);
-    if (st == BK_OK)
-        st = load_vec(m, layer, "post_attention_layernorm.weight", c->hidden, &lw->mlp_norm);
+        st = load_norms(m, layer, c, &lw->attn_norm, &lw->mlp_norm, &lw->q_norm, &lw->k_norm);
     lw->host_bytes += 2 * (uint64_t)c->hidden * sizeof(float);
-    if (st == BK_OK && c->qk_norm) {
-        st = load_vec(m, layer, "self_attn.q_norm.weight", c->head_dim, &lw->q_norm);
-        if (st == BK_OK)
-            st = load_vec(m, layer, "self_attn.k_norm.weight", c->head_dim, &lw->k_norm);
+    if (c->qk_norm)
         lw->host_bytes += 2 * (uint64_t)c->head_dim * sizeof(float);
-    }
     if (st != BK_OK)
         bk_layer_weights_bf16_free(lw);
     return st;
