@@ -1298,8 +1298,10 @@ bk_status weights(gbwd *g, int l, const gslot **out)
     if (st != BK_OK) {
         slot_free(g, s);
         if (st == BK_ERR_DEVICE_OOM && fresh && v > 0) {
-            /* fewer layers fit than estimated: keep the v slots that did */
+            /* fewer layers fit than estimated: keep the v slots that did
+             * (the same request again: counted once) */
             g->nslots = v;
+            g->requests--;
             return weights(g, l, out);
         }
         if (st == BK_ERR_DEVICE_OOM) {
