@@ -50,6 +50,7 @@ void bk_cuda_ctx_tune(bk_cuda_ctx *c, const bk_cuda_tuning *t)
     c->push_split = t->push_split;
     c->push_group = t->push_group;
     c->partition = t->partition;
+    c->push_mma = t->push_mma;
 }
 
 bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out)

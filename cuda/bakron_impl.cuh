@@ -155,6 +155,120 @@ __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int
                 _Pragma("unroll") for (int j = 0; j < TM; j++) acc[i][j] += av[i][u] * bv[j][u];   \
     }
 
+/* The same product on tensor cores for R = float (c->push_mma): 3xTF32
+ * mma.sync.m16n8k8 with fp32 accumulation. Each operand x is split into
+ * hi = tf32(x) and lo = tf32(x - hi) (x - hi is exact in fp32) and
+ *   acc += a_lo b_hi + a_hi b_lo + a_hi b_hi
+ * (the small terms first; a_lo b_lo, ~2^-22 relative, is dropped): close to,
+ * not bit-equal with, the FFMA product, so fp32 codes may differ from the
+ * FFMA path in a few entries. fp64 solves never take this path. The CTA's
+ * two warps (PushCfg<float, T>::NTH = 64) own QR / 2 rows each of the
+ * QR x QR output: QR / 32 m-tiles by QR / 8 n-tiles of 16 x 8. Fragments come
+ * straight from the S-strided operands (S = T + 4: rows 4 banks apart, the
+ * 8 x 4 lanes of a fragment load hit 32 distinct banks). */
+template <int QR> struct MmaShape {
+    static_assert(QR % 32 == 0, "mma pushes need parts of at least 32 rows");
+    static constexpr int WM = QR / 2, MI = QR / 32, NJ = QR / 8;
+};
+
+__device__ __forceinline__ void tf32_split(float x, unsigned &hi, unsigned &lo)
+{
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    const float r = x - __uint_as_float(hi);
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(r));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
+                                         const unsigned (&b)[2])
+{
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* acc[i][j] (16 x 8 fragment: rows WM warp + 16 i + g (+ 8), columns 8 j +
+ * 2 t (+ 1), g = lane / 4, t = lane % 4) += As Bs^T over c < T */
+template <int T, int QR>
+__device__ __forceinline__ void mma_mac(const float *As, const float *Bs,
+                                        float (&acc)[MmaShape<QR>::MI][MmaShape<QR>::NJ][4],
+                                        int warp, int lane)
+{
+    using M = MmaShape<QR>;
+    constexpr int S = PushCfg<float, T>::S, MI = M::MI, NJ = M::NJ;
+    const int g = lane >> 2, t = lane & 3;
+    const float *Aw = As + (warp * M::WM + g) * S + t;
+    const float *Bw = Bs + g * S + t;
+#pragma unroll 2
+    for (int kk = 0; kk < T; kk += 8) {
+        unsigned ah[MI][4], al[MI][4];
+#pragma unroll
+        for (int i = 0; i < MI; i++) {
+            const float *ap = Aw + 16 * i * S + kk;
+            tf32_split(ap[0], ah[i][0], al[i][0]);
+            tf32_split(ap[8 * S], ah[i][1], al[i][1]);
+            tf32_split(ap[4], ah[i][2], al[i][2]);
+            tf32_split(ap[8 * S + 4], ah[i][3], al[i][3]);
+        }
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            unsigned bh[2], bl[2];
+            const float *bp = Bw + 8 * j * S + kk;
+            tf32_split(bp[0], bh[0], bl[0]);
+            tf32_split(bp[4], bh[1], bl[1]);
+#pragma unroll
+            for (int i = 0; i < MI; i++) {
+                mma_tf32(acc[i][j], al[i], bh);
+                mma_tf32(acc[i][j], ah[i], bl);
+                mma_tf32(acc[i][j], ah[i], bh);
+            }
+        }
+    }
+}
+
+template <int QR>
+__device__ __forceinline__ void mma_zero(float (&acc)[MmaShape<QR>::MI][MmaShape<QR>::NJ][4])
+{
+#pragma unroll
+    for (int i = 0; i < MmaShape<QR>::MI; i++)
+#pragma unroll
+        for (int j = 0; j < MmaShape<QR>::NJ; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[i][j][e] = 0.0f;
+}
+
+/* C += acc (Cp: the CTA's QR x QR part, rows ldc apart; 8-byte aligned) */
+template <int QR>
+__device__ __forceinline__ void mma_store(float *Cp, int64_t ldc,
+                                          const float (&acc)[MmaShape<QR>::MI][MmaShape<QR>::NJ][4],
+                                          int warp, int lane)
+{
+    using M = MmaShape<QR>;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < M::MI; i++)
+#pragma unroll
+        for (int j = 0; j < M::NJ; j++) {
+            float2 *c0 = reinterpret_cast<float2 *>(
+                Cp + (int64_t)(warp * M::WM + 16 * i + g) * ldc + 8 * j + 2 * t);
+            float2 *c1 = reinterpret_cast<float2 *>(reinterpret_cast<float *>(c0) + 8 * ldc);
+            float2 v0 = *c0, v1 = *c1;
+            v0.x += acc[i][j][0];
+            v0.y += acc[i][j][1];
+            v1.x += acc[i][j][2];
+            v1.y += acc[i][j][3];
+            *c0 = v0;
+            *c1 = v1;
+        }
+}
+
+/* the mma path exists for fp32 and parts of >= 32 rows */
+template <typename R, int QR> constexpr bool mma_ok()
+{
+    return sizeof(R) == 4 && QR % 32 == 0;
+}
+
 /* C[r][a] += sum_c A[r][c] Bt[a][c] for one (tile, target) pair. Thread
  * (ty, tx) owns rows ty + TH i and columns tx + TH j. The eager ("near")
  * pushes of the tiles of diagonal K: right targets J < Jt <= Kf - I, down
@@ -162,7 +276,7 @@ __device__ __forceinline__ void load_pair_batched(R *As, R *Bs, const R *Ap, int
  * (every target when the pushes are eager). QD = 2: the target tile in
  * QD x QD parts, one per CTA (blockIdx.z): a quarter of the latency on the
  * critical path, for more CTAs and loads. */
-template <typename R, int T, int QD = 1>
+template <typename R, int T, int QD = 1, bool MMA = false>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     k_push(TileArgs<R> a, int K, int i_lo, int MT, int NT, int Kf)
 {
@@ -207,6 +321,14 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     const int tid = threadIdx.x;
     load_pair_batched<R, T, QR>(As, Bs, Ap, lda, Bp, ldb, tid);
     __syncthreads();
+    if constexpr (MMA) {
+        static_assert(mma_ok<R, QR>(), "mma pushes: fp32, parts of >= 32 rows");
+        float macc[MmaShape<QR>::MI][MmaShape<QR>::NJ][4];
+        mma_zero<QR>(macc);
+        mma_mac<T, QR>(As, Bs, macc, tid >> 5, tid & 31);
+        mma_store<QR>(Cp, ldc, macc, tid >> 5, tid & 31);
+        return;
+    }
     const int tx = tid % TH, ty = tid / TH;
     R acc[TM][TM];
 #pragma unroll
@@ -433,7 +555,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
  * with the run = the tiles of the line on diagonals Kf-G+1 .. Kf and the
  * targets those after it (solved after Kf). blockIdx.y is the absolute
  * target index, so neighbouring CTAs share L_A / L_B blocks in L2. */
-template <typename R, int T, bool BATCH = false, int QD = 1, bool ASYNC = false>
+template <typename R, int T, bool BATCH = false, int QD = 1, bool ASYNC = false, bool MMA = false>
 __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     k_push_far(TileArgs<R> a, int Kf, int G, int MT, int NT, int mode)
 {
@@ -483,12 +605,19 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     const int qr = QD > 1 ? (int)blockIdx.z / QD : 0, qc = QD > 1 ? (int)blockIdx.z % QD : 0;
     if (QD > 1)
         Cp += (int64_t)qr * QR * ldc + qc * QR;
+    static_assert(!MMA || mma_ok<R, QR>(), "mma pushes: fp32, parts of >= 32 rows");
+    constexpr int MQ = MMA ? QR : 32; /* the mma accumulators (unused without MMA) */
+    float macc[MmaShape<MQ>::MI][MmaShape<MQ>::NJ][4];
     R acc[TM][TM];
+    if constexpr (MMA)
+        mma_zero<MQ>(macc);
+    else {
 #pragma unroll
-    for (int i = 0; i < TM; i++)
+        for (int i = 0; i < TM; i++)
 #pragma unroll
-        for (int j = 0; j < TM; j++)
-            acc[i][j] = R(0);
+            for (int j = 0; j < TM; j++)
+                acc[i][j] = R(0);
+    }
     for (int src = lo; src <= hi; src++) {
         const R *Ap, *Bp;
         int64_t lda, ldb;
@@ -522,14 +651,21 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
                     *reinterpret_cast<const V *>(&Bp[(int64_t)r * ldb + cv]);
             }
         __syncthreads();
-        BK_TILE_MAC();
+        if constexpr (MMA)
+            mma_mac<T, MQ>(As, Bs, macc, tid >> 5, tid & 31);
+        else
+            BK_TILE_MAC();
         __syncthreads();
     }
+    if constexpr (MMA)
+        mma_store<MQ>(Cp, ldc, macc, tid >> 5, tid & 31);
+    else {
 #pragma unroll
-    for (int i = 0; i < TM; i++)
+        for (int i = 0; i < TM; i++)
 #pragma unroll
-        for (int j = 0; j < TM; j++)
-            Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j] += acc[i][j];
+            for (int j = 0; j < TM; j++)
+                Cp[(int64_t)(ty + TH * i) * ldc + tx + TH * j] += acc[i][j];
+    }
 }
 
 template <typename R, int T, int WC>
@@ -544,16 +680,87 @@ void launch_solve3(const TileArgs<R> &ta, int K, int i_lo, int ntiles, cudaStrea
         k_tile_solve3<R, T, WC, BK_Q_INTEGER><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
 }
 
-/* the far push off the critical path (modes 0, 2, 3, 4) */
+/* the far push off the critical path (modes 0, 2, 3, 4); on tensor cores
+ * with c->push_mma >= 1 (fp32) */
 template <typename R, int T>
 void launch_far(const bk_cuda_ctx *c, const TileArgs<R> &ta, dim3 grid, cudaStream_t st, int Kf,
                 int G, int MT, int NT, int mode)
 {
     using PC = PushCfg<R, T>;
+    if constexpr (mma_ok<R, T>())
+        if (c->push_mma >= 1) {
+            if (c->far_async)
+                k_push_far<R, T, false, 1, true, true><<<grid, PC::NTH, PC::smem, st>>>(
+                    ta, Kf, G, MT, NT, mode);
+            else
+                k_push_far<R, T, false, 1, false, true><<<grid, PC::NTH, PC::smem, st>>>(
+                    ta, Kf, G, MT, NT, mode);
+            return;
+        }
     if (c->far_async)
         k_push_far<R, T, false, 1, true><<<grid, PC::NTH, PC::smem, st>>>(ta, Kf, G, MT, NT, mode);
     else
         k_push_far<R, T><<<grid, PC::NTH, PC::smem, st>>>(ta, Kf, G, MT, NT, mode);
+}
+
+/* the critical-path pushes (near: k_push; the flush's next-run part:
+ * k_push_far mode 1), split QD x QD; on tensor cores with c->push_mma == 2
+ * where a part has >= 32 rows (fp32; else the FFMA kernels) */
+template <typename R, int T, int QD>
+void launch_near(const bk_cuda_ctx *c, const TileArgs<R> &ta, dim3 grid, cudaStream_t st, int K,
+                 int i_lo, int MT, int NT, int Kf)
+{
+    using PC = PushCfg<R, T>;
+    if constexpr (mma_ok<R, T / QD>())
+        if (c->push_mma == 2) {
+            k_push<R, T, QD, true><<<grid, PC::NTH, PC::smem, st>>>(ta, K, i_lo, MT, NT, Kf);
+            return;
+        }
+    k_push<R, T, QD><<<grid, PC::NTH, PC::smem, st>>>(ta, K, i_lo, MT, NT, Kf);
+}
+
+template <typename R, int T, int QD>
+void launch_next(const bk_cuda_ctx *c, const TileArgs<R> &ta, dim3 grid, cudaStream_t st, int Kf,
+                 int G, int MT, int NT)
+{
+    using PC = PushCfg<R, T>;
+    if constexpr (mma_ok<R, T / QD>())
+        if (c->push_mma == 2) {
+            k_push_far<R, T, true, QD, false, true><<<grid, PC::NTH, PC::smem, st>>>(ta, Kf, G, MT,
+                                                                                     NT, 1);
+            return;
+        }
+    k_push_far<R, T, true, QD><<<grid, PC::NTH, PC::smem, st>>>(ta, Kf, G, MT, NT, 1);
+}
+
+/* the shared-memory limit of the mma push kernels (fp32: below the default
+ * 48 KiB, set like the others for uniformity) */
+template <typename R, int T> cudaError_t mma_attrs()
+{
+    cudaError_t e = cudaSuccess;
+    if constexpr (mma_ok<R, T>()) {
+        const int sm = (int)PushCfg<R, T>::smem;
+        e = cudaFuncSetAttribute(k_push_far<R, T, false, 1, false, true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+        if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(k_push_far<R, T, false, 1, true, true>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+        if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(k_push_far<R, T, true, 1, false, true>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+        if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(k_push<R, T, 1, true>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+        if constexpr (mma_ok<R, T / 2>()) {
+            if (e == cudaSuccess)
+                e = cudaFuncSetAttribute(k_push_far<R, T, true, 2, false, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+            if (e == cudaSuccess)
+                e = cudaFuncSetAttribute(k_push<R, T, 2, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+        }
+    }
+    return e;
 }
 
 template <typename R, int T>
@@ -604,6 +811,7 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
+    BK_CUDA_CHECK((mma_attrs<R, T>()));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
     const int G = c->push_group > 0 ? c->push_group : 0;
     const int never = MT + NT + 1; /* eager: no flush, every target is near */
@@ -635,6 +843,8 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
                 e = cudaFuncSetAttribute(k_push_far<R, T, false, 1, true>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)PC::smem);
+            if (e == cudaSuccess)
+                e = mma_attrs<R, T>();
             bk_cuda_partition_leave(c);
             BK_CUDA_CHECK(e);
             side = ps;
@@ -668,11 +878,9 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
         }
         if (nx > 0) {
             if (c->push_split == 2)
-                k_push<R, T, 2><<<dim3(nx, ntiles, 4), PC::NTH, PC::smem, c->stream>>>(
-                    ta, K, i_lo, MT, NT, Kf);
+                launch_near<R, T, 2>(c, ta, dim3(nx, ntiles, 4), c->stream, K, i_lo, MT, NT, Kf);
             else
-                k_push<R, T><<<dim3(nx, ntiles), PC::NTH, PC::smem, c->stream>>>(ta, K, i_lo, MT,
-                                                                                NT, Kf);
+                launch_near<R, T, 1>(c, ta, dim3(nx, ntiles), c->stream, K, i_lo, MT, NT, Kf);
             BK_CUDA_CHECK(cudaGetLastError());
         }
         if (G && K == Kf && K < MT + NT - 2) {
@@ -686,11 +894,9 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
                  * stream while the next G diagonals are solved */
                 BK_CUDA_CHECK(cudaStreamWaitEvent(c->stream, side_done, 0));
                 if (c->push_split == 2)
-                    k_push_far<R, T, true, 2><<<dim3(lines, G, 4), PC::NTH, PC::smem,
-                                                c->stream>>>(ta, Kf, G, MT, NT, 1);
+                    launch_next<R, T, 2>(c, ta, dim3(lines, G, 4), c->stream, Kf, G, MT, NT);
                 else
-                    k_push_far<R, T, true><<<dim3(lines, G), PC::NTH, PC::smem, c->stream>>>(
-                        ta, Kf, G, MT, NT, 1);
+                    launch_next<R, T, 1>(c, ta, dim3(lines, G), c->stream, Kf, G, MT, NT);
                 BK_CUDA_CHECK(cudaGetLastError());
                 if (Kf + G < MT + NT - 2) {
                     BK_CUDA_CHECK(cudaEventRecord(c->ev_main_ready, c->stream));

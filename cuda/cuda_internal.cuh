@@ -48,6 +48,8 @@ typedef struct bk_cuda_ctx {
     int push_split;       /* BaKron: the critical-path pushes split each target tile
                              into this many parts per side, one per CTA: 1 or 2
                              (default 2) */
+    int push_mma;         /* BaKron fp32: pushes on tensor cores (3xTF32): 0 none
+                             (default), 1 the far pushes, 2 every push */
     /* BaKron: the side stream confined to an SM partition (partition.cu) */
     int partition;        /* SMs kept free of it: -1 auto (default), 0 never, N */
     void *green;          /* CUgreenCtx of the partition, or NULL */

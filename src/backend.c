@@ -174,6 +174,7 @@ void bk_cuda_tuning_default(bk_cuda_tuning *t)
     t->push_split = 2;
     t->push_group = 4;
     t->partition = -1;
+    t->push_mma = 0;
 }
 
 bk_status bk_cuda_tuning_check(const bk_cuda_tuning *t)
@@ -196,6 +197,8 @@ bk_status bk_cuda_tuning_check(const bk_cuda_tuning *t)
         bad = "push_group", want = "an integer in [0, 64]", v = t->push_group;
     else if (t->partition < -1 || t->partition > 4096)
         bad = "partition", want = "-1 (auto), 0 or a number of SMs up to 4096", v = t->partition;
+    else if (t->push_mma < 0 || t->push_mma > 2)
+        bad = "push_mma", want = "0, 1 or 2", v = t->push_mma;
     if (bad)
         return bk_error(BK_ERR_INVALID_ARG, "CUDA tuning %s: expected %s (got %d)", bad, want, v);
     return BK_OK;

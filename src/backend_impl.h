@@ -328,6 +328,9 @@ typedef struct bk_cuda_tuning {
     int push_split; /* critical-path pushes in 2 x 2 parts per target tile (2) or whole (1) */
     int push_group; /* far pushes every this many tile anti-diagonals, 0..64 (4; 0 = eager) */
     int partition;  /* SMs kept free of the side stream: -1 auto, 0 none, 1..4096 (-1) */
+    int push_mma;   /* fp32 pushes on tensor cores (3xTF32 mma.sync, fp32 accumulation): 0 none,
+                       1 the far pushes (side stream and non-overlapped flush), 2 every push
+                       (critical path too); fp64 never (0) */
 } bk_cuda_tuning;
 
 void bk_cuda_tuning_default(bk_cuda_tuning *t);

@@ -236,11 +236,14 @@ static void test_fp64_large_factors(void **state)
 static void test_fp64_tile_and_push_variants(void **state)
 {
     (void)state;
-    /* tile, solve_wc, overlap, side_band, far_async, push_split, push_group, partition */
+    /* tile, solve_wc, overlap, side_band, far_async, push_split, push_group, partition,
+     * push_mma (fp32 only: the fp64 solves here must be unaffected by it) */
     const bk_cuda_tuning cfg[] = {
-        {32, 8, 1, -1, 1, 2, 4, -1}, {64, 16, 1, 0, 0, 1, 0, 0},  {64, 8, 1, 1, 1, 2, 1, 64},
-        {32, 16, 1, 1, 0, 2, 3, 0},  {64, 16, 1, 0, 1, 1, 7, 100}, {64, 8, 1, -1, 0, 2, 2, 24},
-        {64, 16, 0, -1, 1, 2, 4, -1}, {32, 8, 0, 0, 0, 1, 3, 0}};
+        {32, 8, 1, -1, 1, 2, 4, -1, 0},  {64, 16, 1, 0, 0, 1, 0, 0, 0},
+        {64, 8, 1, 1, 1, 2, 1, 64, 0},   {32, 16, 1, 1, 0, 2, 3, 0, 0},
+        {64, 16, 1, 0, 1, 1, 7, 100, 0}, {64, 8, 1, -1, 0, 2, 2, 24, 0},
+        {64, 16, 0, -1, 1, 2, 4, -1, 0}, {32, 8, 0, 0, 0, 1, 3, 0, 0},
+        {64, 16, 1, -1, 1, 2, 4, -1, 2}};
     for (size_t v = 0; v < sizeof cfg / sizeof cfg[0]; v++) {
         const bk_cuda_tuning *t = &cfg[v];
         bk_backend *b = NULL;
@@ -276,7 +279,8 @@ static void test_fp64_tile_and_push_variants(void **state)
                      {"far_async", offsetof(bk_cuda_tuning, far_async), 2},
                      {"overlap", offsetof(bk_cuda_tuning, overlap), -1},
                      {"solve_wc", offsetof(bk_cuda_tuning, solve_wc), 32},
-                     {"tile", offsetof(bk_cuda_tuning, tile), 48}};
+                     {"tile", offsetof(bk_cuda_tuning, tile), 48},
+                     {"push_mma", offsetof(bk_cuda_tuning, push_mma), 3}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         bk_cuda_tuning t;
         bk_cuda_tuning_default(&t);

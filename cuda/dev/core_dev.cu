@@ -8,7 +8,11 @@
  *                                 1024x1024,4096x4096 (default: the issue's)
  *     --algs bakron,gptq,antidiag  --reps N  --antidiag-max N (m*n limit)
  *     --variants                   also the bakron variants (push group, tile, solve)
- *     --only LABEL                 only the measurement LABEL (e.g. bakron-solveonly)
+ *     --only L1,L2,..              only these measurement labels (e.g. bakron-mma2,gptq)
+ *                                 every bakron variant also prints the share of its
+ *                                 codes equal to the shape's first bakron run (the
+ *                                 default variant when it is measured)
+ *   bk-cuda-dev validate --mma    only the default and the push_mma configurations
  *   bk-cuda-dev attn [OPTIONS]    the GPU forward's attention, unfused against
  *                                 the fused kernel: errors against a double
  *                                 reference and times (attn_dev.cu)
@@ -202,7 +206,7 @@ static int cmd_bench(int argc, char **argv)
         {2048, 8192}, {14336, 4096}, {4096, 14336}};
     std::vector<std::string> algs = {"bakron", "gptq", "antidiag"};
     int reps = 3, variants = 0;
-    std::string only;
+    std::string only; /* comma-separated labels, "" = all */
     int64_t antidiag_max = (int64_t)2048 * 2048;
     for (int i = 0; i < argc; i++) {
         std::string s = argv[i];
@@ -213,7 +217,7 @@ static int cmd_bench(int argc, char **argv)
         else if (s == "--variants")
             variants = 1;
         else if (s == "--only" && i + 1 < argc)
-            only = argv[++i];
+            only = std::string(",") + argv[++i] + ",";
         else if (s == "--algs" && i + 1 < argc) {
             algs.clear();
             std::string l = argv[++i];
@@ -247,6 +251,7 @@ static int cmd_bench(int argc, char **argv)
     for (auto &sh : shapes) {
         DevProblem P;
         alloc_problem(c, P, sh.first, sh.second, BK_PREC_FP32);
+        std::vector<int16_t> ref; /* the codes of this shape's first bakron run */
         for (auto &an : algs) {
             bk_algorithm alg;
             CK(bk_algorithm_from_name(an.c_str(), &alg));
@@ -254,7 +259,7 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, group, wc, ovl = -1, part = -2, split = 2, fa = 1, band = -1;
+                int tile, group, wc, ovl = -1, part = -2, split = 2, fa = 1, band = -1, mma = 0;
             };
             std::vector<V> vs = {{"", 64, 4, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -274,9 +279,18 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-band1", 64, 4, 16, -1, -2, 2, 1, 1});
                 vs.push_back({"-G3", 64, 3, 16});
                 vs.push_back({"-G6", 64, 6, 16});
+                /* session 14: pushes on tensor cores (3xTF32), far only / all;
+                 * with tiles of 32 (the solve chain's steps are cheaper there) */
+                vs.push_back({"-mma1", 64, 4, 16, -1, -2, 2, 1, -1, 1});
+                vs.push_back({"-mma2", 64, 4, 16, -1, -2, 2, 1, -1, 2});
+                vs.push_back({"-mma2-G8", 64, 8, 16, -1, -2, 2, 1, -1, 2});
+                vs.push_back({"-T32-wc8", 32, 4, 8});
+                vs.push_back({"-T32-G8", 32, 8, 16});
+                vs.push_back({"-T32-mma2", 32, 4, 16, -1, -2, 2, 1, -1, 2});
+                vs.push_back({"-T32-mma2-G8", 32, 8, 16, -1, -2, 2, 1, -1, 2});
             }
             for (auto &v : vs) {
-                if (!only.empty() && only != an + v.name)
+                if (!only.empty() && only.find("," + an + v.name + ",") == std::string::npos)
                     continue;
                 c->tile = v.tile;
                 c->push_group = v.group;
@@ -286,6 +300,7 @@ static int cmd_bench(int argc, char **argv)
                 c->push_split = v.split;
                 c->far_async = v.fa;
                 c->side_band = v.band;
+                c->push_mma = v.mma;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -308,6 +323,17 @@ static int cmd_bench(int argc, char **argv)
                 snprintf(shape, sizeof shape, "%lldx%lld", (long long)P.m, (long long)P.n);
                 printf("%-12s %-16s %10.4f %10.4f %12.1f", shape, label, med, mn,
                        c->mem_peak / 1048576.0);
+                double same_pct = -1;
+                if (alg == BK_ALG_BAKRON) {
+                    std::vector<int16_t> cur = get_codes(P);
+                    if (ref.empty())
+                        ref = cur;
+                    size_t same = 0;
+                    for (size_t i = 0; i < cur.size(); i++)
+                        same += cur[i] == ref[i];
+                    same_pct = 100.0 * same / cur.size();
+                    printf("  codes %.4f%% = first", same_pct);
+                }
                 if (alg == BK_ALG_BAKRON && c->part_used)
                     printf("  side stream on %d SMs", c->part_actual);
                 if (c->part_off[0])
@@ -315,8 +341,10 @@ static int cmd_bench(int argc, char **argv)
                 printf("\n");
                 fprintf(stderr,
                         "JSON {\"m\": %lld, \"n\": %lld, \"algorithm\": \"%s\", \"median_s\": %.6f, "
-                        "\"min_s\": %.6f, \"reps\": %d, \"peak_bytes\": %zu, \"clamped\": %llu}\n",
-                        (long long)P.m, (long long)P.n, label, med, mn, r, c->mem_peak, cnt[0]);
+                        "\"min_s\": %.6f, \"reps\": %d, \"peak_bytes\": %zu, \"clamped\": %llu, "
+                        "\"same_codes_pct\": %.4f}\n",
+                        (long long)P.m, (long long)P.n, label, med, mn, r, c->mem_peak, cnt[0],
+                        same_pct);
                 fflush(stdout);
             }
             c->tile = 64;
@@ -327,6 +355,7 @@ static int cmd_bench(int argc, char **argv)
             c->push_split = c0.push_split;
             c->far_async = c0.far_async;
             c->side_band = c0.side_band;
+            c->push_mma = c0.push_mma;
         }
         free_problem(c, P);
     }
@@ -525,8 +554,10 @@ static std::vector<int16_t> gpu_codes(bk_cuda_ctx *c, const HostCase &h, bk_algo
 
 static int cmd_validate(int argc, char **argv)
 {
-    (void)argc;
-    (void)argv;
+    int mma_only = 0; /* --mma: only the default and the push_mma configurations */
+    for (int i = 0; i < argc; i++)
+        if (!strcmp(argv[i], "--mma"))
+            mma_only = 1;
     bk_cuda_ctx *c = nullptr;
     CK(bk_cuda_ctx_create(0, &c));
     const std::pair<int64_t, int64_t> shapes[] = {{1, 1},   {1, 7},    {7, 1},    {5, 9},
@@ -536,7 +567,7 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, wc, ovl = 1, part = -1, split = 2, fa = 1, band = -1;
+        int tile, group, wc, ovl = 1, part = -1, split = 2, fa = 1, band = -1, mma = 0;
     };
     /* the first (all algorithms) is the default: v3, push groups of 4,
      * overlapped far pushes, automatic partition and band; then push
@@ -549,10 +580,21 @@ static int cmd_validate(int argc, char **argv)
                         {64, 3, 8, 1, 24}, {64, 4, 16, 1, -1, 1}, {32, 2, 16, 1, -1, 1},
                         {64, 0, 16, 1, 0}, {64, 4, 16, 1, -1, 2, 0}, {64, 3, 16, 0, 0},
                         {64, 4, 16, 1, -1, 2, 1, 0}, {64, 1, 16, 1, 0, 2, 1, 1},
-                        {32, 2, 16, 1, 0, 1, 0, 1}, {64, 2, 8, 1, 24, 2, 1, 1}};
+                        {32, 2, 16, 1, 0, 1, 0, 1}, {64, 2, 8, 1, 24, 2, 1, 1},
+                        /* push_mma (fp32 tensor-core pushes; fp64 must be unaffected):
+                         * far only; all (split and whole parts, eager = near only,
+                         * no overlap = far mode 0, partition forced); tiles of 32
+                         * (parts of 16 fall back to FFMA, whole parts of 32 do not) */
+                        {64, 4, 16, 1, -1, 2, 1, -1, 1}, {64, 4, 16, 1, -1, 2, 1, -1, 2},
+                        {64, 0, 16, 1, -1, 2, 1, -1, 2}, {64, 3, 16, 0, -1, 1, 1, -1, 2},
+                        {64, 2, 16, 1, 24, 2, 1, 1, 2}, {64, 1, 8, 1, 0, 1, 1, 0, 1},
+                        {32, 4, 16, 1, -1, 2, 1, -1, 2}, {32, 2, 16, 1, -1, 1, 1, -1, 2},
+                        {32, 3, 8, 0, -1, 1, 1, -1, 1}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
+                if (mma_only && &cf != &cfgs[0] && cf.mma == 0)
+                    continue;
                 HostCase h = make_case(sh.first, sh.second, 1, 77 + sh.first * 1000 + sh.second);
                 bk_quant_spec spec;
                 memset(&spec, 0, sizeof spec);
@@ -579,10 +621,11 @@ static int cmd_validate(int argc, char **argv)
                 c->push_split = cf.split;
                 c->far_async = cf.fa;
                 c->side_band = cf.band;
+                c->push_mma = cf.mma;
                 const int first = &cf == &cfgs[0];
                 char lbl[96];
-                snprintf(lbl, sizeof lbl, "T%d G%d wc%d o%d p%d s%d fa%d b%d q%d", cf.tile,
-                         cf.group, cf.wc, cf.ovl, cf.part, cf.split, cf.fa, cf.band, qi);
+                snprintf(lbl, sizeof lbl, "T%d G%d wc%d o%d p%d s%d fa%d b%d m%d q%d", cf.tile,
+                         cf.group, cf.wc, cf.ovl, cf.part, cf.split, cf.fa, cf.band, cf.mma, qi);
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
                         continue;
@@ -642,7 +685,7 @@ int main(int argc, char **argv)
         return cmd_validate(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "bench"))
         return cmd_bench(argc - 2, argv + 2);
-    fprintf(stderr, "usage: bk-cuda-dev validate | bench [SHAPES] [--algs L] [--reps N] "
+    fprintf(stderr, "usage: bk-cuda-dev validate [--mma] | bench [SHAPES] [--algs L] [--reps N] "
                     "[--antidiag-max MN] [--variants] | attn [--seqs S] [--T T] [--heads H] "
                     "[--kv K] [--hd D,..] [--amp A,..] [--reps N] [--variants] | attn-bwd [--seqs S] "
                     "[--T T] [--heads H] [--kv K] [--hd D,..] [--amp A,..] [--reps N] "
