@@ -32,7 +32,9 @@
  *                backward's (attn_flash_bwd.cu: no [B, T, T] arrays);
  *   flows        naive I and recursive halving as src/backward_flow.c,
  *                micro-batch by micro-batch; the boundary matrices X_mid,
- *                G_mid, G_L in pinned host memory in R, copied in and out per
+ *                G_mid, G_L in pinned host memory in R (bf16: in BF16, with
+ *                h and dh rounded to BF16 at every layer boundary in both
+ *                flows, so storing them is exact), copied in and out per
  *                micro-batch.
  *
  * Deterministic: the same kernels and GEMMs in the same order for a
@@ -108,6 +110,19 @@ template <typename R> __global__ void k_to_f64(double *dst, const R *src, int64_
 template <typename R> __global__ void k_to_bf16_rn(const R *src, __nv_bfloat16 *dst, int64_t n)
 {
     GSTRIDE(i, n) dst[i] = __float2bfloat16_rn((float)src[i]);
+}
+
+/* --bwd-precision bf16, a layer boundary: x rounded to the nearest BF16
+ * (even on ties; the bits of __float2bfloat16_rn), kept as F32 */
+__global__ void k_round_bf16(float *x, int64_t n)
+{
+    GSTRIDE(i, n) x[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
+}
+
+/* a BF16 boundary back to F32 (exact) */
+__global__ void k_bf16_to_f32(const __nv_bfloat16 *src, float *dst, int64_t n)
+{
+    GSTRIDE(i, n) dst[i] = __bfloat162float(src[i]);
 }
 
 /* token-major src [N, heads*hd] -> BF16 group-major dst [S, heads/rep, T,
@@ -2011,7 +2026,25 @@ struct flow {
     cudaEvent_t ev_ready, ev_done[2];
     void *sbuf[2];
     const char *pend_lo[2], *pend_hi[2];
+    /* --bwd-precision bf16 (issue 16, session 14): h and dh rounded to BF16
+     * at every layer boundary (after the embedding, each layer's forward,
+     * the head and each layer's backward), in both flows, as a BF16 model's
+     * hidden states and their gradients are; the boundary matrices are then
+     * BF16 host arrays (2 bytes an element, exact) and sbuf[k] the BF16
+     * staging of stores and loads */
+    int bfb;
 };
+
+/* h or dh ([sb*T, d]) rounded to BF16 in place when f->bfb */
+bk_status bf_round(flow *f, void *buf, int64_t sb)
+{
+    if (!f->bfb)
+        return BK_OK;
+    const int64_t n = sb * f->T * f->d;
+    k_round_bf16<<<grid_for(n), 256, 0, f->g->c->stream>>>(static_cast<float *>(buf), n);
+    LAUNCH_CHECK("k_round_bf16");
+    return BK_OK;
+}
 
 /* this micro-batch's (sequences s0 .. s0+sb) output gradients of the last
  * layer_bwd into the Grams of leaf layer k */
@@ -2139,6 +2172,8 @@ template <typename R> bk_status op_embed(void *x, const int32_t *tokens, int64_t
     double tp = bk_now();
     mb_begin(f->g);
     bk_status st = embed<R>(f->g, tokens, sb, f->h);
+    if (st == BK_OK)
+        st = bf_round(f, f->h, sb);
     bk_cuda_pmark(f->g->c->stream, &tp, "bwd.embed");
     return st;
 }
@@ -2158,8 +2193,22 @@ bk_status op_load(void *x, int buf, const void *src, size_t bytes)
     for (int k = 0; k < 2; k++)
         if (f->pend_lo[k] && lo < f->pend_hi[k] && hi > f->pend_lo[k])
             BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0));
-    BK_CUDA_CHECK(cudaMemcpyAsync(buf == BK_BWD_H ? f->h : f->dh, src, bytes,
-                                  cudaMemcpyHostToDevice, s));
+    void *dst = buf == BK_BWD_H ? f->h : f->dh;
+    if (f->bfb) {
+        /* BF16 (bytes / 2 elements) into the buffer's staging, then
+         * widened: the scratch must be free of its last device-to-host copy */
+        const int k = buf == BK_BWD_H ? 0 : 1;
+        const int64_t n = (int64_t)(bytes / 2);
+        if (!f->sbuf[k])
+            return bk_error(BK_ERR_INTERNAL, "GPU backward: a boundary load without its scratch");
+        BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0));
+        BK_CUDA_CHECK(cudaMemcpyAsync(f->sbuf[k], src, bytes, cudaMemcpyHostToDevice, s));
+        k_bf16_to_f32<<<grid_for(n), 256, 0, s>>>(static_cast<const __nv_bfloat16 *>(f->sbuf[k]),
+                                                  static_cast<float *>(dst), n);
+        LAUNCH_CHECK("k_bf16_to_f32");
+    } else {
+        BK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+    }
     bk_cuda_pmark(s, &tp, "bwd.boundary_in");
     return BK_OK;
 }
@@ -2176,8 +2225,16 @@ bk_status op_store(void *x, int buf, void *dst, size_t bytes)
     if (!f->sbuf[k]) /* (allocated for the flows that store boundaries) */
         return bk_error(BK_ERR_INTERNAL, "GPU backward: a boundary store without its scratch");
     BK_CUDA_CHECK(cudaStreamWaitEvent(s, f->ev_done[k], 0)); /* (scratch k free) */
-    BK_CUDA_CHECK(cudaMemcpyAsync(f->sbuf[k], k ? f->dh : f->h, bytes, cudaMemcpyDeviceToDevice,
-                                  s));
+    if (f->bfb) {
+        /* bytes / 2 elements, already BF16 values (bf_round): exact */
+        const int64_t n = (int64_t)(bytes / 2);
+        k_to_bf16_rn<float><<<grid_for(n), 256, 0, s>>>(static_cast<const float *>(k ? f->dh : f->h),
+                                                        static_cast<__nv_bfloat16 *>(f->sbuf[k]), n);
+        LAUNCH_CHECK("k_to_bf16_rn");
+    } else {
+        BK_CUDA_CHECK(cudaMemcpyAsync(f->sbuf[k], k ? f->dh : f->h, bytes,
+                                      cudaMemcpyDeviceToDevice, s));
+    }
     BK_CUDA_CHECK(cudaEventRecord(f->ev_ready, s));
     BK_CUDA_CHECK(cudaStreamWaitEvent(f->cs, f->ev_ready, 0));
     BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->sbuf[k], bytes, cudaMemcpyDeviceToHost, f->cs));
@@ -2213,6 +2270,8 @@ template <typename R> bk_status op_forward(void *x, int layer, int64_t sb)
     bk_status st = op_weights(f, layer, &tp, &w);
     if (st == BK_OK)
         st = layer_fwd<R>(f->g, w, sb, RP(f->h), RP(f->h));
+    if (st == BK_OK)
+        st = bf_round(f, f->h, sb);
     bk_cuda_pmark(f->g->c->stream, &tp, "bwd.layer_forward");
     return st;
 }
@@ -2223,6 +2282,8 @@ template <typename R> bk_status op_head(void *x, const int32_t *tokens, int64_t 
     double tp = bk_now();
     bk_status st = head_run<R>(f->g, RP(f->h), sb, seq0, tokens, f->o->fisher, f->o->seed, NULL,
                                RP(f->dh), NULL, NULL);
+    if (st == BK_OK)
+        st = bf_round(f, f->dh, sb);
     bk_cuda_pmark(f->g->c->stream, &tp, "bwd.head");
     return st;
 }
@@ -2236,6 +2297,9 @@ template <typename R> bk_status op_backward(void *x, int layer, int k, int64_t s
     if (st == BK_OK)
         st = layer_bwd<R>(f->g, w, layer, sb, RP(f->acts) + (size_t)k * f->B * f->T * f->d,
                           RP(f->dh));
+    /* (the layer's taps are copies in g: not rounded) */
+    if (st == BK_OK)
+        st = bf_round(f, f->dh, sb);
     bk_cuda_pmark(f->g->c->stream, &tp, "bwd.layer_backward");
     return st;
 }
@@ -2325,11 +2389,11 @@ bk_status op_leaf_done(void *x, int lo, int hi)
     return f->cb->leaf_done(f->cb->user, lo, hi);
 }
 
-template <typename R> bk_bwd_flow_ops flow_ops()
+template <typename R> bk_bwd_flow_ops flow_ops(int bfb)
 {
     bk_bwd_flow_ops ops;
     memset(&ops, 0, sizeof ops);
-    ops.elem_bytes = sizeof(R);
+    ops.elem_bytes = bfb ? 2 : sizeof(R); /* (bf16: BF16 boundaries) */
     ops.boundary_mem = "pinned host memory";
     ops.boundary_alloc = op_boundary_alloc;
     ops.boundary_free = op_boundary_free;
@@ -2399,11 +2463,12 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         st = dalloc(g, &f.dh, mrow, g->es, "micro-batch gradients");
     if (st == BK_OK)
         st = embed_init(g);
-    /* (the naive flow stores no boundaries) */
+    /* (the naive flow stores no boundaries; bf16: BF16 boundaries, BF16 staging) */
+    f.bfb = g->wbf;
     if (st == BK_OK && o->flow != BK_FLOW_NAIVE)
-        st = dalloc(g, &f.sbuf[0], mrow, g->es, "boundary staging");
+        st = dalloc(g, &f.sbuf[0], mrow, f.bfb ? 2 : g->es, "boundary staging");
     if (st == BK_OK && o->flow != BK_FLOW_NAIVE)
-        st = dalloc(g, &f.sbuf[1], mrow, g->es, "boundary staging");
+        st = dalloc(g, &f.sbuf[1], mrow, f.bfb ? 2 : g->es, "boundary staging");
     if (st == BK_OK) {
         cudaError_t e = cudaStreamCreateWithFlags(&f.cs, cudaStreamNonBlocking);
         if (e == cudaSuccess)
@@ -2496,7 +2561,7 @@ extern "C" bk_status bk_cuda_bwd_flow_run(bk_backend *b, const bk_model *m, cons
         bk_prof_add("bwd.preload_weights", bk_now() - tp);
     }
     if (st == BK_OK) {
-        const bk_bwd_flow_ops ops = g->fp64 ? flow_ops<double>() : flow_ops<float>();
+        const bk_bwd_flow_ops ops = g->fp64 ? flow_ops<double>(0) : flow_ops<float>(f.bfb);
         st = bk__bwd_flow_drive(&ops, &f, m, tokens, S, T, B, o, cb, stats);
         stats->resident_layers = g->nslots;
         stats->weight_requests = g->requests;

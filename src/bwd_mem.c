@@ -74,12 +74,12 @@ uint64_t bk_bwd_dev_bytes(const bk_model_config *c, int64_t B, int64_t T, int64_
     if (fp64) /* (bf16 uploads BF16 weights directly since issue 16) */
         n += (uint64_t)wbig * 4; /* weight staging */
     /* the flow: h, dh, the embedding copy (untied), boundary scratch
-     * (halving), the kept layer inputs */
+     * (halving; BF16 in bf16 mode, as its boundaries), the kept layer inputs */
     n += 2 * R * d * es;
     if (!c->tie_embeddings)
         n += V * d * es;
     if (p->flow != BK_FLOW_NAIVE)
-        n += 2 * R * d * es;
+        n += 2 * R * d * (wbf ? 2 : es);
     n += R * d * es * (uint64_t)bk_bwd_acts_layers((int64_t)c->n_layers, p->flow, p->leaf);
     if (p->grams) {
         const int64_t gleaf = p->leaf < (int)c->n_layers ? p->leaf : (int)c->n_layers;
@@ -290,6 +290,9 @@ bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_
                     "available (MemAvailable): use %s",
                     flow == BK_FLOW_NAIVE ? "naive" : "halving", leaf, (double)p.need / G,
                     (double)p.boundary_bytes / G, p.units, (long long)(S * T),
-                    (long long)c->hidden, elem_bytes == 8 ? "F64" : "F32",
+                    (long long)c->hidden,
+                    elem_bytes == 8   ? "F64"
+                    : elem_bytes == 2 ? "BF16"
+                                      : "F32",
                     (double)p.copies_bytes / G, (double)p.margin / G, (double)avail / G, fix);
 }

@@ -83,8 +83,9 @@ int bk_bwd_max_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd
  * also G_L (the head's gradient); G_mid is freed after the left child,
  * X_mid and G_L after the right one. bk_bwd_boundary_units walks the same
  * recursion: the most matrices alive at once (0: naive, or leaf >= L).
- * Elements are the flow's storage type: 8 bytes on the CPU (double), 4 on
- * the GPU at fp32 / tf32 / bf16 (F32), 8 at fp64. */
+ * Elements are the flow's boundary type: 8 bytes on the CPU (double); on
+ * the GPU 4 at fp32 / tf32 (F32), 8 at fp64, 2 at bf16 (BF16: the GPU flow
+ * rounds h and dh to BF16 at every layer boundary in that mode). */
 int bk_bwd_boundary_units(int64_t L, int flow, int leaf);
 
 /* units x N x hidden x elem_bytes: the flow's stats.peak_boundary_bytes */

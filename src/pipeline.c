@@ -122,8 +122,12 @@ static bk_status bp_host_check(job *j, int leaf, int leaf_max)
     const int64_t L = j->cfg->n_layers;
     if (leaf > L)
         leaf = (int)L;
-    /* the flow's storage: double on the CPU, F32 on the GPU but at fp64 */
-    const int es = j->bp_gpu && o->bwd_precision != BK_BWD_FP64 ? 4 : 8;
+    /* the boundary matrices' elements: double on the CPU; on the GPU F32
+     * (fp32 / tf32), F64 (fp64), BF16 (bf16: cuda/backward.cu rounds h and
+     * dh to BF16 at every layer boundary and stores them so) */
+    const int es = !j->bp_gpu || o->bwd_precision == BK_BWD_FP64 ? 8
+                   : o->bwd_precision == BK_BWD_BF16             ? 2
+                                                                 : 4;
     /* the layers' host copies: the GPU flow's bf16 mode holds BF16 matrices,
      * none when the checkpoint's are BF16 (read from the mapping) */
     const int copies = !j->bp_gpu                          ? BK_BWD_HOST_CPU

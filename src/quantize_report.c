@@ -134,6 +134,13 @@ bk_status bk__q_write_metadata(job *j)
         cJSON_AddNumberToObject(b, "planned_peak_boundary_host_bytes",
                                 (double)j->bp_host.boundary_bytes);
         cJSON_AddNumberToObject(b, "planned_boundary_matrices", j->bp_host.units);
+        /* their elements: f64 (the CPU flow, the GPU's fp64), f32 (fp32 / tf32),
+         * bf16 (the GPU's bf16 mode: h and dh rounded to BF16 at every layer
+         * boundary, issue 16) */
+        cJSON_AddStringToObject(b, "boundary_dtype",
+                                j->bp_host.elem_bytes == 2   ? "bf16"
+                                : j->bp_host.elem_bytes == 4 ? "f32"
+                                                             : "f64");
         cJSON_AddNumberToObject(b, "planned_host_weight_copies_bytes",
                                 (double)j->bp_host.copies_bytes);
         /* what a layer's copy is (issue 16): f32; bf16 (the GPU flow's bf16

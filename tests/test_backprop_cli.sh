@@ -44,6 +44,7 @@ assert (n["flow"], n["passes"], n["peak_boundary_host_bytes"]) == ("naive", 4, 0
 # of a child alive at once
 one = 4 * 64 * 192 * 8
 assert h["peak_boundary_host_bytes"] == 5 * one, h
+assert h["planned_peak_boundary_host_bytes"] == 5 * one and h["boundary_dtype"] == "f64", h
 # naive: 4 + 3 + 2 + 1 layers back (+ recomputation), halving: fewer per layer
 assert n["layer_backwards"] == 10 and h["layer_backwards"] == 8, (n, h)
 ev = [json.loads(l) for l in open(f"{T}/h.json")]

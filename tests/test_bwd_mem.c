@@ -42,19 +42,31 @@ static void test_8b_buffers(void **state)
     (void)state;
     const bk_model_config c = cfg(32, 4096, 14336, 32, 8, 128, 0);
     /* the job's default at 8B: 2 x 2048, halving, leaf 1, bf16 (issue 16: no
-     * F32 weight staging in bf16, 14336 x 4096 x 4 = 234881024 bytes less) */
+     * F32 weight staging in bf16, 14336 x 4096 x 4 = 234881024 bytes less;
+     * session 14: the two boundary staging buffers sbuf[0], sbuf[1] are BF16,
+     * [2 x 2048 rows, 4096] x 2 bytes each instead of x 4: 2 x 4096 x 4096 x
+     * (4 - 2) = 67108864 bytes less) */
     assert_int_equal(bk_bwd_dev_bytes(&c, 2, 2048, 256, &BF16_HALVING, 0),
-                     12309954624ull - 234881024ull);
+                     12309954624ull - 234881024ull - 67108864ull);
     assert_int_equal(bk_bwd_dev_bytes(&c, 2, 2048, 256, &BF16_HALVING, 1),
-                     14402912320ull - 234881024ull);
+                     14402912320ull - 234881024ull - 67108864ull);
     /* one cached layer in BF16 (matrices) + F32 biases and norms */
     assert_int_equal(bk_bwd_dev_layer_bytes(&c, BK_BWD_BF16), 436207616ull + 4ull * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096) + 4ull * (2 * 4096 + 2 * 128));
-    /* the naive flow: no boundary scratch, but all 32 layer inputs kept (16 with halving) */
+    /* the naive flow: no boundary scratch, but all 32 layer inputs kept (16 with
+     * halving); an F32 micro-batch row block is 2 x 2048 x 4096 x 4 bytes, the
+     * halving flow's two BF16 staging buffers 2 x (2 x 2048 x 4096 x 2) = one */
     bk_bwd_mem_params naive = BF16_HALVING;
     naive.flow = BK_FLOW_NAIVE;
     const uint64_t row = 2ull * 2048 * 4096 * 4;
     assert_int_equal(bk_bwd_dev_bytes(&c, 2, 2048, 256, &naive, 0) -
                          bk_bwd_dev_bytes(&c, 2, 2048, 256, &BF16_HALVING, 0),
+                     (32 - 16) * row - row);
+    /* fp32: F32 staging, two row blocks (the difference to naive as before) */
+    bk_bwd_mem_params h32 = BF16_HALVING, n32 = BF16_HALVING;
+    h32.precision = n32.precision = BK_BWD_FP32;
+    n32.flow = BK_FLOW_NAIVE;
+    assert_int_equal(bk_bwd_dev_bytes(&c, 2, 2048, 256, &n32, 0) -
+                         bk_bwd_dev_bytes(&c, 2, 2048, 256, &h32, 0),
                      (32 - 16) * row - 2 * row);
     /* more sequences, more bytes (the flow's ~3.4 GB per sequence at 8B) */
     const uint64_t b2 = bk_bwd_dev_bytes(&c, 2, 2048, 256, &BF16_HALVING, 1),
@@ -67,13 +79,16 @@ static void test_1b_measured(void **state)
     (void)state;
     const bk_model_config c = cfg(16, 2048, 8192, 32, 8, 64, 1);
     const uint64_t now = bk_bwd_dev_bytes(&c, 4, 2048, 256, &BF16_HALVING, 1);
-    assert_int_equal(now, 10330415168ull - 8192ull * 2048 * 4);
+    /* (session 14: the boundary staging BF16, 2 x [4 x 2048, 2048] x (4 - 2) bytes less) */
+    assert_int_equal(now, 10330415168ull - 8192ull * 2048 * 4 - 2ull * 8192 * 2048 * 2);
     /* session 12's allocations: the Gram scratch in double, the whole [8192]^2 F32 Gram,
      * and the unfused attention backward (F32 P, dP; BF16 q, k, v, P, dS; no lse, D),
-     * and the F32 weight staging (issue 16 uploads BF16 weights directly) */
+     * and the F32 weight staging (issue 16 uploads BF16 weights directly), and F32
+     * boundary staging (BF16 since session 14) */
     const uint64_t R = 4 * 2048, mo = 8192, TT = 4ull * 2048 * 2048, qd = 2048, kvd = 512;
     const uint64_t then = now + R * mo * (8 - 2) + mo * mo * 4 - mo * 1024 * 4 + 2 * TT * 4 +
-                          (R * qd + 2 * R * kvd + 2 * TT) * 2 - 2 * R * 32 * 4 + mo * 2048 * 4;
+                          (R * qd + 2 * R * kvd + 2 * TT) * 2 - 2 * R * 32 * 4 + mo * 2048 * 4 +
+                          2 * R * 2048 * (4 - 2);
     const uint64_t measured = 10698ull << 20;
     assert_true(then > measured - (1 << 20) && then < measured + (1 << 20));
 }
@@ -216,8 +231,8 @@ static void test_boundary_units(void **state)
 }
 
 /* The 8B job of issue 16: 256 x 2048 tokens, hidden 4096, F32 boundaries
- * (bf16 precision), 32 layers: 8 GiB a matrix; at leaf 4 seven alive (the
- * host's 60 GB at depth 2 measured on the H200 host). */
+ * (fp32 / tf32; bf16 until session 14), 32 layers: 8 GiB a matrix; at leaf 4
+ * seven alive (the host's 60 GB at depth 2 measured on the H200 host). */
 static void test_boundary_8b(void **state)
 {
     (void)state;
@@ -232,6 +247,17 @@ static void test_boundary_8b(void **state)
     for (int s = 1; s <= 8; s *= 2)
         printf("  8B boundary peak, leaf %d: %.1f GB\n", s,
                (double)bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, s, N, 4096, 4) / 1e9);
+    /* --bwd-precision bf16 since session 14: BF16 boundaries, 524288 x 4096 x 2
+     * = 4 GiB (4.29 GB) a matrix: leaf 4, 7 alive = 28 GiB = 30.06 GB (60.1 in
+     * F32); leaf 1, 11 = 44 GiB = 47.2 GB; the paper's bound 2 (log2 32 + 1) =
+     * 12 matrices would be 51.5 GB (its "about 52 GB in BF16") */
+    const uint64_t one16 = (uint64_t)N * 4096 * 2;
+    assert_true(one16 == 4ull << 30);
+    assert_true(bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, 4, N, 4096, 2) == 30064771072ull);
+    assert_true(bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, 1, N, 4096, 2) == 47244640256ull);
+    assert_true(bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, 4, N, 4096, 2) * 2 ==
+                bk_bwd_boundary_peak_bytes(32, BK_FLOW_HALVING, 4, N, 4096, 4));
+    assert_true(12 * one16 == 51539607552ull);
 }
 
 /* The decision before the flow: the 8B job fits a 128 GB host (about 120 GB
@@ -325,6 +351,42 @@ static void test_host_check_8b(void **state)
     assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 4, 1, 2, 0, 58 * GB, &p),
                      BK_ERR_NOMEM);
     assert_non_null(strstr(bk_last_error(), "--samples 194 or fewer"));
+    /* bf16 mode (session 14): BF16 boundaries, 7 x 4 GiB = 30064771072 bytes.
+     * Mapped checkpoint (copies 32 x 205824 = 6586368 bytes: 51456 floats a
+     * layer), 58 GB host: need = 30064771072 + 6586368 + 7250000000 (margin
+     * 58e9 / 8) = 37321357440 <= 58e9: fits (F32 boundaries did not) */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 2,
+                                       BK_BWD_HOST_GPU_MAPPED, 1, 0, 58 * GB, &p),
+                     BK_OK);
+    assert_int_equal(p.elem_bytes, 2);
+    assert_true(p.boundary_bytes == 30064771072ull);
+    assert_true(p.copies_bytes == 6586368ull);
+    assert_true(p.need == 37321357440ull);
+    /* BF16 host copies (checkpoint not BF16): 32 x (218103808 x 2 + 205824) =
+     * 13965230080; need = 30064771072 + 13965230080 + 7250000000 = 51280001152 */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 2,
+                                       BK_BWD_HOST_GPU_BF16, 1, 0, 58 * GB, &p),
+                     BK_OK);
+    assert_true(p.need == 51280001152ull);
+    /* 30 GB available, mapped: need 30064771072 + 6586368 + 3750000000 > 30e9;
+     * room = 30e9 - 6586368 - 3750000000 = 26243413632, a sequence's share
+     * 7 x 2048 x 4096 x 2 = 117440512: 223 sequences (224 x 117440512 =
+     * 26306674688 > room); leaf 5..7 still hold 7 matrices, leaf 8 holds 5
+     * (5 x 4 GiB = 21474836480 = 21.5 GB <= room) */
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 256, 2048, 2,
+                                       BK_BWD_HOST_GPU_MAPPED, 1, 0, 30 * GB, &p),
+                     BK_ERR_NOMEM);
+    printf("  %s\n", bk_last_error());
+    assert_non_null(strstr(bk_last_error(),
+                           "30.1 GB of boundary matrices (7 x [524288 tokens x 4096] BF16)"));
+    assert_non_null(strstr(bk_last_error(), "--samples 223 or fewer"));
+    assert_non_null(strstr(bk_last_error(), "--leaf-size 8 (5 matrices, 21.5 GB)"));
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 223, 2048, 2,
+                                       BK_BWD_HOST_GPU_MAPPED, 1, 0, 30 * GB, &p),
+                     BK_OK);
+    assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_HALVING, 4, 224, 2048, 2,
+                                       BK_BWD_HOST_GPU_MAPPED, 1, 0, 30 * GB, &p),
+                     BK_ERR_NOMEM);
     /* the CPU flow: every layer's copy, double boundaries */
     assert_int_equal(bk_bwd_host_check(&c, BK_FLOW_NAIVE, 4, 1, 2048, 8, 0, 1, 0, 20 * GB, &p),
                      BK_ERR_NOMEM);

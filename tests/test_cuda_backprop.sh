@@ -20,6 +20,8 @@
 #    identical; --seed 1 differs;
 #  - report.json: backprop.device "cuda", precision, the CPU's passes/depth,
 #    boundary bytes in F32 (half the CPU's doubles), micro_batch_device_bytes;
+#  - --bwd-precision bf16: halving and naive write the same bytes; BF16
+#    boundaries (a quarter of the CPU's doubles, boundary_dtype "bf16");
 #    7 backward progress events;
 #  - backprop-shampoo --leaf-size 2 --fisher empirical: codes as the CPU's
 #    (fp32 rule), with the input side on the CPU and on the GPU;
@@ -68,6 +70,15 @@ run "$W/dp" --hessian backprop-kfac --backend cuda --gpu-pipeline $GPUIN ||
 run "$W/d32" --hessian backprop-kfac --backend cuda --gpu-math fp32 $GPUIN ||
     die "GPU default, --gpu-math fp32: $(tail -1 "$W/d32.log")"
 
+# --bwd-precision bf16 (session 14): h and dh rounded to BF16 at every layer
+# boundary, BF16 boundary matrices; halving and naive write the same bytes
+run "$W/b16" --hessian backprop-kfac --backend cuda --bwd-precision bf16 $GPUIN ||
+    die "GPU bf16: $(tail -1 "$W/b16.log")"
+run "$W/b16n" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --bwd-flow naive \
+    $GPUIN || die "GPU bf16 naive: $(tail -1 "$W/b16n.log")"
+cmp -s "$W/b16/model.safetensors" "$W/b16n/model.safetensors" ||
+    die "GPU bf16: recursive halving and naive I wrote different weights"
+
 codes "$W/g64" "$W/ref" "backprop-kfac: GPU backward fp64 vs CPU backward" fp64 || fail=1
 codes "$W/g32" "$W/ref" "backprop-kfac: GPU backward fp32 vs CPU backward" || fail=1
 codes "$W/d32" "$W/ref" "backprop-kfac: GPU backward and input stages (--gpu-math fp32) vs CPU" ||
@@ -105,6 +116,11 @@ assert g64["peak_boundary_host_bytes"] == ref["peak_boundary_host_bytes"], (g64,
 assert 2 * g32["peak_boundary_host_bytes"] == ref["peak_boundary_host_bytes"], (g32, ref)
 assert g32["micro_batch_device_bytes"] > 0 and "micro_batch_host_bytes" in ref, (g32, ref)
 assert (n["flow"], n["passes"], n["peak_boundary_host_bytes"]) == ("naive", 4, 0), n
+b16 = json.load(open(f"{W}/b16/report.json"))["backprop"]
+assert (b16["precision"], b16["boundary_dtype"]) == ("bf16", "bf16"), b16
+assert (g32["boundary_dtype"], ref["boundary_dtype"]) == ("f32", "f64"), (g32, ref)
+assert 4 * b16["peak_boundary_host_bytes"] == ref["peak_boundary_host_bytes"], (b16, ref)
+assert b16["planned_peak_boundary_host_bytes"] == b16["peak_boundary_host_bytes"], b16
 ev = [json.loads(l) for l in open(f"{W}/g32.json")]
 bw = [e for e in ev if e["event"] == "backward"]
 assert len(bw) == 7 and "depth 0" in bw[0]["message"], bw

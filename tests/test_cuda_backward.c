@@ -30,7 +30,10 @@
  *    for bit (leaves of 1 and 2); passes, depth, layer counts as the CPU;
  *    the boundary bytes in R;
  *  - the flow's own bf16 taps (every model): halving == naive bit for bit,
- *    within TOL_BF16 of the CPU with the empirical Fisher's labels;
+ *    within TOL_BF16 of the CPU with the empirical Fisher's labels (since
+ *    session 14 h and dh are rounded to BF16 at every layer boundary in
+ *    bf16 mode, both flows, and the boundary matrices are BF16: 2 bytes an
+ *    element);
  *  - synthetic two-layer models with head_dim 64 (Qwen2: biases, tied) and
  *    128 (Qwen3: q/k norm), written to a temporary folder: all of the above,
  *    where bf16 runs the fused attention forward and backward
@@ -479,6 +482,15 @@ static double bf16_taps(const char *name, const bk_model *m, const int32_t *tok,
     mem_model_check("GPU bf16 naive", bk_model_get_config(m), S, T, 3, BK_FLOW_NAIVE,
                     BK_BWD_BF16, &sn);
     same_taps("GPU bf16 halving vs GPU bf16 naive", &bh, &bn);
+    /* session 14: BF16 boundary matrices (h and dh rounded to BF16 at every
+     * layer boundary in both flows, so the store is exact): 2 bytes an element */
+    {
+        const bk_model_config *c = bk_model_get_config(m);
+        assert_true(sh.peak_boundary_bytes ==
+                    bk_bwd_boundary_peak_bytes(c->n_layers, BK_FLOW_HALVING, 1, S * T, c->hidden,
+                                               2));
+        assert_true(sn.peak_boundary_bytes == 0);
+    }
     /* issue 16: the BF16 host weights (mapped checkpoint or host RNE copies)
      * give the device the bits the F32 upload rounded on the device gave
      * (bk_gbwd_opts.f32_weights: that path): the same taps, bit for bit */

@@ -317,6 +317,62 @@ static void test_bf16_rn_dev(void **state)
     assert_true(bad == 0);
 }
 
+/* The GPU backward's BF16 boundary matrices (--bwd-precision bf16, session
+ * 14): cuda/backward.cu rounds h and dh at every layer boundary in place
+ * (k_round_bf16: x -> widen(rn(x))), a store narrows that F32 value again
+ * (k_to_bf16_rn) and a load widens the stored bits (k_bf16_to_f32). Halving
+ * equals naive bit for bit only if store-then-load gives back the rounded
+ * F32 value exactly: rn(widen(rn(x))) == rn(x) for every x (NaN: the
+ * canonical 0x7fff both times), and widen(rn(widen(b))) == widen(b) for
+ * every BF16 pattern b that is not a NaN. The device's rounding is
+ * __float2bfloat16_rn, whose bits bk_f32_to_bf16_rn_dev reproduces
+ * (test_bf16_rn_dev). */
+static void test_bf16_boundary_roundtrip(void **state)
+{
+    (void)state;
+    static float blk[4096], rt[4096];
+    static uint16_t b1[4096], b2[4096];
+    /* every BF16 pattern: stored (narrowed) and loaded (widened) unchanged */
+    for (uint32_t b0 = 0; b0 < 0x10000u; b0 += 4096) {
+        for (uint32_t i = 0; i < 4096; i++)
+            blk[i] = bk_bf16_to_f32((uint16_t)(b0 + i));
+        bk_f32_to_bf16_rn_dev(blk, b1, 4096);
+        for (uint32_t i = 0; i < 4096; i++) {
+            const uint32_t b = b0 + i;
+            if ((b & 0x7fffu) > 0x7f80u) { /* NaN: canonical */
+                assert_int_equal(b1[i], 0x7fff);
+                continue;
+            }
+            if (b1[i] != b)
+                fail_msg("BF16 0x%04x: stored as 0x%04x", b, b1[i]);
+            const float back = bk_bf16_to_f32(b1[i]);
+            if (memcmp(&back, &blk[i], sizeof back) != 0)
+                fail_msg("BF16 0x%04x: loaded back as 0x%08x", b, f32_bits(back));
+        }
+    }
+    /* a stride through the F32 patterns: round, store, load, round again */
+    uint64_t n = 0;
+    for (uint64_t u = 0; u < (1ull << 32);) {
+        size_t k = 0;
+        for (; k < 4096 && u < (1ull << 32); k++, u += 65521)
+            blk[k] = bits_f32((uint32_t)u);
+        bk_f32_to_bf16_rn_dev(blk, b1, k); /* the boundary rounding */
+        for (size_t i = 0; i < k; i++)
+            rt[i] = bk_bf16_to_f32(b1[i]); /* h / dh after k_round_bf16 */
+        bk_f32_to_bf16_rn_dev(rt, b2, k);  /* the store */
+        for (size_t i = 0; i < k; i++, n++) {
+            if (b2[i] != b1[i])
+                fail_msg("F32 0x%08x: rounded to 0x%04x, stored as 0x%04x", f32_bits(blk[i]),
+                         b1[i], b2[i]);
+            const float back = bk_bf16_to_f32(b2[i]); /* the load */
+            if (memcmp(&back, &rt[i], sizeof back) != 0)
+                fail_msg("F32 0x%08x: loaded back differently", f32_bits(blk[i]));
+        }
+    }
+    printf("  bf16 boundary store/load: 65536 BF16 patterns, %llu F32 patterns: same bits\n",
+           (unsigned long long)n);
+}
+
 static void test_narrowing_random(void **state)
 {
     (void)state;
@@ -590,6 +646,7 @@ int main(void)
         cmocka_unit_test(test_narrowing_edges),
         cmocka_unit_test(test_narrowing_random),
         cmocka_unit_test(test_bf16_rn_dev),
+        cmocka_unit_test(test_bf16_boundary_roundtrip),
         cmocka_unit_test(test_convert_float_paths),
         cmocka_unit_test(test_convert_matrix),
         cmocka_unit_test(test_convert_int_ranges),
