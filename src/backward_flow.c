@@ -28,6 +28,7 @@
 
 #include "bakron/backward.h"
 #include "backward_internal.h"
+#include "bwd_mem.h"
 #include "forward_internal.h"
 #include "stop.h"
 #include "util.h"
@@ -83,13 +84,15 @@ static bk_status sync_ops(flow *f, bk_status st)
 
 /* One sweep over every micro-batch:
  *   h = X_from (or the embedding when from == 0 and X_from == NULL);
- *   forward through [from, to), copying h into X_save before layer save_at
- *   (not through layer to - 1 when G_to is given: its output is not needed);
+ *   forward through [from, to), copying h into Xs[l] (when given) before
+ *   layer l (not through layer to - 1 when G_to is given: its output is not
+ *   needed);
  *   dh = G_to, or the head's gradient (to == n_layers), copied to G_head;
- *   backward through [grad_lo, to), with taps for layers < taps_hi;
- *   G_out = dh. */
-static bk_status sweep(flow *f, int from, const void *X_from, int save_at, void *X_save, int to,
-                       const void *G_to, void *G_head, int grad_lo, void *G_out, int taps_hi)
+ *   backward through [grad_lo, to), with taps for layers < taps_hi, copying
+ *   dh into Gs[l] (when given) after layer l's backward.
+ * Xs and Gs: NULL or [n_layers + 1] boundary matrices by layer. */
+static bk_status sweep(flow *f, int from, const void *X_from, void *const *Xs, int to,
+                       const void *G_to, void *G_head, int grad_lo, void *const *Gs, int taps_hi)
 {
     const bk_bwd_flow_ops *ops = f->ops;
     void *x = f->x;
@@ -114,7 +117,7 @@ static bk_status sweep(flow *f, int from, const void *X_from, int save_at, void 
         else
             st = ops->embed(x, f->tokens + s0 * T, sb);
         for (int l = from; l < to && st == BK_OK; l++) {
-            if (l == save_at && (st = ops->store(x, BK_BWD_H, (char *)X_save + off, mb)) != BK_OK)
+            if (Xs && Xs[l] && (st = ops->store(x, BK_BWD_H, (char *)Xs[l] + off, mb)) != BK_OK)
                 break;
             if (l >= grad_lo && (st = ops->keep(x, l - grad_lo, mb)) != BK_OK)
                 break;
@@ -150,9 +153,9 @@ static bk_status sweep(flow *f, int from, const void *X_from, int save_at, void 
                 st = ops->deliver(x, l, l - grad_lo, s0, sb);
                 t += bk_now() - tc; /* the consumer's time is not the backward's */
             }
+            if (st == BK_OK && Gs && Gs[l])
+                st = ops->store(x, BK_BWD_DH, (char *)Gs[l] + off, mb);
         }
-        if (st == BK_OK && G_out)
-            st = ops->store(x, BK_BWD_DH, (char *)G_out + off, mb);
         st = sync_ops(f, st);
         f->st->time_backward_s += bk_now() - t;
         if (st == BK_OK && f->cb->micro_done)
@@ -194,8 +197,11 @@ static bk_status leaf_done(flow *f, int lo, int hi)
 }
 
 /* Recursive halving over [lo, hi) with the input X_lo (NULL: the embedding)
- * and the output gradient G_hi (NULL: from the head; only at the root). */
-static bk_status node(flow *f, int lo, int hi, const void *X_lo, const void *G_hi, int depth)
+ * and the output gradient G_hi (NULL: from the head; only at the root); the
+ * node may hold `budget` boundary matrices with its subtree (its ancestors'
+ * not counted): a split into k children (bk_bwd_split; 2 without a budget). */
+static bk_status node(flow *f, int lo, int hi, const void *X_lo, const void *G_hi, int depth,
+                      int budget)
 {
     const int L = (int)f->c->n_layers;
     bk_status st;
@@ -203,28 +209,54 @@ static bk_status node(flow *f, int lo, int hi, const void *X_lo, const void *G_h
         pass_begin(f, depth, lo, hi, 1);
         st = leaf_begin(f, lo, hi);
         if (st == BK_OK)
-            st = sweep(f, lo, X_lo, -1, NULL, hi, G_hi, NULL, lo, NULL, hi);
+            st = sweep(f, lo, X_lo, NULL, hi, G_hi, NULL, lo, NULL, hi);
         return st == BK_OK ? leaf_done(f, lo, hi) : st;
     }
-    const int mid = lo + (hi - lo) / 2;
-    void *X_mid = NULL, *G_mid = NULL, *G_L = NULL;
-    st = boundary_alloc(f, depth, &X_mid);
-    if (st == BK_OK)
-        st = boundary_alloc(f, depth, &G_mid);
-    if (st == BK_OK && !G_hi && hi == L)
+    const int root = !G_hi;
+    const int k = bk_bwd_split(lo, hi, f->o->leaf, root, budget);
+    const int c1 = bk_bwd_cut(lo, hi, k, 1);
+    /* by layer: X at the inner cuts (the children's inputs), G there (their
+     * output gradients); the root also keeps the head's gradient G_L */
+    void **Xs = calloc((size_t)L + 1, sizeof *Xs), **Gs = calloc((size_t)L + 1, sizeof *Gs);
+    void *G_L = NULL;
+    if (!Xs || !Gs) {
+        free(Xs);
+        free(Gs);
+        return bk_error(BK_ERR_NOMEM, "backprop flow: out of memory");
+    }
+    st = BK_OK;
+    for (int i = 1; i < k && st == BK_OK; i++) {
+        const int c = bk_bwd_cut(lo, hi, k, i);
+        st = boundary_alloc(f, depth, &Xs[c]);
+        if (st == BK_OK)
+            st = boundary_alloc(f, depth, &Gs[c]);
+    }
+    if (st == BK_OK && root && hi == L)
         st = boundary_alloc(f, depth, &G_L);
     if (st == BK_OK) {
-        pass_begin(f, depth, mid, hi, 0);
-        st = sweep(f, lo, X_lo, mid, X_mid, hi, G_hi, G_L, mid, G_mid, mid);
+        pass_begin(f, depth, c1, hi, 0);
+        st = sweep(f, lo, X_lo, Xs, hi, G_hi, G_L, c1, Gs, c1);
     }
-    if (st == BK_OK)
-        st = node(f, lo, mid, X_lo, G_mid, depth + 1);
-    boundary_free(f, G_mid);
-    G_mid = NULL;
-    if (st == BK_OK)
-        st = node(f, mid, hi, X_mid, G_hi ? G_hi : G_L, depth + 1);
-    boundary_free(f, X_mid);
+    for (int j = 0; j < k; j++) {
+        const int a = bk_bwd_cut(lo, hi, k, j), b = bk_bwd_cut(lo, hi, k, j + 1);
+        const void *g = j + 1 < k ? Gs[b] : G_hi ? G_hi : G_L;
+        if (st == BK_OK)
+            st = node(f, a, b, j ? Xs[a] : X_lo, g, depth + 1,
+                      budget - bk_bwd_held(k, j, root));
+        /* the child's output gradient and input are done with (on an error
+         * too: every matrix is freed on the way out) */
+        if (j + 1 < k) {
+            boundary_free(f, Gs[b]);
+            Gs[b] = NULL;
+        }
+        if (j) {
+            boundary_free(f, Xs[a]);
+            Xs[a] = NULL;
+        }
+    }
     boundary_free(f, G_L);
+    free(Xs);
+    free(Gs);
     return st;
 }
 
@@ -263,10 +295,11 @@ bk_status bk__bwd_flow_check(const bk_model *m, const int32_t *tokens, int64_t S
         return st;
     const int L = (int)c->n_layers;
     *B = o->batch < S ? o->batch : S;
+    if (o->units < 0)
+        return bk_error(BK_ERR_INVALID_ARG, "backprop flow: boundary budget %d must be >= 0",
+                        o->units);
     /* layer inputs kept per micro-batch: the most a sweep goes back through */
-    *acts_layers = o->flow == BK_FLOW_NAIVE ? L : (L + 1) / 2;
-    if (o->leaf > *acts_layers)
-        *acts_layers = o->leaf < L ? o->leaf : L;
+    *acts_layers = bk_bwd_acts_layers_b(L, (int)o->flow, o->leaf, o->units);
     return BK_OK;
 }
 
@@ -286,12 +319,12 @@ bk_status bk__bwd_flow_drive(const bk_bwd_flow_ops *ops, void *ctx, const bk_mod
             pass_begin(&f, 0, lo, hi, 1);
             st = leaf_begin(&f, lo, hi);
             if (st == BK_OK)
-                st = sweep(&f, 0, NULL, -1, NULL, L, NULL, NULL, lo, NULL, hi);
+                st = sweep(&f, 0, NULL, NULL, L, NULL, NULL, lo, NULL, hi);
             if (st == BK_OK)
                 st = leaf_done(&f, lo, hi);
         }
     } else {
-        st = node(&f, 0, L, NULL, NULL, 0);
+        st = node(&f, 0, L, NULL, NULL, 0, o->units);
     }
     return st;
 }
@@ -324,22 +357,27 @@ static void sched_add(sched *s, int depth, int lo, int hi, int leaf, int from, i
 }
 
 /* as node() */
-static void sched_node(sched *s, int lo, int hi, int g_hi, int depth)
+static void sched_node(sched *s, int lo, int hi, int g_hi, int depth, int budget)
 {
     if (hi - lo <= s->leaf) {
         sched_add(s, depth, lo, hi, 1, lo, hi, g_hi, lo);
         return;
     }
-    const int mid = lo + (hi - lo) / 2;
-    sched_add(s, depth, mid, hi, 0, lo, hi, g_hi, mid);
-    sched_node(s, lo, mid, 1, depth + 1);
-    sched_node(s, mid, hi, 1, depth + 1); /* G_hi, or the head's G_L at the root */
+    const int root = !g_hi;
+    const int k = bk_bwd_split(lo, hi, s->leaf, root, budget);
+    const int c1 = bk_bwd_cut(lo, hi, k, 1);
+    sched_add(s, depth, c1, hi, 0, lo, hi, g_hi, c1);
+    /* (each child has its output gradient: a G, or the head's G_L at the root) */
+    for (int j = 0; j < k; j++)
+        sched_node(s, bk_bwd_cut(lo, hi, k, j), bk_bwd_cut(lo, hi, k, j + 1), 1, depth + 1,
+                   budget - bk_bwd_held(k, j, root));
 }
 
-int bk_bwd_flow_schedule(int n_layers, int leaf, bk_bwd_flow_kind flow, bk_bwd_pass_work *out,
-                         int cap)
+int bk_bwd_flow_schedule(int n_layers, int leaf, bk_bwd_flow_kind flow, int units,
+                         bk_bwd_pass_work *out, int cap)
 {
-    if (n_layers < 1 || leaf < 1 || cap < 0 || (flow != BK_FLOW_HALVING && flow != BK_FLOW_NAIVE))
+    if (n_layers < 1 || leaf < 1 || cap < 0 || units < 0 ||
+        (flow != BK_FLOW_HALVING && flow != BK_FLOW_NAIVE))
         return -1;
     sched s = {n_layers, leaf, 0, out ? cap : 0, out};
     if (flow == BK_FLOW_NAIVE) {
@@ -348,7 +386,7 @@ int bk_bwd_flow_schedule(int n_layers, int leaf, bk_bwd_flow_kind flow, bk_bwd_p
             sched_add(&s, 0, lo, hi, 1, 0, n_layers, 0, lo);
         }
     } else {
-        sched_node(&s, 0, n_layers, 0, 0);
+        sched_node(&s, 0, n_layers, 0, 0, units);
     }
     return s.n;
 }

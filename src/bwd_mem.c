@@ -6,12 +6,126 @@
 #include "bakron/backward.h"
 #include "bakron/pipeline.h"
 
-int64_t bk_bwd_acts_layers(int64_t L, int flow, int leaf)
+/* ------------------------------------------------ the halving tree
+ *
+ * A split of [lo, hi) (more than leaf layers) has k >= 2 children at the
+ * cuts c_i = lo + i (hi - lo) / k; k = 2 is recursive halving (the paper's;
+ * the fewest boundary matrices), a larger k takes fewer passes. The split
+ * holds X_{c_i} and G_{c_i} (i = 1 .. k-1), and the root G_L too; during
+ * child j: X_{c_i} for i >= max(j, 1), G_{c_i} for i > j, and G_L. */
+int bk_bwd_cut(int lo, int hi, int k, int i)
+{
+    return lo + (int)((int64_t)i * (int64_t)(hi - lo) / (int64_t)k);
+}
+
+int bk_bwd_held(int k, int j, int root)
+{
+    return (k - (j > 1 ? j : 1)) + (k - 1 - j) + (root ? 1 : 0);
+}
+
+static int tree_units(int lo, int hi, int leaf, int root, int budget);
+
+/* the most matrices a split into k holds at once, its children's included
+ * (each child split with what is left of the budget) */
+static int split_peak(int lo, int hi, int leaf, int root, int k, int budget)
+{
+    int p = 0;
+    for (int j = 0; j < k; j++) {
+        const int h = bk_bwd_held(k, j, root);
+        const int u = h + tree_units(bk_bwd_cut(lo, hi, k, j), bk_bwd_cut(lo, hi, k, j + 1), leaf,
+                                     0, budget - h);
+        if (u > p)
+            p = u;
+    }
+    return p;
+}
+
+/* the work of one sweep over n layers going back through `back` of them, in
+ * layer forwards (a backward recomputes its layer's forward) + 2 per layer
+ * backward: the root's runs every layer forward (the head follows), a
+ * child's not its last (its output gradient is given) */
+static int64_t sweep_work(int n, int back, int root)
+{
+    const int64_t fw = n - (root ? 0 : 1);
+    return fw + back + 2 * (int64_t)back;
+}
+
+/* recursive halving's work over n layers */
+static int64_t halving_work(int n, int leaf, int root)
+{
+    if (n <= leaf)
+        return sweep_work(n, n, root);
+    const int mid = n / 2;
+    return sweep_work(n, n - mid, root) + halving_work(mid, leaf, 0) +
+           halving_work(n - mid, leaf, 0);
+}
+
+int bk_bwd_split(int lo, int hi, int leaf, int root, int budget)
+{
+    const int n = hi - lo, kmax = leaf > 0 ? (n + leaf - 1) / leaf : n;
+    /* of the splits whose peak, with halving below them, fits the budget, the
+     * one of least work with halving below it (the children then widen with
+     * what is left of the budget, which never adds work: by induction no
+     * node does more than halving would); halving on a tie */
+    int best = 2;
+    if (budget <= 0)
+        return best;
+    int64_t wbest = -1;
+    for (int k = 2; k <= kmax; k++) {
+        if (k > 2 && split_peak(lo, hi, leaf, root, k, 0) > budget)
+            continue;
+        int64_t w = sweep_work(n, hi - bk_bwd_cut(lo, hi, k, 1), root);
+        for (int j = 0; j < k; j++)
+            w += halving_work(bk_bwd_cut(lo, hi, k, j + 1) - bk_bwd_cut(lo, hi, k, j), leaf, 0);
+        if (wbest < 0 || w < wbest) {
+            wbest = w;
+            best = k;
+        }
+    }
+    return best;
+}
+
+static int tree_units(int lo, int hi, int leaf, int root, int budget)
+{
+    if (hi - lo <= leaf)
+        return 0;
+    return split_peak(lo, hi, leaf, root, bk_bwd_split(lo, hi, leaf, root, budget), budget);
+}
+
+/* the most layers a sweep goes back through (the inputs it keeps) */
+static int tree_acts(int lo, int hi, int leaf, int root, int budget)
+{
+    if (hi - lo <= leaf)
+        return hi - lo;
+    const int k = bk_bwd_split(lo, hi, leaf, root, budget);
+    int a = hi - bk_bwd_cut(lo, hi, k, 1);
+    for (int j = 0; j < k; j++) {
+        const int c = tree_acts(bk_bwd_cut(lo, hi, k, j), bk_bwd_cut(lo, hi, k, j + 1), leaf, 0,
+                                budget - bk_bwd_held(k, j, root));
+        if (c > a)
+            a = c;
+    }
+    return a;
+}
+
+int64_t bk_bwd_acts_layers_b(int64_t L, int flow, int leaf, int budget)
 {
     int64_t a = flow == BK_FLOW_NAIVE ? L : (L + 1) / 2;
     if (leaf > a)
         a = leaf < L ? leaf : L;
+    /* (a wider split goes back through more layers; halving's bound above
+     * is kept where it is larger) */
+    if (flow != BK_FLOW_NAIVE && budget > 0 && leaf >= 1 && L >= 1) {
+        const int64_t w = tree_acts(0, (int)L, leaf, 1, budget);
+        if (w > a)
+            a = w;
+    }
     return a;
+}
+
+int64_t bk_bwd_acts_layers(int64_t L, int flow, int leaf)
+{
+    return bk_bwd_acts_layers_b(L, flow, leaf, 0);
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c)
@@ -80,7 +194,7 @@ uint64_t bk_bwd_dev_bytes(const bk_model_config *c, int64_t B, int64_t T, int64_
         n += V * d * es;
     if (p->flow != BK_FLOW_NAIVE)
         n += 2 * R * d * (wbf ? 2 : es);
-    n += R * d * es * (uint64_t)bk_bwd_acts_layers((int64_t)c->n_layers, p->flow, p->leaf);
+    n += R * d * es * (uint64_t)bk_bwd_acts_layers_b((int64_t)c->n_layers, p->flow, p->leaf, p->units);
     if (p->grams) {
         const int64_t gleaf = p->leaf < (int)c->n_layers ? p->leaf : (int)c->n_layers;
         /* scaled gradients in the Gram's input type; F32 panel [mo, 1024 or 512] */
@@ -179,31 +293,29 @@ int bk_bwd_auto_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bw
 
 /* ------------------------------------------------ host memory of the flows */
 
-/* the most boundary matrices node(lo, hi) holds at once, its own included
- * (root: G_hi is the head's, and the node allocates G_L too) */
-static int node_units(int64_t lo, int64_t hi, int root, int leaf)
+int bk_bwd_boundary_units_b(int64_t L, int flow, int leaf, int budget)
 {
-    if (hi - lo <= leaf)
+    if (flow == BK_FLOW_NAIVE || leaf < 1 || L < 1)
         return 0;
-    const int64_t mid = lo + (hi - lo) / 2;
-    const int own = root ? 3 : 2;
-    const int left = own + node_units(lo, mid, 0, leaf);      /* X_mid, G_mid (G_L) */
-    const int right = own - 1 + node_units(mid, hi, 0, leaf); /* G_mid freed */
-    return left > right ? left : right;
+    return tree_units(0, (int)L, leaf, 1, budget);
 }
 
 int bk_bwd_boundary_units(int64_t L, int flow, int leaf)
 {
-    if (flow == BK_FLOW_NAIVE || leaf < 1 || L < 1)
-        return 0;
-    return node_units(0, L, 1, leaf);
+    return bk_bwd_boundary_units_b(L, flow, leaf, 0);
+}
+
+uint64_t bk_bwd_boundary_peak_bytes_b(int64_t L, int flow, int leaf, int budget, int64_t N,
+                                      int64_t hidden, int elem_bytes)
+{
+    return (uint64_t)bk_bwd_boundary_units_b(L, flow, leaf, budget) * (uint64_t)N *
+           (uint64_t)hidden * (uint64_t)elem_bytes;
 }
 
 uint64_t bk_bwd_boundary_peak_bytes(int64_t L, int flow, int leaf, int64_t N, int64_t hidden,
                                     int elem_bytes)
 {
-    return (uint64_t)bk_bwd_boundary_units(L, flow, leaf) * (uint64_t)N * (uint64_t)hidden *
-           (uint64_t)elem_bytes;
+    return bk_bwd_boundary_peak_bytes_b(L, flow, leaf, 0, N, hidden, elem_bytes);
 }
 
 uint64_t bk_bwd_host_layer_bytes(const bk_model_config *c, int gpu)
@@ -229,6 +341,7 @@ void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t
     p->layer_bytes = lb;
     p->copies_kind = gpu;
     p->units = bk_bwd_boundary_units(L, flow, leaf);
+    p->budget = 0;
     p->elem_bytes = elem_bytes;
     p->boundary_bytes = bk_bwd_boundary_peak_bytes(L, flow, leaf, N, c->hidden, elem_bytes);
     p->copies_budget = gpu ? (avail ? avail / 2 : UINT64_MAX) : (uint64_t)L * lb;
@@ -239,6 +352,26 @@ void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t
     p->margin = avail / 8;
     p->need = p->boundary_bytes + p->copies_bytes + p->margin;
     p->avail = avail;
+}
+
+int bk_bwd_units_budget(const bk_bwd_host_plan *p, int64_t N, int64_t hidden, uint64_t reserve)
+{
+    const uint64_t one = (uint64_t)N * (uint64_t)hidden * (uint64_t)p->elem_bytes;
+    const uint64_t used = p->copies_bytes + 2 * p->margin + reserve;
+    if (!p->avail || !one || p->avail <= used)
+        return 0;
+    const uint64_t u = (p->avail - used) / one;
+    return u > 4096 ? 4096 : (int)u;
+}
+
+void bk_bwd_host_plan_widen(bk_bwd_host_plan *p, const bk_model_config *c, int flow, int leaf,
+                            int64_t N, int budget)
+{
+    p->budget = budget;
+    p->units = bk_bwd_boundary_units_b(c->n_layers, flow, leaf, budget);
+    p->boundary_bytes = bk_bwd_boundary_peak_bytes_b(c->n_layers, flow, leaf, budget, N,
+                                                     c->hidden, p->elem_bytes);
+    p->need = p->boundary_bytes + p->copies_bytes + p->margin;
 }
 
 bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_t S, int64_t T,

@@ -23,12 +23,31 @@ typedef struct bk_bwd_mem_params {
     int grams;     /* the output-gradient Grams are formed on the device (the job's GPU flow) */
     int grams_dev; /* ... and stay there for the GPU stages (one process) */
     int shampoo;   /* token weights of the Grams kept (backprop-shampoo with grams_dev) */
+    int units;     /* the flow's boundary budget (bk_bwd_flow_opts.units; 0: halving) */
     int leaf_max;  /* out (the GPU stages, bk_gpu_stages_create): the largest leaf whose
                       Grams the device holds beside the rest (bk_bwd_max_leaf); 0: none */
 } bk_bwd_mem_params;
 
-/* Layer inputs a micro-batch keeps (bk__bwd_flow_check's rule). */
+/* Layer inputs a micro-batch keeps (bk__bwd_flow_check's rule): the flow
+ * of n_layers L, leaf and boundary budget (bk_bwd_flow_opts.units; _b with
+ * budget 0 is recursive halving). */
 int64_t bk_bwd_acts_layers(int64_t L, int flow, int leaf);
+int64_t bk_bwd_acts_layers_b(int64_t L, int flow, int leaf, int budget);
+
+/* The split tree of the halving flow (src/backward_flow.c, node; docs/hessians.md):
+ * a split of [lo, hi) (more than leaf layers) into k >= 2 children at the
+ * cuts bk_bwd_cut(lo, hi, k, i) = lo + i (hi - lo) / k, i = 0 .. k. It holds
+ * X and G at the k - 1 inner cuts (and the root G_L, the head's gradient);
+ * during child j bk_bwd_held(k, j, root) of them are alive. bk_bwd_split
+ * picks k: with budget <= 0, 2 (recursive halving, the fewest matrices);
+ * else, of the k (at most one child per leaf) whose peak with halving below
+ * fits the budget, the one of least work (layer forwards + 2 x backwards)
+ * with halving below it; the children widen with what is left, so no tree
+ * does more work than halving. The budget counts the split's own matrices
+ * and its subtree's (ancestors' not: the caller passes what is left). */
+int bk_bwd_cut(int lo, int hi, int k, int i);
+int bk_bwd_held(int k, int j, int root);
+int bk_bwd_split(int lo, int hi, int leaf, int root, int budget);
 
 /* Device bytes of the flow's buffers for micro-batch B (sequences of T
  * tokens, S sequences), without the weight cache: logits_all 1 when the
@@ -87,14 +106,19 @@ int bk_bwd_max_leaf(const bk_model_config *c, int64_t T, int64_t S, const bk_bwd
  * the GPU 4 at fp32 / tf32 (F32), 8 at fp64, 2 at bf16 (BF16: the GPU flow
  * rounds h and dh to BF16 at every layer boundary in that mode). */
 int bk_bwd_boundary_units(int64_t L, int flow, int leaf);
+/* ... of the flow with a boundary budget (bk_bwd_flow_opts.units) */
+int bk_bwd_boundary_units_b(int64_t L, int flow, int leaf, int budget);
 
 /* units x N x hidden x elem_bytes: the flow's stats.peak_boundary_bytes */
 uint64_t bk_bwd_boundary_peak_bytes(int64_t L, int flow, int leaf, int64_t N, int64_t hidden,
                                     int elem_bytes);
+uint64_t bk_bwd_boundary_peak_bytes_b(int64_t L, int flow, int leaf, int budget, int64_t N,
+                                      int64_t hidden, int elem_bytes);
 
 /* What the flow will hold in host memory, planned before it starts. */
 typedef struct bk_bwd_host_plan {
     int units;                /* boundary matrices alive at the peak */
+    int budget;               /* the flow's boundary budget (bk_bwd_host_plan_widen; 0: halving) */
     int elem_bytes;
     uint64_t boundary_bytes;  /* their bytes (bk_bwd_boundary_peak_bytes) */
     uint64_t copies_budget;   /* the layers' host copies (F32; BF16 matrices in the GPU
@@ -141,6 +165,17 @@ void bk_bwd_host_plan_make(const bk_model_config *c, int flow, int leaf, int64_t
 bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_t S, int64_t T,
                             int elem_bytes, int gpu, int ranks, int leaf_max, uint64_t avail,
                             bk_bwd_host_plan *out);
+
+/* The boundary budget a flow of N tokens may widen into (bk_bwd_flow_opts.units):
+ * the matrices [N, hidden] that fit in what plan p leaves of its avail after
+ * the layers' copies, twice its margin and `reserve` bytes (the page cache
+ * the job keeps using: the mapped checkpoint); 0 when avail is unknown.
+ * Several MPI ranks share a host's memory: the caller passes 0 for them. */
+int bk_bwd_units_budget(const bk_bwd_host_plan *p, int64_t N, int64_t hidden, uint64_t reserve);
+
+/* p's boundary matrices, units and need again for the flow with budget */
+void bk_bwd_host_plan_widen(bk_bwd_host_plan *p, const bk_model_config *c, int flow, int leaf,
+                            int64_t N, int budget);
 
 #ifdef __cplusplus
 }

@@ -24,6 +24,7 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     o->seed = 0;
     o->bwd_flow = BK_FLOW_HALVING;
     o->leaf_size = 0; /* chosen from the device memory (GPU flow), else 1 */
+    o->bwd_boundaries = -1; /* from the host's available memory */
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
     bk_backend_params_default(&o->backend_params);
@@ -116,7 +117,7 @@ static void job_free(job *j)
  * a clear BK_ERR_NOMEM (exit 3) here, not minutes of passes and then a
  * failed allocation or the kernel's OOM killer. MPI ranks: each rank's
  * share (ranks on one host share its memory: not counted). */
-static bk_status bp_host_check(job *j, int leaf, int leaf_max)
+static bk_status bp_host_check(job *j, int leaf, int leaf_max, int *budget_out)
 {
     const bk_quantize_opts *o = j->o;
     const int64_t L = j->cfg->n_layers;
@@ -139,7 +140,28 @@ static bk_status bp_host_check(job *j, int leaf, int leaf_max)
                                      &j->bp_host);
     if (j->nranks > 1)
         st = bk__q_sync(j, st);
-    return st;
+    if (st != BK_OK)
+        return st;
+    /* the boundary budget: what halving's plan leaves of the host's memory
+     * (its copies, two margins, the checkpoint's layers for the page cache)
+     * lets the flow split wider, into fewer passes (docs/hessians.md "Wider
+     * splits"); not with several ranks (a host's ranks share its memory) */
+    if (budget_out) {
+        const uint64_t reserve =
+            (uint64_t)L * bk_bwd_host_layer_bytes(j->cfg, BK_BWD_HOST_GPU_BF16);
+        int b = j->nranks > 1 || o->bwd_flow == BK_FLOW_NAIVE || o->bwd_boundaries == 0
+                    ? 0
+                    : bk_bwd_units_budget(&j->bp_host, (j->s_hi - j->s_lo) * j->T,
+                                          j->cfg->hidden, reserve);
+        /* (a budget given: at most it, and no more than the memory allows) */
+        if (o->bwd_boundaries > 0 && j->nranks <= 1 && o->bwd_flow != BK_FLOW_NAIVE &&
+            (!j->bp_host.avail || o->bwd_boundaries < b))
+            b = o->bwd_boundaries;
+        *budget_out = b;
+        bk_bwd_host_plan_widen(&j->bp_host, j->cfg, (int)o->bwd_flow, leaf,
+                               (j->s_hi - j->s_lo) * j->T, *budget_out);
+    }
+    return BK_OK;
 }
 
 bk_status bk_quantize(const bk_quantize_opts *o)
@@ -376,8 +398,18 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * the GPU stages hold the flow: they tell which leaves the device holds) */
     if (j->S > 0 && j->bp && (o->leaf_size > 0 || j->nranks > 1) &&
         !(j->bp_gpu && j->own_stages) &&
-        (st = bp_host_check(j, o->leaf_size > 0 ? o->leaf_size : 1, leaf_max)) != BK_OK)
+        (st = bp_host_check(j, o->leaf_size > 0 ? o->leaf_size : 1, leaf_max, NULL)) != BK_OK)
         goto fail;
+    /* the flow's boundary budget, for the stages' device plan (the layer
+     * inputs a wider split keeps) and the flow: from the host's memory,
+     * whatever the leaf (a plan of leaf 1 gives the copies and margins) */
+    if (j->S > 0 && j->bp && (st = bp_host_check(j, 1, 1, &j->bp_units)) != BK_OK) {
+        /* (halving at leaf 1 not fitting is not an error here: the check
+         * with the job's leaf follows) */
+        bk_clear_error();
+        st = BK_OK;
+        j->bp_units = 0;
+    }
     {
         /* the backprop flow on the device of the stages: what it will hold
          * there (the GPU stages size their micro-batch from it) */
@@ -390,6 +422,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             .grams = 1,
             .grams_dev = j->nranks <= 1,
             .shampoo = o->hessian == BK_HESS_BACKPROP_SHAMPOO,
+            .units = j->bp_units,
         };
         const bk_stage_params sp = {
             .model = j->model,
@@ -450,8 +483,12 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             leaf_max = bm.leaf_max > leaf ? bm.leaf_max : leaf;
     }
     /* (again with the leaf the stages chose, and what they hold now) */
-    if (j->S > 0 && j->bp && (st = bp_host_check(j, leaf, leaf_max)) != BK_OK)
+    if (j->S > 0 && j->bp && (st = bp_host_check(j, leaf, leaf_max, NULL)) != BK_OK)
         goto fail;
+    if (j->S > 0 && j->bp)
+        bk_bwd_host_plan_widen(&j->bp_host, j->cfg, (int)o->bwd_flow,
+                               leaf < (int)j->cfg->n_layers ? leaf : (int)j->cfg->n_layers,
+                               (j->s_hi - j->s_lo) * j->T, j->bp_units);
     /* backprop kinds: one host accumulator per layer of a leaf; the flow's
      * output side enters it, the stages get it with bp_grads (the CPU stages
      * add the input side into it, the GPU stages take the output side) */

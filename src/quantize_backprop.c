@@ -123,13 +123,13 @@ static void bp_micro_done(void *user, int pass, int64_t done, int64_t S)
 static bk_status bp_progress_init(job *j)
 {
     const int L = (int)j->cfg->n_layers;
-    int n = bk_bwd_flow_schedule(L, j->bp_leaf, j->o->bwd_flow, NULL, 0);
+    int n = bk_bwd_flow_schedule(L, j->bp_leaf, j->o->bwd_flow, j->bp_units, NULL, 0);
     if (n < 1)
         return BK_OK; /* (the flow reports the bad argument) */
     j->bp_sched = calloc((size_t)n, sizeof *j->bp_sched);
     if (!j->bp_sched)
         return bk_error(BK_ERR_NOMEM, "quantize: out of memory");
-    bk_bwd_flow_schedule(L, j->bp_leaf, j->o->bwd_flow, j->bp_sched, n);
+    bk_bwd_flow_schedule(L, j->bp_leaf, j->o->bwd_flow, j->bp_units, j->bp_sched, n);
     j->bp_npass = n;
     j->bp_pass = -1;
     memset(j->bp_total, 0, sizeof j->bp_total);
@@ -297,7 +297,7 @@ bk_status bk__q_run_backprop(job *j)
     /* MPI ranks: this rank's share of the sequences (whole micro-batches);
      * seq0 keeps the sampled labels those of the whole set */
     bk_bwd_flow_opts fo = {j->o->bwd_flow, j->bp_leaf, j->o->fisher, j->o->seed, j->batch,
-                           j->s_lo};
+                           j->s_lo, j->bp_units};
     bk_bwd_flow_cb cb = {j, bp_pass_begin, bp_grads, bp_leaf_done, NULL, 0, NULL, NULL,
                          bp_micro_done};
     bk_status st;

@@ -77,6 +77,8 @@ typedef struct job {
      * it with bp_grads) */
     int bp;
     int bp_leaf;                /* leaf size */
+    int bp_units;               /* the flow's boundary budget (bk_bwd_flow_opts.units:
+                                   from the host's memory, bp_host_check; 0 halving) */
     bk_hess_acc **bp_acc;       /* [bp_leaf] */
     bk_hess_acc *acc;
     struct bp_dev {             /* [bp_leaf]: the GPU flow's device Grams of the leaf

@@ -134,6 +134,14 @@ bk_status bk__q_write_metadata(job *j)
         cJSON_AddNumberToObject(b, "planned_peak_boundary_host_bytes",
                                 (double)j->bp_host.boundary_bytes);
         cJSON_AddNumberToObject(b, "planned_boundary_matrices", j->bp_host.units);
+        /* the boundary budget from the host's memory (0: recursive halving) and
+         * the root's children (2: halving; more: a wider split, fewer passes) */
+        cJSON_AddNumberToObject(b, "boundary_budget", j->bp_units);
+        cJSON_AddNumberToObject(b, "root_children",
+                                j->bp_leaf >= (int)j->cfg->n_layers || o->bwd_flow == BK_FLOW_NAIVE
+                                    ? 0
+                                    : bk_bwd_split(0, (int)j->cfg->n_layers, j->bp_leaf, 1,
+                                                   j->bp_units));
         /* their elements: f64 (the CPU flow, the GPU's fp64), f32 (fp32 / tf32),
          * bf16 (the GPU's bf16 mode: h and dh rounded to BF16 at every layer
          * boundary, issue 16) */

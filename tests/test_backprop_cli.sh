@@ -12,6 +12,10 @@
 #    pass's last) with the pass count and an ETA from the flow's work: the
 #    work share only grows, ends at 1, and every pass line of the schedule
 #    (7 passes over 4 layers, leaf 1) is there; none at the default interval;
+#  - a wider split (--bwd-boundaries 7: the root's 4 children, one per leaf)
+#    and the automatic budget write the same bytes as halving, with the passes,
+#    depth and boundary peak of the wider tree; (the other runs here take
+#    --bwd-boundaries 0: recursive halving, whatever the host's memory);
 #  - Shampoo, the empirical Fisher and a leaf of 2 layers run;
 #  - bad input fails with one line.
 set -eu
@@ -21,7 +25,7 @@ BAD=${BK_TEST_DATA:-tests/data}/bad/models
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
-q() { "$B" quantize "$K" --calib "$K/calib.safetensors" --samples 4 --seqlen 64 --batch 3 --backend cpu "$@"; }
+q() { "$B" quantize "$K" --calib "$K/calib.safetensors" --samples 4 --seqlen 64 --batch 3 --backend cpu --bwd-boundaries 0 "$@"; }
 
 q --hessian backprop-kfac --out "$T/h" --json >"$T/h.json"
 q --hessian backprop-kfac --bwd-flow naive --out "$T/n" 2>/dev/null
@@ -55,6 +59,37 @@ assert any("depth 2" in e["message"] for e in bw) and "depth 0" in bw[0]["messag
 mods = [e for e in ev if e["event"] == "module"]
 assert len(mods) == 28 and all(m["damp_b"] > 0 for m in mods), "every module two-sided"
 print("halving == naive, passes/depth/boundary bytes as expected, 7 backward events")
+EOF
+# wider splits: the same bytes, fewer passes
+q --hessian backprop-kfac --bwd-boundaries 7 --out "$T/w" --json >"$T/w.json"
+q --hessian backprop-kfac --bwd-boundaries auto --out "$T/a" 2>/dev/null
+q --hessian backprop-kfac --bwd-boundaries 6 --out "$T/w6" 2>/dev/null
+for d in w a w6; do
+    cmp -s "$T/h/model.safetensors" "$T/$d/model.safetensors" ||
+        fail "--bwd-boundaries ($d) wrote other weights than recursive halving"
+done
+python3 - "$T" <<'EOF'
+import json, sys
+T = sys.argv[1]
+one = 4 * 64 * 192 * 8
+w = json.load(open(f"{T}/w/report.json"))["backprop"]
+# 4 layers, leaf 1, 7 matrices: the root's sweep keeps X and G at layers 1, 2, 3 and the
+# head's G_L (2 x 3 + 1), then 4 leaves; back through layers 1-3 once, then 1 per leaf
+assert (w["passes"], w["max_depth"], w["root_children"], w["boundary_budget"]) == (5, 1, 4, 7), w
+assert w["peak_boundary_host_bytes"] == 7 * one == w["planned_peak_boundary_host_bytes"], w
+assert (w["layer_backwards"], w["layer_forwards"]) == (7, 11), w
+bw = [e for e in map(json.loads, open(f"{T}/w.json")) if e["event"] == "backward"]
+assert len(bw) == 5 and "depth 0" in bw[0]["message"] and not any("depth 2" in e["message"] for e in bw), bw
+# 6 matrices do not hold 4 children (7) but 3, cut at layers 1 and 2: [0,1) [1,2) [2,4); during
+# the first child 2 x 2 + 1 = 5 alive, during the last X_2 and G_L + its own halving's 2 = 4;
+# passes: the root, 2 leaves, the split of [2,4) and its 2 leaves; back through 3 + 1 + 1 + 1 + 1 + 1
+w6 = json.load(open(f"{T}/w6/report.json"))["backprop"]
+assert (w6["passes"], w6["max_depth"], w6["root_children"]) == (6, 2, 3), w6
+assert w6["peak_boundary_host_bytes"] == 5 * one and w6["layer_backwards"] == 8, w6
+a = json.load(open(f"{T}/a/report.json"))["backprop"]
+# auto: the host's memory (here ample) allows the widest split
+assert a["boundary_budget"] >= 7 and a["root_children"] == 4 and a["passes"] == 5, a
+print("--bwd-boundaries 7 / 6 / auto: same bytes; passes 5 / 6 / 5, peak 7 / 5 / 7 matrices")
 EOF
 # progress within the passes: text lines and JSON events
 q --hessian backprop-kfac --progress-interval 0 --out "$T/p" 2>"$T/p.log" ||

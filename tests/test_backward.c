@@ -543,9 +543,9 @@ static void collect_free(collect *k)
         }
 }
 
-static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T,
-                     bk_bwd_flow_kind kind, int leaf, int64_t batch, collect *k,
-                     bk_bwd_flow_stats *st)
+static void run_flow_b(const bk_model *m, const int32_t *tok, int64_t S, int64_t T,
+                       bk_bwd_flow_kind kind, int leaf, int units, int64_t batch, collect *k,
+                       bk_bwd_flow_stats *st)
 {
     memset(k, 0, sizeof *k);
     k->c = bk_model_get_config(m);
@@ -554,9 +554,9 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->S = S;
     k->B = batch;
     const int L = (int)k->c->n_layers;
-    k->nsched = bk_bwd_flow_schedule(L, leaf, kind, k->sched, 128);
+    k->nsched = bk_bwd_flow_schedule(L, leaf, kind, units, k->sched, 128);
     assert_true(k->nsched >= 1 && k->nsched <= 128);
-    bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 42, batch, 0};
+    bk_bwd_flow_opts o = {kind, leaf, BK_FISHER_MODEL, 42, batch, 0, units};
     bk_bwd_flow_cb cb = {k, cb_pass, cb_grads, cb_leaf, NULL, 0, NULL, NULL, cb_micro};
     if (bk_bwd_flow_run(m, tok, S, T, &o, &cb, st) != BK_OK)
         fail_msg("%s", bk_last_error());
@@ -579,6 +579,13 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     for (int l = 0; l < k->c->n_layers; l++)
         assert_int_equal(k->delivered[l], (int)nb);
     assert_int_equal(k->passes_seen, st->passes);
+}
+
+static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T,
+                     bk_bwd_flow_kind kind, int leaf, int64_t batch, collect *k,
+                     bk_bwd_flow_stats *st)
+{
+    run_flow_b(m, tok, S, T, kind, leaf, 0, batch, k, st);
 }
 
 /* max |x - y| / max |y| over every a and g */
@@ -685,6 +692,35 @@ static void flows_model(const char *name)
         double nbound = (double)sh.peak_boundary_bytes / (double)(S * T * c->hidden * 8);
         assert_true(nbound <= 2 * (log2((double)L) + 1) + 1e-9);
         assert_true(inner == 0 ? nbound == 0 : nbound >= 3);
+        /* wider splits (a boundary budget): the same a and g as naive, to the
+         * last bit; the budget of the widest (one child per leaf at the root:
+         * 2 (leaves - 1) + 1) and one below it; the peak as planned and within
+         * the budget where halving's fewest fit in it */
+        const int leaves_n = (L + leaf - 1) / leaf;
+        const int budgets[2] = {2 * (leaves_n - 1) + 1, 2 * (leaves_n - 1)};
+        for (int bi = 0; bi < 2 && leaves_n > 1; bi++) {
+            collect kw;
+            bk_bwd_flow_stats sw;
+            run_flow_b(m, tok, S, T, BK_FLOW_HALVING, leaf, budgets[bi], 2, &kw, &sw);
+            const double e_wn = collect_diff(&kw, &kn);
+            const double nw = (double)sw.peak_boundary_bytes / (double)(S * T * c->hidden * 8);
+            if (verbose())
+                fprintf(stderr, "  %s leaf %d budget %d: vs naive %.3g, passes %d, depth %d, "
+                        "peak %.0f\n", name, leaf, budgets[bi], e_wn, sw.passes, sw.max_depth, nw);
+            assert_true(e_wn == 0);
+            assert_true(sw.peak_boundary_bytes ==
+                        bk_bwd_boundary_peak_bytes_b(L, BK_FLOW_HALVING, leaf, budgets[bi], S * T,
+                                                     c->hidden, 8));
+            assert_true(nw <= budgets[bi] || nw == nbound);
+            assert_true(sw.layer_forwards + 2 * sw.layer_backwards <=
+                        sh.layer_forwards + 2 * sh.layer_backwards);
+            if (bi == 0) { /* the widest: the root and one pass per leaf */
+                assert_int_equal(sw.passes, 1 + leaves_n);
+                assert_int_equal(sw.max_depth, 1);
+                assert_true(nw == budgets[0]);
+            }
+            collect_free(&kw);
+        }
         collect_free(&kn);
         collect_free(&kh);
         collect_free(&kb);
@@ -722,8 +758,8 @@ static void test_flow_schedule(void **state)
         for (int s = 1; s <= L + 1; s++)
             for (int naive = 0; naive < 2; naive++) {
                 bk_bwd_flow_kind kind = naive ? BK_FLOW_NAIVE : BK_FLOW_HALVING;
-                int n = bk_bwd_flow_schedule(L, s, kind, w, 256);
-                assert_int_equal(bk_bwd_flow_schedule(L, s, kind, NULL, 0), n);
+                int n = bk_bwd_flow_schedule(L, s, kind, 0, w, 256);
+                assert_int_equal(bk_bwd_flow_schedule(L, s, kind, 0, NULL, 0), n);
                 assert_true(n >= 1 && n <= 256);
                 int next = 0, leaves = 0, heads = 0;
                 int64_t bwd = 0;
@@ -760,7 +796,7 @@ static void test_flow_schedule(void **state)
                     assert_int_equal(n, L <= s ? 1 : 2 * leaves - 1);
                 }
             }
-    int n = bk_bwd_flow_schedule(32, 4, BK_FLOW_HALVING, w, 256);
+    int n = bk_bwd_flow_schedule(32, 4, BK_FLOW_HALVING, 0, w, 256);
     assert_int_equal(n, 15);
     /* pass 1: forward through the 32 layers, the head, back through layers 17-32 */
     assert_int_equal(w[0].forwards, 32);
@@ -770,10 +806,10 @@ static void test_flow_schedule(void **state)
     assert_true(!w[8].leaf && w[8].depth == 1 && w[8].lo == 24 && w[8].hi == 32);
     /* cap: counts every pass, fills only cap */
     w[2].depth = -7;
-    assert_int_equal(bk_bwd_flow_schedule(32, 4, BK_FLOW_HALVING, w, 2), 15);
+    assert_int_equal(bk_bwd_flow_schedule(32, 4, BK_FLOW_HALVING, 0, w, 2), 15);
     assert_int_equal(w[2].depth, -7);
-    assert_int_equal(bk_bwd_flow_schedule(0, 4, BK_FLOW_HALVING, w, 256), -1);
-    assert_int_equal(bk_bwd_flow_schedule(4, 0, BK_FLOW_NAIVE, w, 256), -1);
+    assert_int_equal(bk_bwd_flow_schedule(0, 4, BK_FLOW_HALVING, 0, w, 256), -1);
+    assert_int_equal(bk_bwd_flow_schedule(4, 0, BK_FLOW_NAIVE, 0, w, 256), -1);
 }
 
 /* The flow driver (the one the GPU flow runs too) over operations that
@@ -861,22 +897,46 @@ static void test_boundary_plan_driven(void **state)
         c->n_layers = L;
         for (int leaf = 1; leaf <= L + 1; leaf++)
             for (int fl = 0; fl < 2; fl++) {
-                bk_bwd_flow_opts o = {(bk_bwd_flow_kind)fl, leaf, BK_FISHER_MODEL, 1, 2, 0};
+              for (int units = 0; units <= (fl ? 0 : 24); units += 1 + (units > 12) * 5) {
+                bk_bwd_flow_opts o = {(bk_bwd_flow_kind)fl, leaf, BK_FISHER_MODEL, 1, 2, 0, units};
                 bk_bwd_flow_stats st;
                 memset(&st, 0, sizeof st);
                 assert_int_equal(bk__bwd_flow_drive(&ops, NULL, m, tok, S, T, 2, &o, &cb, &st),
                                  BK_OK);
                 const uint64_t want =
-                    bk_bwd_boundary_peak_bytes(L, fl, leaf, S * T, c->hidden, 4);
+                    bk_bwd_boundary_peak_bytes_b(L, fl, leaf, units, S * T, c->hidden, 4);
                 if (st.peak_boundary_bytes != want)
-                    fail_msg("L %lld leaf %d flow %d: measured %llu, planned %llu", (long long)L,
-                             leaf, fl, (unsigned long long)st.peak_boundary_bytes,
+                    fail_msg("L %lld leaf %d flow %d units %d: measured %llu, planned %llu",
+                             (long long)L, leaf, fl, units,
+                             (unsigned long long)st.peak_boundary_bytes,
                              (unsigned long long)want);
+                /* within the budget, unless halving's fewest do not fit in it; no more
+                 * passes than halving; the schedule counts the passes run */
+                const int u = bk_bwd_boundary_units_b(L, fl, leaf, units);
+                const int u0 = bk_bwd_boundary_units(L, fl, leaf);
+                if (u > units && u != u0)
+                    fail_msg("L %lld leaf %d units %d: %d matrices", (long long)L, leaf, units, u);
+                assert_true(u >= u0 || fl);
+                static bk_bwd_pass_work sw[256];
+                const int np = bk_bwd_flow_schedule((int)L, leaf, (bk_bwd_flow_kind)fl, units,
+                                                    sw, 256);
+                assert_int_equal(np, st.passes);
+                int64_t work = 0, work0 = 0;
+                for (int p = 0; p < np; p++)
+                    work += sw[p].layer_forwards + 2 * sw[p].backwards;
+                const int n0 = bk_bwd_flow_schedule((int)L, leaf, (bk_bwd_flow_kind)fl, 0, sw, 256);
+                for (int p = 0; p < n0; p++)
+                    work0 += sw[p].layer_forwards + 2 * sw[p].backwards;
+                /* (a wider split may make more, smaller leaves: more passes, less work) */
+                if (work > work0)
+                    fail_msg("L %lld leaf %d units %d: work %lld > halving's %lld", (long long)L,
+                             leaf, units, (long long)work, (long long)work0);
                 checked++;
+              }
             }
     }
     c->n_layers = L0;
-    assert_true(checked > 1000);
+    assert_true(checked > 5000);
     bk_model_close(m);
 }
 
@@ -909,7 +969,7 @@ static void test_bad_input(void **state)
     assert_int_equal(bk_bwd_layer_forward(bw, &lw[0], 2, h), BK_ERR_INVALID_ARG);
     /* the empirical Fisher has no label in sequences of one token */
     int32_t tok[2] = {1, 2};
-    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_EMPIRICAL, 0, 1, 0};
+    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_EMPIRICAL, 0, 1, 0, 0};
     bk_bwd_flow_cb cb = {NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     bk_bwd_flow_stats st;
     assert_int_equal(bk_bwd_flow_run(m, tok, 2, 1, &o, &cb, &st), BK_ERR_CALIB);

@@ -35,7 +35,7 @@ static bk_model_config cfg(int64_t L, int64_t d, int64_t ni, int64_t nh, int64_t
     return c;
 }
 
-static const bk_bwd_mem_params BF16_HALVING = {BK_FLOW_HALVING, 1, BK_BWD_BF16, 1, 1, 0, 0};
+static const bk_bwd_mem_params BF16_HALVING = {BK_FLOW_HALVING, 1, BK_BWD_BF16, 1, 1, 0, 0, 0};
 
 static void test_8b_buffers(void **state)
 {

@@ -183,7 +183,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->c = c;
     k->N = S * T;
     k->T = T;
-    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0};
+    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0, 0};
     bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0, NULL, NULL, NULL};
     bk_status s = gpu ? bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, st)
                       : bk_bwd_flow_run(m, tok, S, T, &o, &cb, st);
@@ -367,7 +367,7 @@ static void run_grams_cb(const bk_model *m, const int32_t *tok, int64_t S, int64
     k->c = c;
     k->N = S * T;
     k->T = T;
-    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0};
+    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0, 0};
     bk_bwd_flow_cb cb = {k,        NULL, NULL, cb_gleaf, dev ? NULL : cb_grams,
                          weighted, dev ? cb_grams_dev : NULL, NULL, NULL};
     bk_bwd_flow_stats st;
@@ -451,7 +451,7 @@ static double cmp_gram_factors(const char *what, const bk_model *m, const gcolle
 static void mem_model_check(const char *what, const bk_model_config *c, int64_t S, int64_t T,
                             int64_t B, int flow, int precision, const bk_bwd_flow_stats *st)
 {
-    const bk_bwd_mem_params p = {flow, 1, precision, 0, 0, 0, 0};
+    const bk_bwd_mem_params p = {flow, 1, precision, 0, 0, 0, 0, 0};
     const uint64_t model = bk_bwd_dev_bytes(c, B, T, S, &p, 1);
     if (st->micro_bytes != model)
         fail_msg("%s: the flow allocated %llu device bytes, src/bwd_mem.c's model says %llu "
@@ -1026,7 +1026,7 @@ static void test_bad_inputs(void **state)
     bk_bwd_flow_cb cb = {NULL, NULL, noop_grads, NULL, NULL, 0, NULL, NULL, NULL};
     bk_bwd_flow_stats st;
     bk_gbwd_opts go = {0, 0, 0, 0};
-    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2, 0};
+    bk_bwd_flow_opts o = {BK_FLOW_HALVING, 1, BK_FISHER_MODEL, 0, 2, 0, 0};
     /* a token out of range: the CPU's status */
     tok[3] = (int32_t)c->vocab;
     bk_status sc = bk_bwd_flow_run(m, tok, S, T, &o, &cb, &st);

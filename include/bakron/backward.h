@@ -101,6 +101,11 @@ typedef struct bk_bwd_flow_opts {
                                whole set; an MPI rank's share: its first sequence), which seeds
                                the model Fisher's sampled labels, so they do not depend on the
                                split */
+    int units;              /* halving: the most boundary matrices [N, hidden] it may hold at
+                               once (0, or fewer than halving needs: recursive halving, the
+                               fewest). More lets a split have up to one child per leaf: fewer
+                               passes over the model, the same a and g to the last bit
+                               (docs/hessians.md "Wider splits") */
 } bk_bwd_flow_opts;
 
 /* What a pass is about to do (progress). */
@@ -188,8 +193,8 @@ typedef struct bk_bwd_pass_work {
 /* Fills out[0 .. min(n, cap)) and returns n, the number of passes (cap 0,
  * out NULL: only counts); -1 for bad arguments (n_layers < 1, leaf < 1, an
  * unknown flow). */
-int bk_bwd_flow_schedule(int n_layers, int leaf, bk_bwd_flow_kind flow, bk_bwd_pass_work *out,
-                         int cap);
+int bk_bwd_flow_schedule(int n_layers, int leaf, bk_bwd_flow_kind flow, int units,
+                         bk_bwd_pass_work *out, int cap);
 
 /* Run the flow over the calibration tokens [S, T] of model m (its original,
  * full-precision weights). The gradients are those of the original model;

@@ -127,6 +127,11 @@ typedef struct bk_quantize_opts {
     int leaf_size;                /* layers per leaf of the flow (default 0: the GPU flow
                                      beside the GPU stages takes the largest of 8/4/2/1 that
                                      fits in the device memory, bk_bwd_auto_leaf; else 1) */
+    int bwd_boundaries;           /* boundary matrices the halving flow may hold at once
+                                     (bk_bwd_flow_opts.units): -1 (bk_quantize_opts_default)
+                                     auto, from the host's available memory; 0 recursive
+                                     halving (the fewest); N: at most N (not fewer than
+                                     halving needs). Several MPI ranks: halving */
     /* MPI ranks (bakron/dist.h); NULL: one process */
     struct bk_dist *dist;
     bk_dist_reduce dist_reduce;

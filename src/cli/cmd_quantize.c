@@ -63,6 +63,10 @@ static const char *quantize_usage =
     "  --leaf-size S         layers whose output gradients one pass delivers (default: on\n"
     "                        the GPU the largest of 8/4/2 whose Hessians fit beside the rest,\n"
     "                        else 1; larger: fewer passes, S layers' Hessians held at once)\n"
+    "  --bwd-boundaries N    boundary matrices [tokens x hidden] the halving flow may hold\n"
+    "                        at once (default auto: as many as the host's available memory\n"
+    "                        allows; more: wider splits, fewer passes, the same result;\n"
+    "                        0: recursive halving's fewest)\n"
     "  --bwd-precision P     fp32 (default) | fp64 | tf32 | bf16: arithmetic of the backward\n"
     "                        pass on the GPU (tf32/bf16: its GEMMs on tensor cores, several\n"
     "                        times faster; the CPU's is fp64)\n"
@@ -114,7 +118,7 @@ enum {
     O_CALIB = 1000, O_ACTS, O_HESSIAN, O_ALG, O_LEVELS, O_BITS, O_GROUP, O_ASYM, O_NOMSE,
     O_DAMP, O_SAMPLES, O_SEQLEN, O_LAYERS, O_NOSEQ, O_CONFIG, O_OUT, O_EXPORT, O_JSON,
     O_PREC, O_HFP64, O_BATCH, O_BACKEND, O_SHARD, O_OVERWRITE, O_DAMPB, O_DAMPBA, O_HELP,
-    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_DRYRUN, O_RESUME,
+    O_GPUPIPE, O_CPUSTAGES, O_GPUMATH, O_FISHER, O_SEED, O_BWDFLOW, O_LEAF, O_BOUNDS, O_DRYRUN, O_RESUME,
     O_BWDPREC, O_CALIBTEXT, O_DREDUCE, O_DTIMEOUT, O_SETTING, O_PROGIV
 };
 
@@ -154,6 +158,7 @@ static const struct option quantize_opts[] = {
     {"seed", required_argument, NULL, O_SEED},
     {"bwd-flow", required_argument, NULL, O_BWDFLOW},
     {"leaf-size", required_argument, NULL, O_LEAF},
+    {"bwd-boundaries", required_argument, NULL, O_BOUNDS},
     {"bwd-precision", required_argument, NULL, O_BWDPREC},
     {"dry-run", no_argument, NULL, O_DRYRUN},
     {"dist-reduce", required_argument, NULL, O_DREDUCE},
@@ -342,6 +347,15 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         if ((st = cli_parse_int("--leaf-size", arg, 1, 100000, &iv)) != BK_OK)
             return st;
         o->leaf_size = iv;
+        break;
+    case O_BOUNDS:
+        if (!strcmp(arg, "auto")) {
+            o->bwd_boundaries = -1;
+            break;
+        }
+        if ((st = cli_parse_int("--bwd-boundaries", arg, 0, 4096, &iv)) != BK_OK)
+            return st;
+        o->bwd_boundaries = iv;
         break;
     case O_DREDUCE: { /* (bk_dist_reduce's order) */
         static const char *const reduce[] = {"ordered", "sum"};
