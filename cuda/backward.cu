@@ -2249,7 +2249,10 @@ bk_status op_keep(void *x, int k, size_t bytes)
 {
     flow *f = static_cast<flow *>(x);
     char *dst = (char *)f->acts + (size_t)k * f->B * f->T * f->d * f->g->es;
-    BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->h, bytes, cudaMemcpyDeviceToDevice, f->g->c->stream));
+    /* (the driver counts bytes in the boundary's element: BF16 in bf16 mode,
+     * where h is F32 on the device) */
+    const size_t n = f->bfb ? bytes / 2 * f->g->es : bytes;
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->h, n, cudaMemcpyDeviceToDevice, f->g->c->stream));
     return BK_OK;
 }
 

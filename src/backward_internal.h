@@ -91,7 +91,8 @@ typedef struct bk_bwd_flow_ops {
     /* buffer buf (BK_BWD_H, BK_BWD_DH) = bytes of src, or to dst */
     bk_status (*load)(void *ctx, int buf, const void *src, size_t bytes);
     bk_status (*store)(void *ctx, int buf, void *dst, size_t bytes);
-    /* acts[k] = bytes of h */
+    /* acts[k] = h (bytes: the micro-batch counted in elem_bytes, the boundary
+     * element, which may be narrower than the backend's h) */
     bk_status (*keep)(void *ctx, int k, size_t bytes);
     /* h = layer `layer`'s forward of h, sb sequences */
     bk_status (*forward)(void *ctx, int layer, int64_t sb);

@@ -33,7 +33,9 @@ source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die; GPU test helpe
 
 cuda_probe_eval
 
-CAL="--calib $M/calib.safetensors --samples 8 --seqlen 64 --batch 3 --levels 3 --precision fp32"
+# (--bwd-boundaries 0: recursive halving, whatever the host's memory; the wider
+# splits of the default budget are compared below)
+CAL="--calib $M/calib.safetensors --samples 8 --seqlen 64 --batch 3 --levels 3 --precision fp32 --bwd-boundaries 0"
 run() { # out extra-args...
     local out=$1
     shift
@@ -76,6 +78,13 @@ run "$W/b16" --hessian backprop-kfac --backend cuda --bwd-precision bf16 $GPUIN 
     die "GPU bf16: $(tail -1 "$W/b16.log")"
 run "$W/b16n" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --bwd-flow naive \
     $GPUIN || die "GPU bf16 naive: $(tail -1 "$W/b16n.log")"
+# wider splits (the root's 4 children: 7 matrices; auto) on the GPU: the same bytes as halving
+run "$W/b16w" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --bwd-boundaries 7 \
+    $GPUIN || die "GPU bf16 wide: $(tail -1 "$W/b16w.log")"
+run "$W/g32w" --hessian backprop-kfac --backend cuda --bwd-boundaries auto $CPUIN ||
+    die "GPU flow fp32 wide: $(tail -1 "$W/g32w.log")"
+cmp -s "$W/b16/model.safetensors" "$W/b16w/model.safetensors" ||
+    die "GPU bf16: --bwd-boundaries 7 wrote other weights than halving"
 cmp -s "$W/b16/model.safetensors" "$W/b16n/model.safetensors" ||
     die "GPU bf16: recursive halving and naive I wrote different weights"
 
@@ -89,6 +98,8 @@ pd=$(ppl "$W/d") && close "$pd" "$pr" 1e-2 "backprop-kfac perplexity, all on the
     fail=1
 cmp -s "$W/g32/model.safetensors" "$W/g32n/model.safetensors" ||
     die "GPU recursive halving and naive I wrote different weights (CPU input side)"
+cmp -s "$W/g32/model.safetensors" "$W/g32w/model.safetensors" ||
+    die "GPU fp32: the automatic boundary budget wrote other weights than halving"
 cmp -s "$W/d/model.safetensors" "$W/dn/model.safetensors" ||
     die "GPU recursive halving and naive I wrote different weights"
 cmp -s "$W/d/model.safetensors" "$W/dr/model.safetensors" || die "a GPU rerun differs"
@@ -121,6 +132,12 @@ assert (b16["precision"], b16["boundary_dtype"]) == ("bf16", "bf16"), b16
 assert (g32["boundary_dtype"], ref["boundary_dtype"]) == ("f32", "f64"), (g32, ref)
 assert 4 * b16["peak_boundary_host_bytes"] == ref["peak_boundary_host_bytes"], (b16, ref)
 assert b16["planned_peak_boundary_host_bytes"] == b16["peak_boundary_host_bytes"], b16
+b16w = json.load(open(f"{W}/b16w/report.json"))["backprop"]
+g32w = json.load(open(f"{W}/g32w/report.json"))["backprop"]
+one16 = 8 * 64 * 192 * 2  # [8 x 64 tokens, 192] BF16
+assert (b16w["passes"], b16w["root_children"], b16w["peak_boundary_host_bytes"]) == (5, 4, 7 * one16), b16w
+assert (g32w["passes"], g32w["root_children"]) == (5, 4) and g32w["boundary_budget"] >= 7, g32w
+assert g32w["peak_boundary_host_bytes"] == 2 * 7 * one16 == g32w["planned_peak_boundary_host_bytes"], g32w
 ev = [json.loads(l) for l in open(f"{W}/g32.json")]
 bw = [e for e in ev if e["event"] == "backward"]
 assert len(bw) == 7 and "depth 0" in bw[0]["message"], bw
