@@ -23,6 +23,8 @@
 #  - --bwd-precision bf16: halving and naive write the same bytes; BF16
 #    boundaries (a quarter of the CPU's doubles, boundary_dtype "bf16");
 #    7 backward progress events;
+#  - wider splits (--bwd-boundaries 7 at leaf 1 in bf16, the automatic budget
+#    in fp32): the same bytes as halving, 5 passes, the root's 4 children;
 #  - backprop-shampoo --leaf-size 2 --fisher empirical: codes as the CPU's
 #    (fp32 rule), with the input side on the CPU and on the GPU;
 #  - --gpu-pipeline is accepted (the default's stages);
@@ -78,12 +80,15 @@ run "$W/b16" --hessian backprop-kfac --backend cuda --bwd-precision bf16 $GPUIN 
     die "GPU bf16: $(tail -1 "$W/b16.log")"
 run "$W/b16n" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --bwd-flow naive \
     $GPUIN || die "GPU bf16 naive: $(tail -1 "$W/b16n.log")"
-# wider splits (the root's 4 children: 7 matrices; auto) on the GPU: the same bytes as halving
-run "$W/b16w" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --bwd-boundaries 7 \
-    $GPUIN || die "GPU bf16 wide: $(tail -1 "$W/b16w.log")"
+# wider splits on the GPU (leaf 1: the root's 4 children, 7 matrices; fp32: the automatic
+# budget, which here allows the same): the same bytes as halving at the same leaf
+run "$W/b16h1" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --leaf-size 1 \
+    $GPUIN || die "GPU bf16 leaf 1: $(tail -1 "$W/b16h1.log")"
+run "$W/b16w" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --leaf-size 1 \
+    --bwd-boundaries 7 $GPUIN || die "GPU bf16 wide: $(tail -1 "$W/b16w.log")"
 run "$W/g32w" --hessian backprop-kfac --backend cuda --bwd-boundaries auto $CPUIN ||
     die "GPU flow fp32 wide: $(tail -1 "$W/g32w.log")"
-cmp -s "$W/b16/model.safetensors" "$W/b16w/model.safetensors" ||
+cmp -s "$W/b16h1/model.safetensors" "$W/b16w/model.safetensors" ||
     die "GPU bf16: --bwd-boundaries 7 wrote other weights than halving"
 cmp -s "$W/b16/model.safetensors" "$W/b16n/model.safetensors" ||
     die "GPU bf16: recursive halving and naive I wrote different weights"
@@ -130,11 +135,16 @@ assert (n["flow"], n["passes"], n["peak_boundary_host_bytes"]) == ("naive", 4, 0
 b16 = json.load(open(f"{W}/b16/report.json"))["backprop"]
 assert (b16["precision"], b16["boundary_dtype"]) == ("bf16", "bf16"), b16
 assert (g32["boundary_dtype"], ref["boundary_dtype"]) == ("f32", "f64"), (g32, ref)
-assert 4 * b16["peak_boundary_host_bytes"] == ref["peak_boundary_host_bytes"], (b16, ref)
+one16 = 8 * 64 * 192 * 2  # [8 x 64 tokens, 192] BF16
+# (the GPU stages chose leaf 2 of the 4 layers: X_mid, G_mid, G_L; the H200 at 9e903f3 printed
+# 589824 = 3 x one16, against the CPU's 5 x [8 x 64, 192] F64 at leaf 1)
+assert (b16["leaf_size"], b16["peak_boundary_host_bytes"]) == (2, 3 * one16), b16
 assert b16["planned_peak_boundary_host_bytes"] == b16["peak_boundary_host_bytes"], b16
+b16h1 = json.load(open(f"{W}/b16h1/report.json"))["backprop"]
+assert (b16h1["passes"], b16h1["peak_boundary_host_bytes"]) == (7, 5 * one16), b16h1
+assert 4 * b16h1["peak_boundary_host_bytes"] == ref["peak_boundary_host_bytes"], (b16h1, ref)
 b16w = json.load(open(f"{W}/b16w/report.json"))["backprop"]
 g32w = json.load(open(f"{W}/g32w/report.json"))["backprop"]
-one16 = 8 * 64 * 192 * 2  # [8 x 64 tokens, 192] BF16
 assert (b16w["passes"], b16w["root_children"], b16w["peak_boundary_host_bytes"]) == (5, 4, 7 * one16), b16w
 assert (g32w["passes"], g32w["root_children"]) == (5, 4) and g32w["boundary_budget"] >= 7, g32w
 assert g32w["peak_boundary_host_bytes"] == 2 * 7 * one16 == g32w["planned_peak_boundary_host_bytes"], g32w
