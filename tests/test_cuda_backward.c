@@ -103,6 +103,8 @@ static bk_backend *g_gpu;
 /* the labels of run_flow / run_grams: the model's samples, or (for the tf32 /
  * bf16 checks) the calibration's next tokens, which no rounding can flip */
 static bk_fisher_kind g_fisher = BK_FISHER_MODEL;
+/* the flows' boundary budget (bk_bwd_flow_opts.units; 0: recursive halving) */
+static int g_units = 0;
 
 static int verbose(void)
 {
@@ -183,7 +185,7 @@ static void run_flow(const bk_model *m, const int32_t *tok, int64_t S, int64_t T
     k->c = c;
     k->N = S * T;
     k->T = T;
-    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0, 0};
+    bk_bwd_flow_opts o = {kind, leaf, g_fisher, 7, batch, 0, g_units};
     bk_bwd_flow_cb cb = {k, NULL, cb_grads, cb_leaf, NULL, 0, NULL, NULL, NULL};
     bk_status s = gpu ? bk_cuda_bwd_flow_run(g_gpu, m, tok, S, T, &o, gpu, &cb, st)
                       : bk_bwd_flow_run(m, tok, S, T, &o, &cb, st);
@@ -451,7 +453,7 @@ static double cmp_gram_factors(const char *what, const bk_model *m, const gcolle
 static void mem_model_check(const char *what, const bk_model_config *c, int64_t S, int64_t T,
                             int64_t B, int flow, int precision, const bk_bwd_flow_stats *st)
 {
-    const bk_bwd_mem_params p = {flow, 1, precision, 0, 0, 0, 0, 0};
+    const bk_bwd_mem_params p = {flow, 1, precision, 0, 0, 0, g_units, 0};
     const uint64_t model = bk_bwd_dev_bytes(c, B, T, S, &p, 1);
     if (st->micro_bytes != model)
         fail_msg("%s: the flow allocated %llu device bytes, src/bwd_mem.c's model says %llu "
@@ -482,6 +484,27 @@ static double bf16_taps(const char *name, const bk_model *m, const int32_t *tok,
     mem_model_check("GPU bf16 naive", bk_model_get_config(m), S, T, 3, BK_FLOW_NAIVE,
                     BK_BWD_BF16, &sn);
     same_taps("GPU bf16 halving vs GPU bf16 naive", &bh, &bn);
+    /* session 14: wider splits (a budget of 64 boundary matrices: one child per
+     * leaf at the root) deliver the same bits, with the device buffers the model
+     * counts (the kept layer inputs of the root's longer backward) */
+    {
+        collect bw;
+        bk_bwd_flow_stats sw;
+        const bk_model_config *c = bk_model_get_config(m);
+        g_fisher = BK_FISHER_EMPIRICAL;
+        g_units = 64;
+        run_flow(m, tok, S, T, BK_FLOW_HALVING, 1, 3, &gbf, &bw, &sw);
+        mem_model_check("GPU bf16 wide", c, S, T, 3, BK_FLOW_HALVING, BK_BWD_BF16, &sw);
+        g_units = 0;
+        g_fisher = BK_FISHER_MODEL;
+        same_taps("GPU bf16 wide splits vs GPU bf16 naive", &bw, &bn);
+        if (c->n_layers > 1)
+            assert_int_equal(sw.passes, 1 + (int)c->n_layers);
+        assert_true(sw.peak_boundary_bytes ==
+                    bk_bwd_boundary_peak_bytes_b(c->n_layers, BK_FLOW_HALVING, 1, 64, S * T,
+                                                 c->hidden, 2));
+        collect_free(&bw);
+    }
     /* session 14: BF16 boundary matrices (h and dh rounded to BF16 at every
      * layer boundary in both flows, so the store is exact): 2 bytes an element */
     {
