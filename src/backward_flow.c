@@ -59,10 +59,11 @@ static bk_status boundary_alloc(flow *f, int depth, void **out)
     if (!*out)
         return bk_error(BK_ERR_NOMEM,
                         "backprop flow: out of %s for a boundary matrix of %.1f MiB at "
-                        "recursion depth %d (%.1f MiB held): use a larger --leaf-size, "
+                        "recursion depth %d (%.1f MiB held): use %sa larger --leaf-size, "
                         "--bwd-flow naive or fewer --samples",
                         f->ops->boundary_mem, (double)nb / 1048576.0, depth,
-                        (double)f->cur_bytes / 1048576.0);
+                        (double)f->cur_bytes / 1048576.0,
+                        f->o->units > 0 ? "--bwd-boundaries 0 (recursive halving's fewest), " : "");
     f->cur_bytes += nb;
     if (f->cur_bytes > f->st->peak_boundary_bytes)
         f->st->peak_boundary_bytes = f->cur_bytes;
