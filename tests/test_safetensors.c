@@ -913,6 +913,72 @@ static void test_set_check_finite(void **state)
     free(a);
 }
 
+/* The threaded scan of a checkpoint of several files (an index): a NaN in
+ * the last chunk of the last tensor of the last file is reported with that
+ * tensor and that file; once an earlier file's tensor (by name) also has an
+ * Inf, that one is reported instead, with its own file. */
+static void test_set_check_finite_shards(void **state)
+{
+    (void)state;
+    const int64_t big = ((int64_t)1 << 24) + 300; /* two chunks */
+    uint16_t *z = calloc((size_t)big, sizeof *z);  /* BF16 zeros */
+    float a[16] = {0}, m[32] = {0};
+    assert_non_null(z);
+    char shard[3][400], idx[400];
+    const char *names[3] = {"a.weight", "m.weight", "z.weight"};
+    for (int k = 0; k < 3; k++)
+        snprintf(shard[k], sizeof shard[k], "%s/fin-%d-of-3.safetensors", tmpdir, k + 1);
+    snprintf(idx, sizeof idx, "%s/fin.safetensors.index.json", tmpdir);
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"metadata\": {}, \"weight_map\": {\"a.weight\": \"fin-1-of-3.safetensors\", "
+             "\"m.weight\": \"fin-2-of-3.safetensors\", \"z.weight\": "
+             "\"fin-3-of-3.safetensors\"}}");
+    spit(idx, json, strlen(json));
+    z[big - 1] = 0xffc1; /* NaN, last element of the last chunk */
+    for (int round = 0; round < 3; round++) {
+        /* 0: only z's NaN; 1: also an Inf in m (file 2); 2: also z[0] NaN */
+        if (round == 1)
+            memcpy(&m[31], &(float){-INFINITY}, sizeof(float));
+        if (round == 2)
+            z[0] = 0x7fc0;
+        for (int k = 0; k < 3; k++) {
+            bk_st_writer *w;
+            assert_int_equal(bk_st_writer_create(&w), BK_OK);
+            int64_t sa[1] = {16}, sm[2] = {4, 8}, sz[1] = {big};
+            if (k == 0)
+                assert_int_equal(bk_st_writer_add(w, names[0], BK_DT_F32, 1, sa, a, 0), BK_OK);
+            if (k == 1)
+                assert_int_equal(bk_st_writer_add(w, names[1], BK_DT_F32, 2, sm, m, 0), BK_OK);
+            if (k == 2)
+                assert_int_equal(bk_st_writer_add(w, names[2], BK_DT_BF16, 1, sz, z, 0), BK_OK);
+            if (bk_st_writer_save(w, shard[k]) != BK_OK)
+                fail_msg("%s", bk_last_error());
+            bk_st_writer_free(w);
+        }
+        bk_st_set *s;
+        if (bk_st_set_open(idx, &s) != BK_OK)
+            fail_msg("%s", bk_last_error());
+        assert_int_equal(bk_st_set_file_count(s), 3);
+        assert_int_equal(bk_st_set_check_finite(s), BK_ERR_NONFINITE);
+        const char *msg = bk_last_error();
+        char want[600];
+        if (round == 0)
+            snprintf(want, sizeof want, "%s: tensor z.weight: element %lld is NaN or Inf",
+                     shard[2], (long long)(big - 1));
+        else
+            snprintf(want, sizeof want, "%s: tensor m.weight: element 31 is NaN or Inf",
+                     shard[1]);
+        if (!strstr(msg, want))
+            fail_msg("got '%s', want '%s'", msg, want);
+        bk_st_set_close(s);
+    }
+    for (int k = 0; k < 3; k++)
+        unlink(shard[k]);
+    unlink(idx);
+    free(z);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -927,6 +993,7 @@ int main(void)
         cmocka_unit_test(test_set_single_and_folder),
         cmocka_unit_test(test_zst_reader),
         cmocka_unit_test(test_set_check_finite),
+        cmocka_unit_test(test_set_check_finite_shards),
     };
     return cmocka_run_group_tests(tests, make_tmpdir, remove_tmpdir);
 }
