@@ -25,7 +25,9 @@ static void bp_add_flow_time(job *j)
  * (final norm, LM head, loss and its gradient), a quantized leaf layer's
  * stages (its input-side forward, factors, solves, writes), another layer of
  * a leaf (run as it is or rebuilt from kept codes). */
-enum { BP_U_FWD, BP_U_BWD, BP_U_HEAD, BP_U_QUANT, BP_U_OTHER, BP_U_N };
+enum { BP_U_FWD, BP_U_BWD, BP_U_HEAD, BP_U_QUANT, BP_U_OTHER, BP_U_LBWD, BP_U_N };
+/* (BP_U_LBWD: a leaf pass's layer backward, which also forms the layer's
+ * output-gradient Grams or hands its taps to the accumulators) */
 
 /* Relative cost of the units before they are measured, in layer forwards:
  * a backward is the recomputed forward, the input gradient's GEMMs (as many
@@ -33,26 +35,33 @@ enum { BP_U_FWD, BP_U_BWD, BP_U_HEAD, BP_U_QUANT, BP_U_OTHER, BP_U_N };
  * the head's forward and input-gradient GEMMs against a layer's weights:
  * 2 vocab hidden / (layer parameters) (4.8 for Llama-3-8B); a quantized
  * layer's stages: its forward on the quantized model with the input Grams
- * (~2) plus the factorizations and solves (measured on the H200 for the 8B:
- * ~1.4 forwards in all; 3 errs on the slow side); another leaf layer: one
- * forward. Only the ratios matter, and only until each kind is measured. */
+ * plus the factorizations and solves; another leaf layer: one forward; a
+ * leaf pass's backward: a backward and the layer's output-gradient Grams,
+ * whose GEMMs (N Σ out² against a forward's N params) run at about 0.6 of
+ * the forward's cost per flop. Calibrated on the H200's 8B backprop-kfac job
+ * (session 14, bf16: 0.53 s a layer forward, 1.14 s a backward, 0.68 s a
+ * layer's Grams, ≈ 2 s a quantized layer's stages). Only the ratios matter,
+ * and only until each kind is measured. */
 static void bp_unit_weights(const bk_model_config *c, double w[BP_U_N])
 {
     const double q = (double)c->n_heads * (double)c->head_dim,
-                 kv = (double)c->n_kv_heads * (double)c->head_dim, d = (double)c->hidden;
-    const double layer = d * (2 * q + 2 * kv) + 3 * d * (double)c->intermediate;
+                 kv = (double)c->n_kv_heads * (double)c->head_dim, d = (double)c->hidden,
+                 I = (double)c->intermediate;
+    const double layer = d * (2 * q + 2 * kv) + 3 * d * I;
+    const double outsq = q * q + 2 * kv * kv + 2 * d * d + 2 * I * I;
     w[BP_U_FWD] = 1;
-    w[BP_U_BWD] = 3;
+    w[BP_U_BWD] = 2.2;
     w[BP_U_HEAD] = layer > 0 ? 2 * (double)c->vocab * d / layer : 1;
-    w[BP_U_QUANT] = 3;
+    w[BP_U_QUANT] = 3.8;
     w[BP_U_OTHER] = 1;
+    w[BP_U_LBWD] = w[BP_U_BWD] + (layer > 0 ? 0.6 * outsq / layer : 1);
 }
 
 /* The flow's units done: the passes before the running one, and the running
  * one's share of micro-batches. */
 static void bp_flow_done(const job *j, double done[BP_U_N])
 {
-    done[BP_U_FWD] = done[BP_U_BWD] = done[BP_U_HEAD] = 0;
+    done[BP_U_FWD] = done[BP_U_BWD] = done[BP_U_HEAD] = done[BP_U_LBWD] = 0;
     for (int p = 0; p <= j->bp_pass && p < j->bp_npass; p++) {
         const bk_bwd_pass_work *w = &j->bp_sched[p];
         double f = 1;
@@ -61,7 +70,7 @@ static void bp_flow_done(const job *j, double done[BP_U_N])
             f = S > 0 ? (double)j->bp_pass_done / (double)S : 0;
         }
         done[BP_U_FWD] += f * w->forwards;
-        done[BP_U_BWD] += f * w->backwards;
+        done[w->leaf ? BP_U_LBWD : BP_U_BWD] += f * w->backwards;
         done[BP_U_HEAD] += f * w->head;
     }
 }
@@ -79,7 +88,12 @@ void bk__q_bp_progress(job *j, bk_event *ev)
     }
     bp_flow_done(j, j->bp_done);
     j->bp_time[BP_U_FWD] = j->bp_stats.time_forward_s;
-    j->bp_time[BP_U_BWD] = j->bp_stats.time_backward_s;
+    {
+        /* the backward time of the passes so far by kind, and the running one's */
+        const double run = j->bp_stats.time_backward_s - j->bp_bwd_mark;
+        j->bp_time[BP_U_BWD] = j->bp_bwd_split[0] + (j->bp_cur_leaf ? 0 : run);
+        j->bp_time[BP_U_LBWD] = j->bp_bwd_split[1] + (j->bp_cur_leaf ? run : 0);
+    }
     j->bp_time[BP_U_HEAD] = j->bp_stats.time_head_s;
     double w[BP_U_N];
     bp_unit_weights(j->cfg, w);
@@ -135,7 +149,7 @@ static bk_status bp_progress_init(job *j)
     memset(j->bp_total, 0, sizeof j->bp_total);
     for (int p = 0; p < n; p++) {
         j->bp_total[BP_U_FWD] += j->bp_sched[p].forwards;
-        j->bp_total[BP_U_BWD] += j->bp_sched[p].backwards;
+        j->bp_total[j->bp_sched[p].leaf ? BP_U_LBWD : BP_U_BWD] += j->bp_sched[p].backwards;
         j->bp_total[BP_U_HEAD] += j->bp_sched[p].head;
     }
     /* the leaf layers: bp_leaf_done runs [0, layer_end); it quantizes those in
@@ -164,6 +178,10 @@ static void bp_pass_begin(void *user, const bk_bwd_pass_info *info)
                  info->lo + 1, info->lo + 1, info->hi);
     j->bp_pass = info->index;
     j->bp_pass_done = 0;
+    /* the finished pass's backward time to its kind */
+    j->bp_bwd_split[j->bp_cur_leaf ? 1 : 0] += j->bp_stats.time_backward_s - j->bp_bwd_mark;
+    j->bp_bwd_mark = j->bp_stats.time_backward_s;
+    j->bp_cur_leaf = info->leaf;
     if (info->leaf)
         j->bp_leaf_lo = info->lo;
     bp_add_flow_time(j);

@@ -104,7 +104,10 @@ typedef struct job {
     bk_bwd_pass_work *bp_sched;
     int bp_npass, bp_pass;
     int64_t bp_pass_done;
-    double bp_total[5], bp_done[5], bp_time[5];
+    double bp_total[6], bp_done[6], bp_time[6];
+    double bp_bwd_split[2];     /* backward time of finished split / leaf passes */
+    double bp_bwd_mark;         /* the flow's backward time when the running pass began */
+    int bp_cur_leaf;            /* the running pass is a leaf's */
     double bp_lt0;              /* start of the leaf layer's stages not yet counted */
     int bp_layer_counted;       /* the current leaf layer was counted at its LAYER_DONE */
     int bp_gpu;                 /* the flow (forward + backward passes) on the GPU
