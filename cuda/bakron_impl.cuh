@@ -367,32 +367,54 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
  * the codes, weights, E and R^ go out through shared memory (v2 stored four
  * scattered words per active lane and step, ~1000 L1 transactions per step
  * and SM: that, not the arithmetic, bounded it). */
-template <typename R, int T, int WC_> struct Solve3Cfg {
+template <typename R, int T, int WC_, int V = 0> struct Solve3Cfg {
     static constexpr int WC = WC_; /* columns (register slots) per warp: 8 or 16 */
     static constexpr int NWC = T / WC;
     static constexpr int NW = (T / 32) * NWC;
-    static constexpr int LS = T + 1;     /* L_A rows */
-    static constexpr int LBS = 3 * T + 1; /* L_B rows: T zeros | T values | T zeros */
+    /* V = 0: L_A rows T + 1 apart, L_B rows 3T + 1 apart. With the skew, both
+     * factor loads of a step are 2-way bank conflicted (fp32: the 32 lanes hit
+     * 16 banks; fp64: 4 wavefronts instead of 2). V >= 1 (session 14, branch
+     * chain): L_A rows T + 2 apart, L_B rows 3T apart plus 16 more for rows
+     * with bit 4 set: conflict-free for WC = 16 (T = 32 and 64, fp32 and fp64;
+     * checked by enumerating every lane, slot and step) */
+    static constexpr int LS = V ? T + 2 : T + 1; /* L_A rows */
+    static constexpr int LBS = V ? 3 * T : 3 * T + 1; /* L_B rows: T zeros | T values | T zeros */
+    static constexpr int LBX = V ? 16 : 0;            /* L_B: extra elements at the end */
+    __host__ __device__ static constexpr int lb_row(int p)
+    {
+        return p * LBS + (V && (p & 16) ? 16 : 0);
+    }
     /* LA, LB, E [p][q], R^T [q][p], weight (F32) [p][q], codes (int16) [p][q],
      * the two newest-value buffers */
-    static constexpr size_t smem = sizeof(R) * (size_t)(T * LS + T * LBS + 2 * T * T + 4 * T) +
+    static constexpr size_t smem = sizeof(R) * (size_t)(T * LS + T * LBS + LBX + 2 * T * T + 4 * T) +
                                    sizeof(float) * T * T + sizeof(int16_t) * T * T +
                                    sizeof(int) * T;
 };
 
 /* KIND: the quantizer kind (compile-time: the rounding is branch-free, see
  * bk_round_bf). The loads are batched: every global load of a batch is
- * issued before its shared stores, so their latencies overlap. */
-template <typename R, int T, int WC_, int KIND>
-__global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
+ * issued before its shared stores, so their latencies overlap.
+ *
+ * V (c->solve_chain, only with WC = 16; session 14, branch chain): the
+ * schedule and layout of the step chain, never its arithmetic (every X and Y
+ * gets the same terms in the same order, so the codes are the same bit for
+ * bit):
+ *   0  (default) as described above;
+ *   1  conflict-free factor layouts (Solve3Cfg): the 2 x 16 factor loads of a
+ *      step take 32 shared wavefronts per warp instead of 64 (fp32);
+ *   2  1, and the factors of step k + 1 are loaded before the barrier of step
+ *      k (one step ahead, 2 x WC more registers): after a barrier only the
+ *      1 + WC loads of the new E and R values remain. */
+template <typename R, int T, int WC_, int KIND, int V = 0>
+__global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
     k_tile_solve3(TileArgs<R> a, int K, int i_lo)
 {
-    using C = Solve3Cfg<R, T, WC_>;
+    using C = Solve3Cfg<R, T, WC_, V>;
     constexpr int WC = C::WC, NWC = C::NWC, NW = C::NW, LS = C::LS, LBS = C::LBS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     R *LAs = reinterpret_cast<R *>(smem_raw); /* [T][LS], strict lower part only */
     R *LBs = LAs + T * LS;                    /* [T][LBS], strict lower part at offset T */
-    R *Erow = LBs + T * LBS;                  /* [2][T] */
+    R *Erow = LBs + T * LBS + C::LBX;         /* [2][T] */
     R *Rcol = Erow + 2 * T;                   /* [2][T] */
     R *Es = Rcol + 2 * T;                     /* [T][T] E by rows; first W in */
     R *Rt = Es + T * T;                       /* [T][T] R^ by columns; first Rp in */
@@ -412,7 +434,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     if (hasb) /* the zero padding of L_B's rows (the loads below fill the middle) */
         for (int idx = tid; idx < T * 2 * T; idx += NTH) {
             const int r = idx / (2 * T), cz = idx % (2 * T);
-            LBs[r * LBS + (cz < T ? cz : cz + T)] = R(0);
+            LBs[C::lb_row(r) + (cz < T ? cz : cz + T)] = R(0);
         }
     for (int idx = tid; idx < 4 * T; idx += NTH)
         Erow[idx] = R(0);
@@ -440,7 +462,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
                 Rt[r * T + cc] = rv[t];
                 LAs[r * LS + cc] = lav[t];
                 if (hasb)
-                    LBs[r * LBS + T + cc] = lbv[t];
+                    LBs[C::lb_row(r) + T + cc] = lbv[t];
             }
         }
     }
@@ -469,6 +491,26 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
     /* The step loop is unrolled by WC so that the active slot u is a
      * compile-time register index (a rolled loop with a select chain was
      * 1.5-2x slower on the H200). */
+    const R *lbrow = LBs + C::lb_row(p) + T; /* L_B[p, i] at lbrow[i] */
+    /* the factors of step k: la[s] = L_A[q_s, k - p] (where that is a real
+     * term), lb[s] = L_B[p, k - q_s] (zero padding elsewhere) */
+    auto load_factors = [&](int k, R(&fa)[WC], R(&fb)[WC]) {
+        const int j = k - p;
+        if (j >= 0 && j < T - 1) {
+#pragma unroll
+            for (int s = 0; s < WC; s++)
+                fa[s] = LAs[qa[s] + j];
+        }
+        if (hasb) {
+            const R *lbr = lbrow + k;
+#pragma unroll
+            for (int s = 0; s < WC; s++)
+                fb[s] = lbr[-qs[s]];
+        }
+    };
+    [[maybe_unused]] R la[WC], lb[WC]; /* V >= 2: the current step's, loaded during the previous one */
+    if constexpr (V >= 2)
+        load_factors(0, la, lb);
     for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
 #pragma unroll
         for (int u = 0; u < WC; u++) {
@@ -479,19 +521,13 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
             R *Rc = Rcol + (u & 1) * T;
             const int jj = k - p;
             const bool xon = jj >= 0 && jj < T - 1;
-            /* factors of this step, loaded ahead of the barrier */
-            R la[WC], lb[WC];
-            if (xon) {
-#pragma unroll
-                for (int s = 0; s < WC; s++)
-                    la[s] = LAs[qa[s] + jj];
-            }
-            if (hasb) {
-                const R *lbr = LBs + p * LBS + T + k;
-#pragma unroll
-                for (int s = 0; s < WC; s++)
-                    lb[s] = lbr[-qs[s]];
-            }
+            /* factors of this step, loaded ahead of the barrier (V >= 2: a
+             * step earlier, in la / lb) */
+            R lac[WC], lbc[WC];
+            if constexpr (V < 2)
+                load_factors(k, lac, lbc);
+            R(&laU)[WC] = V >= 2 ? la : lac;
+            R(&lbU)[WC] = V >= 2 ? lb : lbc;
             /* A. the active entry (p, k - p) sits in slot u */
             const int q = jj;
             if (q >= qlo && q < qlo + WC) {
@@ -515,18 +551,28 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_>::NW * 32)
                 Ws[p * T + q] = (float)v;
                 Cs[p * T + q] = code;
             }
+            [[maybe_unused]] R la2[WC], lb2[WC];
+            if constexpr (V >= 2) /* the next step's factors (k + 1 <= 2T - 1: inside the padding) */
+                load_factors(k + 1, la2, lb2);
             __syncthreads();
             /* B. X[p,q] += E[p,k-p] L_A[q,k-p], Y[p,q] += L_B[p,k-q] R[k-q,q] */
             if (xon) {
                 const R er = Er[p];
 #pragma unroll
                 for (int s = 0; s < WC; s++)
-                    x[s] += er * la[s];
+                    x[s] += er * laU[s];
             }
             if (hasb) {
 #pragma unroll
                 for (int s = 0; s < WC; s++)
-                    y[s] += lb[s] * Rc[qs[s]];
+                    y[s] += lbU[s] * Rc[qs[s]];
+            }
+            if constexpr (V >= 2) {
+#pragma unroll
+                for (int s = 0; s < WC; s++) {
+                    la[s] = la2[s];
+                    lb[s] = lb2[s];
+                }
             }
         }
     }
@@ -668,16 +714,31 @@ __global__ void __launch_bounds__(PushCfg<R, T>::NTH)
     }
 }
 
-template <typename R, int T, int WC>
+template <typename R, int T, int WC, int V = 0>
 void launch_solve3(const TileArgs<R> &ta, int K, int i_lo, int ntiles, cudaStream_t st)
 {
-    using S = Solve3Cfg<R, T, WC>;
+    using S = Solve3Cfg<R, T, WC, V>;
     if (ta.q.kind == BK_Q_LEVELS)
-        k_tile_solve3<R, T, WC, BK_Q_LEVELS><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
+        k_tile_solve3<R, T, WC, BK_Q_LEVELS, V><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
     else if (ta.q.kind == BK_Q_UNIFORM)
-        k_tile_solve3<R, T, WC, BK_Q_UNIFORM><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
+        k_tile_solve3<R, T, WC, BK_Q_UNIFORM, V><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
     else
-        k_tile_solve3<R, T, WC, BK_Q_INTEGER><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
+        k_tile_solve3<R, T, WC, BK_Q_INTEGER, V><<<ntiles, S::NW * 32, S::smem, st>>>(ta, K, i_lo);
+}
+
+/* the shared-memory limit of the tile solves of one (WC, V) */
+template <typename R, int T, int WC, int V = 0> cudaError_t solve3_attrs()
+{
+    const int sm = (int)Solve3Cfg<R, T, WC, V>::smem;
+    cudaError_t e = cudaFuncSetAttribute(k_tile_solve3<R, T, WC, BK_Q_LEVELS, V>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_tile_solve3<R, T, WC, BK_Q_UNIFORM, V>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_tile_solve3<R, T, WC, BK_Q_INTEGER, V>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
+    return e;
 }
 
 /* the far push off the critical path (modes 0, 2, 3, 4); on tensor cores
@@ -812,6 +873,10 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK((mma_attrs<R, T>()));
+    if (c->solve_wc == 16 && c->solve_chain == 1)
+        BK_CUDA_CHECK((solve3_attrs<R, T, 16, 1>()));
+    else if (c->solve_wc == 16 && c->solve_chain == 2)
+        BK_CUDA_CHECK((solve3_attrs<R, T, 16, 2>()));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
     const int G = c->push_group > 0 ? c->push_group : 0;
     const int never = MT + NT + 1; /* eager: no flush, every target is near */
@@ -862,7 +927,11 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
-        if (c->solve_wc == 16)
+        if (c->solve_wc == 16 && c->solve_chain == 1)
+            launch_solve3<R, T, 16, 1>(ta, K, i_lo, ntiles, c->stream);
+        else if (c->solve_wc == 16 && c->solve_chain == 2)
+            launch_solve3<R, T, 16, 2>(ta, K, i_lo, ntiles, c->stream);
+        else if (c->solve_wc == 16)
             launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);
         else
             launch_solve3<R, T, 8>(ta, K, i_lo, ntiles, c->stream);

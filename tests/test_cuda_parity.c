@@ -237,13 +237,15 @@ static void test_fp64_tile_and_push_variants(void **state)
 {
     (void)state;
     /* tile, solve_wc, overlap, side_band, far_async, push_split, push_group, partition,
-     * push_mma (fp32 only: the fp64 solves here must be unaffected by it) */
+     * push_mma (fp32 only: the fp64 solves here must be unaffected by it), solve_chain
+     * (the step chain's layout / schedule: the same codes bit for bit) */
     const bk_cuda_tuning cfg[] = {
-        {32, 8, 1, -1, 1, 2, 4, -1, 0},  {64, 16, 1, 0, 0, 1, 0, 0, 0},
-        {64, 8, 1, 1, 1, 2, 1, 64, 0},   {32, 16, 1, 1, 0, 2, 3, 0, 0},
-        {64, 16, 1, 0, 1, 1, 7, 100, 0}, {64, 8, 1, -1, 0, 2, 2, 24, 0},
-        {64, 16, 0, -1, 1, 2, 4, -1, 0}, {32, 8, 0, 0, 0, 1, 3, 0, 0},
-        {64, 16, 1, -1, 1, 2, 4, -1, 2}};
+        {32, 8, 1, -1, 1, 2, 4, -1, 0, 0},  {64, 16, 1, 0, 0, 1, 0, 0, 0, 0},
+        {64, 8, 1, 1, 1, 2, 1, 64, 0, 0},   {32, 16, 1, 1, 0, 2, 3, 0, 0, 0},
+        {64, 16, 1, 0, 1, 1, 7, 100, 0, 0}, {64, 8, 1, -1, 0, 2, 2, 24, 0, 0},
+        {64, 16, 0, -1, 1, 2, 4, -1, 0, 0}, {32, 8, 0, 0, 0, 1, 3, 0, 0, 0},
+        {64, 16, 1, -1, 1, 2, 4, -1, 2, 0}, {64, 16, 1, -1, 1, 2, 4, -1, 0, 1},
+        {64, 16, 1, -1, 1, 2, 4, -1, 0, 2},  {32, 16, 1, -1, 1, 2, 4, -1, 0, 2}};
     for (size_t v = 0; v < sizeof cfg / sizeof cfg[0]; v++) {
         const bk_cuda_tuning *t = &cfg[v];
         bk_backend *b = NULL;
@@ -252,9 +254,9 @@ static void test_fp64_tile_and_push_variants(void **state)
         bk_backend *keep = g_gpu;
         g_gpu = b;
         char what[128];
-        snprintf(what, sizeof what, "fp64 T=%d WC=%d O=%d B=%d A=%d S=%d G=%d P=%d", t->tile,
+        snprintf(what, sizeof what, "fp64 T=%d WC=%d O=%d B=%d A=%d S=%d G=%d P=%d C=%d", t->tile,
                  t->solve_wc, t->overlap, t->side_band, t->far_async, t->push_split,
-                 t->push_group, t->partition);
+                 t->push_group, t->partition, t->solve_chain);
         for (size_t s = 0; s < NSHAPES; s++)
             for (int with_b = 0; with_b <= 1; with_b++) {
                 pcase c = make_case(shapes[s][0], shapes[s][1], 500 + s, with_b, 0.1);
@@ -280,7 +282,8 @@ static void test_fp64_tile_and_push_variants(void **state)
                      {"overlap", offsetof(bk_cuda_tuning, overlap), -1},
                      {"solve_wc", offsetof(bk_cuda_tuning, solve_wc), 32},
                      {"tile", offsetof(bk_cuda_tuning, tile), 48},
-                     {"push_mma", offsetof(bk_cuda_tuning, push_mma), 3}};
+                     {"push_mma", offsetof(bk_cuda_tuning, push_mma), 3},
+                     {"solve_chain", offsetof(bk_cuda_tuning, solve_chain), 3}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         bk_cuda_tuning t;
         bk_cuda_tuning_default(&t);

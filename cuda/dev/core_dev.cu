@@ -13,6 +13,7 @@
  *                                 codes equal to the shape's first bakron run (the
  *                                 default variant when it is measured)
  *   bk-cuda-dev validate --mma    only the default and the push_mma configurations
+ *   bk-cuda-dev validate --chain  only the default and the solve_chain configurations
  *   bk-cuda-dev attn [OPTIONS]    the GPU forward's attention, unfused against
  *                                 the fused kernel: errors against a double
  *                                 reference and times (attn_dev.cu)
@@ -259,7 +260,8 @@ static int cmd_bench(int argc, char **argv)
                 continue;
             struct V {
                 const char *name;
-                int tile, group, wc, ovl = -1, part = -2, split = 2, fa = 1, band = -1, mma = 0;
+                int tile, group, wc, ovl = -1, part = -2, split = 2, fa = 1, band = -1, mma = 0,
+                    chain = 0;
             };
             std::vector<V> vs = {{"", 64, 4, 16}};
             if (alg == BK_ALG_BAKRON && variants) {
@@ -288,6 +290,13 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-T32-G8", 32, 8, 16});
                 vs.push_back({"-T32-mma2", 32, 4, 16, -1, -2, 2, 1, -1, 2});
                 vs.push_back({"-T32-mma2-G8", 32, 8, 16, -1, -2, 2, 1, -1, 2});
+                /* session 14 (branch chain): the tile solve's step chain,
+                 * conflict-free factor layouts (A), also the factors a step
+                 * ahead (B); same codes bit for bit */
+                vs.push_back({"-chainA", 64, 4, 16, -1, -2, 2, 1, -1, 0, 1});
+                vs.push_back({"-chainB", 64, 4, 16, -1, -2, 2, 1, -1, 0, 2});
+                vs.push_back({"-T32-chainB", 32, 4, 16, -1, -2, 2, 1, -1, 0, 2});
+                vs.push_back({"-mma1-chainB", 64, 4, 16, -1, -2, 2, 1, -1, 1, 2});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only.find("," + an + v.name + ",") == std::string::npos)
@@ -301,6 +310,7 @@ static int cmd_bench(int argc, char **argv)
                 c->far_async = v.fa;
                 c->side_band = v.band;
                 c->push_mma = v.mma;
+                c->solve_chain = v.chain;
                 c->mem_peak = c->mem_current;
                 std::vector<float> t;
                 float ms;
@@ -356,6 +366,7 @@ static int cmd_bench(int argc, char **argv)
             c->far_async = c0.far_async;
             c->side_band = c0.side_band;
             c->push_mma = c0.push_mma;
+            c->solve_chain = c0.solve_chain;
         }
         free_problem(c, P);
     }
@@ -555,9 +566,13 @@ static std::vector<int16_t> gpu_codes(bk_cuda_ctx *c, const HostCase &h, bk_algo
 static int cmd_validate(int argc, char **argv)
 {
     int mma_only = 0; /* --mma: only the default and the push_mma configurations */
-    for (int i = 0; i < argc; i++)
+    int chain_only = 0; /* --chain: only the default and the solve_chain configurations */
+    for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "--mma"))
             mma_only = 1;
+        if (!strcmp(argv[i], "--chain"))
+            chain_only = 1;
+    }
     bk_cuda_ctx *c = nullptr;
     CK(bk_cuda_ctx_create(0, &c));
     const std::pair<int64_t, int64_t> shapes[] = {{1, 1},   {1, 7},    {7, 1},    {5, 9},
@@ -567,7 +582,7 @@ static int cmd_validate(int argc, char **argv)
                                  BK_ALG_RECURSIVE, BK_ALG_NAIVE, BK_ALG_RTN};
     int bad = 0;
     struct Cfg {
-        int tile, group, wc, ovl = 1, part = -1, split = 2, fa = 1, band = -1, mma = 0;
+        int tile, group, wc, ovl = 1, part = -1, split = 2, fa = 1, band = -1, mma = 0, chain = 0;
     };
     /* the first (all algorithms) is the default: v3, push groups of 4,
      * overlapped far pushes, automatic partition and band; then push
@@ -589,11 +604,21 @@ static int cmd_validate(int argc, char **argv)
                         {64, 0, 16, 1, -1, 2, 1, -1, 2}, {64, 3, 16, 0, -1, 1, 1, -1, 2},
                         {64, 2, 16, 1, 24, 2, 1, 1, 2}, {64, 1, 8, 1, 0, 1, 1, 0, 1},
                         {32, 4, 16, 1, -1, 2, 1, -1, 2}, {32, 2, 16, 1, -1, 1, 1, -1, 2},
-                        {32, 3, 8, 0, -1, 1, 1, -1, 1}};
+                        {32, 3, 8, 0, -1, 1, 1, -1, 1},
+                        /* solve_chain (session 14, branch chain: the step chain's
+                         * layout and schedule; fp64 identical, fp32 as the default):
+                         * conflict-free layouts; also the factors a step ahead, with
+                         * T = 64 and 32, eager, push_mma 2, no overlap */
+                        {64, 4, 16, 1, -1, 2, 1, -1, 0, 1}, {64, 4, 16, 1, -1, 2, 1, -1, 0, 2},
+                        {32, 4, 16, 1, -1, 2, 1, -1, 0, 2}, {64, 0, 16, 1, -1, 2, 1, -1, 0, 2},
+                        {32, 2, 16, 1, 0, 1, 0, 1, 0, 1},   {64, 4, 16, 1, -1, 2, 1, -1, 2, 2},
+                        {64, 3, 16, 0, -1, 1, 1, -1, 0, 2}, {64, 2, 8, 1, -1, 2, 1, -1, 0, 2}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
                 if (mma_only && &cf != &cfgs[0] && cf.mma == 0)
+                    continue;
+                if (chain_only && &cf != &cfgs[0] && cf.chain == 0)
                     continue;
                 HostCase h = make_case(sh.first, sh.second, 1, 77 + sh.first * 1000 + sh.second);
                 bk_quant_spec spec;
@@ -622,10 +647,12 @@ static int cmd_validate(int argc, char **argv)
                 c->far_async = cf.fa;
                 c->side_band = cf.band;
                 c->push_mma = cf.mma;
+                c->solve_chain = cf.chain;
                 const int first = &cf == &cfgs[0];
                 char lbl[96];
-                snprintf(lbl, sizeof lbl, "T%d G%d wc%d o%d p%d s%d fa%d b%d m%d q%d", cf.tile,
-                         cf.group, cf.wc, cf.ovl, cf.part, cf.split, cf.fa, cf.band, cf.mma, qi);
+                snprintf(lbl, sizeof lbl, "T%d G%d wc%d o%d p%d s%d fa%d b%d m%d c%d q%d", cf.tile,
+                         cf.group, cf.wc, cf.ovl, cf.part, cf.split, cf.fa, cf.band, cf.mma, cf.chain,
+                         qi);
                 for (bk_algorithm alg : algs) {
                     if (!first && alg != BK_ALG_BAKRON)
                         continue;
@@ -685,7 +712,7 @@ int main(int argc, char **argv)
         return cmd_validate(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "bench"))
         return cmd_bench(argc - 2, argv + 2);
-    fprintf(stderr, "usage: bk-cuda-dev validate [--mma] | bench [SHAPES] [--algs L] [--reps N] "
+    fprintf(stderr, "usage: bk-cuda-dev validate [--mma] [--chain] | bench [SHAPES] [--algs L] [--reps N] "
                     "[--antidiag-max MN] [--variants] | attn [--seqs S] [--T T] [--heads H] "
                     "[--kv K] [--hd D,..] [--amp A,..] [--reps N] [--variants] | attn-bwd [--seqs S] "
                     "[--T T] [--heads H] [--kv K] [--hd D,..] [--amp A,..] [--reps N] "
