@@ -353,8 +353,11 @@ static bk_status apply(qargs *q, int opt, const char *arg)
             o->bwd_boundaries = -1;
             break;
         }
-        if ((st = cli_parse_int("--bwd-boundaries", arg, 0, 4096, &iv)) != BK_OK)
-            return st;
+        if (cli_parse_int("--bwd-boundaries", arg, 0, 4096, &iv) != BK_OK) {
+            bk_clear_error();
+            return cli_usage_error("--bwd-boundaries: expected auto or an integer in [0, 4096], "
+                                   "got '%s'", arg);
+        }
         o->bwd_boundaries = iv;
         break;
     case O_DREDUCE: { /* (bk_dist_reduce's order) */
