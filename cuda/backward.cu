@@ -2207,7 +2207,13 @@ void *op_boundary_alloc(void *, size_t bytes)
     const size_t n = BHDR + (bytes + 4095) / 4096 * 4096;
     char *base = NULL;
     int registered = 0;
-    void *m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    /* (populating pages the host does not have would wake the kernel's OOM
+     * killer; cudaMallocHost fails with an error instead: the host plan has
+     * checked the flow's memory, this checks it again now, with 1 GiB spare) */
+    const uint64_t avail = bk_host_avail_bytes();
+    void *m = avail && avail < (uint64_t)n + ((uint64_t)1 << 30)
+                  ? MAP_FAILED
+                  : mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m != MAP_FAILED) {
 #ifdef MADV_HUGEPAGE
         madvise(m, n, MADV_HUGEPAGE); /* (advice: ignored where not available) */
