@@ -394,6 +394,59 @@ static void test_host_check_8b(void **state)
     assert_true(p.copies_bytes > 27 * GB);
 }
 
+/* Session 14: the boundary budget and the wider splits at the 8B shape, with
+ * the numbers of the H200 run (report.json at 9e903f3: host_available_bytes_at_plan
+ * 133992964096, planned_host_weight_copies_bytes 6586368 (mapped BF16: biases
+ * and norms only), boundary_budget 20, root_children 8, planned_boundary_matrices
+ * 15, planned and measured peak 64424509440 bytes), derived here by hand:
+ *   margin = avail / 8 = 16749120512; twice: 33498241024;
+ *   reserve = 32 layers x 436413440 (a layer's BF16 matrices + F32 rest) = 13965230080;
+ *   room = 133992964096 - 6586368 - 33498241024 - 13965230080 = 86522906624;
+ *   one BF16 matrix = 524288 x 4096 x 2 = 4294967296; 86522906624 / it = 20.1 -> 20.
+ * Leaf 4 (8 leaves): the root's 8 children hold 2 x 7 + 1 = 15 matrices
+ * (64424509440 bytes) and no split below; 7 children would need 2 x 6 + 1 = 13
+ * + a child's halving, which the least-work rule does not prefer. */
+static void test_budget_8b(void **state)
+{
+    (void)state;
+    const bk_model_config c = cfg(32, 4096, 14336, 32, 8, 128, 0);
+    const int64_t N = 256 * 2048;
+    const uint64_t avail = 133992964096ull;
+    bk_bwd_host_plan p;
+    bk_bwd_host_plan_make(&c, BK_FLOW_HALVING, 4, N, 2, BK_BWD_HOST_GPU_MAPPED, avail, &p);
+    assert_true(p.copies_bytes == 6586368ull);
+    assert_true(p.margin == 16749120512ull);
+    assert_true(bk_bwd_host_layer_bytes(&c, BK_BWD_HOST_GPU_BF16) == 436413440ull);
+    const int b = bk_bwd_units_budget(&p, N, 4096, 32ull * 436413440ull);
+    assert_int_equal(b, 20);
+    assert_int_equal(bk_bwd_split(0, 32, 4, 1, b), 8);
+    bk_bwd_host_plan_widen(&p, &c, BK_FLOW_HALVING, 4, N, b);
+    assert_int_equal(p.units, 15);
+    assert_true(p.boundary_bytes == 64424509440ull);
+    assert_int_equal(p.budget, 20);
+    assert_true(p.need <= avail);
+    /* the kept layer inputs: back through layers 4..31 at the root */
+    assert_int_equal(bk_bwd_acts_layers_b(32, BK_FLOW_HALVING, 4, b), 28);
+    assert_int_equal(bk_bwd_acts_layers_b(32, BK_FLOW_HALVING, 4, 0), 16);
+    /* the schedule: the root and 8 leaves (the H200 printed "pass 1 of 9 ... back
+     * through layers 5-32", then "gradients of layers 1-4" .. "29-32") */
+    bk_bwd_pass_work w[16];
+    assert_int_equal(bk_bwd_flow_schedule(32, 4, BK_FLOW_HALVING, b, w, 16), 9);
+    assert_true(!w[0].leaf && w[0].lo == 4 && w[0].hi == 32 && w[0].forwards == 32 &&
+                w[0].backwards == 28);
+    for (int i = 1; i < 9; i++)
+        assert_true(w[i].leaf && w[i].lo == 4 * (i - 1) && w[i].hi == 4 * i && w[i].depth == 1);
+    /* a 64 GB host (58 GB available): no room beyond halving's 7 -> halving */
+    bk_bwd_host_plan_make(&c, BK_FLOW_HALVING, 4, N, 2, BK_BWD_HOST_GPU_MAPPED, 58000000000ull, &p);
+    const int b64 = bk_bwd_units_budget(&p, N, 4096, 32ull * 436413440ull);
+    /* 58e9 - 6586368 - 14.5e9 - 13965230080 = 29528183552 -> 6 matrices */
+    assert_int_equal(b64, 6);
+    assert_int_equal(bk_bwd_split(0, 32, 4, 1, b64), 2);
+    /* unknown availability: no budget */
+    bk_bwd_host_plan_make(&c, BK_FLOW_HALVING, 4, N, 2, BK_BWD_HOST_GPU_MAPPED, 0, &p);
+    assert_int_equal(bk_bwd_units_budget(&p, N, 4096, 0), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -401,7 +454,7 @@ int main(void)
         cmocka_unit_test(test_8b_job_fits_80gb), cmocka_unit_test(test_fit_batch),
         cmocka_unit_test(test_cache_layers), cmocka_unit_test(test_auto_leaf),
         cmocka_unit_test(test_boundary_units), cmocka_unit_test(test_boundary_8b),
-        cmocka_unit_test(test_host_check_8b),
+        cmocka_unit_test(test_host_check_8b), cmocka_unit_test(test_budget_8b),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
