@@ -2338,14 +2338,12 @@ bk_status op_store(void *x, int buf, void *dst, size_t bytes)
     return BK_OK;
 }
 
-bk_status op_keep(void *x, int k, size_t bytes)
+bk_status op_keep(void *x, int k, int64_t sb)
 {
     flow *f = static_cast<flow *>(x);
     char *dst = (char *)f->acts + (size_t)k * f->B * f->T * f->d * f->g->es;
-    /* (the driver counts bytes in the boundary's element: BF16 in bf16 mode,
-     * where h is F32 on the device) */
-    const size_t n = f->bfb ? bytes / 2 * f->g->es : bytes;
-    BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->h, n, cudaMemcpyDeviceToDevice, f->g->c->stream));
+    BK_CUDA_CHECK(cudaMemcpyAsync(dst, f->h, (size_t)(sb * f->T * f->d) * f->g->es,
+                                  cudaMemcpyDeviceToDevice, f->g->c->stream));
     return BK_OK;
 }
 

@@ -120,7 +120,7 @@ static bk_status sweep(flow *f, int from, const void *X_from, void *const *Xs, i
         for (int l = from; l < to && st == BK_OK; l++) {
             if (Xs && Xs[l] && (st = ops->store(x, BK_BWD_H, (char *)Xs[l] + off, mb)) != BK_OK)
                 break;
-            if (l >= grad_lo && (st = ops->keep(x, l - grad_lo, mb)) != BK_OK)
+            if (l >= grad_lo && (st = ops->keep(x, l - grad_lo, sb)) != BK_OK)
                 break;
             /* with its output gradient given (G_to) the last layer's output is
              * not needed: its input is kept and the backward recomputes its
@@ -399,6 +399,7 @@ typedef struct cpu_flow {
     const bk_bwd_flow_opts *o;
     const bk_bwd_flow_cb *cb;
     int64_t mrow;         /* B*T*d */
+    int64_t seq_elems;    /* T*d: one sequence of h */
     bk_bwd *bw;
     bk_layer_weights *lw; /* [n_layers], loaded on first use */
     int *loaded;
@@ -452,10 +453,10 @@ static bk_status cpu_store(void *x, int buf, void *dst, size_t bytes)
     return BK_OK;
 }
 
-static bk_status cpu_keep(void *x, int k, size_t bytes)
+static bk_status cpu_keep(void *x, int k, int64_t sb)
 {
     cpu_flow *f = x;
-    memcpy(f->acts + (int64_t)k * f->mrow, f->h, bytes);
+    memcpy(f->acts + (int64_t)k * f->mrow, f->h, (size_t)(sb * f->seq_elems) * sizeof(double));
     return BK_OK;
 }
 
@@ -517,7 +518,7 @@ bk_status bk_bwd_flow_run(const bk_model *m, const int32_t *tokens, int64_t S, i
     };
     const bk_model_config *c = bk_model_get_config(m);
     const int L = (int)c->n_layers;
-    cpu_flow f = {.m = m, .o = o, .cb = cb, .mrow = B * T * c->hidden};
+    cpu_flow f = {.m = m, .o = o, .cb = cb, .mrow = B * T * c->hidden, .seq_elems = T * c->hidden};
     st = bk_bwd_create(c, B, T, &f.bw);
     if (st != BK_OK)
         return st;

@@ -91,9 +91,9 @@ typedef struct bk_bwd_flow_ops {
     /* buffer buf (BK_BWD_H, BK_BWD_DH) = bytes of src, or to dst */
     bk_status (*load)(void *ctx, int buf, const void *src, size_t bytes);
     bk_status (*store)(void *ctx, int buf, void *dst, size_t bytes);
-    /* acts[k] = h (bytes: the micro-batch counted in elem_bytes, the boundary
-     * element, which may be narrower than the backend's h) */
-    bk_status (*keep)(void *ctx, int k, size_t bytes);
+    /* acts[k] = h of sb sequences (in the backend's own element: the
+     * boundary's elem_bytes may be narrower) */
+    bk_status (*keep)(void *ctx, int k, int64_t sb);
     /* h = layer `layer`'s forward of h, sb sequences */
     bk_status (*forward)(void *ctx, int layer, int64_t sb);
     /* dh = the head's gradient at h (labels of sequences seq0.. by the

@@ -843,9 +843,9 @@ static bk_status fk_store(void *x, int b, void *dst, size_t n)
     memset(dst, 0, n);
     return BK_OK;
 }
-static bk_status fk_keep(void *x, int k, size_t n)
+static bk_status fk_keep(void *x, int k, int64_t sb)
 {
-    (void)x, (void)k, (void)n;
+    (void)x, (void)k, (void)sb;
     return BK_OK;
 }
 static bk_status fk_forward(void *x, int l, int64_t sb)
