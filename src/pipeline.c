@@ -117,51 +117,63 @@ static void job_free(job *j)
  * a clear BK_ERR_NOMEM (exit 3) here, not minutes of passes and then a
  * failed allocation or the kernel's OOM killer. MPI ranks: each rank's
  * share (ranks on one host share its memory: not counted). */
-static bk_status bp_host_check(job *j, int leaf, int leaf_max, int *budget_out)
+/* the flow's boundary elements and the kind of the layers' host copies */
+static void bp_host_kinds(const job *j, int *es, int *copies)
+{
+    const bk_quantize_opts *o = j->o;
+    /* the boundary matrices' elements: double on the CPU; on the GPU F32
+     * (fp32 / tf32), F64 (fp64), BF16 (bf16: cuda/backward.cu rounds h and
+     * dh to BF16 at every layer boundary and stores them so) */
+    *es = !j->bp_gpu || o->bwd_precision == BK_BWD_FP64 ? 8
+          : o->bwd_precision == BK_BWD_BF16             ? 2
+                                                        : 4;
+    /* the layers' host copies: the GPU flow's bf16 mode holds BF16 matrices,
+     * none when the checkpoint's are BF16 (read from the mapping) */
+    *copies = !j->bp_gpu                               ? BK_BWD_HOST_CPU
+              : o->bwd_precision != BK_BWD_BF16        ? BK_BWD_HOST_GPU_F32
+              : bk_model_linears_mapped_bf16(j->model) ? BK_BWD_HOST_GPU_MAPPED
+                                                       : BK_BWD_HOST_GPU_BF16;
+}
+
+static bk_status bp_host_check(job *j, int leaf, int leaf_max)
 {
     const bk_quantize_opts *o = j->o;
     const int64_t L = j->cfg->n_layers;
     if (leaf > L)
         leaf = (int)L;
-    /* the boundary matrices' elements: double on the CPU; on the GPU F32
-     * (fp32 / tf32), F64 (fp64), BF16 (bf16: cuda/backward.cu rounds h and
-     * dh to BF16 at every layer boundary and stores them so) */
-    const int es = !j->bp_gpu || o->bwd_precision == BK_BWD_FP64 ? 8
-                   : o->bwd_precision == BK_BWD_BF16             ? 2
-                                                                 : 4;
-    /* the layers' host copies: the GPU flow's bf16 mode holds BF16 matrices,
-     * none when the checkpoint's are BF16 (read from the mapping) */
-    const int copies = !j->bp_gpu                          ? BK_BWD_HOST_CPU
-                       : o->bwd_precision != BK_BWD_BF16   ? BK_BWD_HOST_GPU_F32
-                       : bk_model_linears_mapped_bf16(j->model) ? BK_BWD_HOST_GPU_MAPPED
-                                                           : BK_BWD_HOST_GPU_BF16;
+    int es, copies;
+    bp_host_kinds(j, &es, &copies);
     bk_status st = bk_bwd_host_check(j->cfg, (int)o->bwd_flow, leaf, j->s_hi - j->s_lo, j->T, es,
                                      copies, j->nranks, leaf_max, bk_host_avail_bytes(),
                                      &j->bp_host);
     if (j->nranks > 1)
         st = bk__q_sync(j, st);
-    if (st != BK_OK)
-        return st;
-    /* the boundary budget: what halving's plan leaves of the host's memory
-     * (its copies, two margins, the checkpoint's layers for the page cache)
-     * lets the flow split wider, into fewer passes (docs/hessians.md "Wider
-     * splits"); not with several ranks (a host's ranks share its memory) */
-    if (budget_out) {
-        const uint64_t reserve =
-            (uint64_t)L * bk_bwd_host_layer_bytes(j->cfg, BK_BWD_HOST_GPU_BF16);
-        int b = j->nranks > 1 || o->bwd_flow == BK_FLOW_NAIVE || o->bwd_boundaries == 0
-                    ? 0
-                    : bk_bwd_units_budget(&j->bp_host, (j->s_hi - j->s_lo) * j->T,
-                                          j->cfg->hidden, reserve);
-        /* (a budget given: at most it, and no more than the memory allows) */
-        if (o->bwd_boundaries > 0 && j->nranks <= 1 && o->bwd_flow != BK_FLOW_NAIVE &&
-            (!j->bp_host.avail || o->bwd_boundaries < b))
-            b = o->bwd_boundaries;
-        *budget_out = b;
-        bk_bwd_host_plan_widen(&j->bp_host, j->cfg, (int)o->bwd_flow, leaf,
-                               (j->s_hi - j->s_lo) * j->T, *budget_out);
-    }
-    return BK_OK;
+    return st;
+}
+
+/* The boundary budget (bk_bwd_flow_opts.units): what the host's memory
+ * leaves beside the layers' copies, two margins and the checkpoint's layers
+ * (kept for the page cache) lets the flow split wider, into fewer passes
+ * (docs/hessians.md "Wider splits"); --bwd-boundaries N caps it. Whatever
+ * the leaf (the copies and margins do not depend on it). 0 (halving) with
+ * several ranks (a host's ranks share its memory) and for naive I. */
+static int bp_budget(const job *j)
+{
+    const bk_quantize_opts *o = j->o;
+    if (j->nranks > 1 || o->bwd_flow == BK_FLOW_NAIVE || o->bwd_boundaries == 0)
+        return 0;
+    int es, copies;
+    bp_host_kinds(j, &es, &copies);
+    const int64_t N = (j->s_hi - j->s_lo) * j->T;
+    bk_bwd_host_plan p;
+    bk_bwd_host_plan_make(j->cfg, (int)o->bwd_flow, 1, N, es, copies, bk_host_avail_bytes(), &p);
+    const uint64_t reserve =
+        (uint64_t)j->cfg->n_layers * bk_bwd_host_layer_bytes(j->cfg, BK_BWD_HOST_GPU_BF16);
+    int b = bk_bwd_units_budget(&p, N, j->cfg->hidden, reserve);
+    /* (a budget given: at most it, and no more than the memory allows) */
+    if (o->bwd_boundaries > 0 && (!p.avail || o->bwd_boundaries < b))
+        b = o->bwd_boundaries;
+    return b;
 }
 
 bk_status bk_quantize(const bk_quantize_opts *o)
@@ -398,18 +410,12 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * the GPU stages hold the flow: they tell which leaves the device holds) */
     if (j->S > 0 && j->bp && (o->leaf_size > 0 || j->nranks > 1) &&
         !(j->bp_gpu && j->own_stages) &&
-        (st = bp_host_check(j, o->leaf_size > 0 ? o->leaf_size : 1, leaf_max, NULL)) != BK_OK)
+        (st = bp_host_check(j, o->leaf_size > 0 ? o->leaf_size : 1, leaf_max)) != BK_OK)
         goto fail;
     /* the flow's boundary budget, for the stages' device plan (the layer
-     * inputs a wider split keeps) and the flow: from the host's memory,
-     * whatever the leaf (a plan of leaf 1 gives the copies and margins) */
-    if (j->S > 0 && j->bp && (st = bp_host_check(j, 1, 1, &j->bp_units)) != BK_OK) {
-        /* (halving at leaf 1 not fitting is not an error here: the check
-         * with the job's leaf follows) */
-        bk_clear_error();
-        st = BK_OK;
-        j->bp_units = 0;
-    }
+     * inputs a wider split keeps) and the flow */
+    if (j->S > 0 && j->bp)
+        j->bp_units = bp_budget(j);
     {
         /* the backprop flow on the device of the stages: what it will hold
          * there (the GPU stages size their micro-batch from it) */
@@ -483,7 +489,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             leaf_max = bm.leaf_max > leaf ? bm.leaf_max : leaf;
     }
     /* (again with the leaf the stages chose, and what they hold now) */
-    if (j->S > 0 && j->bp && (st = bp_host_check(j, leaf, leaf_max, NULL)) != BK_OK)
+    if (j->S > 0 && j->bp && (st = bp_host_check(j, leaf, leaf_max)) != BK_OK)
         goto fail;
     if (j->S > 0 && j->bp)
         bk_bwd_host_plan_widen(&j->bp_host, j->cfg, (int)o->bwd_flow,
