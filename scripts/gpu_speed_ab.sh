@@ -12,7 +12,8 @@
 #     (SHA-256); the largest relative difference of report.json's per-module
 #     `loss` and `loss_gptq` is printed;
 #  2. the Llama-3-8B shape (scripts/make_synthetic_llama.py, /tmp/syn-8b, made
-#     unless it exists), layers AB_LAYERS (default 0:8), gptq, BK_PROFILE=1,
+#     unless it exists), layers AB_LAYERS (default 0:8), --hessian AB_HESSIAN
+#     (default gptq), BK_PROFILE=1,
 #     old then new: the codes (identical fraction), the per-module losses
 #     (relative differences), the total and the profile timers side by side.
 # Writes OUTDIR/ab.txt (the summary) and the logs. Exit status non-zero when an
@@ -112,9 +113,9 @@ for v in old new; do
     rm -rf "$o"
     t0=$(date +%s.%N)
     BK_PROFILE=1 timeout "${AB_TIMEOUT:-240}" "$bk" quantize "$DIR" --calib "$DIR/calib.safetensors" \
-        --hessian gptq --levels 3 --backend cuda --gpu-pipeline --layers "${AB_LAYERS:-0:8}" \
+        --hessian "${AB_HESSIAN:-gptq}" --levels 3 --backend cuda --gpu-pipeline --layers "${AB_LAYERS:-0:8}" \
         --out "$o" >"$OUT/8b-$v.log" 2>&1 || { note "8b $v: FAILED ($(tail -1 "$OUT/8b-$v.log"))"; status=1; }
-    note "8b $v layers ${AB_LAYERS:-0:8} gptq: wall $(python3 -c "import time; print('%.1f' % (time.time() - $t0))") s"
+    note "8b $v layers ${AB_LAYERS:-0:8} ${AB_HESSIAN:-gptq}: wall $(python3 -c "import time; print('%.1f' % (time.time() - $t0))") s"
     [ -f "$o/report.json" ] && cp "$o/report.json" "$OUT/report-8b-$v.json"
 done
 # codes (native export: I8 qweight per quantized module) and proxy losses, old vs new
