@@ -48,10 +48,10 @@ typedef struct bk_cuda_ctx {
     int push_split;       /* BaKron: the critical-path pushes split each target tile
                              into this many parts per side, one per CTA: 1 or 2
                              (default 2) */
-    int push_mma;         /* BaKron fp32: pushes on tensor cores (3xTF32): 0 none
-                             (default), 1 the far pushes, 2 every push */
-    int solve_chain;      /* BaKron tile solve (solve_wc 16 only): 0 (default), 1
-                             conflict-free factor layouts, 2 also the factors a step
+    int push_mma;         /* BaKron fp32: pushes on tensor cores (3xTF32): 0 none,
+                             1 the far pushes (default), 2 every push */
+    int solve_chain;      /* BaKron tile solve (solve_wc 16 only): 0, 1
+                             conflict-free factor layouts (default), 2 also the factors a step
                              ahead (k_tile_solve3's V; same codes bit for bit) */
     /* BaKron: the side stream confined to an SM partition (partition.cu) */
     int partition;        /* SMs kept free of it: -1 auto (default), 0 never, N */

