@@ -15,6 +15,9 @@
 #   SYN_LAYERS           number of layers (default: the shape's; 70b: 80, 405b: 126)
 #   BENCH_*              passed to scripts/bench_pipeline.sh (BENCH_TIMEOUT,
 #                        BENCH_LAYERS, BENCH_GPU_MATH, BENCH_EXTRA, ...)
+#   BENCH_PROFILE=1      run with BK_PROFILE=1 and collect each run's profile
+#                        lines in OUTDIR/profile_SHAPE.txt (one top-level file:
+#                        a device call brings back only a limited number of files)
 set -uo pipefail
 SHAPE=${1:?usage: scripts/gpu_pipeline_bench.sh 8b|1b|70b|405b OUTDIR [HESSIAN ...]}
 OUT=${2:?usage: scripts/gpu_pipeline_bench.sh 8b|1b|70b|405b OUTDIR [HESSIAN ...]}
@@ -32,12 +35,19 @@ fi
 export BK_BAKRON=${BK_BAKRON:-build-gpu/bakron}
 export BENCH_HESSIANS=${*:-gptq mlplocal-kfac fullylocal-kfac}
 export BENCH_WORK=${BENCH_WORK:-/tmp/bench-work}
+[ "${BENCH_PROFILE:-0}" = 1 ] && export BK_PROFILE=1
 sub=$OUT/run-$SHAPE
 rm -rf "$sub"
 scripts/bench_pipeline.sh "$DIR" "$DIR/calib.safetensors" "$sub"
 rc=$?
 cat "$sub/bench_pipeline.txt" >>"$OUT/bench_$SHAPE.txt"
 cat "$sub/bench_pipeline.jsonl" >>"$OUT/bench_$SHAPE.jsonl"
+if [ "${BENCH_PROFILE:-0}" = 1 ]; then
+    for f in "$sub"/log-*.txt; do
+        [ -f "$f" ] && { echo "== $(basename "$f" .txt) ($(date -u +%FT%TZ))"; grep '^profile' "$f"; } \
+            >>"$OUT/profile_$SHAPE.txt"
+    done
+fi
 for f in "$sub"/log-*.txt; do
     [ -f "$f" ] && { echo "== $f"; tail -5 "$f"; } >>"$OUT/bench_$SHAPE.logtail"
 done
