@@ -164,6 +164,9 @@ bk_status cuda_bwd_flow_run(bk_backend *b, const bk_model *m, const int32_t *tok
                             int64_t T, const bk_bwd_flow_opts *o, int precision,
                             const bk_bwd_flow_cb *cb, bk_bwd_flow_stats *stats)
 {
+    if (precision < BK_BWD_FP32 || precision > BK_BWD_BF16) /* (auto: resolved by the job) */
+        return bk_error(BK_ERR_INTERNAL, "backward flow: precision %d is not resolved",
+                        precision);
     bk_gbwd_opts go;
     bk_gbwd_opts_default(&go);
     go.fp64 = precision == BK_BWD_FP64;

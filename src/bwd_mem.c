@@ -318,6 +318,27 @@ uint64_t bk_bwd_boundary_peak_bytes(int64_t L, int flow, int leaf, int64_t N, in
     return bk_bwd_boundary_peak_bytes_b(L, flow, leaf, 0, N, hidden, elem_bytes);
 }
 
+bk_status bk_bwd_host_kinds(int gpu_flow, int precision, int mapped_bf16, int *elem_bytes,
+                            int *copies)
+{
+    *elem_bytes = 0;
+    *copies = BK_BWD_HOST_CPU;
+    if (precision < BK_BWD_FP32 || precision > BK_BWD_BF16)
+        return bk_error(BK_ERR_INTERNAL,
+                        "backward flow: the host plan got precision %d, not a resolved one "
+                        "(--bwd-precision auto is resolved before any plan)",
+                        precision);
+    if (!gpu_flow) {
+        *elem_bytes = 8;
+        return BK_OK;
+    }
+    *elem_bytes = precision == BK_BWD_FP64 ? 8 : precision == BK_BWD_BF16 ? 2 : 4;
+    *copies = precision != BK_BWD_BF16 ? BK_BWD_HOST_GPU_F32
+              : mapped_bf16            ? BK_BWD_HOST_GPU_MAPPED
+                                       : BK_BWD_HOST_GPU_BF16;
+    return BK_OK;
+}
+
 uint64_t bk_bwd_host_layer_bytes(const bk_model_config *c, int gpu)
 {
     /* F32: the device cache's layer at fp32; BF16 copy: at bf16 (matrices

@@ -145,6 +145,17 @@ enum {
     BK_BWD_HOST_GPU_MAPPED = 3
 };
 
+/* The host side of the flow for its arithmetic (a pure rule, pipeline.c's
+ * host check and boundary budget): *elem_bytes of the boundary matrices (the
+ * CPU flow: 8, double; the GPU flow: 8 fp64, 2 bf16 (h and dh rounded to
+ * BF16 at every boundary), else 4) and *copies, the BK_BWD_HOST_* kind of
+ * the layers' copies (bf16 with a BF16 checkpoint: read from the mapping,
+ * mapped_bf16). precision: a resolved bk_bwd_precision; BK_BWD_AUTO (or
+ * any other value) is refused with BK_ERR_INTERNAL: --bwd-precision auto is
+ * resolved before any plan (bk_bwd_precision_resolve). */
+bk_status bk_bwd_host_kinds(int gpu_flow, int precision, int mapped_bf16, int *elem_bytes,
+                            int *copies);
+
 /* host bytes one layer's copy takes in that mode (cuda/backward.cu
  * host_layer_bytes: every module's bias counted): F32 / BF16 copy: the
  * matrices in F32 / BF16, biases and norms in F32; mapped: biases and norms */

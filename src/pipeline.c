@@ -30,6 +30,33 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     bk_backend_params_default(&o->backend_params);
 }
 
+static const char *const bwd_prec_names[] = {"fp32", "fp64", "tf32", "bf16", "auto"};
+
+const char *bk_bwd_precision_name(bk_bwd_precision p)
+{
+    return (unsigned)p < 5 ? bwd_prec_names[(unsigned)p] : NULL;
+}
+
+bk_status bk_bwd_precision_from_name(const char *name, bk_bwd_precision *out)
+{
+    for (int i = 0; i < 5; i++)
+        if (name && !strcmp(name, bwd_prec_names[i])) {
+            *out = (bk_bwd_precision)i;
+            return BK_OK;
+        }
+    return bk_error(BK_ERR_INVALID_ARG,
+                    "unknown backward precision '%s' (expected fp32, fp64, tf32, bf16 or auto)",
+                    name ? name : "");
+}
+
+bk_bwd_precision bk_bwd_precision_resolve(bk_bwd_precision want, int gpu_flow,
+                                          bk_gemm_math fwd_math)
+{
+    if (want != BK_BWD_AUTO)
+        return want;
+    return gpu_flow && fwd_math == BK_GEMM_BF16 ? BK_BWD_BF16 : BK_BWD_FP32;
+}
+
 /* An event with what every event carries: the layer, the progress and the
  * times so far. */
 static bk_event event_of(const job *j, bk_event_kind kind, int layer, const char *module)
@@ -117,22 +144,14 @@ static void job_free(job *j)
  * a clear BK_ERR_NOMEM (exit 3) here, not minutes of passes and then a
  * failed allocation or the kernel's OOM killer. MPI ranks: each rank's
  * share (ranks on one host share its memory: not counted). */
-/* the flow's boundary elements and the kind of the layers' host copies */
-static void bp_host_kinds(const job *j, int *es, int *copies)
+/* the flow's boundary elements and the kind of the layers' host copies, for
+ * the resolved --bwd-precision (bk_bwd_host_kinds refuses auto) */
+static bk_status bp_host_kinds(const job *j, int *es, int *copies)
 {
-    const bk_quantize_opts *o = j->o;
-    /* the boundary matrices' elements: double on the CPU; on the GPU F32
-     * (fp32 / tf32), F64 (fp64), BF16 (bf16: cuda/backward.cu rounds h and
-     * dh to BF16 at every layer boundary and stores them so) */
-    *es = !j->bp_gpu || o->bwd_precision == BK_BWD_FP64 ? 8
-          : o->bwd_precision == BK_BWD_BF16             ? 2
-                                                        : 4;
-    /* the layers' host copies: the GPU flow's bf16 mode holds BF16 matrices,
-     * none when the checkpoint's are BF16 (read from the mapping) */
-    *copies = !j->bp_gpu                               ? BK_BWD_HOST_CPU
-              : o->bwd_precision != BK_BWD_BF16        ? BK_BWD_HOST_GPU_F32
-              : bk_model_linears_mapped_bf16(j->model) ? BK_BWD_HOST_GPU_MAPPED
-                                                       : BK_BWD_HOST_GPU_BF16;
+    return bk_bwd_host_kinds(j->bp_gpu, (int)j->o->bwd_precision,
+                             j->bp_gpu && j->o->bwd_precision == BK_BWD_BF16 &&
+                                 bk_model_linears_mapped_bf16(j->model),
+                             es, copies);
 }
 
 static bk_status bp_host_check(job *j, int leaf, int leaf_max)
@@ -142,8 +161,10 @@ static bk_status bp_host_check(job *j, int leaf, int leaf_max)
     if (leaf > L)
         leaf = (int)L;
     int es, copies;
-    bp_host_kinds(j, &es, &copies);
-    bk_status st = bk_bwd_host_check(j->cfg, (int)o->bwd_flow, leaf, j->s_hi - j->s_lo, j->T, es,
+    bk_status st = bp_host_kinds(j, &es, &copies);
+    if (st != BK_OK)
+        return st;
+    st = bk_bwd_host_check(j->cfg, (int)o->bwd_flow, leaf, j->s_hi - j->s_lo, j->T, es,
                                      copies, j->nranks, leaf_max, bk_host_avail_bytes(),
                                      &j->bp_host);
     if (j->nranks > 1)
@@ -163,7 +184,8 @@ static int bp_budget(const job *j)
     if (j->nranks > 1 || o->bwd_flow == BK_FLOW_NAIVE || o->bwd_boundaries == 0)
         return 0;
     int es, copies;
-    bp_host_kinds(j, &es, &copies);
+    if (bp_host_kinds(j, &es, &copies) != BK_OK) /* (bp_host_check reports it) */
+        return 0;
     const int64_t N = (j->s_hi - j->s_lo) * j->T;
     bk_bwd_host_plan p;
     bk_bwd_host_plan_make(j->cfg, (int)o->bwd_flow, 1, N, es, copies, bk_host_avail_bytes(), &p);
@@ -185,8 +207,9 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     bk__stop_clear();
     bk_status st;
     int adopted = 0;
-    /* MPI ranks: rank 0 alone reports and writes */
-    bk_quantize_opts ranked;
+    /* the job's own copy of the options: MPI ranks other than 0 without the
+     * callback, --bwd-precision auto resolved (below) */
+    bk_quantize_opts own = *o;
     j->dist = o->dist;
     j->rank = bk_dist_rank(o->dist);
     j->nranks = bk_dist_size(o->dist);
@@ -197,11 +220,13 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                             "journal of finished layers is a single process's)");
         if (o->activations_dir || !o->calib_path)
             return bk__quantize_layer_ranks(o);
-        ranked = *o;
-        if (j->rank != 0)
-            ranked.on_event = NULL;
-        j->o = o = &ranked;
+        if (j->rank != 0) /* (rank 0 alone reports and writes) */
+            own.on_event = NULL;
     }
+    j->o = o = &own;
+    if (!bk_bwd_precision_name(o->bwd_precision))
+        return bk_error(BK_ERR_INVALID_ARG, "quantize: bwd_precision %d is not a bk_bwd_precision",
+                        (int)o->bwd_precision);
 
     if (!o->model_dir || !o->out_dir)
         return bk_error(BK_ERR_INVALID_ARG, "quantize: model folder and output folder are required");
@@ -353,6 +378,11 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * bwd_input=cpu */
     j->bp_gpu = j->bp && !cpu_stages && j->tokens &&
                 bk_backend_supports(j->backend, BK_OP_BACKWARD);
+    /* --bwd-precision auto, once per job, before the memory plans and the
+     * flow: everything after this (bp_host_kinds, the device plan bm, the
+     * flow, run.json, report.json) reads the resolved value in own */
+    j->bwd_auto = own.bwd_precision == BK_BWD_AUTO;
+    own.bwd_precision = bk_bwd_precision_resolve(own.bwd_precision, j->bp_gpu, j->gemm_math);
     const int bwd_input_cpu = bk_backend_get_params(j->backend)->bwd_input_cpu;
     if (j->bp_gpu && j->nranks > 1) /* (the GPU stages' own collectives are added below) */
         j->coll_desc = "MPI over host copies (the GPU backward flow's output-gradient Grams)";
@@ -452,6 +482,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
             st = bk__q_sync(j, st);
         if (st != BK_OK)
             goto fail;
+        if (j->nranks > 1 && j->bp) {
+            /* every rank runs the flow with the same arithmetic (auto resolves
+             * from the rank's backend: a rank without a GPU would differ) */
+            char pr[64];
+            snprintf(pr, sizeof pr, "%s on %s", bk_bwd_precision_name(o->bwd_precision),
+                     j->bp_gpu ? "gpu" : "cpu");
+            st = bk_dist_same(j->dist, pr, strlen(pr),
+                              "backward flows (--bwd-precision as resolved, and where it runs)");
+            if (st != BK_OK)
+                goto fail;
+        }
         /* the backend had no stages for this kind or setting: the CPU's run
          * the job (their describe says why: the start line, report.json) */
         if (j->own_stages && bk_cpu_stages_are(j->ops))
@@ -574,10 +615,15 @@ bk_status bk_quantize(const bk_quantize_opts *o)
                      o->dist_reduce == BK_DIST_ORDERED ? "ordered" : "rank-order",
                      j->coll_desc ? "; GPU collectives: " : "",
                      j->coll_desc ? j->coll_desc : "");
-        snprintf(msg, sizeof msg, "%s: %lld layers, hessian %s, %s, calibration %lld x %lld, backend %s%s%s%s",
+        char bw[200] = "";
+        if (j->bp) /* the backward's arithmetic as resolved (--bwd-precision auto) */
+            snprintf(bw, sizeof bw, "; backward on the %s, --bwd-precision %s%s%s",
+                     j->bp_gpu ? "GPU" : "CPU", bk_bwd_precision_name(o->bwd_precision),
+                     j->bwd_auto ? " (auto)" : "", j->bp_gpu ? "" : " (the CPU's flow: fp64)");
+        snprintf(msg, sizeof msg, "%s: %lld layers, hessian %s, %s, calibration %lld x %lld, backend %s%s%s%s%s",
                  o->model_dir, (long long)j->cfg->n_layers, bk_hessian_name(o->hessian),
                  bk_algorithm_name(o->solve.algorithm), (long long)j->S, (long long)j->T,
-                 bk_backend_device(j->backend), sd[0] ? "; " : "", sd, rk);
+                 bk_backend_device(j->backend), sd[0] ? "; " : "", sd, bw, rk);
         bk__q_emit(j, BK_EV_START, j->layer_begin, NULL, msg);
     }
 

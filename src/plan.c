@@ -184,6 +184,19 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
         const bk_tensor_info *t = bk_model_find(m, 0, "self_attn.q_proj.weight");
         p->model_dtype = t ? bk_dtype_name(t->dtype) : "?";
         p->input_bytes = bk_st_set_total_bytes(bk_model_tensors(m));
+        /* the backward flow: on the GPU with the CUDA backend (auto: a GPU
+         * present) and token calibration, unless --cpu-stages (as bk_quantize
+         * decides with the backend made); --bwd-precision auto resolved from
+         * the forward's GEMM arithmetic as the job will */
+        if (bp) {
+            const int cuda = o->backend == BK_BACKEND_CUDA ||
+                             (o->backend == BK_BACKEND_AUTO && bk_cuda_device_count() > 0);
+            p->bwd_gpu = cuda && bk_cuda_compiled() && !o->cpu_stages &&
+                         (o->calib_path || o->calib_text) && !o->activations_dir;
+            p->bwd_precision_auto = o->bwd_precision == BK_BWD_AUTO;
+            p->bwd_precision = bk_bwd_precision_resolve(
+                o->bwd_precision, p->bwd_gpu, bk_gemm_math_resolve(m, o->gemm_math));
+        }
         if (bk_model_is_quantized(m))
             failed(c, bk_error(BK_ERR_UNSUPPORTED,
                                "%s: the model is already quantized (give the original checkpoint)",

@@ -60,6 +60,7 @@ typedef struct job {
     double t0, t_forward, t_hessian, t_factor, t_solve, t_io;
     int64_t quantized_params;
     bk_gemm_math gemm_math; /* the GPU stages' arithmetic (auto resolved) */
+    int bwd_auto;           /* --bwd-precision auto was given (o->bwd_precision: resolved) */
     /* MPI ranks (docs/DISTRIBUTED.md): this rank's sequences [s_lo, s_hi) (all
      * of them in one process); agreed: the failure is known to every rank */
     bk_dist *dist;

@@ -116,9 +116,13 @@ bk_status bk__q_write_metadata(job *j)
         cJSON_AddStringToObject(b, "flow", bk_bwd_flow_name(o->bwd_flow));
         cJSON_AddStringToObject(b, "device", j->bp_gpu ? bk_backend_name(j->backend) : "cpu");
         cJSON_AddStringToObject(b, "input_stages", j->ops->name);
-        static const char *const bwd_prec[] = {"fp32", "fp64", "tf32", "bf16"};
+        /* the arithmetic run (the CPU's flow: always fp64), the value of
+         * --bwd-precision as resolved for this job, and whether it came from
+         * auto (bk_bwd_precision_resolve) */
         cJSON_AddStringToObject(b, "precision",
-                                !j->bp_gpu ? "fp64" : bwd_prec[(unsigned)o->bwd_precision & 3]);
+                                !j->bp_gpu ? "fp64" : bk_bwd_precision_name(o->bwd_precision));
+        cJSON_AddStringToObject(b, "precision_option", bk_bwd_precision_name(o->bwd_precision));
+        cJSON_AddBoolToObject(b, "precision_auto", j->bwd_auto);
         cJSON_AddNumberToObject(b, "leaf_size", j->bp_leaf);
         cJSON_AddStringToObject(b, "fisher", bk_fisher_name(o->fisher));
         cJSON_AddNumberToObject(b, "seed", (double)o->seed);

@@ -132,12 +132,14 @@ static cJSON *args_of(const bk_resume_source *s)
     add_int(a, "--max-shard-size",
             (long long)(o->max_shard_bytes ? o->max_shard_bytes : 5000000000ull));
     if (bk_hessian_is_backprop(o->hessian)) { /* (other kinds: run.json as before) */
-        static const char *const prec[] = {"fp32", "fp64", "tf32", "bf16"};
         add_str(a, "--fisher", bk_fisher_name(o->fisher));
         add_int(a, "--seed", (long long)o->seed);
         add_int(a, "--leaf-size", s->leaf); /* (as run, not 0 for "choose") */
         add_str(a, "--bwd-flow", bk_bwd_flow_name(o->bwd_flow));
-        add_str(a, "--bwd-precision", prec[(unsigned)o->bwd_precision & 3]);
+        /* as resolved (the job's copy of the options: auto is never here), so
+         * a run resumed with auto continues only where auto resolves to what
+         * the killed run used */
+        add_str(a, "--bwd-precision", bk_bwd_precision_name(o->bwd_precision));
     }
     add_str(a, "backend", s->backend);
     add_str(a, "stages", s->stages);

@@ -60,6 +60,46 @@ mods = [e for e in ev if e["event"] == "module"]
 assert len(mods) == 28 and all(m["damp_b"] > 0 for m in mods), "every module two-sided"
 print("halving == naive, passes/depth/boundary bytes as expected, 7 backward events")
 EOF
+# --bwd-precision auto: resolved once per job, before the work; the CPU's flow
+# resolves it to fp32 (and runs in fp64 whatever the value): the default's bytes;
+# the start line, the plan (--dry-run, text and JSON) and report.json say so
+q --hessian backprop-kfac --bwd-precision auto --out "$T/au" 2>"$T/au.log" ||
+    { cat "$T/au.log"; fail "--bwd-precision auto"; }
+cmp -s "$T/h/model.safetensors" "$T/au/model.safetensors" ||
+    fail "--bwd-precision auto (CPU) wrote other weights than the default fp32"
+grep -q "^bakron: .*; backward on the CPU, --bwd-precision fp32 (auto) (the CPU's flow: fp64)" \
+    "$T/au.log" || { cat "$T/au.log"; fail "auto: the start line lacks the resolved precision"; }
+q --hessian backprop-kfac --bwd-precision bf16 --out "$T/x" --dry-run >"$T/pl.txt" ||
+    fail "--dry-run --bwd-precision bf16"
+grep -q "^  backward      on the CPU, --bwd-precision bf16 (the CPU's flow: fp64)$" "$T/pl.txt" ||
+    { cat "$T/pl.txt"; fail "plan: bf16 as given"; }
+q --hessian backprop-kfac --bwd-precision auto --out "$T/x" --dry-run >"$T/pl.txt" ||
+    fail "--dry-run --bwd-precision auto"
+grep -q "^  backward      on the CPU, --bwd-precision fp32 (auto) (the CPU's flow: fp64)$" \
+    "$T/pl.txt" || { cat "$T/pl.txt"; fail "plan: auto not resolved to fp32"; }
+q --hessian backprop-kfac --bwd-precision auto --out "$T/x" --dry-run --json >"$T/pl.json" ||
+    fail "--dry-run --json --bwd-precision auto"
+# a preset may ask for auto; the command line overrides it
+printf '{"hessian": "backprop-kfac", "bwd-precision": "auto"}\n' >"$T/preset.json"
+q --config "$T/preset.json" --out "$T/x" --dry-run --json >"$T/pp.json" || fail "preset with auto"
+q --config "$T/preset.json" --bwd-precision fp64 --out "$T/x" --dry-run --json >"$T/po.json" ||
+    fail "preset with auto, --bwd-precision fp64"
+[ ! -e "$T/x" ] || fail "a dry run wrote $T/x"
+python3 - "$T" <<'EOF3'
+import json, sys
+T = sys.argv[1]
+au = json.load(open(f"{T}/au/report.json"))["backprop"]
+h = json.load(open(f"{T}/h/report.json"))["backprop"]
+assert (au["precision"], au["precision_option"], au["precision_auto"]) == ("fp64", "fp32", True), au
+assert (h["precision"], h["precision_option"], h["precision_auto"]) == ("fp64", "fp32", False), h
+assert au["boundary_dtype"] == "f64", au
+for name, want in (("pl", ("cpu", "fp32", True)), ("pp", ("cpu", "fp32", True)),
+                   ("po", ("cpu", "fp64", False))):
+    p = json.loads(open(f"{T}/{name}.json").readline())
+    assert p["event"] == "plan", p
+    assert (p["bwd_device"], p["bwd_precision"], p["bwd_precision_auto"]) == want, (name, p)
+print("--bwd-precision auto: fp32 on the CPU (start line, plan, preset, report.json)")
+EOF3
 # wider splits: the same bytes, fewer passes
 q --hessian backprop-kfac --bwd-boundaries 7 --out "$T/w" --json >"$T/w.json"
 q --hessian backprop-kfac --bwd-boundaries auto --out "$T/a" 2>/dev/null
@@ -147,7 +187,8 @@ expect() { # expected-exit needle args...
 expect 1 "--fisher" q --hessian backprop-kfac --fisher nope --out "$T/x"
 expect 1 "--bwd-flow" q --hessian backprop-kfac --bwd-flow yaqa --out "$T/x"
 expect 1 "--leaf-size" q --hessian backprop-kfac --leaf-size 0 --out "$T/x"
-expect 1 "--bwd-precision" q --hessian backprop-kfac --bwd-precision fp16 --out "$T/x"
+expect 1 "--bwd-precision: expected fp32, fp64, tf32, bf16 or auto, got 'fp16'" \
+    q --hessian backprop-kfac --bwd-precision fp16 --out "$T/x"
 expect 1 "--bwd-boundaries" q --hessian backprop-kfac --bwd-boundaries -1 --out "$T/x"
 expect 1 "--bwd-boundaries" q --hessian backprop-kfac --bwd-boundaries many --out "$T/x"
 expect 1 "--progress-interval" q --hessian backprop-kfac --progress-interval -1 --out "$T/x"

@@ -447,6 +447,66 @@ static void test_budget_8b(void **state)
     assert_int_equal(bk_bwd_units_budget(&p, N, 4096, 0), 0);
 }
 
+/* --bwd-precision auto (session 15): the names, the rule from the forward's
+ * GEMM arithmetic and where the flow runs (bk_bwd_precision_resolve), and the
+ * host plan's rule (bk_bwd_host_kinds), which refuses an unresolved auto. */
+static void test_bwd_precision_auto(void **state)
+{
+    (void)state;
+    static const char *const names[] = {"fp32", "fp64", "tf32", "bf16", "auto"};
+    for (int i = 0; i < 5; i++) {
+        bk_bwd_precision p = BK_BWD_FP64;
+        assert_int_equal(bk_bwd_precision_from_name(names[i], &p), BK_OK);
+        assert_int_equal((int)p, i);
+        assert_string_equal(bk_bwd_precision_name(p), names[i]);
+    }
+    bk_bwd_precision p = BK_BWD_FP32;
+    assert_int_not_equal(bk_bwd_precision_from_name("fp16", &p), BK_OK);
+    bk_clear_error();
+    assert_null(bk_bwd_precision_name((bk_bwd_precision)5));
+    /* the CUDA backend's flow: bf16 exactly when the forward's GEMMs are bf16 */
+    assert_int_equal(bk_bwd_precision_resolve(BK_BWD_AUTO, 1, BK_GEMM_BF16), BK_BWD_BF16);
+    assert_int_equal(bk_bwd_precision_resolve(BK_BWD_AUTO, 1, BK_GEMM_TF32), BK_BWD_FP32);
+    assert_int_equal(bk_bwd_precision_resolve(BK_BWD_AUTO, 1, BK_GEMM_FP32), BK_BWD_FP32);
+    /* (an unresolved forward arithmetic is not BF16: the conservative fp32) */
+    assert_int_equal(bk_bwd_precision_resolve(BK_BWD_AUTO, 1, BK_GEMM_AUTO), BK_BWD_FP32);
+    /* the CPU's flow (fp64 arithmetic whatever the value): fp32 */
+    for (int m = BK_GEMM_FP32; m <= BK_GEMM_AUTO; m++)
+        assert_int_equal(bk_bwd_precision_resolve(BK_BWD_AUTO, 0, (bk_gemm_math)m), BK_BWD_FP32);
+    /* a value given is kept, whatever the forward */
+    for (int w = BK_BWD_FP32; w <= BK_BWD_BF16; w++)
+        for (int g = 0; g < 2; g++)
+            for (int m = BK_GEMM_FP32; m <= BK_GEMM_AUTO; m++)
+                assert_int_equal(bk_bwd_precision_resolve((bk_bwd_precision)w, g, (bk_gemm_math)m),
+                                 w);
+    /* the host plan: auto never reaches it */
+    int es = -1, copies = -1;
+    assert_int_equal(bk_bwd_host_kinds(1, BK_BWD_AUTO, 0, &es, &copies), BK_ERR_INTERNAL);
+    bk_clear_error();
+    assert_int_equal(es, 0);
+    assert_int_equal(bk_bwd_host_kinds(0, BK_BWD_AUTO, 0, &es, &copies), BK_ERR_INTERNAL);
+    bk_clear_error();
+    /* resolved: the GPU's bf16 halves the fp32 boundaries; BF16 copies of the
+     * layers, none from a mapped BF16 checkpoint */
+    assert_int_equal(bk_bwd_host_kinds(1, BK_BWD_BF16, 0, &es, &copies), BK_OK);
+    assert_int_equal(es, 2);
+    assert_int_equal(copies, BK_BWD_HOST_GPU_BF16);
+    assert_int_equal(bk_bwd_host_kinds(1, BK_BWD_BF16, 1, &es, &copies), BK_OK);
+    assert_int_equal(copies, BK_BWD_HOST_GPU_MAPPED);
+    assert_int_equal(bk_bwd_host_kinds(1, BK_BWD_FP32, 1, &es, &copies), BK_OK);
+    assert_int_equal(es, 4);
+    assert_int_equal(copies, BK_BWD_HOST_GPU_F32);
+    assert_int_equal(bk_bwd_host_kinds(1, BK_BWD_TF32, 0, &es, &copies), BK_OK);
+    assert_int_equal(es, 4);
+    assert_int_equal(bk_bwd_host_kinds(1, BK_BWD_FP64, 0, &es, &copies), BK_OK);
+    assert_int_equal(es, 8);
+    assert_int_equal(copies, BK_BWD_HOST_GPU_F32);
+    /* the CPU's flow: doubles and its own copies, whatever the precision */
+    assert_int_equal(bk_bwd_host_kinds(0, BK_BWD_BF16, 1, &es, &copies), BK_OK);
+    assert_int_equal(es, 8);
+    assert_int_equal(copies, BK_BWD_HOST_CPU);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -455,6 +515,7 @@ int main(void)
         cmocka_unit_test(test_cache_layers), cmocka_unit_test(test_auto_leaf),
         cmocka_unit_test(test_boundary_units), cmocka_unit_test(test_boundary_8b),
         cmocka_unit_test(test_host_check_8b), cmocka_unit_test(test_budget_8b),
+        cmocka_unit_test(test_bwd_precision_auto),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -28,6 +28,8 @@
 #  - backprop-shampoo --leaf-size 2 --fisher empirical: codes as the CPU's
 #    (fp32 rule), with the input side on the CPU and on the GPU;
 #  - --gpu-pipeline is accepted (the default's stages);
+#  - --bwd-precision auto: bf16 with this BF16 model's BF16 forward GEMMs, fp32 with
+#    --gpu-math fp32 (the same bytes as those values given; report.json's fields);
 #  - errors: a device memory limit: one error line naming the option,
 #    exit status 3, no output folder.
 set -u
@@ -92,6 +94,29 @@ cmp -s "$W/b16h1/model.safetensors" "$W/b16w/model.safetensors" ||
     die "GPU bf16: --bwd-boundaries 7 wrote other weights than halving"
 cmp -s "$W/b16/model.safetensors" "$W/b16n/model.safetensors" ||
     die "GPU bf16: recursive halving and naive I wrote different weights"
+# --bwd-precision auto (session 15): this BF16 model with --gpu-math auto (BF16 forward
+# GEMMs) resolves it to bf16, with --gpu-math fp32 to fp32: the bytes of b16 / d32, and
+# report.json and the start line say so
+run "$W/au" --hessian backprop-kfac --backend cuda --bwd-precision auto $GPUIN ||
+    die "GPU auto: $(tail -1 "$W/au.log")"
+run "$W/au32" --hessian backprop-kfac --backend cuda --bwd-precision auto --gpu-math fp32 \
+    $GPUIN || die "GPU auto, --gpu-math fp32: $(tail -1 "$W/au32.log")"
+cmp -s "$W/au/model.safetensors" "$W/b16/model.safetensors" ||
+    die "GPU auto (BF16 forward) wrote other weights than --bwd-precision bf16"
+cmp -s "$W/au32/model.safetensors" "$W/d32/model.safetensors" ||
+    die "GPU auto (--gpu-math fp32) wrote other weights than --bwd-precision fp32"
+grep -q "backward on the GPU, --bwd-precision bf16 (auto)" "$W/au.log" ||
+    die "GPU auto: the start line lacks the resolved precision: $(head -3 "$W/au.log")"
+python3 - "$W" <<'EOFA' || fail=1
+import json, sys
+W = sys.argv[1]
+for d, want in (("au", ("bf16", "bf16", True, "bf16")), ("au32", ("fp32", "fp32", True, "f32")),
+                ("b16", ("bf16", "bf16", False, "bf16"))):
+    b = json.load(open(f"{W}/{d}/report.json"))["backprop"]
+    got = (b["precision"], b["precision_option"], b["precision_auto"], b["boundary_dtype"])
+    assert got == want, (d, got, want)
+print("--bwd-precision auto: bf16 with the BF16 forward, fp32 with --gpu-math fp32")
+EOFA
 
 codes "$W/g64" "$W/ref" "backprop-kfac: GPU backward fp64 vs CPU backward" fp64 || fail=1
 codes "$W/g32" "$W/ref" "backprop-kfac: GPU backward fp32 vs CPU backward" || fail=1

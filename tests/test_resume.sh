@@ -216,6 +216,22 @@ refused "other --fisher (backprop)" 1 "--fisher" "${bargs[@]}" --fisher empirica
 refused "other --leaf-size (backprop)" 1 "--leaf-size" "${bargs[@]}" --leaf-size 2
 resume_until_done "backprop after refusals" "${bargs[@]}" --leaf-size 1
 check "backprop after refusals" ref6
+# --bwd-precision auto is compared as resolved (the CPU: fp32): a killed bf16 run
+# is not continued with auto; a killed fp32 run is, to the same weights
+BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --bwd-precision bf16 --out q >/dev/null 2>&1
+refused "auto (fp32 here) after bf16 (backprop)" 1 "--bwd-precision was 'bf16', now 'fp32'" \
+    "${bargs[@]}" --bwd-precision auto
+resume_until_done "bf16 after the auto refusal" "${bargs[@]}" --bwd-precision bf16
+rm -rf q
+BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --out q >/dev/null 2>&1
+resume_until_done "auto after fp32 (backprop)" "${bargs[@]}" --bwd-precision auto
+grep -q "layers\? .*kept\|continuing" err || die "auto after fp32: not resumed: $(cat err)"
+cmp -s q/model.safetensors ref6/model.safetensors || die "auto after fp32: other weights than ref6"
+python3 -c "
+import json, sys; b = json.load(open('q/report.json'))['backprop']
+sys.exit(not (b['precision_auto'] is True and b['precision_option'] == 'fp32'))" ||
+    die "auto after fp32: report.json's backprop precision fields"
+rm -rf q
 
 # without --resume a killed run's folder is removed (with a message)
 BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${args[@]}" --out q >/dev/null 2>&1

@@ -74,8 +74,25 @@ typedef enum bk_bwd_precision {
     BK_BWD_FP32 = 0, /* F32 storage, IEEE F32 GEMMs, double reductions (default) */
     BK_BWD_FP64 = 1, /* double throughout (parity with the CPU oracle) */
     BK_BWD_TF32 = 2, /* F32 storage, GEMMs on TF32 tensor cores */
-    BK_BWD_BF16 = 3  /* F32 storage, GEMMs on BF16 tensor cores (F32 accumulation) */
+    BK_BWD_BF16 = 3, /* BF16 boundary matrices and weights, GEMMs on BF16 tensor cores (F32
+                        accumulation) */
+    BK_BWD_AUTO = 4  /* a request only, resolved once per job (bk_bwd_precision_resolve):
+                        never reaches the flow, its memory model or run.json */
 } bk_bwd_precision;
+
+/* "fp32", "fp64", "tf32", "bf16", "auto" (bk_bwd_precision's order); NULL for a
+ * value out of range. */
+const char *bk_bwd_precision_name(bk_bwd_precision p);
+bk_status bk_bwd_precision_from_name(const char *name, bk_bwd_precision *out);
+
+/* --bwd-precision auto, resolved (a pure function; bk_quantize and
+ * bk_quantize_check call it once per job): a value other than BK_BWD_AUTO is
+ * returned as it is; auto is BK_BWD_BF16 when the backward flow runs on the
+ * GPU (gpu_flow) and the forward's GEMMs resolved to BF16 (fwd_math, after
+ * bk_gemm_math_resolve: a BF16 checkpoint with --gpu-math auto, or --gpu-math
+ * bf16), else BK_BWD_FP32 (the CPU's flow runs in double whatever the value). */
+bk_bwd_precision bk_bwd_precision_resolve(bk_bwd_precision want, int gpu_flow,
+                                          bk_gemm_math fwd_math);
 
 /* How the ranks of an MPI job combine their Hessian sums (docs/DISTRIBUTED.md). */
 typedef enum bk_dist_reduce {
@@ -138,8 +155,11 @@ typedef struct bk_quantize_opts {
     bk_bwd_precision bwd_precision; /* the backward pass on the GPU (CUDA backend without
                                      cpu_stages): BK_BWD_FP32 (default) F32 storage, IEEE F32
                                      GEMMs, double reductions; BK_BWD_FP64 double (parity with
-                                     the CPU's); BK_BWD_TF32 / BK_BWD_BF16 F32 storage, GEMMs
-                                     on TF32 / BF16 tensor cores. The CPU's is always double. */
+                                     the CPU's); BK_BWD_TF32 F32 storage, GEMMs on TF32 tensor
+                                     cores; BK_BWD_BF16 BF16 boundaries, GEMMs on BF16 tensor
+                                     cores; BK_BWD_AUTO bf16 when the forward's GEMMs resolve
+                                     to BF16, else fp32 (bk_bwd_precision_resolve). The CPU's
+                                     flow is always double. */
     int resume;                   /* continue a killed run of the same OUT_DIR from its work
                                      folder (README --resume, docs/formats.md "Work folder") */
 } bk_quantize_opts;
@@ -171,6 +191,13 @@ typedef struct bk_quantize_plan {
     uint64_t output_bytes;          /* estimated size of the output folder */
     uint64_t host_bytes;            /* estimated peak host memory of the job */
     uint64_t free_bytes;            /* free space where the output goes (0: unknown) */
+    /* the backprop kinds: where the backward flow is expected to run (the GPU:
+     * --backend cuda, or auto with a GPU present, without --cpu-stages) and
+     * --bwd-precision as the job will resolve it (never BK_BWD_AUTO);
+     * bwd_precision_auto: it came from auto */
+    int bwd_gpu;
+    bk_bwd_precision bwd_precision;
+    int bwd_precision_auto;
 } bk_quantize_plan;
 
 /* Called once per failed check; the message is bk_last_error(). */

@@ -67,9 +67,11 @@ static const char *quantize_usage =
     "                        at once (default auto: as many as the host's available memory\n"
     "                        allows; more: wider splits, fewer passes, the same result;\n"
     "                        0: recursive halving's fewest)\n"
-    "  --bwd-precision P     fp32 (default) | fp64 | tf32 | bf16: arithmetic of the backward\n"
-    "                        pass on the GPU (tf32/bf16: its GEMMs on tensor cores, several\n"
-    "                        times faster; the CPU's is fp64)\n"
+    "  --bwd-precision P     fp32 (default) | fp64 | tf32 | bf16 | auto: arithmetic of the\n"
+    "                        backward pass on the GPU (tf32/bf16: its GEMMs on tensor cores,\n"
+    "                        several times faster; bf16 also halves the boundary matrices;\n"
+    "                        auto: bf16 when the forward's GEMMs are bf16 (--gpu-math auto\n"
+    "                        with a BF16 checkpoint, or bf16), else fp32; the CPU's is fp64)\n"
     "  --layers A:B          quantize layers A..B-1 only (others are copied); layers are\n"
     "                        numbered from 0 as in model.layers.N, in progress and errors too\n"
     "  --backend B           auto|cpu|cuda (default auto: cuda when a GPU is present). With\n"
@@ -373,8 +375,8 @@ static bk_status apply(qargs *q, int opt, const char *arg)
         q->dist_timeout = dv;
         break;
     case O_BWDPREC: { /* (bk_bwd_precision's order) */
-        static const char *const bwd[] = {"fp32", "fp64", "tf32", "bf16"};
-        if ((st = cli_parse_choice("--bwd-precision", arg, bwd, 4, &iv)) != BK_OK)
+        static const char *const bwd[] = {"fp32", "fp64", "tf32", "bf16", "auto"};
+        if ((st = cli_parse_choice("--bwd-precision", arg, bwd, 5, &iv)) != BK_OK)
             return st;
         o->bwd_precision = (bk_bwd_precision)iv;
         break;
@@ -928,6 +930,11 @@ static void print_plan(const qargs *q, const bk_quantize_plan *p)
         cJSON_AddStringToObject(j, "hessian", bk_hessian_name(o->hessian));
         cJSON_AddStringToObject(j, "quantizer", qd);
         cJSON_AddStringToObject(j, "export", bk_export_name(o->export_format));
+        if (bk_hessian_is_backprop(o->hessian) && p->model_ok) {
+            cJSON_AddStringToObject(j, "bwd_device", p->bwd_gpu ? "gpu" : "cpu");
+            cJSON_AddStringToObject(j, "bwd_precision", bk_bwd_precision_name(p->bwd_precision));
+            cJSON_AddBoolToObject(j, "bwd_precision_auto", p->bwd_precision_auto);
+        }
         cJSON *ms = cJSON_AddArrayToObject(j, "modules");
         for (int m = 0; m < BK_MOD_COUNT; m++) {
             cJSON *e = cJSON_CreateObject();
@@ -969,6 +976,10 @@ static void print_plan(const qargs *q, const bk_quantize_plan *p)
         printf("  calibration   none (rtn)\n");
     printf("  hessian       %s, algorithm %s\n", bk_hessian_name(o->hessian),
            bk_algorithm_name(o->solve.algorithm));
+    if (bk_hessian_is_backprop(o->hessian) && p->model_ok)
+        printf("  backward      on the %s, --bwd-precision %s%s%s\n", p->bwd_gpu ? "GPU" : "CPU",
+               bk_bwd_precision_name(p->bwd_precision), p->bwd_precision_auto ? " (auto)" : "",
+               p->bwd_gpu ? "" : " (the CPU's flow: fp64)");
     printf("  quantizer     %s\n", qd);
     printf("  export        %s -> %s\n", bk_export_name(o->export_format), o->out_dir);
     printf("  modules of each layer:\n");
