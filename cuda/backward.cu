@@ -2204,13 +2204,20 @@ static void touch_pages(char *p, size_t n)
 void *op_boundary_alloc(void *, size_t bytes)
 {
     const double t0 = bk_now();
+    if (bytes > SIZE_MAX - 2 * BHDR) /* (the rounding below would wrap) */
+        return NULL;
     const size_t n = BHDR + (bytes + 4095) / 4096 * 4096;
     char *base = NULL;
     int registered = 0;
     /* (populating pages the host does not have would wake the kernel's OOM
-     * killer; cudaMallocHost fails with an error instead: the host plan has
-     * checked the flow's memory, this checks it again now, with 1 GiB spare) */
+     * killer: the host plan has checked the flow's memory, this checks it
+     * again now (bk_host_avail_bytes: MemAvailable and a cgroup limit), with
+     * 1 GiB spare; short of that, cudaMallocHost; short of the matrix
+     * itself, nothing: pinning it would reclaim what the host does not have
+     * (the OOM killer again), the driver names --bwd-boundaries 0 instead) */
     const uint64_t avail = bk_host_avail_bytes();
+    if (avail && avail < (uint64_t)n)
+        return NULL;
     void *m = avail && avail < (uint64_t)n + ((uint64_t)1 << 30)
                   ? MAP_FAILED
                   : mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -441,7 +441,7 @@ bk_status bk_bwd_host_check(const bk_model_config *c, int flow, int leaf, int64_
                     "quantize: the backprop flow (%s, --leaf-size %d) needs %.1f GB of host "
                     "memory: %.1f GB of boundary matrices (%d x [%lld tokens x %lld] %s) + "
                     "%.1f GB of the layers' host copies + %.1f GB margin, more than the %.1f GB "
-                    "available (MemAvailable): use %s",
+                    "available (MemAvailable, or what a cgroup memory limit leaves): use %s",
                     flow == BK_FLOW_NAIVE ? "naive" : "halving", leaf, (double)p.need / G,
                     (double)p.boundary_bytes / G, p.units, (long long)(S * T),
                     (long long)c->hidden,

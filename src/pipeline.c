@@ -249,6 +249,21 @@ bk_status bk_quantize(const bk_quantize_opts *o)
         st = bk_error(BK_ERR_INVALID_ARG, "quantize: --leaf-size %d must be >= 1", o->leaf_size);
         goto fail;
     }
+    if (j->bp && (o->bwd_boundaries < -1 || o->bwd_boundaries > 4096)) {
+        st = bk_error(BK_ERR_USAGE,
+                      "quantize: --bwd-boundaries %d: expected auto (-1) or an integer in "
+                      "[0, 4096]",
+                      o->bwd_boundaries);
+        goto fail;
+    }
+    if (j->bp && o->bwd_boundaries > 0 && o->bwd_flow == BK_FLOW_NAIVE) {
+        st = bk_error(BK_ERR_USAGE,
+                      "quantize: --bwd-boundaries %d and --bwd-flow naive contradict each other "
+                      "(the naive flow holds no boundary matrices; the budget is the halving "
+                      "flow's)",
+                      o->bwd_boundaries);
+        goto fail;
+    }
     if (o->hessian == BK_HESS_BACKPROP_SHAMPOO && j->rank == 0)
         bk__q_emit(j, BK_EV_NOTE, 0, NULL,
                    "warning: backprop-shampoo is unstable on some models (SmolLM2-135M at 2.81 "

@@ -139,6 +139,16 @@ bk_status bk_quantize_check(const bk_quantize_opts *o, bk_quantize_plan *plan,
                            bk_hessian_name(o->hessian)));
     if (bp && o->leaf_size < 0)
         failed(c, bk_error(BK_ERR_USAGE, "--leaf-size %d must be >= 1", o->leaf_size));
+    if (bp && (o->bwd_boundaries < -1 || o->bwd_boundaries > 4096))
+        failed(c, bk_error(BK_ERR_USAGE,
+                           "--bwd-boundaries %d: expected auto (-1) or an integer in [0, 4096]",
+                           o->bwd_boundaries));
+    else if (bp && o->bwd_boundaries > 0 && o->bwd_flow == BK_FLOW_NAIVE)
+        failed(c, bk_error(BK_ERR_USAGE,
+                           "--bwd-boundaries %d and --bwd-flow naive contradict each other (the "
+                           "naive flow holds no boundary matrices; the budget is the halving "
+                           "flow's)",
+                           o->bwd_boundaries));
     if (o->gpu_pipeline && o->cpu_stages)
         failed(c, bk_error(BK_ERR_USAGE, "--gpu-pipeline and --cpu-stages contradict each other"));
     if (o->gpu_pipeline && o->backend == BK_BACKEND_CPU)

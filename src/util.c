@@ -20,10 +20,132 @@ double bk_now(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-uint64_t bk_host_avail_bytes(void)
+/* the first unsigned number of file `path`; 0: none ("max", missing) */
+static int read_u64_file(const char *path, uint64_t *v)
 {
-    uint64_t kb = 0;
-    FILE *f = fopen("/proc/meminfo", "r");
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    unsigned long long x;
+    const int ok = fscanf(f, "%llu", &x) == 1;
+    fclose(f);
+    if (ok)
+        *v = (uint64_t)x;
+    return ok;
+}
+
+/* the value of `key` (a line "key N") in the memory.stat of dir; 0 when absent */
+static uint64_t cg_stat(const char *dir, const char *key)
+{
+    char path[8500], line[256];
+    snprintf(path, sizeof path, "%s/memory.stat", dir);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    const size_t kl = strlen(key);
+    uint64_t v = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long long x;
+        if (!strncmp(line, key, kl) && line[kl] == ' ' && sscanf(line + kl, "%llu", &x) == 1) {
+            v = (uint64_t)x;
+            break;
+        }
+    }
+    fclose(f);
+    return v;
+}
+
+/* what the memory limit of cgroup dir leaves (limit - usage + inactive file
+ * pages, which the kernel reclaims before it kills); 0: no limit there */
+static int cg_room(const char *dir, int v2, uint64_t *room)
+{
+    char path[8500];
+    uint64_t lim = 0, use = 0;
+    snprintf(path, sizeof path, "%s/%s", dir, v2 ? "memory.max" : "memory.limit_in_bytes");
+    /* (v2 "max" and v1's page-rounded LONG_MAX: no limit) */
+    if (!read_u64_file(path, &lim) || lim >= ((uint64_t)1 << 62))
+        return 0;
+    snprintf(path, sizeof path, "%s/%s", dir, v2 ? "memory.current" : "memory.usage_in_bytes");
+    if (!read_u64_file(path, &use))
+        return 0;
+    uint64_t inact = cg_stat(dir, v2 ? "inactive_file" : "total_inactive_file");
+    if (inact > use)
+        inact = use;
+    use -= inact;
+    *room = lim > use ? lim - use : 0;
+    return 1;
+}
+
+/* The least room of the memory limits from the process's cgroup up to the
+ * root of the hierarchy mounted at `root` (cgroup v2: root itself; v1: its
+ * "memory" directory); the group's path from `self` (/proc/self/cgroup).
+ * A path not under the mount (a container's namespaced view): the mount's
+ * root only. 0 when no limit is found. */
+static int cg_avail(const char *self, const char *root, uint64_t *out)
+{
+    FILE *f = fopen(self, "r");
+    if (!f)
+        return 0;
+    char line[4096], rel[4096] = "";
+    int v2 = -1;
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = '\0';
+        char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+        if (!c2)
+            continue;
+        *c2 = '\0';
+        const char *ctl = c1 + 1, *path = c2 + 1;
+        int mem = 0;
+        for (const char *p = ctl; *p;) { /* v1: "memory" among the controllers */
+            const size_t n = strcspn(p, ",");
+            if (n == 6 && !strncmp(p, "memory", 6))
+                mem = 1;
+            p += n + (p[n] == ',');
+        }
+        if (mem) {
+            v2 = 0;
+            snprintf(rel, sizeof rel, "%s", path);
+            break;
+        }
+        if (line[0] == '0' && c1 == line + 1 && !*ctl) { /* v2: "0::/path" */
+            v2 = 1;
+            snprintf(rel, sizeof rel, "%s", path);
+        }
+    }
+    fclose(f);
+    if (v2 < 0)
+        return 0;
+    char base[4200], dir[8400];
+    snprintf(base, sizeof base, v2 ? "%s" : "%s/memory", root);
+    snprintf(dir, sizeof dir, "%s%s", base, rel[0] == '/' && rel[1] ? rel : "");
+    struct stat sb;
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode) || strstr(rel, "/.."))
+        snprintf(dir, sizeof dir, "%s", base);
+    int found = 0;
+    uint64_t best = 0;
+    for (;;) {
+        uint64_t r;
+        if (cg_room(dir, v2, &r) && (!found || r < best)) {
+            best = r;
+            found = 1;
+        }
+        if (strlen(dir) <= strlen(base))
+            break;
+        char *slash = strrchr(dir, '/');
+        if (!slash || slash < dir + strlen(base))
+            break;
+        *slash = '\0';
+    }
+    if (found)
+        *out = best;
+    return found;
+}
+
+uint64_t bk__host_avail_bytes_at(const char *meminfo, const char *self_cgroup,
+                                 const char *cgroup_root)
+{
+    uint64_t kb = 0, avail = 0;
+    FILE *f = fopen(meminfo, "r");
     if (f) {
         char line[256];
         unsigned long long v;
@@ -34,10 +156,25 @@ uint64_t bk_host_avail_bytes(void)
             }
         fclose(f);
     }
-    if (kb)
-        return kb * 1024;
-    long pages = sysconf(_SC_AVPHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
-    return pages > 0 && ps > 0 ? (uint64_t)pages * (uint64_t)ps : 0;
+    if (kb && kb < ((uint64_t)1 << 53))
+        avail = kb * 1024;
+    else {
+        long pages = sysconf(_SC_AVPHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
+        avail = pages > 0 && ps > 0 ? (uint64_t)pages * (uint64_t)ps : 0;
+    }
+    /* a container or a batch job's memory limit (cgroups): the host's
+     * MemAvailable does not see it, and going past it wakes the OOM killer */
+    uint64_t cg;
+    if (self_cgroup && cgroup_root && cg_avail(self_cgroup, cgroup_root, &cg)) {
+        if (!avail || cg < avail)
+            avail = cg ? cg : 1; /* (a limit reached: 1 byte, not "unknown") */
+    }
+    return avail;
+}
+
+uint64_t bk_host_avail_bytes(void)
+{
+    return bk__host_avail_bytes_at("/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup");
 }
 
 /* ------------------------------------------------------------ profiling */

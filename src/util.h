@@ -22,8 +22,15 @@ size_t bk_utf8_invalid_at(const unsigned char *s, size_t n);
 double bk_now(void);
 
 /* The host's available memory: MemAvailable of /proc/meminfo, else the
- * free pages; 0 when unknown (also the GPU flow's host budget, cuda/backward.cu). */
+ * free pages, and no more than the process's cgroup memory limits leave
+ * (a container's, a batch job's: limit - usage + inactive file pages, the
+ * least from its group up, v1 or v2); 0 when unknown (also the GPU flow's
+ * host budget, cuda/backward.cu). */
 uint64_t bk_host_avail_bytes(void);
+/* ... from these files (tests): meminfo, the process's cgroup list and the
+ * cgroup mount (NULL: no cgroups) */
+uint64_t bk__host_avail_bytes_at(const char *meminfo, const char *self_cgroup,
+                                 const char *cgroup_root);
 
 /* BK_PROFILE=1: named wall-time accumulators (thread-safe), printed to
  * stderr by bk_prof_print at the end of a quantize run. For finding where

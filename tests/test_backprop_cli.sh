@@ -191,6 +191,12 @@ expect 1 "--bwd-precision: expected fp32, fp64, tf32, bf16 or auto, got 'fp16'" 
     q --hessian backprop-kfac --bwd-precision fp16 --out "$T/x"
 expect 1 "--bwd-boundaries" q --hessian backprop-kfac --bwd-boundaries -1 --out "$T/x"
 expect 1 "--bwd-boundaries" q --hessian backprop-kfac --bwd-boundaries many --out "$T/x"
+expect 1 "--bwd-boundaries: expected auto or an integer in \[0, 4096\], got '4097'" \
+    q --hessian backprop-kfac --bwd-boundaries 4097 --out "$T/x"
+# a budget for the naive flow, which holds no boundary matrices: a contradiction (0 and
+# auto, the default, are not)
+expect 1 "--bwd-boundaries 5 and --bwd-flow naive contradict each other" \
+    q --hessian backprop-kfac --bwd-flow naive --bwd-boundaries 5 --out "$T/x"
 expect 1 "--progress-interval" q --hessian backprop-kfac --progress-interval -1 --out "$T/x"
 mkdir -p "$T/acts"
 expect 1 "--calib" "$B" quantize "$K" --activations "$T/acts" --hessian backprop-kfac --out "$T/x"

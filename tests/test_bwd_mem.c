@@ -18,6 +18,11 @@
 #include "bakron/backward.h"
 #include "bakron/pipeline.h"
 #include "bwd_mem.h"
+#include "util.h"
+
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 static bk_model_config cfg(int64_t L, int64_t d, int64_t ni, int64_t nh, int64_t nkv, int64_t hd,
                            int tied)
@@ -507,6 +512,98 @@ static void test_bwd_precision_auto(void **state)
     assert_int_equal(copies, BK_BWD_HOST_CPU);
 }
 
+/* ---------------------------------------------------- available host memory */
+
+static char g_tmp[256];
+
+static void put(const char *rel, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", g_tmp, rel);
+    for (char *p = path + strlen(g_tmp) + 1; *p; p++) /* (the folders on the way) */
+        if (*p == '/') {
+            *p = '\0';
+            mkdir(path, 0700);
+            *p = '/';
+        }
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static uint64_t avail_at(const char *meminfo)
+{
+    char mi[512], self[512], root[512];
+    snprintf(mi, sizeof mi, "%s/%s", g_tmp, meminfo);
+    snprintf(self, sizeof self, "%s/self_cgroup", g_tmp);
+    snprintf(root, sizeof root, "%s/cg", g_tmp);
+    return bk__host_avail_bytes_at(mi, self, root);
+}
+
+/* MemAvailable, and the limits of the cgroups a container or a batch job
+ * (Slurm) runs in: the host's MemAvailable does not see them, and a plan
+ * (the boundary budget, --bwd-boundaries auto; the GPU flow's pinning) past
+ * them ends in the OOM killer, not an error */
+static void test_host_avail_cgroups(void **state)
+{
+    (void)state;
+    snprintf(g_tmp, sizeof g_tmp, "/tmp/bk_avail_XXXXXX");
+    assert_non_null(mkdtemp(g_tmp));
+    char cmd[600];
+    put("meminfo", "MemTotal:       33554432 kB\nMemFree:  100 kB\n"
+                   "MemAvailable:    16777216 kB\nBuffers: 1 kB\n");
+    put("meminfo_old", "MemTotal:       33554432 kB\nMemFree:  100 kB\n");
+    /* no cgroup list: MemAvailable */
+    char mi[512];
+    snprintf(mi, sizeof mi, "%s/meminfo", g_tmp);
+    assert_true(bk__host_avail_bytes_at(mi, NULL, NULL) == (uint64_t)16777216 * 1024);
+    /* no MemAvailable (kernels before 3.14): the free pages, known */
+    assert_true(avail_at("meminfo_old") > 0);
+    /* cgroup v2 (a Slurm step): the job's limit 8 GB, 3 GB used of which
+     * 1 GB inactive file pages; the step's none ("max") */
+    put("self_cgroup", "0::/job_7/step_0\n");
+    put("cg/job_7/memory.max", "8000000000\n");
+    put("cg/job_7/memory.current", "3000000000\n");
+    put("cg/job_7/memory.stat", "anon 2000000000\nfile 1000000000\ninactive_file 1000000000\n");
+    put("cg/job_7/step_0/memory.max", "max\n");
+    put("cg/job_7/step_0/memory.current", "2000000000\n");
+    assert_true(avail_at("meminfo") == 6000000000ull);
+    /* a tighter limit below: the least room */
+    put("cg/job_7/step_0/memory.max", "4000000000\n");
+    assert_true(avail_at("meminfo") == 2000000000ull);
+    /* a limit above the host's MemAvailable: MemAvailable */
+    put("cg/job_7/memory.max", "900000000000\n");
+    put("cg/job_7/step_0/memory.max", "max\n");
+    assert_true(avail_at("meminfo") == (uint64_t)16777216 * 1024);
+    /* the limit reached: 1 byte (not 0, which is "unknown") */
+    put("cg/job_7/memory.max", "2500000000\n");
+    put("cg/job_7/memory.stat", "inactive_file 0\n");
+    assert_true(avail_at("meminfo") == 1);
+    /* a container's namespaced view (v2): its path is not under the mount,
+     * the mount's root is the container's group */
+    put("self_cgroup", "0::/../../other\n");
+    put("cg/memory.max", "5000000000\n");
+    put("cg/memory.current", "1000000000\n");
+    assert_true(avail_at("meminfo") == 4000000000ull);
+    /* cgroup v1 (a hybrid host: memory in v1, "0::/" the unified rest); the
+     * group's path not under the mount (namespaced), unlimited at its root */
+    put("self_cgroup", "4:memory:/process_api/7b07\n3:cpuset:/\n0::/\n");
+    put("cg/memory/memory.limit_in_bytes", "9223372036854771712\n");
+    put("cg/memory/memory.usage_in_bytes", "2327916544\n");
+    assert_true(avail_at("meminfo") == (uint64_t)16777216 * 1024);
+    /* v1 with a limit, with "memory" among other controllers */
+    put("self_cgroup", "0::/\n4:cpu,memory:/\n");
+    put("cg/memory/memory.limit_in_bytes", "3000000000\n");
+    put("cg/memory/memory.stat", "cache 5\ntotal_inactive_file 500000000\n");
+    assert_true(avail_at("meminfo") == 1172083456ull);
+    /* garbage in the files: no limit read, MemAvailable */
+    put("cg/memory/memory.limit_in_bytes", "lots\n");
+    assert_true(avail_at("meminfo") == (uint64_t)16777216 * 1024);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
+    assert_int_equal(system(cmd), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -515,7 +612,7 @@ int main(void)
         cmocka_unit_test(test_cache_layers), cmocka_unit_test(test_auto_leaf),
         cmocka_unit_test(test_boundary_units), cmocka_unit_test(test_boundary_8b),
         cmocka_unit_test(test_host_check_8b), cmocka_unit_test(test_budget_8b),
-        cmocka_unit_test(test_bwd_precision_auto),
+        cmocka_unit_test(test_bwd_precision_auto), cmocka_unit_test(test_host_avail_cgroups),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -228,6 +228,50 @@ static void test_quantize_rewritten(void **state)
     run_changed(1);
 }
 
+/* the library's own check of bk_quantize_opts.bwd_boundaries (the CLI
+ * refuses these values itself; a library caller reaches bk_quantize and
+ * bk_quantize_check directly): out of [-1, 4096], or a budget with the naive
+ * flow (which holds no boundaries), is refused at once, nothing written */
+static void test_bwd_boundaries_opts(void **state)
+{
+    (void)state;
+    const char *src = getenv("BK_SOURCE_ROOT");
+    assert_non_null(src);
+    char model[600], calib[700], out[600];
+    snprintf(model, sizeof model, "%s/examples/kerneldocs-1.6m", src);
+    snprintf(calib, sizeof calib, "%s/calib.safetensors", model);
+    snprintf(out, sizeof out, "%s/out_bounds", g_dir);
+    const struct {
+        int units, naive;
+        const char *want;
+    } cases[] = {
+        {-2, 0, "--bwd-boundaries -2: expected auto (-1) or an integer in [0, 4096]"},
+        {4097, 0, "--bwd-boundaries 4097: expected auto (-1) or an integer in [0, 4096]"},
+        {3, 1, "--bwd-boundaries 3 and --bwd-flow naive contradict each other"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        bk_quantize_opts o;
+        bk_quantize_opts_default(&o);
+        o.model_dir = model;
+        o.calib_path = calib;
+        o.out_dir = out;
+        o.samples = 2;
+        o.seqlen = 32;
+        o.backend = BK_BACKEND_CPU;
+        o.hessian = BK_HESS_BACKPROP_KFAC;
+        o.bwd_boundaries = cases[i].units;
+        if (cases[i].naive)
+            o.bwd_flow = BK_FLOW_NAIVE;
+        bk_status st = bk_quantize_check(&o, NULL, NULL, NULL);
+        assert_int_not_equal(st, BK_OK);
+        assert_non_null(strstr(bk_last_error(), cases[i].want));
+        st = bk_quantize(&o);
+        assert_int_equal(bk_status_exit_code(st), 1);
+        assert_non_null(strstr(bk_last_error(), cases[i].want));
+        assert_false(exists(out));
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -235,6 +279,7 @@ int main(void)
         cmocka_unit_test(test_rewritten_in_place),
         cmocka_unit_test(test_quantize_truncated),
         cmocka_unit_test(test_quantize_rewritten),
+        cmocka_unit_test(test_bwd_boundaries_opts),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -148,7 +148,8 @@ typedef struct bk_quantize_opts {
                                      (bk_bwd_flow_opts.units): -1 (bk_quantize_opts_default)
                                      auto, from the host's available memory; 0 recursive
                                      halving (the fewest); N: at most N (not fewer than
-                                     halving needs). Several MPI ranks: halving */
+                                     halving needs). Several MPI ranks: halving. Outside
+                                     -1..4096, or N > 0 with BK_FLOW_NAIVE: BK_ERR_USAGE */
     /* MPI ranks (bakron/dist.h); NULL: one process */
     struct bk_dist *dist;
     bk_dist_reduce dist_reduce;
