@@ -55,8 +55,8 @@ static uint64_t cg_stat(const char *dir, const char *key)
     return v;
 }
 
-/* what the memory limit of cgroup dir leaves (limit - usage + inactive file
- * pages, which the kernel reclaims before it kills); 0: no limit there */
+/* what the memory limit of cgroup dir leaves (limit - usage + the file page
+ * cache, which the kernel reclaims before it kills); 0: no limit there */
 static int cg_room(const char *dir, int v2, uint64_t *room)
 {
     char path[8500];
@@ -68,10 +68,15 @@ static int cg_room(const char *dir, int v2, uint64_t *room)
     snprintf(path, sizeof path, "%s/%s", dir, v2 ? "memory.current" : "memory.usage_in_bytes");
     if (!read_u64_file(path, &use))
         return 0;
-    uint64_t inact = cg_stat(dir, v2 ? "inactive_file" : "total_inactive_file");
-    if (inact > use)
-        inact = use;
-    use -= inact;
+    /* the page cache on the file LRU lists, active and inactive (as
+     * MemAvailable counts it; shared memory / tmpfs is on the anon lists and
+     * stays used): the kernel reclaims it before the group's OOM killer, and
+     * the planners subtract the checkpoint's own pages themselves */
+    uint64_t cache = cg_stat(dir, v2 ? "inactive_file" : "total_inactive_file") +
+                     cg_stat(dir, v2 ? "active_file" : "total_active_file");
+    if (cache > use)
+        cache = use;
+    use -= cache;
     *room = lim > use ? lim - use : 0;
     return 1;
 }

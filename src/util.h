@@ -23,7 +23,7 @@ double bk_now(void);
 
 /* The host's available memory: MemAvailable of /proc/meminfo, else the
  * free pages, and no more than the process's cgroup memory limits leave
- * (a container's, a batch job's: limit - usage + inactive file pages, the
+ * (a container's, a batch job's: limit - usage + the file page cache, the
  * least from its group up, v1 or v2); 0 when unknown (also the GPU flow's
  * host budget, cuda/backward.cu). */
 uint64_t bk_host_avail_bytes(void);

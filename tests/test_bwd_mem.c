@@ -561,14 +561,15 @@ static void test_host_avail_cgroups(void **state)
     /* no MemAvailable (kernels before 3.14): the free pages, known */
     assert_true(avail_at("meminfo_old") > 0);
     /* cgroup v2 (a Slurm step): the job's limit 8 GB, 3 GB used of which
-     * 1 GB inactive file pages; the step's none ("max") */
+     * 1.5 GB file page cache (active 0.5, inactive 1); the step's none ("max") */
     put("self_cgroup", "0::/job_7/step_0\n");
     put("cg/job_7/memory.max", "8000000000\n");
     put("cg/job_7/memory.current", "3000000000\n");
-    put("cg/job_7/memory.stat", "anon 2000000000\nfile 1000000000\ninactive_file 1000000000\n");
+    put("cg/job_7/memory.stat",
+        "anon 1500000000\nfile 1500000000\nactive_file 500000000\ninactive_file 1000000000\n");
     put("cg/job_7/step_0/memory.max", "max\n");
     put("cg/job_7/step_0/memory.current", "2000000000\n");
-    assert_true(avail_at("meminfo") == 6000000000ull);
+    assert_true(avail_at("meminfo") == 6500000000ull);
     /* a tighter limit below: the least room */
     put("cg/job_7/step_0/memory.max", "4000000000\n");
     assert_true(avail_at("meminfo") == 2000000000ull);
@@ -595,8 +596,9 @@ static void test_host_avail_cgroups(void **state)
     /* v1 with a limit, with "memory" among other controllers */
     put("self_cgroup", "0::/\n4:cpu,memory:/\n");
     put("cg/memory/memory.limit_in_bytes", "3000000000\n");
-    put("cg/memory/memory.stat", "cache 5\ntotal_inactive_file 500000000\n");
-    assert_true(avail_at("meminfo") == 1172083456ull);
+    put("cg/memory/memory.stat",
+        "cache 5\ntotal_active_file 100000000\ntotal_inactive_file 500000000\n");
+    assert_true(avail_at("meminfo") == 1272083456ull);
     /* garbage in the files: no limit read, MemAvailable */
     put("cg/memory/memory.limit_in_bytes", "lots\n");
     assert_true(avail_at("meminfo") == (uint64_t)16777216 * 1024);
