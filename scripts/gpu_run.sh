@@ -157,6 +157,22 @@ for r in rows:
     d = r.get("code_diff_vs_bakron")
     print("%-12s %-9s %10.4f %10.4f %9.1f %12s" % ("%dx%d" % (r["m"], r["n"]), r["algorithm"],
           r["median_s"], r["factor_s"], r["gflops"], "-" if d is None else "%.4f%%" % (100 * d)))
+# issue 20's two numbers for bakron over the square shapes: the scaling exponent
+# between consecutive sizes (log of the time ratio over log of the size ratio; the
+# work grows as n^3) and the ratio to the fp32 floor, m n (m + n) / 2 FMA at the
+# measured cuBLAS SGEMM rate of the H200 (51 TFLOP/s, cuda/dev/NOTES.md)
+import math
+sq = {}
+for r in rows:
+    if r.get("algorithm") == "bakron" and r["m"] == r["n"] and not r.get("skipped"):
+        sq.setdefault(r["m"], r["median_s"])
+ns = sorted(sq)
+for a, b in zip(ns, ns[1:]):
+    print("bakron %d^2 -> %d^2: time x%.2f, exponent %.2f" % (a, b, sq[b] / sq[a],
+          math.log(sq[b] / sq[a]) / math.log(b / a)))
+for n in ns:
+    floor = n * n * (2.0 * n) / 51e12
+    print("bakron %d^2: %.4f s, %.2f x the fp32 floor (%.4f s)" % (n, sq[n], sq[n] / floor, floor))
 EOF
 fi
 
