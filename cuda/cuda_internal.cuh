@@ -293,7 +293,9 @@ void bk_dshare_drop(bk_cuda_ctx *c, bk_dshare *s);
 /* A solve whose factors already live on the device (the GPU pipeline). */
 typedef struct bk_dsolve_problem {
     int64_t m, n;
-    const float *W;       /* HOST [m, n] row-major F32: the original weights */
+    const float *W;       /* HOST [m, n] row-major F32: the original weights; may be
+                             NULL with dW (read back from dW where the solve needs
+                             it on the host: dead columns) */
     const float *A;       /* DEVICE [n, n] F32 input factor, symmetric PSD, required */
     const float *B;       /* DEVICE [m, m] F32 output factor, or NULL (identity) */
     const float *A_plain; /* DEVICE [n, n] F32 or NULL: for *loss_gptq only (not checked) */

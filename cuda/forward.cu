@@ -979,6 +979,52 @@ extern "C" bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src,
     return BK_OK;
 }
 
+extern "C" bk_status bk_gpu_upload_bf16(bk_gfwd *f, float *dst, uint16_t *dst_bf16,
+                                        const uint16_t *src, int64_t n)
+{
+    if (n <= 0)
+        return BK_OK;
+    bk_status st = upload_setup(f);
+    if (st != BK_OK)
+        return st;
+    cudaStream_t s = f->c->stream;
+    int k = 0;
+    /* as bk_gpu_upload_f32: slot k&1 is filled (host threads copy the BF16
+     * chunk into the pinned buffer) while chunk k-1 is copied and widened */
+    for (int64_t off = 0; off < n && st == BK_OK; off += f->up_chunk, k++) {
+        const int64_t cnt = n - off < f->up_chunk ? n - off : f->up_chunk;
+        const int slot = k & 1;
+        st = bk_cuda_status(cudaEventSynchronize(f->up_ev[slot]), "weight upload: slot event",
+                            __FILE__, __LINE__);
+        if (st != BK_OK)
+            break;
+        const int np = parts_of(f, cnt) < 64 ? parts_of(f, cnt) : 64;
+        bk_host_copy_parts(static_cast<char *>(f->up_pin[slot]),
+                           reinterpret_cast<const char *>(src + off),
+                           (size_t)cnt * sizeof(uint16_t), np);
+        uint16_t *land = dst_bf16 ? dst_bf16 + off : f->up_dev[slot];
+        st = bk_cuda_status(cudaMemcpyAsync(land, f->up_pin[slot], (size_t)cnt * sizeof(uint16_t),
+                                            cudaMemcpyHostToDevice, s),
+                            "weight upload: BF16 chunk", __FILE__, __LINE__);
+        if (st == BK_OK) {
+            k_widen_bf16<<<bk_grid(cnt), 256, 0, s>>>(land, dst + off, cnt);
+            st = BK_LAUNCHED("k_widen_bf16");
+        }
+        /* (recorded whatever happened: see bk_gpu_upload_f32) */
+        const cudaError_t er = cudaEventRecord(f->up_ev[slot], s);
+        if (st == BK_OK)
+            st = bk_cuda_status(er, "weight upload: recording the slot event", __FILE__,
+                                __LINE__);
+    }
+    if (st != BK_OK) {
+        cudaStreamSynchronize(s);
+        cudaGetLastError();
+        return st;
+    }
+    BK_CUDA_CHECK(cudaStreamSynchronize(s));
+    return BK_OK;
+}
+
 extern "C" void bk_gfwd_free(bk_gfwd *f)
 {
     if (!f)
@@ -1271,6 +1317,7 @@ bk_status dup_f32(bk_gfwd *f, float **dst, const float *src, int64_t n, int from
 struct layer_src {
     int layer;
     const float *w[BK_MOD_COUNT], *b[BK_MOD_COUNT];
+    const uint16_t *wb[BK_MOD_COUNT]; /* host BF16 instead of w[i] (from_host only) */
     const float *attn_norm, *mlp_norm, *q_norm, *k_norm;
 };
 
@@ -1285,6 +1332,27 @@ bk_status glayer_make(bk_gfwd *f, const layer_src *s, int from_host, bk_glayer *
     for (int i = 0; i < BK_MOD_COUNT && st == BK_OK; i++) {
         int64_t o, in;
         bk_module_shape(&f->cfg, (bk_module)i, &o, &in);
+        if (from_host && s->wb[i] && !s->w[i]) {
+            /* BF16 from the host: half the bytes; widened on the device, and
+             * in BF16 mode landed straight in the BF16 copy (the bits
+             * k_to_bf16 would give back: the values are BF16 numbers) */
+            st = g_alloc_f32(f, &g->w[i], o * in, 1, bk_module_name((bk_module)i));
+            if (st == BK_OK && f->bf16) {
+                void *p = NULL;
+                st = bk_dev_alloc(f->c, &p, (size_t)(o * in) * sizeof(__nv_bfloat16),
+                                  "BF16 weight copy");
+                g->wb[i] = static_cast<__nv_bfloat16 *>(p);
+            }
+            if (st == BK_OK) {
+                st = bk_gpu_upload_bf16(f, g->w[i], reinterpret_cast<uint16_t *>(g->wb[i]),
+                                        s->wb[i], o * in);
+                if (st != BK_OK) /* (as dup_f32's messages) */
+                    st = bk_error_prefix(st, bk_module_name((bk_module)i));
+            }
+            if (st == BK_OK)
+                st = dup_f32(f, &g->b[i], s->b[i], o, from_host, "bias");
+            continue;
+        }
         st = dup_f32(f, &g->w[i], s->w[i], o * in, from_host, bk_module_name((bk_module)i));
         if (st == BK_OK)
             st = dup_f32(f, &g->b[i], s->b[i], o, from_host, "bias");
@@ -1330,6 +1398,7 @@ extern "C" bk_status bk_glayer_upload(bk_gfwd *f, const bk_layer_weights *lw, bk
     s.layer = lw->layer;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
         s.w[i] = lw->w[i];
+        s.wb[i] = lw->wb[i];
         s.b[i] = lw->b[i];
     }
     s.attn_norm = lw->attn_norm;
@@ -1348,6 +1417,7 @@ extern "C" bk_status bk_glayer_clone(bk_gfwd *f, const bk_glayer *src, bk_glayer
     s.layer = src->layer;
     for (int i = 0; i < BK_MOD_COUNT; i++) {
         s.w[i] = src->w[i];
+        s.wb[i] = NULL;
         s.b[i] = src->b[i];
     }
     s.attn_norm = src->attn_norm;

@@ -874,10 +874,10 @@ int share_match(const bk_cuda_ctx *c, const bk_dshare *s, int64_t n, const bk_so
            s->fp64_factor == c->factor_fp64;
 }
 
-} // namespace
-
-bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk_solve_opts *o,
-                            bk_solve_result *r, float *d_weight, double *loss_gptq)
+/* bk_cuda_solve_dev; *Wdl: the host copy of p->dW it downloaded (p->W NULL
+ * and dead columns), the caller frees it */
+bk_status solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk_solve_opts *o,
+                    bk_solve_result *r, float *d_weight, double *loss_gptq, float **Wdl)
 {
     if (loss_gptq)
         *loss_gptq = NAN;
@@ -893,7 +893,7 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
     q.m = p->m;
     q.n = p->n;
     q.dtype = BK_DT_F32;
-    q.W = p->W;
+    q.W = p->W ? static_cast<const void *>(p->W) : static_cast<const void *>(p->dW);
     q.A = p->A;
     q.B = p->B;
     bk_status st = bk_solve_check_opts(o);
@@ -978,8 +978,20 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
                                              (size_t)(n + 1) * sizeof(float), sizeof(float),
                                              (size_t)n, cudaMemcpyDeviceToHost),
                                 "the diagonal of A", __FILE__, __LINE__);
+        if (st == BK_OK && p->dW && !p->W) {
+            /* no host W (the GPU pipeline's BF16 upload): the device copy's
+             * values, which are W's */
+            *Wdl = static_cast<float *>(bk_alloc((size_t)m * (size_t)n, sizeof(float)));
+            if (!*Wdl)
+                st = bk_error(BK_ERR_NOMEM, "%s: out of memory for a [%lld, %lld] solve", lw,
+                              (long long)m, (long long)n);
+            else
+                st = bk_cuda_status(cudaMemcpy(*Wdl, p->dW, sizeof(float) * (size_t)m * (size_t)n,
+                                               cudaMemcpyDeviceToHost),
+                                    "the original weight", __FILE__, __LINE__);
+        }
         if (st == BK_OK && p->dW) {
-            const float *W = p->W;
+            const float *W = p->W ? p->W : *Wdl;
             for (int64_t i = 0; i < m; i++)
                 for (int64_t j = 0; j < n; j++)
                     s.Wd[i * n + j] = (double)diag[j] == 0.0 ? 0.0 : (double)W[i * n + j];
@@ -1029,6 +1041,17 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
     }
     if (st != BK_OK)
         return solve_fail(c, &s, r, st);
-    solve_extra x = {p->W, p->A_plain, d_weight, loss_gptq, p->dW};
+    solve_extra x = {p->W ? p->W : *Wdl, p->A_plain, d_weight, loss_gptq, p->dW};
     return solve_rest(c, o, m, n, lw, &s, &x, r);
+}
+
+} // namespace
+
+bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk_solve_opts *o,
+                            bk_solve_result *r, float *d_weight, double *loss_gptq)
+{
+    float *Wdl = NULL;
+    bk_status st = solve_dev(c, p, o, r, d_weight, loss_gptq, &Wdl);
+    free(Wdl);
+    return st;
 }

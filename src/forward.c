@@ -511,6 +511,7 @@ void bk_layer_weights_free(bk_layer_weights *lw)
         free(lw->w[i]);
         free(lw->b[i]);
         lw->w[i] = lw->b[i] = NULL;
+        lw->wb[i] = NULL; /* (mapped: not owned) */
     }
     free(lw->attn_norm);
     free(lw->mlp_norm);
@@ -675,6 +676,57 @@ bk_status bk_layer_weights_bf16_load(const bk_model *m, int layer, bk_layer_weig
     if (st != BK_OK)
         bk_layer_weights_bf16_free(lw);
     return st;
+}
+
+bk_status bk__layer_weights_load_mapped_bf16(const bk_model *m, int layer, bk_layer_weights *lw)
+{
+    bk_layer_weights_bf16 b;
+    bk_status st = bk_layer_weights_bf16_load(m, layer, &b);
+    if (st != BK_OK) {
+        if (lw)
+            memset(lw, 0, sizeof *lw);
+        return st;
+    }
+    int mapped = 1;
+    for (int i = 0; i < BK_MOD_COUNT; i++)
+        mapped &= b.own[i] == NULL;
+    if (!mapped) { /* (a rounded copy is not the checkpoint's value: F32) */
+        bk_layer_weights_bf16_free(&b);
+        return bk_layer_weights_load(m, layer, lw);
+    }
+    memset(lw, 0, sizeof *lw);
+    lw->layer = layer;
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        lw->wb[i] = b.w[i];
+        lw->b[i] = b.b[i];
+    }
+    lw->attn_norm = b.attn_norm;
+    lw->mlp_norm = b.mlp_norm;
+    lw->q_norm = b.q_norm;
+    lw->k_norm = b.k_norm;
+    return BK_OK;
+}
+
+bk_status bk__layer_weights_widen(const bk_model_config *c, bk_layer_weights *lw)
+{
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        if (!lw->wb[i] || lw->w[i])
+            continue;
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        const size_t n = (size_t)(o * in);
+        float *w = alloc_f32(o, in);
+        if (!w)
+            return bk_error(BK_ERR_NOMEM, "layer %d: out of memory for [%lld, %lld]", lw->layer,
+                            (long long)o, (long long)in);
+        const uint16_t *s = lw->wb[i];
+        uint32_t *d = (uint32_t *)w;
+        for (size_t k = 0; k < n; k++) /* (exact: BF16 is the top half of an F32) */
+            d[k] = (uint32_t)s[k] << 16;
+        lw->w[i] = w;
+        lw->wb[i] = NULL;
+    }
+    return BK_OK;
 }
 
 int bk_model_linears_mapped_bf16(const bk_model *m)

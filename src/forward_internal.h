@@ -140,6 +140,17 @@ bk_status bk_fwd_nonfinite_error(const bk_model_config *c, int layer, bk_fwd_sit
 bk_status bk_fwd_nll_rows(const double *se, const float *mx, const float *tgt, int64_t S,
                           int64_t T, double *nll_sum, int64_t *count);
 
+/* Layer `layer` for the GPU stages' upload (the layer driver's BF16 read):
+ * when every matrix of the layer is BF16 in the mapped checkpoint, lw->wb[i]
+ * point into the mapping (w[i] NULL), each matrix checked finite on its BF16
+ * elements (which also faults its pages in), biases and norms loaded as F32
+ * as bk_layer_weights_load does; otherwise exactly bk_layer_weights_load.
+ * Free with bk_layer_weights_free. */
+bk_status bk__layer_weights_load_mapped_bf16(const bk_model *m, int layer, bk_layer_weights *lw);
+/* Every BF16 matrix of lw (wb[i]) as an owned F32 copy in w[i] (exact), wb[i]
+ * then NULL: lw becomes what bk_layer_weights_load gives. */
+bk_status bk__layer_weights_widen(const bk_model_config *c, bk_layer_weights *lw);
+
 #ifdef __cplusplus
 }
 #endif

@@ -41,9 +41,9 @@ bk_status bk_driver_layer(bk_layer_driver *d, int l)
     d->t_load_last = 0.0;
     if (d->weights) {
         double t = bk_now();
-        st = bk_prefetch_take(&d->pf, d->model, l, &w);
+        st = bk_prefetch_take(&d->pf, d->model, l, d->bf16 && d->bf16(d->user, l), &w);
         if (st == BK_OK && (d->end <= 0 || l + 1 < d->end))
-            bk_prefetch_start(&d->pf, d->model, l + 1);
+            bk_prefetch_start(&d->pf, d->model, l + 1, d->bf16 && d->bf16(d->user, l + 1));
         d->t_load_last = bk_now() - t;
         d->t_load += d->t_load_last;
         bk_prof_add("io.prefetch_wait", d->t_load_last);

@@ -46,6 +46,13 @@ typedef struct bk_layer_driver {
     bk_status (*layer)(void *user, int l, bk_layer_weights *w);
     void *user;
     int weights;
+    /* The form of layer l's weights (with weights): NULL or 0 F32 (every
+     * matrix in w[i]); 1 the BF16 read for the GPU stages (the matrices of
+     * a BF16 checkpoint left in the mapping, wb[i]: bk_prefetch_start). The
+     * body gets the form the read-ahead was started with (it may differ for
+     * the first layer, started before the stages exist) and widens to F32
+     * what it needs as F32 (bk__layer_weights_widen). */
+    int (*bf16)(void *user, int l);
     /* No read-ahead beyond layer end - 1 (0: the model's last layer);
      * bk_driver_layers sets it to its l1. */
     int end;

@@ -356,8 +356,17 @@ bk_status bk_quantize(const bk_quantize_opts *o)
      * embedding are set up (bk_driver_layers takes them for layer 0, which
      * every token run visits first; the backprop flow drives the layers
      * itself) */
-    if (j->tokens && !j->bp)
-        bk_prefetch_start(&j->drv.pf, j->model, 0);
+    j->mapped_bf16 = bk_model_linears_mapped_bf16(j->model);
+    if (j->tokens && !j->bp) {
+        /* the form (bk__q_layer_bf16) guessed before the stages exist: BF16
+         * where the GPU stages will likely run the layer (a CUDA build, not
+         * the CPU backend or stages, one process, no kept layers); a wrong
+         * guess only costs the body a conversion (bk__layer_weights_widen)
+         * or the F32 upload of today */
+        const int guess = j->mapped_bf16 && bk_cuda_compiled() && o->backend != BK_BACKEND_CPU &&
+                          !o->cpu_stages && j->nranks <= 1 && !o->resume;
+        bk_prefetch_start(&j->drv.pf, j->model, 0, guess);
+    }
     j->N = j->S * j->T;
     j->batch = o->batch > 0 ? o->batch : bk_fwd_auto_batch(j->cfg, 0, j->T);
     if (j->S > 0 && j->batch > j->S)
@@ -657,6 +666,7 @@ bk_status bk_quantize(const bk_quantize_opts *o)
     j->drv.layer = j->tokens ? bk__q_layer_body : bk__q_offline_body;
     j->drv.user = j;
     j->drv.weights = j->tokens || j->acts;
+    j->drv.bf16 = bk__q_layer_bf16;
     j->drv.end = j->layer_end;
     j->drv.stop_check = !j->tokens || j->bp; /* (else: after every module's solve) */
     j->drv.stop_first = j->layer_begin;

@@ -69,7 +69,17 @@ bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src, int64_t n)
  * thread (elements) and its number of host threads; 0 keeps a value. */
 void bk_gpu_upload_tune(bk_gfwd *f, int64_t chunk, int64_t min_part, int threads);
 
-/* The layer's weights through bk_gpu_upload_f32. */
+/* Host BF16 src [n] (any host memory, e.g. the mapped checkpoint) to the
+ * device (synchronous), through the pinned staging of bk_gpu_upload_f32: dst
+ * [n] F32 receives the values widened (exact); dst_bf16 [n] (device, or NULL:
+ * a staging buffer is used) receives src's bytes. */
+bk_status bk_gpu_upload_bf16(bk_gfwd *f, float *dst, uint16_t *dst_bf16, const uint16_t *src,
+                             int64_t n);
+
+/* The layer's weights through bk_gpu_upload_f32; a matrix given as BF16
+ * (lw->wb[i], w[i] NULL: the layer driver's BF16 read) through
+ * bk_gpu_upload_bf16, in BF16 GEMM mode straight into the layer's BF16 copy
+ * (the same device layer, bit for bit, as from its F32 values). */
 bk_status bk_glayer_upload(bk_gfwd *f, const bk_layer_weights *lw, bk_glayer **out);
 /* Device copy of another device layer. */
 bk_status bk_glayer_clone(bk_gfwd *f, const bk_glayer *src, bk_glayer **out);

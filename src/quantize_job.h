@@ -137,6 +137,10 @@ typedef struct job {
     /* the layer driver (src/layer_driver.c): the embedding, then every layer
      * with its weights (the next one read on a helper thread meanwhile) */
     bk_layer_driver drv;
+    /* every matrix of the checkpoint is BF16 in the mapping
+     * (bk_model_linears_mapped_bf16): the driver may hand layers over as BF16
+     * (bk__q_layer_bf16) */
+    int mapped_bf16;
 } job;
 
 /* The micro-batches of this rank's sequences [s_lo, s_hi) (all sequences in
@@ -190,6 +194,8 @@ bk_status bk__q_solve_module(job *j, int layer, bk_module mod, bk_layer_weights 
 bk_status bk__q_weights_copy(const bk_model_config *c, const bk_layer_weights *src,
                              bk_layer_weights *dst);
 bk_status bk__q_layer_body(void *user, int l, bk_layer_weights *w);
+/* The layer driver's form of layer l (1: BF16, src/layer_driver.h's bf16). */
+int bk__q_layer_bf16(void *user, int l);
 bk_status bk__q_offline_body(void *user, int l, bk_layer_weights *w);
 
 /* src/quantize_ranks.c */

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "forward_internal.h"
 #include "quantize_job.h"
 #include "util.h"
 
@@ -258,12 +259,44 @@ done:
 
 /* ------------------------------------------- the layer driver's bodies */
 
+/* The layer driver's form of layer l (src/layer_driver.h): BF16 (the
+ * matrices left in the mapped checkpoint) where nothing on the host reads
+ * them as F32, i.e. token calibration of one process (no backward flow) whose
+ * whole layer runs on the device stages (factors and solves: layer_tokens
+ * uploads them, g_layer_begin; the device solve reads its original W from the
+ * device copy) and which is not a kept layer of --resume (rebuilt from F32
+ * weights, layer_rebuild); and only for a checkpoint whose matrices are all
+ * BF16 in the mapping (j->mapped_bf16). */
+int bk__q_layer_bf16(void *user, int l)
+{
+    const job *j = user;
+    const int kept = bk__q_in_range(j, l) && l < j->first_layer;
+    return j->mapped_bf16 && j->tokens && !j->bp && !j->acts && j->nranks <= 1 && j->ops &&
+           j->ops->factors_dev && j->ops->solve_dev && !kept;
+}
+
+/* w as F32 where the body needs it so (the driver's read-ahead of the first
+ * layer is started before the stages exist, in a guessed form) */
+static bk_status weights_form(job *j, int l, bk_layer_weights *w)
+{
+    if (!w || bk__q_layer_bf16(j, l))
+        return BK_OK;
+    double t = bk_now();
+    bk_status st = bk__layer_weights_widen(j->cfg, w);
+    j->t_io += bk_now() - t;
+    bk_prof_add("io.widen_bf16", bk_now() - t);
+    return st;
+}
+
 /* Token calibration: kept layers (--resume) are rebuilt, the others
  * quantized and journaled, or (before the range) run as they are. */
 bk_status bk__q_layer_body(void *user, int l, bk_layer_weights *w)
 {
     job *j = user;
     j->t_io += j->drv.t_load_last;
+    bk_status st0 = weights_form(j, l, w);
+    if (st0 != BK_OK)
+        return st0;
     /* (backprop kinds: the flow's leaves call this; a resumed run redoes the
      * flow, whose passes use the original model only, and rebuilds the kept
      * layers from their saved codes as every kind does) */
@@ -281,6 +314,8 @@ bk_status bk__q_offline_body(void *user, int l, bk_layer_weights *w)
     job *j = user;
     bk_status st;
     j->t_io += j->drv.t_load_last;
+    if ((st = weights_form(j, l, w)) != BK_OK)
+        return st;
     if (j->acts) {
         st = layer_acts(j, l, w);
     } else {

@@ -31,6 +31,7 @@
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
 #include "forward_internal.h"
+#include "prefetch.h"
 #include "rope.h"
 #include "test_cm_util.h" /* (includes test_util.h) */
 #include "util.h"
@@ -973,6 +974,114 @@ static void test_layer_weights_bf16(void **state)
     tu_each_model(models, sizeof models / sizeof models[0], layer_weights_bf16_model);
 }
 
+/* The layer driver's BF16 read for the GPU stages (branch bf16up):
+ * bk__layer_weights_load_mapped_bf16 leaves a mapped-BF16 checkpoint's
+ * matrices in the mapping (wb[i] == the mapped tensor, w[i] NULL), biases and
+ * norms the F32 load's; widened, it is the F32 load bit for bit; any other
+ * checkpoint gets the F32 load itself. The read-ahead (src/prefetch.c) hands
+ * over the form it was started with; a take of another layer drops the read
+ * in flight (freed) and reads the asked form now; drop frees a read. */
+static void lw_same_f32(const bk_model_config *c, const bk_layer_weights *a,
+                        const bk_layer_weights *b)
+{
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        int64_t o, in;
+        bk_module_shape(c, (bk_module)i, &o, &in);
+        assert_non_null(a->w[i]);
+        assert_non_null(b->w[i]);
+        assert_null(a->wb[i]);
+        assert_null(b->wb[i]);
+        assert_memory_equal(a->w[i], b->w[i], (size_t)(o * in) * sizeof(float));
+        assert_true(lw_same(a->b[i], b->b[i], (size_t)o));
+    }
+    assert_true(lw_same(a->attn_norm, b->attn_norm, (size_t)c->hidden));
+    assert_true(lw_same(a->mlp_norm, b->mlp_norm, (size_t)c->hidden));
+    assert_true(lw_same(a->q_norm, b->q_norm, (size_t)c->head_dim));
+    assert_true(lw_same(a->k_norm, b->k_norm, (size_t)c->head_dim));
+}
+
+/* lb: the BF16 read of layer l (mapped form when the model is mapped BF16) */
+static void check_bf16_read(const bk_model *m, int l, bk_layer_weights *lb)
+{
+    const bk_model_config *c = bk_model_get_config(m);
+    const int mapped = bk_model_linears_mapped_bf16(m);
+    bk_layer_weights lw;
+    assert_int_equal(bk_layer_weights_load(m, l, &lw), BK_OK);
+    assert_int_equal(lb->layer, l);
+    for (int i = 0; i < BK_MOD_COUNT; i++) {
+        if (mapped) {
+            assert_null(lb->w[i]);
+            assert_ptr_equal(lb->wb[i], bk_model_linear_bf16_mapped(m, l, (bk_module)i));
+        } else {
+            assert_null(lb->wb[i]);
+        }
+    }
+    assert_int_equal(bk__layer_weights_widen(c, lb), BK_OK);
+    lw_same_f32(c, &lw, lb);
+    bk_layer_weights_free(&lw);
+}
+
+static void prefetch_bf16_model(const char *label, const char *dir)
+{
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    const int L = (int)c->n_layers;
+    printf("  %s: mapped BF16: %d\n", label, bk_model_linears_mapped_bf16(m));
+    for (int l = 0; l < L; l++) {
+        bk_layer_weights lb;
+        assert_int_equal(bk__layer_weights_load_mapped_bf16(m, l, &lb), BK_OK);
+        check_bf16_read(m, l, &lb);
+        bk_layer_weights_free(&lb);
+        for (int i = 0; i < BK_MOD_COUNT; i++)
+            assert_true(lb.w[i] == NULL && lb.wb[i] == NULL && lb.b[i] == NULL);
+    }
+    bk_prefetch pf;
+    memset(&pf, 0, sizeof pf);
+    bk_layer_weights w;
+    /* started as BF16, taken with bf16 0: handed over as read */
+    bk_prefetch_start(&pf, m, 0, 1);
+    assert_int_equal(bk_prefetch_take(&pf, m, 0, 0, &w), BK_OK);
+    assert_int_equal(pf.running, 0);
+    check_bf16_read(m, 0, &w);
+    bk_layer_weights_free(&w);
+    if (L > 1) {
+        /* a take of another layer: the read of layer 0 is dropped, layer 1
+         * read now in the asked form */
+        bk_prefetch_start(&pf, m, 0, 1);
+        assert_int_equal(bk_prefetch_take(&pf, m, 1, 1, &w), BK_OK);
+        assert_int_equal(pf.running, 0);
+        check_bf16_read(m, 1, &w);
+        bk_layer_weights_free(&w);
+    }
+    /* F32 read ahead, taken: the F32 load */
+    bk_prefetch_start(&pf, m, L - 1, 0);
+    assert_int_equal(bk_prefetch_take(&pf, m, L - 1, 1, &w), BK_OK);
+    {
+        bk_layer_weights lw;
+        assert_int_equal(bk_layer_weights_load(m, L - 1, &lw), BK_OK);
+        lw_same_f32(c, &lw, &w);
+        bk_layer_weights_free(&lw);
+    }
+    bk_layer_weights_free(&w);
+    /* out of range: nothing started; a read in flight dropped */
+    bk_prefetch_start(&pf, m, L, 1);
+    assert_int_equal(pf.running, 0);
+    bk_prefetch_start(&pf, m, 0, 1);
+    bk_prefetch_drop(&pf);
+    assert_int_equal(pf.running, 0);
+    for (int i = 0; i < BK_MOD_COUNT; i++)
+        assert_true(pf.w.w[i] == NULL && pf.w.wb[i] == NULL && pf.w.b[i] == NULL);
+    bk_model_close(m);
+}
+
+static void test_prefetch_bf16(void **state)
+{
+    (void)state;
+    const char *const models[] = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-bf16",
+                                  "kerneldocs-1.6m"};
+    tu_each_model(models, sizeof models / sizeof models[0], prefetch_bf16_model);
+}
+
 /* NLL from the native forward == NLL computed here from transformers' logits. */
 static double nll_from_logits(const float *lg, const int32_t *ids, int64_t B, int64_t T,
                               int64_t V, int64_t *count)
@@ -1310,6 +1419,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_qk_rot),
         cmocka_unit_test(test_layer_weights_threads),
         cmocka_unit_test(test_layer_weights_bf16),
+        cmocka_unit_test(test_prefetch_bf16),
         cmocka_unit_test(test_golden_kerneldocs),
         cmocka_unit_test(test_golden_tiny_qwen3_bf16),
         cmocka_unit_test(test_nll_golden),

@@ -22,10 +22,15 @@ extern "C" {
 #endif
 
 /* One decoder layer's weights as F32 (native quantized folders are
- * dequantized). Every pointer is owned by the struct. */
+ * dequantized). Every pointer is owned by the struct, but wb.
+ * wb: set only by the layer driver's BF16 read for the GPU stages
+ * (src/layer_driver.h; bk_layer_weights_load leaves it NULL): matrix i is
+ * then BF16 [out, in] inside the mapped checkpoint (not owned) and w[i] is
+ * NULL; biases and norms stay F32. */
 typedef struct bk_layer_weights {
     int layer;
     float *w[BK_MOD_COUNT];  /* [out, in] row-major */
+    const uint16_t *wb[BK_MOD_COUNT]; /* see above; NULL for every F32 load */
     float *b[BK_MOD_COUNT];  /* bias [out] or NULL */
     float *attn_norm;        /* input_layernorm.weight [hidden] */
     float *mlp_norm;         /* post_attention_layernorm.weight [hidden] */
