@@ -1291,6 +1291,21 @@ extern "C" int bk_glayer_index(const bk_glayer *g)
     return g ? g->layer : -1;
 }
 
+extern "C" bk_status bk_glayer_download(bk_gfwd *f, const bk_glayer *g, bk_module mod, float *w,
+                                        uint16_t *wb, int *has_bf16)
+{
+    if (!f || !g || !w || (unsigned)mod >= BK_MOD_COUNT || !g->w[mod])
+        return bk_error(BK_ERR_INVALID_ARG, "GPU forward: bad arguments downloading a weight");
+    int64_t o, in;
+    bk_module_shape(&f->cfg, mod, &o, &in);
+    if (has_bf16)
+        *has_bf16 = g->wb[mod] != NULL;
+    bk_status st = bk_gpu_download(f, w, g->w[mod], (size_t)(o * in) * sizeof(float));
+    if (st == BK_OK && wb && g->wb[mod])
+        st = bk_gpu_download(f, wb, g->wb[mod], (size_t)(o * in) * sizeof(uint16_t));
+    return st;
+}
+
 namespace {
 
 /* dst = a device copy of n floats from host (src_host) or device (src_dev). */

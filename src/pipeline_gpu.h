@@ -87,6 +87,11 @@ bk_status bk_glayer_clone(bk_gfwd *f, const bk_glayer *src, bk_glayer **out);
 bk_status bk_glayer_set(bk_gfwd *f, bk_glayer *g, bk_module mod, const float *w);
 void bk_glayer_free(bk_gfwd *f, bk_glayer *g);
 int bk_glayer_index(const bk_glayer *g);
+/* Tests: module mod's device weight into w [out, in] (host F32) and, where
+ * the layer has one (BF16 GEMM mode), its BF16 copy into wb (host, may be
+ * NULL); *has_bf16 (may be NULL) = 1 when it has one. */
+bk_status bk_glayer_download(bk_gfwd *f, const bk_glayer *g, bk_module mod, float *w,
+                             uint16_t *wb, int *has_bf16);
 
 /* Stages, as bakron/forward.h, on device arrays. tokens stay host arrays. */
 bk_status bk_gfwd_embed(bk_gfwd *f, const bk_model *m, const int32_t *tokens, int64_t S,

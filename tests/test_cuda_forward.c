@@ -39,6 +39,7 @@
 #include "bakron/model.h"
 #include "bakron/safetensors.h"
 #include "bk_config.h"
+#include "forward_internal.h"
 #include "pipeline_gpu.h"
 #include "test_cm_util.h"
 #include "util.h"
@@ -881,6 +882,144 @@ static void test_upload(void **state)
     bk_model_close(m);
 }
 
+/* The layer driver's BF16 read for the GPU stages (branch bf16up): a layer
+ * uploaded from the mapped BF16 matrices (bk_gpu_upload_bf16, widened on the
+ * device; in BF16 GEMM mode landed in the BF16 copy) is bit for bit the layer
+ * uploaded from the F32 load: every matrix's F32 and BF16 copies, and the
+ * layer's forward output, with the F32, TF32 and BF16 GEMM backends; small
+ * staging chunks and the defaults. bk_gpu_upload_bf16 alone: random BF16
+ * bits (specials, NaN payloads), a short tail, unaligned starts. */
+static void upload_bf16_check(bk_gfwd *gf, const uint16_t *h, int64_t n)
+{
+    float *d = tu_dbuf(gf, n);
+    uint16_t *db = NULL;
+    OKS(bk_gpu_alloc(gf, (void **)&db, sizeof(uint16_t) * (size_t)n, "test"));
+    float *back = malloc(sizeof(float) * (size_t)n), *want = malloc(sizeof(float) * (size_t)n);
+    uint16_t *backb = malloc(sizeof(uint16_t) * (size_t)n);
+    assert_true(back && want && backb);
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = (uint32_t)h[i] << 16;
+        memcpy(&want[i], &u, sizeof u);
+    }
+    OKS(bk_gpu_upload_bf16(gf, d, NULL, h, n));
+    OKS(bk_gpu_download(gf, back, d, sizeof(float) * (size_t)n));
+    assert_memory_equal(back, want, sizeof(float) * (size_t)n);
+    memset(back, 0, sizeof(float) * (size_t)n);
+    OKS(bk_gpu_upload_bf16(gf, d, db, h, n));
+    OKS(bk_gpu_download(gf, back, d, sizeof(float) * (size_t)n));
+    OKS(bk_gpu_download(gf, backb, db, sizeof(uint16_t) * (size_t)n));
+    assert_memory_equal(back, want, sizeof(float) * (size_t)n);
+    assert_memory_equal(backb, h, sizeof(uint16_t) * (size_t)n);
+    free(back);
+    free(want);
+    free(backb);
+    bk_gpu_free(gf, db);
+    bk_gpu_free(gf, d);
+}
+
+static void test_upload_bf16(void **state)
+{
+    (void)state;
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/examples/kerneldocs-1.6m", tu_env_or("BK_SOURCE_ROOT", "."));
+    bk_model *m = open_model(dir);
+    const bk_model_config *c = bk_model_get_config(m);
+    assert_true(bk_model_linears_mapped_bf16(m)); /* (the example is a BF16 checkpoint) */
+    {
+        bk_gfwd *gf = NULL;
+        OKS(bk_gfwd_create(g_gpu, c, 1, 8, &gf));
+        const int64_t ch = 4096, n = 5 * ch + 77;
+        uint16_t *u = malloc(sizeof(uint16_t) * (size_t)n);
+        assert_non_null(u);
+        uint64_t x = 88172645463325252ull;
+        for (int64_t i = 0; i < n; i++) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            u[i] = (uint16_t)(x >> 48);
+        }
+        const uint16_t special[] = {0x8000u, 0x7f80u, 0xff80u, 0x7fc0u, 0xffc1u,
+                                    0x0001u, 0x807fu, 0x7f7fu, 0u};
+        for (size_t i = 0; i < sizeof special / sizeof special[0]; i++)
+            u[10 + i] = special[i];
+        bk_gpu_upload_tune(gf, ch, 512, 3);
+        upload_bf16_check(gf, u, n);
+        upload_bf16_check(gf, u, 100);
+        upload_bf16_check(gf, u + 1, n - 1);
+        bk_gpu_upload_tune(gf, ch, 100000, 1);
+        upload_bf16_check(gf, u, n);
+        free(u);
+        bk_gfwd_free(gf);
+    }
+    bk_backend *bes[3] = {g_gpu, g_tf32, g_bf16};
+    const int64_t S = 2, T = 8, N = S * T, H = c->hidden;
+    for (int b = 0; b < 3; b++) {
+        bk_gfwd *gf = NULL;
+        OKS(bk_gfwd_create(bes[b], c, S, T, &gf));
+        float *h = tu_hbuf(N * H), *o1 = tu_hbuf(N * H), *o2 = tu_hbuf(N * H);
+        for (int64_t i = 0; i < N * H; i++)
+            h[i] = (float)sin(0.37 * (double)i) * 0.5f;
+        float *dh = tu_dbuf(gf, N * H);
+        for (int pass = 0; pass < 2; pass++) {
+            if (pass == 0)
+                bk_gpu_upload_tune(gf, 1000, 100, 4);
+            else
+                bk_gpu_upload_tune(gf, (int64_t)1 << 24, (int64_t)1 << 20, 4);
+            for (int L = 0; L < c->n_layers; L++) {
+                bk_layer_weights lw, lb;
+                OKS(bk_layer_weights_load(m, L, &lw));
+                OKS(bk__layer_weights_load_mapped_bf16(m, L, &lb));
+                for (int i = 0; i < BK_MOD_COUNT; i++)
+                    assert_true(lb.wb[i] && !lb.w[i]);
+                bk_glayer *g1 = NULL, *g2 = NULL;
+                OKS(bk_glayer_upload(gf, &lw, &g1));
+                OKS(bk_glayer_upload(gf, &lb, &g2));
+                for (int i = 0; i < BK_MOD_COUNT; i++) {
+                    int64_t o, in;
+                    bk_module_shape(c, (bk_module)i, &o, &in);
+                    const size_t k = (size_t)(o * in);
+                    float *w1 = malloc(k * 4), *w2 = malloc(k * 4);
+                    uint16_t *b1 = malloc(k * 2), *b2 = malloc(k * 2);
+                    assert_true(w1 && w2 && b1 && b2);
+                    int hb1 = -1, hb2 = -1;
+                    OKS(bk_glayer_download(gf, g1, (bk_module)i, w1, b1, &hb1));
+                    OKS(bk_glayer_download(gf, g2, (bk_module)i, w2, b2, &hb2));
+                    assert_int_equal(hb1, hb2);
+                    assert_int_equal(hb1, b == 2);
+                    assert_memory_equal(w1, lw.w[i], k * 4);
+                    assert_memory_equal(w2, lw.w[i], k * 4);
+                    if (hb1) {
+                        assert_memory_equal(b1, b2, k * 2);
+                        assert_memory_equal(b2, lb.wb[i], k * 2);
+                    }
+                    free(w1);
+                    free(w2);
+                    free(b1);
+                    free(b2);
+                }
+                tu_up(gf, dh, h, N * H);
+                OKS(bk_gfwd_layer(gf, g1, S, dh, NULL));
+                OKS(bk_gpu_download(gf, o1, dh, sizeof(float) * (size_t)(N * H)));
+                tu_up(gf, dh, h, N * H);
+                OKS(bk_gfwd_layer(gf, g2, S, dh, NULL));
+                OKS(bk_gpu_download(gf, o2, dh, sizeof(float) * (size_t)(N * H)));
+                if (memcmp(o1, o2, sizeof(float) * (size_t)(N * H)) != 0)
+                    fail_msg("backend %d layer %d: BF16-uploaded layer's output differs", b, L);
+                bk_glayer_free(gf, g1);
+                bk_glayer_free(gf, g2);
+                bk_layer_weights_free(&lw);
+                bk_layer_weights_free(&lb);
+            }
+        }
+        free(h);
+        free(o1);
+        free(o2);
+        bk_gpu_free(gf, dh);
+        bk_gfwd_free(gf);
+    }
+    bk_model_close(m);
+}
+
 int main(void)
 {
     int rc0 = tu_gpu_begin(&g_gpu);
@@ -905,6 +1044,7 @@ int main(void)
         cmocka_unit_test(test_attention_fused_where), cmocka_unit_test(test_qk_rot_models),
         cmocka_unit_test(test_qk_rot_fused),    cmocka_unit_test(test_qk_rot_bad),
         cmocka_unit_test(test_bad_inputs),      cmocka_unit_test(test_upload),
+        cmocka_unit_test(test_upload_bf16),
     };
     int rc = cmocka_run_group_tests_name("cuda_forward", tests, NULL, NULL);
     bk_backend_destroy(g_tf32);
