@@ -279,7 +279,10 @@ int bk__q_layer_bf16(void *user, int l)
  * layer is started before the stages exist, in a guessed form) */
 static bk_status weights_form(job *j, int l, bk_layer_weights *w)
 {
-    if (!w || bk__q_layer_bf16(j, l))
+    int any = 0;
+    for (int i = 0; w && i < BK_MOD_COUNT; i++)
+        any |= w->wb[i] != NULL;
+    if (!any || bk__q_layer_bf16(j, l))
         return BK_OK;
     double t = bk_now();
     bk_status st = bk__layer_weights_widen(j->cfg, w);
