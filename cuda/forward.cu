@@ -926,7 +926,17 @@ extern "C" void bk_gpu_upload_tune(bk_gfwd *f, int64_t chunk, int64_t min_part, 
         f->up_threads = threads;
 }
 
-extern "C" bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src, int64_t n)
+namespace {
+
+/* The layer uploads of bk_gpu_upload_f32 / bk_gpu_upload_bf16: n elements of
+ * src (F32, or BF16 with src_bf16) into dst (F32 on the device) in chunks
+ * through the two pinned slots. Slot k&1: the host stages chunk k while chunk
+ * k-1 is copied; a slot is reused once the copy out of it (its event) is
+ * done. F32 chunks exact in BF16 travel as BF16 (stage_chunk) and BF16 ones
+ * always; both are widened on the device, a BF16 source landing in dst_bf16
+ * (the layer's BF16 copy) when given, else in the slot's device buffer. */
+bk_status upload_chunks(bk_gfwd *f, float *dst, uint16_t *dst_bf16, const void *src, int src_bf16,
+                        int64_t n)
 {
     if (n <= 0)
         return BK_OK;
@@ -935,8 +945,6 @@ extern "C" bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src,
         return st;
     cudaStream_t s = f->c->stream;
     int k = 0;
-    /* slot k&1: the host stages chunk k while chunk k-1 is copied; a slot is
-     * reused once the copy out of it (its event) is done */
     for (int64_t off = 0; off < n && st == BK_OK; off += f->up_chunk, k++) {
         const int64_t cnt = n - off < f->up_chunk ? n - off : f->up_chunk;
         const int slot = k & 1;
@@ -944,13 +952,23 @@ extern "C" bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src,
                             __FILE__, __LINE__);
         if (st != BK_OK)
             break;
-        if (stage_chunk(f, src + off, cnt, f->up_pin[slot])) {
-            st = bk_cuda_status(cudaMemcpyAsync(f->up_dev[slot], f->up_pin[slot],
+        int bf = 1;
+        if (src_bf16) {
+            const int np = parts_of(f, cnt) < 64 ? parts_of(f, cnt) : 64;
+            bk_host_copy_parts(static_cast<char *>(f->up_pin[slot]),
+                               reinterpret_cast<const char *>(static_cast<const uint16_t *>(src) + off),
+                               (size_t)cnt * sizeof(uint16_t), np);
+        } else {
+            bf = stage_chunk(f, static_cast<const float *>(src) + off, cnt, f->up_pin[slot]);
+        }
+        if (bf) {
+            uint16_t *land = src_bf16 && dst_bf16 ? dst_bf16 + off : f->up_dev[slot];
+            st = bk_cuda_status(cudaMemcpyAsync(land, f->up_pin[slot],
                                                 (size_t)cnt * sizeof(uint16_t),
                                                 cudaMemcpyHostToDevice, s),
                                 "weight upload: BF16 chunk", __FILE__, __LINE__);
             if (st == BK_OK) {
-                k_widen_bf16<<<bk_grid(cnt), 256, 0, s>>>(f->up_dev[slot], dst + off, cnt);
+                k_widen_bf16<<<bk_grid(cnt), 256, 0, s>>>(land, dst + off, cnt);
                 st = BK_LAUNCHED("k_widen_bf16");
             }
         } else {
@@ -979,50 +997,17 @@ extern "C" bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src,
     return BK_OK;
 }
 
+} // namespace
+
+extern "C" bk_status bk_gpu_upload_f32(bk_gfwd *f, float *dst, const float *src, int64_t n)
+{
+    return upload_chunks(f, dst, NULL, src, 0, n);
+}
+
 extern "C" bk_status bk_gpu_upload_bf16(bk_gfwd *f, float *dst, uint16_t *dst_bf16,
                                         const uint16_t *src, int64_t n)
 {
-    if (n <= 0)
-        return BK_OK;
-    bk_status st = upload_setup(f);
-    if (st != BK_OK)
-        return st;
-    cudaStream_t s = f->c->stream;
-    int k = 0;
-    /* as bk_gpu_upload_f32: slot k&1 is filled (host threads copy the BF16
-     * chunk into the pinned buffer) while chunk k-1 is copied and widened */
-    for (int64_t off = 0; off < n && st == BK_OK; off += f->up_chunk, k++) {
-        const int64_t cnt = n - off < f->up_chunk ? n - off : f->up_chunk;
-        const int slot = k & 1;
-        st = bk_cuda_status(cudaEventSynchronize(f->up_ev[slot]), "weight upload: slot event",
-                            __FILE__, __LINE__);
-        if (st != BK_OK)
-            break;
-        const int np = parts_of(f, cnt) < 64 ? parts_of(f, cnt) : 64;
-        bk_host_copy_parts(static_cast<char *>(f->up_pin[slot]),
-                           reinterpret_cast<const char *>(src + off),
-                           (size_t)cnt * sizeof(uint16_t), np);
-        uint16_t *land = dst_bf16 ? dst_bf16 + off : f->up_dev[slot];
-        st = bk_cuda_status(cudaMemcpyAsync(land, f->up_pin[slot], (size_t)cnt * sizeof(uint16_t),
-                                            cudaMemcpyHostToDevice, s),
-                            "weight upload: BF16 chunk", __FILE__, __LINE__);
-        if (st == BK_OK) {
-            k_widen_bf16<<<bk_grid(cnt), 256, 0, s>>>(land, dst + off, cnt);
-            st = BK_LAUNCHED("k_widen_bf16");
-        }
-        /* (recorded whatever happened: see bk_gpu_upload_f32) */
-        const cudaError_t er = cudaEventRecord(f->up_ev[slot], s);
-        if (st == BK_OK)
-            st = bk_cuda_status(er, "weight upload: recording the slot event", __FILE__,
-                                __LINE__);
-    }
-    if (st != BK_OK) {
-        cudaStreamSynchronize(s);
-        cudaGetLastError();
-        return st;
-    }
-    BK_CUDA_CHECK(cudaStreamSynchronize(s));
-    return BK_OK;
+    return upload_chunks(f, dst, dst_bf16, src, 1, n);
 }
 
 extern "C" void bk_gfwd_free(bk_gfwd *f)
