@@ -115,7 +115,9 @@ typedef struct job {
                                    (cuda/backward.cu); the input-side stages are j->ops
                                    (the GPU stages unless --setting bwd_input=cpu) */
     /* output writer: quantized modules are packed and written by a helper
-     * thread while the next module is solved (queue of WQ_CAP results) */
+     * thread while the next modules are solved and the next stages run (a
+     * queue of at most WQ_CAP results holding at most cap_bytes of host
+     * memory, one result whatever its size) */
     struct {
         pthread_t tid;
         int started, stop, failed;
@@ -127,8 +129,9 @@ typedef struct job {
                                   with layer -1: the tensors passed through */
             bk_solve_result r;
             char *entries;     /* the layer's report entries (journal) */
-        } q[2]; /* WQ_CAP */
+        } q[32]; /* WQ_CAP */
         int head, count;
+        uint64_t bytes, cap_bytes; /* host memory held by the queued results, its bound */
         bk_status st;
         char msg[1024];
         double busy_s; /* time spent writing (overlapped) */

@@ -65,7 +65,7 @@ bk_status bk__q_write_passthrough(job *j)
 
 /* ------------------------------------------------------------ writer thread */
 
-#define WQ_CAP 2 /* the size of job.wr.q */
+#define WQ_CAP 32 /* the size of job.wr.q */
 _Static_assert(sizeof(((job *)0)->wr.q) / sizeof(((job *)0)->wr.q[0]) == WQ_CAP,
                "writer queue size");
 
@@ -116,6 +116,15 @@ static bk_status writer_do(job *j, struct wjob *w)
     return write_module_checked(j, w->layer, w->mod, &w->r);
 }
 
+/* Host memory a queued result holds (its arrays). */
+static uint64_t wjob_bytes(const bk_solve_result *r)
+{
+    const uint64_t mn = (uint64_t)(r->m > 0 ? r->m : 0) * (uint64_t)(r->n > 0 ? r->n : 0);
+    const uint64_t mg = (uint64_t)(r->m > 0 ? r->m : 0) * (uint64_t)(r->groups > 0 ? r->groups : 0);
+    return (r->codes ? mn * sizeof(int16_t) : 0) + (r->weight ? mn * sizeof(float) : 0) +
+           (r->scales ? mg * sizeof(float) : 0) + (r->zeros ? mg * sizeof(float) : 0);
+}
+
 static void *writer_main(void *arg)
 {
     job *j = arg;
@@ -134,6 +143,7 @@ static void *writer_main(void *arg)
             st = writer_do(j, &w);
         const double dt = bk_now() - t;
         bk_prof_add("writer.write (thread)", dt);
+        const uint64_t nb = wjob_bytes(&w.r);
         bk_solve_result_free(&w.r);
         free(w.entries);
         pthread_mutex_lock(&j->wr.mu);
@@ -145,6 +155,7 @@ static void *writer_main(void *arg)
         }
         j->wr.head = (j->wr.head + 1) % WQ_CAP;
         j->wr.count--;
+        j->wr.bytes -= nb < j->wr.bytes ? nb : j->wr.bytes;
         pthread_cond_broadcast(&j->wr.cv);
     }
     pthread_mutex_unlock(&j->wr.mu);
@@ -173,8 +184,12 @@ bk_status bk__q_writer_put(job *j, int layer, bk_module mod, bk_solve_result *r,
         free(entries);
         return st;
     }
+    const uint64_t nb = wjob_bytes(r);
     pthread_mutex_lock(&j->wr.mu);
-    while (j->wr.count == WQ_CAP && !j->wr.failed)
+    /* wait for room: a free slot, and the bytes bound (an empty queue takes
+     * any one result) */
+    while (!j->wr.failed && (j->wr.count == WQ_CAP ||
+                             (j->wr.count > 0 && j->wr.bytes + nb > j->wr.cap_bytes)))
         pthread_cond_wait(&j->wr.cv, &j->wr.mu);
     if (j->wr.failed) {
         pthread_mutex_unlock(&j->wr.mu);
@@ -189,6 +204,7 @@ bk_status bk__q_writer_put(job *j, int layer, bk_module mod, bk_solve_result *r,
     w->entries = entries;
     memset(r, 0, sizeof *r);
     j->wr.count++;
+    j->wr.bytes += nb;
     pthread_cond_broadcast(&j->wr.cv);
     pthread_mutex_unlock(&j->wr.mu);
     return BK_OK;
@@ -210,6 +226,14 @@ void bk__q_writer_start(job *j)
     const char *e = getenv("BK_WRITER_THREAD"); /* 0: write on the calling thread */
     if (e && !strcmp(e, "0"))
         return;
+    /* the queue's bound: a sixteenth of the host memory available now, at most
+     * 2 GiB (a Llama-3-8B layer's results, codes + weights, are 1.3 GB), at
+     * least 256 MiB; the memory plans made before (the Backprop flow's host
+     * budget takes half of what is available) leave room for it */
+    const uint64_t avail = bk_host_avail_bytes(), lo = (uint64_t)256 << 20, hi = (uint64_t)2 << 30;
+    uint64_t cap = avail ? avail / 16 : lo;
+    j->wr.cap_bytes = cap < lo ? lo : cap > hi ? hi : cap;
+    j->wr.bytes = 0;
     pthread_mutex_init(&j->wr.mu, NULL);
     pthread_cond_init(&j->wr.cv, NULL);
     j->wr.started = pthread_create(&j->wr.tid, NULL, writer_main, j) == 0;
