@@ -25,6 +25,10 @@ void bk_quantize_opts_default(bk_quantize_opts *o)
     o->bwd_flow = BK_FLOW_HALVING;
     o->leaf_size = 0; /* chosen from the device memory (GPU flow), else 1 */
     o->bwd_boundaries = -1; /* from the host's available memory */
+    /* bf16 on the GPU with BF16 forward GEMMs, else fp32 (resolved once per
+     * job, bk_bwd_precision_resolve; session 16's measurement, docs/hessians.md
+     * "Arithmetic") */
+    o->bwd_precision = BK_BWD_AUTO;
     o->export_format = BK_EXPORT_NATIVE;
     o->backend = BK_BACKEND_AUTO;
     bk_backend_params_default(&o->backend_params);

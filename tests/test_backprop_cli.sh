@@ -60,15 +60,26 @@ mods = [e for e in ev if e["event"] == "module"]
 assert len(mods) == 28 and all(m["damp_b"] > 0 for m in mods), "every module two-sided"
 print("halving == naive, passes/depth/boundary bytes as expected, 7 backward events")
 EOF
-# --bwd-precision auto: resolved once per job, before the work; the CPU's flow
-# resolves it to fp32 (and runs in fp64 whatever the value): the default's bytes;
-# the start line, the plan (--dry-run, text and JSON) and report.json say so
+# --bwd-precision auto (the default since session 16): resolved once per job,
+# before the work; the CPU's flow resolves it to fp32 (and runs in fp64 whatever
+# the value): the default run h, --bwd-precision auto and --bwd-precision fp32
+# write the same bytes; the start line, the plan (--dry-run, text and JSON) and
+# report.json say which value was resolved and whether it came from auto
 q --hessian backprop-kfac --bwd-precision auto --out "$T/au" 2>"$T/au.log" ||
     { cat "$T/au.log"; fail "--bwd-precision auto"; }
 cmp -s "$T/h/model.safetensors" "$T/au/model.safetensors" ||
-    fail "--bwd-precision auto (CPU) wrote other weights than the default fp32"
+    fail "--bwd-precision auto (CPU) wrote other weights than the default (auto)"
 grep -q "^bakron: .*; backward on the CPU, --bwd-precision fp32 (auto) (the CPU's flow: fp64)" \
     "$T/au.log" || { cat "$T/au.log"; fail "auto: the start line lacks the resolved precision"; }
+q --hessian backprop-kfac --out "$T/df" 2>"$T/df.log" || { cat "$T/df.log"; fail "the default run"; }
+grep -q "^bakron: .*; backward on the CPU, --bwd-precision fp32 (auto) (the CPU's flow: fp64)" \
+    "$T/df.log" || { cat "$T/df.log"; fail "default: the start line lacks auto's resolved precision"; }
+q --hessian backprop-kfac --bwd-precision fp32 --out "$T/f32" 2>"$T/f32.log" ||
+    { cat "$T/f32.log"; fail "--bwd-precision fp32"; }
+cmp -s "$T/h/model.safetensors" "$T/f32/model.safetensors" ||
+    fail "--bwd-precision fp32 (CPU) wrote other weights than the default (auto: fp32 here)"
+grep -q "^bakron: .*; backward on the CPU, --bwd-precision fp32 (the CPU's flow: fp64)" \
+    "$T/f32.log" || { cat "$T/f32.log"; fail "fp32: the start line"; }
 q --hessian backprop-kfac --bwd-precision bf16 --out "$T/x" --dry-run >"$T/pl.txt" ||
     fail "--dry-run --bwd-precision bf16"
 grep -q "^  backward      on the CPU, --bwd-precision bf16 (the CPU's flow: fp64)$" "$T/pl.txt" ||
@@ -77,28 +88,41 @@ q --hessian backprop-kfac --bwd-precision auto --out "$T/x" --dry-run >"$T/pl.tx
     fail "--dry-run --bwd-precision auto"
 grep -q "^  backward      on the CPU, --bwd-precision fp32 (auto) (the CPU's flow: fp64)$" \
     "$T/pl.txt" || { cat "$T/pl.txt"; fail "plan: auto not resolved to fp32"; }
+q --hessian backprop-kfac --out "$T/x" --dry-run >"$T/pd.txt" || fail "--dry-run (default)"
+grep -q "^  backward      on the CPU, --bwd-precision fp32 (auto) (the CPU's flow: fp64)$" \
+    "$T/pd.txt" || { cat "$T/pd.txt"; fail "plan: the default (auto) not resolved to fp32"; }
 q --hessian backprop-kfac --bwd-precision auto --out "$T/x" --dry-run --json >"$T/pl.json" ||
     fail "--dry-run --json --bwd-precision auto"
-# a preset may ask for auto; the command line overrides it
+q --hessian backprop-kfac --out "$T/x" --dry-run --json >"$T/pd.json" ||
+    fail "--dry-run --json (default)"
+q --hessian backprop-kfac --bwd-precision fp32 --out "$T/x" --dry-run --json >"$T/p32.json" ||
+    fail "--dry-run --json --bwd-precision fp32"
+# a preset may ask for a precision; the command line overrides it
 printf '{"hessian": "backprop-kfac", "bwd-precision": "auto"}\n' >"$T/preset.json"
 q --config "$T/preset.json" --out "$T/x" --dry-run --json >"$T/pp.json" || fail "preset with auto"
 q --config "$T/preset.json" --bwd-precision fp64 --out "$T/x" --dry-run --json >"$T/po.json" ||
     fail "preset with auto, --bwd-precision fp64"
+printf '{"hessian": "backprop-kfac", "bwd-precision": "fp32"}\n' >"$T/preset32.json"
+q --config "$T/preset32.json" --out "$T/x" --dry-run --json >"$T/pf.json" || fail "preset with fp32"
 [ ! -e "$T/x" ] || fail "a dry run wrote $T/x"
 python3 - "$T" <<'EOF3'
 import json, sys
 T = sys.argv[1]
-au = json.load(open(f"{T}/au/report.json"))["backprop"]
-h = json.load(open(f"{T}/h/report.json"))["backprop"]
-assert (au["precision"], au["precision_option"], au["precision_auto"]) == ("fp64", "fp32", True), au
-assert (h["precision"], h["precision_option"], h["precision_auto"]) == ("fp64", "fp32", False), h
-assert au["boundary_dtype"] == "f64", au
-for name, want in (("pl", ("cpu", "fp32", True)), ("pp", ("cpu", "fp32", True)),
-                   ("po", ("cpu", "fp64", False))):
+rep = lambda d: json.load(open(f"{T}/{d}/report.json"))["backprop"]
+# the CPU's flow: arithmetic fp64; the option as resolved (auto: fp32 on the CPU) and
+# whether it came from auto (the default h and df, --bwd-precision auto) or was given
+for d, want in (("h", ("fp64", "fp32", True)), ("df", ("fp64", "fp32", True)),
+                ("au", ("fp64", "fp32", True)), ("f32", ("fp64", "fp32", False))):
+    b = rep(d)
+    assert (b["precision"], b["precision_option"], b["precision_auto"]) == want, (d, b)
+    assert b["boundary_dtype"] == "f64", (d, b)
+for name, want in (("pl", ("cpu", "fp32", True)), ("pd", ("cpu", "fp32", True)),
+                   ("p32", ("cpu", "fp32", False)), ("pp", ("cpu", "fp32", True)),
+                   ("po", ("cpu", "fp64", False)), ("pf", ("cpu", "fp32", False))):
     p = json.loads(open(f"{T}/{name}.json").readline())
     assert p["event"] == "plan", p
     assert (p["bwd_device"], p["bwd_precision"], p["bwd_precision_auto"]) == want, (name, p)
-print("--bwd-precision auto: fp32 on the CPU (start line, plan, preset, report.json)")
+print("--bwd-precision auto (the default): fp32 on the CPU (start line, plan, preset, report.json)")
 EOF3
 # wider splits: the same bytes, fewer passes
 q --hessian backprop-kfac --bwd-boundaries 7 --out "$T/w" --json >"$T/w.json"

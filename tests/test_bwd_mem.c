@@ -452,9 +452,10 @@ static void test_budget_8b(void **state)
     assert_int_equal(bk_bwd_units_budget(&p, N, 4096, 0), 0);
 }
 
-/* --bwd-precision auto (session 15): the names, the rule from the forward's
- * GEMM arithmetic and where the flow runs (bk_bwd_precision_resolve), and the
- * host plan's rule (bk_bwd_host_kinds), which refuses an unresolved auto. */
+/* --bwd-precision auto (session 15; the default since session 16): the names,
+ * the default, the rule from the forward's GEMM arithmetic and where the flow
+ * runs (bk_bwd_precision_resolve), and the host plan's rule
+ * (bk_bwd_host_kinds), which refuses an unresolved auto. */
 static void test_bwd_precision_auto(void **state)
 {
     (void)state;
@@ -469,6 +470,10 @@ static void test_bwd_precision_auto(void **state)
     assert_int_not_equal(bk_bwd_precision_from_name("fp16", &p), BK_OK);
     bk_clear_error();
     assert_null(bk_bwd_precision_name((bk_bwd_precision)5));
+    /* the default since session 16 (docs/hessians.md "Arithmetic"): auto */
+    bk_quantize_opts qo;
+    bk_quantize_opts_default(&qo);
+    assert_int_equal(qo.bwd_precision, BK_BWD_AUTO);
     /* the CUDA backend's flow: bf16 exactly when the forward's GEMMs are bf16 */
     assert_int_equal(bk_bwd_precision_resolve(BK_BWD_AUTO, 1, BK_GEMM_BF16), BK_BWD_BF16);
     assert_int_equal(bk_bwd_precision_resolve(BK_BWD_AUTO, 1, BK_GEMM_TF32), BK_BWD_FP32);

@@ -8,12 +8,14 @@
 #  only the backward pass differs):
 #  - --bwd-precision fp64: identical codes in >= 99.9% of every module
 #    (the factors should agree to ~1e-14; a code flips only at a rounding tie);
-#  - fp32 (the default): >= 99% per module in the first layer, >= 97% per
+#  - fp32 (given: the default is auto since session 16, bf16 on this BF16
+#    model): >= 99% per module in the first layer, >= 97% per
 #    module, >= 99% overall (test_cuda_pipeline.sh's rule for GPU vs CPU
 #    arithmetic); perplexities within 1e-3 relative (printed with the CPU's);
-#  The default is bwd_input=gpu (same bytes as the explicit setting), with the
-#  input-side stages on the GPU stages too (failed here at 15a675e, fixed in
-#  8a30b7d, passed at bbc5eac):
+#  The default is bwd_input=gpu, with the input-side stages on the GPU stages
+#  too (failed here at 15a675e, fixed in 8a30b7d, passed at bbc5eac), and
+#  --bwd-precision auto (session 16): a run without either writes the bytes of
+#  --setting bwd_input=gpu --bwd-precision bf16 here; fp32 given:
 #  - with --gpu-math fp32 the fp32 rule against the oracle; with the default
 #    --gpu-math auto (BF16/TF32 GEMMs) perplexity within 1e-2 relative;
 #  - GPU recursive halving and naive I write the same bytes; a rerun is
@@ -30,8 +32,9 @@
 #  - --gpu-pipeline is accepted (the default's stages);
 #  - --bwd-precision auto: bf16 with this BF16 model's BF16 forward GEMMs, fp32 with
 #    --gpu-math fp32 (the same bytes as those values given; report.json's fields);
+#    the default run (no --bwd-precision) as auto;
 #  - errors: a device memory limit: one error line naming the option,
-#    exit status 3, no output folder.
+#    exit status 3, no output folder (fp32 given, and the default).
 set -u
 source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die; GPU test helpers
 
@@ -53,27 +56,31 @@ CPUIN="--setting bwd_input=cpu"
 # the GPU input-side stages (device Grams): the default (they failed this test on
 # the H200 at 15a675e: codes 83-86% vs the CPU, --seed 1 changed nothing; fixed in 8a30b7d)
 GPUIN="--setting bwd_input=gpu"
-# the default is the GPU input side: the same bytes as --setting bwd_input=gpu
+# the defaults: the GPU input side and --bwd-precision auto (bf16 on this BF16 model with
+# the default --gpu-math auto): the same bytes as --setting bwd_input=gpu --bwd-precision bf16
 run "$W/def" --hessian backprop-kfac --backend cuda || die "GPU default: $(tail -1 "$W/def.log")"
+# (the runs below that test the fp32 rule give --bwd-precision fp32: the default since
+# session 16 is auto, bf16 here)
+F32="--bwd-precision fp32"
 run "$W/g64" --hessian backprop-kfac --backend cuda --bwd-precision fp64 $CPUIN ||
     die "GPU flow fp64: $(tail -1 "$W/g64.log")"
 "$B" quantize "$M" $CAL --hessian backprop-kfac --backend cuda $CPUIN --out "$W/g32" --json \
-    >"$W/g32.json" 2>"$W/g32.log" || die "GPU flow fp32: $(tail -1 "$W/g32.log")"
-run "$W/g32n" --hessian backprop-kfac --backend cuda --bwd-flow naive $CPUIN ||
+    $F32 >"$W/g32.json" 2>"$W/g32.log" || die "GPU flow fp32: $(tail -1 "$W/g32.log")"
+run "$W/g32n" --hessian backprop-kfac --backend cuda --bwd-flow naive $CPUIN $F32 ||
     die "GPU flow fp32 naive: $(tail -1 "$W/g32n.log")"
 # the default: the input-side stages on the GPU too
-run "$W/d" --hessian backprop-kfac --backend cuda $GPUIN || die "GPU default: $(tail -1 "$W/d.log")"
-run "$W/dn" --hessian backprop-kfac --backend cuda --bwd-flow naive $GPUIN ||
+run "$W/d" --hessian backprop-kfac --backend cuda $GPUIN $F32 || die "GPU default: $(tail -1 "$W/d.log")"
+run "$W/dn" --hessian backprop-kfac --backend cuda --bwd-flow naive $GPUIN $F32 ||
     die "GPU default naive: $(tail -1 "$W/dn.log")"
-run "$W/dr" --hessian backprop-kfac --backend cuda $GPUIN || die "GPU rerun: $(tail -1 "$W/dr.log")"
-run "$W/ds" --hessian backprop-kfac --backend cuda --seed 1 $GPUIN ||
+run "$W/dr" --hessian backprop-kfac --backend cuda $GPUIN $F32 || die "GPU rerun: $(tail -1 "$W/dr.log")"
+run "$W/ds" --hessian backprop-kfac --backend cuda --seed 1 $GPUIN $F32 ||
     die "GPU --seed 1: $(tail -1 "$W/ds.log")"
-run "$W/dp" --hessian backprop-kfac --backend cuda --gpu-pipeline $GPUIN ||
+run "$W/dp" --hessian backprop-kfac --backend cuda --gpu-pipeline $GPUIN $F32 ||
     die "GPU --gpu-pipeline: $(tail -1 "$W/dp.log")"
 # the code rule needs the stages' GEMMs in IEEE F32, as test_cuda_pipeline.sh's
 # comparisons do (the default --gpu-math auto runs them in BF16/TF32: 87% identical
 # codes at bc70eee on the H200, perplexity within 3e-3)
-run "$W/d32" --hessian backprop-kfac --backend cuda --gpu-math fp32 $GPUIN ||
+run "$W/d32" --hessian backprop-kfac --backend cuda --gpu-math fp32 $GPUIN $F32 ||
     die "GPU default, --gpu-math fp32: $(tail -1 "$W/d32.log")"
 
 # --bwd-precision bf16 (session 14): h and dh rounded to BF16 at every layer
@@ -88,7 +95,7 @@ run "$W/b16h1" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --lea
     $GPUIN || die "GPU bf16 leaf 1: $(tail -1 "$W/b16h1.log")"
 run "$W/b16w" --hessian backprop-kfac --backend cuda --bwd-precision bf16 --leaf-size 1 \
     --bwd-boundaries 7 $GPUIN || die "GPU bf16 wide: $(tail -1 "$W/b16w.log")"
-run "$W/g32w" --hessian backprop-kfac --backend cuda --bwd-boundaries auto $CPUIN ||
+run "$W/g32w" --hessian backprop-kfac --backend cuda --bwd-boundaries auto $CPUIN $F32 ||
     die "GPU flow fp32 wide: $(tail -1 "$W/g32w.log")"
 cmp -s "$W/b16h1/model.safetensors" "$W/b16w/model.safetensors" ||
     die "GPU bf16: --bwd-boundaries 7 wrote other weights than halving"
@@ -107,15 +114,21 @@ cmp -s "$W/au32/model.safetensors" "$W/d32/model.safetensors" ||
     die "GPU auto (--gpu-math fp32) wrote other weights than --bwd-precision fp32"
 grep -q "backward on the GPU, --bwd-precision bf16 (auto)" "$W/au.log" ||
     die "GPU auto: the start line lacks the resolved precision: $(head -3 "$W/au.log")"
+# the default (session 16: auto; and bwd_input=gpu): auto's bytes, bf16 here
+cmp -s "$W/def/model.safetensors" "$W/b16/model.safetensors" ||
+    die "the default (auto: bf16 here, bwd_input=gpu) wrote other weights than --bwd-precision bf16"
+grep -q "backward on the GPU, --bwd-precision bf16 (auto)" "$W/def.log" ||
+    die "GPU default: the start line lacks auto's resolved precision: $(head -3 "$W/def.log")"
 python3 - "$W" <<'EOFA' || fail=1
 import json, sys
 W = sys.argv[1]
 for d, want in (("au", ("bf16", "bf16", True, "bf16")), ("au32", ("fp32", "fp32", True, "f32")),
-                ("b16", ("bf16", "bf16", False, "bf16"))):
+                ("b16", ("bf16", "bf16", False, "bf16")), ("def", ("bf16", "bf16", True, "bf16")),
+                ("d32", ("fp32", "fp32", False, "f32"))):
     b = json.load(open(f"{W}/{d}/report.json"))["backprop"]
     got = (b["precision"], b["precision_option"], b["precision_auto"], b["boundary_dtype"])
     assert got == want, (d, got, want)
-print("--bwd-precision auto: bf16 with the BF16 forward, fp32 with --gpu-math fp32")
+print("--bwd-precision auto: bf16 with the BF16 forward, fp32 with --gpu-math fp32; the default is auto")
 EOFA
 
 codes "$W/g64" "$W/ref" "backprop-kfac: GPU backward fp64 vs CPU backward" fp64 || fail=1
@@ -133,8 +146,6 @@ cmp -s "$W/g32/model.safetensors" "$W/g32w/model.safetensors" ||
 cmp -s "$W/d/model.safetensors" "$W/dn/model.safetensors" ||
     die "GPU recursive halving and naive I wrote different weights"
 cmp -s "$W/d/model.safetensors" "$W/dr/model.safetensors" || die "a GPU rerun differs"
-cmp -s "$W/def/model.safetensors" "$W/d/model.safetensors" ||
-    die "the default differs from --setting bwd_input=gpu"
 cmp -s "$W/d/model.safetensors" "$W/dp/model.safetensors" || die "--gpu-pipeline differs"
 cmp -s "$W/d/model.safetensors" "$W/ds/model.safetensors" && die "--seed 1 changed nothing"
 
@@ -184,11 +195,11 @@ EOF
 # --- Shampoo, leaf 2, empirical Fisher -----------------------------------------
 run "$W/sref" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backend cuda \
     --cpu-stages || die "shampoo reference: $(tail -1 "$W/sref.log")"
-run "$W/sg" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backend cuda $CPUIN ||
+run "$W/sg" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backend cuda $CPUIN $F32 ||
     die "shampoo GPU: $(tail -1 "$W/sg.log")"
 codes "$W/sg" "$W/sref" "backprop-shampoo leaf 2 empirical: GPU backward fp32 vs CPU" || fail=1
 run "$W/sd" --hessian backprop-shampoo --leaf-size 2 --fisher empirical --backend cuda \
-    --gpu-math fp32 $GPUIN || die "shampoo GPU default: $(tail -1 "$W/sd.log")"
+    --gpu-math fp32 $GPUIN $F32 || die "shampoo GPU default: $(tail -1 "$W/sd.log")"
 codes "$W/sd" "$W/sref" \
     "backprop-shampoo leaf 2 empirical: GPU backward and input stages (--gpu-math fp32) vs CPU" ||
     fail=1
@@ -207,7 +218,10 @@ expect() { # expected-exit needle args...
         { cat "$W/err"; die "$*: the error line lacks '$needle'"; }
 }
 expect 3 "--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
-    --hessian backprop-kfac --backend cuda $CPUIN --out "$W/x"
+    --hessian backprop-kfac --backend cuda $CPUIN $F32 --out "$W/x"
+expect 3 "--cpu-stages\|--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
+    --hessian backprop-kfac --backend cuda $F32 --out "$W/x"
+# the default (auto: bf16 here; session 16, not yet run on a GPU)
 expect 3 "--cpu-stages\|--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
     --hessian backprop-kfac --backend cuda --out "$W/x"
 [ ! -e "$W/x" ] || die "a failed run left $W/x behind"

@@ -216,22 +216,37 @@ refused "other --fisher (backprop)" 1 "--fisher" "${bargs[@]}" --fisher empirica
 refused "other --leaf-size (backprop)" 1 "--leaf-size" "${bargs[@]}" --leaf-size 2
 resume_until_done "backprop after refusals" "${bargs[@]}" --leaf-size 1
 check "backprop after refusals" ref6
-# --bwd-precision auto is compared as resolved (the CPU: fp32): a killed bf16 run
-# is not continued with auto; a killed fp32 run is, to the same weights
+# --bwd-precision is compared as resolved (auto, the default since session 16:
+# fp32 on the CPU): a killed bf16 run is continued neither with auto nor with the
+# default; a killed default run is continued with an explicit fp32 (the same
+# resolved value) and a killed fp32 run with the default, to the same weights;
+# report.json says what the finishing command asked for (precision_auto)
 BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --bwd-precision bf16 --out q >/dev/null 2>&1
 refused "auto (fp32 here) after bf16 (backprop)" 1 "--bwd-precision was 'bf16', now 'fp32'" \
     "${bargs[@]}" --bwd-precision auto
-resume_until_done "bf16 after the auto refusal" "${bargs[@]}" --bwd-precision bf16
+refused "the default (auto: fp32 here) after bf16 (backprop)" 1 \
+    "--bwd-precision was 'bf16', now 'fp32'" "${bargs[@]}"
+resume_until_done "bf16 after the auto refusals" "${bargs[@]}" --bwd-precision bf16
 rm -rf q
-BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --out q >/dev/null 2>&1
-resume_until_done "auto after fp32 (backprop)" "${bargs[@]}" --bwd-precision auto
-grep -q "layers\? .*kept\|continuing" err || die "auto after fp32: not resumed: $(cat err)"
-cmp -s q/model.safetensors ref6/model.safetensors || die "auto after fp32: other weights than ref6"
-python3 -c "
+# resumed_as NAME AUTO: q resumed, ref6's weights, report.json's precision fields
+resumed_as() {
+    grep -q "layers\? .*kept\|continuing" err || die "$1: not resumed: $(cat err)"
+    cmp -s q/model.safetensors ref6/model.safetensors || die "$1: other weights than ref6"
+    python3 -c "
 import json, sys; b = json.load(open('q/report.json'))['backprop']
-sys.exit(not (b['precision_auto'] is True and b['precision_option'] == 'fp32'))" ||
-    die "auto after fp32: report.json's backprop precision fields"
-rm -rf q
+sys.exit(not (b['precision_auto'] is $2 and b['precision_option'] == 'fp32'))" ||
+        die "$1: report.json's backprop precision fields"
+    rm -rf q
+}
+BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --out q >/dev/null 2>&1
+resume_until_done "fp32 after the default (backprop)" "${bargs[@]}" --bwd-precision fp32
+resumed_as "fp32 after the default" False
+BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --bwd-precision fp32 --out q >/dev/null 2>&1
+resume_until_done "the default after fp32 (backprop)" "${bargs[@]}"
+resumed_as "the default after fp32" True
+BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${bargs[@]}" --bwd-precision fp32 --out q >/dev/null 2>&1
+resume_until_done "auto after fp32 (backprop)" "${bargs[@]}" --bwd-precision auto
+resumed_as "auto after fp32" True
 
 # without --resume a killed run's folder is removed (with a message)
 BK_FAULT_KILL_AT=journal-2 "$B" quantize m "${args[@]}" --out q >/dev/null 2>&1

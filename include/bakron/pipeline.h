@@ -71,13 +71,14 @@ struct bk_dist; /* bakron/dist.h */
 
 /* Arithmetic of the backward passes on a GPU (--bwd-precision; docs/hessians.md). */
 typedef enum bk_bwd_precision {
-    BK_BWD_FP32 = 0, /* F32 storage, IEEE F32 GEMMs, double reductions (default) */
+    BK_BWD_FP32 = 0, /* F32 storage, IEEE F32 GEMMs, double reductions */
     BK_BWD_FP64 = 1, /* double throughout (parity with the CPU oracle) */
     BK_BWD_TF32 = 2, /* F32 storage, GEMMs on TF32 tensor cores */
     BK_BWD_BF16 = 3, /* BF16 boundary matrices and weights, GEMMs on BF16 tensor cores (F32
                         accumulation) */
     BK_BWD_AUTO = 4  /* a request only, resolved once per job (bk_bwd_precision_resolve):
-                        never reaches the flow, its memory model or run.json */
+                        never reaches the flow, its memory model or run.json; the
+                        default of bk_quantize_opts_default since session 16 */
 } bk_bwd_precision;
 
 /* "fp32", "fp64", "tf32", "bf16", "auto" (bk_bwd_precision's order); NULL for a
@@ -154,11 +155,12 @@ typedef struct bk_quantize_opts {
     struct bk_dist *dist;
     bk_dist_reduce dist_reduce;
     bk_bwd_precision bwd_precision; /* the backward pass on the GPU (CUDA backend without
-                                     cpu_stages): BK_BWD_FP32 (default) F32 storage, IEEE F32
-                                     GEMMs, double reductions; BK_BWD_FP64 double (parity with
-                                     the CPU's); BK_BWD_TF32 F32 storage, GEMMs on TF32 tensor
+                                     cpu_stages): BK_BWD_FP32 F32 storage, IEEE F32 GEMMs,
+                                     double reductions; BK_BWD_FP64 double (parity with the
+                                     CPU's); BK_BWD_TF32 F32 storage, GEMMs on TF32 tensor
                                      cores; BK_BWD_BF16 BF16 boundaries, GEMMs on BF16 tensor
-                                     cores; BK_BWD_AUTO bf16 when the forward's GEMMs resolve
+                                     cores; BK_BWD_AUTO (bk_quantize_opts_default) bf16 when
+                                     the flow runs on the GPU and the forward's GEMMs resolve
                                      to BF16, else fp32 (bk_bwd_precision_resolve). The CPU's
                                      flow is always double. */
     int resume;                   /* continue a killed run of the same OUT_DIR from its work

@@ -68,7 +68,7 @@ static const char *quantize_usage =
     "                        memory allows, a cgroup limit included; more: wider splits,\n"
     "                        fewer passes, the same result; 0: recursive halving's fewest;\n"
     "                        MPI ranks: 0; not with --bwd-flow naive)\n"
-    "  --bwd-precision P     fp32 (default) | fp64 | tf32 | bf16 | auto: arithmetic of the\n"
+    "  --bwd-precision P     auto (default) | fp32 | fp64 | tf32 | bf16: arithmetic of the\n"
     "                        backward pass on the GPU (tf32/bf16: its GEMMs on tensor cores,\n"
     "                        several times faster; bf16 also halves the boundary matrices;\n"
     "                        auto: bf16 when the forward's GEMMs are bf16 (--gpu-math auto\n"
