@@ -17,6 +17,10 @@
  *   bk-cuda-dev attn [OPTIONS]    the GPU forward's attention, unfused against
  *                                 the fused kernel: errors against a double
  *                                 reference and times (attn_dev.cu)
+ *   bk-cuda-dev factor [OPTS]     the product's fp32 Cholesky + triangular inverse
+ *                                 (cuda/factor.cu) against a blocked 3xTF32
+ *                                 candidate: times and errors against fp64
+ *                                 (factor_dev.cu)
  *   bk-cuda-dev attn-bwd [OPTS]   the backprop flow's attention backward, unfused
  *                                 (BF16 GEMMs) against the fused kernels: errors
  *                                 against double, times (attn_bwd_dev.cu)
@@ -707,6 +711,7 @@ static int cmd_validate(int argc, char **argv)
 
 int cmd_attn(int argc, char **argv);     /* attn_dev.cu */
 int cmd_attn_bwd(int argc, char **argv); /* attn_bwd_dev.cu */
+int cmd_factor(int argc, char **argv);   /* factor_dev.cu */
 
 int main(int argc, char **argv)
 {
@@ -714,6 +719,8 @@ int main(int argc, char **argv)
         return cmd_attn(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "attn-bwd"))
         return cmd_attn_bwd(argc - 2, argv + 2);
+    if (argc >= 2 && !strcmp(argv[1], "factor"))
+        return cmd_factor(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "validate"))
         return cmd_validate(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "bench"))
@@ -722,6 +729,7 @@ int main(int argc, char **argv)
                     "[--antidiag-max MN] [--variants] | attn [--seqs S] [--T T] [--heads H] "
                     "[--kv K] [--hd D,..] [--amp A,..] [--reps N] [--variants] | attn-bwd [--seqs S] "
                     "[--T T] [--heads H] [--kv K] [--hd D,..] [--amp A,..] [--reps N] "
-                    "[--chunks C]\n");
+                    "[--chunks C] | factor [--n N,..] [--nb B,..] [--damp D,..] [--pw P] "
+                    "[--leaf L] [--kc K] [--reps N] [--terms 3|1] [--ratio R] [--sigma S] [--spike A]\n");
     return 1;
 }
