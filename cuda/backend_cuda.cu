@@ -18,6 +18,14 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
         return;
     bk_cuda_partition_release(c);
     bk_cuda_download_release(c);
+    if (c->stats_stream) /* (a job in flight was collected or dropped by its solve) */
+        cudaStreamSynchronize(c->stats_stream);
+    if (c->stats_blas)
+        cublasDestroy(c->stats_blas);
+    if (c->stats_ready)
+        cudaEventDestroy(c->stats_ready);
+    if (c->stats_stream)
+        cudaStreamDestroy(c->stats_stream);
     if (c->ev_main_ready)
         cudaEventDestroy(c->ev_main_ready);
     if (c->ev_side_done)

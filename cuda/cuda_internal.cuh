@@ -66,6 +66,12 @@ typedef struct bk_cuda_ctx {
     cudaEvent_t dl_ev[2];
     int dl_threads;       /* host threads copying out of a slot */
     int dl_off;           /* 1: staging unavailable (cudaHostAlloc failed): plain copies */
+    /* the solve's statistics (stats.cu, bk_cuda_stats_launch): a low-priority
+     * stream of their own and a cuBLAS handle bound to it, made at the first
+     * launch; stats_ready orders it after the main stream's work */
+    cudaStream_t stats_stream;
+    cublasHandle_t stats_blas;
+    cudaEvent_t stats_ready;
 } bk_cuda_ctx;
 
 /* partition.cu */
@@ -251,6 +257,38 @@ bk_status bk_cuda_losses(bk_cuda_ctx *c, int64_t m, int64_t n, const double *dWq
                          const double *dW0, const double *dAd, const double *dBd,
                          double *loss_one, double *loss_two, const float *dAp,
                          double *loss_plain);
+
+/* The same statistics on c->stats_stream, overlapping what the caller does on
+ * c->stream after the launch (the downloads of the codes, the bound): the
+ * same kernels, cuBLAS calls and inputs as bk_cuda_losses (the dot products
+ * written to device memory instead of returned to the host), so the same
+ * values. The buffers (E, E A~, B~ E, sums) are allocated by the launch on
+ * the calling thread, before anything runs on the stats stream; the inputs
+ * (dWq, dW0, dAd, dBd, dAp) must stay allocated and unchanged until
+ * bk_cuda_stats_collect or bk_cuda_stats_drop. One job in flight per
+ * context (one stats stream). */
+typedef struct bk_stats_job {
+    int active;          /* launched, not yet collected or dropped */
+    int two, plain;      /* B given; the proxy loss asked for (dAp) */
+    double *E, *F, *G;   /* [m, n] device */
+    double *d, *part;    /* [n], [LOSS_BLOCKS + 1] (plain) */
+    unsigned *doff;      /* A~ - Ap has an off-diagonal entry (plain) */
+    double *res;         /* [3] device: loss_one, loss_two, loss_plain */
+} bk_stats_job;
+
+/* Launch (j is overwritten). On failure what was launched is waited for and
+ * everything released (j inactive). */
+bk_status bk_cuda_stats_launch(bk_cuda_ctx *c, bk_stats_job *j, int64_t m, int64_t n,
+                               const double *dWq, const double *dW0, const double *dAd,
+                               const double *dBd, const float *dAp);
+/* Wait for j, read its results as bk_cuda_losses returns them (loss_plain NULL
+ * when the launch had no dAp; NAN when A~ - Ap is not diagonal), release it.
+ * A CUDA error of the stats stream is returned here (the caller names the
+ * module). */
+bk_status bk_cuda_stats_collect(bk_cuda_ctx *c, bk_stats_job *j, double *loss_one,
+                                double *loss_two, double *loss_plain);
+/* The failure/teardown path: wait for j (errors cleared), release it. */
+void bk_cuda_stats_drop(bk_cuda_ctx *c, bk_stats_job *j);
 
 /* ------------------------------------------------------------- the solve */
 

@@ -5,7 +5,9 @@
  *   damping + Cholesky of the inverse on the device (factor.cu), with the
  *   CPU's escalation, dead columns and precomputed-factor rules,
  *   the core algorithm on the device (timed with CUDA events: time_solve_s),
- *   the statistics in double on the device (stats.cu) and the bound.
+ *   the statistics in double on the device (stats.cu: on a stream of their
+ *   own, overlapping the codes' download and the bound, collected before the
+ *   solve returns) and the bound.
  *
  * Validation is solver.c's own (src/solver_check.h).
  *
@@ -485,7 +487,11 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     float *dweight = NULL;
     unsigned long long *dcounts = NULL, counts[3] = {0, 0, 0};
     double *dWq = NULL, *dW0 = NULL, *dAp = NULL;
-    double t1, t2, t3, lgptq = NAN;
+    double t1, t2, t3, t4, ts = 0.0, lgptq = NAN;
+    bk_stats_job sj;
+    memset(&sj, 0, sizeof sj);
+    /* the proxy loss from the statistics' E A~ (bk_cuda_stats_launch) */
+    const int fuse = want_gptq && s->dead == 0;
     float ms = 0.0f;
     bk_core_args a;
     refit_ctx rc;
@@ -571,20 +577,14 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
         bk_error_prefix(st, lw);
         goto fail;
     }
-    /* through pinned staging (bk_cuda_download: the host copies out of it on
-     * several threads while the next chunk is transferred) */
-    if ((st = bk_cuda_download(c, r->codes, dcodes, sizeof(int16_t) * mn)) != BK_OK)
-        goto fail;
-    /* the kernels store the value each code stands for as the CPU rule
-     * computes it (a -0 included), so it is copied, not recomputed */
-    if (r->weight && (st = bk_cuda_download(c, r->weight, dweight, sizeof(float) * mn)) != BK_OK)
-        goto fail;
     BK_CUDA_GOTO(cudaMemcpyAsync(counts, dcounts, sizeof counts, cudaMemcpyDeviceToHost,
                                  c->stream),
                  st, fail);
     BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
     /* the device problem and factors are no longer needed: free them before
-     * the statistics (the damped matrices stay) */
+     * the statistics (the damped matrices stay); no free or allocation
+     * follows while the statistics run on their stream (cudaFree would wait
+     * for them) until the collection */
     bk_dev_free(c, dW);
     dW = NULL;
     if (!s->sa_shared) { /* a kept input side stays for the next solve of its A */
@@ -593,8 +593,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     }
     bk_dev_free(c, sb.dL);
     sb.dL = NULL;
-    t2 = bk_now();
-    bk_cuda_pmark(c->stream, &tp, "sd.download_free");
+    bk_cuda_pmark(c->stream, &tp, "sd.counts_free");
     if (counts[2] > 0) {
         st = bk_error(BK_ERR_NONFINITE,
                       "%s: %lld values became non-finite during the %s solve (inputs too large "
@@ -610,13 +609,8 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
                       lw, (long long)counts[1], BK_Q_INT16_MAX);
         goto fail;
     }
-    if (x && x->d_weight) {
-        BK_CUDA_GOTO(cudaMemcpyAsync(x->d_weight, dweight, sizeof(float) * mn,
-                                     cudaMemcpyDeviceToDevice, c->stream),
-                     st, fail);
-        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
-    }
 
+    t2 = bk_now();
     if (stats || want_gptq) {
         /* E = weight - W in double: the weight converted on the device (exact),
          * W (dead columns zeroed) uploaded */
@@ -639,14 +633,37 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     }
     bk_cuda_pmark(c->stream, &tp, "sd.dcopy_loss_prep");
     if (stats) {
-        /* the proxy loss from the same E A~ when A~ - A_plain is diagonal
-         * (no dead column: its E is the same) */
-        const int fuse = want_gptq && s->dead == 0;
-        st = bk_cuda_losses(c, m, n, dWq, dW0, sa.dtil, sb.identity ? NULL : sb.dtil,
-                            &r->loss_one_sided, &r->loss_two_sided, fuse ? x->A_plain : NULL,
-                            fuse ? &lgptq : NULL);
+        /* launched on the stats stream (ordered after the prep above); the
+         * proxy loss from the same E A~ when A~ - A_plain is diagonal (no
+         * dead column: its E is the same). The inputs (dWq, dW0, the damped
+         * matrices, A_plain) stay until the collection below. */
+        st = bk_cuda_stats_launch(c, &sj, m, n, dWq, dW0, sa.dtil, sb.identity ? NULL : sb.dtil,
+                                  fuse ? x->A_plain : NULL);
         if (st != BK_OK)
             goto fail;
+    }
+    bk_cuda_pmark(c->stream, &tp, "sd.stats");
+    ts = bk_now() - t2;
+
+    /* while the statistics run: the codes and the weight to the host, through
+     * pinned staging (bk_cuda_download: the host copies out of it on several
+     * threads while the next chunk is transferred) */
+    if ((st = bk_cuda_download(c, r->codes, dcodes, sizeof(int16_t) * mn)) != BK_OK)
+        goto fail;
+    /* the kernels store the value each code stands for as the CPU rule
+     * computes it (a -0 included), so it is copied, not recomputed */
+    if (r->weight && (st = bk_cuda_download(c, r->weight, dweight, sizeof(float) * mn)) != BK_OK)
+        goto fail;
+    if (x && x->d_weight) {
+        BK_CUDA_GOTO(cudaMemcpyAsync(x->d_weight, dweight, sizeof(float) * mn,
+                                     cudaMemcpyDeviceToDevice, c->stream),
+                     st, fail);
+        BK_CUDA_GOTO(cudaStreamSynchronize(c->stream), st, fail);
+    }
+    bk_cuda_pmark(c->stream, &tp, "sd.download_free");
+
+    if (stats) {
+        t4 = bk_now();
         if (o->algorithm != BK_ALG_RTN) {
             const int use_b = family_two_sided(o->algorithm) && !sb.identity;
             double bound = 0.0;
@@ -680,8 +697,17 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
             }
             r->bound = 0.25 * bound;
         }
+        ts += bk_now() - t4;
+        bk_cuda_pmark(c->stream, &tp, "sd.bound");
+        t4 = bk_now();
+        st = bk_cuda_stats_collect(c, &sj, &r->loss_one_sided, &r->loss_two_sided,
+                                   fuse ? &lgptq : NULL);
+        ts += bk_now() - t4;
+        bk_cuda_pmark(c->stream, &tp, "sd.stats_wait");
+        if (st != BK_OK)
+            goto fail;
     }
-    bk_cuda_pmark(c->stream, &tp, "sd.stats");
+    t2 = bk_now();
     if (want_gptq && std::isnan(lgptq)) {
         /* tr(E A_plain E^T), E = weight - the original W, A_plain undamped;
          * the damped matrices are done with */
@@ -731,7 +757,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     r->clamped = (int64_t)counts[0];
     r->time_factor_s = t1 - s->t0;
     r->time_solve_s = (double)ms / 1000.0;
-    r->time_stats_s = stats || want_gptq ? t3 - t2 : 0.0;
+    r->time_stats_s = stats || want_gptq ? ts + (t3 - t2) : 0.0;
     if (want_gptq)
         *x->loss_gptq = lgptq;
     state_release(c, s);
@@ -746,6 +772,7 @@ bk_status solve_rest(bk_cuda_ctx *c, const bk_solve_opts *o, int64_t m, int64_t 
     return BK_OK;
 
 fail:
+    bk_cuda_stats_drop(c, &sj); /* (nothing in flight reads what is freed below) */
     cudaStreamSynchronize(c->stream);
     cudaGetLastError();
     bk_dev_free(c, dW);
