@@ -168,8 +168,8 @@ done:
 }
 
 /* Resume: the calibration state after finished layer l, rebuilt: the layer's
- * forward pass with the weights its modules were quantized to (saved codes and
- * scales; the original weights with --no-sequential, whose modules all saw
+ * forward pass with the weights its modules were quantized to (codes and scales
+ * from the shards or module files; the original weights with --no-sequential, whose modules all saw
  * full-precision inputs). The same forward functions on the same micro-batches
  * as the run that quantized it, so the same bits. */
 static bk_status layer_rebuild(job *j, int l, bk_layer_weights *w)

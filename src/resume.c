@@ -26,14 +26,36 @@ struct bk_resume {
     char journal[4096]; /* WORK/.resume/journal */
     int fd;             /* the journal, append */
     int need_weights;
+    int native;         /* --export native: the shards hold the codes (restore_from_stream) */
     int adopted;
     int layer_begin;
+    bk_st_stream *out;  /* the shards (bk_resume_restore): what module files are not needed for */
+    /* the modules of the layer being written that got a module file */
+    int pend_layer;
+    unsigned pend_files;
     /* journaled layers (contiguous from layer_begin) */
     int n;
     int cap;
     uint64_t *digest;
-    char **entries; /* report entries per layer: JSON array text */
+    unsigned *files; /* per layer: bit m = module m has a module file */
+    char **entries;  /* report entries per layer: JSON array text */
 };
+
+#define ALL_FILES ((1u << BK_MOD_COUNT) - 1u)
+_Static_assert(BK_MOD_COUNT < 32, "module bit mask");
+
+/* ,"files":[names of the modules of mask] (journal line) */
+static void put_files(bk_strbuf *b, unsigned mask)
+{
+    bk_sb_puts(b, ",\"files\":[");
+    int first = 1;
+    for (int m = 0; m < BK_MOD_COUNT; m++)
+        if (mask & (1u << m)) {
+            bk_sb_printf(b, "%s\"%s\"", first ? "" : ",", bk_module_name((bk_module)m));
+            first = 0;
+        }
+    bk_sb_puts(b, "]");
+}
 
 /* ------------------------------------------------------------ helpers */
 
@@ -265,6 +287,10 @@ static bk_status grow(bk_resume *r)
     if (!e)
         return bk_error(BK_ERR_NOMEM, "out of memory");
     r->entries = e;
+    unsigned *f = realloc(r->files, (size_t)nc * sizeof *f);
+    if (!f)
+        return bk_error(BK_ERR_NOMEM, "out of memory");
+    r->files = f;
     r->cap = nc;
     return BK_OK;
 }
@@ -290,9 +316,26 @@ static bk_status load_journal(bk_resume *r)
         const cJSON *l = cJSON_GetObjectItemCaseSensitive(j, "layer");
         const cJSON *d = cJSON_GetObjectItemCaseSensitive(j, "digest");
         const cJSON *m = cJSON_GetObjectItemCaseSensitive(j, "modules");
+        const cJSON *fl = cJSON_GetObjectItemCaseSensitive(j, "files");
         char *ent = cJSON_IsArray(m) ? cJSON_PrintUnformatted(m) : NULL;
         int ok = cJSON_IsNumber(l) && l->valueint == r->layer_begin + r->n &&
                  cJSON_IsString(d) && strlen(d->valuestring) == 16 && ent;
+        /* the modules with module files (a line without "files": every module) */
+        unsigned files = fl ? 0u : ALL_FILES;
+        if (fl && !cJSON_IsArray(fl))
+            ok = 0;
+        const cJSON *fe;
+        cJSON_ArrayForEach(fe, fl)
+        {
+            int mk = -1;
+            for (int mm = 0; cJSON_IsString(fe) && mm < BK_MOD_COUNT; mm++)
+                if (!strcmp(fe->valuestring, bk_module_name((bk_module)mm)))
+                    mk = mm;
+            if (mk < 0)
+                ok = 0;
+            else
+                files |= 1u << mk;
+        }
         uint64_t dv = 0;
         if (ok) {
             char *end;
@@ -306,6 +349,7 @@ static bk_status load_journal(bk_resume *r)
         }
         if (ok) {
             r->digest[r->n] = dv;
+            r->files[r->n] = files;
             r->entries[r->n] = ent;
             r->n++;
         } else {
@@ -328,8 +372,9 @@ static bk_status rewrite_journal(bk_resume *r, int n)
     for (int i = 0; i < n; i++) {
         char hx[17];
         hex64(r->digest[i], hx);
-        bk_sb_printf(&b, "{\"layer\":%d,\"digest\":\"%s\",\"modules\":%s}\n", r->layer_begin + i,
-                     hx, r->entries[i]);
+        bk_sb_printf(&b, "{\"layer\":%d,\"digest\":\"%s\"", r->layer_begin + i, hx);
+        put_files(&b, r->files[i]);
+        bk_sb_printf(&b, ",\"modules\":%s}\n", r->entries[i]);
     }
     if (b.oom) {
         bk_sb_free(&b);
@@ -362,6 +407,8 @@ bk_status bk_resume_open(const char *work_dir, int adopted, const bk_resume_sour
         return bk_error(BK_ERR_NOMEM, "out of memory");
     r->fd = -1;
     r->need_weights = need_weights;
+    r->native = src->o->export_format == BK_EXPORT_NATIVE;
+    r->pend_layer = -1;
     r->adopted = adopted;
     r->layer_begin = src->layer_begin;
     bk_status st = BK_OK;
@@ -431,6 +478,7 @@ void bk_resume_free(bk_resume *r)
         free(r->entries[i]);
     free(r->entries);
     free(r->digest);
+    free(r->files);
     free(r);
 }
 
@@ -466,6 +514,7 @@ bk_status bk_resume_restore(bk_resume *r, bk_st_stream *out, int reused, cJSON *
                             void *user)
 {
     *next = r->layer_begin;
+    r->out = out;
     if (r->n == 0) {
         if (r->adopted)
             say(note, user, "--resume: the interrupted run had finished no layer; starting from "
@@ -490,9 +539,12 @@ bk_status bk_resume_restore(bk_resume *r, bk_st_stream *out, int reused, cJSON *
                          "journal's digest", l);
                 break;
             }
+            /* (the modules without a module file are read back from the shards,
+             * whose bytes the digest covers) */
             int have = 1;
             for (int m = 0; r->need_weights && m < BK_MOD_COUNT; m++)
-                if (!module_file(r, l, (bk_module)m, p, sizeof p) || !bk_is_file(p))
+                if ((r->files[keep] & (1u << m)) &&
+                    (!module_file(r, l, (bk_module)m, p, sizeof p) || !bk_is_file(p)))
                     have = 0;
             if (!have) {
                 snprintf(why, sizeof why, "layer %d's saved codes are missing", l);
@@ -530,12 +582,47 @@ bk_status bk_resume_restore(bk_resume *r, bk_st_stream *out, int reused, cJSON *
     return BK_OK;
 }
 
-/* Codes of a module: I8 (levels), U8 (uniform), else I16. */
+/* Groups of the native export's scales for n input columns (pipeline_export.c). */
+static int64_t native_groups(const bk_quant_spec *q, int64_t n)
+{
+    return q->kind == BK_Q_UNIFORM && q->group > 0 ? (n + q->group - 1) / q->group : 1;
+}
+
+/* Whether the native export of res (bk__write_module) holds its codes, scales
+ * and zeros exactly: levels as int8 c, uniform symmetric as int8 c - 2^(bits-1)
+ * with no zeros, asymmetric as uint8 c with F32 zeros; every code in range. */
+static int in_shards(const bk_resume *r, const bk_quant_spec *q, const bk_solve_result *res)
+{
+    if (!r->native || !res->codes || !res->scales || res->groups != native_groups(q, res->n))
+        return 0;
+    int lo, hi;
+    if (q->kind == BK_Q_LEVELS) {
+        lo = -128, hi = 127;
+    } else if (q->kind == BK_Q_UNIFORM && q->bits >= 1 && q->bits <= 8) {
+        if (q->asym ? !res->zeros : res->zeros != NULL)
+            return 0;
+        lo = q->asym ? 0 : (1 << (q->bits - 1)) - 128;
+        hi = q->asym ? 255 : (1 << (q->bits - 1)) + 127;
+    } else {
+        return 0; /* (the integer alphabet: wide codes) */
+    }
+    for (int64_t i = 0; i < res->m * res->n; i++)
+        if (res->codes[i] < lo || res->codes[i] > hi)
+            return 0;
+    return 1;
+}
+
+/* Codes of a module: I8 (levels), U8 (uniform), else I16. Not written when the
+ * shards hold them exactly (in_shards) and they rebuild the solver's weights. */
 bk_status bk_resume_save_module(bk_resume *r, const bk_quant_spec *q, int layer, bk_module mod,
                                 const bk_solve_result *res)
 {
     if (!r || !r->need_weights)
         return BK_OK;
+    if (r->pend_layer != layer) {
+        r->pend_layer = layer;
+        r->pend_files = 0;
+    }
     char p[4400];
     if (!module_file(r, layer, mod, p, sizeof p))
         return bk_error(BK_ERR_INVALID_ARG, "%s: path too long", r->dir);
@@ -569,6 +656,11 @@ bk_status bk_resume_save_module(bk_resume *r, const bk_quant_spec *q, int layer,
         for (int64_t i = 0; i < m * n && exact; i++)
             exact = wr[i] == res->weight[i];
     }
+    if (exact && in_shards(r, q, res)) { /* read back from the shards on --resume */
+        free(codes);
+        free(wr);
+        return BK_OK;
+    }
     int64_t shp[2] = {m, n}, sshp[2] = {m, g};
     st = bk_st_writer_create(&w);
     if (st == BK_OK)
@@ -581,6 +673,8 @@ bk_status bk_resume_save_module(bk_resume *r, const bk_quant_spec *q, int layer,
         st = bk_st_writer_add(w, "weight", BK_DT_F32, 2, shp, res->weight, 0);
     if (st == BK_OK)
         st = bk_st_writer_save(w, p);
+    if (st == BK_OK)
+        r->pend_files |= 1u << mod;
     bk_st_writer_free(w);
     free(codes);
     free(wr);
@@ -650,7 +744,10 @@ bk_status bk_resume_layer_done(bk_resume *r, bk_st_stream *out, int layer, const
     hex64(d, hx);
     bk_strbuf b;
     memset(&b, 0, sizeof b);
-    bk_sb_printf(&b, "{\"layer\":%d,\"digest\":\"%s\",\"modules\":%s}\n", layer, hx, ent);
+    const unsigned files = r->pend_layer == layer ? r->pend_files : 0u;
+    bk_sb_printf(&b, "{\"layer\":%d,\"digest\":\"%s\"", layer, hx);
+    put_files(&b, files);
+    bk_sb_printf(&b, ",\"modules\":%s}\n", ent);
     if (b.oom) {
         free(ent);
         bk_sb_free(&b);
@@ -676,20 +773,73 @@ bk_status bk_resume_layer_done(bk_resume *r, bk_st_stream *out, int layer, const
         return st;
     }
     r->digest[r->n] = d;
+    r->files[r->n] = files;
     r->entries[r->n] = ent;
     r->n++;
     return BK_OK;
+}
+
+/* Module mod of layer l from the shards (its native export: in_shards),
+ * dequantized as from its module file: the same codes, scales and zeros. */
+static bk_status from_shards(bk_resume *r, const bk_quant_spec *q, int layer, bk_module mod,
+                             int64_t m, int64_t n, float *w)
+{
+    if (!r->out)
+        return bk_error(BK_ERR_INTERNAL, "resume: layer %d %s: no shards to read back", layer,
+                        bk_module_name(mod));
+    const int asym = q->kind == BK_Q_UNIFORM && q->asym;
+    const int64_t g = native_groups(q, n);
+    uint8_t *c = malloc((size_t)(m * n));
+    float *sc = malloc((size_t)(m * g) * sizeof(float));
+    float *zs = asym ? malloc((size_t)(m * g) * sizeof(float)) : NULL;
+    bk_status st = BK_OK;
+    if (!c || !sc || (asym && !zs))
+        st = bk_error(BK_ERR_NOMEM, "out of memory");
+    char name[512];
+    snprintf(name, sizeof name, "model.layers.%d.%s.qweight", layer, bk_module_name(mod));
+    if (st == BK_OK)
+        st = bk_st_stream_read(r->out, name, asym ? BK_DT_U8 : BK_DT_I8, c, (uint64_t)(m * n));
+    snprintf(name, sizeof name, "model.layers.%d.%s.scales", layer, bk_module_name(mod));
+    if (st == BK_OK)
+        st = bk_st_stream_read(r->out, name, BK_DT_F32, sc, (uint64_t)(m * g) * sizeof(float));
+    snprintf(name, sizeof name, "model.layers.%d.%s.qzeros", layer, bk_module_name(mod));
+    if (st == BK_OK && asym)
+        st = bk_st_stream_read(r->out, name, BK_DT_F32, zs, (uint64_t)(m * g) * sizeof(float));
+    if (st == BK_OK) {
+        if (q->kind == BK_Q_LEVELS) {
+            dequantize_any(q, BK_DT_I8, c, sc, NULL, m, n, g, w);
+        } else {
+            /* symmetric: int8 c - 2^(bits-1) back to the uint8 code c */
+            const int zero = asym ? 0 : 1 << (q->bits - 1);
+            for (int64_t i = 0; zero && i < m * n; i++)
+                c[i] = (uint8_t)((int)(int8_t)c[i] + zero);
+            dequantize_any(q, BK_DT_U8, c, sc, zs, m, n, g, w);
+        }
+    } else {
+        st = bk_error(st, "--resume: %s (start over without --resume)", bk_last_error());
+    }
+    free(c);
+    free(sc);
+    free(zs);
+    return st;
 }
 
 bk_status bk_resume_load_weights(bk_resume *r, const bk_quant_spec *q, const bk_model_config *cfg,
                                  int layer, bk_layer_weights *lw)
 {
     bk_status st = BK_OK;
+    const int k = layer - r->layer_begin;
+    if (k < 0 || k >= r->n)
+        return bk_error(BK_ERR_INTERNAL, "resume: layer %d is not journaled", layer);
     for (int mi = 0; mi < BK_MOD_COUNT && st == BK_OK; mi++) {
         const bk_module mod = (bk_module)mi;
         char p[4400];
         int64_t m, n;
         bk_module_shape(cfg, mod, &m, &n);
+        if (!(r->files[k] & (1u << mi))) {
+            st = from_shards(r, q, layer, mod, m, n, lw->w[mod]);
+            continue;
+        }
         if (!module_file(r, layer, mod, p, sizeof p))
             return bk_error(BK_ERR_INVALID_ARG, "%s: path too long", r->dir);
         bk_st_file *f = NULL;

@@ -9,11 +9,16 @@
  *                         sizes and mtimes);
  *   journal               one line per finished layer, appended and fsync'ed
  *                         after the layer's tensors are durably in the shards:
- *                         {"layer":L,"digest":"<16 hex>","modules":[report entries]};
+ *                         {"layer":L,"digest":"<16 hex>","files":[modules with a
+ *                         module file],"modules":[report entries]};
  *   L<layer>.<module>.safetensors
  *                         the module's codes and scales (token calibration,
  *                         sequential): the quantized weights the forward pass
- *                         through finished layers needs on resume.
+ *                         through finished layers needs on resume; only for a
+ *                         module whose codes the shards do not hold exactly
+ *                         (--export gptq or dequantized; native: none unless the
+ *                         rebuilt weights were not the solver's), the others are
+ *                         read back from the shards.
  * The shards are built as NAME.partial (bk_st_stream_begin_resumable).
  *
  * A later run with --resume adopts the work folder (outdir.c), checks run.json
@@ -72,7 +77,8 @@ bk_status bk_resume_restore(bk_resume *r, bk_st_stream *out, int reused, cJSON *
                             void *user);
 
 /* Module mod of layer l was written to the stream (writer thread): keep its
- * codes and scales when need_weights. */
+ * codes and scales when need_weights, in a module file unless the stream's
+ * native export holds them exactly and they rebuild the solver's weights. */
 bk_status bk_resume_save_module(bk_resume *r, const bk_quant_spec *q, int layer, bk_module mod,
                                 const bk_solve_result *res);
 
@@ -80,8 +86,9 @@ bk_status bk_resume_save_module(bk_resume *r, const bk_quant_spec *q, int layer,
  * (entries: its report entries as a JSON array text). */
 bk_status bk_resume_layer_done(bk_resume *r, bk_st_stream *out, int layer, const char *entries);
 
-/* The quantized weights of finished layer l (from its saved codes and scales)
- * replace lw's linear weights. */
+/* The quantized weights of finished layer l (from its module files, or from
+ * the shards' qweight/scales/qzeros for the modules without one) replace lw's
+ * linear weights. */
 bk_status bk_resume_load_weights(bk_resume *r, const bk_quant_spec *q, const bk_model_config *cfg,
                                  int layer, bk_layer_weights *lw);
 

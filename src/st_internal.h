@@ -69,6 +69,12 @@ bk_status bk_st_stream_sync(bk_st_stream *s);
 /* Digest of the names and the bytes, as they are in the files, of every
  * declared tensor whose name starts with prefix (in declaration order). */
 bk_status bk_st_stream_digest(bk_st_stream *s, const char *prefix, uint64_t *digest);
+/* Read declared tensor `name` back from the files into dst: its dtype must be
+ * dt and its size nbytes (else BK_ERR_INVALID_ARG); BK_ERR_IO when the file
+ * cannot be read, one line naming the file and the tensor. Safe while other
+ * tensors are being written (pread; the layout is fixed). */
+bk_status bk_st_stream_read(bk_st_stream *s, const char *name, bk_dtype dt, void *dst,
+                            uint64_t nbytes);
 /* Count every tensor whose name starts with prefix as written (its bytes are
  * in the reused files already). */
 void bk_st_stream_mark_written(bk_st_stream *s, const char *prefix);

@@ -1208,6 +1208,42 @@ bk_status bk_st_stream_digest(bk_st_stream *s, const char *prefix, uint64_t *dig
     return BK_OK;
 }
 
+bk_status bk_st_stream_read(bk_st_stream *s, const char *name, bk_dtype dt, void *dst,
+                            uint64_t nbytes)
+{
+    if (!s || !name || (nbytes && !dst))
+        return bk_error(BK_ERR_INVALID_ARG, "bk_st_stream_read: NULL argument");
+    if (!s->frozen)
+        return bk_error(BK_ERR_INVALID_ARG, "bk_st_stream_read: no files yet");
+    const size_t k = list_find(&s->L, name);
+    if (k == SIZE_MAX)
+        return bk_error(BK_ERR_INVALID_ARG, "safetensors stream: tensor '%s': was never declared",
+                        name);
+    const entry *e = &s->L.e[k];
+    const outfile *o = &s->outs[e->shard];
+    const char *path = o->tmp_path ? o->tmp_path : o->final_path;
+    if (e->dtype != dt || e->nbytes != nbytes)
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "%s: tensor '%s' is %s, %llu bytes; expected %s, %llu bytes", path,
+                        name, bk_dtype_name(e->dtype), (unsigned long long)e->nbytes,
+                        bk_dtype_name(dt), (unsigned long long)nbytes);
+    uint64_t off = s->hdr_len[e->shard] + e->offset, left = nbytes;
+    char *p = dst;
+    while (left > 0) {
+        const size_t chunk = left > ((uint64_t)1 << 30) ? ((size_t)1 << 30) : (size_t)left;
+        ssize_t r = pread(o->fd, p, chunk, (off_t)off);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return bk_error(BK_ERR_IO, "%s: cannot read tensor '%s' back: %s", path, name,
+                            r < 0 ? strerror(errno) : "short file");
+        p += r;
+        off += (uint64_t)r;
+        left -= (uint64_t)r;
+    }
+    return BK_OK;
+}
+
 void bk_st_stream_mark_written(bk_st_stream *s, const char *prefix)
 {
     if (!s || !prefix)

@@ -120,6 +120,88 @@ for c in "${configs[@]}"; do
     check "$name killed twice" $ref
 done
 
+# --- module files: only where the shards do not hold the codes ------------
+# native export (levels, uniform symmetric/asymmetric with groups): the codes,
+# scales and zeros are read back from the shards, no module file is written;
+# --export gptq (F16 scales) and dequantized keep them. Expected bytes: the
+# uninterrupted runs (ref1 for levels, new references for the uniform kinds).
+# files_at NAME ARGS...: killed after the 2nd journal line; nfiles = the module files then
+files_at() {
+    local name=$1; shift
+    rm -rf q q.tmp-*
+    BK_FAULT_KILL_AT=journal-after-2 "$B" quantize m "$@" --out q >/dev/null 2>&1
+    [ $? -eq 137 ] || { die "$name: journal-after-2 not reached"; return; }
+    [ "$(grep -c . q.tmp-*/.resume/journal)" -eq 2 ] || die "$name: not two journal lines"
+    nfiles=$(ls q.tmp-*/.resume | grep -c '^L.*\.safetensors$')
+}
+read -r -a args <<<"${configs[0]#*|}"
+files_at "levels native" "${args[@]}"
+[ "$nfiles" -eq 0 ] || die "levels native: $nfiles module files"
+resume_until_done "levels native files" "${args[@]}"
+check "levels native, no module files" ref1
+read -r -a gargs <<<"${configs[1]#*|}"
+files_at "gptq export" "${gargs[@]}"
+[ "$nfiles" -ge 14 ] || die "gptq export: $nfiles module files, expected 7 per journaled layer"
+resume_until_done "gptq export files" "${gargs[@]}"
+check "gptq export, module files" ref2
+dargs=(--hessian gptq --levels 3 --export dequantized "${CAL[@]}")
+"$B" quantize m "${dargs[@]}" --out refd 2>err >/dev/null || die "dequantized reference: $(cat err)"
+files_at "dequantized" "${dargs[@]}"
+[ "$nfiles" -ge 14 ] || die "dequantized: $nfiles module files, expected 7 per journaled layer"
+resume_until_done "dequantized files" "${dargs[@]}"
+check "dequantized, module files" refd
+for c in "uniform sym grouped|--hessian gptq --bits 4 --group 64 ${CAL[*]}" \
+    "uniform asym grouped|--hessian mlplocal-kfac --bits 3 --group 32 --asym ${CAL[*]}" \
+    "uniform 8 bits asym|--hessian gptq --bits 8 --asym ${CAL[*]}"; do
+    name=${c%%|*}
+    read -r -a uargs <<<"${c#*|}"
+    "$B" quantize m "${uargs[@]}" --out refu 2>err >/dev/null || { die "$name: reference: $(cat err)"; continue; }
+    files_at "$name" "${uargs[@]}"
+    [ "$nfiles" -eq 0 ] || die "$name: $nfiles module files"
+    resume_until_done "$name files" "${uargs[@]}"
+    check "$name, no module files" refu
+    for pt in module-3 module-10 journal-3 journal-after-1 journal-after-3; do
+        BK_FAULT_KILL_AT=$pt "$B" quantize m "${uargs[@]}" --out q >/dev/null 2>err
+        rc=$?
+        [ $rc -eq 137 ] || [ $rc -eq 0 ] || die "$name $pt: exit $rc: $(tail -1 err)"
+        [ $rc -eq 137 ] && resume_until_done "$name $pt" "${uargs[@]}"
+        check "$name $pt" refu
+    done
+    rm -rf refu
+done
+# a changed byte of a journaled layer's codes in the shards: the digest notices,
+# the layers from there on are redone, the bytes are the uninterrupted run's
+read -r -a args <<<"${configs[0]#*|}"
+files_at "corrupted codes" "${args[@]}"
+python3 - q.tmp-*/model.safetensors.partial <<'EOF' || die "corrupting the shard failed"
+import json, struct, sys
+with open(sys.argv[1], "r+b") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    t = json.loads(f.read(n))["model.layers.1.mlp.up_proj.qweight"]
+    f.seek(8 + n + t["data_offsets"][0] + 5)
+    b = f.read(1)[0]
+    f.seek(8 + n + t["data_offsets"][0] + 5)
+    f.write(bytes([(b + 1) % 256]))
+EOF
+"$B" quantize m "${args[@]}" --out q --resume >/dev/null 2>err || die "corrupted codes: $(tail -1 err)"
+grep -q "layer 1's tensors in the shards differ from the journal's digest; continuing from layer 1" err ||
+    die "corrupted codes: not noticed: $(cat err)"
+check "corrupted codes" ref1
+# a journal line without "files" (every module had a file) and no files: redone
+files_at "old journal" "${args[@]}"
+sed -i 's/,"files":\[\]//' q.tmp-*/.resume/journal
+"$B" quantize m "${args[@]}" --out q --resume >/dev/null 2>err || die "old journal: $(tail -1 err)"
+grep -q "layer 0's saved codes are missing; continuing from layer 0" err ||
+    die "old journal: missing module files not noticed: $(cat err)"
+check "old journal" ref1
+# a module file the journal names, removed: redone from that layer
+files_at "gptq export, a module file removed" "${gargs[@]}"
+rm q.tmp-*/.resume/L00001.mlp.down_proj.safetensors
+"$B" quantize m "${gargs[@]}" --out q --resume >/dev/null 2>err || die "removed module file: $(tail -1 err)"
+grep -q "layer 1's saved codes are missing; continuing from layer 1" err ||
+    die "removed module file: not noticed: $(cat err)"
+check "gptq export, a module file removed" ref2
+
 # random kill -9 times (gptq native), each followed by --resume
 read -r -a args <<<"${configs[0]#*|}"
 "$B" quantize m "${args[@]}" --out q 2>/dev/null >/dev/null # warm-up: how long a run takes
