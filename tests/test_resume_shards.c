@@ -139,7 +139,9 @@ static void check_kind(const bk_quant_spec *q)
             int c = i < hi - lo + 1 ? lo + (int)i : lo + (int)((rng >> 33) % (uint64_t)(hi - lo + 1));
             r->codes[i] = (int16_t)c;
             const int64_t gi = (i / n) * r->groups + (i % n) / gs;
-            const float z = r->zeros ? r->zeros[gi] : (float)(1 << (q->bits - 1));
+            const float z = r->zeros                     ? r->zeros[gi]
+                            : q->kind == BK_Q_UNIFORM ? (float)(1 << (q->bits - 1))
+                                                      : 0.0f; /* (levels: unused) */
             r->weight[i] = q->kind == BK_Q_LEVELS ? (float)c * r->scales[gi]
                                                   : r->scales[gi] * ((float)c - z);
         }
