@@ -18,8 +18,13 @@
  *
  * Accuracy against fp64 (the product's own fp64 path, bk_dside_from_dmatrix
  * with BK_PREC_FP64, for the final normalized factor; cuSOLVER Dpotrf and
- * Dtrtri for the stages) on the same fp32-representable matrix. Not part of
- * the product; nothing in src/ or cuda/ outside cuda/dev calls it.
+ * Dtrtri for the stages) on the same fp32-representable matrix.
+ *
+ * Since session 16 (branch fac3xprod) the candidate lives in the product
+ * (cuda/factor_tc.cu, bk_fac3x_*; used by factor.cu when the CUDA tuning
+ * factor_tc is 1, default 0): the rows "fac3x nb=.." time those functions with
+ * the harness's settings, and the row "product-ftc" the product end to end
+ * (bk_dside_from_dmatrix) with factor_tc 1 and the product's settings.
  */
 #include <algorithm>
 #include <chrono>
@@ -154,133 +159,27 @@ template <typename R> __global__ void k_normalize(R *X, int64_t ld, int64_t k, c
         *x = R(1);
 }
 
-/* ------------------------------------------------------------ 3xTF32 pieces */
+/* ------------------------------- the product's blocked 3xTF32 path (timed) */
 
-__device__ __forceinline__ float tf32(float x)
-{
-    uint32_t u;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(x));
-    return __uint_as_float(u);
-}
-
-/* The split copy of src [rows, cols] (column-major, lds) for a K' = t K GEMM
- * operand. krows: K is the row index, dst is [t rows, cols] (ld t rows),
- * dst[t r + p, c] = term p of src[r, c]; else K is the column index, dst is
- * [rows, t cols] (ld rows), dst[r, t c + p]. Term p is lo when bit p of pat is
- * set, else hi. tri: src is upper triangular, entries below its diagonal are
- * taken as zero (whatever the buffer holds there). */
-__global__ void k_split(float *dst, const float *src, int64_t lds, int64_t rows, int64_t cols,
-                        int krows, int t, unsigned pat, int tri)
-{
-    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= rows * cols)
-        return;
-    const int64_t r = idx % rows, c = idx / rows;
-    const float x = (tri && r > c) ? 0.f : src[c * lds + r];
-    const float hi = tf32(x), lo = tf32(x - hi);
-    for (int p = 0; p < t; p++) {
-        const float v = (pat >> p) & 1u ? lo : hi;
-        if (krows)
-            dst[c * (t * rows) + t * r + p] = v;
-        else
-            dst[(t * c + p) * rows + r] = v;
-    }
-}
-
-struct fac3x_cfg {
-    int64_t nb;   /* Cholesky block column */
-    int64_t pw;   /* panel width of the trapezoid / triangle-skipping GEMMs */
-    int64_t leaf; /* inverse leaves (cuSOLVER trtri) */
-    int terms;    /* 3: 3xTF32, 1: plain TF32 (for reference) */
-    int64_t kc;   /* K per GEMM call in split elements (0: whole K) */
-};
-
-/* the patterns of the A and B operands: t = 3: (hi, hi, lo) . (hi, lo, hi) */
-inline unsigned pat_a(int t)
-{
-    return t == 3 ? 4u : 0u;
-}
-inline unsigned pat_b(int t)
-{
-    return t == 3 ? 2u : 0u;
-}
-
-struct fac3x_ws {
-    float *s1 = nullptr, *s2 = nullptr, *tmp = nullptr;
-    size_t s1n = 0, s2n = 0, tmpn = 0;
-    void *pw = nullptr, *tw = nullptr, *th = nullptr;
-    int lw = 0;
-    size_t twd = 0, twh = 0;
-    int *dinfo = nullptr; /* one per potrf block and per trtri leaf */
-    int ninfo = 0;
-    int used = 0;
-};
-
-void split(bk_cuda_ctx *c, float *dst, const float *src, int64_t lds, int64_t rows, int64_t cols,
-           int krows, int t, unsigned pat, int tri)
-{
-    if (rows <= 0 || cols <= 0)
-        return;
-    k_split<<<grid(rows * cols), 256, 0, c->stream>>>(dst, src, lds, rows, cols, krows, t, pat,
-                                                      tri);
-    CU(cudaGetLastError());
-}
-
-/* C = alpha op(A) B + beta C in TF32 with fp32 accumulation; with kc > 0, K
- * in chunks of at most kc (a multiple of the terms) added in fp32 by the
- * epilogue (beta = 1 after the first): shorter accumulations inside the
- * tensor cores, whose rounding of partial sums may not be fp32's nearest */
-void gemm_tc(bk_cuda_ctx *c, cublasOperation_t ta, int64_t M, int64_t N, int64_t K, float alpha,
-             const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
-             int64_t ldc, int64_t kc = 0)
-{
-    if (M <= 0 || N <= 0)
-        return;
-    if (kc <= 0)
-        kc = K;
-    for (int64_t k0 = 0; k0 < K; k0 += kc) {
-        const int64_t kl = std::min(kc, K - k0);
-        const float b = k0 ? 1.f : beta;
-        const float *Ak = ta == CUBLAS_OP_T ? A + k0 : A + k0 * lda;
-        CB(cublasGemmEx_64(c->cublas, ta, CUBLAS_OP_N, M, N, kl, &alpha, Ak, CUDA_R_32F, lda,
-                           B + k0, CUDA_R_32F, ldb, &b, C, CUDA_R_32F, ldc,
-                           CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
-    }
-}
+/* cuda/factor_tc.cu (moved there from this file in session 16, branch
+ * fac3xprod): the product runs it with bk_fac3x_cfg_default when setting
+ * factor_tc is 1; the harness runs the same functions with its own nb, pw,
+ * leaf, kc and terms. Thin wrappers that exit on an error, as the harness
+ * does everywhere. */
+typedef bk_fac3x_cfg fac3x_cfg;
+typedef bk_fac3x_ws fac3x_ws;
 
 void ws_make(bk_cuda_ctx *c, fac3x_ws &w, int64_t n, int64_t ld, const fac3x_cfg &g)
 {
-    /* the largest halves of trtri3x's recursion (its first split; n2 can exceed n1) */
-    const int64_t t = g.terms, h0 = (n / 2 + 63) / 64 * 64, h = std::max(h0, n - h0);
-    w.s1n = (size_t)std::max<int64_t>(t * g.nb * n, t * h * h);
-    w.s2n = w.s1n;
-    w.tmpn = (size_t)(h * h);
-    CK(bk_dev_alloc(c, (void **)&w.s1, sizeof(float) * w.s1n, "fac3x s1"));
-    CK(bk_dev_alloc(c, (void **)&w.s2, sizeof(float) * w.s2n, "fac3x s2"));
-    CK(bk_dev_alloc(c, (void **)&w.tmp, sizeof(float) * w.tmpn, "fac3x tmp"));
-    CS(cusolverDnSpotrf_bufferSize(c->cusolver, CUBLAS_FILL_MODE_UPPER, (int)g.nb, w.s1,
-                                   (int)ld, &w.lw));
-    CK(bk_dev_alloc(c, &w.pw, sizeof(float) * (size_t)std::max(w.lw, 1), "fac3x potrf ws"));
-    CS(cusolverDnXtrtri_bufferSize(c->cusolver, CUBLAS_FILL_MODE_UPPER, CUBLAS_DIAG_NON_UNIT,
-                                   std::min(g.leaf, n), CUDA_R_32F, w.s1, ld, &w.twd, &w.twh));
-    CK(bk_dev_alloc(c, &w.tw, std::max<size_t>(w.twd, 1), "fac3x trtri ws"));
-    w.th = malloc(std::max<size_t>(w.twh, 1));
-    w.ninfo = (int)(n / 64 + 64) * 2;
-    CK(bk_dev_alloc(c, (void **)&w.dinfo, sizeof(int) * (size_t)w.ninfo, "fac3x info"));
+    CK(bk_fac3x_ws_make(c, &w, n, ld, &g));
 }
 
 void ws_free(bk_cuda_ctx *c, fac3x_ws &w)
 {
-    bk_dev_free(c, w.s1);
-    bk_dev_free(c, w.s2);
-    bk_dev_free(c, w.tmp);
-    bk_dev_free(c, w.pw);
-    bk_dev_free(c, w.tw);
-    bk_dev_free(c, w.dinfo);
-    free(w.th);
-    w = fac3x_ws();
+    bk_fac3x_ws_free(c, &w);
 }
 
+/* a slot of the workspace's infos for the product replica below */
 int *next_info(fac3x_ws &w)
 {
     if (w.used >= w.ninfo) {
@@ -293,73 +192,22 @@ int *next_info(fac3x_ws &w)
 /* A = U^T U in place on the column-major upper triangle of X [n, n] (ld) */
 void potrf3x(bk_cuda_ctx *c, float *X, int64_t n, int64_t ld, const fac3x_cfg &g, fac3x_ws &w)
 {
-    const int t = g.terms;
-    const float one = 1.f;
-    for (int64_t j0 = 0; j0 < n; j0 += g.nb) {
-        const int64_t b = std::min(g.nb, n - j0), m = n - j0 - b;
-        float *U11 = X + j0 * ld + j0;
-        CS(cusolverDnSpotrf(c->cusolver, CUBLAS_FILL_MODE_UPPER, (int)b, U11, (int)ld,
-                            (float *)w.pw, w.lw, next_info(w)));
-        if (m == 0)
-            break;
-        float *A12 = X + (j0 + b) * ld + j0;
-        CB(cublasStrsm_64(c->cublas, CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T,
-                          CUBLAS_DIAG_NON_UNIT, b, m, &one, U11, ld, A12, ld));
-        /* C -= U12^T U12 on the upper trapezoid, by column panels */
-        split(c, w.s1, A12, ld, b, m, 1, t, pat_a(t), 0);
-        split(c, w.s2, A12, ld, b, m, 1, t, pat_b(t), 0);
-        float *C = X + (j0 + b) * ld + (j0 + b);
-        for (int64_t c0 = 0; c0 < m; c0 += g.pw) {
-            const int64_t c1 = std::min(c0 + g.pw, m);
-            gemm_tc(c, CUBLAS_OP_T, c1, c1 - c0, t * b, -1.f, w.s1, t * b, w.s2 + c0 * t * b,
-                    t * b, 1.f, C + c0 * ld, ld, g.kc);
-        }
-    }
+    CK(bk_fac3x_potrf(c, X, n, ld, &g, &w));
 }
 
 /* U^-1 in place on the column-major upper triangle of X [k, k] (ld) */
 void trtri3x(bk_cuda_ctx *c, float *X, int64_t k, int64_t ld, const fac3x_cfg &g, fac3x_ws &w)
 {
-    if (k <= g.leaf) {
-        CS(cusolverDnXtrtri(c->cusolver, CUBLAS_FILL_MODE_UPPER, CUBLAS_DIAG_NON_UNIT, k,
-                            CUDA_R_32F, X, ld, w.tw, w.twd, w.th, w.twh, next_info(w)));
-        return;
-    }
-    const int t = g.terms;
-    const int64_t n1 = (k / 2 + 63) / 64 * 64, n2 = k - n1;
-    float *A = X, *B = X + n1 * ld, *C = X + n1 * ld + n1;
-    trtri3x(c, A, n1, ld, g, w);
-    trtri3x(c, C, n2, ld, g, w);
-    /* T = A^-1 B by row panels of A^-1 (columns from the panel's diagonal on) */
-    split(c, w.s1, A, ld, n1, n1, 0, t, pat_a(t), 1); /* [n1, t n1] */
-    split(c, w.s2, B, ld, n1, n2, 1, t, pat_b(t), 0); /* [t n1, n2] */
-    for (int64_t r0 = 0; r0 < n1; r0 += g.pw) {
-        const int64_t r1 = std::min(r0 + g.pw, n1);
-        gemm_tc(c, CUBLAS_OP_N, r1 - r0, n2, t * (n1 - r0), 1.f, w.s1 + r0 + t * r0 * n1, n1,
-                w.s2 + t * r0, t * n1, 0.f, w.tmp + r0, n1, g.kc);
-    }
-    /* B = -T C^-1 by column panels of C^-1 (rows up to the panel's end) */
-    split(c, w.s1, w.tmp, n1, n1, n2, 0, t, pat_a(t), 0); /* [n1, t n2] */
-    split(c, w.s2, C, ld, n2, n2, 1, t, pat_b(t), 1);     /* [t n2, n2] */
-    for (int64_t c0 = 0; c0 < n2; c0 += g.pw) {
-        const int64_t c1 = std::min(c0 + g.pw, n2);
-        gemm_tc(c, CUBLAS_OP_N, n1, c1 - c0, t * c1, -1.f, w.s1, n1, w.s2 + c0 * t * n2, t * n2,
-                0.f, B + c0 * ld, ld, g.kc);
-    }
+    CK(bk_fac3x_trtri(c, X, k, ld, &g, &w));
 }
 
-/* 0 when every potrf block and trtri leaf reported 0, else the first nonzero */
+/* 0 when every potrf block and trtri leaf since the last call reported 0,
+ * else the first nonzero (synchronizes; the slots are reset) */
 int infos(bk_cuda_ctx *c, fac3x_ws &w)
 {
-    std::vector<int> h((size_t)std::max(w.used, 1));
-    if (w.used)
-        CU(cudaMemcpyAsync(h.data(), w.dinfo, sizeof(int) * (size_t)w.used,
-                           cudaMemcpyDeviceToHost, c->stream));
-    CU(cudaStreamSynchronize(c->stream));
-    for (int i = 0; i < w.used; i++)
-        if (h[(size_t)i])
-            return h[(size_t)i];
-    return 0;
+    int info = 0;
+    CK(bk_fac3x_info(c, &w, &info));
+    return info;
 }
 
 /* ------------------------------------------------ the product's inverse step */
@@ -675,6 +523,52 @@ int cmd_factor(int argc, char **argv)
                 upper_err<float>(c, (const float *)prod.dL, kpad, (const double *)ref.dL, kpad,
                                  n, dacc);
             const double prd = rdiag_err(prod.rdiag, ref.rdiag, n);
+            /* (a'') the product with setting factor_tc 1 (bk_cuda_tuning), end to end
+             * through the same function: the blocked 3xTF32 path with the
+             * product's settings (bk_fac3x_cfg_default) for n >= BK_CUDA_FACTOR_TC_MIN,
+             * the cuSOLVER path below it */
+            {
+                const int keep_tc = c->factor_tc;
+                c->factor_tc = 1;
+                std::vector<double> tf;
+                bk_dside ftc;
+                memset(&ftc, 0, sizeof ftc);
+                for (int r = 0; r <= reps; r++) {
+                    double *cp = copy_xd();
+                    bk_dside s;
+                    const double t0 = wall();
+                    CK(bk_dside_from_dmatrix(c, &s, cp, n, kpad, mean, "prod-ftc", &o32, 0, 0));
+                    CU(cudaStreamSynchronize(c->stream));
+                    const double t1 = wall();
+                    if (r)
+                        tf.push_back(t1 - t0);
+                    if (r == reps)
+                        ftc = s;
+                    else
+                        bk_dside_free(c, &s);
+                }
+                c->factor_tc = keep_tc;
+                const ferr fout = upper_err<float>(c, (const float *)ftc.dL, kpad,
+                                                   (const double *)ref.dL, kpad, n, dacc);
+                const double frd = rdiag_err(ftc.rdiag, ref.rdiag, n);
+                bk_fac3x_cfg dg;
+                bk_fac3x_cfg_default(&dg);
+                printf("%-6lld %-6g %-22s %9.4f %9s %9s %9s | %9s %9s %9s %9s %9.2e  (e2e x%.2f; "
+                       "err/product out %.2f; %s%s)\n",
+                       (long long)n, damp, "product-ftc", median(tf), "-", "-", "-", "-", "-", "-",
+                       "-", fout.fro_rel, median(te) / median(tf), fout.fro_rel / pout.fro_rel,
+                       n >= BK_CUDA_FACTOR_TC_MIN ? "factor_tc path" : "below the threshold: cuSOLVER",
+                       ftc.retries ? ", damping escalated" : "");
+                fprintf(stderr,
+                        "JSON {\"cmd\":\"factor\",\"n\":%lld,\"damp\":%g,\"path\":\"product-ftc\","
+                        "\"tc\":%d,\"nb\":%lld,\"pw\":%lld,\"leaf\":%lld,\"e2e_s\":%.6f,"
+                        "\"out_max\":%.3e,\"out_fro\":%.3e,\"rdiag\":%.3e,\"retries\":%d,"
+                        "\"nonfinite\":%lld}\n",
+                        (long long)n, damp, n >= BK_CUDA_FACTOR_TC_MIN, (long long)dg.nb,
+                        (long long)dg.pw, (long long)dg.leaf, median(tf), fout.max_rel,
+                        fout.fro_rel, frd, ftc.retries, (long long)fout.nonfinite);
+                bk_dside_free(c, &ftc);
+            }
             /* (a') its stages: Spotrf as factor.cu calls it, the tri_inverse replica */
             fac3x_cfg g0 = {std::min<int64_t>(1024, n), pw, 512, terms, kc};
             fac3x_ws w0;
@@ -702,8 +596,8 @@ int cmd_factor(int argc, char **argv)
                 tri_inverse_product(c, U, n, kpad, w0);
                 CU(cudaEventRecord(e0.b, c->stream));
                 const double b = ev_ms(e0);
-                if (infos(c, w0))
-                    printf("  (product stages: info %d)\n", infos(c, w0));
+                if (const int pi = infos(c, w0))
+                    printf("  (product stages: info %d)\n", pi);
                 if (r) {
                     tp.push_back(a);
                     tt.push_back(b);
