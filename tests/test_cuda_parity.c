@@ -360,6 +360,31 @@ static void test_fp64_factors_refit_dead(void **state)
     }
 }
 
+/* c's indefinite A with damping 0 fails, then the escalated damping works:
+ * one escalation on both backends (the same damping); no retries allowed:
+ * NOT_PD on both, the GPU's message containing `what` */
+static void check_escalation(const pcase *c, bk_precision prec, const char *what)
+{
+    bk_solve_opts o;
+    bk_solve_opts_default(&o);
+    o.precision = prec;
+    o.damp = 0.0;
+    bk_solve_problem p;
+    problem_of(c, &p, 0, c->W, c->A, NULL, NULL, NULL, BK_DT_F64);
+    bk_solve_result rc, rg;
+    assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_OK);
+    assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_OK);
+    assert_int_equal(rc.damp_retries, 1);
+    assert_int_equal(rg.damp_retries, 1);
+    assert_true(rc.damp_a == rg.damp_a);
+    bk_solve_result_free(&rc);
+    bk_solve_result_free(&rg);
+    o.max_damp_retries = 0;
+    assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_ERR_NOT_PD);
+    assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_ERR_NOT_PD);
+    assert_non_null(strstr(bk_last_error(), what));
+}
+
 /* an indefinite A (eigenvalue -0.001) with damping 0 fails, then 1e-2
  * works: one escalation on both backends; no retries allowed: NOT_PD */
 static void test_escalation_and_not_pd(void **state)
@@ -375,26 +400,8 @@ static void test_escalation_and_not_pd(void **state)
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < n; j++)
             c.A[i * n + j] = (i == j ? 1.0 : 0.0) - 1.001 * u[i] * u[j] / nu;
-    for (int prec = 0; prec <= 1; prec++) {
-        bk_solve_opts o;
-        bk_solve_opts_default(&o);
-        o.precision = prec ? BK_PREC_FP64 : BK_PREC_FP32;
-        o.damp = 0.0;
-        bk_solve_problem p;
-        problem_of(&c, &p, 0, c.W, c.A, NULL, NULL, NULL, BK_DT_F64);
-        bk_solve_result rc, rg;
-        assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_OK);
-        assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_OK);
-        assert_int_equal(rc.damp_retries, 1);
-        assert_int_equal(rg.damp_retries, 1);
-        assert_true(rc.damp_a == rg.damp_a);
-        bk_solve_result_free(&rc);
-        bk_solve_result_free(&rg);
-        o.max_damp_retries = 0;
-        assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_ERR_NOT_PD);
-        assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_ERR_NOT_PD);
-        assert_non_null(strstr(bk_last_error(), "A"));
-    }
+    for (int prec = 0; prec <= 1; prec++)
+        check_escalation(&c, prec ? BK_PREC_FP64 : BK_PREC_FP32, "A");
     pcase_free(&c);
 }
 
@@ -736,24 +743,7 @@ static void test_fp32_factor_tc_escalation(void **state)
             c.A[i * n + j] = (i == j ? 1.0 : 0.0) - 1.001 * u[i] * u[j] / nu;
     free(u);
     bk_backend *keep = factor_tc_begin();
-    bk_solve_opts o;
-    bk_solve_opts_default(&o);
-    o.precision = BK_PREC_FP32;
-    o.damp = 0.0;
-    bk_solve_problem p;
-    problem_of(&c, &p, 0, c.W, c.A, NULL, NULL, NULL, BK_DT_F64);
-    bk_solve_result rc, rg;
-    assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_OK);
-    assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_OK);
-    assert_int_equal(rc.damp_retries, 1);
-    assert_int_equal(rg.damp_retries, 1);
-    assert_true(rc.damp_a == rg.damp_a);
-    bk_solve_result_free(&rc);
-    bk_solve_result_free(&rg);
-    o.max_damp_retries = 0;
-    assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_ERR_NOT_PD);
-    assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_ERR_NOT_PD);
-    assert_non_null(strstr(bk_last_error(), "not positive definite"));
+    check_escalation(&c, BK_PREC_FP32, "not positive definite");
     factor_tc_end(keep);
     pcase_free(&c);
 }

@@ -38,6 +38,7 @@
 #include <cuda_bf16.h>
 
 #include "../cuda_internal.cuh"
+#include "../factor_kernels.cuh"
 #include "dev_common.cuh"
 
 int cmd_factor(int argc, char **argv);
@@ -101,63 +102,7 @@ __global__ void k_sym_double(double *Xd, const float *G, int64_t n)
     Xd[idx] = v;
 }
 
-/* --------------------------------------- copies of cuda/factor.cu's kernels */
-
-/* k_fill_rev: X = J (Xd + add I) J, padded with zeros */
-template <typename R>
-__global__ void k_fill_rev(R *X, int64_t ld, const double *Xd, int64_t k, int64_t kpad, double add)
-{
-    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= kpad * kpad)
-        return;
-    const int64_t i = idx / kpad, j = idx % kpad;
-    R v = R(0);
-    if (i < k && j < k) {
-        const double x = Xd[(k - 1 - i) * k + (k - 1 - j)];
-        v = i == j ? (R)(x + add) : (R)x;
-    }
-    X[i * ld + j] = v;
-}
-
-template <typename R> __global__ void k_antitranspose(R *X, int64_t ld, int64_t k)
-{
-    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= k * k)
-        return;
-    const int64_t i = idx / k, j = idx % k;
-    if (j > i) {
-        X[i * ld + j] = R(0);
-        return;
-    }
-    const int64_t pi = k - 1 - j, pj = k - 1 - i;
-    if (i * ld + j < pi * ld + pj) {
-        const R v = X[i * ld + j];
-        X[i * ld + j] = X[pi * ld + pj];
-        X[pi * ld + pj] = v;
-    }
-}
-
-template <typename R> __global__ void k_get_diag(const R *X, int64_t ld, int64_t k, R *d)
-{
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < k)
-        d[j] = X[j * ld + j];
-}
-
-template <typename R> __global__ void k_normalize(R *X, int64_t ld, int64_t k, const R *d)
-{
-    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= k * k)
-        return;
-    const int64_t i = idx / k, j = idx % k;
-    R *x = &X[i * ld + j];
-    if (j < i)
-        *x = *x / d[j];
-    else if (j > i)
-        *x = R(0);
-    else
-        *x = R(1);
-}
+/* k_fill_rev, k_antitranspose, k_get_diag, k_normalize: cuda/factor_kernels.cuh */
 
 /* ------------------------------- the product's blocked 3xTF32 path (timed) */
 
