@@ -743,6 +743,7 @@ static int cmd_validate(int argc, char **argv)
 int cmd_attn(int argc, char **argv);     /* attn_dev.cu */
 int cmd_attn_bwd(int argc, char **argv); /* attn_bwd_dev.cu */
 int cmd_factor(int argc, char **argv);   /* factor_dev.cu */
+int cmd_gram(int argc, char **argv);     /* gram_dev.cu */
 
 int main(int argc, char **argv)
 {
@@ -752,6 +753,8 @@ int main(int argc, char **argv)
         return cmd_attn_bwd(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "factor"))
         return cmd_factor(argc - 2, argv + 2);
+    if (argc >= 2 && !strcmp(argv[1], "gram"))
+        return cmd_gram(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "validate"))
         return cmd_validate(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "bench"))
@@ -761,6 +764,9 @@ int main(int argc, char **argv)
                     "[--kv K] [--hd D,..] [--amp A,..] [--reps N] [--variants] | attn-bwd [--seqs S] "
                     "[--T T] [--heads H] [--kv K] [--hd D,..] [--amp A,..] [--reps N] "
                     "[--chunks C] | factor [--n N,..] [--nb B,..] [--damp D,..] [--pw P] "
-                    "[--leaf L] [--kc K] [--reps N] [--terms 3|1] [--ratio R] [--sigma S] [--spike A]\n");
+                    "[--leaf L] [--kc K] [--reps N] [--terms 3|1] [--ratio R] [--sigma S] [--spike A] | gram "
+                    "[--n N,..] [--N TOKENS] [--K K] [--nb B,..] [--reps N] [--kind auto|plain|swiglu] "
+                    "[--paths P,..] [--pow2 1|0] [--seed S] [--spike A] [--mass M] [--outliers F] "
+                    "[--small F] [--dead F]\n");
     return 1;
 }
