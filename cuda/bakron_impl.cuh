@@ -591,262 +591,6 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
     bk_counts_add_warp(a.counts, cnt);
 }
 
-/* ------------------------------------- tile solve, one warp per 32-tile */
-
-/* Session 16 (branch t32w1), c->solve_wc == 32 with c->tile == 32 (dev
- * harness only): ONE warp solves a 32 x 32 tile. Lane p owns row p and all 32
- * columns, skewed as in k_tile_solve3 (slot s holds column q_s = (s - p) mod
- * 32), so on entry anti-diagonal k every lane's active entry (p, k - p) is in
- * slot u = k mod 32, a compile-time index in the unrolled step loop. There is
- * no barrier in the step loop:
- *   - the newest E of row p is lane p's own value (no exchange);
- *   - the newest R of column q is x[u] of lane k - q: slot s of lane p gets
- *     it by __shfl_sync from lane (p + u - s) mod 32 (one SHFL per slot, no
- *     shared round trip: a shuffle's latency is below a store + __syncwarp +
- *     load, and the one value the next step's rounding waits for, slot u + 1,
- *     comes from lane p - 1 in one SHFL). A lane whose active entry lies
- *     outside the tile sends 0.
- *   - the factors come from two shared tables laid out so that the 32 factors
- *     of a step are 32 / CP aligned 16-byte loads (CP = 16 / sizeof(R)
- *     elements each) with compile-time offsets, and every such load is one
- *     wavefront per 8 lanes (the minimum): row r, element CP t + CP^2 g + e
- *     holds F_r((t + CP g + e) mod 32), the value slot s = CP g + e of a lane
- *     with rotation t needs (see SolveW1Cfg). L_A: row j = k - p, t = -p,
- *     F_j(q) = L_A[q, j] for q > j (else 0). L_B: row p, t = -(k + p),
- *     F_p(x) = L_B[p, -x mod 32] where that index is < p (else 0): the
- *     periodic extension of row p's strict lower part. Where the true term
- *     has no L_B factor (k - q_s outside the tile) the periodic one may be
- *     non-zero, but the R it multiplies is the 0 sent by a lane with no
- *     active entry, so the term is still +-0 (k_tile_solve3 adds 0 * a stale
- *     R there: y + (+-0) either way; only the sign of an exact zero can
- *     differ, never a code).
- * Every X and Y gets the same terms in the same order and the same
- * expressions as in k_tile_solve3 (x[u] += e; x[s] += e * L_A; y[s] += L_B *
- * R), so the codes are those of k_tile_solve3 bit for bit (fp64: the CPU
- * oracle's). Scales: one scale / zero per lane (row), so the kernel serves
- * quantizers whose group holds whole 32-column tiles (groups == 1 or group a
- * multiple of 32); run_tiles falls back to k_tile_solve3 otherwise. */
-template <typename R> struct SolveW1Cfg {
-    static constexpr int T = 32;
-    static constexpr int CP = 16 / (int)sizeof(R); /* elements per 16-byte load */
-    /* factor table rows: 1 KiB (a multiple of 8 x 16 bytes, so the row term
-     * drops out of the bank of a 16-byte chunk); elements used per row:
-     * CP t + CP^2 g + e < 32 CP (fp32 256, fp64 64 x 2 = 128) */
-    static constexpr int RS = 1024 / (int)sizeof(R);
-    static constexpr int RAW = T + 1; /* staged raw factor tiles */
-    /* FA, FB [T][RS], raw L_A [q][j], raw L_B [p][i] [T][RAW], E [p][q] (first
-     * W), R^T [q][p] (first Rp), weights, codes */
-    static constexpr size_t smem = sizeof(R) * (size_t)(2 * T * RS + 2 * T * RAW + 2 * T * T) +
-                                   sizeof(float) * T * T + sizeof(int16_t) * T * T;
-};
-
-__device__ __forceinline__ void vec_put(const float4 v, float *d)
-{
-    d[0] = v.x;
-    d[1] = v.y;
-    d[2] = v.z;
-    d[3] = v.w;
-}
-__device__ __forceinline__ void vec_put(const double2 v, double *d)
-{
-    d[0] = v.x;
-    d[1] = v.y;
-}
-__device__ __forceinline__ float4 vec_make(const float *s)
-{
-    return make_float4(s[0], s[1], s[2], s[3]);
-}
-__device__ __forceinline__ double2 vec_make(const double *s)
-{
-    return make_double2(s[0], s[1]);
-}
-
-/* the tile solve of one warp per tile (see above); 32 threads per CTA */
-template <typename R, int KIND>
-__global__ void __launch_bounds__(32, 1) k_tile_solve_w1(TileArgs<R> a, int K, int i_lo)
-{
-    using C = SolveW1Cfg<R>;
-    using V = typename Vec16<R>::type;
-    constexpr int T = C::T, CP = C::CP, RS = C::RS, RAW = C::RAW;
-    constexpr unsigned FULL = 0xffffffffu;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    R *FA = reinterpret_cast<R *>(smem_raw); /* [T][RS] L_A table, row j */
-    R *FB = FA + T * RS;                      /* [T][RS] L_B table, row p */
-    R *RA = FB + T * RS;                      /* [T][RAW] raw L_A[q][j] */
-    R *RB = RA + T * RAW;                     /* [T][RAW] raw L_B[p][i] */
-    R *Es = RB + T * RAW;                     /* [T][T] E by rows; first W in */
-    R *Rt = Es + T * T;                       /* [T][T] R^ by columns; first Rp in */
-    float *Ws = reinterpret_cast<float *>(Rt + T * T);     /* [T][T] weights */
-    int16_t *Cs = reinterpret_cast<int16_t *>(Ws + T * T); /* [T][T] codes */
-    const int p = (int)threadIdx.x;
-    const int I = i_lo + (int)blockIdx.x, J = K - I;
-    const int64_t r0 = (int64_t)I * T, c0 = (int64_t)J * T;
-    const int64_t gp = r0 + p;
-    const bool rowin = gp < a.m;
-    const bool hasb = a.LB != nullptr;
-
-    /* coalesced tile loads: lane = column, batches of 8 rows */
-#pragma unroll 1
-    for (int t0 = 0; t0 < T; t0 += 8) {
-        R wv[8], rv[8], lav[8], lbv[8];
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            const int r = t0 + t;
-            wv[t] = a.W[(r0 + r) * a.ldw + c0 + p];
-            rv[t] = a.Rp[(r0 + r) * a.ldr + c0 + p];
-            lav[t] = a.LA[(c0 + r) * a.ldla + c0 + p];
-            lbv[t] = hasb ? a.LB[(r0 + r) * a.ldlb + r0 + p] : R(0);
-        }
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            const int r = t0 + t;
-            Es[r * T + p] = wv[t];
-            Rt[r * T + p] = rv[t];
-            RA[r * RAW + p] = lav[t];
-            RB[r * RAW + p] = lbv[t];
-        }
-    }
-    __syncwarp();
-    /* the factor tables: row r, chunk ch = p and p + 32 (element CP ch + e)
-     * hold F_r((ch + e) mod 32) = F_r((p + e) mod 32) */
-#pragma unroll 1
-    for (int r = 0; r < T; r++) {
-        R fa[CP], fb[CP];
-#pragma unroll
-        for (int e = 0; e < CP; e++) {
-            const int q = (p + e) & (T - 1); /* L_A[q, r], strict lower */
-            fa[e] = q > r ? RA[q * RAW + r] : R(0);
-            const int i = (-(p + e)) & (T - 1); /* L_B[r, i], strict lower */
-            fb[e] = hasb && i < r ? RB[r * RAW + i] : R(0);
-        }
-        const V va = vec_make(fa), vb = vec_make(fb);
-        *reinterpret_cast<V *>(&FA[r * RS + CP * p]) = va;
-        *reinterpret_cast<V *>(&FA[r * RS + CP * (p + T)]) = va;
-        *reinterpret_cast<V *>(&FB[r * RS + CP * p]) = vb;
-        *reinterpret_cast<V *>(&FB[r * RS + CP * (p + T)]) = vb;
-    }
-    R x[T], y[T];
-#pragma unroll
-    for (int s = 0; s < T; s++) {
-        const int q = (s - p) & (T - 1);
-        x[s] = Rt[p * T + q];
-        y[s] = Es[p * T + q];
-    }
-    R sc = R(1), zc = R(0); /* the row's scale and zero (one group per tile row) */
-    if (KIND != BK_Q_INTEGER && rowin && c0 < a.n) {
-        const int64_t gi = gp * a.q.groups + (a.q.groups == 1 ? 0 : c0 / a.q.group);
-        sc = a.q.scale[gi];
-        if (a.q.zero)
-            zc = a.q.zero[gi];
-    }
-    int cnt[3] = {0, 0, 0};
-    __syncwarp();
-
-    /* L_A[q_s, k - p] at fa0[k RS + s]; L_B[p, k - q_s] at fb0[CP ((-k - p) mod 32) + s] */
-    const R *fa0 = FA - p * RS + CP * ((-p) & (T - 1));
-    const R *fb0 = FB + p * RS;
-#pragma unroll 1
-    for (int k0 = 0; k0 < 2 * T - 1; k0 += T) {
-        const R *fak = fa0 + k0 * RS;
-#pragma unroll
-        for (int u = 0; u < T; u++) {
-            const int k = k0 + u;
-            if (k >= 2 * T - 1)
-                break;
-            const int jj = k - p; /* the active entry (p, jj), in slot u */
-            const bool act = jj >= 0 && jj < T;
-            const bool xon = jj >= 0 && jj < T - 1;
-            /* the factors of the step: 2 x T / CP aligned 16-byte loads
-             * (issued before the rounding; in fp64 chunk by chunk, next to
-             * their use, which keeps x, y and the factors within 255
-             * registers) */
-            const V *srca = reinterpret_cast<const V *>(fak + u * RS);
-            const V *srcb = reinterpret_cast<const V *>(fb0 + CP * ((-k - p) & (T - 1)));
-            constexpr bool PRE = sizeof(R) == 4;
-            [[maybe_unused]] R la[T], lb[T];
-            if constexpr (PRE) {
-                if (xon) {
-#pragma unroll
-                    for (int g = 0; g < T / CP; g++)
-                        vec_put(srca[CP * g], &la[CP * g]);
-                }
-                if (hasb) {
-#pragma unroll
-                    for (int g = 0; g < T / CP; g++)
-                        vec_put(srcb[CP * g], &lb[CP * g]);
-                }
-            }
-            R e = R(0), rv = R(0);
-            if (act) {
-                const R wt = y[u] + x[u];
-                int ci = 0, fl = 0;
-                R v = bk_round_bf<KIND, R>(wt, sc, zc, R(a.q.qmin), R(a.q.qmax), &ci, &fl);
-                const bool real = rowin && c0 + jj < a.n;
-                if (real) {
-                    cnt[0] += fl & 1;
-                    cnt[1] += (fl >> 1) & 1;
-                    cnt[2] += (fl >> 2) & 1;
-                }
-                v = real ? v : R(0);
-                const int16_t code = real ? (int16_t)ci : (int16_t)0;
-                e = real ? v - wt : R(0);
-                x[u] += e;
-                rv = x[u];
-                Es[p * T + jj] = e;    /* stride T - 1 along the lanes: no conflicts */
-                Rt[jj * T + p] = x[u]; /* stride 1 - T */
-                Ws[p * T + jj] = (float)v;
-                Cs[p * T + jj] = code;
-            }
-            /* X[p,q] += E[p,k-p] L_A[q,k-p], Y[p,q] += L_B[p,k-q] R[k-q,q]; the
-             * chunk of slot u + 1 first (its Y is the next step's rounding
-             * input: lane p - 1's R, one SHFL) */
-            constexpr int NG = T / CP;
-#pragma unroll
-            for (int gi = 0; gi < NG; gi++) {
-                const int g = (((u + 1) & (T - 1)) / CP + gi) % NG;
-                if (hasb) {
-                    R fb[CP];
-                    if constexpr (PRE) {
-#pragma unroll
-                        for (int t = 0; t < CP; t++)
-                            fb[t] = lb[CP * g + t];
-                    } else
-                        vec_put(srcb[CP * g], fb);
-#pragma unroll
-                    for (int t = 0; t < CP; t++) {
-                        const int s = CP * g + t;
-                        const R rq = __shfl_sync(FULL, rv, p + ((u - s) & (T - 1)));
-                        y[s] += fb[t] * rq;
-                    }
-                }
-                if (xon) {
-                    R fa[CP];
-                    if constexpr (PRE) {
-#pragma unroll
-                        for (int t = 0; t < CP; t++)
-                            fa[t] = la[CP * g + t];
-                    } else
-                        vec_put(srca[CP * g], fa);
-#pragma unroll
-                    for (int t = 0; t < CP; t++)
-                        x[CP * g + t] += e * fa[t];
-                }
-            }
-        }
-    }
-    __syncwarp();
-    for (int idx = p; idx < T * T; idx += 32) {
-        const int r = idx / T, cc = idx % T;
-        a.W[(r0 + r) * a.ldw + c0 + cc] = Es[idx];
-        a.Rp[(r0 + r) * a.ldr + c0 + cc] = Rt[idx];
-        if (r0 + r < a.m && c0 + cc < a.n) {
-            a.codes[(r0 + r) * a.n + c0 + cc] = Cs[idx];
-            a.weight[(r0 + r) * a.n + c0 + cc] = Ws[idx];
-        }
-    }
-    bk_counts_add_warp(a.counts, cnt);
-}
-
 /* ------------------------------------------------------------- far push */
 
 /* The lazy half of the pushes (push_group G > 0): at a flush diagonal Kf the
@@ -997,39 +741,6 @@ template <typename R, int T, int WC, int V = 0> cudaError_t solve3_attrs()
     return e;
 }
 
-/* the one-warp tile solve (T = 32, c->solve_wc == 32): whether it serves
- * this quantizer (one scale per tile row), its launch and shared-memory limit */
-template <typename R> bool w1_ok(const TileArgs<R> &ta)
-{
-    return ta.q.kind == BK_Q_INTEGER || ta.q.groups == 1 || ta.q.group % 32 == 0;
-}
-
-template <typename R>
-void launch_solve_w1(const TileArgs<R> &ta, int K, int i_lo, int ntiles, cudaStream_t st)
-{
-    constexpr size_t sm = SolveW1Cfg<R>::smem;
-    if (ta.q.kind == BK_Q_LEVELS)
-        k_tile_solve_w1<R, BK_Q_LEVELS><<<ntiles, 32, sm, st>>>(ta, K, i_lo);
-    else if (ta.q.kind == BK_Q_UNIFORM)
-        k_tile_solve_w1<R, BK_Q_UNIFORM><<<ntiles, 32, sm, st>>>(ta, K, i_lo);
-    else
-        k_tile_solve_w1<R, BK_Q_INTEGER><<<ntiles, 32, sm, st>>>(ta, K, i_lo);
-}
-
-template <typename R> cudaError_t solve_w1_attrs()
-{
-    const int sm = (int)SolveW1Cfg<R>::smem;
-    cudaError_t e = cudaFuncSetAttribute(k_tile_solve_w1<R, BK_Q_LEVELS>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(k_tile_solve_w1<R, BK_Q_UNIFORM>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(k_tile_solve_w1<R, BK_Q_INTEGER>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, sm);
-    return e;
-}
-
 /* the far push off the critical path (modes 0, 2, 3, 4); on tensor cores
  * with c->push_mma >= 1 (fp32) */
 template <typename R, int T>
@@ -1162,15 +873,9 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
     BK_CUDA_CHECK(cudaFuncSetAttribute(k_push_far<R, T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PC::smem));
     BK_CUDA_CHECK((mma_attrs<R, T>()));
-    /* the one-warp solve (T = 32 only; else, and for quantizers with groups
-     * inside a tile row, the 16-column kernel with c->solve_chain) */
-    const bool w1 = T == 32 && c->solve_wc == 32 && w1_ok(ta);
-    const int wc = c->solve_wc == 32 ? 16 : c->solve_wc;
-    if (w1)
-        BK_CUDA_CHECK(solve_w1_attrs<R>());
-    if (wc == 16 && c->solve_chain == 1)
+    if (c->solve_wc == 16 && c->solve_chain == 1)
         BK_CUDA_CHECK((solve3_attrs<R, T, 16, 1>()));
-    else if (wc == 16 && c->solve_chain == 2)
+    else if (c->solve_wc == 16 && c->solve_chain == 2)
         BK_CUDA_CHECK((solve3_attrs<R, T, 16, 2>()));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
     const int G = c->push_group > 0 ? c->push_group : 0;
@@ -1222,13 +927,11 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
     for (int K = 0; K <= MT + NT - 2; K++) {
         const int i_lo = std::max(0, K - (NT - 1)), i_hi = std::min(K, MT - 1);
         const int ntiles = i_hi - i_lo + 1;
-        if (w1)
-            launch_solve_w1<R>(ta, K, i_lo, ntiles, c->stream);
-        else if (wc == 16 && c->solve_chain == 1)
+        if (c->solve_wc == 16 && c->solve_chain == 1)
             launch_solve3<R, T, 16, 1>(ta, K, i_lo, ntiles, c->stream);
-        else if (wc == 16 && c->solve_chain == 2)
+        else if (c->solve_wc == 16 && c->solve_chain == 2)
             launch_solve3<R, T, 16, 2>(ta, K, i_lo, ntiles, c->stream);
-        else if (wc == 16)
+        else if (c->solve_wc == 16)
             launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);
         else
             launch_solve3<R, T, 8>(ta, K, i_lo, ntiles, c->stream);

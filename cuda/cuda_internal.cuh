@@ -39,8 +39,7 @@ typedef struct bk_cuda_ctx {
     int push_group;       /* BaKron lazy pushes: far updates every this many tile
                              anti-diagonals (default 4; 0 = eager) */
     int solve_wc;         /* tile solve: columns per warp, 16 (8 warps per 64-tile) or 8
-                             (16 warps) (default 16); 32 with tile 32: one warp per tile
-                             (k_tile_solve_w1) */
+                             (16 warps) (default 16) */
     int side_band;        /* BaKron: the overlapped push in two launches, the band the
                              next flush needs first; that flush waits for the band
                              only (-1 auto = with the SM partition (default), 0 never,

@@ -185,8 +185,8 @@ bk_status bk_cuda_tuning_check(const bk_cuda_tuning *t)
     int v = 0;
     if (t->tile != 32 && t->tile != 64)
         bad = "tile", want = "32 or 64", v = t->tile;
-    else if (t->solve_wc != 8 && t->solve_wc != 16 && !(t->solve_wc == 32 && t->tile == 32))
-        bad = "solve_wc", want = "8, 16 or (with tile 32) 32", v = t->solve_wc;
+    else if (t->solve_wc != 8 && t->solve_wc != 16)
+        bad = "solve_wc", want = "8 or 16", v = t->solve_wc;
     else if (t->overlap != 0 && t->overlap != 1)
         bad = "overlap", want = "0 or 1", v = t->overlap;
     else if (t->side_band < -1 || t->side_band > 1)

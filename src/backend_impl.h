@@ -320,9 +320,7 @@ bk_status bk_cpu_backend_init(bk_backend *b);
  * never does. */
 typedef struct bk_cuda_tuning {
     int tile;       /* tile size: 32 or 64 (64) */
-    int solve_wc;   /* tile solve: columns per warp, 8 (16 warps per 64-tile) or 16 (16); 32 with
-                       tile 32 only: one warp per tile, no barriers (dev variant, session 16;
-                       quantizers with groups inside a tile row fall back to 16) */
+    int solve_wc;   /* tile solve: columns per warp, 8 (16 warps per 64-tile) or 16 (16) */
     int overlap;    /* far pushes on a second, low-priority stream: 0 or 1 (1) */
     int side_band;  /* the overlapped push in two launches, the next flush's band first:
                        -1 auto = with the SM partition, 0 or 1 (-1) */

@@ -249,8 +249,6 @@ static void test_fp64_tile_and_push_variants(void **state)
         {64, 16, 0, -1, 1, 2, 4, -1, 0, 0, 0}, {32, 8, 0, 0, 0, 1, 3, 0, 0, 0, 0},
         {64, 16, 1, -1, 1, 2, 4, -1, 2, 0, 0}, {64, 16, 1, -1, 1, 2, 4, -1, 0, 1, 0},
         {64, 16, 1, -1, 1, 2, 4, -1, 0, 2, 0},  {32, 16, 1, -1, 1, 2, 4, -1, 0, 2, 0},
-        /* session 16 (branch t32w1): one warp per 32-tile (solve_wc 32, tile 32 only) */
-        {32, 32, 1, -1, 1, 2, 4, -1, 0, 0, 0},
         /* session 16 (branch fac3xprod): factor_tc 1 (fp32 factors only: fp64 unaffected) */
         {64, 16, 1, -1, 1, 2, 4, -1, 1, 1, 1}};
     for (size_t v = 0; v < sizeof cfg / sizeof cfg[0]; v++) {
@@ -287,7 +285,6 @@ static void test_fp64_tile_and_push_variants(void **state)
                      {"partition", offsetof(bk_cuda_tuning, partition), -2},
                      {"far_async", offsetof(bk_cuda_tuning, far_async), 2},
                      {"overlap", offsetof(bk_cuda_tuning, overlap), -1},
-                     /* 32 is accepted with tile 32 only (the default tile is 64) */
                      {"solve_wc", offsetof(bk_cuda_tuning, solve_wc), 32},
                      {"tile", offsetof(bk_cuda_tuning, tile), 48},
                      {"push_mma", offsetof(bk_cuda_tuning, push_mma), 3},

@@ -14,9 +14,6 @@
  *                                 default variant when it is measured)
  *   bk-cuda-dev validate --mma    only the default and the push_mma configurations
  *   bk-cuda-dev validate --chain  only the default and the solve_chain configurations
- *   bk-cuda-dev validate --w1     only the default and the one-warp (solve_wc 32)
- *                                 configurations, these also with uniform groups of
- *                                 128 and of 16 (the latter falls back to WC 16)
  *   bk-cuda-dev attn [OPTIONS]    the GPU forward's attention, unfused against
  *                                 the fused kernel: errors against a double
  *                                 reference and times (attn_dev.cu)
@@ -308,13 +305,9 @@ static int cmd_bench(int argc, char **argv)
                 vs.push_back({"-chainB", 64, 4, 16, -1, -2, 2, 1, -1, 0, 2});
                 vs.push_back({"-T32-chainB", 32, 4, 16, -1, -2, 2, 1, -1, 0, 2});
                 vs.push_back({"-mma1-chainB", 64, 4, 16, -1, -2, 2, 1, -1, 1, 2});
-                /* session 16 (branch t32w1): one warp per 32-tile, no barriers
-                 * in the step chain (solve_wc 32); against -T32 (mma0 chain0)
-                 * and -T32-mma1-chainA (the product's pushes and chain at T32) */
-                vs.push_back({"-T32-w1", 32, 4, 32});
-                vs.push_back({"-T32-w1-mma1", 32, 4, 32, -1, -2, 2, 1, -1, 1});
-                vs.push_back({"-T32-w1-mma1-G8", 32, 8, 32, -1, -2, 2, 1, -1, 1});
-                vs.push_back({"-T32-w1-mma2", 32, 4, 32, -1, -2, 2, 1, -1, 2});
+                /* session 16: the product default's pushes and chain at tile 32
+                 * (the reference the one-warp 32-tile solve was measured against;
+                 * that variant was removed in session 17, branch prune) */
                 vs.push_back({"-T32-mma1-chainA", 32, 4, 16, -1, -2, 2, 1, -1, 1, 1});
             }
             for (auto &v : vs) {
@@ -586,14 +579,11 @@ static int cmd_validate(int argc, char **argv)
 {
     int mma_only = 0; /* --mma: only the default and the push_mma configurations */
     int chain_only = 0; /* --chain: only the default and the solve_chain configurations */
-    int w1_only = 0; /* --w1: only the default and the solve_wc 32 configurations */
     for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "--mma"))
             mma_only = 1;
         if (!strcmp(argv[i], "--chain"))
             chain_only = 1;
-        if (!strcmp(argv[i], "--w1"))
-            w1_only = 1;
     }
     bk_cuda_ctx *c = nullptr;
     CK(bk_cuda_ctx_create(0, &c));
@@ -636,25 +626,13 @@ static int cmd_validate(int argc, char **argv)
                         {64, 4, 16, 1, -1, 2, 1, -1, 0, 1}, {64, 4, 16, 1, -1, 2, 1, -1, 0, 2},
                         {32, 4, 16, 1, -1, 2, 1, -1, 0, 2}, {64, 0, 16, 1, -1, 2, 1, -1, 0, 2},
                         {32, 2, 16, 1, 0, 1, 0, 1, 0, 1},   {64, 4, 16, 1, -1, 2, 1, -1, 2, 2},
-                        {64, 3, 16, 0, -1, 1, 1, -1, 0, 2}, {64, 2, 8, 1, -1, 2, 1, -1, 0, 2},
-                        /* solve_wc 32 (session 16, branch t32w1: one warp per 32-tile;
-                         * fp64 identical, fp32 as the others): the bench's -T32-w1 and
-                         * -T32-w1-mma1, eager, no overlap with whole parts, push_mma 2
-                         * with the partition off, cp.async off and the band on; chain
-                         * 2 must be ignored */
-                        {32, 4, 32}, {32, 4, 32, 1, -1, 2, 1, -1, 1},
-                        {32, 0, 32}, {32, 2, 32, 0, -1, 1},
-                        {32, 3, 32, 1, 0, 2, 0, 1, 2}, {32, 4, 32, 1, -1, 2, 1, -1, 1, 2}};
+                        {64, 3, 16, 0, -1, 1, 1, -1, 0, 2}, {64, 2, 8, 1, -1, 2, 1, -1, 0, 2}};
     for (const Cfg &cf : cfgs)
-        /* the one-warp solve: also uniform groups of 128 (q3) and of 16 (q4,
-         * inside a tile row: the fallback to WC 16) */
-        for (int qi = 0; qi < (cf.wc == 32 ? 5 : 3); qi++)
+        for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
                 if (mma_only && &cf != &cfgs[0] && cf.mma == 0)
                     continue;
                 if (chain_only && &cf != &cfgs[0] && cf.chain == 0)
-                    continue;
-                if (w1_only && &cf != &cfgs[0] && cf.wc != 32)
                     continue;
                 HostCase h = make_case(sh.first, sh.second, 1, 77 + sh.first * 1000 + sh.second);
                 bk_quant_spec spec;
@@ -667,11 +645,6 @@ static int cmd_validate(int argc, char **argv)
                     spec.kind = BK_Q_UNIFORM;
                     spec.bits = 4;
                     spec.group = 32;
-                    spec.asym = 1;
-                } else if (qi == 3 || qi == 4) {
-                    spec.kind = BK_Q_UNIFORM;
-                    spec.bits = 4;
-                    spec.group = qi == 3 ? 128 : 16;
                     spec.asym = 1;
                 } else {
                     spec.kind = BK_Q_INTEGER;
@@ -722,7 +695,7 @@ static int cmd_validate(int argc, char **argv)
                          * more in fp32 for the non-tiled algorithms: reported, and
                          * checked for bakron and gptq only */
                         const int fail = p64 ? same != g.size()
-                                             : pct < 99.0 && (qi != 2 || alg == BK_ALG_BAKRON ||
+                                             : pct < 99.0 && (qi < 2 || alg == BK_ALG_BAKRON ||
                                                               alg == BK_ALG_GPTQ);
                         bad += fail;
                         if (fail || sh.first >= 256 || h.m * h.n <= 9)
@@ -759,7 +732,7 @@ int main(int argc, char **argv)
         return cmd_validate(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "bench"))
         return cmd_bench(argc - 2, argv + 2);
-    fprintf(stderr, "usage: bk-cuda-dev validate [--mma] [--chain] [--w1] | bench [SHAPES] [--algs L] [--reps N] "
+    fprintf(stderr, "usage: bk-cuda-dev validate [--mma] [--chain] | bench [SHAPES] [--algs L] [--reps N] "
                     "[--antidiag-max MN] [--variants] | attn [--seqs S] [--T T] [--heads H] "
                     "[--kv K] [--hd D,..] [--amp A,..] [--reps N] [--variants] | attn-bwd [--seqs S] "
                     "[--T T] [--heads H] [--kv K] [--hd D,..] [--amp A,..] [--reps N] "
