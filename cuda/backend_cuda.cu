@@ -60,7 +60,6 @@ void bk_cuda_ctx_tune(bk_cuda_ctx *c, const bk_cuda_tuning *t)
     c->partition = t->partition;
     c->push_mma = t->push_mma;
     c->solve_chain = t->solve_chain;
-    c->factor_tc = t->factor_tc;
 }
 
 bk_status bk_cuda_ctx_create(int device, bk_cuda_ctx **out)

@@ -53,8 +53,6 @@ typedef struct bk_cuda_ctx {
     int solve_chain;      /* BaKron tile solve (solve_wc 16 only): 0, 1
                              conflict-free factor layouts (default), 2 also the factors a step
                              ahead (k_tile_solve3's V; same codes bit for bit) */
-    int factor_tc;        /* fp32 factors of order >= BK_CUDA_FACTOR_TC_MIN: 0 cuSOLVER
-                             (default), 1 blocked 3xTF32 (factor_tc.cu) */
     /* BaKron: the side stream confined to an SM partition (partition.cu) */
     int partition;        /* SMs kept free of it: -1 auto (default), 0 never, N */
     void *green;          /* CUgreenCtx of the partition, or NULL */
@@ -247,56 +245,6 @@ bk_status bk_dside_from_dmatrix(bk_cuda_ctx *c, bk_dside *s, double *dXd, int64_
 bk_status bk_dside_from_factor(bk_cuda_ctx *c, bk_dside *s, const double *Lh, int64_t k,
                                int64_t kpad, const char *label, bk_precision prec,
                                int keep_til);
-
-/* ----------------------------------- 3xTF32 blocked factorization (factor_tc.cu) */
-
-/* The fp32 Cholesky (potrf('U'), A = U^T U) and triangular inverse (U -> U^-1)
- * that factor.cu runs instead of cuSOLVER potrf + its recursive inverse when
- * c->factor_tc == 1, the factor is fp32, of order >= BK_CUDA_FACTOR_TC_MIN and
- * not on the 64-bit (k * ld > 2^31) path. The O(n^3) updates are cuBLAS TF32
- * GEMMs on split operands (x = hi + lo, both TF32; hi.hi + hi.lo + lo.hi, fp32
- * accumulation); the diagonal blocks / leaves are cuSOLVER's fp32 potrf and
- * trtri. Column-major upper view on the leading n x n block (stride ld); the
- * strict lower part is left with leftovers (ignored by the callers). The dev
- * harness (bk-cuda-dev factor) times these same functions with other
- * settings. */
-#define BK_CUDA_FACTOR_TC_MIN 2048
-typedef struct bk_fac3x_cfg {
-    int64_t nb;   /* Cholesky block column */
-    int64_t pw;   /* panel width of the trapezoid / triangle-skipping GEMMs */
-    int64_t leaf; /* inverse leaves (cuSOLVER trtri) */
-    int terms;    /* 3: 3xTF32 (the product), 1: plain TF32 (dev reference only) */
-    int64_t kc;   /* K per GEMM call in split elements, a multiple of terms (0: whole K) */
-} bk_fac3x_cfg;
-/* The product's settings (factor.cu). */
-void bk_fac3x_cfg_default(bk_fac3x_cfg *g);
-/* Workspace: two split buffers, a temporary, cuSOLVER's block / leaf
- * workspaces and one info slot per potrf block and trtri leaf. */
-typedef struct bk_fac3x_ws {
-    float *s1, *s2, *tmp;
-    size_t s1n, s2n, tmpn; /* in floats */
-    void *pw, *tw, *th;    /* potrf block, trtri leaf (device), trtri leaf (host) */
-    int lw;
-    size_t twd, twh;
-    int *dinfo;
-    int ninfo, used;
-} bk_fac3x_ws;
-/* Allocate (bk_dev_alloc: counted, under mem_limit) for order n, stride ld.
- * On failure everything is released, *w is zeroed, and the status is
- * returned (BK_ERR_DEVICE_OOM when the device memory is short). */
-bk_status bk_fac3x_ws_make(bk_cuda_ctx *c, bk_fac3x_ws *w, int64_t n, int64_t ld,
-                           const bk_fac3x_cfg *g);
-void bk_fac3x_ws_free(bk_cuda_ctx *c, bk_fac3x_ws *w);
-/* Queue the factorization / the inverse on c->stream (no synchronization);
- * the cuSOLVER infos go to the workspace's slots (bk_fac3x_info). */
-bk_status bk_fac3x_potrf(bk_cuda_ctx *c, float *X, int64_t n, int64_t ld, const bk_fac3x_cfg *g,
-                         bk_fac3x_ws *w);
-bk_status bk_fac3x_trtri(bk_cuda_ctx *c, float *X, int64_t n, int64_t ld, const bk_fac3x_cfg *g,
-                         bk_fac3x_ws *w);
-/* Synchronize c->stream; *info = the first nonzero info of the slots used
- * since the last call (0: every block / leaf succeeded); the slots are
- * reset. */
-bk_status bk_fac3x_info(bk_cuda_ctx *c, bk_fac3x_ws *w, int *info);
 
 /* ------------------------------------------------------------ statistics */
 

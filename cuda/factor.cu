@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 
 #include "cuda_internal.cuh"
 #include "factor_kernels.cuh"
@@ -126,24 +125,6 @@ bk_status tri_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, const tri_ws 
     return st;
 }
 
-/* One step of the blocked 3xTF32 path (c->factor_tc, factor_tc.cu): 1 the
- * Cholesky, 2 the inverse, queued and then synchronized once; *info as
- * cuSOLVER's (the first nonzero of its blocks / leaves: > 0 not positive
- * definite / a zero diagonal, < 0 an invalid argument). fp32 only. */
-bk_status tc_step(bk_cuda_ctx *c, float *X, int64_t k, int64_t ld, int s, const bk_fac3x_cfg *g,
-                  bk_fac3x_ws *w, int *info)
-{
-    bk_status st = s == 1 ? bk_fac3x_potrf(c, X, k, ld, g, w) : bk_fac3x_trtri(c, X, k, ld, g, w);
-    if (st == BK_OK)
-        st = bk_fac3x_info(c, w, info);
-    return st;
-}
-bk_status tc_step(bk_cuda_ctx *, double *, int64_t, int64_t, int, const bk_fac3x_cfg *,
-                  bk_fac3x_ws *, int *)
-{
-    return bk_error(BK_ERR_INTERNAL, "factor: the blocked TF32 path is fp32 only");
-}
-
 /* bk_factor_inverse on the device, in place on the leading k x k block of X
  * (row stride ld), which holds J X J (k_fill_rev): *step = 0 on success,
  * else the failed step (1 Cholesky, 2 triangular inverse, 3 a non-positive
@@ -166,15 +147,6 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
     cusolverDnParams_t prm = NULL;
     size_t pwd = 0, pwh = 0;
     void *phost = NULL;
-    /* setting factor_tc 1 (bk_cuda_tuning, default 0): fp32 factors of order
-     * >= BK_CUDA_FACTOR_TC_MIN, not on the 64-bit path, by the blocked 3xTF32
-     * Cholesky and inverse (factor_tc.cu); fp64 never */
-    int tc = std::is_same<R, float>::value && c->factor_tc == 1 && !big &&
-             k >= BK_CUDA_FACTOR_TC_MIN;
-    bk_fac3x_cfg tcg;
-    bk_fac3x_ws tcw;
-    bk_fac3x_cfg_default(&tcg);
-    memset(&tcw, 0, sizeof tcw);
     if (big) {
         BK_CUSOLVER_CHECK(cusolverDnCreateParams(&prm));
         bk_status pst = bk_cusolver_status(
@@ -209,18 +181,9 @@ bk_status factor_inverse(bk_cuda_ctx *c, R *X, int64_t k, int64_t ld, double *di
         st = bk_dev_alloc(c, (void **)&d, sizeof(R) * (size_t)k, "factor: diagonal");
     if (st != BK_OK)
         goto done;
-    /* the blocked path's workspace (about 1.75 k^2 floats: 1.4 GB at k =
-     * 14336), counted like the other allocations; when it cannot be had (device
-     * memory, setting mem_limit) this factor takes the cuSOLVER path below:
-     * a fallback, never a failure of the job */
-    if (tc && bk_fac3x_ws_make(c, &tcw, k, ld, &tcg) != BK_OK)
-        tc = 0;
     bk_cuda_pmark(c->stream, &tp, "fac.alloc");
     for (int s = 1; s <= 2; s++) {
-        if (tc) {
-            if ((st = tc_step(c, X, k, ld, s, &tcg, &tcw, &info)) != BK_OK)
-                goto done;
-        } else if (s == 1) {
+        if (s == 1) {
             if (big)
                 BK_CUSOLVER_GOTO(cusolverDnXpotrf(c->cusolver, prm, CUBLAS_FILL_MODE_UPPER, k,
                                                   cuda_type<R>(), X, ld, cuda_type<R>(), work, pwd,
@@ -282,7 +245,6 @@ done:
     bk_dev_free(c, dinfo);
     bk_dev_free(c, work);
     bk_dev_free(c, twork);
-    bk_fac3x_ws_free(c, &tcw);
     return st;
 }
 

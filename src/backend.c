@@ -176,7 +176,6 @@ void bk_cuda_tuning_default(bk_cuda_tuning *t)
     t->partition = -1;
     t->push_mma = 1;    /* session 15: measured in the 8B pipeline (docs/BENCHMARKS.md) */
     t->solve_chain = 1; /* session 15: same codes bit for bit, 7-14% faster solves */
-    t->factor_tc = 0;   /* session 16: to be measured (cuda/dev/NOTES.md, fac3xprod) */
 }
 
 bk_status bk_cuda_tuning_check(const bk_cuda_tuning *t)
@@ -203,8 +202,6 @@ bk_status bk_cuda_tuning_check(const bk_cuda_tuning *t)
         bad = "push_mma", want = "0, 1 or 2", v = t->push_mma;
     else if (t->solve_chain < 0 || t->solve_chain > 2)
         bad = "solve_chain", want = "0, 1 or 2", v = t->solve_chain;
-    else if (t->factor_tc != 0 && t->factor_tc != 1)
-        bad = "factor_tc", want = "0 or 1", v = t->factor_tc;
     if (bad)
         return bk_error(BK_ERR_INVALID_ARG, "CUDA tuning %s: expected %s (got %d)", bad, want, v);
     return BK_OK;

@@ -334,11 +334,6 @@ typedef struct bk_cuda_tuning {
     int solve_chain; /* tile solve step chain (with solve_wc 16; ignored with 8): 0 as measured,
                         1 conflict-free shared layouts of the factors, 2 also their loads one
                         step ahead; the codes are the same bit for bit (1) */
-    int factor_tc;  /* fp32 damped factors (Cholesky + triangular inverse) of order >= 2048
-                       (BK_CUDA_FACTOR_TC_MIN): 0 cuSOLVER potrf + the recursive inverse, 1 blocked
-                       with the O(n^3) updates as 3xTF32 tensor-core GEMMs (cuda/factor_tc.cu;
-                       session 16, not yet measured); fp64 factors and buffers past 2^31
-                       elements never (0) */
 } bk_cuda_tuning;
 
 void bk_cuda_tuning_default(bk_cuda_tuning *t);

@@ -8,9 +8,7 @@
  *     with and without B, with A/B or precomputed LA/LB, dead columns and a
  *     damping escalation;
  *   - fp32: >= 99% identical codes and the two-sided proxy loss within 0.5%
- *     at 1024x1024 and 1024x2816 (bakron and gptq; suite slow too), and with
- *     the CUDA tuning factor_tc 1 at 256x2304, 2304x256 (and 1024x2816, slow);
- *     its damping escalation on a non-PD factor of order 2100;
+ *     at 1024x1024 and 1024x2816 (bakron and gptq; suite slow too);
  *   - bad inputs and non-PD factors: the same status as the CPU;
  *   - out of device memory (setting mem_limit): BK_ERR_DEVICE_OOM, no crash;
  *   - bk_backend_peak_memory reports what a solve held.
@@ -240,17 +238,14 @@ static void test_fp64_tile_and_push_variants(void **state)
     (void)state;
     /* tile, solve_wc, overlap, side_band, far_async, push_split, push_group, partition,
      * push_mma (fp32 only: the fp64 solves here must be unaffected by it), solve_chain
-     * (the step chain's layout / schedule: the same codes bit for bit), factor_tc (fp32
-     * factors of order >= 2048 only) */
+     * (the step chain's layout / schedule: the same codes bit for bit) */
     const bk_cuda_tuning cfg[] = {
-        {32, 8, 1, -1, 1, 2, 4, -1, 0, 0, 0},  {64, 16, 1, 0, 0, 1, 0, 0, 0, 0, 0},
-        {64, 8, 1, 1, 1, 2, 1, 64, 0, 0, 0},   {32, 16, 1, 1, 0, 2, 3, 0, 0, 0, 0},
-        {64, 16, 1, 0, 1, 1, 7, 100, 0, 0, 0}, {64, 8, 1, -1, 0, 2, 2, 24, 0, 0, 0},
-        {64, 16, 0, -1, 1, 2, 4, -1, 0, 0, 0}, {32, 8, 0, 0, 0, 1, 3, 0, 0, 0, 0},
-        {64, 16, 1, -1, 1, 2, 4, -1, 2, 0, 0}, {64, 16, 1, -1, 1, 2, 4, -1, 0, 1, 0},
-        {64, 16, 1, -1, 1, 2, 4, -1, 0, 2, 0},  {32, 16, 1, -1, 1, 2, 4, -1, 0, 2, 0},
-        /* session 16 (branch fac3xprod): factor_tc 1 (fp32 factors only: fp64 unaffected) */
-        {64, 16, 1, -1, 1, 2, 4, -1, 1, 1, 1}};
+        {32, 8, 1, -1, 1, 2, 4, -1, 0, 0},  {64, 16, 1, 0, 0, 1, 0, 0, 0, 0},
+        {64, 8, 1, 1, 1, 2, 1, 64, 0, 0},   {32, 16, 1, 1, 0, 2, 3, 0, 0, 0},
+        {64, 16, 1, 0, 1, 1, 7, 100, 0, 0}, {64, 8, 1, -1, 0, 2, 2, 24, 0, 0},
+        {64, 16, 0, -1, 1, 2, 4, -1, 0, 0}, {32, 8, 0, 0, 0, 1, 3, 0, 0, 0},
+        {64, 16, 1, -1, 1, 2, 4, -1, 2, 0}, {64, 16, 1, -1, 1, 2, 4, -1, 0, 1},
+        {64, 16, 1, -1, 1, 2, 4, -1, 0, 2},  {32, 16, 1, -1, 1, 2, 4, -1, 0, 2}};
     for (size_t v = 0; v < sizeof cfg / sizeof cfg[0]; v++) {
         const bk_cuda_tuning *t = &cfg[v];
         bk_backend *b = NULL;
@@ -259,9 +254,9 @@ static void test_fp64_tile_and_push_variants(void **state)
         bk_backend *keep = g_gpu;
         g_gpu = b;
         char what[128];
-        snprintf(what, sizeof what, "fp64 T=%d WC=%d O=%d B=%d A=%d S=%d G=%d P=%d C=%d F=%d",
-                 t->tile, t->solve_wc, t->overlap, t->side_band, t->far_async, t->push_split,
-                 t->push_group, t->partition, t->solve_chain, t->factor_tc);
+        snprintf(what, sizeof what, "fp64 T=%d WC=%d O=%d B=%d A=%d S=%d G=%d P=%d C=%d", t->tile,
+                 t->solve_wc, t->overlap, t->side_band, t->far_async, t->push_split,
+                 t->push_group, t->partition, t->solve_chain);
         for (size_t s = 0; s < NSHAPES; s++)
             for (int with_b = 0; with_b <= 1; with_b++) {
                 pcase c = make_case(shapes[s][0], shapes[s][1], 500 + s, with_b, 0.1);
@@ -288,8 +283,7 @@ static void test_fp64_tile_and_push_variants(void **state)
                      {"solve_wc", offsetof(bk_cuda_tuning, solve_wc), 32},
                      {"tile", offsetof(bk_cuda_tuning, tile), 48},
                      {"push_mma", offsetof(bk_cuda_tuning, push_mma), 3},
-                     {"solve_chain", offsetof(bk_cuda_tuning, solve_chain), 3},
-                     {"factor_tc", offsetof(bk_cuda_tuning, factor_tc), 2}};
+                     {"solve_chain", offsetof(bk_cuda_tuning, solve_chain), 3}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         bk_cuda_tuning t;
         bk_cuda_tuning_default(&t);
@@ -357,31 +351,6 @@ static void test_fp64_factors_refit_dead(void **state)
     }
 }
 
-/* c's indefinite A with damping 0 fails, then the escalated damping works:
- * one escalation on both backends (the same damping); no retries allowed:
- * NOT_PD on both, the GPU's message containing `what` */
-static void check_escalation(const pcase *c, bk_precision prec, const char *what)
-{
-    bk_solve_opts o;
-    bk_solve_opts_default(&o);
-    o.precision = prec;
-    o.damp = 0.0;
-    bk_solve_problem p;
-    problem_of(c, &p, 0, c->W, c->A, NULL, NULL, NULL, BK_DT_F64);
-    bk_solve_result rc, rg;
-    assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_OK);
-    assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_OK);
-    assert_int_equal(rc.damp_retries, 1);
-    assert_int_equal(rg.damp_retries, 1);
-    assert_true(rc.damp_a == rg.damp_a);
-    bk_solve_result_free(&rc);
-    bk_solve_result_free(&rg);
-    o.max_damp_retries = 0;
-    assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_ERR_NOT_PD);
-    assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_ERR_NOT_PD);
-    assert_non_null(strstr(bk_last_error(), what));
-}
-
 /* an indefinite A (eigenvalue -0.001) with damping 0 fails, then 1e-2
  * works: one escalation on both backends; no retries allowed: NOT_PD */
 static void test_escalation_and_not_pd(void **state)
@@ -397,8 +366,26 @@ static void test_escalation_and_not_pd(void **state)
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < n; j++)
             c.A[i * n + j] = (i == j ? 1.0 : 0.0) - 1.001 * u[i] * u[j] / nu;
-    for (int prec = 0; prec <= 1; prec++)
-        check_escalation(&c, prec ? BK_PREC_FP64 : BK_PREC_FP32, "A");
+    for (int prec = 0; prec <= 1; prec++) {
+        bk_solve_opts o;
+        bk_solve_opts_default(&o);
+        o.precision = prec ? BK_PREC_FP64 : BK_PREC_FP32;
+        o.damp = 0.0;
+        bk_solve_problem p;
+        problem_of(&c, &p, 0, c.W, c.A, NULL, NULL, NULL, BK_DT_F64);
+        bk_solve_result rc, rg;
+        assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_OK);
+        assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_OK);
+        assert_int_equal(rc.damp_retries, 1);
+        assert_int_equal(rg.damp_retries, 1);
+        assert_true(rc.damp_a == rg.damp_a);
+        bk_solve_result_free(&rc);
+        bk_solve_result_free(&rg);
+        o.max_damp_retries = 0;
+        assert_int_equal(bk_backend_solve(g_cpu, &p, &o, &rc), BK_ERR_NOT_PD);
+        assert_int_equal(bk_backend_solve(g_gpu, &p, &o, &rg), BK_ERR_NOT_PD);
+        assert_non_null(strstr(bk_last_error(), "A"));
+    }
     pcase_free(&c);
 }
 
@@ -681,80 +668,6 @@ static void test_fp32_small_factor_fp64(void **state)
     bk_backend_destroy(b);
 }
 
-/* ------------------------------------------------------- factor_tc = 1 */
-
-/* A CUDA backend with the default tuning and factor_tc 1 (fp32 factors of
- * order >= 2048 by the blocked 3xTF32 Cholesky and inverse, cuda/factor_tc.cu)
- * in place of g_gpu; factor_tc_end restores it. */
-static bk_backend *factor_tc_begin(void)
-{
-    bk_cuda_tuning t;
-    bk_cuda_tuning_default(&t);
-    t.factor_tc = 1;
-    bk_backend *b = NULL;
-    assert_int_equal(bk_backend_create(BK_BACKEND_CUDA, &b), BK_OK);
-    assert_int_equal(bk_cuda_backend_tune(b, &t), BK_OK);
-    bk_backend *keep = g_gpu;
-    g_gpu = b;
-    return keep;
-}
-
-static void factor_tc_end(bk_backend *keep)
-{
-    bk_backend_destroy(g_gpu);
-    g_gpu = keep;
-}
-
-/* the fp32 bar (>= 99% identical codes, two-sided loss within 0.5%, the
- * same damping) with the input factor (n = 2304) and the output factor
- * (m = 2304) on the blocked path */
-static void test_fp32_factor_tc(void **state)
-{
-    (void)state;
-    bk_backend *keep = factor_tc_begin();
-    parity_fp32_large(256, 2304, BK_ALG_BAKRON);
-    parity_fp32_large(256, 2304, BK_ALG_GPTQ);
-    parity_fp32_large(2304, 256, BK_ALG_BAKRON);
-    factor_tc_end(keep);
-}
-
-/* a non-PD fp32 factor on the blocked path (a block's potrf fails) escalates
- * the damping as the CPU does, and without retries fails with NOT_PD: the
- * same contract as the cuSOLVER path (test_escalation_and_not_pd) */
-static void test_fp32_factor_tc_escalation(void **state)
-{
-    (void)state;
-    const int64_t m = 9, n = 2100;
-    pcase c = {m, n, test_weights(m, n, 43, 0.1), malloc(sizeof(double) * (size_t)(n * n)),
-               NULL, NULL, NULL};
-    assert_non_null(c.A);
-    double nu = 0;
-    double *u = malloc(sizeof(double) * (size_t)n);
-    assert_non_null(u);
-    for (int64_t j = 0; j < n; j++) {
-        u[j] = 1.0 + 0.1 * (double)(j % 17);
-        nu += u[j] * u[j];
-    }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < n; j++)
-            c.A[i * n + j] = (i == j ? 1.0 : 0.0) - 1.001 * u[i] * u[j] / nu;
-    free(u);
-    bk_backend *keep = factor_tc_begin();
-    check_escalation(&c, BK_PREC_FP32, "not positive definite");
-    factor_tc_end(keep);
-    pcase_free(&c);
-}
-
-/* the slow shapes with factor_tc 1 (n = 2816 on the blocked path) */
-static void test_fp32_1024x2816_factor_tc(void **state)
-{
-    (void)state;
-    bk_backend *keep = factor_tc_begin();
-    parity_fp32_large(1024, 2816, BK_ALG_BAKRON);
-    parity_fp32_large(1024, 2816, BK_ALG_GPTQ);
-    factor_tc_end(keep);
-}
-
 int main(int argc, char **argv)
 {
     if (bk_cuda_device_count() == 0) {
@@ -780,13 +693,10 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_fp64_factors_refit_dead),
         cmocka_unit_test(test_fp32_small),
         cmocka_unit_test(test_fp32_small_factor_fp64),
-        cmocka_unit_test(test_fp32_factor_tc),
-        cmocka_unit_test(test_fp32_factor_tc_escalation),
     };
     const struct CMUnitTest big[] = {
         cmocka_unit_test(test_fp32_1024),
         cmocka_unit_test(test_fp32_1024x2816),
-        cmocka_unit_test(test_fp32_1024x2816_factor_tc),
     };
     int rc = slow ? cmocka_run_group_tests_name("cuda_parity_slow", big, NULL, NULL)
                   : cmocka_run_group_tests_name("cuda_parity", fast, NULL, NULL);

@@ -18,9 +18,10 @@
  *                                 the fused kernel: errors against a double
  *                                 reference and times (attn_dev.cu)
  *   bk-cuda-dev factor [OPTS]     the product's fp32 Cholesky + triangular inverse
- *                                 (cuda/factor.cu) against the blocked 3xTF32
- *                                 one (cuda/factor_tc.cu, tuning factor_tc 1):
- *                                 times and errors against fp64 (factor_dev.cu)
+ *                                 (cuda/factor.cu) against a blocked 3xTF32
+ *                                 candidate (cuda/dev/fac3x.cu, dev only): times
+ *                                 and errors against fp64 (factor_dev.cu; open
+ *                                 questions: the 2304x256 parity failure, nb 256)
  *   bk-cuda-dev attn-bwd [OPTS]   the backprop flow's attention backward, unfused
  *                                 (BF16 GEMMs) against the fused kernels: errors
  *                                 against double, times (attn_bwd_dev.cu)

@@ -20,11 +20,19 @@
  * with BK_PREC_FP64, for the final normalized factor; cuSOLVER Dpotrf and
  * Dtrtri for the stages) on the same fp32-representable matrix.
  *
- * Since session 16 (branch fac3xprod) the candidate lives in the product
- * (cuda/factor_tc.cu, bk_fac3x_*; used by factor.cu when the CUDA tuning
- * factor_tc is 1, default 0): the rows "fac3x nb=.." time those functions with
- * the harness's settings, and the row "product-ftc" the product end to end
- * (bk_dside_from_dmatrix) with factor_tc 1 and the product's settings.
+ * The candidate is in cuda/dev/fac3x.cu (bk_fac3x_*), dev harness only: it
+ * was in the product behind the CUDA tuning factor_tc in session 16 (branch
+ * fac3xprod) and was removed from it in session 17 (branch prune), having
+ * missed its rule (>= 2x at n = 14336 with errors within 2x of fp32 cuSOLVER):
+ * 1.67x end to end (0.0602 vs 0.1008 s), errors 2.6-2.7x fp32's at nb 512.
+ * To investigate before it returns (cuda/dev/NOTES.md, "Session 17"):
+ *   - the output-factor parity failure: cuda_parity's fp32 bar at 2304x256
+ *     (m = 2304 on the blocked path) gave 90.19% identical codes against the
+ *     CPU fp32 oracle (bar 99%), loss 34.9151 vs 34.8515; the input-factor
+ *     cases (256x2304) were 100%;
+ *   - nb = 256: errors 1.36-1.43x fp32's at 1.74x the product's speed
+ *     (nb 512: 2.6x at 1.81x; end to end at n = 14336) -- run with
+ *     --nb 256,512.
  */
 #include <algorithm>
 #include <chrono>
@@ -40,6 +48,7 @@
 #include "../cuda_internal.cuh"
 #include "../factor_kernels.cuh"
 #include "dev_common.cuh"
+#include "fac3x.cuh"
 
 int cmd_factor(int argc, char **argv);
 
@@ -104,13 +113,10 @@ __global__ void k_sym_double(double *Xd, const float *G, int64_t n)
 
 /* k_fill_rev, k_antitranspose, k_get_diag, k_normalize: cuda/factor_kernels.cuh */
 
-/* ------------------------------- the product's blocked 3xTF32 path (timed) */
+/* ------------------------------------ the blocked 3xTF32 candidate (timed) */
 
-/* cuda/factor_tc.cu (moved there from this file in session 16, branch
- * fac3xprod): the product runs it with bk_fac3x_cfg_default when setting
- * factor_tc is 1; the harness runs the same functions with its own nb, pw,
- * leaf, kc and terms. Thin wrappers that exit on an error, as the harness
- * does everywhere. */
+/* cuda/dev/fac3x.cu, run with the harness's nb, pw, leaf, kc and terms. Thin
+ * wrappers that exit on an error, as the harness does everywhere. */
 typedef bk_fac3x_cfg fac3x_cfg;
 typedef bk_fac3x_ws fac3x_ws;
 
@@ -468,52 +474,6 @@ int cmd_factor(int argc, char **argv)
                 upper_err<float>(c, (const float *)prod.dL, kpad, (const double *)ref.dL, kpad,
                                  n, dacc);
             const double prd = rdiag_err(prod.rdiag, ref.rdiag, n);
-            /* (a'') the product with setting factor_tc 1 (bk_cuda_tuning), end to end
-             * through the same function: the blocked 3xTF32 path with the
-             * product's settings (bk_fac3x_cfg_default) for n >= BK_CUDA_FACTOR_TC_MIN,
-             * the cuSOLVER path below it */
-            {
-                const int keep_tc = c->factor_tc;
-                c->factor_tc = 1;
-                std::vector<double> tf;
-                bk_dside ftc;
-                memset(&ftc, 0, sizeof ftc);
-                for (int r = 0; r <= reps; r++) {
-                    double *cp = copy_xd();
-                    bk_dside s;
-                    const double t0 = wall();
-                    CK(bk_dside_from_dmatrix(c, &s, cp, n, kpad, mean, "prod-ftc", &o32, 0, 0));
-                    CU(cudaStreamSynchronize(c->stream));
-                    const double t1 = wall();
-                    if (r)
-                        tf.push_back(t1 - t0);
-                    if (r == reps)
-                        ftc = s;
-                    else
-                        bk_dside_free(c, &s);
-                }
-                c->factor_tc = keep_tc;
-                const ferr fout = upper_err<float>(c, (const float *)ftc.dL, kpad,
-                                                   (const double *)ref.dL, kpad, n, dacc);
-                const double frd = rdiag_err(ftc.rdiag, ref.rdiag, n);
-                bk_fac3x_cfg dg;
-                bk_fac3x_cfg_default(&dg);
-                printf("%-6lld %-6g %-22s %9.4f %9s %9s %9s | %9s %9s %9s %9s %9.2e  (e2e x%.2f; "
-                       "err/product out %.2f; %s%s)\n",
-                       (long long)n, damp, "product-ftc", median(tf), "-", "-", "-", "-", "-", "-",
-                       "-", fout.fro_rel, median(te) / median(tf), fout.fro_rel / pout.fro_rel,
-                       n >= BK_CUDA_FACTOR_TC_MIN ? "factor_tc path" : "below the threshold: cuSOLVER",
-                       ftc.retries ? ", damping escalated" : "");
-                fprintf(stderr,
-                        "JSON {\"cmd\":\"factor\",\"n\":%lld,\"damp\":%g,\"path\":\"product-ftc\","
-                        "\"tc\":%d,\"nb\":%lld,\"pw\":%lld,\"leaf\":%lld,\"e2e_s\":%.6f,"
-                        "\"out_max\":%.3e,\"out_fro\":%.3e,\"rdiag\":%.3e,\"retries\":%d,"
-                        "\"nonfinite\":%lld}\n",
-                        (long long)n, damp, n >= BK_CUDA_FACTOR_TC_MIN, (long long)dg.nb,
-                        (long long)dg.pw, (long long)dg.leaf, median(tf), fout.max_rel,
-                        fout.fro_rel, frd, ftc.retries, (long long)fout.nonfinite);
-                bk_dside_free(c, &ftc);
-            }
             /* (a') its stages: Spotrf as factor.cu calls it, the tri_inverse replica */
             fac3x_cfg g0 = {std::min<int64_t>(1024, n), pw, 512, terms, kc};
             fac3x_ws w0;

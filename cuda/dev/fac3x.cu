@@ -1,7 +1,10 @@
-/* CUDA backend — the fp32 Cholesky factorization and triangular inverse with
- * the O(n^3) work on tensor cores (3xTF32), for factor.cu's factor_inverse
- * when c->factor_tc == 1 (bk_cuda_tuning; default 0 until measured, see
- * cuda/dev/NOTES.md "Session 16 (branch fac3x)" and "(branch fac3xprod)").
+/* bk-cuda-dev factor — the candidate: the fp32 Cholesky factorization and
+ * triangular inverse with the O(n^3) work on tensor cores (3xTF32), timed by
+ * factor_dev.cu against the product's cuSOLVER path (cuda/factor.cu). Dev
+ * harness only: in the product behind the CUDA tuning factor_tc in session 16
+ * (branch fac3xprod), removed from it in session 17 (branch prune: 1.67x end
+ * to end at n = 14336 against a rule of 2x, errors 2.6x fp32's, and the fp32
+ * parity bar failed at 2304x256); see cuda/dev/NOTES.md.
  *
  *   x = hi + lo, hi = TF32(x), lo = TF32(x - hi); a.b ~ hi.hi + hi.lo + lo.hi,
  *   one cuBLAS GEMM (CUBLAS_COMPUTE_32F_FAST_TF32, fp32 accumulation) with the
@@ -18,16 +21,15 @@
  *
  * The strict lower part of the diagonal blocks receives leftovers of the
  * trapezoid updates; nothing reads it (potrf / trtri read the upper
- * triangle, the split of a triangular operand zeroes it, factor.cu's
- * anti-transpose clears it). Moved here from the dev harness
- * (cuda/dev/factor_dev.cu, session 16), which now times these functions.
+ * triangle, the split of a triangular operand zeroes it, the
+ * anti-transpose of cuda/factor_kernels.cuh clears it).
  */
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#include "cuda_internal.cuh"
+#include "fac3x.cuh"
 
 namespace {
 
@@ -130,17 +132,6 @@ bk_status next_info(bk_fac3x_ws *w, int **slot)
 }
 
 } // namespace
-
-void bk_fac3x_cfg_default(bk_fac3x_cfg *g)
-{
-    /* nb / pw: the middle of the dev harness's grid; to be set from the
-     * measurement (bk-cuda-dev factor) before factor_tc becomes a default */
-    g->nb = 512;
-    g->pw = 1024;
-    g->leaf = 512;
-    g->terms = 3;
-    g->kc = 0;
-}
 
 void bk_fac3x_ws_free(bk_cuda_ctx *c, bk_fac3x_ws *w)
 {
