@@ -14,10 +14,6 @@
 #include <cstdint>
 
 #ifdef __CUDACC__
-#include <cuda_pipeline.h>
-#endif
-
-#ifdef __CUDACC__
 #define BK_HD __host__ __device__
 #else
 #define BK_HD
@@ -194,197 +190,6 @@ BK_HD inline void quad_round(const quad_args &a, int tc, const double *sh, int n
                   sn[j * h2 + q], ws[j], c, acc);
 }
 
-
-/* The blocked form of the quads (k_attn_quads_blocked below). A block of
- * QB_THREADS threads holds a tile of QB_TILE x QB_TILE quads of one
- * (sequence s, block blk) head: rows P0 .. P0+15, columns Q0 .. Q0+15 (a
- * tile past h/2 is partly empty: its pairs stage zeros and are not stored).
- * Thread tid = 8·ty + tx holds the four quads (P0 + ty + 8a, Q0 + tx + 8b),
- * a, b in {0, 1}: per vector it reads vp, vP of its two rows and vq, vQ of
- * its two columns once (8 shared loads) for the 16 multiply-adds of the four
- * quads, four independent chains. Each quad's own operations are
- * quad_step's, in its order (qb_round): the same results as quad_item up to
- * the compiler's contraction of rot_quad's products.
- *
- * A round of tc positions in shared memory, per position qb_width doubles:
- * per vector 64 entries (16 each: rows p, rows p+h/2, columns q, columns
- * q+h/2 of the tile), then 64 of RoPE (16 each: cos rows, cos columns, sin
- * rows, sin columns). In each 16, entry m is pair (m>>1) + 8·(m&1) of the
- * tile, so that a thread's two rows (two columns) are adjacent: one 16-byte
- * load each, and a warp (4 ty x 8 tx) reads 4 resp. 8 distinct pairs per
- * load (one wavefront). The weights: one double a position. */
-constexpr int QB_THREADS = 64, QB_TILE = 16;
-
-BK_HD inline int qb_width(int nv)
-{
-    return nv * 64 + 64;
-}
-
-/* Shared memory of a blocked round of tc positions, bytes: two landing
- * buffers of the raw entries (floats, the weights double: the next round is
- * copied there while the current one is computed) and the round converted to
- * double. */
-BK_HD inline int64_t qb_round_bytes(int nv, int64_t tc)
-{
-    return tc * (16 * (int64_t)qb_width(nv) + 24);
-}
-
-/* Positions a blocked round holds (at most 32, at most T) in QUAD_SMEM, or 0
- * where one position does not fit (nv >= 47). */
-BK_HD inline int64_t qb_round_positions(const quad_args &a)
-{
-    int64_t tc = QUAD_SMEM / qb_round_bytes(a.nv, 1);
-    if (tc > 32)
-        tc = 32;
-    if (tc > a.T)
-        tc = a.T;
-    return tc;
-}
-
-/* The source of entry r (< qb_width) of position t for the tile (P0, Q0), or
- * NULL where its pair lies past h/2 (staged as zero). */
-BK_HD inline const float *qb_src(const quad_args &a, int64_t s, int64_t blk, int64_t P0,
-                                 int64_t Q0, int64_t t, int r)
-{
-    const int64_t h2 = a.h / 2;
-    const int nvw = a.nv * 64;
-    const int k = r < nvw ? (r & 63) : r - nvw, part = k >> 4, m = k & 15;
-    /* vectors: part = (P or Q) · 2 + (+h/2); RoPE: part = (cos or sin) · 2 + (P or Q) */
-    const bool col = r < nvw ? (part >> 1) != 0 : (part & 1) != 0;
-    const int64_t pair = (col ? Q0 : P0) + (m >> 1) + 8 * (m & 1);
-    if (pair >= h2)
-        return nullptr;
-    if (r < nvw)
-        return a.vec + (s * a.T + t) * a.vstride + (blk * a.nv + (r >> 6)) * a.h + pair +
-               (part & 1) * h2;
-    return ((part >> 1) ? a.sn : a.cs) + t * h2 + pair;
-}
-
-/* Thread tid of nthreads copies its share of round c0 (n positions) into a
- * landing buffer: fb [tc, qb_width] floats, fw [tc] weights. On the device
- * asynchronously (cp.async; the caller commits and waits), on the host
- * directly. qb_convert then converts the same share (the same thread: the
- * landing buffers need no barrier). */
-BK_HD inline void qb_fill(const quad_args &a, int64_t s, int64_t blk, int64_t P0, int64_t Q0,
-                          int64_t c0, int n, int tid, int nthreads, float *fb, double *fw)
-{
-    const int W = qb_width(a.nv);
-    int j = tid / W, r = tid % W;
-    const int dj = nthreads / W, dr = nthreads % W;
-    for (int e = tid; e < n * W; e += nthreads) {
-        const int64_t t = a.backward ? a.T - 1 - (c0 + j) : c0 + j;
-        const float *src = qb_src(a, s, blk, P0, Q0, t, r);
-#ifdef __CUDA_ARCH__
-        if (src)
-            __pipeline_memcpy_async(fb + e, src, sizeof(float));
-        else
-            fb[e] = 0.0f;
-#else
-        fb[e] = src ? *src : 0.0f;
-#endif
-        j += dj;
-        r += dr;
-        if (r >= W) {
-            r -= W;
-            j++;
-        }
-    }
-    if (a.w)
-        for (int jj = tid; jj < n; jj += nthreads) {
-            const int64_t t = a.backward ? a.T - 1 - (c0 + jj) : c0 + jj;
-#ifdef __CUDA_ARCH__
-            __pipeline_memcpy_async(fw + jj, a.w + s * a.T + t, sizeof(double));
-#else
-            fw[jj] = a.w[s * a.T + t];
-#endif
-        }
-}
-
-BK_HD inline void qb_convert(const quad_args &a, int n, int tid, int nthreads, const float *fb,
-                             const double *fw, double *db, double *dw)
-{
-    const int W = qb_width(a.nv);
-    for (int e = tid; e < n * W; e += nthreads)
-        db[e] = (double)fb[e];
-    for (int jj = tid; jj < n; jj += nthreads)
-        dw[jj] = a.w ? fw[jj] : 1.0;
-}
-
-/* x, y = p[0], p[1] (p 16-byte aligned on the device: one load) */
-BK_HD inline void qb_ld2(const double *p, double &x, double &y)
-{
-#ifdef __CUDA_ARCH__
-    const double2 v = *reinterpret_cast<const double2 *>(p);
-    x = v.x;
-    y = v.y;
-#else
-    x = p[0];
-    y = p[1];
-#endif
-}
-
-/* Thread (ty, tx) over the n positions of a converted round (db, dw): for its
- * quad k = 2a + b the running Gram c[k] and the sum acc[k], each quad exactly
- * as quad_step: the vectors in order into c[k], then rot_quad and acc[k] +=
- * wt · o. */
-BK_HD inline void qb_round(int nv, const double *db, const double *dw, int n, int ty, int tx,
-                           double (*c)[4], double (*acc)[4])
-{
-    const int W = qb_width(nv);
-    for (int j = 0; j < n; j++) {
-        const double *pos = db + (int64_t)j * W;
-        for (int i = 0; i < nv; i++) {
-            const double *v = pos + i * 64;
-            double vp[2], vP[2], vq[2], vQ[2];
-            qb_ld2(v + 2 * ty, vp[0], vp[1]);
-            qb_ld2(v + 16 + 2 * ty, vP[0], vP[1]);
-            qb_ld2(v + 32 + 2 * tx, vq[0], vq[1]);
-            qb_ld2(v + 48 + 2 * tx, vQ[0], vQ[1]);
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-            for (int k = 0; k < 4; k++) {
-                const int x = k >> 1, y = k & 1;
-                c[k][0] += vp[x] * vq[y];
-                c[k][1] += vp[x] * vQ[y];
-                c[k][2] += vP[x] * vq[y];
-                c[k][3] += vP[x] * vQ[y];
-            }
-        }
-        const double *g = pos + nv * 64;
-        double cp[2], cq[2], sp[2], sq[2];
-        qb_ld2(g + 2 * ty, cp[0], cp[1]);
-        qb_ld2(g + 16 + 2 * tx, cq[0], cq[1]);
-        qb_ld2(g + 32 + 2 * ty, sp[0], sp[1]);
-        qb_ld2(g + 48 + 2 * tx, sq[0], sq[1]);
-        const double wt = dw[j];
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-        for (int k = 0; k < 4; k++) {
-            const int x = k >> 1, y = k & 1;
-            double o[4];
-            rot_quad(c[k][0], c[k][1], c[k][2], c[k][3], cp[x], sp[x], cq[y], sq[y], o);
-            acc[k][0] += wt * o[0];
-            acc[k][1] += wt * o[1];
-            acc[k][2] += wt * o[2];
-            acc[k][3] += wt * o[3];
-        }
-    }
-}
-
-/* The quads of thread (ty, tx) of tile (P0, Q0) that lie in the head. */
-BK_HD inline void qb_store(const quad_args &a, int64_t s, int64_t blk, int64_t P0, int64_t Q0,
-                           int ty, int tx, double (*acc)[4])
-{
-    const int64_t h2 = a.h / 2;
-    for (int k = 0; k < 4; k++) {
-        const int64_t p = P0 + ty + 8 * (k >> 1), q = Q0 + tx + 8 * (k & 1);
-        if (p < h2 && q < h2)
-            quad_store(a, s, blk, p, q, acc[k]);
-    }
-}
-
 #ifdef __CUDACC__
 /* The quads on the device, positions staged in shared memory. The per-thread
  * form (one thread = one quad_item, reading its four entries of every vector
@@ -398,9 +203,7 @@ BK_HD inline void qb_store(const quad_args &a, int64_t s, int64_t blk, int64_t P
  * bitwise the same results on the device: nvcc contracts multiply-adds
  * differently in the two kernels (H200, session 11; test_cuda_hess_quads
  * compares them to 1e-13 relative, test_cuda_hess_items bitwise on the
- * host). Superseded by k_attn_quads_blocked (session 17); kept, as
- * QUADS_STAGED of quads_launch, for test_cuda_hess_quads's comparison and
- * timing (the A/B on the same data). */
+ * host). */
 template <int NOTHING = 0>
 __global__ void k_attn_quads_staged(quad_args a, int tc)
 {
@@ -433,85 +236,17 @@ __global__ void k_attn_quads_thread(quad_args a)
         quad_item(a, i);
 }
 
-/* The quads on the device, register-blocked (qb_* above): a block of
- * QB_THREADS threads per tile of QB_TILE x QB_TILE quads, four quads a thread.
- * The rounds are double-buffered: while round r is computed from the
- * converted copy, round r+1's entries are in flight (cp.async into the other
- * landing buffer); at the start of each round a thread converts the entries
- * it copied itself (no barrier needed between its copy and its conversion),
- * then one barrier publishes the round. Two barriers a round (the second
- * frees the converted copy for the next), the global loads off the critical
- * path. */
-template <int NOTHING = 0>
-__global__ void __launch_bounds__(QB_THREADS) k_attn_quads_blocked(quad_args a, int tc)
+/* All quads of a: part[s, blk] for every sequence and block. Staged when one
+ * position fits in QUAD_SMEM (quad_round_positions), else one thread per
+ * quad_item; per_thread forces the latter (the test compares the two).
+ * Returns the launch's error. */
+inline cudaError_t quads_launch(const quad_args &a, cudaStream_t stream, int per_thread)
 {
-    extern __shared__ double2 qb_sh[];
-    const int64_t h2 = a.h / 2, nt = (h2 + QB_TILE - 1) / QB_TILE;
-    const int64_t head = blockIdx.x / (nt * nt), tile = blockIdx.x % (nt * nt);
-    const int64_t s = head / a.nb, blk = head % a.nb;
-    const int64_t P0 = tile / nt * QB_TILE, Q0 = tile % nt * QB_TILE;
-    const int tid = (int)threadIdx.x, ty = tid >> 3, tx = tid & 7;
-    const int W = qb_width(a.nv);
-    unsigned char *base = reinterpret_cast<unsigned char *>(qb_sh);
-    const size_t fbytes = (size_t)tc * (4 * (size_t)W + 8), fvals = (size_t)tc * W * 4;
-    double *db = reinterpret_cast<double *>(base + 2 * fbytes), *dw = db + (size_t)tc * W;
-    double c[4][4], acc[4][4];
-#pragma unroll
-    for (int k = 0; k < 4; k++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            c[k][e] = acc[k][e] = 0.0;
-    qb_fill(a, s, blk, P0, Q0, 0, a.T < tc ? (int)a.T : tc, tid, QB_THREADS,
-            reinterpret_cast<float *>(base), reinterpret_cast<double *>(base + fvals));
-    __pipeline_commit();
-    size_t cur = 0;
-    for (int64_t c0 = 0; c0 < a.T; c0 += tc) {
-        const int n = a.T - c0 < tc ? (int)(a.T - c0) : tc;
-        __pipeline_wait_prior(0); /* this thread's copies of the round landed */
-        __syncthreads();          /* the previous round's reads of db are done */
-        qb_convert(a, n, tid, QB_THREADS, reinterpret_cast<const float *>(base + cur),
-                   reinterpret_cast<const double *>(base + cur + fvals), db, dw);
-        const size_t nxt = fbytes - cur;
-        if (c0 + tc < a.T) {
-            const int n2 = a.T - c0 - tc < tc ? (int)(a.T - c0 - tc) : tc;
-            qb_fill(a, s, blk, P0, Q0, c0 + tc, n2, tid, QB_THREADS,
-                    reinterpret_cast<float *>(base + nxt),
-                    reinterpret_cast<double *>(base + nxt + fvals));
-        }
-        __pipeline_commit();
-        __syncthreads(); /* the round converted */
-        qb_round(a.nv, db, dw, n, ty, tx, c, acc);
-        cur = nxt;
-    }
-    qb_store(a, s, blk, P0, Q0, ty, tx, acc);
-}
-
-/* The kernels quads_launch can run (the product runs QUADS_BLOCKED; the
- * others are there for test_cuda_hess_quads to compare and time). */
-enum { QUADS_BLOCKED = 0, QUADS_PER_THREAD = 1, QUADS_STAGED = 2 };
-
-/* All quads of a: part[s, blk] for every sequence and block. kernel
- * QUADS_BLOCKED: k_attn_quads_blocked where one position of its round fits in
- * QUAD_SMEM (qb_round_positions), else the per-thread kernel; QUADS_STAGED:
- * the session-11 kernel (one quad a thread, quad_round_positions), else the
- * per-thread one; QUADS_PER_THREAD: one thread per quad_item. Returns the
- * launch's error. */
-inline cudaError_t quads_launch(const quad_args &a, cudaStream_t stream, int kernel)
-{
-    const int64_t h2 = a.h / 2, nq = h2 * h2, n = a.S * a.nb * nq;
+    const int64_t nq = (a.h / 2) * (a.h / 2), n = a.S * a.nb * nq;
+    const int64_t tc = quad_round_positions(a);
     if (n <= 0)
         return cudaSuccess;
-    const int64_t tb = kernel == QUADS_BLOCKED ? qb_round_positions(a) : 0;
-    const int64_t tc = kernel == QUADS_STAGED ? quad_round_positions(a) : 0;
-    if (tb >= 1) {
-        const int64_t nt = (h2 + QB_TILE - 1) / QB_TILE, grid = a.S * a.nb * nt * nt;
-        if (grid > 2147483647)
-            return cudaErrorInvalidConfiguration;
-        k_attn_quads_blocked<<<(unsigned)grid, QB_THREADS, (size_t)qb_round_bytes(a.nv, tb),
-                               stream>>>(a, (int)tb);
-        return cudaGetLastError();
-    }
-    if (tc < 1) {
+    if (per_thread || tc < 1) {
         int64_t b = (n + 255) / 256;
         if (b > 1048576)
             b = 1048576;

@@ -8,12 +8,11 @@
  *                             B = (Σ w v vᵀ / N) ⊙ DᵀD on the device;
  *   q/k/v (fully-local)       per (sequence, kv head) and 2x2 entry block
  *                             ("quad": rows i, i+h/2 x columns j, j+h/2, the
- *                             pairs RoPE mixes), the prefix (q) or suffix
- *                             (k) Gram of that quad and its RoPE sandwich
- *                             R_tᵀ C_t R_t over the positions, in double,
- *                             exactly as rot_sandwich (a block per 16 x 16
- *                             quads of a head, four quads a thread, the
- *                             positions staged in shared memory:
+ *                             pairs RoPE mixes), one thread runs the prefix
+ *                             (q) or suffix (k) Gram of that quad and its RoPE
+ *                             sandwich R_tᵀ C_t R_t over the positions, in
+ *                             double, exactly as rot_sandwich (a block per
+ *                             head, the positions staged in shared memory:
  *                             hess_attn.cuh quads_launch); with q_norm /
  *                             k_norm (Qwen3) each position takes five steps
  *                             (Gram update, sandwich, J-products, scalars,
@@ -702,7 +701,7 @@ bk_status attn_local(bk_ghess *a, const bk_glayer *lw, const float *X, const flo
             q.w = sw;
             q.backward = part;
             q.part = a->part;
-            if ((st = bk_cuda_status(quads_launch(q, sm, QUADS_BLOCKED), "k_attn_quads_blocked", __FILE__,
+            if ((st = bk_cuda_status(quads_launch(q, sm, 0), "k_attn_quads_staged", __FILE__,
                                      __LINE__)) != BK_OK)
                 return st;
             k_sum_parts<<<bk_grid(a->dim.nkv * hh), 256, 0, sm>>>(a->part, S, a->dim.nkv, hh,

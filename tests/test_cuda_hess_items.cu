@@ -93,112 +93,6 @@ void staged_same(const quad_args &a, const std::vector<double> &want, const char
     }
 }
 
-/* The blocked form (k_attn_quads_blocked's qb_fill / qb_convert / qb_round,
- * its threads run one after the other: fill and convert, then the 64 threads
- * of the tile) gives the per-item results bitwise: with the launch's round
- * size and 3 staging threads, and with rounds of 2 positions (a remainder
- * round when T is odd) and the block's 64 threads. Every entry of part is
- * written exactly once (tiles past h/2 store nothing there). */
-void blocked_same(const quad_args &a, const std::vector<double> &want, const char *what)
-{
-    const int64_t h2 = a.h / 2, nt = (h2 + QB_TILE - 1) / QB_TILE;
-    const int W = qb_width(a.nv);
-    const int64_t sizes[2] = {qb_round_positions(a), a.T < 2 ? a.T : 2};
-    for (int k = 0; k < 2; k++) {
-        const int tc = (int)sizes[k], nth = k == 0 ? 3 : QB_THREADS;
-        std::vector<float> fb((size_t)tc * W, NAN);
-        std::vector<double> fw((size_t)tc, NAN), db((size_t)tc * W, NAN), dw((size_t)tc, NAN);
-        std::vector<double> got((size_t)(a.S * a.nb * a.h * a.h), NAN);
-        quad_args b = a;
-        b.part = got.data();
-        for (int64_t s = 0; s < a.S; s++)
-            for (int64_t blk = 0; blk < a.nb; blk++)
-                for (int64_t tile = 0; tile < nt * nt; tile++) {
-                    const int64_t P0 = tile / nt * QB_TILE, Q0 = tile % nt * QB_TILE;
-                    std::vector<double> c((size_t)QB_THREADS * 16, 0.0),
-                        acc((size_t)QB_THREADS * 16, 0.0);
-                    for (int64_t c0 = 0; tc >= 1 && c0 < a.T; c0 += tc) {
-                        const int n = a.T - c0 < tc ? (int)(a.T - c0) : tc;
-                        for (int tid = 0; tid < nth; tid++) {
-                            qb_fill(b, s, blk, P0, Q0, c0, n, tid, nth, fb.data(), fw.data());
-                            qb_convert(b, n, tid, nth, fb.data(), fw.data(), db.data(),
-                                       dw.data());
-                        }
-                        for (int tid = 0; tid < QB_THREADS; tid++)
-                            qb_round(a.nv, db.data(), dw.data(), n, tid >> 3, tid & 7,
-                                     reinterpret_cast<double(*)[4]>(&c[(size_t)tid * 16]),
-                                     reinterpret_cast<double(*)[4]>(&acc[(size_t)tid * 16]));
-                    }
-                    for (int tid = 0; tid < QB_THREADS; tid++)
-                        qb_store(b, s, blk, P0, Q0, tid >> 3, tid & 7,
-                                 reinterpret_cast<double(*)[4]>(&acc[(size_t)tid * 16]));
-                }
-        const size_t n = (size_t)(a.S * a.nb * a.h * a.h);
-        const bool ok = tc >= 1 && memcmp(got.data(), want.data(), n * sizeof(double)) == 0;
-        printf("  blocked %s, rounds of %d positions, %d threads: %s\n", what, tc, nth,
-               ok ? "bitwise equal ok" : "FAIL");
-        if (!ok)
-            failures++;
-    }
-}
-
-/* The blocked form at head sizes the model cases above do not reach: head_dim
- * 128 and 64 (whole tiles), 80 (tiles partly past h/2), 6 (h/2 odd: an odd
- * quad count, a thread with quads on both sides of the edge); 1, 4 and 8
- * vectors (GQA 1 / 4 / 8: k_proj reads the group's queries), prefix and
- * suffix, weights, a padded row stride, T not a multiple of the round. */
-void blocked_shapes()
-{
-    struct shp {
-        const char *what;
-        int64_t S, T, nb, h;
-        int nv;
-        int64_t pad;
-        int backward, weights;
-    };
-    const shp cases[] = {
-        {"h128 q_proj (1 key), prefix", 1, 27, 2, 128, 1, 0, 0, 0},
-        {"h128 k_proj (GQA 4), suffix, weights", 2, 11, 1, 128, 4, 0, 1, 1},
-        {"h64 k_proj (GQA 8), prefix, weights, pad", 1, 13, 2, 64, 8, 3, 0, 1},
-        {"h64 k_proj (GQA 1), suffix", 2, 9, 1, 64, 1, 0, 1, 0},
-        {"h80 k_proj (GQA 4), suffix, pad", 1, 7, 2, 80, 4, 5, 1, 0},
-        {"h6 (3 x 3 quads) q_proj, prefix, weights", 2, 5, 3, 6, 1, 1, 0, 1},
-    };
-    bk_rng rng;
-    bk_rng_seed(&rng, 99);
-    for (const shp &c : cases) {
-        const int64_t h2 = c.h / 2, vstride = c.nb * c.nv * c.h + c.pad, N = c.S * c.T;
-        std::vector<float> vec = randn(&rng, (size_t)(N * vstride), 1.0),
-                           cs((size_t)(c.T * h2)), sn((size_t)(c.T * h2));
-        std::vector<double> w((size_t)N);
-        for (int64_t t = 0; t < c.T; t++)
-            for (int64_t i = 0; i < h2; i++) {
-                const double ang = (double)t * std::pow(100.0, -(double)i / (double)h2);
-                cs[(size_t)(t * h2 + i)] = (float)std::cos(ang);
-                sn[(size_t)(t * h2 + i)] = (float)std::sin(ang);
-            }
-        for (auto &x : w)
-            x = 0.5 + std::fabs(bk_rng_normal(&rng));
-        std::vector<double> want((size_t)(c.S * c.nb * c.h * c.h), NAN);
-        quad_args a;
-        a.vec = vec.data();
-        a.vstride = vstride;
-        a.nv = c.nv;
-        a.S = c.S;
-        a.T = c.T;
-        a.nb = c.nb;
-        a.h = c.h;
-        a.cs = cs.data();
-        a.sn = sn.data();
-        a.w = c.weights ? w.data() : NULL;
-        a.backward = c.backward;
-        a.part = want.data();
-        for (int64_t idx = 0; idx < c.S * c.nb * h2 * h2; idx++)
-            quad_item(a, idx);
-        blocked_same(a, want, c.what);
-    }
-}
-
 /* The q/k-norm rounds (qn_gramrot_item, qn_*_round_item: several positions
  * a launch) give the one-position-at-a-time results bitwise (the partial
  * blocks and the Shampoo traces): rounds of 3 positions (a remainder round
@@ -320,7 +214,6 @@ void run_case(bool qknorm, bool shampoo, int64_t H, int64_t G, int64_t h, int64_
             for (int64_t idx = 0; idx < S * G * hh / 4; idx++)
                 quad_item(a, idx);
             staged_same(a, part, p == 0 ? "q_proj" : "k_proj");
-            blocked_same(a, part, p == 0 ? "q_proj" : "k_proj");
             std::vector<double> &dst = p == 0 ? bq : bk;
             for (int64_t e = 0; e < G * hh; e++)
                 for (int64_t s = 0; s < S; s++)
@@ -456,8 +349,6 @@ int main()
     run_case(true, false, 6, 2, 4, 4, 3);
     run_case(true, true, 6, 2, 4, 4, 3);
     run_case(false, false, 3, 3, 6, 7, 1);
-    printf("blocked quads (k_attn_quads_blocked) on the host vs quad_item\n");
-    blocked_shapes();
     printf("%s\n", failures ? "FAILED" : "all ok");
     return failures ? 1 : 0;
 }

@@ -1,28 +1,23 @@
 /* The fully-local q/k output blocks on the device (cuda/hess_attn.cuh
- * quads_launch): the blocked kernel (the product's: 16 x 16 quads a block,
- * four a thread, double-buffered rounds) and the session-11 staged kernel (a
- * quad a thread, positions in shared memory) against the per-thread kernel
- * (one thread per quad_item) and against quad_item run on the host. Suite
- * cuda; exit 77 = skipped without a GPU.
+ * quads_launch): the staged kernel (a block per head, positions in shared
+ * memory) against the per-thread kernel (one thread per quad_item) and
+ * against quad_item run on the host. Suite cuda; exit 77 = skipped without
+ * a GPU.
  *
- *   - every case: the blocked and the staged partial blocks equal the
- *     per-thread ones within TOL_KERNELS (same operations in the same order
- *     per quad; nvcc contracts multiply-adds differently in the kernels, so
- *     not bitwise), and the blocked ones equal the host's quad_item within
- *     1e-12 relative;
+ *   - every case: the staged partial blocks equal the per-thread ones within
+ *     TOL_KERNELS (same operations in the same order per quad; nvcc contracts
+ *     multiply-adds differently in the two kernels, so not bitwise), and the
+ *     staged ones equal the host's quad_item within 1e-12 relative;
  *   - cases: head_dim 128 / 64 / 80 (a head's quads not a multiple of the
- *     block; the blocked kernel's tiles partly past h/2) / 8 / 6 (h/2 odd: an
- *     odd quad count) / 4 (a block of 32 threads, most idle), 1..4 and 8
- *     vectors per block (q_proj reads the kv head's key, k_proj the group's
- *     queries: GQA 1, 4, 8),
+ *     block) / 8 / 4 (a block of 32 threads, most idle), 1..4 vectors per
+ *     block (q_proj reads the kv head's key, k_proj the group's queries),
  *     prefix and suffix order, with and without Shampoo's position weights,
  *     a row stride wider than the heads, T not a multiple of the staged
  *     round; one position too large for the shared memory (the per-thread
  *     fallback);
  *   - the Llama-3-8B shape of one micro-batch (2 sequences x 2048 positions,
  *     8 kv heads of 128, 4 queries per group): equal within TOL_KERNELS, and
- *     the three kernels timed (printed, not checked: blocked vs staged is
- *     the session-17 A/B);
+ *     both kernels timed (printed, not checked);
  *   - with q_norm / k_norm (Qwen3): qn_rounds_launch (four launches per round
  *     of positions) against the former five launches per position (kernels
  *     here over the same per-position items): the partial blocks and the
@@ -114,14 +109,13 @@ void run_case(const shape &c, bool timed)
     for (auto &x : w)
         x = 0.5 + unif();
     float *dvec = NULL, *dcs = NULL, *dsn = NULL;
-    double *dw = NULL, *dp1 = NULL, *dp2 = NULL, *dp3 = NULL;
+    double *dw = NULL, *dp1 = NULL, *dp2 = NULL;
     CK(cudaMalloc(&dvec, nvec * sizeof(float)));
     CK(cudaMalloc(&dcs, cs.size() * sizeof(float)));
     CK(cudaMalloc(&dsn, sn.size() * sizeof(float)));
     CK(cudaMalloc(&dw, w.size() * sizeof(double)));
     CK(cudaMalloc(&dp1, npart * sizeof(double)));
     CK(cudaMalloc(&dp2, npart * sizeof(double)));
-    CK(cudaMalloc(&dp3, npart * sizeof(double)));
     CK(cudaMemcpy(dvec, vec.data(), nvec * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dcs, cs.data(), cs.size() * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dsn, sn.data(), sn.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -129,7 +123,6 @@ void run_case(const shape &c, bool timed)
     /* NaN everywhere first: an entry a kernel does not write fails */
     CK(cudaMemset(dp1, 0xff, npart * sizeof(double)));
     CK(cudaMemset(dp2, 0xff, npart * sizeof(double)));
-    CK(cudaMemset(dp3, 0xff, npart * sizeof(double)));
     quad_args a;
     a.vec = dvec;
     a.vstride = vstride;
@@ -142,53 +135,39 @@ void run_case(const shape &c, bool timed)
     a.sn = dsn;
     a.w = c.weights ? dw : NULL;
     a.backward = c.backward;
-    cudaEvent_t e0, e1, e2, e3;
+    cudaEvent_t e0, e1, e2;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     CK(cudaEventCreate(&e2));
-    CK(cudaEventCreate(&e3));
     if (timed) { /* warm-up */
         a.part = dp1;
-        CK(quads_launch(a, 0, QUADS_BLOCKED));
-        a.part = dp3;
-        CK(quads_launch(a, 0, QUADS_STAGED));
+        CK(quads_launch(a, 0, 0));
         CK(cudaDeviceSynchronize());
     }
     a.part = dp1;
     CK(cudaEventRecord(e0, 0));
-    CK(quads_launch(a, 0, QUADS_BLOCKED));
+    CK(quads_launch(a, 0, 0));
     CK(cudaEventRecord(e1, 0));
     a.part = dp2;
-    CK(quads_launch(a, 0, QUADS_PER_THREAD));
+    CK(quads_launch(a, 0, 1));
     CK(cudaEventRecord(e2, 0));
-    a.part = dp3;
-    CK(quads_launch(a, 0, QUADS_STAGED));
-    CK(cudaEventRecord(e3, 0));
     CK(cudaDeviceSynchronize());
-    float ms1 = 0, ms2 = 0, ms3 = 0;
+    float ms1 = 0, ms2 = 0;
     CK(cudaEventElapsedTime(&ms1, e0, e1));
     CK(cudaEventElapsedTime(&ms2, e1, e2));
-    CK(cudaEventElapsedTime(&ms3, e2, e3));
-    std::vector<double> p1(npart), p2(npart), p3(npart);
+    std::vector<double> p1(npart), p2(npart);
     CK(cudaMemcpy(p1.data(), dp1, npart * sizeof(double), cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(p2.data(), dp2, npart * sizeof(double), cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(p3.data(), dp3, npart * sizeof(double), cudaMemcpyDeviceToHost));
-    const double *got[2] = {p1.data(), p3.data()};
-    const char *name[2] = {"blocked", "staged"};
-    for (int k = 0; k < 2; k++) {
-        size_t differ = 0, nonfinite = 0;
-        const double rel = rel_diff(got[k], p2.data(), npart, &differ, &nonfinite);
-        const bool same = rel <= TOL_KERNELS && nonfinite == 0;
-        printf("  %-44s %-7s vs per-thread: rel %.3e (TOL_KERNELS %.0e) %s (%zu of %zu "
-               "bitwise different, %zu non-finite)\n",
-               k == 0 ? c.what : "", name[k], rel, TOL_KERNELS, same ? "ok" : "FAIL", differ,
-               npart, nonfinite);
-        if (!same)
-            failures++;
-    }
+    size_t differ = 0, nonfinite = 0;
+    const double rel = rel_diff(p1.data(), p2.data(), npart, &differ, &nonfinite);
+    const bool same = rel <= TOL_KERNELS && nonfinite == 0;
+    printf("  %-44s staged vs per-thread: rel %.3e (TOL_KERNELS %.0e) %s (%zu of %zu bitwise "
+           "different, %zu non-finite)\n",
+           c.what, rel, TOL_KERNELS, same ? "ok" : "FAIL", differ, npart, nonfinite);
+    if (!same)
+        failures++;
     if (timed)
-        printf("  %-44s blocked %.3f ms, staged %.3f ms, per-thread %.3f ms\n", "", ms1, ms3,
-               ms2);
+        printf("  %-44s staged %.3f ms, per-thread %.3f ms\n", "", ms1, ms2);
     if (c.host) {
         std::vector<double> ph(npart, NAN);
         quad_args ha = a;
@@ -207,15 +186,13 @@ void run_case(const shape &c, bool timed)
         }
         const double e = mb > 0 ? md / mb : md;
         const bool ok = e <= 1e-12;
-        printf("  %-44s blocked vs host quad_item rel err %.3e %s\n", "", e, ok ? "ok" : "FAIL");
+        printf("  %-44s vs host quad_item rel err %.3e %s\n", "", e, ok ? "ok" : "FAIL");
         if (!ok)
             failures++;
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     cudaEventDestroy(e2);
-    cudaEventDestroy(e3);
-    cudaFree(dp3);
     cudaFree(dvec);
     cudaFree(dcs);
     cudaFree(dsn);
@@ -401,7 +378,7 @@ int main(void)
         printf("no CUDA device: skipped\n");
         return 77;
     }
-    printf("fully-local q/k quads on the device: blocked, staged vs per-thread vs host\n");
+    printf("fully-local q/k quads on the device: staged vs per-thread vs host\n");
     /* what S T nb h nv pad bwd w host */
     const shape cases[] = {
         {"h128 q_proj (1 key), prefix", 2, 300, 2, 128, 1, 0, 0, 0, 1},
@@ -410,11 +387,6 @@ int main(void)
         {"h80 (1600 quads a head) suffix", 2, 41, 2, 80, 3, 0, 1, 0, 1},
         {"h8 q_proj, suffix, pad", 3, 5, 2, 8, 1, 3, 1, 0, 1},
         {"h4 k_proj (2 queries), prefix, weights", 3, 5, 1, 4, 2, 0, 0, 1, 1},
-        {"h128 k_proj (8 queries: GQA 8), suffix, w", 2, 45, 2, 128, 8, 0, 1, 1, 1},
-        {"h64 k_proj (8 queries: GQA 8), prefix, pad", 2, 70, 3, 64, 8, 2, 0, 0, 1},
-        {"h64 q_proj (GQA 1), suffix, weights", 1, 33, 4, 64, 1, 0, 1, 1, 1},
-        {"h6 (9 quads a head) k_proj, prefix, weights", 2, 19, 3, 6, 3, 1, 0, 1, 1},
-        {"h128, 46 vectors (blocked: 1 position)", 1, 3, 1, 128, 46, 0, 0, 1, 1},
         {"h128, 47 vectors (per-thread fallback)", 1, 3, 1, 128, 47, 0, 0, 1, 1},
     };
     for (const shape &c : cases)
