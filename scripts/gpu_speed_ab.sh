@@ -25,13 +25,22 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PATH=/usr/local/cuda/bin:$PATH
-NEW=$(realpath "${BK_BAKRON:-build-gpu/bakron}")
+NEW=${BK_BAKRON:-build-gpu/bakron}
+if [ ! -x "$NEW" ]; then
+    echo "gpu_speed_ab: $NEW: no executable CLI (set BK_BAKRON or build build-gpu first)" >&2
+    exit 1
+fi
+NEW=$(realpath "$NEW")
 SUM=$OUT/ab.txt
 : >"$SUM"
 note() { echo "$*" | tee -a "$SUM"; }
 status=0
 
 OB=${BK_OLD_BAKRON:-/tmp/ab-old/b/bakron}
+if [ -n "${BK_OLD_BAKRON:-}" ] && [ ! -x "$OB" ]; then
+    echo "gpu_speed_ab: BK_OLD_BAKRON=$OB: no executable CLI" >&2
+    exit 1
+fi
 if [ ! -x "$OB" ]; then
     t0=$(date +%s)
     rm -rf /tmp/ab-old
