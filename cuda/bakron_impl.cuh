@@ -404,7 +404,19 @@ template <typename R, int T, int WC_, int V = 0> struct Solve3Cfg {
  *      step take 32 shared wavefronts per warp instead of 64 (fp32);
  *   2  1, and the factors of step k + 1 are loaded before the barrier of step
  *      k (one step ahead, 2 x WC more registers): after a barrier only the
- *      1 + WC loads of the new E and R values remain. */
+ *      1 + WC loads of the new E and R values remain;
+ *   3  1, and the critical slot first (session 18): after the barrier of step
+ *      k a lane first adds step k's terms to the one slot whose entry is
+ *      active at step k + 1, rounds that entry and publishes its E and R
+ *      (the other buffer), and only then adds step k's terms to its other
+ *      WC - 1 slots; one barrier per step as before. The rounding of step
+ *      k + 1 no longer waits behind the WC - 1 other slots' loads and FMAs;
+ *   4  3 with the rounding straight-line (computed by every lane, the stores
+ *      predicated), so that the compiler may interleave the rounding chain
+ *      with the other slots' loads and FMAs.
+ * Each register gets the same terms in the same order in every V (the
+ * critical slot's step-k term is added before its step-k+1 rounding, the
+ * others' before their own), so the codes are the same bit for bit. */
 template <typename R, int T, int WC_, int KIND, int V = 0>
 __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
     k_tile_solve3(TileArgs<R> a, int K, int i_lo)
@@ -494,7 +506,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
     const R *lbrow = LBs + C::lb_row(p) + T; /* L_B[p, i] at lbrow[i] */
     /* the factors of step k: la[s] = L_A[q_s, k - p] (where that is a real
      * term), lb[s] = L_B[p, k - q_s] (zero padding elsewhere) */
-    auto load_factors = [&](int k, R(&fa)[WC], R(&fb)[WC]) {
+    [[maybe_unused]] auto load_factors = [&](int k, R(&fa)[WC], R(&fb)[WC]) {
         const int j = k - p;
         if (j >= 0 && j < T - 1) {
 #pragma unroll
@@ -508,6 +520,76 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
                 fb[s] = lbr[-qs[s]];
         }
     };
+    if constexpr (V >= 3) {
+        /* the active entry (p, k - p) of step k, in slot u, into the buffers
+         * Er / Rc of step k (V = 3: a branch around it, as above; V = 4:
+         * straight-line, only the stores and the update predicated) */
+        auto active = [&](int k, int u, R *Er, R *Rc) {
+            const int q = k - p;
+            const bool on = q >= qlo && q < qlo + WC;
+            if (V == 3 && !on)
+                return;
+            const R wt = y[u] + x[u];
+            int ci = 0, fl = 0;
+            R v = bk_round_bf<KIND, R>(wt, sc[u], zc[u], R(a.q.qmin), R(a.q.qmax), &ci, &fl);
+            const bool real = on && rowin && c0 + q < a.n;
+            if (real) {
+                cnt[0] += fl & 1;
+                cnt[1] += (fl >> 1) & 1;
+                cnt[2] += (fl >> 2) & 1;
+            }
+            v = real ? v : R(0);
+            const int16_t code = real ? (int16_t)ci : (int16_t)0;
+            const R e = real ? v - wt : R(0);
+            if (on) {
+                x[u] += e;
+                Er[p] = e;
+                Rc[q] = x[u];
+                Es[p * T + q] = e;
+                Rt[q * T + p] = x[u];
+                Ws[p * T + q] = (float)v;
+                Cs[p * T + q] = code;
+            }
+        };
+        active(0, 0, Erow, Rcol);
+        __syncthreads();
+        for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
+#pragma unroll
+            for (int u = 0; u < WC; u++) {
+                const int k = k0 + u;
+                if (k >= 2 * T - 1)
+                    break;
+                const int un = (u + 1) & (WC - 1); /* the slot active at step k + 1 */
+                const R *Er = Erow + (u & 1) * T;
+                const R *Rc = Rcol + (u & 1) * T;
+                const int jj = k - p;
+                const bool xon = jj >= 0 && jj < T - 1;
+                const R *lbr = lbrow + k;
+                const R er = xon ? Er[p] : R(0);
+                /* step k's terms of slot un, then the rounding of step k + 1 */
+                if (xon)
+                    x[un] += er * LAs[qa[un] + jj];
+                if (hasb)
+                    y[un] += lbr[-qs[un]] * Rc[qs[un]];
+                if (k + 1 < 2 * T - 1)
+                    active(k + 1, un, Erow + ((u + 1) & 1) * T, Rcol + ((u + 1) & 1) * T);
+                /* step k's terms of the other slots */
+                if (xon) {
+#pragma unroll
+                    for (int s = 0; s < WC; s++)
+                        if (s != un)
+                            x[s] += er * LAs[qa[s] + jj];
+                }
+                if (hasb) {
+#pragma unroll
+                    for (int s = 0; s < WC; s++)
+                        if (s != un)
+                            y[s] += lbr[-qs[s]] * Rc[qs[s]];
+                }
+                __syncthreads();
+            }
+        }
+    } else {
     [[maybe_unused]] R la[WC], lb[WC]; /* V >= 2: the current step's, loaded during the previous one */
     if constexpr (V >= 2)
         load_factors(0, la, lb);
@@ -576,6 +658,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
             }
         }
     }
+    } /* V < 3 */
     __syncthreads();
     /* coalesced tile stores: E over the W tile, R^ transposed over the Rp
      * tile (what the pushes read), codes and weights inside the matrix */
@@ -877,6 +960,10 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
         BK_CUDA_CHECK((solve3_attrs<R, T, 16, 1>()));
     else if (c->solve_wc == 16 && c->solve_chain == 2)
         BK_CUDA_CHECK((solve3_attrs<R, T, 16, 2>()));
+    else if (c->solve_wc == 16 && c->solve_chain == 3)
+        BK_CUDA_CHECK((solve3_attrs<R, T, 16, 3>()));
+    else if (c->solve_wc == 16 && c->solve_chain == 4)
+        BK_CUDA_CHECK((solve3_attrs<R, T, 16, 4>()));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
     const int G = c->push_group > 0 ? c->push_group : 0;
     const int never = MT + NT + 1; /* eager: no flush, every target is near */
@@ -931,6 +1018,10 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
             launch_solve3<R, T, 16, 1>(ta, K, i_lo, ntiles, c->stream);
         else if (c->solve_wc == 16 && c->solve_chain == 2)
             launch_solve3<R, T, 16, 2>(ta, K, i_lo, ntiles, c->stream);
+        else if (c->solve_wc == 16 && c->solve_chain == 3)
+            launch_solve3<R, T, 16, 3>(ta, K, i_lo, ntiles, c->stream);
+        else if (c->solve_wc == 16 && c->solve_chain == 4)
+            launch_solve3<R, T, 16, 4>(ta, K, i_lo, ntiles, c->stream);
         else if (c->solve_wc == 16)
             launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);
         else

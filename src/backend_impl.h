@@ -333,7 +333,9 @@ typedef struct bk_cuda_tuning {
                        (critical path too); fp64 never (1) */
     int solve_chain; /* tile solve step chain (with solve_wc 16; ignored with 8): 0 as measured,
                         1 conflict-free shared layouts of the factors, 2 also their loads one
-                        step ahead; the codes are the same bit for bit (1) */
+                        step ahead, 3 1 with the next step's active slot updated and rounded
+                        first, 4 3 with a straight-line rounding (session 18, not yet
+                        measured); the codes are the same bit for bit (1) */
 } bk_cuda_tuning;
 
 void bk_cuda_tuning_default(bk_cuda_tuning *t);

@@ -310,6 +310,12 @@ static int cmd_bench(int argc, char **argv)
                  * (the reference the one-warp 32-tile solve was measured against;
                  * that variant was removed in session 17, branch prune) */
                 vs.push_back({"-T32-mma1-chainA", 32, 4, 16, -1, -2, 2, 1, -1, 1, 1});
+                /* session 18: the product default with the critical slot
+                 * first (chainC, solve_chain 3) and its straight-line form
+                 * (chainD, 4); same codes bit for bit */
+                vs.push_back({"-chainC", 64, 4, 16, -1, -2, 2, 1, -1, 1, 3});
+                vs.push_back({"-chainD", 64, 4, 16, -1, -2, 2, 1, -1, 1, 4});
+                vs.push_back({"-T32-chainC", 32, 4, 16, -1, -2, 2, 1, -1, 1, 3});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only.find("," + an + v.name + ",") == std::string::npos)
@@ -627,7 +633,12 @@ static int cmd_validate(int argc, char **argv)
                         {64, 4, 16, 1, -1, 2, 1, -1, 0, 1}, {64, 4, 16, 1, -1, 2, 1, -1, 0, 2},
                         {32, 4, 16, 1, -1, 2, 1, -1, 0, 2}, {64, 0, 16, 1, -1, 2, 1, -1, 0, 2},
                         {32, 2, 16, 1, 0, 1, 0, 1, 0, 1},   {64, 4, 16, 1, -1, 2, 1, -1, 2, 2},
-                        {64, 3, 16, 0, -1, 1, 1, -1, 0, 2}, {64, 2, 8, 1, -1, 2, 1, -1, 0, 2}};
+                        {64, 3, 16, 0, -1, 1, 1, -1, 0, 2}, {64, 2, 8, 1, -1, 2, 1, -1, 0, 2},
+                        /* session 18: the critical slot first (3), straight-line (4);
+                         * with the product's pushes, T = 32, eager, no overlap */
+                        {64, 4, 16, 1, -1, 2, 1, -1, 1, 3}, {64, 4, 16, 1, -1, 2, 1, -1, 1, 4},
+                        {32, 4, 16, 1, -1, 2, 1, -1, 1, 3}, {32, 4, 16, 1, -1, 2, 1, -1, 1, 4},
+                        {64, 0, 16, 1, -1, 2, 1, -1, 0, 3}, {64, 3, 16, 0, -1, 1, 1, -1, 0, 4}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
