@@ -126,5 +126,38 @@ q m --levels 2 --out q --overwrite || die "leftover: $(cat err)"
 grep -q "removed q.tmp-999998, left by a killed run" err || die "leftover not reported: $(cat err)"
 [ -e q.tmp-999998 ] && die "leftover not removed"
 
+# --- a write the process may not make is an error, never a signal death ----
+# a file-size limit (ulimit -f; SIGXFSZ by default): exit 3, one line naming the
+# file, nothing left (no output, work folder or lock)
+(ulimit -f 500 && exec "$B" quantize m --hessian rtn --out qf 2>"$W/err"); rc=$?
+[ $rc -eq 3 ] || die "ulimit -f: exit $rc, expected 3 ($(cat "$W/err"))"
+[ "$(wc -l <"$W/err")" -eq 1 ] && grep -q "qf.tmp-[0-9]*/model.safetensors: .*File too large" err ||
+    die "ulimit -f: not one line naming the file: $(cat "$W/err")"
+ls -a | grep -q -E '^qf($|\.tmp-)|^\.qf\.lock$' && die "ulimit -f: left $(ls -a | tr '\n' ' ')"
+echo "file-size limit: $(cat "$W/err")"
+# stdout / stderr a pipe nobody reads (`| head -1` that ended; SIGPIPE by default):
+# the run is not killed mid-way, the output is complete and the lock released
+closed_pipe() { # stdout|stderr CMD...: run CMD with that stream a pipe whose reader is gone
+    python3 -c 'import os, subprocess, sys
+r, w = os.pipe(); os.close(r)
+kw = {sys.argv[1]: w}
+rc = subprocess.run(sys.argv[2:], **kw).returncode
+sys.exit(128 - rc if rc < 0 else rc)' "$@"
+}
+"$B" quantize m --hessian rtn --json --out qref >/dev/null 2>&1 || die "reference run failed"
+for s in stdout stderr; do # the events (--json) or the progress lines
+    rm -rf qp
+    json=; [ $s = stdout ] && json=--json
+    closed_pipe $s "$B" quantize m --hessian rtn $json --out qp 2>"$W/err" >/dev/null; rc=$?
+    [ $rc -eq 0 ] || die "$s a closed pipe: exit $rc, expected 0 (signal $((rc - 128)) if > 128)"
+    cmp -s qp/model.safetensors qref/model.safetensors && [ -f qp/report.json ] ||
+        die "$s a closed pipe: output incomplete"
+    ls -a | grep -q -E '^qp\.tmp-|^\.qp\.lock$' && die "$s a closed pipe: left $(ls -a | tr '\n' ' ')"
+done
+closed_pipe stdout "$B" inspect m 2>"$W/err"; rc=$?
+[ $rc -eq 3 ] && [ "$(wc -l <"$W/err")" -eq 1 ] ||
+    die "inspect to a closed pipe: exit $rc, expected 3 and one line ($(cat "$W/err"))"
+rm -rf qp qref
+
 [ "$(fingerprint | grep -v ' ./q/')" = "$(echo "$before" | grep -v ' ./q/')" ] || die "inputs changed"
 exit $fail
