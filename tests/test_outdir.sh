@@ -126,6 +126,40 @@ q m --levels 2 --out q --overwrite || die "leftover: $(cat err)"
 grep -q "removed q.tmp-999998, left by a killed run" err || die "leftover not reported: $(cat err)"
 [ -e q.tmp-999998 ] && die "leftover not removed"
 
+# --- an existing output this user cannot replace: refused before the work
+# (exit 3, one line), not found at the commit after it (a swap refused in a
+# sticky folder) nor committed with OUT.old-PID left beside (files it may
+# not delete)
+as_other=() # root ignores permissions: run as nobody
+[ "$(id -u)" -eq 0 ] && as_other=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+mkdir -p rw && chmod 777 rw && chmod o+x "$W"
+if "${as_other[@]}" test -r m/model.safetensors -a -w rw 2>/dev/null &&
+    "${as_other[@]}" "$B" --version >/dev/null 2>&1; then
+    # sticky: a folder like /tmp, the output another user's (empty: no --overwrite needed)
+    for sticky in 0 1; do
+        rm -rf rw/qro && mkdir rw/qro
+        if [ $sticky = 1 ]; then
+            chmod 1777 rw && chmod 777 rw/qro && why="cannot be replaced: it belongs to another user"
+        else
+            echo "someone else's" >rw/qro/f && chmod 555 rw/qro && why="--overwrite cannot delete"
+        fi
+        before_ro=$(ls -A rw rw/qro | tr '\n' ' ')
+        for cmd in "quantize m --hessian rtn" "merge q" "dump-activations m --calib m/calib.safetensors --samples 2"; do
+            # shellcheck disable=SC2086 # cmd: words
+            "${as_other[@]}" "$B" $cmd --out rw/qro --overwrite 2>"$W/err"; rc=$?
+            [ $rc -eq 3 ] && [ "$(wc -l <"$W/err")" -eq 1 ] && grep -q "rw/qro: $why" err ||
+                die "$cmd, an output of another user (sticky $sticky): exit $rc ($(cat "$W/err"))"
+            [ "$(ls -A rw rw/qro | tr '\n' ' ')" = "$before_ro" ] ||
+                die "$cmd, an output of another user (sticky $sticky): left $(ls -A rw rw/qro | tr '\n' ' ')"
+        done
+        echo "an output of another user (sticky $sticky): $(cat "$W/err")"
+        chmod 777 rw rw/qro
+    done
+else
+    echo "an output of another user: no other user to run as (not tested)"
+fi
+rm -rf rw
+
 # --- a write the process may not make is an error, never a signal death ----
 # a file-size limit (ulimit -f; SIGXFSZ by default): exit 3, one line naming the
 # file, nothing left (no output, work folder or lock)
