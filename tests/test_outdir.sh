@@ -126,6 +126,21 @@ q m --levels 2 --out q --overwrite || die "leftover: $(cat err)"
 grep -q "removed q.tmp-999998, left by a killed run" err || die "leftover not reported: $(cat err)"
 [ -e q.tmp-999998 ] && die "leftover not removed"
 
+# --- an output file (eval --logits-out) over an input, inside the model folder,
+# or over a folder / FIFO: exit 1 before any work, nothing changed
+cp m/eval.safetensors tok.safetensors && mkfifo fifo
+before_lo=$(fingerprint)
+for lo in tok.safetensors ./tok.safetensors m/model.safetensors m/new.safetensors m fifo; do
+    "$B" eval m --tokens tok.safetensors --samples 2 --backend cpu --logits-out "$lo" \
+        >/dev/null 2>"$W/err"; rc=$?
+    [ $rc -eq 1 ] && [ "$(wc -l <"$W/err")" -eq 1 ] && grep -q -- "--logits-out $lo: " err ||
+        die "eval --logits-out $lo: exit $rc, expected 1 and one line ($(cat "$W/err"))"
+    [ "$(fingerprint)" = "$before_lo" ] || die "eval --logits-out $lo: files changed"
+    [ -p fifo ] || die "eval --logits-out $lo: the FIFO was replaced"
+    echo "refused (eval --logits-out $lo): $(cut -c1-120 "$W/err")"
+done
+rm -f tok.safetensors fifo
+
 # --- an existing output this user cannot replace: refused before the work
 # (exit 3, one line), not found at the commit after it (a swap refused in a
 # sticky folder) nor committed with OUT.old-PID left beside (files it may

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "cli.h"
 #include "util.h"
@@ -226,33 +225,24 @@ static bk_status input_open(input *in, const char *opt, const char *ref, const c
     return BK_OK;
 }
 
-/* --out is written to a temporary file renamed over OUT: an existing OUT must
- * be a regular file (a rename over a folder fails after the work, over a
- * device node replaces it), and not one of the inputs (it would be replaced
- * by the result). A symbolic link is replaced itself, not its target. */
+/* --out and the files the refs name (cli_check_out_file). */
 static bk_status check_out(const char *out, const char *const opts[], const char *const refs[],
                            int n)
 {
-    struct stat so, si;
-    if (lstat(out, &so) != 0 || S_ISLNK(so.st_mode))
-        return BK_OK; /* a new file: its folder is checked by the write */
-    if (!S_ISREG(so.st_mode))
-        return cli_usage_error("--out %s: is %s, not a regular file (give the path of the "
-                               ".safetensors file to write)",
-                               out, bk_file_kind(so.st_mode));
-    for (int i = 0; i < n; i++) {
-        char file[4096], name[1024];
+    char files[3][4096], name[1024];
+    cli_input_path in[3];
+    for (int i = 0; i < n && i < 3; i++) {
+        in[i].what = opts[i];
+        in[i].path = NULL;
         if (!refs[i])
             continue;
-        bk_status st = cli_split_tensor_ref(opts[i], refs[i], file, sizeof file, name, sizeof name);
+        bk_status st =
+            cli_split_tensor_ref(opts[i], refs[i], files[i], sizeof files[i], name, sizeof name);
         if (st != BK_OK)
             return st;
-        if (stat(file, &si) == 0 && si.st_dev == so.st_dev && si.st_ino == so.st_ino)
-            return cli_usage_error("--out %s: is the file %s reads (%s); give another output "
-                                   "path (the result would replace it)",
-                                   out, opts[i], file);
+        in[i].path = files[i];
     }
-    return BK_OK;
+    return cli_check_out_file("--out", out, in, n < 3 ? n : 3);
 }
 
 static bk_status input_load(input *in)
