@@ -476,6 +476,16 @@ static bk_status out_paths(bk_outdir *d, const char *out, int *exists)
         return too_long(out);
     memcpy(d->final, out, len);
     d->final[len] = '\0';
+    /* the work folder NAME.tmp-PID and the lock .NAME.lock sit next to it:
+     * a name that fits but leaves them no room fails only at their creation */
+    const char *base = strrchr(d->final, '/');
+    base = base ? base + 1 : d->final;
+    const size_t max_base = NAME_MAX - strlen(".tmp-") - 7; /* pid_max <= 4194304 */
+    if (strlen(base) > max_base)
+        return bk_error(BK_ERR_USAGE,
+                        "--out %s: the folder name is %zu bytes, at most %zu (its work folder "
+                        "NAME.tmp-PID must fit the file system's %d-byte names)",
+                        d->final, strlen(base), max_base, NAME_MAX);
     struct stat sb;
     *exists = lstat(d->final, &sb) == 0;
     if (*exists && S_ISLNK(sb.st_mode))

@@ -42,6 +42,7 @@ expect_refused "out is a parent of the current folder" m --out .. --overwrite
 expect_refused "empty out" m --out ''
 expect_refused "out is a file" m --out notes.txt --overwrite
 expect_refused "out is the root" m --out / --overwrite
+expect_refused "out name leaves no room for NAME.tmp-PID" m --out "$(printf 'x%.0s' $(seq 250))"
 ln -s m link
 before=$(fingerprint)
 expect_refused "out is a symbolic link" m --out link --overwrite
