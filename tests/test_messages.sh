@@ -115,6 +115,15 @@ else
     echo "interrupt: the run ended before the signal (exit $rc); numbering not checked this time"
 fi
 
+# --- a config.json that is there but not a file is named as what it is (not "no config.json")
+cp -r "$M" mcf && rm mcf/config.json && mkfifo mcf/config.json
+expect 2 "mcf/config\.json: is a FIFO \(named pipe\), not a regular file" \
+    "$B" eval mcf --tokens "$M/eval.safetensors" --samples 2 --backend cpu
+rm mcf/config.json && mkdir mcf/config.json
+expect 2 "mcf/config\.json: is a folder, not a regular file" \
+    "$B" quantize mcf --calib "$M/calib.safetensors" --samples 2 --out o6
+rm -rf mcf
+
 # --- a hangup under nohup is ignored (SIGHUP set to be ignored stays ignored);
 # without nohup it interrupts like SIGINT (exit 3)
 for how in nohup plain; do
