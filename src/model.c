@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "rope.h"
 #include "util.h"
@@ -1341,7 +1342,12 @@ bk_status bk_model_open(const char *dir, bk_model **out)
     if ((st = bk_path_join(path, sizeof path, m->dir, "config.json")) != BK_OK)
         goto fail;
     if (!bk_is_file(path)) {
-        st = bk_error(BK_ERR_IO, "%s: no config.json in the model folder", m->dir);
+        struct stat sb;
+        if (stat(path, &sb) == 0) /* there, but a folder, FIFO or device */
+            st = bk_error(BK_ERR_IO, "%s: is %s, not a regular file", path,
+                          bk_file_kind(sb.st_mode));
+        else
+            st = bk_error(BK_ERR_IO, "%s: no config.json in the model folder", m->dir);
         goto fail;
     }
     if ((st = load_config(path, &m->cfg, &m->quantized)) != BK_OK)

@@ -439,6 +439,31 @@ static bk_status clean_leftovers(bk_outdir *d, const bk_outdir_spec *s, const in
 
 /* --out: d->final (trailing slashes dropped) and d->canon; refused when it
  * is a symbolic link or something other than a folder. *exists: it exists. */
+/* An existing OUT (empty, or non-empty with --overwrite) is swapped out at
+ * the commit and deleted: without write access to a non-empty OUT its files
+ * cannot go (the new output would go in and OUT.old-PID stay beside it), and
+ * in a folder with the sticky bit (/tmp) another user's OUT cannot be renamed
+ * at all (the commit would fail after the work). Checked before the work. */
+static bk_status old_replaceable(const bk_outdir *d)
+{
+    struct stat fsb, psb;
+    char parent[BK_PATH_MAX];
+    parent_of(d->canon, parent, sizeof parent);
+    if (lstat(d->final, &fsb) != 0 || stat(parent, &psb) != 0)
+        return BK_OK; /* gone meanwhile: nothing to replace */
+    const uid_t me = geteuid();
+    if ((psb.st_mode & S_ISVTX) && me != 0 && fsb.st_uid != me && psb.st_uid != me)
+        return bk_error(BK_ERR_WRITE,
+                        "--out %s: cannot be replaced: it belongs to another user (uid %lu) "
+                        "in %s, a folder with the sticky bit",
+                        d->final, (unsigned long)fsb.st_uid, parent);
+    if (!dir_is_empty(d->final) && access(d->final, W_OK | X_OK) != 0)
+        return bk_error(BK_ERR_WRITE,
+                        "--out %s: --overwrite cannot delete the old output's files: %s",
+                        d->final, strerror(errno));
+    return BK_OK;
+}
+
 static bk_status out_paths(bk_outdir *d, const char *out, int *exists)
 {
     *exists = 0;
@@ -451,6 +476,16 @@ static bk_status out_paths(bk_outdir *d, const char *out, int *exists)
         return too_long(out);
     memcpy(d->final, out, len);
     d->final[len] = '\0';
+    /* the work folder NAME.tmp-PID and the lock .NAME.lock sit next to it:
+     * a name that fits but leaves them no room fails only at their creation */
+    const char *base = strrchr(d->final, '/');
+    base = base ? base + 1 : d->final;
+    const size_t max_base = NAME_MAX - strlen(".tmp-") - 7; /* pid_max <= 4194304 */
+    if (strlen(base) > max_base)
+        return bk_error(BK_ERR_USAGE,
+                        "--out %s: the folder name is %zu bytes, at most %zu (its work folder "
+                        "NAME.tmp-PID must fit the file system's %d-byte names)",
+                        d->final, strlen(base), max_base, NAME_MAX);
     struct stat sb;
     *exists = lstat(d->final, &sb) == 0;
     if (*exists && S_ISLNK(sb.st_mode))
@@ -519,6 +554,8 @@ bk_status bk_outdir_open(bk_outdir *d, const bk_outdir_spec *s, int *adopted)
                           d->final);
             goto fail;
         }
+        if ((st = old_replaceable(d)) != BK_OK)
+            goto fail;
     }
     if (!(adopted && *adopted)) {
         bk_remove_tree(d->work);
@@ -588,6 +625,8 @@ bk_status bk_outdir_check(const bk_outdir_spec *s, uint64_t *free_bytes)
                         "--out %s: exists and is not empty (--overwrite replaces it when the "
                         "new output is complete)",
                         d->final);
+    if (exists && (st = old_replaceable(d)) != BK_OK)
+        return st;
     /* the nearest existing ancestor must let us create the work folder */
     char anc[BK_PATH_MAX];
     memcpy(anc, d->canon, sizeof anc);

@@ -177,5 +177,19 @@ for entry in "$BK_TEST_DATA"/bad/*/*; do
 done
 [ "$nbad" -ge 60 ] || fail "only $nbad malformed inputs found under $BK_TEST_DATA/bad"
 
+# a path that exists but is neither a file nor a folder is named as what it is
+mkfifo "$tmp/fifo"
+for p in /dev/null "$tmp/fifo" "$tmp/nothere"; do
+    label="inspect $p"
+    run inspect "$p"
+    case "$p" in
+        /dev/null) want="is a device, not a regular file or a folder" ;;
+        *fifo) want="is a FIFO \(named pipe\), not a regular file or a folder" ;;
+        *) want="no such file or directory" ;;
+    esac
+    [ "$rc" -eq 2 ] && [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -Eq -- "^bakron inspect: error: $p: $want" "$tmp/err" ||
+        fail "$label: exit $rc, expected 2 and '$want': $(cat "$tmp/err")"
+done
+
 echo "cli_inspect: $checks runs, $nbad malformed inputs, $failures failure(s)"
 [ "$failures" -eq 0 ]

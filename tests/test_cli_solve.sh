@@ -245,6 +245,16 @@ run solve --weight "$G:w" --hessian-a "$G:a" --out "$tmp/x.safetensors" --frobni
 expect_err "unknown option" 1
 run solve --weight "$G" --hessian-a "$G:a" --out "$tmp/x.safetensors"
 expect_err "no tensor name" 1
+# --out an input file (also by another spelling): refused before the work, the input intact
+G_sum=$(sha256sum <"$G")
+run solve --weight "$G:w" --hessian-a "$G:a" --out "$G" --backend cpu
+expect_err "--out is the input" 1 "is the input --weight"
+run solve --weight "$G:w" --hessian-a "$G:a" --out "$(dirname "$G")/./$(basename "$G")" --backend cpu
+expect_err "--out is the input (./)" 1 "is the input --weight"
+[ "$(sha256sum <"$G")" = "$G_sum" ] || fail "--out the input file: the input was changed"
+run solve --weight "$G:w" --hessian-a "$G:a" --out "$tmp" --backend cpu
+expect_err "--out a folder" 1 "is a folder, not a regular file"
+[ -e "$tmp/x.safetensors" ] && fail "an output was written for a usage error"
 run solve --help
 expect_ok "--help"
 

@@ -115,5 +115,43 @@ else
     echo "interrupt: the run ended before the signal (exit $rc); numbering not checked this time"
 fi
 
+# --- a config.json that is there but not a file is named as what it is (not "no config.json")
+cp -r "$M" mcf && rm mcf/config.json && mkfifo mcf/config.json
+expect 2 "mcf/config\.json: is a FIFO \(named pipe\), not a regular file" \
+    "$B" eval mcf --tokens "$M/eval.safetensors" --samples 2 --backend cpu
+rm mcf/config.json && mkdir mcf/config.json
+expect 2 "mcf/config\.json: is a folder, not a regular file" \
+    "$B" quantize mcf --calib "$M/calib.safetensors" --samples 2 --out o6
+rm -rf mcf
+
+# --- a hangup under nohup is ignored (SIGHUP set to be ignored stays ignored);
+# without nohup it interrupts like SIGINT (exit 3)
+for how in nohup plain; do
+    rm -rf o5
+    pre=(); [ $how = nohup ] && pre=(nohup)
+    "${pre[@]}" "$B" quantize "$M" --calib "$M/calib.safetensors" --samples 16 --hessian gptq \
+        --backend cpu --out o5 >/dev/null 2>hup.err &
+    pid=$!
+    for _ in $(seq 1200); do
+        grep -q "done (1/4)" hup.err 2>/dev/null && break
+        kill -0 $pid 2>/dev/null || break
+        sleep 0.02
+    done
+    if kill -HUP $pid 2>/dev/null; then
+        wait $pid; rc=$?
+        if [ $how = nohup ]; then
+            [ $rc -eq 0 ] && [ -f o5/model.safetensors ] ||
+                die "nohup: a hangup stopped the run (exit $rc): $(tail -1 hup.err)"
+        else
+            [ $rc -eq 3 ] && grep -q "interrupted" hup.err ||
+                die "SIGHUP: exit $rc, expected 3 and an interrupt message: $(tail -1 hup.err)"
+        fi
+        echo "SIGHUP ($how): exit $rc, $(tail -1 hup.err | cut -c1-100)"
+    else
+        wait $pid
+        echo "SIGHUP ($how): the run ended before the signal; not checked this time"
+    fi
+done
+
 [ $fail -eq 0 ] && echo "all message checks passed"
 exit $fail

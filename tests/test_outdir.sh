@@ -42,6 +42,7 @@ expect_refused "out is a parent of the current folder" m --out .. --overwrite
 expect_refused "empty out" m --out ''
 expect_refused "out is a file" m --out notes.txt --overwrite
 expect_refused "out is the root" m --out / --overwrite
+expect_refused "out name leaves no room for NAME.tmp-PID" m --out "$(printf 'x%.0s' $(seq 250))"
 ln -s m link
 before=$(fingerprint)
 expect_refused "out is a symbolic link" m --out link --overwrite
@@ -125,6 +126,88 @@ mkdir q.tmp-999998 && head -c 1000000 /dev/zero >q.tmp-999998/model.safetensors
 q m --levels 2 --out q --overwrite || die "leftover: $(cat err)"
 grep -q "removed q.tmp-999998, left by a killed run" err || die "leftover not reported: $(cat err)"
 [ -e q.tmp-999998 ] && die "leftover not removed"
+
+# --- an output file (eval --logits-out) over an input, inside the model folder,
+# or over a folder / FIFO: exit 1 before any work, nothing changed
+cp m/eval.safetensors tok.safetensors && mkfifo fifo
+before_lo=$(fingerprint)
+for lo in tok.safetensors ./tok.safetensors m/model.safetensors m/new.safetensors m fifo; do
+    "$B" eval m --tokens tok.safetensors --samples 2 --backend cpu --logits-out "$lo" \
+        >/dev/null 2>"$W/err"; rc=$?
+    [ $rc -eq 1 ] && [ "$(wc -l <"$W/err")" -eq 1 ] && grep -q -- "--logits-out $lo: " err ||
+        die "eval --logits-out $lo: exit $rc, expected 1 and one line ($(cat "$W/err"))"
+    [ "$(fingerprint)" = "$before_lo" ] || die "eval --logits-out $lo: files changed"
+    [ -p fifo ] || die "eval --logits-out $lo: the FIFO was replaced"
+    echo "refused (eval --logits-out $lo): $(cut -c1-120 "$W/err")"
+done
+rm -f tok.safetensors fifo
+
+# --- an existing output this user cannot replace: refused before the work
+# (exit 3, one line), not found at the commit after it (a swap refused in a
+# sticky folder) nor committed with OUT.old-PID left beside (files it may
+# not delete)
+as_other=() # root ignores permissions: run as nobody
+[ "$(id -u)" -eq 0 ] && as_other=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+mkdir -p rw && chmod 777 rw && chmod o+x "$W"
+if "${as_other[@]}" test -r m/model.safetensors -a -w rw 2>/dev/null &&
+    "${as_other[@]}" "$B" --version >/dev/null 2>&1; then
+    # sticky: a folder like /tmp, the output another user's (empty: no --overwrite needed)
+    for sticky in 0 1; do
+        rm -rf rw/qro && mkdir rw/qro
+        if [ $sticky = 1 ]; then
+            chmod 1777 rw && chmod 777 rw/qro && why="cannot be replaced: it belongs to another user"
+        else
+            echo "someone else's" >rw/qro/f && chmod 555 rw/qro && why="--overwrite cannot delete"
+        fi
+        before_ro=$(ls -A rw rw/qro | tr '\n' ' ')
+        for cmd in "quantize m --hessian rtn" "merge q" "dump-activations m --calib m/calib.safetensors --samples 2"; do
+            # shellcheck disable=SC2086 # cmd: words
+            "${as_other[@]}" "$B" $cmd --out rw/qro --overwrite 2>"$W/err"; rc=$?
+            [ $rc -eq 3 ] && [ "$(wc -l <"$W/err")" -eq 1 ] && grep -q "rw/qro: $why" err ||
+                die "$cmd, an output of another user (sticky $sticky): exit $rc ($(cat "$W/err"))"
+            [ "$(ls -A rw rw/qro | tr '\n' ' ')" = "$before_ro" ] ||
+                die "$cmd, an output of another user (sticky $sticky): left $(ls -A rw rw/qro | tr '\n' ' ')"
+        done
+        echo "an output of another user (sticky $sticky): $(cat "$W/err")"
+        chmod 777 rw rw/qro
+    done
+else
+    echo "an output of another user: no other user to run as (not tested)"
+fi
+rm -rf rw
+
+# --- a write the process may not make is an error, never a signal death ----
+# a file-size limit (ulimit -f; SIGXFSZ by default): exit 3, one line naming the
+# file, nothing left (no output, work folder or lock)
+(ulimit -f 500 && exec "$B" quantize m --hessian rtn --out qf 2>"$W/err"); rc=$?
+[ $rc -eq 3 ] || die "ulimit -f: exit $rc, expected 3 ($(cat "$W/err"))"
+[ "$(wc -l <"$W/err")" -eq 1 ] && grep -q "qf.tmp-[0-9]*/model.safetensors: .*File too large" err ||
+    die "ulimit -f: not one line naming the file: $(cat "$W/err")"
+ls -a | grep -q -E '^qf($|\.tmp-)|^\.qf\.lock$' && die "ulimit -f: left $(ls -a | tr '\n' ' ')"
+echo "file-size limit: $(cat "$W/err")"
+# stdout / stderr a pipe nobody reads (`| head -1` that ended; SIGPIPE by default):
+# the run is not killed mid-way, the output is complete and the lock released
+closed_pipe() { # stdout|stderr CMD...: run CMD with that stream a pipe whose reader is gone
+    python3 -c 'import os, subprocess, sys
+r, w = os.pipe(); os.close(r)
+kw = {sys.argv[1]: w}
+rc = subprocess.run(sys.argv[2:], **kw).returncode
+sys.exit(128 - rc if rc < 0 else rc)' "$@"
+}
+"$B" quantize m --hessian rtn --json --out qref >/dev/null 2>&1 || die "reference run failed"
+for s in stdout stderr; do # the events (--json) or the progress lines
+    rm -rf qp
+    json=; [ $s = stdout ] && json=--json
+    closed_pipe $s "$B" quantize m --hessian rtn $json --out qp 2>"$W/err" >/dev/null; rc=$?
+    [ $rc -eq 0 ] || die "$s a closed pipe: exit $rc, expected 0 (signal $((rc - 128)) if > 128)"
+    cmp -s qp/model.safetensors qref/model.safetensors && [ -f qp/report.json ] ||
+        die "$s a closed pipe: output incomplete"
+    ls -a | grep -q -E '^qp\.tmp-|^\.qp\.lock$' && die "$s a closed pipe: left $(ls -a | tr '\n' ' ')"
+done
+closed_pipe stdout "$B" inspect m 2>"$W/err"; rc=$?
+[ $rc -eq 3 ] && [ "$(wc -l <"$W/err")" -eq 1 ] ||
+    die "inspect to a closed pipe: exit $rc, expected 3 and one line ($(cat "$W/err"))"
+rm -rf qp qref
 
 [ "$(fingerprint | grep -v ' ./q/')" = "$(echo "$before" | grep -v ' ./q/')" ] || die "inputs changed"
 exit $fail

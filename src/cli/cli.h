@@ -54,6 +54,18 @@ extern const char *const cli_precision_names[2];
 bk_status cli_split_tensor_ref(const char *opt, const char *arg, char *file, size_t file_cap,
                                char *tensor, size_t tensor_cap);
 
+/* An output file written by a rename over OUT (solve --out, eval
+ * --logits-out), checked before the work: an existing OUT must be a regular
+ * file (or a symbolic link, which the rename replaces) and not one of the
+ * inputs; OUT may not be inside an input folder. Each input is a file or a
+ * folder, with what it is for the message ("--weight", "the model folder").
+ * A violation is a usage error (exit 1). */
+typedef struct cli_input_path {
+    const char *what;
+    const char *path; /* NULL: none */
+} cli_input_path;
+bk_status cli_check_out_file(const char *opt, const char *out, const cli_input_path *in, int n);
+
 /* --setting KEY=VALUE onto p (bk_backend_params_parse; a bad one is a usage
  * error). */
 bk_status cli_setting(bk_backend_params *p, const char *arg);

@@ -4,8 +4,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
+#include "outdir.h"
 #include "util.h"
 
 int cli_quiet_errors;
@@ -276,4 +278,37 @@ int cli_card_record_eval(const char *dir, const char *tokens, int64_t S, int64_t
     free(out);
     free(text);
     return st == BK_OK ? 1 : -1;
+}
+
+bk_status cli_check_out_file(const char *opt, const char *out, const cli_input_path *in, int n)
+{
+    struct stat so, si;
+    const int exists = lstat(out, &so) == 0;
+    if (exists && !S_ISLNK(so.st_mode) && !S_ISREG(so.st_mode))
+        return cli_usage_error("%s %s: is %s, not a regular file (give the path of the "
+                               ".safetensors file to write)",
+                               opt, out, bk_file_kind(so.st_mode));
+    char co[BK_PATH_MAX], ci[BK_PATH_MAX];
+    bk_status st = bk_path_canonical(out, co, sizeof co);
+    if (st != BK_OK)
+        return st;
+    for (int i = 0; i < n; i++) {
+        if (!in[i].path || stat(in[i].path, &si) != 0)
+            continue; /* not there: its own check says so */
+        if (S_ISDIR(si.st_mode)) {
+            size_t l;
+            if (bk_path_canonical(in[i].path, ci, sizeof ci) != BK_OK)
+                continue;
+            l = strlen(ci);
+            if (!strcmp(ci, "/") || (!strncmp(co, ci, l) && (co[l] == '/' || co[l] == '\0')))
+                return cli_usage_error("%s %s: is inside %s (%s); give a path outside it", opt,
+                                       out, in[i].what, in[i].path);
+        } else if (exists && !S_ISLNK(so.st_mode) && si.st_dev == so.st_dev &&
+                   si.st_ino == so.st_ino) {
+            return cli_usage_error("%s %s: is the input %s (%s); give another output path (the "
+                                   "result would replace it)",
+                                   opt, out, in[i].what, in[i].path);
+        }
+    }
+    return BK_OK;
 }

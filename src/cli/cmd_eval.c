@@ -180,6 +180,12 @@ bk_status bk_cmd_eval(int argc, char **argv)
     if (seqlen && !text_path)
         return cli_usage_error("--seqlen goes with --text (a token file has its own length)");
     const char *input = text_path ? text_path : tokens_path;
+    if (logits_out) {
+        const cli_input_path in[] = {{"the model folder", model_dir},
+                                     {text_path ? "--text" : "--tokens", input}};
+        if ((st = cli_check_out_file("--logits-out", logits_out, in, 2)) != BK_OK)
+            return st;
+    }
 
     bk_model *m = NULL;
     bk_backend *be = NULL;

@@ -3,9 +3,11 @@
  * config.json) or a lone config.json. Everything is gathered first, then
  * printed, so a failure never leaves half a report on stdout. */
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "util.h"
@@ -194,7 +196,12 @@ static bk_status open_report(report *r)
                 return st;
         }
     } else {
-        return bk_error(BK_ERR_IO, "%s: no such file or directory", p);
+        struct stat sb;
+        if (stat(p, &sb) == 0) /* there, but a device, FIFO or socket */
+            return bk_error(BK_ERR_IO, "%s: is %s, not a regular file or a folder", p,
+                            bk_file_kind(sb.st_mode));
+        return bk_error(BK_ERR_IO, "%s: %s", p,
+                        errno == ENOENT ? "no such file or directory" : strerror(errno));
     }
     return collect(r);
 }

@@ -827,15 +827,22 @@ static void on_signal(int sig)
     bk_request_stop();
 }
 
+/* SIGINT, SIGTERM and SIGHUP stop the run at the next check (SIGINT and
+ * SIGTERM even when the parent ignored them: a script's `bakron ... &`
+ * starts with SIGINT ignored, and `kill -INT` is how the scripts and tests
+ * here stop one). A SIGHUP the parent ignored stays ignored: that is what
+ * `nohup bakron quantize ...` asks for, and the run must survive the
+ * hangup. */
 static void install_signals(void)
 {
-    struct sigaction sa;
+    struct sigaction sa, cur;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGHUP, &sa, NULL);
+    if (sigaction(SIGHUP, NULL, &cur) != 0 || cur.sa_handler != SIG_IGN)
+        sigaction(SIGHUP, &sa, NULL);
 }
 
 /* --config NAME: a path to a JSON file, or the name of an installed preset

@@ -225,6 +225,26 @@ static bk_status input_open(input *in, const char *opt, const char *ref, const c
     return BK_OK;
 }
 
+/* --out and the files the refs name (cli_check_out_file). */
+static bk_status check_out(const char *out, const char *const opts[], const char *const refs[],
+                           int n)
+{
+    char files[3][4096], name[1024];
+    cli_input_path in[3];
+    for (int i = 0; i < n && i < 3; i++) {
+        in[i].what = opts[i];
+        in[i].path = NULL;
+        if (!refs[i])
+            continue;
+        bk_status st =
+            cli_split_tensor_ref(opts[i], refs[i], files[i], sizeof files[i], name, sizeof name);
+        if (st != BK_OK)
+            return st;
+        in[i].path = files[i];
+    }
+    return cli_check_out_file("--out", out, in, n < 3 ? n : 3);
+}
+
 static bk_status input_load(input *in)
 {
     in->data = bk_alloc((size_t)in->t->numel, sizeof(double));
@@ -417,6 +437,10 @@ bk_status bk_cmd_solve(int argc, char **argv)
     if (!wref || !aref || !out)
         return cli_usage_error("--weight, --hessian-a and --out are required");
     if ((st = cli_solver_args_check(&a)) != BK_OK)
+        return st;
+    const char *const in_opts[] = {"--weight", "--hessian-a", "--hessian-b"};
+    const char *const in_refs[] = {wref, aref, bref};
+    if ((st = check_out(out, in_opts, in_refs, 3)) != BK_OK)
         return st;
 
     input in_w, in_a, in_b;

@@ -4,6 +4,7 @@
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
+#include <signal.h>
 #include <string.h>
 
 #include "cli.h"
@@ -70,11 +71,25 @@ static void print_version(void)
            bk_dist_nccl_compiled() ? ", " : "", bk_dist_nccl_version());
 }
 
+/* A write that fails is an error the command reports (one line, exit 3, the
+ * output folder left as documented), not a signal death: a file-size limit
+ * (ulimit -f) would end the process with SIGXFSZ at the first write past it,
+ * and a reader of stdout or stderr that went away (`| head`, a dead log
+ * pipe) with SIGPIPE, leaving a quantize run's lock and work folder behind
+ * mid-run. Ignored, they become EFBIG and EPIPE from write(), which the
+ * writers and the stdout checks already turn into errors. */
+static void ignore_write_signals(void)
+{
+    signal(SIGXFSZ, SIG_IGN);
+    signal(SIGPIPE, SIG_IGN);
+}
+
 /* One line per error: "bakron CMD: error: MESSAGE". Library messages that
  * start with the command's own name ("quantize: ...") lose it (one prefix). */
 int main(int argc, char **argv)
 {
     configure_malloc();
+    ignore_write_signals();
     if (argc < 2) {
         print_help(stderr);
         return 1;
