@@ -607,11 +607,15 @@ bk_status bk_cmd_inspect(int argc, char **argv)
     }
     const char *path = NULL;
     int json = 0, opts_done = 0;
+    cli_once once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!opts_done && !strcmp(a, "--")) {
             opts_done = 1;
         } else if (!opts_done && !strcmp(a, "--json")) {
+            bk_status ost = cli_once_add(&once, "json", NULL);
+            if (ost != BK_OK)
+                return ost;
             json = 1;
         } else if (!opts_done && a[0] == '-' && a[1] != '\0') {
             return cli_usage_error("unknown option '%s'", a);
