@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "pipeline_internal.h"
 #include "rope.h"
 #include "util.h"
 
@@ -1088,6 +1089,14 @@ static bk_status check_native_codes(const bk_model *m, const bk_tensor_info *q)
         }
     }
     return BK_OK;
+}
+
+bk_status bk__model_check_qweight(const bk_model *m, const bk_tensor_info *t)
+{
+    if (!m || m->quantized != 1 || !t || t->ndim != 2 ||
+        (t->dtype != BK_DT_I8 && t->dtype != BK_DT_U8))
+        return BK_OK; /* (shapes and dtypes: bk_model_open) */
+    return check_native_codes(m, t);
 }
 
 bk_status bk_model_check_codes(const bk_model *m)

@@ -133,6 +133,32 @@ check z1 "tensor $QW\.qzeros: zero point nan at \[0, 0\] \(zero points must be f
 damage qa z2 && poke z2 $QW.qzeros 2 f 16
 check z2 "tensor $QW\.qzeros: zero point 16 at \[0, 2\] is outside the code range \[0, 15\]"
 
+# --- merge reads its parts as eval does: metadata and scales when it opens
+# them, the codes as it copies them; nothing is left under --out
+"$B" quantize "$M" --hessian rtn --levels 3 --layers 0:2 --out r1 2>q.err &&
+    "$B" quantize "$M" --hessian rtn --levels 3 --layers 2:4 --out r2 2>>q.err ||
+    { cat q.err; exit 1; }
+"$B" merge r1 r2 --out rm 2>err || die "merge of valid parts: $(cat err)"
+L2=model.layers.2.self_attn.q_proj
+# mergeck NAME PATTERN: merge r1 with the damaged part NAME: exit 2, one line
+mergeck() {
+    rm -rf mo
+    "$B" merge r1 "$1" --out mo >out 2>err
+    local rc=$? lines
+    lines=$(grep -vc '^bakron: ' err)
+    [ $rc = 2 ] || die "merge $1: exit $rc, expected 2 ($(tail -1 err))"
+    [ "$lines" = 1 ] || die "merge $1: $lines error lines, expected 1: $(cat err)"
+    grep -qE -- "$2" err || die "merge $1: message does not match '$2': $(cat err)"
+    [ -e mo ] && die "merge $1: left an output"
+    echo "ok: merge $1: $(grep -v '^bakron: ' err | cut -c1-200)"
+}
+damage r2 p1 && poke p1 $L2.qweight 7 b 100
+mergeck p1 "p1/model\.safetensors: tensor $L2\.qweight: code 100 at \[0, 7\] is outside the alphabet"
+damage r2 p2 && poke p2 $L2.scales 0 f 0
+mergeck p2 "p2/model\.safetensors: tensor $L2\.scales: scale 0 at \[0, 0\]"
+damage r2 p3 && cfg p3 'q["levels"] = 1000'
+mergeck p3 "p3/config\.json: quantization_config\.levels must be a whole number"
+
 # eval reports no perplexity for damaged codes (the error ends it)
 rm -rf c1o && cp -r ql c1o && poke c1o $QW.qweight 0 b 100
 "$B" eval c1o "${EV[@]}" --json >out 2>err
