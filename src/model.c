@@ -1099,22 +1099,6 @@ bk_status bk__model_check_qweight(const bk_model *m, const bk_tensor_info *t)
     return check_native_codes(m, t);
 }
 
-bk_status bk_model_check_codes(const bk_model *m)
-{
-    if (!m)
-        return bk_error(BK_ERR_INVALID_ARG, "bk_model_check_codes: NULL model");
-    if (m->quantized != 1)
-        return BK_OK; /* GPTQ: packed b-bit codes hold nothing else */
-    for (int64_t l = 0; l < m->cfg.n_layers; l++)
-        for (int mod = 0; mod < BK_MOD_COUNT; mod++) {
-            const bk_tensor_info *q = find_mod(m, l, mod, "qweight");
-            bk_status st;
-            if (q && !find_mod(m, l, mod, "weight") && (st = check_native_codes(m, q)) != BK_OK)
-                return st;
-        }
-    return BK_OK;
-}
-
 /* A linear module of a native export: either an ordinary P.weight (layers
  * left unquantized) or P.qweight (I8 centered codes, or U8 codes with
  * P.qzeros) [out, in] + P.scales [out, groups]. */

@@ -5,7 +5,8 @@
 # uniform 8-bit symmetric) still load, and each is damaged one way at a time
 # (config.json's quantization_config, or bytes of a tensor in place) and must
 # be refused by `eval` and `inspect` with exit 2 and one line on stderr naming
-# the file and the tensor (or config.json and the key) and the rule.
+# the file and the tensor (or config.json and the key) and the rule; codes
+# outside the alphabet by `eval` (and merge) only: `inspect` reads no codes.
 set -u
 source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
 cd "$W" || exit 1
@@ -49,11 +50,11 @@ open(p, "wb").write(b)
 EOF
 }
 
-# check NAME PATTERN: eval and inspect of the damaged folder NAME exit 2 with
-# exactly one line on stderr matching PATTERN
+# check NAME PATTERN [CMDS]: eval and inspect (or CMDS) of the damaged folder
+# NAME exit 2 with exactly one line on stderr matching PATTERN
 check() {
     local d=$1 pat=$2 cmd
-    for cmd in eval inspect; do
+    for cmd in ${3:-eval inspect}; do
         if [ $cmd = eval ]; then
             "$B" eval "$d" "${EV[@]}" >out 2>err
         else
@@ -67,6 +68,11 @@ check() {
     done
     echo "ok: $d: $(cut -c1-200 err)"
 }
+# inspect_reads_no_codes NAME: inspect looks at headers, metadata and scales
+# only (fast on a model of many GB), so a bad code is eval's and merge's to find
+inspect_reads_no_codes() {
+    "$B" inspect "$1" >/dev/null 2>err || die "inspect $1: exit $?, expected 0 (it reads no codes): $(tail -1 err)"
+}
 # damage BASE NAME: a fresh copy NAME of the output BASE
 damage() { rm -rf "$2" && cp -r "$1" "$2"; }
 
@@ -75,14 +81,18 @@ DW=model.layers.1.mlp.down_proj
 
 # --- codes outside the alphabet
 damage ql c1 && poke c1 $QW.qweight 5 b 100
-check c1 "c1/model\.safetensors: tensor $QW\.qweight: code 100 at \[0, 5\] is outside the alphabet \(alphabet levels 3: codes -3\.\.3\)"
+check c1 "c1/model\.safetensors: tensor $QW\.qweight: code 100 at \[0, 5\] is outside the alphabet \(alphabet levels 3: codes -3\.\.3\)" eval
+inspect_reads_no_codes c1
 damage ql c2 && poke c2 $DW.qweight 77 b -4
-check c2 "tensor $DW\.qweight: code -4 at \[[0-9]+, [0-9]+\] is outside the alphabet \(alphabet levels 3"
+check c2 "tensor $DW\.qweight: code -4 at \[[0-9]+, [0-9]+\] is outside the alphabet \(alphabet levels 3" eval
+inspect_reads_no_codes c2
 damage qa c3 && poke c3 $QW.qweight 0 B 16
-check c3 "tensor $QW\.qweight: code 16 at \[0, 0\] is outside the alphabet \(alphabet uniform 4-bit asymmetric: codes 0\.\.15\)"
+check c3 "tensor $QW\.qweight: code 16 at \[0, 0\] is outside the alphabet \(alphabet uniform 4-bit asymmetric: codes 0\.\.15\)" eval
+inspect_reads_no_codes c3
 # the levels alphabet of a larger output read as levels 2: codes of 3 refused
 damage ql c4 && cfg c4 'q["levels"] = 2' && poke c4 $QW.qweight 0 b 3
-check c4 "tensor $QW\.qweight: code 3 at \[0, 0\] is outside the alphabet \(alphabet levels 2: codes -2\.\.2\)"
+check c4 "tensor $QW\.qweight: code 3 at \[0, 0\] is outside the alphabet \(alphabet levels 2: codes -2\.\.2\)" eval
+inspect_reads_no_codes c4
 
 # --- the metadata
 damage ql m1 && cfg m1 'q["levels"] = 0'
@@ -109,7 +119,8 @@ check m10 "tensor $QW\.qweight: expected I8 \[[0-9]+, [0-9]+\] codes \(alphabet 
 damage q8 m11 && cfg m11 'q["sym"] = False'
 check m11 "tensor $QW\.qweight: expected U8 \[[0-9]+, [0-9]+\] codes \(alphabet uniform 8-bit asymmetric"
 damage ql m12 && cfg m12 'q["alphabet"] = "uniform"; q["bits"] = 2; del q["levels"]'
-check m12 "tensor $QW\.qweight: code -3 at .* \(alphabet uniform 2-bit symmetric: codes -2\.\.1\)|tensor $QW\.qweight: code 3 at"
+check m12 "tensor $QW\.qweight: code -3 at .* \(alphabet uniform 2-bit symmetric: codes -2\.\.1\)|tensor $QW\.qweight: code 3 at" eval
+inspect_reads_no_codes m12
 # the group counts: levels have one scale per row; a group size that does
 # not give the scales' column count
 damage ql g1 && cfg g1 'q["group_size"] = 32'

@@ -118,11 +118,6 @@ const char *bk_model_quant_format(const bk_model *m);
  * bare name, e.g. "lm_head.weight"); NULL when absent. */
 const bk_tensor_info *bk_model_find(const bk_model *m, int layer, const char *suffix);
 
-/* Every code of a native export against its alphabet (one min/max pass over
- * the codes: `bakron inspect`; bk_model_linear_f32 checks each module's codes
- * as it dequantizes them). BK_OK for other models. */
-bk_status bk_model_check_codes(const bk_model *m);
-
 /* A linear module's weight [out, in] as float, dequantizing native codes
  * (a code outside the alphabet is an error naming the tensor). */
 bk_status bk_model_linear_f32(const bk_model *m, int layer, bk_module mod, float *dst);

@@ -167,8 +167,10 @@ static bk_status open_report(report *r)
             return st;
         if (bk_is_file(cfg_path)) {
             r->k = K_MODEL;
-            if ((st = bk_model_open(p, &r->model)) != BK_OK ||
-                (st = bk_model_check_codes(r->model)) != BK_OK)
+            /* (the metadata and scales are checked at open; the codes are
+             * not read: inspect stays a look at the headers, also for a
+             * model of many GB; eval and merge check every code) */
+            if ((st = bk_model_open(p, &r->model)) != BK_OK)
                 return st;
             r->cfg = *bk_model_get_config(r->model);
             r->have_cfg = 1;
