@@ -34,6 +34,7 @@ typedef struct part {
     cJSON *report;  /* report.json */
     int lo, hi;     /* layer range */
     bk_st_set *set;
+    bk_model *model; /* the part read as a model: its checks (metadata, scales) */
     const bk_tensor_info **order; /* tensors in declaration (file) order */
     size_t n;
 } part;
@@ -195,6 +196,10 @@ static bk_status part_load(part *p)
         return st;
     if ((st = bk_st_set_open(p->dir, &p->set)) != BK_OK)
         return st;
+    /* what bakron eval would refuse: the quantization metadata against the
+     * tensors, every shape, the scales (the codes: as they are copied) */
+    if ((st = bk_model_open(p->dir, &p->model)) != BK_OK)
+        return st;
     return part_order(p);
 }
 
@@ -204,6 +209,7 @@ static void part_free(part *p)
     cJSON_Delete(p->report);
     if (p->set)
         bk_st_set_close(p->set);
+    bk_model_close(p->model);
     free(p->order);
 }
 
@@ -421,7 +427,10 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
             for (; k < pc->n && layer_of(pc->order[k]->name) == l && st == BK_OK; k++) {
                 const bk_tensor_info *u = pc->order[k];
                 if (pass == 1) {
-                    st = bk_st_stream_write(out, u->name, u->data);
+                    if (bk_ends_with(u->name, ".qweight"))
+                        st = bk__model_check_qweight(pc->model, u);
+                    if (st == BK_OK)
+                        st = bk_st_stream_write(out, u->name, u->data);
                     continue;
                 }
                 if (!is_module_tensor(u->name)) /* norms: the same in every part */

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "pipeline_internal.h"
 #include "rope.h"
 #include "util.h"
 
@@ -867,7 +868,10 @@ struct bk_model {
     bk_st_set *set;
     int quantized;   /* 0 no, 1 bakron native, 2 GPTQ v1 */
     int64_t q_group; /* quantized: input columns per scale group, 0 = one per row */
-    int q_bits;      /* GPTQ: bits per code */
+    int q_bits;      /* GPTQ, and native "uniform": bits per code */
+    int q_levels;    /* native "levels": L (codes -L..L); 0 for "uniform" */
+    int q_asym;      /* native "uniform" with "sym": false (U8 codes + zero points) */
+    int q_cmin, q_cmax; /* native: the stored codes' range (I8 centered, or U8) */
 };
 
 static int is_float_dtype(bk_dtype dt)
@@ -886,8 +890,76 @@ static const cJSON *qc_item(const cJSON *qc, const char *key)
  * format_version 1) or of a GPTQ checkpoint (quantized 2: bits 2/3/4/8 into
  * *bits, checkpoint_format absent or "gptq" (v1: zero points stored minus
  * 1)); group_size -1 (per row: *group 0) or a positive integer. */
-static bk_status read_qconfig(const char *path, int quantized, int64_t *group, int *bits)
+/* The alphabet of a native export: "alphabet": "levels" with "levels" L in
+ * [1, 127] (I8 codes -L..L, one scale per row: group_size -1, sym), or
+ * "uniform" with "bits" 2/3/4/8 and "sym" true (I8 codes -2^(b-1)..2^(b-1)-1)
+ * or false (U8 codes 0..2^b-1 with zero points). What bakron quantize writes
+ * (src/pipeline_export.c, bk__quantization_config). */
+static bk_status read_native_alphabet(const char *path, const cJSON *qc, int64_t group,
+                                      bk_model *m)
 {
+    const cJSON *a = qc_item(qc, "alphabet"), *lv = qc_item(qc, "levels");
+    const cJSON *b = qc_item(qc, "bits"), *sym = qc_item(qc, "sym");
+    if (!a)
+        return bk_error(BK_ERR_CONFIG, "%s: quantization_config.alphabet is missing (a native "
+                        "export names its alphabet: \"levels\" or \"uniform\")", path);
+    if (!cJSON_IsString(a) || (strcmp(a->valuestring, "levels") && strcmp(a->valuestring, "uniform")))
+        return bk_error(BK_ERR_CONFIG, "%s: quantization_config.alphabet must be \"levels\" or "
+                        "\"uniform\"", path);
+    if (sym && !cJSON_IsBool(sym))
+        return bk_error(BK_ERR_CONFIG, "%s: quantization_config.sym must be true or false", path);
+    if (!strcmp(a->valuestring, "levels")) {
+        if (!lv)
+            return bk_error(BK_ERR_CONFIG, "%s: quantization_config.levels is missing (alphabet "
+                            "\"levels\")", path);
+        char num[40] = "";
+        if (cJSON_IsNumber(lv))
+            snprintf(num, sizeof num, "%.17g", lv->valuedouble);
+        if (!cJSON_IsNumber(lv) || floor(lv->valuedouble) != lv->valuedouble ||
+            !(lv->valuedouble >= 1 && lv->valuedouble <= 127))
+            return bk_error(BK_ERR_CONFIG, "%s: quantization_config.levels must be a whole number "
+                            "in [1, 127] (I8 codes -L..L; got %s)", path,
+                            cJSON_IsNumber(lv) ? num : "a non-number");
+        if (b)
+            return bk_error(BK_ERR_CONFIG, "%s: quantization_config: alphabet \"levels\" has no "
+                            "\"bits\" (that is the uniform alphabet's)", path);
+        if (group != 0)
+            return bk_error(BK_ERR_CONFIG, "%s: quantization_config.group_size must be -1 with "
+                            "alphabet \"levels\" (one scale per row; got %lld)", path,
+                            (long long)group);
+        if (sym && !cJSON_IsTrue(sym))
+            return bk_error(BK_ERR_CONFIG, "%s: quantization_config.sym must be true with alphabet "
+                            "\"levels\" (symmetric codes -L..L)", path);
+        m->q_levels = (int)lv->valuedouble;
+        m->q_cmin = -m->q_levels;
+        m->q_cmax = m->q_levels;
+        return BK_OK;
+    }
+    if (!b)
+        return bk_error(BK_ERR_CONFIG, "%s: quantization_config.bits is missing (alphabet "
+                        "\"uniform\")", path);
+    if (!cJSON_IsNumber(b) || !(b->valuedouble == 2 || b->valuedouble == 3 ||
+                                b->valuedouble == 4 || b->valuedouble == 8))
+        return bk_error(BK_ERR_CONFIG, "%s: quantization_config.bits must be 2, 3, 4 or 8 "
+                        "(alphabet \"uniform\")", path);
+    if (lv)
+        return bk_error(BK_ERR_CONFIG, "%s: quantization_config: alphabet \"uniform\" has no "
+                        "\"levels\" (that is the levels alphabet's)", path);
+    if (!sym)
+        return bk_error(BK_ERR_CONFIG, "%s: quantization_config.sym is missing (alphabet "
+                        "\"uniform\": true for I8 centered codes, false for U8 codes with "
+                        "zero points)", path);
+    m->q_bits = (int)b->valuedouble;
+    m->q_asym = cJSON_IsFalse(sym);
+    m->q_cmin = m->q_asym ? 0 : -(1 << (m->q_bits - 1));
+    m->q_cmax = m->q_asym ? (1 << m->q_bits) - 1 : (1 << (m->q_bits - 1)) - 1;
+    return BK_OK;
+}
+
+static bk_status read_qconfig(const char *path, int quantized, bk_model *m)
+{
+    int64_t *group = &m->q_group;
+    int *bits = &m->q_bits;
     cJSON *root;
     bk_status st = bk_read_json(path, BK_CONFIG_MAX_BYTES, &root);
     if (st != BK_OK)
@@ -918,6 +990,8 @@ static bk_status read_qconfig(const char *path, int quantized, int64_t *group, i
         *group = gs->valuedouble < 0 ? 0 : (int64_t)gs->valuedouble;
         if (quantized == 2)
             *bits = (int)b->valuedouble;
+        else
+            st = read_native_alphabet(path, qc, *group, m);
     }
     cJSON_Delete(root);
     return st;
@@ -933,6 +1007,96 @@ static const bk_tensor_info *find_mod(const bk_model *m, int64_t l, int mod, con
 static int64_t q_groups(const bk_model *m, int64_t in)
 {
     return m->q_group > 0 ? (in + m->q_group - 1) / m->q_group : 1;
+}
+
+/* The values of a module's scales or zero points, which are small (one per
+ * row or group): native scales finite and > 0 (bakron quantize never writes
+ * another: an all-zero row gets the scale of max |x| = 1), native zero points
+ * finite in [0, 2^b - 1] (they are rint(-min / s) of a range holding 0),
+ * GPTQ scales finite. */
+enum { VAL_SCALES, VAL_ZEROS, VAL_FINITE };
+static bk_status check_qvalues(const bk_tensor_info *t, int what, int qmax)
+{
+    size_t n = (size_t)t->numel;
+    float *v = malloc((n ? n : 1) * sizeof(float));
+    if (!v)
+        return bk_error(BK_ERR_NOMEM, "%s: tensor %s: out of memory", t->file, t->name);
+    bk_status st = bk_tensor_to_f32(t, v);
+    const int64_t cols = t->ndim == 2 ? t->shape[1] : 1;
+    for (size_t k = 0; st == BK_OK && k < n; k++) {
+        const float x = v[k];
+        const long long r = (long long)((int64_t)k / cols), c = (long long)((int64_t)k % cols);
+        if (!isfinite(x))
+            st = bk_error(BK_ERR_NONFINITE, "%s: tensor %s: %s %g at [%lld, %lld] (%s must be "
+                          "finite)", t->file, t->name, what == VAL_ZEROS ? "zero point" : "scale",
+                          (double)x, r, c, what == VAL_ZEROS ? "zero points" : "scales");
+        else if (what == VAL_SCALES && !(x > 0.0f))
+            st = bk_error(BK_ERR_INVALID_ARG, "%s: tensor %s: scale %g at [%lld, %lld] (native "
+                          "scales must be > 0)", t->file, t->name, (double)x, r, c);
+        else if (what == VAL_ZEROS && !(x >= 0.0f && x <= (float)qmax))
+            st = bk_error(BK_ERR_INVALID_ARG, "%s: tensor %s: zero point %g at [%lld, %lld] is "
+                          "outside the code range [0, %d]", t->file, t->name, (double)x, r, c,
+                          qmax);
+    }
+    free(v);
+    return st;
+}
+
+/* The alphabet of a native model, for messages: "levels 3 (codes -3..3)". */
+static void native_alphabet_text(const bk_model *m, char *b, size_t cap)
+{
+    if (m->q_levels)
+        snprintf(b, cap, "alphabet levels %d: codes %d..%d", m->q_levels, m->q_cmin, m->q_cmax);
+    else
+        snprintf(b, cap, "alphabet uniform %d-bit %s: codes %d..%d", m->q_bits,
+                 m->q_asym ? "asymmetric" : "symmetric", m->q_cmin, m->q_cmax);
+}
+
+/* Codes of one native module against the alphabet: a min/max pass (no
+ * branch in the loop), then the first offender for the message. */
+static bk_status check_native_codes(const bk_model *m, const bk_tensor_info *q)
+{
+    const int64_t n = q->numel;
+    int lo = 255, hi = -128;
+    if (q->dtype == BK_DT_I8) {
+        const int8_t *c = q->data;
+        int8_t mn = 127, mx = -128;
+        for (int64_t k = 0; k < n; k++) {
+            mn = c[k] < mn ? c[k] : mn;
+            mx = c[k] > mx ? c[k] : mx;
+        }
+        lo = mn, hi = mx;
+    } else {
+        const uint8_t *c = q->data;
+        uint8_t mn = 255, mx = 0;
+        for (int64_t k = 0; k < n; k++) {
+            mn = c[k] < mn ? c[k] : mn;
+            mx = c[k] > mx ? c[k] : mx;
+        }
+        lo = mn, hi = mx;
+    }
+    if (n == 0 || (lo >= m->q_cmin && hi <= m->q_cmax))
+        return BK_OK;
+    const int64_t cols = q->shape[1];
+    for (int64_t k = 0; k < n; k++) {
+        int v = q->dtype == BK_DT_I8 ? ((const int8_t *)q->data)[k] : ((const uint8_t *)q->data)[k];
+        if (v < m->q_cmin || v > m->q_cmax) {
+            char al[96];
+            native_alphabet_text(m, al, sizeof al);
+            return bk_error(BK_ERR_INVALID_ARG, "%s: tensor %s: code %d at [%lld, %lld] is outside "
+                            "the alphabet (%s)", q->file, q->name, v, (long long)(k / cols),
+                            (long long)(k % cols), al);
+        }
+    }
+    return BK_OK;
+}
+
+bk_status bk__model_check_qweight(const bk_model *m, const bk_tensor_info *t)
+{
+    if (!m || m->quantized != 1 || !t || t->ndim != 2 ||
+        (t->dtype != BK_DT_I8 && t->dtype != BK_DT_U8))
+        return BK_OK; /* (shapes and dtypes: bk_model_open) */
+    return check_native_codes(m, t);
 }
 
 /* A linear module of a native export: either an ordinary P.weight (layers
@@ -973,31 +1137,37 @@ static bk_status check_native_module(const bk_model *m, int64_t l, int mod, int 
         if (z->ndim != 2 || z->shape[0] != g || z->shape[1] != o * b / 32 || z->dtype != BK_DT_I32)
             return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected I32 [%lld, %lld] (GPTQ packed "
                             "zero points, group_size %lld)", z->file, z->name, (long long)g,
-                            (long long)(o * b / 32), (long long)m->q_group);
+                            (long long)(o * b / 32), (long long)(m->q_group ? m->q_group : -1));
         if (sc->ndim != 2 || sc->shape[0] != g || sc->shape[1] != o || !is_float_dtype(sc->dtype))
             return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected float [%lld, %lld] scales "
                             "(GPTQ, group_size %lld)", sc->file, sc->name, (long long)g,
-                            (long long)o, (long long)m->q_group);
+                            (long long)o, (long long)(m->q_group ? m->q_group : -1));
         if (gi && (gi->ndim != 1 || gi->shape[0] != in || gi->dtype != BK_DT_I32))
             return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected I32 [%lld] (GPTQ g_idx)",
                             gi->file, gi->name, (long long)in);
-        return BK_OK;
+        return check_qvalues(sc, VAL_FINITE, 0);
     }
-    if (q->ndim != 2 || q->shape[0] != o || q->shape[1] != in ||
-        (q->dtype != BK_DT_I8 && q->dtype != BK_DT_U8))
-        return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected I8 or U8 [%lld, %lld] codes", q->file,
-                        q->name, (long long)o, (long long)in);
+    char al[96];
+    native_alphabet_text(m, al, sizeof al);
+    const bk_dtype want = m->q_asym ? BK_DT_U8 : BK_DT_I8;
+    if (q->ndim != 2 || q->shape[0] != o || q->shape[1] != in || q->dtype != want)
+        return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected %s [%lld, %lld] codes (%s)", q->file,
+                        q->name, bk_dtype_name(want), (long long)o, (long long)in, al);
     if (sc->ndim != 2 || sc->shape[0] != o || sc->shape[1] != g || !is_float_dtype(sc->dtype))
         return bk_error(BK_ERR_SHAPE,
                         "%s: tensor %s: expected float [%lld, %lld] scales (group_size %lld)",
-                        sc->file, sc->name, (long long)o, (long long)g, (long long)m->q_group);
-    if (q->dtype == BK_DT_U8) {
+                        sc->file, sc->name, (long long)o, (long long)g, (long long)(m->q_group ? m->q_group : -1));
+    bk_status st;
+    if ((st = check_qvalues(sc, VAL_SCALES, 0)) != BK_OK)
+        return st;
+    if (m->q_asym) {
         if (!z)
             return bk_error(BK_ERR_MISSING_TENSOR, "%s: %s.qzeros is missing (U8 codes are asymmetric)",
                             m->dir, pre);
         if (z->ndim != 2 || z->shape[0] != o || z->shape[1] != g || !is_float_dtype(z->dtype))
             return bk_error(BK_ERR_SHAPE, "%s: tensor %s: expected float [%lld, %lld] zeros",
                             z->file, z->name, (long long)o, (long long)g);
+        return check_qvalues(z, VAL_ZEROS, m->q_cmax);
     } else if (z) {
         return bk_error(BK_ERR_UNEXPECTED_TENSOR,
                         "%s: unexpected tensor %s (I8 codes are symmetric: no zero points)", z->file,
@@ -1091,11 +1261,33 @@ static bk_status native_linear_f32(const bk_model *m, int layer, int mod, float 
         goto done;
     const int8_t *ci = q->data;
     const uint8_t *cu = q->data;
+    /* the codes are checked against the alphabet as they are read: the
+     * row's min and max, compared once per row */
     for (int64_t i = 0; i < o; i++) {
-        for (int64_t j = 0; j < in; j++) {
-            int64_t k = i * g + j / gs;
-            float c = q->dtype == BK_DT_I8 ? (float)ci[i * in + j] : (float)cu[i * in + j] - zz[k];
-            dst[i * in + j] = c * s[k];
+        int lo = m->q_cmin, hi = m->q_cmax;
+        if (q->dtype == BK_DT_I8) {
+            int8_t mn = 127, mx = -128;
+            for (int64_t j = 0; j < in; j++) {
+                const int8_t c = ci[i * in + j];
+                mn = c < mn ? c : mn;
+                mx = c > mx ? c : mx;
+                dst[i * in + j] = (float)c * s[i * g + j / gs];
+            }
+            lo = mn, hi = mx;
+        } else {
+            uint8_t mn = 255, mx = 0;
+            for (int64_t j = 0; j < in; j++) {
+                const uint8_t c = cu[i * in + j];
+                const int64_t k = i * g + j / gs;
+                mn = c < mn ? c : mn;
+                mx = c > mx ? c : mx;
+                dst[i * in + j] = ((float)c - zz[k]) * s[k];
+            }
+            lo = mn, hi = mx;
+        }
+        if (in > 0 && (lo < m->q_cmin || hi > m->q_cmax)) {
+            st = check_native_codes(m, q); /* names the first offender */
+            goto done;
         }
     }
 done:
@@ -1352,7 +1544,7 @@ bk_status bk_model_open(const char *dir, bk_model **out)
     }
     if ((st = load_config(path, &m->cfg, &m->quantized)) != BK_OK)
         goto fail;
-    if (m->quantized && (st = read_qconfig(path, m->quantized, &m->q_group, &m->q_bits)) != BK_OK)
+    if (m->quantized && (st = read_qconfig(path, m->quantized, m)) != BK_OK)
         goto fail;
     if ((st = bk_st_set_open(m->dir, &m->set)) != BK_OK)
         goto fail;

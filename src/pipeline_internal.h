@@ -87,4 +87,9 @@ bk_status bk__act_rows(const bk_act_layer *al, const char *name, int64_t r0, int
 bk_status bk__model_digest(const bk_model *m, char config_hex[65], char weights_hex[65]);
 void bk__calib_digest(const int32_t *tokens, int64_t S, int64_t T, char hex[65]);
 
+/* The codes of one P.qweight tensor t (of m's checkpoint, or the same tensor
+ * mapped elsewhere) against m's native alphabet (src/model.c; BK_OK for
+ * models that are not native exports). Used by merge as it copies codes. */
+bk_status bk__model_check_qweight(const bk_model *m, const bk_tensor_info *t);
+
 #endif

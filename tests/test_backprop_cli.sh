@@ -25,7 +25,14 @@ BAD=${BK_TEST_DATA:-tests/data}/bad/models
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
-q() { "$B" quantize "$K" --calib "$K/calib.safetensors" --samples 4 --seqlen 64 --batch 3 --backend cpu --bwd-boundaries 0 "$@"; }
+# (--bwd-boundaries 0 unless the call gives its own: an option is given once)
+q() {
+    case " $* " in
+    *" --bwd-boundaries "*) set -- "$@" ;;
+    *) set -- --bwd-boundaries 0 "$@" ;;
+    esac
+    "$B" quantize "$K" --calib "$K/calib.safetensors" --samples 4 --seqlen 64 --batch 3 --backend cpu "$@"
+}
 
 q --hessian backprop-kfac --out "$T/h" --json >"$T/h.json"
 q --hessian backprop-kfac --bwd-flow naive --out "$T/n" 2>/dev/null

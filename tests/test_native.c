@@ -133,8 +133,14 @@ static void write_model(const char *dir, const variant *v)
              "\"intermediate_size\": %d, \"num_attention_heads\": 2, \"num_key_value_heads\": 1, "
              "\"vocab_size\": 10, \"tie_word_embeddings\": true, \"quantization_config\": "
              "{\"quant_method\": \"bakron\", \"format\": \"%s\", \"format_version\": 1, "
-             "\"group_size\": %d}}",
-             NL, HID, INTER, fmt, v->group);
+             "\"group_size\": %d, %s}}",
+             NL, HID, INTER, fmt, v->group,
+             /* the alphabets bakron quantize writes these codes under:
+              * -3..3 per row is levels 3, grouped it is uniform 3-bit
+              * symmetric (-4..3); 0..15 with zero points uniform 4-bit */
+             v->asym ? "\"alphabet\": \"uniform\", \"bits\": 4, \"sym\": false"
+             : v->group > 0 ? "\"alphabet\": \"uniform\", \"bits\": 3, \"sym\": true"
+                            : "\"alphabet\": \"levels\", \"levels\": 3, \"sym\": true");
     snprintf(path, sizeof path, "%s/config.json", dir);
     FILE *f = fopen(path, "w");
     assert_non_null(f);

@@ -118,7 +118,8 @@ const char *bk_model_quant_format(const bk_model *m);
  * bare name, e.g. "lm_head.weight"); NULL when absent. */
 const bk_tensor_info *bk_model_find(const bk_model *m, int layer, const char *suffix);
 
-/* A linear module's weight [out, in] as float, dequantizing native codes. */
+/* A linear module's weight [out, in] as float, dequantizing native codes
+ * (a code outside the alphabet is an error naming the tensor). */
 bk_status bk_model_linear_f32(const bk_model *m, int layer, bk_module mod, float *dst);
 /* The same weight's BF16 [out, in] elements in the mapped checkpoint when it
  * is stored so there (unquantized, dtype BF16, that shape), else NULL (no

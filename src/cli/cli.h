@@ -66,6 +66,22 @@ typedef struct cli_input_path {
 } cli_input_path;
 bk_status cli_check_out_file(const char *opt, const char *out, const cli_input_path *in, int n);
 
+/* Options given twice. Every option of every command is given once, except
+ * the repeatable ones (--setting); a second one is a usage error naming it
+ * ("--out given twice ('a', then 'b'): give it once"), never silently the last
+ * one. A parser records each option it reads with cli_once_add (NAME without
+ * the dashes, VALUE NULL for a flag); cli_opt_name finds a getopt_long table's
+ * name for a returned val (NULL for none, e.g. a non-option argument). */
+#define CLI_ONCE_MAX 64
+typedef struct cli_once {
+    const char *name[CLI_ONCE_MAX];
+    const char *value[CLI_ONCE_MAX];
+    int n;
+} cli_once;
+bk_status cli_once_add(cli_once *o, const char *name, const char *value);
+struct option;
+const char *cli_opt_name(const struct option *opts, int val);
+
 /* --setting KEY=VALUE onto p (bk_backend_params_parse; a bad one is a usage
  * error). */
 bk_status cli_setting(bk_backend_params *p, const char *arg);

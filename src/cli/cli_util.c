@@ -1,4 +1,5 @@
 #include <errno.h>
+#include <getopt.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -311,4 +312,38 @@ bk_status cli_check_out_file(const char *opt, const char *out, const cli_input_p
         }
     }
     return BK_OK;
+}
+
+/* ------------------------------------------------------ options given twice */
+
+/* The options meant to be given several times (README "Settings"). */
+static const char *const repeatable_options[] = {"setting", NULL};
+
+bk_status cli_once_add(cli_once *o, const char *name, const char *value)
+{
+    for (const char *const *r = repeatable_options; *r; r++)
+        if (!strcmp(*r, name))
+            return BK_OK;
+    for (int k = 0; k < o->n; k++) {
+        if (strcmp(o->name[k], name) != 0)
+            continue;
+        if (o->value[k] && value)
+            return cli_usage_error("--%s given twice ('%s', then '%s'): give it once", name,
+                                   o->value[k], value);
+        return cli_usage_error("--%s given twice: give it once", name);
+    }
+    if (o->n < CLI_ONCE_MAX) {
+        o->name[o->n] = name;
+        o->value[o->n] = value;
+        o->n++;
+    }
+    return BK_OK;
+}
+
+const char *cli_opt_name(const struct option *opts, int val)
+{
+    for (const struct option *p = opts; p->name; p++)
+        if (!p->flag && p->val == val)
+            return p->name;
+    return NULL;
 }

@@ -363,7 +363,12 @@ bk_status bk_cmd_bench(int argc, char **argv)
         return st;
     optind = 1;
     opterr = 0;
+    cli_once once = {0};
     while ((c = getopt_long(argc, argv, "", bench_opts, &idx)) != -1) {
+        /* (the solver options share one val: the name is the row's) */
+        const char *name = c == '?' || c == ':' ? NULL : bench_opts[idx].name;
+        if (name && (st = cli_once_add(&once, name, optarg)) != BK_OK)
+            return st;
         switch (c) {
         case B_ALGS:
             if ((st = parse_algorithms(optarg, algs, &nalg)) != BK_OK)

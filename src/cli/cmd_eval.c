@@ -112,9 +112,25 @@ bk_status bk_cmd_eval(int argc, char **argv)
     bk_backend_params bparams;
     bk_backend_params_default(&bparams);
     bk_status st = BK_OK;
+    static const char *const eval_opts[] = {"json", "tokens", "text", "seqlen", "logits-out",
+                                            "samples", "backend", "gpu-math", "setting",
+                                            "batch", NULL};
+    cli_once once = {0};
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
         int r;
+        /* an option given twice (a value follows unless "=" or --json) */
+        for (const char *const *e = eval_opts; argv[i][0] == '-' && argv[i][1] == '-' && *e; e++) {
+            size_t l = strlen(*e);
+            const char *a = argv[i] + 2;
+            if (strncmp(a, *e, l) != 0 || (a[l] != '\0' && a[l] != '='))
+                continue;
+            v = a[l] == '=' ? a + l + 1 : strcmp(*e, "json") && i + 1 < argc ? argv[i + 1] : NULL;
+            if ((st = cli_once_add(&once, *e, v)) != BK_OK)
+                return st;
+            break;
+        }
+        v = NULL;
         if (!strcmp(argv[i], "--json")) {
             json = 1;
         } else if ((r = opt_value(argc, argv, &i, "--tokens", &v)) != 0) {

@@ -167,6 +167,9 @@ static bk_status open_report(report *r)
             return st;
         if (bk_is_file(cfg_path)) {
             r->k = K_MODEL;
+            /* (the metadata and scales are checked at open; the codes are
+             * not read: inspect stays a look at the headers, also for a
+             * model of many GB; eval and merge check every code) */
             if ((st = bk_model_open(p, &r->model)) != BK_OK)
                 return st;
             r->cfg = *bk_model_get_config(r->model);
@@ -606,11 +609,15 @@ bk_status bk_cmd_inspect(int argc, char **argv)
     }
     const char *path = NULL;
     int json = 0, opts_done = 0;
+    cli_once once = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!opts_done && !strcmp(a, "--")) {
             opts_done = 1;
         } else if (!opts_done && !strcmp(a, "--json")) {
+            bk_status ost = cli_once_add(&once, "json", NULL);
+            if (ost != BK_OK)
+                return ost;
             json = 1;
         } else if (!opts_done && a[0] == '-' && a[1] != '\0') {
             return cli_usage_error("unknown option '%s'", a);

@@ -66,7 +66,11 @@ bk_status bk_cmd_merge(int argc, char **argv)
     bk_status st = BK_OK;
     optind = 0;
     opterr = 0;
+    cli_once once = {0};
     while ((c = getopt_long(argc, argv, "-", opts, NULL)) != -1) {
+        const char *name = c == 1 ? NULL : cli_opt_name(opts, c); /* PART_DIRs repeat */
+        if (name && (st = cli_once_add(&once, name, optarg)) != BK_OK)
+            goto done;
         switch (c) {
         case 1: parts[n++] = optarg; break;
         case 'o': o.out_dir = optarg; break;

@@ -1069,6 +1069,7 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     optind = 0;
     opterr = 0;
     const char *model = NULL;
+    cli_once once = {0};
     while ((c = getopt_long(argc, argv, "-", quantize_opts, NULL)) != -1) {
         if (c == 1) { /* a non-option argument, in order */
             if (model)
@@ -1095,7 +1096,11 @@ bk_status bk_cmd_quantize(int argc, char **argv)
             continue;
         }
         if (c == O_CONFIG)
+            continue; /* given twice: said by pass 1 */
+        if ((st = cli_once_add(&once, cli_opt_name(quantize_opts, c), optarg)) != BK_OK) {
+            cli_diag_add(st);
             continue;
+        }
         if ((st = apply(&q, c, optarg)) != BK_OK)
             cli_diag_add(st);
     }
@@ -1197,6 +1202,7 @@ bk_status bk_cmd_dump(int argc, char **argv)
     double t0 = bk_now();
     optind = 0;
     opterr = 0;
+    cli_once once = {0};
     while ((c = getopt_long(argc, argv, "-", opts, NULL)) != -1) {
         if (c == 1) {
             if (model)
@@ -1204,6 +1210,9 @@ bk_status bk_cmd_dump(int argc, char **argv)
             model = optarg;
             continue;
         }
+        const char *name = cli_opt_name(opts, c);
+        if (name && (st = cli_once_add(&once, name, optarg)) != BK_OK)
+            return st;
         switch (c) {
         case 'c': o.calib_path = optarg; break;
         case 'o': o.out_dir = optarg; break;

@@ -410,7 +410,12 @@ bk_status bk_cmd_solve(int argc, char **argv)
     bk_status st = BK_OK;
     optind = 1;
     opterr = 0;
+    cli_once once = {0};
     while ((c = getopt_long(argc, argv, "", solve_opts, &idx)) != -1) {
+        /* (the solver options share one val: the name is the row's) */
+        const char *name = c == '?' || c == ':' ? NULL : solve_opts[idx].name;
+        if (name && (st = cli_once_add(&once, name, optarg)) != BK_OK)
+            return st;
         switch (c) {
         case S_WEIGHT: wref = optarg; break;
         case S_HA: aref = optarg; break;
