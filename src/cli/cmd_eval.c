@@ -44,7 +44,11 @@ static const char *eval_usage =
 
 /* "--name value" or "--name=value"; returns 1 when argv[*i] is that option
  * (advancing *i over its value), 0 otherwise, -1 on a missing value. */
-static int opt_value(int argc, char **argv, int *i, const char *name, const char **val)
+/* argv[*i] is option NAME ("--name VALUE" or "--name=VALUE"): 1 with *val
+ * set and the option recorded in once (a second one sets *dup to the usage
+ * error), 0 for another argument, -1 for a missing value. */
+static int opt_value(int argc, char **argv, int *i, const char *name, const char **val,
+                     cli_once *once, bk_status *dup)
 {
     const char *a = argv[*i];
     size_t n = strlen(name);
@@ -52,13 +56,15 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
         return 0;
     if (a[n] == '=') {
         *val = a + n + 1;
-        return 1;
+    } else {
+        if (a[n] != '\0')
+            return 0;
+        if (*i + 1 >= argc)
+            return -1;
+        *val = argv[++*i];
     }
-    if (a[n] != '\0')
-        return 0;
-    if (*i + 1 >= argc)
-        return -1;
-    *val = argv[++*i];
+    if (*dup == BK_OK)
+        *dup = cli_once_add(once, name + 2, *val);
     return 1;
 }
 
@@ -112,61 +118,49 @@ bk_status bk_cmd_eval(int argc, char **argv)
     bk_backend_params bparams;
     bk_backend_params_default(&bparams);
     bk_status st = BK_OK;
-    static const char *const eval_opts[] = {"json", "tokens", "text", "seqlen", "logits-out",
-                                            "samples", "backend", "gpu-math", "setting",
-                                            "batch", NULL};
     cli_once once = {0};
+    bk_status dup = BK_OK; /* an option given twice (opt_value) */
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
         int r;
-        /* an option given twice (a value follows unless "=" or --json) */
-        for (const char *const *e = eval_opts; argv[i][0] == '-' && argv[i][1] == '-' && *e; e++) {
-            size_t l = strlen(*e);
-            const char *a = argv[i] + 2;
-            if (strncmp(a, *e, l) != 0 || (a[l] != '\0' && a[l] != '='))
-                continue;
-            v = a[l] == '=' ? a + l + 1 : strcmp(*e, "json") && i + 1 < argc ? argv[i + 1] : NULL;
-            if ((st = cli_once_add(&once, *e, v)) != BK_OK)
-                return st;
-            break;
-        }
-        v = NULL;
         if (!strcmp(argv[i], "--json")) {
             json = 1;
-        } else if ((r = opt_value(argc, argv, &i, "--tokens", &v)) != 0) {
+            if (dup == BK_OK)
+                dup = cli_once_add(&once, "json", NULL);
+        } else if ((r = opt_value(argc, argv, &i, "--tokens", &v, &once, &dup)) != 0) {
             if (r < 0)
                 return cli_usage_error("--tokens needs a FILE");
             tokens_path = v;
-        } else if ((r = opt_value(argc, argv, &i, "--text", &v)) != 0) {
+        } else if ((r = opt_value(argc, argv, &i, "--text", &v, &once, &dup)) != 0) {
             if (r < 0 || !v[0])
                 return cli_usage_error("--text needs a FILE or folder");
             text_path = v;
-        } else if ((r = opt_value(argc, argv, &i, "--seqlen", &v)) != 0) {
+        } else if ((r = opt_value(argc, argv, &i, "--seqlen", &v, &once, &dup)) != 0) {
             if (r < 0)
                 return cli_usage_error("--seqlen needs a number");
             if ((st = cli_parse_i64("--seqlen", v, 2, (int64_t)1 << 30, &seqlen)) != BK_OK)
                 return st;
-        } else if ((r = opt_value(argc, argv, &i, "--logits-out", &v)) != 0) {
+        } else if ((r = opt_value(argc, argv, &i, "--logits-out", &v, &once, &dup)) != 0) {
             if (r < 0 || !v[0])
                 return cli_usage_error("--logits-out needs a FILE");
             logits_out = v;
-        } else if ((r = opt_value(argc, argv, &i, "--samples", &v)) != 0) {
+        } else if ((r = opt_value(argc, argv, &i, "--samples", &v, &once, &dup)) != 0) {
             if (r < 0)
                 return cli_usage_error("--samples needs a number");
             if ((st = cli_parse_i64("--samples", v, 1, INT64_MAX, &samples)) != BK_OK)
                 return st;
-        } else if ((r = opt_value(argc, argv, &i, "--backend", &v)) != 0) {
+        } else if ((r = opt_value(argc, argv, &i, "--backend", &v, &once, &dup)) != 0) {
             if (r < 0 || bk_backend_kind_from_name(v, &bkind) != BK_OK)
                 return cli_usage_error("--backend: expected auto, cpu or cuda");
-        } else if ((r = opt_value(argc, argv, &i, "--gpu-math", &v)) != 0) {
+        } else if ((r = opt_value(argc, argv, &i, "--gpu-math", &v, &once, &dup)) != 0) {
             if (r < 0 || bk_gemm_math_from_name(v, &gmath) != BK_OK)
                 return cli_usage_error("--gpu-math: expected fp32, tf32, bf16 or auto");
-        } else if ((r = opt_value(argc, argv, &i, "--setting", &v)) != 0) {
+        } else if ((r = opt_value(argc, argv, &i, "--setting", &v, &once, &dup)) != 0) {
             if (r < 0)
                 return cli_usage_error("--setting needs KEY=VALUE");
             if ((st = cli_setting(&bparams, v)) != BK_OK)
                 return st;
-        } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
+        } else if ((r = opt_value(argc, argv, &i, "--batch", &v, &once, &dup)) != 0) {
             if (r < 0)
                 return cli_usage_error("--batch needs a number");
             if ((st = cli_parse_i64("--batch", v, 1, INT64_MAX, &batch)) != BK_OK)
@@ -184,6 +178,8 @@ bk_status bk_cmd_eval(int argc, char **argv)
         } else {
             return cli_usage_error("unexpected argument '%s' (one model folder only)", argv[i]);
         }
+        if (dup != BK_OK)
+            return dup;
     }
     if (!model_dir)
         return cli_usage_error("MODEL_OR_OUT_DIR is required");
