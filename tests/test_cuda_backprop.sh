@@ -42,10 +42,15 @@ cuda_probe_eval
 
 # (--bwd-boundaries 0: recursive halving, whatever the host's memory; the wider
 # splits of the default budget are compared below)
-CAL="--calib $M/calib.safetensors --samples 8 --seqlen 64 --batch 3 --levels 3 --precision fp32 --bwd-boundaries 0"
+# (an option may be given once: run adds --bwd-boundaries 0 unless the call gives its own)
+CAL="--calib $M/calib.safetensors --samples 8 --seqlen 64 --batch 3 --levels 3 --precision fp32"
 run() { # out extra-args...
     local out=$1
     shift
+    case " $* " in
+    *" --bwd-boundaries "*) ;;
+    *) set -- --bwd-boundaries 0 "$@" ;;
+    esac
     "$B" quantize "$M" $CAL --out "$out" "$@" >"$out.log" 2>&1
 }
 
@@ -64,7 +69,7 @@ run "$W/def" --hessian backprop-kfac --backend cuda || die "GPU default: $(tail 
 F32="--bwd-precision fp32"
 run "$W/g64" --hessian backprop-kfac --backend cuda --bwd-precision fp64 $CPUIN ||
     die "GPU flow fp64: $(tail -1 "$W/g64.log")"
-"$B" quantize "$M" $CAL --hessian backprop-kfac --backend cuda $CPUIN --out "$W/g32" --json \
+"$B" quantize "$M" $CAL --bwd-boundaries 0 --hessian backprop-kfac --backend cuda $CPUIN --out "$W/g32" --json \
     $F32 >"$W/g32.json" 2>"$W/g32.log" || die "GPU flow fp32: $(tail -1 "$W/g32.log")"
 run "$W/g32n" --hessian backprop-kfac --backend cuda --bwd-flow naive $CPUIN $F32 ||
     die "GPU flow fp32 naive: $(tail -1 "$W/g32n.log")"
@@ -217,12 +222,12 @@ expect() { # expected-exit needle args...
     grep 'error:' "$W/err" | grep -q -- "$needle" ||
         { cat "$W/err"; die "$*: the error line lacks '$needle'"; }
 }
-expect 3 "--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
+expect 3 "--batch" "$B" quantize "$M" $CAL --bwd-boundaries 0 --setting mem_limit=1000000 \
     --hessian backprop-kfac --backend cuda $CPUIN $F32 --out "$W/x"
-expect 3 "--cpu-stages\|--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
+expect 3 "--cpu-stages\|--batch" "$B" quantize "$M" $CAL --bwd-boundaries 0 --setting mem_limit=1000000 \
     --hessian backprop-kfac --backend cuda $F32 --out "$W/x"
 # the default (auto: bf16 here; session 16, not yet run on a GPU)
-expect 3 "--cpu-stages\|--batch" "$B" quantize "$M" $CAL --setting mem_limit=1000000 \
+expect 3 "--cpu-stages\|--batch" "$B" quantize "$M" $CAL --bwd-boundaries 0 --setting mem_limit=1000000 \
     --hessian backprop-kfac --backend cuda --out "$W/x"
 [ ! -e "$W/x" ] || die "a failed run left $W/x behind"
 
