@@ -468,6 +468,15 @@ bk_status g_solve_dev(void *ctx, bk_module mod, const bk_solve_problem *p, const
 void g_prepare_next(void *ctx, bk_module next, const bk_solve_opts *o)
 {
     gstages *g = static_cast<gstages *>(ctx);
+    /* The driver calls this between the current module's factors and its
+     * solve: a prefetch started for the current module (kmod, whose factors
+     * were just formed: q -> k -> v, and every module with --no-sequential)
+     * is about to be taken by that solve. It is kept, and nothing is started
+     * for `next` (one prefetch per context at a time: one pf stream, one set
+     * of handles, one aside set); dropping it here would join its thread and
+     * throw its factor away just before the solve it was made for. */
+    if (g->pre && g->kmod >= 0 && g->pre_mod == g->kmod)
+        return;
     pre_drop(g);
     if (!g->lw || !g->acc || !o || (unsigned)next >= BK_MOD_COUNT ||
         !bk_hessian_is_two_sided(g->kind, next) || o->algorithm == BK_ALG_RTN)
