@@ -944,7 +944,6 @@ bk_status prefetch_init(bk_cuda_ctx *c)
 {
     if (c->pf_stream && c->pf_blas && c->pf_solver && c->pf_ready)
         return BK_OK;
-    bk_status st = BK_OK;
     int lo = 0, hi = 0;
     if (!c->pf_stream) {
         BK_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
@@ -952,16 +951,31 @@ bk_status prefetch_init(bk_cuda_ctx *c)
     }
     if (!c->pf_ready)
         BK_CUDA_CHECK(cudaEventCreateWithFlags(&c->pf_ready, cudaEventDisableTiming));
+    /* a handle is kept only once it is bound to the pf stream with the main
+     * handle's settings (a half-set one would be taken as ready next time) */
     if (!c->pf_blas) {
-        BK_CUBLAS_CHECK(cublasCreate(&c->pf_blas));
-        BK_CUBLAS_CHECK(cublasSetStream(c->pf_blas, c->pf_stream));
-        BK_CUBLAS_CHECK(cublasSetMathMode(c->pf_blas, CUBLAS_DEFAULT_MATH));
+        cublasHandle_t h = NULL;
+        BK_CUBLAS_CHECK(cublasCreate(&h));
+        cublasStatus_t cs = cublasSetStream(h, c->pf_stream);
+        if (cs == CUBLAS_STATUS_SUCCESS)
+            cs = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
+        if (cs != CUBLAS_STATUS_SUCCESS) {
+            cublasDestroy(h);
+            return bk_cublas_status(cs, "the prefetch's cuBLAS handle", __FILE__, __LINE__);
+        }
+        c->pf_blas = h;
     }
     if (!c->pf_solver) {
-        BK_CUSOLVER_CHECK(cusolverDnCreate(&c->pf_solver));
-        BK_CUSOLVER_CHECK(cusolverDnSetStream(c->pf_solver, c->pf_stream));
+        cusolverDnHandle_t h = NULL;
+        BK_CUSOLVER_CHECK(cusolverDnCreate(&h));
+        const cusolverStatus_t ss = cusolverDnSetStream(h, c->pf_stream);
+        if (ss != CUSOLVER_STATUS_SUCCESS) {
+            cusolverDnDestroy(h);
+            return bk_cusolver_status(ss, "the prefetch's cuSOLVER handle", __FILE__, __LINE__);
+        }
+        c->pf_solver = h;
     }
-    return st;
+    return BK_OK;
 }
 
 /* Join pf's thread; 1 when its factor serves a solve of an [m, *] problem
@@ -971,6 +985,13 @@ int prefetch_take(bk_cuda_ctx *c, bk_dprefetch *pf, int64_t m, const bk_solve_op
                   int stats, bk_dside *out)
 {
     pthread_join(pf->tid, NULL);
+    /* a thread that failed part way may have left work queued on the pf
+     * stream (kernels reading B, dX or its workspaces: it synchronizes only
+     * on success); everything it enqueued is finished before its buffers,
+     * and the aside B the caller frees after this, are released (not left
+     * to cudaFree's implicit synchronization) */
+    cudaStreamSynchronize(c->pf_stream);
+    cudaGetLastError();
     const int ok = pf->st == BK_OK && pf->m == m &&
                    memcmp(&pf->ob.damp, &ob->damp, sizeof ob->damp) == 0 &&
                    pf->ob.max_damp_retries == ob->max_damp_retries &&
