@@ -484,16 +484,33 @@ void g_prepare_next(void *ctx, bk_module next, const bk_solve_opts *o)
     int64_t m, n;
     bk_module_shape(&g->cfg, next, &m, &n);
     bk_cuda_ctx *cc = static_cast<bk_cuda_ctx *>(g->b->ctx);
-    /* only with room for it and as much again: the current solve allocates
-     * its own output side after this (about as much), and must not run
-     * short because of work ahead (upper bound: the aside A, A_plain and B,
-     * B's double mirror, a factor of 12 bytes per padded entry: fp64 + fp32
-     * with factor_fp64; the workspaces) */
-    const double mp = (double)bk_round_up(m, BK_CUDA_PAD);
+    /* only with room for it and for what the current solve (module kmod)
+     * still allocates after this call, which must not run short because of
+     * work ahead. The prefetch (upper bound): the aside A, A_plain and B, B's
+     * double mirror, a factor of 12 bytes per padded entry (fp64 + fp32 with
+     * factor_fp64), the workspaces. The current solve (upper bound, as if
+     * nothing were shared): its input side (double mirror, factor), its
+     * output side when it has one (as the prefetch's), 16 bytes per weight
+     * entry, the workspaces. (Not "twice the prefetch": q's solve needs
+     * about twice what k's prefetch holds.) */
+    const double mp = (double)bk_round_up(m, BK_CUDA_PAD), ws = (double)(64 << 20);
     const double need = 8.0 * (double)n * (double)n + 12.0 * (double)m * (double)m +
-                        12.0 * mp * mp + (double)(64 << 20);
+                        12.0 * mp * mp + ws;
+    double cur = need;
+    if (g->kmod >= 0 && g->kmod < BK_MOD_COUNT) {
+        int64_t cm, cn;
+        bk_module_shape(&g->cfg, (bk_module)g->kmod, &cm, &cn);
+        const double cmp = (double)bk_round_up(cm, BK_CUDA_PAD),
+                     cnp = (double)bk_round_up(cn, BK_CUDA_PAD);
+        cur = 8.0 * (double)cn * (double)cn + 12.0 * cnp * cnp + 16.0 * (double)cm * (double)cn +
+              ws;
+        if (bk_hessian_is_two_sided(g->kind, (bk_module)g->kmod))
+            cur += 12.0 * (double)cm * (double)cm + 12.0 * cmp * cmp;
+        if (cur < need)
+            cur = need;
+    }
     size_t fr = 0, tot = 0;
-    if (bk_dev_mem_free(cc, &fr, &tot) != BK_OK || (double)fr < 2.0 * need) {
+    if (bk_dev_mem_free(cc, &fr, &tot) != BK_OK || (double)fr < need + cur) {
         bk_clear_error();
         return;
     }
