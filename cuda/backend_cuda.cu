@@ -18,6 +18,16 @@ void bk_cuda_ctx_destroy(bk_cuda_ctx *c)
         return;
     bk_cuda_partition_release(c);
     bk_cuda_download_release(c);
+    if (c->pf_stream) /* (a prefetch was taken or dropped by its owner: bk_dprefetch) */
+        cudaStreamSynchronize(c->pf_stream);
+    if (c->pf_solver)
+        cusolverDnDestroy(c->pf_solver);
+    if (c->pf_blas)
+        cublasDestroy(c->pf_blas);
+    if (c->pf_ready)
+        cudaEventDestroy(c->pf_ready);
+    if (c->pf_stream)
+        cudaStreamDestroy(c->pf_stream);
     if (c->stats_stream) /* (a job in flight was collected or dropped by its solve) */
         cudaStreamSynchronize(c->stats_stream);
     if (c->stats_blas)

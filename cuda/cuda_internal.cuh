@@ -73,7 +73,32 @@ typedef struct bk_cuda_ctx {
     cudaStream_t stats_stream;
     cublasHandle_t stats_blas;
     cudaEvent_t stats_ready;
+    /* an output factor factored ahead of its solve (solve.cu, bk_dprefetch):
+     * a low-priority stream and cuBLAS / cuSOLVER handles bound to it (made
+     * at the first one, with the main handles' settings), pf_ready orders it
+     * after the main stream's work; pf_busy: one in flight */
+    cudaStream_t pf_stream;
+    cublasHandle_t pf_blas;
+    cusolverDnHandle_t pf_solver;
+    cudaEvent_t pf_ready;
+    int pf_busy;
+    /* A context that works for another one (the ahead factorization's copy
+     * of the context on its own host thread): acct, the context whose
+     * memory counters its allocations count against (NULL: its own; they
+     * are updated under a process-wide lock); defer, when set, collects
+     * bk_dev_free's pointers instead of freeing them (cudaFree waits for the
+     * whole device: the owner frees them after the thread is joined). */
+    struct bk_cuda_ctx *acct;
+    struct bk_dev_defer *defer;
 } bk_cuda_ctx;
+
+/* The pointers a deferring context was asked to free (bk_cuda_ctx.defer). */
+typedef struct bk_dev_defer {
+    void **p;
+    int n, cap;
+} bk_dev_defer;
+/* Free them through c (the owner) and empty the list. */
+void bk_dev_defer_flush(bk_cuda_ctx *c, bk_dev_defer *d);
 
 /* partition.cu */
 bk_status bk_cuda_partition_side(bk_cuda_ctx *c, int keep, cudaStream_t *stream,
@@ -329,6 +354,26 @@ typedef struct bk_dshare {
 /* Release a kept input side (the struct stays usable). */
 void bk_dshare_drop(bk_cuda_ctx *c, bk_dshare *s);
 
+/* An output factor B factored ahead of its solve: on the context's pf
+ * stream, by a host thread of its own (cuSOLVER's factorization and the
+ * damping escalation synchronize with the host at every step), while the
+ * caller's thread solves another module on the main stream. The same
+ * functions on the same B with the same options as solve_dev's own output
+ * side (dcheck_finite, prepare_dmatrix, bk_dside_from_dmatrix), only on
+ * another stream with handles of the same settings: the same factor bit for
+ * bit. */
+typedef struct bk_dprefetch bk_dprefetch;
+/* Start factoring the device B [m, m] (written by the work enqueued on
+ * c->stream so far: an event orders the pf stream after it; B must stay
+ * unchanged and allocated until the prefetch is taken or dropped) for a
+ * solve with options o (its output side's damping: o->damp_b where
+ * o->separate_damp_b). One at a time per context. Failure: nothing
+ * started, *out NULL. */
+bk_status bk_dprefetch_start(bk_cuda_ctx *c, const float *B, int64_t m, const bk_solve_opts *o,
+                             bk_dprefetch **out);
+/* Wait for it and release everything it holds (NULL: nothing). */
+void bk_dprefetch_drop(bk_cuda_ctx *c, bk_dprefetch *pf);
+
 /* A solve whose factors already live on the device (the GPU pipeline). */
 typedef struct bk_dsolve_problem {
     int64_t m, n;
@@ -344,6 +389,11 @@ typedef struct bk_dsolve_problem {
     int no_host_weight;   /* with dW: r->weight stays NULL (d_weight has it; saves the
                              m*n download when the caller only needs codes and scales) */
     bk_dshare *share;     /* or NULL: the input side shared between solves of one A */
+    bk_dprefetch *pre;    /* or NULL: B factored ahead (bk_dprefetch_start on a B of the same
+                             contents, the caller's word): the solve takes it over, waits for
+                             it and uses its factor when it succeeded with this solve's
+                             options, else factors B itself as without it (the same checks,
+                             escalation and messages); released in every case */
 } bk_dsolve_problem;
 
 /* As bk_cuda_solve on the same problem with A/B given as host F32 arrays: the

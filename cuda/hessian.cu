@@ -1356,6 +1356,47 @@ extern "C" bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk
     return factors_impl(a, orig, mod, 1, A, B, A_plain);
 }
 
+extern "C" bk_status bk_ghess_factors_dev_aside(bk_ghess *a, const bk_glayer *orig,
+                                                bk_module mod, bk_ghess_aside *x,
+                                                const float **B, uint64_t *gen)
+{
+    if (!a || !x || !B || !gen)
+        return bk_error(BK_ERR_INVALID_ARG, "hessian: NULL argument to "
+                                            "bk_ghess_factors_dev_aside");
+    /* x's buffers in place of the accumulator's set, and its factor key
+     * kept, for one factors call */
+    float *sA = a->devA, *sB = a->devB, *sP = a->devP;
+    const size_t nA = a->devA_n, nB = a->devB_n, nP = a->devP_n;
+    const dgram *ks = a->akey_src, *kt = a->akey_try;
+    const double kss = a->akey_scale, kts = a->akey_try_scale;
+    const uint64_t kg = a->akey_gen;
+    a->devA = x->A, a->devB = x->B, a->devP = x->P;
+    a->devA_n = x->A_n, a->devB_n = x->B_n, a->devP_n = x->P_n;
+    const float *fa = NULL, *fp = NULL;
+    bk_status st = factors_impl(a, orig, mod, 1, &fa, B, &fp);
+    x->A = a->devA, x->B = a->devB, x->P = a->devP;
+    x->A_n = a->devA_n, x->B_n = a->devB_n, x->P_n = a->devP_n;
+    a->devA = sA, a->devB = sB, a->devP = sP;
+    a->devA_n = nA, a->devB_n = nB, a->devP_n = nP;
+    a->akey_src = ks, a->akey_try = kt;
+    a->akey_scale = kss, a->akey_try_scale = kts;
+    a->akey_gen = kg;
+    *gen = a->gen;
+    if (st != BK_OK)
+        *B = NULL;
+    return st;
+}
+
+extern "C" void bk_ghess_aside_free(bk_ghess *a, bk_ghess_aside *x)
+{
+    if (!a || !x)
+        return;
+    bk_dev_free(a->c, x->A);
+    bk_dev_free(a->c, x->B);
+    bk_dev_free(a->c, x->P);
+    memset(x, 0, sizeof *x);
+}
+
 /* ------------------------------------------------- sums (MPI ranks) */
 
 extern "C" bk_status bk_ghess_sums(bk_ghess *a, unsigned modules, int dev, int rw,

@@ -13,17 +13,30 @@
  * be accounted for without a table. */
 #define BK_DEV_HDR 256
 
+/* The memory counters of every context (bk_cuda_ctx.acct: a context's
+ * allocations may count against another's, from another host thread). */
+static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static bk_cuda_ctx *acct_of(bk_cuda_ctx *c)
+{
+    return c->acct ? c->acct : c;
+}
+
 bk_status bk_dev_alloc(bk_cuda_ctx *c, void **p, size_t bytes, const char *what)
 {
     *p = NULL;
     if (bytes > SIZE_MAX - BK_DEV_HDR)
         return bk_error(BK_ERR_DEVICE_OOM, "CUDA: %s: size overflows (%zu bytes)", what, bytes);
     size_t total = bytes + BK_DEV_HDR;
-    if (c->mem_limit && c->mem_current + total > c->mem_limit)
+    bk_cuda_ctx *a = acct_of(c);
+    pthread_mutex_lock(&g_mem_mu);
+    const size_t held = a->mem_current, limit = a->mem_limit;
+    pthread_mutex_unlock(&g_mem_mu);
+    if (limit && held + total > limit)
         return bk_error(BK_ERR_DEVICE_OOM,
                         "CUDA out of memory: %s needs %zu bytes, %zu of the %zu-byte limit "
                         "(setting mem_limit) in use",
-                        what, bytes, c->mem_current, c->mem_limit);
+                        what, bytes, held, limit);
     unsigned char *raw = NULL;
     cudaError_t e = cudaMalloc((void **)&raw, total);
     if (e != cudaSuccess) {
@@ -48,9 +61,11 @@ bk_status bk_dev_alloc(bk_cuda_ctx *c, void **p, size_t bytes, const char *what)
         cudaFree(raw);
         return bk_cuda_status(e, "initializing a device allocation", __FILE__, __LINE__);
     }
-    c->mem_current += total;
-    if (c->mem_current > c->mem_peak)
-        c->mem_peak = c->mem_current;
+    pthread_mutex_lock(&g_mem_mu);
+    a->mem_current += total;
+    if (a->mem_current > a->mem_peak)
+        a->mem_peak = a->mem_current;
+    pthread_mutex_unlock(&g_mem_mu);
     *p = raw + BK_DEV_HDR;
     return BK_OK;
 }
@@ -65,7 +80,10 @@ bk_status bk_dev_mem_free(const bk_cuda_ctx *c, size_t *free_bytes, size_t *tota
         return bk_cuda_status(e, "reading the device's free memory", __FILE__, __LINE__);
     }
     if (c && c->mem_limit) {
-        const size_t left = c->mem_current < c->mem_limit ? c->mem_limit - c->mem_current : 0;
+        pthread_mutex_lock(&g_mem_mu);
+        const size_t cur = c->mem_current;
+        pthread_mutex_unlock(&g_mem_mu);
+        const size_t left = cur < c->mem_limit ? c->mem_limit - cur : 0;
         if (left < fr)
             fr = left;
     }
@@ -78,21 +96,54 @@ void bk_dev_free(bk_cuda_ctx *c, void *p)
 {
     if (!p)
         return;
+    if (c->defer) { /* the owner frees it (bk_dev_defer_flush) */
+        bk_dev_defer *d = c->defer;
+        if (d->n == d->cap) {
+            const int cap = d->cap ? 2 * d->cap : 16;
+            void **q = static_cast<void **>(realloc(d->p, sizeof(void *) * (size_t)cap));
+            if (q) {
+                d->p = q;
+                d->cap = cap;
+            }
+        }
+        if (d->n < d->cap) {
+            d->p[d->n++] = p;
+            return;
+        }
+        /* (no room for the pointer: freed here, which waits for the device) */
+    }
+    bk_cuda_ctx *a = acct_of(c);
     unsigned char *raw = static_cast<unsigned char *>(p) - BK_DEV_HDR;
     size_t total = 0;
-    if (cudaMemcpy(&total, raw, sizeof total, cudaMemcpyDeviceToHost) == cudaSuccess &&
-        total <= c->mem_current)
-        c->mem_current -= total;
-    else
+    if (cudaMemcpy(&total, raw, sizeof total, cudaMemcpyDeviceToHost) == cudaSuccess) {
+        pthread_mutex_lock(&g_mem_mu);
+        if (total <= a->mem_current)
+            a->mem_current -= total;
+        pthread_mutex_unlock(&g_mem_mu);
+    } else {
         cudaGetLastError();
+    }
     cudaFree(raw);
     cudaGetLastError();
 }
 
+void bk_dev_defer_flush(bk_cuda_ctx *c, bk_dev_defer *d)
+{
+    if (!d)
+        return;
+    for (int i = 0; i < d->n; i++)
+        bk_dev_free(c, d->p[i]);
+    free(d->p);
+    memset(d, 0, sizeof *d);
+}
+
 void bk_dev_note_transient(bk_cuda_ctx *c, size_t bytes)
 {
-    if (c->mem_current + bytes > c->mem_peak)
-        c->mem_peak = c->mem_current + bytes;
+    bk_cuda_ctx *a = acct_of(c);
+    pthread_mutex_lock(&g_mem_mu);
+    if (a->mem_current + bytes > a->mem_peak)
+        a->mem_peak = a->mem_current + bytes;
+    pthread_mutex_unlock(&g_mem_mu);
 }
 
 /* ------------------------------------------------------- downloads */

@@ -57,8 +57,26 @@ struct gstages {
     double kscale;
     uint64_t kgen;
     int kshared, kmod;
+    /* the output factor B of module pre_mod (the next one to be solved,
+     * prepare_next) factored ahead from factors formed into aside at
+     * accumulator generation pre_gen; NULL: none */
+    bk_dprefetch *pre;
+    int pre_mod;
+    uint64_t pre_gen;
+    bk_ghess_aside aside;
     char desc[256];
 };
+
+/* The ahead factorization and its factors released (after its thread). */
+void pre_drop(gstages *g)
+{
+    if (g->pre)
+        bk_dprefetch_drop(static_cast<bk_cuda_ctx *>(g->b->ctx), g->pre);
+    g->pre = NULL;
+    g->pre_mod = -1;
+    if (g->acc)
+        bk_ghess_aside_free(g->acc, &g->aside);
+}
 
 /* The kept input side goes wherever the Grams it was factored from may change
  * (a stage adds to them, a layer begins or ends, ranks exchange sums, output
@@ -68,6 +86,7 @@ void share_drop(gstages *g)
     if (g->share.valid)
         bk_dshare_drop(static_cast<bk_cuda_ctx *>(g->b->ctx), &g->share);
     g->kmod = -1;
+    pre_drop(g); /* (its generation would not match either) */
 }
 
 double now_synced(gstages *g, bk_status *st)
@@ -419,14 +438,96 @@ bk_status g_solve_dev(void *ctx, bk_module mod, const bk_solve_problem *p, const
                     (mod == BK_MOD_Q || mod == BK_MOD_K || mod == BK_MOD_GATE);
     dp.share = &g->share;
     bk_cuda_ctx *cc = static_cast<bk_cuda_ctx *>(g->b->ctx);
+    /* B factored ahead for this module (prepare_next) from the state its
+     * factors were just formed from: the solve takes it over */
+    const int ahead = g->pre && g->pre_mod == (int)mod;
+    if (ahead && g->kmod == (int)mod && g->kgen == g->pre_gen && dp.B)
+        dp.pre = g->pre;
+    else if (ahead)
+        bk_dprefetch_drop(cc, g->pre);
+    if (ahead)
+        g->pre = NULL; /* (the solve releases it; its factors buffers below) */
     double tp = bk_now();
     bk_status st = bk_cuda_solve_dev(cc, &dp, o, r, g->lw->w[mod], loss_gptq);
+    if (ahead)
+        pre_drop(g);
     if (st == BK_OK) /* the BF16 copy of the working weight follows (bf16 GEMMs) */
         st = bk_glayer_sync_bf16(g->f, g->lw, mod);
     bk_cuda_pmark(cc->stream, &tp, "g.solve_dev_total");
     if (st == BK_ERR_DEVICE_OOM)
         bk_error_prefix(st, "GPU pipeline: the solve (use a smaller --batch or --cpu-stages)");
     return st;
+}
+
+/* Module next is solved after the current one (the driver's order): its
+ * factors formed into the aside buffers now (the main stream, before the
+ * current solve), and its output factor B factored on the pf stream by a
+ * thread of its own while the current module is solved (bk_dprefetch).
+ * Advisory: whatever fails here is dropped silently; next's own factors and
+ * solve then do the work, and report it, as without the call. */
+void g_prepare_next(void *ctx, bk_module next, const bk_solve_opts *o)
+{
+    gstages *g = static_cast<gstages *>(ctx);
+    /* The driver calls this between the current module's factors and its
+     * solve: a prefetch started for the current module (kmod, whose factors
+     * were just formed: q -> k -> v, and every module with --no-sequential)
+     * is about to be taken by that solve. It is kept, and nothing is started
+     * for `next` (one prefetch per context at a time: one pf stream, one set
+     * of handles, one aside set); dropping it here would join its thread and
+     * throw its factor away just before the solve it was made for. */
+    if (g->pre && g->kmod >= 0 && g->pre_mod == g->kmod)
+        return;
+    pre_drop(g);
+    if (!g->lw || !g->acc || !o || (unsigned)next >= BK_MOD_COUNT ||
+        !bk_hessian_is_two_sided(g->kind, next) || o->algorithm == BK_ALG_RTN)
+        return;
+    int64_t m, n;
+    bk_module_shape(&g->cfg, next, &m, &n);
+    bk_cuda_ctx *cc = static_cast<bk_cuda_ctx *>(g->b->ctx);
+    /* only with room for it and for what the current solve (module kmod)
+     * still allocates after this call, which must not run short because of
+     * work ahead. The prefetch (upper bound): the aside A, A_plain and B, B's
+     * double mirror, a factor of 12 bytes per padded entry (fp64 + fp32 with
+     * factor_fp64), the workspaces. The current solve (upper bound, as if
+     * nothing were shared): its input side (double mirror, factor), its
+     * output side when it has one (as the prefetch's), 16 bytes per weight
+     * entry, the workspaces. (Not "twice the prefetch": q's solve needs
+     * about twice what k's prefetch holds.) */
+    const double mp = (double)bk_round_up(m, BK_CUDA_PAD), ws = (double)(64 << 20);
+    const double need = 8.0 * (double)n * (double)n + 12.0 * (double)m * (double)m +
+                        12.0 * mp * mp + ws;
+    double cur = need;
+    if (g->kmod >= 0 && g->kmod < BK_MOD_COUNT) {
+        int64_t cm, cn;
+        bk_module_shape(&g->cfg, (bk_module)g->kmod, &cm, &cn);
+        const double cmp = (double)bk_round_up(cm, BK_CUDA_PAD),
+                     cnp = (double)bk_round_up(cn, BK_CUDA_PAD);
+        cur = 8.0 * (double)cn * (double)cn + 12.0 * cnp * cnp + 16.0 * (double)cm * (double)cn +
+              ws;
+        if (bk_hessian_is_two_sided(g->kind, (bk_module)g->kmod))
+            cur += 12.0 * (double)cm * (double)cm + 12.0 * cmp * cmp;
+        if (cur < need)
+            cur = need;
+    }
+    size_t fr = 0, tot = 0;
+    if (bk_dev_mem_free(cc, &fr, &tot) != BK_OK || (double)fr < need + cur) {
+        bk_clear_error();
+        return;
+    }
+    const float *B = NULL;
+    uint64_t gen = 0;
+    double tp = bk_now();
+    bk_status st = bk_ghess_factors_dev_aside(g->acc, g->orig, next, &g->aside, &B, &gen);
+    if (st == BK_OK && B)
+        st = bk_dprefetch_start(cc, B, m, o, &g->pre);
+    if (st != BK_OK || !g->pre) {
+        pre_drop(g);
+        bk_clear_error(); /* (nothing was reported: the solve redoes it) */
+        return;
+    }
+    g->pre_mod = (int)next;
+    g->pre_gen = gen;
+    bk_cuda_pmark(cc->stream, &tp, "g.prepare_next");
 }
 
 bk_status g_weight_updated(void *ctx, bk_module mod, const float *w)
@@ -517,6 +618,7 @@ const bk_stage_ops gpu_stage_ops = {
     "cuda", g_embed, g_layer_begin, g_run, g_factors, g_weight_updated, g_factors_dev,
     g_solve_dev, g_layer_end, g_destroy, g_describe, g_bp_grads, g_sums, g_share_weight,
     NULL /* add_inputs: the CPU's (--activations) */, 0 /* bp_host_grads */,
+    g_prepare_next,
 };
 
 } // namespace
@@ -617,6 +719,7 @@ extern "C" bk_status bk_gpu_stages_create(bk_backend *b, const bk_model *m, bk_h
         return bk_error(BK_ERR_NOMEM, "GPU pipeline: out of memory");
     g->b = b;
     g->kmod = -1;
+    g->pre_mod = -1;
     g->m = m;
     g->cfg = *bk_model_get_config(m);
     g->kind = kind;

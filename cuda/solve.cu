@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <pthread.h>
 
 #include "cuda_internal.cuh"
 
@@ -883,6 +884,185 @@ void bk_dshare_drop(bk_cuda_ctx *c, bk_dshare *s)
     s->valid = 0;
 }
 
+/* ------------------------------------------ an output factor ahead of its solve */
+
+struct bk_dprefetch {
+    bk_cuda_ctx *owner;
+    bk_cuda_ctx side;     /* the owner's context on the pf stream and handles; its
+                             allocations count against the owner's, its frees deferred */
+    bk_dev_defer defer;
+    const float *B;
+    int64_t m, mpad;
+    bk_solve_opts ob;     /* the output side's options (damp_b applied) */
+    int stats, fp64_factor;
+    pthread_t tid;
+    bk_status st;         /* the thread's outcome (BK_OK: sb holds the factor) */
+    bk_dside sb;
+};
+
+namespace {
+
+/* The options that shape an output side: the damping (o->damp_b where
+ * separate), its escalation, precision and X~ for the statistics. */
+bk_solve_opts output_side_opts(const bk_solve_opts *o)
+{
+    bk_solve_opts ob = *o;
+    if (o->separate_damp_b)
+        ob.damp = o->damp_b;
+    return ob;
+}
+
+/* The prefetch's host thread: solve_dev's output side, step for step, on the
+ * pf stream (its errors stay on this thread: the solve redoes the work and
+ * reports them). */
+void *prefetch_main(void *arg)
+{
+    bk_dprefetch *pf = static_cast<bk_dprefetch *>(arg);
+    bk_cuda_ctx *c = &pf->side;
+    const char *lb = "output factor B (ahead)";
+    double t = bk_now(), maxb = 0.0, mean = 0.0;
+    double *dX = NULL;
+    bk_status st = bk_cuda_status(cudaSetDevice(c->device), "the prefetch thread's device",
+                                  __FILE__, __LINE__);
+    if (st == BK_OK)
+        st = dcheck_finite(c, pf->B, pf->m, lb, &maxb);
+    if (st == BK_OK)
+        st = prepare_dmatrix(c, pf->B, pf->m, maxb, lb, 0, NULL, 0, NULL, &dX, &mean);
+    if (st == BK_OK) /* (dX consumed) */
+        st = bk_dside_from_dmatrix(c, &pf->sb, dX, pf->m, pf->mpad, mean, lb, &pf->ob,
+                                   pf->fp64_factor, pf->stats);
+    if (st == BK_OK) /* everything it enqueued is done when the thread is joined */
+        st = bk_cuda_status(cudaStreamSynchronize(c->stream), "the prefetch stream", __FILE__,
+                            __LINE__);
+    pf->st = st;
+    bk_prof_add("sd.factor_B_side", bk_now() - t);
+    return NULL;
+}
+
+/* The pf stream and its handles, made once, with the main handles' settings. */
+bk_status prefetch_init(bk_cuda_ctx *c)
+{
+    if (c->pf_stream && c->pf_blas && c->pf_solver && c->pf_ready)
+        return BK_OK;
+    int lo = 0, hi = 0;
+    if (!c->pf_stream) {
+        BK_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+        BK_CUDA_CHECK(cudaStreamCreateWithPriority(&c->pf_stream, cudaStreamNonBlocking, lo));
+    }
+    if (!c->pf_ready)
+        BK_CUDA_CHECK(cudaEventCreateWithFlags(&c->pf_ready, cudaEventDisableTiming));
+    /* a handle is kept only once it is bound to the pf stream with the main
+     * handle's settings (a half-set one would be taken as ready next time) */
+    if (!c->pf_blas) {
+        cublasHandle_t h = NULL;
+        BK_CUBLAS_CHECK(cublasCreate(&h));
+        cublasStatus_t cs = cublasSetStream(h, c->pf_stream);
+        if (cs == CUBLAS_STATUS_SUCCESS)
+            cs = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
+        if (cs != CUBLAS_STATUS_SUCCESS) {
+            cublasDestroy(h);
+            return bk_cublas_status(cs, "the prefetch's cuBLAS handle", __FILE__, __LINE__);
+        }
+        c->pf_blas = h;
+    }
+    if (!c->pf_solver) {
+        cusolverDnHandle_t h = NULL;
+        BK_CUSOLVER_CHECK(cusolverDnCreate(&h));
+        const cusolverStatus_t ss = cusolverDnSetStream(h, c->pf_stream);
+        if (ss != CUSOLVER_STATUS_SUCCESS) {
+            cusolverDnDestroy(h);
+            return bk_cusolver_status(ss, "the prefetch's cuSOLVER handle", __FILE__, __LINE__);
+        }
+        c->pf_solver = h;
+    }
+    return BK_OK;
+}
+
+/* Join pf's thread; 1 when its factor serves a solve of an [m, *] problem
+ * with output-side options ob (then moved into *out), else 0. pf is
+ * released either way. */
+int prefetch_take(bk_cuda_ctx *c, bk_dprefetch *pf, int64_t m, const bk_solve_opts *ob,
+                  int stats, bk_dside *out)
+{
+    pthread_join(pf->tid, NULL);
+    /* a thread that failed part way may have left work queued on the pf
+     * stream (kernels reading B, dX or its workspaces: it synchronizes only
+     * on success); everything it enqueued is finished before its buffers,
+     * and the aside B the caller frees after this, are released (not left
+     * to cudaFree's implicit synchronization) */
+    cudaStreamSynchronize(c->pf_stream);
+    cudaGetLastError();
+    const int ok = pf->st == BK_OK && pf->m == m &&
+                   memcmp(&pf->ob.damp, &ob->damp, sizeof ob->damp) == 0 &&
+                   pf->ob.max_damp_retries == ob->max_damp_retries &&
+                   pf->ob.precision == ob->precision && pf->stats == stats &&
+                   pf->fp64_factor == c->factor_fp64;
+    if (ok) {
+        *out = pf->sb;
+        memset(&pf->sb, 0, sizeof pf->sb);
+    }
+    bk_dside_free(c, &pf->sb);
+    bk_dev_defer_flush(c, &pf->defer);
+    c->pf_busy = 0;
+    free(pf);
+    return ok;
+}
+
+} // namespace
+
+bk_status bk_dprefetch_start(bk_cuda_ctx *c, const float *B, int64_t m, const bk_solve_opts *o,
+                             bk_dprefetch **out)
+{
+    *out = NULL;
+    if (!c || !B || !o || m <= 0)
+        return bk_error(BK_ERR_INVALID_ARG, "prefetch: bad arguments");
+    if (c->pf_busy)
+        return bk_error(BK_ERR_INTERNAL, "prefetch: one is in flight already");
+    bk_status st = prefetch_init(c);
+    if (st != BK_OK)
+        return st;
+    bk_dprefetch *pf = static_cast<bk_dprefetch *>(calloc(1, sizeof *pf));
+    if (!pf)
+        return bk_error(BK_ERR_NOMEM, "prefetch: out of memory");
+    pf->owner = c;
+    pf->side = *c;
+    pf->side.stream = c->pf_stream;
+    pf->side.cublas = c->pf_blas;
+    pf->side.cusolver = c->pf_solver;
+    pf->side.acct = c->acct ? c->acct : c;
+    pf->side.defer = &pf->defer;
+    pf->B = B;
+    pf->m = m;
+    pf->mpad = bk_round_up(m, BK_CUDA_PAD);
+    pf->ob = output_side_opts(o);
+    pf->stats = o->compute_stats != 0;
+    pf->fp64_factor = c->factor_fp64;
+    /* B is complete on the main stream before the pf stream reads it */
+    cudaError_t e = cudaEventRecord(c->pf_ready, c->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamWaitEvent(c->pf_stream, c->pf_ready, 0);
+    if (e != cudaSuccess) {
+        free(pf);
+        return bk_cuda_status(e, "prefetch: ordering its stream", __FILE__, __LINE__);
+    }
+    if (pthread_create(&pf->tid, NULL, prefetch_main, pf) != 0) {
+        free(pf);
+        return bk_error(BK_ERR_INTERNAL, "prefetch: cannot start its thread");
+    }
+    c->pf_busy = 1;
+    *out = pf;
+    return BK_OK;
+}
+
+void bk_dprefetch_drop(bk_cuda_ctx *c, bk_dprefetch *pf)
+{
+    if (!pf)
+        return;
+    bk_dside none;
+    memset(&none, 0, sizeof none);
+    prefetch_take(c, pf, -1, &pf->ob, pf->stats, &none);
+}
+
 namespace {
 
 /* Does the kept side serve this solve: the same A (by name, scale,
@@ -904,7 +1084,8 @@ int share_match(const bk_cuda_ctx *c, const bk_dshare *s, int64_t n, const bk_so
 /* bk_cuda_solve_dev; *Wdl: the host copy of p->dW it downloaded (p->W NULL
  * and dead columns), the caller frees it */
 bk_status solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk_solve_opts *o,
-                    bk_solve_result *r, float *d_weight, double *loss_gptq, float **Wdl)
+                    bk_solve_result *r, float *d_weight, double *loss_gptq, float **Wdl,
+                    bk_dprefetch **pre)
 {
     if (loss_gptq)
         *loss_gptq = NAN;
@@ -1055,13 +1236,23 @@ bk_status solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk_solve_o
     }
     bk_cuda_pmark(c->stream, &tp, "sd.factor_A");
     if (p->B) {
-        bk_solve_opts ob = *o; /* the output side may have its own damping */
-        if (o->separate_damp_b)
-            ob.damp = o->damp_b;
-        st = prepare_dmatrix(c, p->B, m, max_b, lb, 0, NULL, 0, NULL, &dX, &mean);
-        if (st == BK_OK)
-            st = bk_dside_from_dmatrix(c, &s.sb, dX, m, mpad, mean, lb, &ob, c->factor_fp64,
-                                       stats);
+        /* the output side may have its own damping */
+        const bk_solve_opts ob = output_side_opts(o);
+        /* factored ahead (the same steps on the same B with the same options
+         * on the pf stream): waited for and taken; else (none, or it failed:
+         * the same steps here, and their messages) factored now */
+        int ahead = 0;
+        if (*pre) {
+            ahead = prefetch_take(c, *pre, m, &ob, stats, &s.sb);
+            *pre = NULL;
+            bk_prof_add(ahead ? "sd.factor_B_ahead_used" : "sd.factor_B_ahead_redone", 0.0);
+        }
+        if (!ahead) {
+            st = prepare_dmatrix(c, p->B, m, max_b, lb, 0, NULL, 0, NULL, &dX, &mean);
+            if (st == BK_OK)
+                st = bk_dside_from_dmatrix(c, &s.sb, dX, m, mpad, mean, lb, &ob,
+                                           c->factor_fp64, stats);
+        }
         bk_cuda_pmark(c->stream, &tp, "sd.factor_B");
     } else {
         s.sb.identity = 1;
@@ -1078,7 +1269,9 @@ bk_status bk_cuda_solve_dev(bk_cuda_ctx *c, const bk_dsolve_problem *p, const bk
                             bk_solve_result *r, float *d_weight, double *loss_gptq)
 {
     float *Wdl = NULL;
-    bk_status st = solve_dev(c, p, o, r, d_weight, loss_gptq, &Wdl);
+    bk_dprefetch *pre = p ? p->pre : NULL;
+    bk_status st = solve_dev(c, p, o, r, d_weight, loss_gptq, &Wdl, &pre);
     free(Wdl);
+    bk_dprefetch_drop(c, pre); /* (not reached: an earlier exit, or no B) */
     return st;
 }

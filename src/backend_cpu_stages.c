@@ -318,6 +318,15 @@ static const char *cpu_describe(void *ctx)
     return ((const cpu_stages *)ctx)->note;
 }
 
+/* Nothing to start ahead: the host solve factors each side when it runs
+ * (bk_backend_solve), the oracle's order. */
+static void cpu_prepare_next(void *ctx, bk_module next, const bk_solve_opts *o)
+{
+    (void)ctx;
+    (void)next;
+    (void)o;
+}
+
 static const bk_stage_ops cpu_stage_ops = {
     .name = "cpu",
     .embed = cpu_embed,
@@ -335,6 +344,7 @@ static const bk_stage_ops cpu_stage_ops = {
     .share_weight = NULL, /* (no solve_dev) */
     .add_inputs = cpu_add_inputs,
     .bp_host_grads = 1,
+    .prepare_next = cpu_prepare_next,
 };
 
 /* The host buffers: the states of this rank's sequences (token calibration)

@@ -138,6 +138,18 @@ typedef struct bk_stage_ops {
      * (side->acc; the GPU flow then hands its Grams to the host), 0: device
      * Grams too. */
     int bp_host_grads;
+    /* Optional (NULL: nothing to do): module `next` is solved right after
+     * the module being solved now, from the same stage's sums (q -> k -> v,
+     * gate -> up). The driver calls it between the current module's factors
+     * and its solve, with the options next's solve will get (o: its output
+     * side's damping, precision, escalation, statistics). The stages may
+     * start on next's factors meanwhile (the CUDA stages factor next's
+     * output factor B on a stream and host thread of their own while the
+     * current module is solved) and use that work in next's solve, which
+     * must give the same results bit for bit as without the call. Advisory:
+     * it cannot fail; whatever goes wrong ahead is redone, and reported, by
+     * next's own factors and solve as without it. The CPU stages: nothing. */
+    void (*prepare_next)(void *ctx, bk_module next, const bk_solve_opts *o);
 } bk_stage_ops;
 
 /* What a backend's stages are created for. */

@@ -171,6 +171,23 @@ bk_status bk_ghess_factors(bk_ghess *a, const bk_glayer *orig, bk_module mod, co
 bk_status bk_ghess_factors_dev(bk_ghess *a, const bk_glayer *orig, bk_module mod,
                                const float **A, const float **B, const float **A_plain);
 
+/* Device factor buffers of their own (bk_ghess_factors_dev_aside), apart
+ * from the accumulator's one set. */
+typedef struct bk_ghess_aside {
+    float *A, *B, *P;
+    size_t A_n, B_n, P_n;
+} bk_ghess_aside;
+/* As bk_ghess_factors_dev, into x's buffers (grown on demand) instead of the
+ * accumulator's set, which stays as it is, and so does what
+ * bk_ghess_factor_key reports: the factors of a module ahead of its turn
+ * (the same kernels on the same state: the same bits as its own
+ * bk_ghess_factors_dev gives later). *B: x's B (NULL: identity); *gen: the
+ * accumulator's generation now. */
+bk_status bk_ghess_factors_dev_aside(bk_ghess *a, const bk_glayer *orig, bk_module mod,
+                                     bk_ghess_aside *x, const float **B, uint64_t *gen);
+/* x's buffers released (x stays usable). */
+void bk_ghess_aside_free(bk_ghess *a, bk_ghess_aside *x);
+
 /* What the last successful bk_ghess_factors / bk_ghess_factors_dev formed its
  * input factor A from: *src names the accumulated Gram (NULL when none was
  * formed), *scale its factor and *gen the accumulator's generation then (a

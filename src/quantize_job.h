@@ -186,11 +186,13 @@ typedef struct bk_q_solved {
     double loss_gptq;
     int alg, two_sided;
 } bk_q_solved;
-bk_status bk__q_solve_compute(job *j, int layer, bk_module mod, const bk_layer_weights *orig,
-                              bk_q_solved *sv);
+/* next: the module solved right after mod from the same sums (-1: none);
+ * the stages' prepare_next hears of it between mod's factors and its solve. */
+bk_status bk__q_solve_compute(job *j, int layer, bk_module mod, int next,
+                              const bk_layer_weights *orig, bk_q_solved *sv);
 bk_status bk__q_solve_apply(job *j, int layer, bk_module mod, bk_layer_weights *lw,
                             bk_q_solved *sv);
-bk_status bk__q_solve_module(job *j, int layer, bk_module mod, bk_layer_weights *lw,
+bk_status bk__q_solve_module(job *j, int layer, bk_module mod, int next, bk_layer_weights *lw,
                              const bk_layer_weights *orig);
 
 /* src/quantize_layers.c */

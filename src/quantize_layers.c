@@ -247,7 +247,8 @@ static bk_status layer_acts(job *j, int l, const bk_layer_weights *origp)
     if (st != BK_OK)
         goto done;
     for (int m = 0; m < BK_MOD_COUNT && st == BK_OK; m++)
-        st = bk__q_solve_module(j, l, (bk_module)m, &lw, &orig);
+        st = bk__q_solve_module(j, l, (bk_module)m, m + 1 < BK_MOD_COUNT ? m + 1 : -1, &lw,
+                                &orig);
 done:
     j->ops->layer_end(j->ops_ctx);
     bk__act_layer_close(&al);

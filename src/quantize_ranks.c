@@ -350,15 +350,17 @@ static bk_status share_solved(job *j, bk_module mod, int owner, bk_q_solved *sv)
 }
 
 /* Solve modules m0..m1 of a layer (independent: one stage's sums). One
- * process: in order. Ranks: module m is solved by rank m % ranks, then every
- * result is broadcast and applied on every rank in module order. */
+ * process: in order, each module's solve told the next one (prepare_next).
+ * Ranks: module m is solved by rank m % ranks, then every result is
+ * broadcast and applied on every rank in module order (no prepare_next: a
+ * rank's next module is another stage's). */
 bk_status bk__q_solve_group(job *j, int l, int m0, int m1, bk_layer_weights *lw,
                              const bk_layer_weights *orig)
 {
     bk_status st = BK_OK;
     if (j->nranks <= 1) {
         for (int m = m0; m <= m1 && st == BK_OK; m++)
-            st = bk__q_solve_module(j, l, (bk_module)m, lw, orig);
+            st = bk__q_solve_module(j, l, (bk_module)m, m < m1 ? m + 1 : -1, lw, orig);
         return st;
     }
     bk_q_solved sv[BK_MOD_COUNT];
@@ -366,7 +368,7 @@ bk_status bk__q_solve_group(job *j, int l, int m0, int m1, bk_layer_weights *lw,
     double t = bk_now();
     for (int m = m0; m <= m1 && st == BK_OK; m++)
         if (m % j->nranks == j->rank)
-            st = bk__q_solve_compute(j, l, (bk_module)m, orig, &sv[m]);
+            st = bk__q_solve_compute(j, l, (bk_module)m, -1, orig, &sv[m]);
     bk_prof_add("dist.solve_own", bk_now() - t);
     st = bk__q_sync(j, st);
     t = bk_now();

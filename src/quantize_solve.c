@@ -11,8 +11,22 @@
 
 /* ------------------------------------------------------------------ solving */
 
-bk_status bk__q_solve_compute(job *j, int layer, bk_module mod, const bk_layer_weights *orig,
-                               bk_q_solved *sv)
+/* The options of module mod's solve (two_sided: it has an output factor B). */
+static void solve_opts(const job *j, bk_module mod, int two_sided, bk_solve_opts *so)
+{
+    *so = j->o->solve;
+    if (j->o->damp_b_attn >= 0.0 && mod <= BK_MOD_V) {
+        so->separate_damp_b = 1;
+        so->damp_b = j->o->damp_b_attn;
+    }
+    if (j->o->hessian == BK_HESS_RTN)
+        so->algorithm = BK_ALG_RTN;
+    else if (!two_sided)
+        so->algorithm = BK_ALG_GPTQ; /* B = I: GPTQ gives the same codes, faster */
+}
+
+bk_status bk__q_solve_compute(job *j, int layer, bk_module mod, int next,
+                               const bk_layer_weights *orig, bk_q_solved *sv)
 {
     const char *A = NULL, *B = NULL;
     const float *fa = NULL, *fb = NULL, *fa_gptq = NULL;
@@ -34,15 +48,18 @@ bk_status bk__q_solve_compute(job *j, int layer, bk_module mod, const bk_layer_w
     (void)A;
     (void)B;
 
-    bk_solve_opts so = j->o->solve;
-    if (j->o->damp_b_attn >= 0.0 && mod <= BK_MOD_V) {
-        so.separate_damp_b = 1;
-        so.damp_b = j->o->damp_b_attn;
+    bk_solve_opts so;
+    solve_opts(j, mod, fb != NULL, &so);
+    /* the next module of this stage's sums: the stages may start on its
+     * factors while this one is solved (the options as its solve will get
+     * them, with an output factor; rtn has none to start on) */
+    if (next >= 0 && j->ops->prepare_next && j->o->hessian != BK_HESS_RTN) {
+        bk_solve_opts on;
+        solve_opts(j, (bk_module)next, 1, &on);
+        t = bk_now();
+        j->ops->prepare_next(j->ops_ctx, (bk_module)next, &on);
+        bk_prof_add("pipe.prepare_next", bk_now() - t);
     }
-    if (j->o->hessian == BK_HESS_RTN)
-        so.algorithm = BK_ALG_RTN;
-    else if (!fb)
-        so.algorithm = BK_ALG_GPTQ; /* B = I: GPTQ gives the same codes, faster */
     char la[300], lb[300];
     snprintf(la, sizeof la, "%s (input factor A)", label);
     snprintf(lb, sizeof lb, "%s (output factor B)", label);
@@ -159,12 +176,12 @@ bk_status bk__q_solve_apply(job *j, int layer, bk_module mod, bk_layer_weights *
     return BK_OK;
 }
 
-bk_status bk__q_solve_module(job *j, int layer, bk_module mod, bk_layer_weights *lw,
+bk_status bk__q_solve_module(job *j, int layer, bk_module mod, int next, bk_layer_weights *lw,
                               const bk_layer_weights *orig)
 {
     bk_q_solved sv;
     memset(&sv, 0, sizeof sv);
-    bk_status st = bk__q_solve_compute(j, layer, mod, orig, &sv);
+    bk_status st = bk__q_solve_compute(j, layer, mod, next, orig, &sv);
     if (st == BK_OK)
         st = bk__q_solve_apply(j, layer, mod, lw, &sv);
     bk_solve_result_free(&sv.r);

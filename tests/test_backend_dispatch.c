@@ -10,6 +10,8 @@
  *   - succeeds: its own stages, no fallback;
  * and p->cpu = 1 or a NULL backend never reach the fake. The CPU stages
  * created directly describe themselves as "" (report.json unchanged).
+ * The CPU stages' prepare_next (the next module's heads-up) does nothing:
+ * the factors after it are those before it, bit for bit.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,6 +67,20 @@ static float *factor_q(const bk_stage_ops *ops, void *ctx, const bk_model *m,
     if (!out || !A)
         exit(1);
     memcpy(out, A, sizeof(float) * (size_t)(n * n));
+    /* the CPU stages hear of the next module (bk_stage_ops.prepare_next, as
+     * the driver calls it between q's factors and q's solve) and do nothing:
+     * the factors stay as they were, bit for bit */
+    CHECK(ops->prepare_next != NULL, "the %s stages have no prepare_next", ops->name);
+    if (ops->prepare_next) {
+        bk_solve_opts so;
+        bk_solve_opts_default(&so);
+        ops->prepare_next(ctx, BK_MOD_K, &so);
+        const float *A2 = NULL, *B2 = NULL, *P2 = NULL;
+        OK(ops->factors(ctx, BK_MOD_Q, &A2, &B2, &P2));
+        CHECK(A2 && memcmp(A2, out, sizeof(float) * (size_t)(n * n)) == 0,
+              "prepare_next: q_proj's A changed on the %s stages", ops->name);
+        CHECK(bk_last_error()[0] == 0, "prepare_next: an error was set: %s", bk_last_error());
+    }
     ops->layer_end(ctx);
     return out;
 }

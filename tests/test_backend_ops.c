@@ -257,6 +257,8 @@ typedef struct stage_worst {
     double A, B, P, sums, loss;
     int64_t code_diff, codes;
     int nB, nsums, sums_layout, loss_n;
+    int ahead_n;            /* solves whose B the GPU stages factored ahead (prepare_next) */
+    int64_t ahead_diff;     /* their codes that differ from the same solve without it */
 } stage_worst;
 
 /* The running sums handed out by a stages' sums (host copies). */
@@ -366,9 +368,14 @@ static double max_of(double a, double b)
 /* One module: the factors of both stages compared, the GPU's device solve
  * against the CPU solve of the GPU stages' factors, and the CPU's quantized
  * weight handed to both stages (the CPU stages read it from lw). */
+/* next: the module solved after mod from the same sums (-1: none): the GPU
+ * stages hear of it between mod's factors and its solve (prepare_next), as
+ * the driver does; ahead: mod was the next of the previous call, so its
+ * solve may take a B factored ahead: it is solved a second time without
+ * (nothing prepared), and the two must agree bit for bit. */
 static void stage_module(bk_backend *cpu, const bk_stage_ops *oc, void *xc,
                          const bk_stage_ops *og, void *xg, const bk_model_config *c,
-                         const stage_case *sc, int layer, bk_module mod,
+                         const stage_case *sc, int layer, bk_module mod, int next, int ahead,
                          const bk_layer_weights *orig, bk_layer_weights *lw, stage_worst *w)
 {
     int64_t mo, ni;
@@ -414,11 +421,39 @@ static void stage_module(bk_backend *cpu, const bk_stage_ops *oc, void *xc,
     OK(bk_backend_solve(cpu, &p, &so, &rc));
     const float *dA, *dB, *dP;
     OK(og->factors_dev(xg, mod, &dA, &dB, &dP));
+    if (next >= 0 && og->prepare_next) {
+        bk_solve_opts on;
+        bk_solve_opts_default(&on);
+        on.precision = so.precision;
+        og->prepare_next(xg, (bk_module)next, &on);
+    }
     bk_solve_problem pd = p;
     pd.A = dA;
     pd.B = dB;
     double loss = NAN;
     OK(og->solve_dev(xg, mod, &pd, dP, &so, &rg, &loss));
+    if (ahead && Bg && og->prepare_next) {
+        /* the same solve with B factored in it (nothing prepared now) */
+        bk_solve_result r2;
+        double loss2 = NAN;
+        OK(og->factors_dev(xg, mod, &dA, &dB, &dP));
+        pd.A = dA;
+        pd.B = dB;
+        OK(og->solve_dev(xg, mod, &pd, dP, &so, &r2, &loss2));
+        int64_t d2 = 0;
+        for (int64_t t = 0; t < mo * ni; t++)
+            d2 += rg.codes[t] != r2.codes[t];
+        const int same_side = memcmp(&rg.damp_b, &r2.damp_b, sizeof rg.damp_b) == 0 &&
+                              rg.damp_retries == r2.damp_retries &&
+                              memcmp(&loss, &loss2, sizeof loss) == 0;
+        CHECK(d2 == 0 && same_side, "stages %s layer %d %s: the solve with B factored ahead "
+              "differs from the one without: %lld codes, damp_b %.17g / %.17g, retries %d / "
+              "%d, loss_gptq %.17g / %.17g", sc->name, layer, mn, (long long)d2, rg.damp_b,
+              r2.damp_b, rg.damp_retries, r2.damp_retries, loss, loss2);
+        w->ahead_n++;
+        w->ahead_diff += d2 + !same_side;
+        bk_solve_result_free(&r2);
+    }
     int64_t diff = 0;
     for (int64_t t = 0; t < mo * ni; t++)
         diff += rc.codes[t] != rg.codes[t];
@@ -592,7 +627,8 @@ static void stage_case_run(const stage_case *sc, const bk_model *m, const int32_
             if (sums)
                 compare_sums(oc, xc, og, xg, (1u << BK_MOD_COUNT) - 1, c, sc, l, &w);
             for (int mod = 0; mod < BK_MOD_COUNT; mod++)
-                stage_module(cb, oc, xc, og, xg, c, sc, l, (bk_module)mod, &orig, &lw, &w);
+                stage_module(cb, oc, xc, og, xg, c, sc, l, (bk_module)mod,
+                             mod + 1 < BK_MOD_COUNT ? mod + 1 : -1, mod > 0, &orig, &lw, &w);
         } else {
             for (size_t k = 0; k < sizeof seq / sizeof seq[0]; k++) {
                 stage_run_both(oc, xc, og, xg, seq[k].stage, S, bc);
@@ -602,7 +638,9 @@ static void stage_case_run(const stage_case *sc, const bk_model *m, const int32_
                 if (sums)
                     compare_sums(oc, xc, og, xg, mask, c, sc, l, &w);
                 for (int mod = (int)seq[k].lo; mod <= (int)seq[k].hi; mod++)
-                    stage_module(cb, oc, xc, og, xg, c, sc, l, (bk_module)mod, &orig, &lw, &w);
+                    stage_module(cb, oc, xc, og, xg, c, sc, l, (bk_module)mod,
+                                 mod < (int)seq[k].hi ? mod + 1 : -1, mod > (int)seq[k].lo,
+                                 &orig, &lw, &w);
             }
             stage_run_both(oc, xc, og, xg, BK_STAGE_OUT, S, bc);
         }
@@ -635,6 +673,9 @@ static void stage_case_run(const stage_case *sc, const bk_model *m, const int32_
            sc->solve_fp32 ? TOL_CODES_FP32 : TOL_CODES_FP64,
            (double)w.code_diff <= (sc->solve_fp32 ? TOL_CODES_FP32 : TOL_CODES_FP64) *
                    (double)w.codes ? "ok" : "FAILED");
+    printf("stages %s prepare_next: %d solves with B factored ahead, %lld differences from "
+           "the solve without it (bit for bit) %s\n", sc->name, w.ahead_n,
+           (long long)w.ahead_diff, w.ahead_diff == 0 ? "ok" : "FAILED");
     printf("stages %s solve_dev loss_gptq: max rel %.3g over %d modules (TOL_LOSS_GPTQ %g) %s\n",
            sc->name, w.loss, w.loss_n, TOL_LOSS_GPTQ, w.loss <= TOL_LOSS_GPTQ ? "ok" : "FAILED");
     for (int k = 0; k < 2 && bpk; k++) {

@@ -302,6 +302,29 @@ assert e["event"] == "interrupted" and e["code"] == "INTERRUPTED" and isinstance
     "$tmp/out" || fail "no interrupted event: $(tail -2 "$tmp/out")"
 no_output_folder "$tmp/o12"
 
+# ------------------------------- 5b. the stages hear of the next module
+# The driver tells the stages which module is solved next from the same sums
+# (bk_stage_ops.prepare_next, between a module's factors and its solve):
+# q -> k, k -> v, gate -> up per layer (sequential), every module but down
+# with --no-sequential. The CPU stages do nothing with it; the profile
+# counts the calls (4 layers).
+label="prepare_next: called for q->k, k->v, gate->up"
+BK_PROFILE=1 "$BK_BAKRON" quantize "$M" --calib "$CAL" --samples 4 --seqlen 64 \
+    --hessian mlplocal-kfac --backend cpu --out "$tmp/pn1" >"$tmp/out" 2>"$tmp/err"
+rc=$?
+checks=$((checks + 1))
+expect_rc 0
+n=$(awk '$1 == "profile" && $2 == "pipe.prepare_next" {print $4}' "$tmp/err")
+[ "${n:-0}" = 12 ] || fail "pipe.prepare_next count '${n:-none}', expected 12 (3 per layer)"
+label="prepare_next: --no-sequential, every module but the last"
+BK_PROFILE=1 "$BK_BAKRON" quantize "$M" --calib "$CAL" --samples 4 --seqlen 64 \
+    --hessian mlplocal-kfac --backend cpu --no-sequential --out "$tmp/pn2" >"$tmp/out" 2>"$tmp/err"
+rc=$?
+checks=$((checks + 1))
+expect_rc 0
+n=$(awk '$1 == "profile" && $2 == "pipe.prepare_next" {print $4}' "$tmp/err")
+[ "${n:-0}" = 24 ] || fail "pipe.prepare_next count '${n:-none}', expected 24 (6 per layer)"
+
 # ------------------------------- 6. every export is readable back
 label="eval and inspect read native, dequantized and gptq exports"
 for e in native dequantized gptq; do
