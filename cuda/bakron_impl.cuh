@@ -395,28 +395,23 @@ template <typename R, int T, int WC_, int V = 0> struct Solve3Cfg {
  * bk_round_bf). The loads are batched: every global load of a batch is
  * issued before its shared stores, so their latencies overlap.
  *
- * V (c->solve_chain, only with WC = 16; session 14, branch chain): the
- * schedule and layout of the step chain, never its arithmetic (every X and Y
- * gets the same terms in the same order, so the codes are the same bit for
- * bit):
- *   0  (default) as described above;
- *   1  conflict-free factor layouts (Solve3Cfg): the 2 x 16 factor loads of a
- *      step take 32 shared wavefronts per warp instead of 64 (fp32);
- *   2  1, and the factors of step k + 1 are loaded before the barrier of step
- *      k (one step ahead, 2 x WC more registers): after a barrier only the
- *      1 + WC loads of the new E and R values remain;
- *   3  1, and the critical slot first (session 18): after the barrier of step
- *      k a lane first adds step k's terms to the one slot whose entry is
- *      active at step k + 1, rounds that entry and publishes its E and R
- *      (the other buffer), and only then adds step k's terms to its other
- *      WC - 1 slots; one barrier per step as before. The rounding of step
- *      k + 1 no longer waits behind the WC - 1 other slots' loads and FMAs;
- *   4  3 with the rounding straight-line (computed by every lane, the stores
- *      predicated), so that the compiler may interleave the rounding chain
- *      with the other slots' loads and FMAs.
- * Each register gets the same terms in the same order in every V (the
- * critical slot's step-k term is added before its step-k+1 rounding, the
- * others' before their own), so the codes are the same bit for bit. */
+ * V (c->solve_chain, only with WC = 16): the layout and schedule of the step
+ * chain, never its arithmetic:
+ *   0  as described above (the session-14 default; also every WC = 8 solve);
+ *   1  (default since session 19) conflict-free factor layouts (Solve3Cfg,
+ *      session 14: the 2 x 16 factor loads of a step take 32 shared wavefronts
+ *      per warp instead of 64 in fp32) and the critical slot first (session
+ *      18): after the barrier of step k a lane first adds step k's terms to
+ *      the one slot whose entry is active at step k + 1, rounds that entry and
+ *      publishes its E and R (the other buffer), and only then adds step k's
+ *      terms to its other WC - 1 slots; one barrier per step as in 0. The
+ *      rounding of step k + 1 no longer waits behind the other slots' loads
+ *      and FMAs (H200, session 19: 5% off 8192^2, 3% off 4096^2).
+ * Each register gets the same terms in the same order in both (the critical
+ * slot's step-k term is added before its step-k+1 rounding, the others'
+ * before their own), so the codes are the same bit for bit. (Removed in
+ * session 19 after their measurements: the factors a step ahead, and a
+ * straight-line rounding in the critical-slot schedule; both slower.) */
 template <typename R, int T, int WC_, int KIND, int V = 0>
 __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
     k_tile_solve3(TileArgs<R> a, int K, int i_lo)
@@ -506,7 +501,7 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
     const R *lbrow = LBs + C::lb_row(p) + T; /* L_B[p, i] at lbrow[i] */
     /* the factors of step k: la[s] = L_A[q_s, k - p] (where that is a real
      * term), lb[s] = L_B[p, k - q_s] (zero padding elsewhere) */
-    [[maybe_unused]] auto load_factors = [&](int k, R(&fa)[WC], R(&fb)[WC]) {
+    auto load_factors = [&](int k, R(&fa)[WC], R(&fb)[WC]) {
         const int j = k - p;
         if (j >= 0 && j < T - 1) {
 #pragma unroll
@@ -520,37 +515,34 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
                 fb[s] = lbr[-qs[s]];
         }
     };
-    if constexpr (V >= 3) {
-        /* the active entry (p, k - p) of step k, in slot u, into the buffers
-         * Er / Rc of step k (V = 3: a branch around it, as above; V = 4:
-         * straight-line, only the stores and the update predicated) */
-        auto active = [&](int k, int u, R *Er, R *Rc) {
-            const int q = k - p;
-            const bool on = q >= qlo && q < qlo + WC;
-            if (V == 3 && !on)
-                return;
-            const R wt = y[u] + x[u];
-            int ci = 0, fl = 0;
-            R v = bk_round_bf<KIND, R>(wt, sc[u], zc[u], R(a.q.qmin), R(a.q.qmax), &ci, &fl);
-            const bool real = on && rowin && c0 + q < a.n;
-            if (real) {
-                cnt[0] += fl & 1;
-                cnt[1] += (fl >> 1) & 1;
-                cnt[2] += (fl >> 2) & 1;
-            }
-            v = real ? v : R(0);
-            const int16_t code = real ? (int16_t)ci : (int16_t)0;
-            const R e = real ? v - wt : R(0);
-            if (on) {
-                x[u] += e;
-                Er[p] = e;
-                Rc[q] = x[u];
-                Es[p * T + q] = e;
-                Rt[q * T + p] = x[u];
-                Ws[p * T + q] = (float)v;
-                Cs[p * T + q] = code;
-            }
-        };
+    /* the active entry (p, k - p) of step k, in slot u (when this lane's
+     * columns hold it): rounded, its error and R value into the buffers Er /
+     * Rc of step k and the tile */
+    auto active = [&](int k, int u, R *Er, R *Rc) {
+        const int q = k - p;
+        if (q < qlo || q >= qlo + WC)
+            return;
+        const R wt = y[u] + x[u];
+        int ci = 0, fl = 0;
+        R v = bk_round_bf<KIND, R>(wt, sc[u], zc[u], R(a.q.qmin), R(a.q.qmax), &ci, &fl);
+        const bool real = rowin && c0 + q < a.n;
+        if (real) {
+            cnt[0] += fl & 1;
+            cnt[1] += (fl >> 1) & 1;
+            cnt[2] += (fl >> 2) & 1;
+        }
+        v = real ? v : R(0);
+        const int16_t code = real ? (int16_t)ci : (int16_t)0;
+        const R e = real ? v - wt : R(0);
+        x[u] += e;
+        Er[p] = e;
+        Rc[q] = x[u];
+        Es[p * T + q] = e;    /* stride T-1 along the lanes: no conflicts */
+        Rt[q * T + p] = x[u]; /* stride 1-T */
+        Ws[p * T + q] = (float)v;
+        Cs[p * T + q] = code;
+    };
+    if constexpr (V == 1) {
         active(0, 0, Erow, Rcol);
         __syncthreads();
         for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
@@ -590,75 +582,37 @@ __global__ void __launch_bounds__(Solve3Cfg<R, T, WC_, V>::NW * 32)
             }
         }
     } else {
-    [[maybe_unused]] R la[WC], lb[WC]; /* V >= 2: the current step's, loaded during the previous one */
-    if constexpr (V >= 2)
-        load_factors(0, la, lb);
-    for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
+        for (int k0 = 0; k0 < 2 * T - 1; k0 += WC) {
 #pragma unroll
-        for (int u = 0; u < WC; u++) {
-            const int k = k0 + u;
-            if (k >= 2 * T - 1)
-                break;
-            R *Er = Erow + (u & 1) * T;
-            R *Rc = Rcol + (u & 1) * T;
-            const int jj = k - p;
-            const bool xon = jj >= 0 && jj < T - 1;
-            /* factors of this step, loaded ahead of the barrier (V >= 2: a
-             * step earlier, in la / lb) */
-            R lac[WC], lbc[WC];
-            if constexpr (V < 2)
-                load_factors(k, lac, lbc);
-            R(&laU)[WC] = V >= 2 ? la : lac;
-            R(&lbU)[WC] = V >= 2 ? lb : lbc;
-            /* A. the active entry (p, k - p) sits in slot u */
-            const int q = jj;
-            if (q >= qlo && q < qlo + WC) {
-                const R wt = y[u] + x[u];
-                int ci = 0, fl = 0;
-                R v = bk_round_bf<KIND, R>(wt, sc[u], zc[u], R(a.q.qmin), R(a.q.qmax), &ci, &fl);
-                const bool real = rowin && c0 + q < a.n;
-                if (real) {
-                    cnt[0] += fl & 1;
-                    cnt[1] += (fl >> 1) & 1;
-                    cnt[2] += (fl >> 2) & 1;
+            for (int u = 0; u < WC; u++) {
+                const int k = k0 + u;
+                if (k >= 2 * T - 1)
+                    break;
+                R *Er = Erow + (u & 1) * T;
+                R *Rc = Rcol + (u & 1) * T;
+                const int jj = k - p;
+                const bool xon = jj >= 0 && jj < T - 1;
+                /* factors of this step, loaded ahead of the barrier */
+                R la[WC], lb[WC];
+                load_factors(k, la, lb);
+                /* A. the active entry (p, k - p) sits in slot u */
+                active(k, u, Er, Rc);
+                __syncthreads();
+                /* B. X[p,q] += E[p,k-p] L_A[q,k-p], Y[p,q] += L_B[p,k-q] R[k-q,q] */
+                if (xon) {
+                    const R er = Er[p];
+#pragma unroll
+                    for (int s = 0; s < WC; s++)
+                        x[s] += er * la[s];
                 }
-                v = real ? v : R(0);
-                const int16_t code = real ? (int16_t)ci : (int16_t)0;
-                const R e = real ? v - wt : R(0);
-                x[u] += e;
-                Er[p] = e;
-                Rc[q] = x[u];
-                Es[p * T + q] = e;    /* stride T-1 along the lanes: no conflicts */
-                Rt[q * T + p] = x[u]; /* stride 1-T */
-                Ws[p * T + q] = (float)v;
-                Cs[p * T + q] = code;
-            }
-            [[maybe_unused]] R la2[WC], lb2[WC];
-            if constexpr (V >= 2) /* the next step's factors (k + 1 <= 2T - 1: inside the padding) */
-                load_factors(k + 1, la2, lb2);
-            __syncthreads();
-            /* B. X[p,q] += E[p,k-p] L_A[q,k-p], Y[p,q] += L_B[p,k-q] R[k-q,q] */
-            if (xon) {
-                const R er = Er[p];
+                if (hasb) {
 #pragma unroll
-                for (int s = 0; s < WC; s++)
-                    x[s] += er * laU[s];
-            }
-            if (hasb) {
-#pragma unroll
-                for (int s = 0; s < WC; s++)
-                    y[s] += lbU[s] * Rc[qs[s]];
-            }
-            if constexpr (V >= 2) {
-#pragma unroll
-                for (int s = 0; s < WC; s++) {
-                    la[s] = la2[s];
-                    lb[s] = lb2[s];
+                    for (int s = 0; s < WC; s++)
+                        y[s] += lb[s] * Rc[qs[s]];
                 }
             }
         }
     }
-    } /* V < 3 */
     __syncthreads();
     /* coalesced tile stores: E over the W tile, R^ transposed over the Rp
      * tile (what the pushes read), codes and weights inside the matrix */
@@ -958,12 +912,6 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
     BK_CUDA_CHECK((mma_attrs<R, T>()));
     if (c->solve_wc == 16 && c->solve_chain == 1)
         BK_CUDA_CHECK((solve3_attrs<R, T, 16, 1>()));
-    else if (c->solve_wc == 16 && c->solve_chain == 2)
-        BK_CUDA_CHECK((solve3_attrs<R, T, 16, 2>()));
-    else if (c->solve_wc == 16 && c->solve_chain == 3)
-        BK_CUDA_CHECK((solve3_attrs<R, T, 16, 3>()));
-    else if (c->solve_wc == 16 && c->solve_chain == 4)
-        BK_CUDA_CHECK((solve3_attrs<R, T, 16, 4>()));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
     const int G = c->push_group > 0 ? c->push_group : 0;
     const int never = MT + NT + 1; /* eager: no flush, every target is near */
@@ -1016,12 +964,6 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
         const int ntiles = i_hi - i_lo + 1;
         if (c->solve_wc == 16 && c->solve_chain == 1)
             launch_solve3<R, T, 16, 1>(ta, K, i_lo, ntiles, c->stream);
-        else if (c->solve_wc == 16 && c->solve_chain == 2)
-            launch_solve3<R, T, 16, 2>(ta, K, i_lo, ntiles, c->stream);
-        else if (c->solve_wc == 16 && c->solve_chain == 3)
-            launch_solve3<R, T, 16, 3>(ta, K, i_lo, ntiles, c->stream);
-        else if (c->solve_wc == 16 && c->solve_chain == 4)
-            launch_solve3<R, T, 16, 4>(ta, K, i_lo, ntiles, c->stream);
         else if (c->solve_wc == 16)
             launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);
         else

@@ -50,10 +50,9 @@ typedef struct bk_cuda_ctx {
                              (default 2) */
     int push_mma;         /* BaKron fp32: pushes on tensor cores (3xTF32): 0 none,
                              1 the far pushes (default), 2 every push */
-    int solve_chain;      /* BaKron tile solve (solve_wc 16 only): 0, 1
-                             conflict-free factor layouts (default), 2 also the factors a step
-                             ahead, 3 the critical slot first, 4 3 straight-line
-                             (k_tile_solve3's V; same codes bit for bit) */
+    int solve_chain;      /* BaKron tile solve (solve_wc 16 only): 0 the session-14
+                             chain, 1 conflict-free factor layouts and the critical slot first
+                             (default; k_tile_solve3's V; same codes bit for bit) */
     /* BaKron: the side stream confined to an SM partition (partition.cu) */
     int partition;        /* SMs kept free of it: -1 auto (default), 0 never, N */
     void *green;          /* CUgreenCtx of the partition, or NULL */
