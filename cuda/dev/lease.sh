@@ -4,7 +4,7 @@
 # the reasons and the decision rules; update this file with that plan).
 #
 #   here:        bash cuda/dev/lease.sh carry CALL     prints the carry list of CALL
-#   on the GPU:  bash cuda/dev/lease.sh CALL           (repository root; run the
+#   on the GPU:  BK_TREE=<commit> bash cuda/dev/lease.sh CALL   (repository root; run the
 #                calls back to back on one warm machine: it goes back 30 s after
 #                a call and a new one starts bare)
 #
@@ -51,7 +51,10 @@ step() { # step NAME SECONDS COMMAND...: the command with a time-out, logged
 }
 source scripts/device-env.sh >/dev/null 2>&1
 scripts/xfer.sh take 2>/dev/null | tail -1
-C=$(git rev-parse --short HEAD)
+# the device's copy of .git is the session's first snapshot: its HEAD is not the tree that
+# runs (session 19: every call said 4553b9a while the tree was e740440); name the tree in
+# the call's command, BK_TREE=$(git rev-parse --short HEAD) typed in here
+C=${BK_TREE:-"$(git rev-parse --short HEAD) (the device's HEAD, maybe stale)"}
 echo "call $call at $C, $(date -u)" >>"$W/steps.txt"
 
 # a SmolLM2 protocol at 256 x 2048 for the rest of the call: protocol NAME OUTDIR
@@ -80,22 +83,22 @@ keep_jsons() { # the protocols' JSONs and summaries into the tar
 }
 
 case "$call" in
-1)  # build, the whole cuda suite, the chain variants (solve_chain 3 / 4); facov built for call 2
+1)  # build, the whole cuda suite, the tile solve's chain (default = session 19's critical slot
+    # first, against the session-14 chain), then the 8B pipeline with what time is left
     BK_COMMIT=$C BK_GPU_STAGES=build BK_GPU_TARGETS=all step build 150 scripts/gpu_run.sh "$W/g"
     BK_COMMIT=$C BK_GPU_STAGES=test BK_T_TEST=300 step test 320 scripts/gpu_run.sh "$W/g2"
     cp build-gpu/meson-logs/testlog.txt "$W/" 2>/dev/null
     B=build-gpu/tests/bk-cuda-dev
     step chain-validate 100 "$B" validate --chain
     step chain-bench 90 "$B" bench 1024x1024,2048x2048,4096x4096,8192x2048,2048x8192,8192x8192 \
-        --algs bakron,gptq --reps 5 --variants \
-        --only bakron,gptq,bakron-chainC,bakron-chainD,bakron-T32-mma1-chainA,bakron-T32-chainC
-    # the branches (the device has main's history only); what the build does not finish here, call 2 finishes
-    git fetch -q tmp/branches.bundle facov:facov shfloor:shfloor fsamples:fsamples &&
-        git worktree add -f /tmp/facov facov >"$W/wt.log" 2>&1
-    step facov-build 150 bash -c 'cd /tmp/facov && meson setup b -Dcuda=enabled -Dbuildtype=release && ninja -C b'
+        --algs bakron,gptq --reps 5 --variants --only bakron,gptq,bakron-chain0,bakron-T32-mma1
     tail -8 "$W/g2/summary.txt" 2>/dev/null
     grep -E "FAIL|validate:" "$W/chain-validate.log" | head -5
-    grep -E "^(8192x2048|1024x1024|8192x8192) " "$W/chain-bench.log" | head -20
+    grep -E "^(8192x2048|4096x4096|8192x8192) " "$W/chain-bench.log" | head -20
+    if [ "$(left)" -gt 200 ]; then
+        BK_BAKRON=build-gpu/bakron step pipeline $(($(left) - 10)) scripts/gpu_pipeline_bench.sh 8b "$W/pb" mlplocal-kfac
+        tail -5 "$W/pipeline.log"
+    fi
     ;;
 2)  # facov's tests and A/B; the tile solve's stall reasons
     step facov-build2 150 bash -c 'cd /tmp/facov && ninja -C b'
