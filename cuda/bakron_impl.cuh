@@ -395,9 +395,9 @@ template <typename R, int T, int WC_, int V = 0> struct Solve3Cfg {
  * bk_round_bf). The loads are batched: every global load of a batch is
  * issued before its shared stores, so their latencies overlap.
  *
- * V (c->solve_chain, only with WC = 16): the layout and schedule of the step
- * chain, never its arithmetic:
- *   0  as described above (the session-14 default; also every WC = 8 solve);
+ * V (c->solve_chain): the layout and schedule of the step chain, never its
+ * arithmetic:
+ *   0  as described above (the session-14 default);
  *   1  (default since session 19) conflict-free factor layouts (Solve3Cfg,
  *      session 14: the 2 x 16 factor loads of a step take 32 shared wavefronts
  *      per warp instead of 64 in fp32) and the critical slot first (session
@@ -409,7 +409,10 @@ template <typename R, int T, int WC_, int V = 0> struct Solve3Cfg {
  *      and FMAs (H200, session 19: 5% off 8192^2, 3% off 4096^2).
  * Each register gets the same terms in the same order in both (the critical
  * slot's step-k term is added before its step-k+1 rounding, the others'
- * before their own), so the codes are the same bit for bit. (Removed in
+ * before their own), so the codes are the same bit for bit. With WC = 8 (16
+ * warps a 64-tile: twice the warps to hide the step's dependent chain, which
+ * the session-19 stall profile of WC = 16 points at) V = 1 is a dev variant,
+ * not yet measured; the layout was made conflict-free for WC = 16. (Removed in
  * session 19 after their measurements: the factors a step ahead, and a
  * straight-line rounding in the critical-slot schedule; both slower.) */
 template <typename R, int T, int WC_, int KIND, int V = 0>
@@ -912,6 +915,8 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
     BK_CUDA_CHECK((mma_attrs<R, T>()));
     if (c->solve_wc == 16 && c->solve_chain == 1)
         BK_CUDA_CHECK((solve3_attrs<R, T, 16, 1>()));
+    else if (c->solve_chain == 1)
+        BK_CUDA_CHECK((solve3_attrs<R, T, 8, 1>()));
     const int MT = (int)(a->mpad / T), NT = (int)(a->npad / T);
     const int G = c->push_group > 0 ? c->push_group : 0;
     const int never = MT + NT + 1; /* eager: no flush, every target is near */
@@ -964,6 +969,8 @@ bk_status run_tiles(bk_cuda_ctx *c, const bk_core_args *a, R *Rp)
         const int ntiles = i_hi - i_lo + 1;
         if (c->solve_wc == 16 && c->solve_chain == 1)
             launch_solve3<R, T, 16, 1>(ta, K, i_lo, ntiles, c->stream);
+        else if (c->solve_chain == 1)
+            launch_solve3<R, T, 8, 1>(ta, K, i_lo, ntiles, c->stream);
         else if (c->solve_wc == 16)
             launch_solve3<R, T, 16>(ta, K, i_lo, ntiles, c->stream);
         else

@@ -50,7 +50,7 @@ typedef struct bk_cuda_ctx {
                              (default 2) */
     int push_mma;         /* BaKron fp32: pushes on tensor cores (3xTF32): 0 none,
                              1 the far pushes (default), 2 every push */
-    int solve_chain;      /* BaKron tile solve (solve_wc 16 only): 0 the session-14
+    int solve_chain;      /* BaKron tile solve: 0 the session-14
                              chain, 1 conflict-free factor layouts and the critical slot first
                              (default; k_tile_solve3's V; same codes bit for bit) */
     /* BaKron: the side stream confined to an SM partition (partition.cu) */

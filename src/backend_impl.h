@@ -343,7 +343,7 @@ typedef struct bk_cuda_tuning {
     int push_mma;   /* fp32 pushes on tensor cores (3xTF32 mma.sync, fp32 accumulation): 0 none,
                        1 the far pushes (side stream and non-overlapped flush), 2 every push
                        (critical path too); fp64 never (1) */
-    int solve_chain; /* tile solve step chain (with solve_wc 16; ignored with 8): 0 the
+    int solve_chain; /* tile solve step chain (solve_wc 16 and 8): 0 the
                         session-14 layout and schedule, 1 conflict-free shared layouts of the
                         factors and the next step's active slot updated and rounded first
                         (session 19); the codes are the same bit for bit (1) */

@@ -307,6 +307,11 @@ static int cmd_bench(int argc, char **argv)
                  * straight-line variants were removed after their runs.) */
                 vs.push_back({"-chain0", 64, 4, 16, -1, -2, 2, 1, -1, 1, 0});
                 vs.push_back({"-T32-mma1", 32, 4, 16, -1, -2, 2, 1, -1, 1, 1});
+                /* session 19: 8 columns a warp (16 warps a 64-tile) with the
+                 * product's pushes and chain: more warps to hide the step's
+                 * dependent chain (the stall profile: "wait" and "barrier") */
+                vs.push_back({"-wc8-mma1", 64, 4, 8, -1, -2, 2, 1, -1, 1, 1});
+                vs.push_back({"-T32-wc8-mma1", 32, 4, 8, -1, -2, 2, 1, -1, 1, 1});
             }
             for (auto &v : vs) {
                 if (!only.empty() && only.find("," + an + v.name + ",") == std::string::npos)
@@ -620,11 +625,12 @@ static int cmd_validate(int argc, char **argv)
                         /* solve_chain 1 (conflict-free layouts, the critical slot
                          * first; fp64 identical, fp32 as the default) beside other
                          * pushes: T = 64 and 32, eager, push_mma 0 and 2, no
-                         * overlap, the partition off; WC = 8 ignores it */
+                         * overlap, the partition off; WC = 8 (session 19) */
                         {64, 4, 16, 1, -1, 2, 1, -1, 0, 1}, {32, 4, 16, 1, -1, 2, 1, -1, 1, 1},
                         {64, 0, 16, 1, -1, 2, 1, -1, 0, 1}, {32, 2, 16, 1, 0, 1, 0, 1, 0, 1},
                         {64, 4, 16, 1, -1, 2, 1, -1, 2, 1}, {64, 3, 16, 0, -1, 1, 1, -1, 0, 1},
-                        {64, 2, 8, 1, -1, 2, 1, -1, 0, 1}};
+                        {64, 2, 8, 1, -1, 2, 1, -1, 0, 1}, {64, 4, 8, 1, -1, 2, 1, -1, 1, 1},
+                        {32, 4, 8, 1, -1, 2, 1, -1, 1, 1}};
     for (const Cfg &cf : cfgs)
         for (int qi = 0; qi < 3; qi++)
             for (auto &sh : shapes) {
