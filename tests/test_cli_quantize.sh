@@ -308,22 +308,19 @@ no_output_folder "$tmp/o12"
 # q -> k, k -> v, gate -> up per layer (sequential), every module but down
 # with --no-sequential. The CPU stages do nothing with it; the profile
 # counts the calls (4 layers).
+prepare_next_count() { # OUT WANT WHY [quantize options]
+    local out=$1 want=$2 why=$3
+    shift 3
+    BK_PROFILE=1 run quantize "$M" --calib "$CAL" --samples 4 --seqlen 64 \
+        --hessian mlplocal-kfac --backend cpu --out "$tmp/$out" "$@"
+    expect_rc 0
+    n=$(awk '$1 == "profile" && $2 == "pipe.prepare_next" {print $4}' "$tmp/err")
+    [ "${n:-0}" = "$want" ] || fail "pipe.prepare_next count '${n:-none}', expected $want ($why)"
+}
 label="prepare_next: called for q->k, k->v, gate->up"
-BK_PROFILE=1 "$BK_BAKRON" quantize "$M" --calib "$CAL" --samples 4 --seqlen 64 \
-    --hessian mlplocal-kfac --backend cpu --out "$tmp/pn1" >"$tmp/out" 2>"$tmp/err"
-rc=$?
-checks=$((checks + 1))
-expect_rc 0
-n=$(awk '$1 == "profile" && $2 == "pipe.prepare_next" {print $4}' "$tmp/err")
-[ "${n:-0}" = 12 ] || fail "pipe.prepare_next count '${n:-none}', expected 12 (3 per layer)"
+prepare_next_count pn1 12 "3 per layer"
 label="prepare_next: --no-sequential, every module but the last"
-BK_PROFILE=1 "$BK_BAKRON" quantize "$M" --calib "$CAL" --samples 4 --seqlen 64 \
-    --hessian mlplocal-kfac --backend cpu --no-sequential --out "$tmp/pn2" >"$tmp/out" 2>"$tmp/err"
-rc=$?
-checks=$((checks + 1))
-expect_rc 0
-n=$(awk '$1 == "profile" && $2 == "pipe.prepare_next" {print $4}' "$tmp/err")
-[ "${n:-0}" = 24 ] || fail "pipe.prepare_next count '${n:-none}', expected 24 (6 per layer)"
+prepare_next_count pn2 24 "6 per layer" --no-sequential
 
 # ------------------------------- 6. every export is readable back
 label="eval and inspect read native, dequantized and gptq exports"
