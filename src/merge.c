@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cjson/cJSON.h>
 
@@ -24,6 +25,7 @@
 #include "bakron/pipeline.h"
 #include "outdir.h"
 #include "pipeline_internal.h"
+#include "stop.h"
 #include "util.h"
 
 typedef struct part {
@@ -213,6 +215,33 @@ static void part_free(part *p)
     free(p->order);
 }
 
+/* Test hook (tests/test_merge_signals.sh): BK_FAULT_PAUSE_AT=merge-write
+ * holds the merge for up to 2 s (ended early by a stop request) when it
+ * starts writing the tensors into its work folder, so that a test's signal
+ * lands mid-merge. */
+static void pause_point(const char *name)
+{
+    const char *e = getenv("BK_FAULT_PAUSE_AT");
+    if (!e || strcmp(e, name) != 0)
+        return;
+    fprintf(stderr, "bakron: test hook: paused at %s (BK_FAULT_PAUSE_AT)\n", name);
+    fflush(stderr);
+    const struct timespec ts = {0, 10 * 1000 * 1000};
+    for (int i = 0; i < 200 && !bk__stop_requested(); i++)
+        nanosleep(&ts, NULL);
+}
+
+/* A stop request (SIGINT, SIGTERM, SIGHUP: bk_request_stop) ends the merge at
+ * the next part or layer; bk_merge then removes the work folder. */
+static bk_status stop_check(const char *what, int n)
+{
+    if (!bk__stop_requested())
+        return BK_OK;
+    if (n >= 0)
+        return bk_error(BK_ERR_INTERRUPTED, "merge: interrupted %s %d", what, n);
+    return bk_error(BK_ERR_INTERRUPTED, "merge: interrupted %s", what);
+}
+
 static int cmp_part(const void *x, const void *y)
 {
     const part *a = x, *b = y;
@@ -318,7 +347,8 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
     bk_st_stream *out = NULL;
     for (int i = 0; i < n && st == BK_OK; i++) {
         ps[i].dir = dirs[i];
-        st = part_load(&ps[i]);
+        if ((st = stop_check("while reading the parts", -1)) == BK_OK)
+            st = part_load(&ps[i]);
     }
     if (st != BK_OK)
         goto done;
@@ -392,6 +422,10 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
         goto done;
     for (int pass = 0; pass < 2 && st == BK_OK; pass++) {
         const part *p0 = &ps[0];
+        if (pass == 1) {
+            pause_point("merge-write");
+            st = stop_check("before writing the tensors", -1);
+        }
         for (size_t i = 0; i < p0->n && st == BK_OK;) {
             const bk_tensor_info *t = p0->order[i];
             int l = layer_of(t->name);
@@ -407,6 +441,9 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
                 i++;
                 continue;
             }
+            if ((st = stop_check(pass ? "while writing layer" : "while checking layer", l)) !=
+                BK_OK)
+                break;
             while (i < p0->n && layer_of(p0->order[i]->name) == l)
                 i++;
             int c = 0;
@@ -446,6 +483,8 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
         st = bk_st_stream_finish(out);
         out = NULL;
     }
+    if (st == BK_OK)
+        st = stop_check("after writing the tensors", -1);
     if (st != BK_OK)
         goto done;
     /* config.json (and quantize_config.json for gptq) with the whole range */
@@ -457,7 +496,8 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
         goto done;
     if ((st = merge_report(ps, n, ps[0].qc, work)) != BK_OK)
         goto done;
-    st = bk__copy_aux_files(ps[0].dir, work);
+    if ((st = bk__copy_aux_files(ps[0].dir, work)) == BK_OK)
+        st = stop_check("before putting the output in place", -1);
 done:
     if (out)
         bk_st_stream_abort(out);
@@ -490,6 +530,7 @@ bk_status bk_merge(const bk_merge_opts *o)
     for (int i = 0; i < o->n_parts; i++)
         inputs[i] = o->parts[i];
     double t0 = bk_now();
+    bk__stop_clear();
     bk_outdir od;
     bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
                          .what = "merge", .note = merge_note, .user = (void *)o};
@@ -500,7 +541,13 @@ bk_status bk_merge(const bk_merge_opts *o)
     st = bk__merge_into(o->parts, o->n_parts, od.work, o->max_shard_bytes);
     if (st == BK_OK)
         st = bk_outdir_commit(&od);
-    bk_outdir_close(&od);
+    bk_outdir_close(&od); /* (not committed: the work folder is removed) */
+    if (st == BK_ERR_INTERRUPTED) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", bk_last_error());
+        bk_error(st, "%s (by a signal; work folder removed, nothing written to %s)", why,
+                 od.final);
+    }
     if (st == BK_OK && o->on_event) {
         bk_event ev;
         memset(&ev, 0, sizeof ev);

@@ -14,6 +14,8 @@ static const char *merge_usage =
     "into the checkpoint one full run writes, byte for byte (report.json: the parts' modules\n"
     "and times merged). The parts must cover every layer exactly once and be made with the\n"
     "same settings, model and activations; otherwise nothing is written (exit 2).\n"
+    "SIGINT, SIGTERM and SIGHUP stop it (exit 3; its work folder removed, an existing\n"
+    "OUT_DIR left as it was); under nohup the hangup is ignored.\n"
     "docs/DISTRIBUTED.md.\n"
     "\n"
     "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
@@ -96,6 +98,7 @@ bk_status bk_cmd_merge(int argc, char **argv)
     o.n_parts = n;
     o.on_event = on_event;
     o.user = &json;
+    cli_install_signals();
     st = bk_merge(&o);
 done:
     free(parts);

@@ -2,7 +2,6 @@
 #include <dirent.h>
 #include <getopt.h>
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -821,30 +820,6 @@ static void on_event(void *user, const bk_event *ev)
     }
 }
 
-static void on_signal(int sig)
-{
-    (void)sig;
-    bk_request_stop();
-}
-
-/* SIGINT, SIGTERM and SIGHUP stop the run at the next check (SIGINT and
- * SIGTERM even when the parent ignored them: a script's `bakron ... &`
- * starts with SIGINT ignored, and `kill -INT` is how the scripts and tests
- * here stop one). A SIGHUP the parent ignored stays ignored: that is what
- * `nohup bakron quantize ...` asks for, and the run must survive the
- * hangup. */
-static void install_signals(void)
-{
-    struct sigaction sa, cur;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    if (sigaction(SIGHUP, NULL, &cur) != 0 || cur.sa_handler != SIG_IGN)
-        sigaction(SIGHUP, &sa, NULL);
-}
-
 /* --config NAME: a path to a JSON file, or the name of an installed preset
  * (NAME or NAME.json in the installed presets folder, next to the executable
  * as DIR/../share/bakron/configs, or the source tree's configs/ when bakron
@@ -1134,7 +1109,7 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     q.o.dist = dist;
     if (dist && q.dist_timeout > 0)
         bk_dist_set_timeout(dist, q.dist_timeout);
-    install_signals();
+    cli_install_signals();
     ran = 1;
     st = bk_quantize(&q.o);
     if (st != BK_OK && q.json && !cli_quiet_errors)
@@ -1282,7 +1257,7 @@ bk_status bk_cmd_dump(int argc, char **argv)
     progress_init(&prog, json, 30, NULL);
     o.on_event = on_event;
     o.user = &prog;
-    install_signals();
+    cli_install_signals();
     st = bk_dump_activations(&o);
     if (st != BK_OK) {
         if (json)
