@@ -162,6 +162,42 @@ static int64_t n_layers_of(const cJSON *cfg)
     return cJSON_IsNumber(n) ? (int64_t)n->valuedouble : -1;
 }
 
+/* What merge_report takes from a part's report.json, with its type: the
+ * module entries (copied), the times (summed), the parameter count (summed),
+ * the peak device memory (the largest) and the quantization block (the
+ * first part's, replaced by the merged config's). A report without one of
+ * them is not a bakron quantize report: refused before the merge. */
+static bk_status report_check(const part *p)
+{
+    if (!cJSON_IsObject(p->report))
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "%s/report.json: not a bakron quantize report (not a JSON object)", p->dir);
+    static const struct {
+        const char *key;
+        int type; /* cJSON_Array (of objects), cJSON_Object, cJSON_Number */
+        const char *what;
+    } need[] = {
+        {"modules", cJSON_Array, "an array of module objects"},
+        {"times_s", cJSON_Object, "an object"},
+        {"quantized_parameters", cJSON_Number, "a number"},
+        {"peak_device_bytes", cJSON_Number, "a number"},
+        {"quantization", cJSON_Object, "an object"},
+    };
+    for (size_t k = 0; k < sizeof need / sizeof need[0]; k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(p->report, need[k].key);
+        int ok = v && (v->type & 0xFF) == need[k].type;
+        const cJSON *e;
+        if (ok && need[k].type == cJSON_Array)
+            cJSON_ArrayForEach(e, v) ok = ok && cJSON_IsObject(e);
+        if (!ok)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "%s/report.json: not a bakron quantize report (%s \"%s\", which merge "
+                            "needs as %s)",
+                            p->dir, v ? "wrong type of" : "no", need[k].key, need[k].what);
+    }
+    return BK_OK;
+}
+
 static bk_status part_load(part *p)
 {
     bk_status st = read_json(p->dir, "config.json", &p->config);
@@ -194,7 +230,8 @@ static bk_status part_load(part *p)
                         "(merge parts made with --activations DIR, --no-sequential or "
                         "--hessian rtn)",
                         p->dir, p->lo, p->hi);
-    if ((st = read_json(p->dir, "report.json", &p->report)) != BK_OK)
+    if ((st = read_json(p->dir, "report.json", &p->report)) != BK_OK ||
+        (st = report_check(p)) != BK_OK)
         return st;
     if ((st = bk_st_set_open(p->dir, &p->set)) != BK_OK)
         return st;
