@@ -8,6 +8,8 @@
 # mid-merge every time.
 set -u
 source "${BK_SOURCE_ROOT:?}/tests/common.sh" # B, SRC, M, W, die
+ok=1
+bad() { die "$@"; ok=0; } # a failure of the current case
 cd "$W" || exit 1
 
 "$B" quantize "$M" --hessian rtn --layers 0:2 --out r1 2>/dev/null &&
@@ -32,25 +34,25 @@ paused_merge() {
 }
 
 for sig in INT TERM HUP; do
-    f0=$fail
+    ok=1
     if ! paused_merge; then
         wait $pid; rc=$?
-        die "SIG$sig: the merge never reached the pause hook (exit $rc): $(tail -1 err)"
+        bad "SIG$sig: the merge never reached the pause hook (exit $rc): $(tail -1 err)"
         continue
     fi
     kill -$sig $pid
     wait $pid; rc=$?
     msg=$(grep -v "paused at merge-write" err)
-    [ $rc -eq 3 ] || die "SIG$sig: exit $rc, expected 3: $(cat err)"
-    [ "$(printf '%s\n' "$msg" | grep -c .)" -eq 1 ] || die "SIG$sig: not one line: $(cat err)"
+    [ $rc -eq 3 ] || bad "SIG$sig: exit $rc, expected 3: $(cat err)"
+    [ "$(printf '%s\n' "$msg" | grep -c .)" -eq 1 ] || bad "SIG$sig: not one line: $(cat err)"
     grep -q "^bakron merge: error: .*interrupted" <<<"$msg" ||
-        die "SIG$sig: the line does not say it was interrupted: $msg"
+        bad "SIG$sig: the line does not say it was interrupted: $msg"
     left=$(ls -A | grep -E '^m\.(tmp|old)-|^\.m\.lock$')
-    [ -z "$left" ] || die "SIG$sig: left $left"
+    [ -z "$left" ] || bad "SIG$sig: left $left"
     (cd m && sha256sum -c --quiet ../m.sums) >/dev/null 2>&1 ||
-        die "SIG$sig: the existing output m was changed"
-    [ "$(ls m | wc -l)" -eq "$(wc -l <m.sums)" ] || die "SIG$sig: files added to m"
-    [ $fail -eq $f0 ] && echo "ok: SIG$sig: exit $rc, $msg"
+        bad "SIG$sig: the existing output m was changed"
+    [ "$(ls m | wc -l)" -eq "$(wc -l <m.sums)" ] || bad "SIG$sig: files added to m"
+    [ $ok -eq 1 ] && echo "ok: SIG$sig: exit $rc, $msg"
 done
 
 # nohup: the hangup is ignored, the merge completes (exit 0)
