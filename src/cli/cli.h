@@ -43,6 +43,15 @@ void cli_print_error(const char *cmd, bk_status st);
  * survive the hangup. */
 void cli_install_signals(void);
 
+/* Text for a progress, banner or status line (a path, or a library message
+ * made of paths): its control characters and invalid UTF-8 escaped as in the
+ * error lines (bk_escape_message: \x1b, \n, \xff), so an odd path cannot
+ * move the cursor or split the line. Written into buf (CLI_ESC_CAP bytes hold
+ * any path: 4 bytes per input byte at most); returns buf. Not for JSON: cJSON
+ * escapes the strings it prints itself. */
+#define CLI_ESC_CAP (4 * 4096 + 16)
+const char *cli_esc(const char *s, char *buf, size_t cap);
+
 /* Usage error with a message (exit 1). */
 #if defined(__GNUC__)
 __attribute__((format(printf, 1, 2)))

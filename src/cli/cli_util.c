@@ -48,6 +48,12 @@ void cli_print_error(const char *cmd, bk_status st)
 }
 
 
+const char *cli_esc(const char *s, char *buf, size_t cap)
+{
+    bk_escape_message(s ? s : "", buf, cap);
+    return buf;
+}
+
 static void on_signal(int sig)
 {
     (void)sig;
