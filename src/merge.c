@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cjson/cJSON.h>
 
@@ -24,6 +25,7 @@
 #include "bakron/pipeline.h"
 #include "outdir.h"
 #include "pipeline_internal.h"
+#include "stop.h"
 #include "util.h"
 
 typedef struct part {
@@ -160,6 +162,42 @@ static int64_t n_layers_of(const cJSON *cfg)
     return cJSON_IsNumber(n) ? (int64_t)n->valuedouble : -1;
 }
 
+/* What merge_report takes from a part's report.json, with its type: the
+ * module entries (copied), the times (summed), the parameter count (summed),
+ * the peak device memory (the largest) and the quantization block (the
+ * first part's, replaced by the merged config's). A report without one of
+ * them is not a bakron quantize report: refused before the merge. */
+static bk_status report_check(const part *p)
+{
+    if (!cJSON_IsObject(p->report))
+        return bk_error(BK_ERR_INVALID_ARG,
+                        "%s/report.json: not a bakron quantize report (not a JSON object)", p->dir);
+    static const struct {
+        const char *key;
+        int type; /* cJSON_Array (of objects), cJSON_Object, cJSON_Number */
+        const char *what;
+    } need[] = {
+        {"modules", cJSON_Array, "an array of module objects"},
+        {"times_s", cJSON_Object, "an object"},
+        {"quantized_parameters", cJSON_Number, "a number"},
+        {"peak_device_bytes", cJSON_Number, "a number"},
+        {"quantization", cJSON_Object, "an object"},
+    };
+    for (size_t k = 0; k < sizeof need / sizeof need[0]; k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(p->report, need[k].key);
+        int ok = v && (v->type & 0xFF) == need[k].type;
+        const cJSON *e;
+        if (ok && need[k].type == cJSON_Array)
+            cJSON_ArrayForEach(e, v) ok = ok && cJSON_IsObject(e);
+        if (!ok)
+            return bk_error(BK_ERR_INVALID_ARG,
+                            "%s/report.json: not a bakron quantize report (%s \"%s\", which merge "
+                            "needs as %s)",
+                            p->dir, v ? "wrong type of" : "no", need[k].key, need[k].what);
+    }
+    return BK_OK;
+}
+
 static bk_status part_load(part *p)
 {
     bk_status st = read_json(p->dir, "config.json", &p->config);
@@ -192,7 +230,8 @@ static bk_status part_load(part *p)
                         "(merge parts made with --activations DIR, --no-sequential or "
                         "--hessian rtn)",
                         p->dir, p->lo, p->hi);
-    if ((st = read_json(p->dir, "report.json", &p->report)) != BK_OK)
+    if ((st = read_json(p->dir, "report.json", &p->report)) != BK_OK ||
+        (st = report_check(p)) != BK_OK)
         return st;
     if ((st = bk_st_set_open(p->dir, &p->set)) != BK_OK)
         return st;
@@ -211,6 +250,33 @@ static void part_free(part *p)
         bk_st_set_close(p->set);
     bk_model_close(p->model);
     free(p->order);
+}
+
+/* Test hook (tests/test_merge_signals.sh): BK_FAULT_PAUSE_AT=merge-write
+ * holds the merge for up to 2 s (ended early by a stop request) when it
+ * starts writing the tensors into its work folder, so that a test's signal
+ * lands mid-merge. */
+static void pause_point(const char *name)
+{
+    const char *e = getenv("BK_FAULT_PAUSE_AT");
+    if (!e || strcmp(e, name) != 0)
+        return;
+    fprintf(stderr, "bakron: test hook: paused at %s (BK_FAULT_PAUSE_AT)\n", name);
+    fflush(stderr);
+    const struct timespec ts = {0, 10 * 1000 * 1000};
+    for (int i = 0; i < 200 && !bk__stop_requested(); i++)
+        nanosleep(&ts, NULL);
+}
+
+/* A stop request (SIGINT, SIGTERM, SIGHUP: bk_request_stop) ends the merge at
+ * the next part or layer; bk_merge then removes the work folder. */
+static bk_status stop_check(const char *what, int n)
+{
+    if (!bk__stop_requested())
+        return BK_OK;
+    if (n >= 0)
+        return bk_error(BK_ERR_INTERRUPTED, "merge: interrupted %s %d", what, n);
+    return bk_error(BK_ERR_INTERRUPTED, "merge: interrupted %s", what);
 }
 
 static int cmp_part(const void *x, const void *y)
@@ -318,7 +384,8 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
     bk_st_stream *out = NULL;
     for (int i = 0; i < n && st == BK_OK; i++) {
         ps[i].dir = dirs[i];
-        st = part_load(&ps[i]);
+        if ((st = stop_check("while reading the parts", -1)) == BK_OK)
+            st = part_load(&ps[i]);
     }
     if (st != BK_OK)
         goto done;
@@ -392,6 +459,10 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
         goto done;
     for (int pass = 0; pass < 2 && st == BK_OK; pass++) {
         const part *p0 = &ps[0];
+        if (pass == 1) {
+            pause_point("merge-write");
+            st = stop_check("before writing the tensors", -1);
+        }
         for (size_t i = 0; i < p0->n && st == BK_OK;) {
             const bk_tensor_info *t = p0->order[i];
             int l = layer_of(t->name);
@@ -407,6 +478,9 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
                 i++;
                 continue;
             }
+            if ((st = stop_check(pass ? "while writing layer" : "while checking layer", l)) !=
+                BK_OK)
+                break;
             while (i < p0->n && layer_of(p0->order[i]->name) == l)
                 i++;
             int c = 0;
@@ -446,6 +520,8 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
         st = bk_st_stream_finish(out);
         out = NULL;
     }
+    if (st == BK_OK)
+        st = stop_check("after writing the tensors", -1);
     if (st != BK_OK)
         goto done;
     /* config.json (and quantize_config.json for gptq) with the whole range */
@@ -457,7 +533,8 @@ bk_status bk__merge_into(const char *const *dirs, int n, const char *work,
         goto done;
     if ((st = merge_report(ps, n, ps[0].qc, work)) != BK_OK)
         goto done;
-    st = bk__copy_aux_files(ps[0].dir, work);
+    if ((st = bk__copy_aux_files(ps[0].dir, work)) == BK_OK)
+        st = stop_check("before putting the output in place", -1);
 done:
     if (out)
         bk_st_stream_abort(out);
@@ -490,6 +567,7 @@ bk_status bk_merge(const bk_merge_opts *o)
     for (int i = 0; i < o->n_parts; i++)
         inputs[i] = o->parts[i];
     double t0 = bk_now();
+    bk__stop_clear();
     bk_outdir od;
     bk_outdir_spec os = {.out = o->out_dir, .inputs = inputs, .overwrite = o->overwrite,
                          .what = "merge", .note = merge_note, .user = (void *)o};
@@ -500,7 +578,13 @@ bk_status bk_merge(const bk_merge_opts *o)
     st = bk__merge_into(o->parts, o->n_parts, od.work, o->max_shard_bytes);
     if (st == BK_OK)
         st = bk_outdir_commit(&od);
-    bk_outdir_close(&od);
+    bk_outdir_close(&od); /* (not committed: the work folder is removed) */
+    if (st == BK_ERR_INTERRUPTED) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", bk_last_error());
+        bk_error(st, "%s (by a signal; work folder removed, nothing written to %s)", why,
+                 od.final);
+    }
     if (st == BK_OK && o->on_event) {
         bk_event ev;
         memset(&ev, 0, sizeof ev);

@@ -140,8 +140,11 @@ static void note(const bk_outdir *d, const char *fmt, ...)
     va_end(ap);
     if (d->note)
         d->note(d->user, msg);
-    else
-        fprintf(stderr, "bakron: %s\n", msg);
+    else { /* (paths: escaped as in the error messages) */
+        char esc[4 * sizeof msg];
+        bk_escape_message(msg, esc, sizeof esc);
+        fprintf(stderr, "bakron: %s\n", esc);
+    }
 }
 
 /* Test hooks (tests/test_outdir.sh): BK_FAULT_KILL_AT=NAME kills the process

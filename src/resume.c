@@ -28,6 +28,7 @@ struct bk_resume {
     int need_weights;
     int native;         /* --export native: the shards hold the codes (restore_from_stream) */
     int adopted;
+    int bad_line;       /* > 0: the adopted journal's line that is no record (not a journal) */
     int layer_begin;
     bk_st_stream *out;  /* the shards (bk_resume_restore): what module files are not needed for */
     /* the modules of the layer being written that got a module file */
@@ -296,7 +297,11 @@ static bk_status grow(bk_resume *r)
 }
 
 /* Complete lines, each a journal record for the next layer; a torn last line
- * (killed while appending) and everything after a bad line is ignored. */
+ * (killed while appending: a prefix of a record) is ignored. A complete line
+ * that is no such record, or a last line that cannot be the start of one, is
+ * never written by a run: the file is not a valid journal, and none of its
+ * records is kept (r->bad_line says which line; bk_resume_restore says so and
+ * the run starts over). */
 static bk_status load_journal(bk_resume *r)
 {
     char *text = NULL;
@@ -307,10 +312,17 @@ static bk_status load_journal(bk_resume *r)
     if (st != BK_OK)
         return st;
     char *p = text;
+    int line = 0;
     while (p < text + len) {
         char *nl = memchr(p, '\n', (size_t)(text + len - p));
-        if (!nl)
+        line++;
+        if (!nl) { /* a torn last line: a prefix of '{"layer":', or longer and starting so */
+            static const char head[] = "{\"layer\":";
+            const size_t tl = (size_t)(text + len - p), hl = sizeof head - 1;
+            if (memcmp(p, head, tl < hl ? tl : hl) != 0)
+                r->bad_line = line;
             break;
+        }
         *nl = '\0';
         cJSON *j = cJSON_Parse(p);
         const cJSON *l = cJSON_GetObjectItemCaseSensitive(j, "layer");
@@ -356,11 +368,18 @@ static bk_status load_journal(bk_resume *r)
             free(ent);
         }
         cJSON_Delete(j);
-        if (!ok)
+        if (!ok) {
+            r->bad_line = line;
             break;
+        }
         p = nl + 1;
     }
     free(text);
+    if (st == BK_OK && r->bad_line) { /* not a journal: no record of it is kept */
+        for (int i = 0; i < r->n; i++)
+            free(r->entries[i]);
+        r->n = 0;
+    }
     return st;
 }
 
@@ -494,7 +513,7 @@ static void say(void (*note)(void *, const char *), void *user, const char *fmt,
     ;
 static void say(void (*note)(void *, const char *), void *user, const char *fmt, ...)
 {
-    char msg[600];
+    char msg[4800]; /* (a path of up to 4096 bytes) */
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
@@ -515,6 +534,11 @@ bk_status bk_resume_restore(bk_resume *r, bk_st_stream *out, int reused, cJSON *
 {
     *next = r->layer_begin;
     r->out = out;
+    if (r->bad_line) {
+        say(note, user, "--resume: %s: not a valid journal (line %d is not a journal record); "
+            "starting over from layer %d", r->journal, r->bad_line, r->layer_begin);
+        return BK_OK;
+    }
     if (r->n == 0) {
         if (r->adopted)
             say(note, user, "--resume: the interrupted run had finished no layer; starting from "

@@ -32,6 +32,26 @@ extern int cli_quiet_errors;
 /* The one error line: "bakron CMD: error: MESSAGE". */
 void cli_print_error(const char *cmd, bk_status st);
 
+/* SIGINT, SIGTERM and SIGHUP stop a job (quantize, dump-activations, merge)
+ * at its next check (bk_request_stop): it ends with BK_ERR_INTERRUPTED (exit
+ * 3), an existing output left as it was, its work folder removed (quantize
+ * keeps one with finished layers for --resume).
+ * SIGINT and SIGTERM are caught even when the parent ignored them (a
+ * script's `bakron ... &` starts with SIGINT ignored, and `kill -INT` is how
+ * the scripts and tests here stop one); a SIGHUP the parent ignored stays
+ * ignored: that is what `nohup bakron ...` asks for, and the run must
+ * survive the hangup. */
+void cli_install_signals(void);
+
+/* Text for a progress, banner or status line (a path, or a library message
+ * made of paths): its control characters and invalid UTF-8 escaped as in the
+ * error lines (bk_escape_message: \x1b, \n, \xff), so an odd path cannot
+ * move the cursor or split the line. Written into buf (CLI_ESC_CAP bytes hold
+ * any path: 4 bytes per input byte at most); returns buf. Not for JSON: cJSON
+ * escapes the strings it prints itself. */
+#define CLI_ESC_CAP (4 * 4096 + 16)
+const char *cli_esc(const char *s, char *buf, size_t cap);
+
 /* Usage error with a message (exit 1). */
 #if defined(__GNUC__)
 __attribute__((format(printf, 1, 2)))

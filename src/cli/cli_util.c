@@ -1,6 +1,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +47,30 @@ void cli_print_error(const char *cmd, bk_status st)
     fflush(stderr);
 }
 
+
+const char *cli_esc(const char *s, char *buf, size_t cap)
+{
+    bk_escape_message(s ? s : "", buf, cap);
+    return buf;
+}
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    bk_request_stop();
+}
+
+void cli_install_signals(void)
+{
+    struct sigaction sa, cur;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    if (sigaction(SIGHUP, NULL, &cur) != 0 || cur.sa_handler != SIG_IGN)
+        sigaction(SIGHUP, &sa, NULL);
+}
 
 bk_status cli_usage_error(const char *fmt, ...)
 {

@@ -206,6 +206,7 @@ bk_status bk_cmd_eval(int argc, char **argv)
     double nll_sum = 0.0;
     int64_t count = 0;
     cJSON *j = NULL;
+    static char esc[CLI_ESC_CAP]; /* paths on the status lines (cli_esc) */
     st = bk_model_open(model_dir, &m);
     if (st != BK_OK)
         goto done;
@@ -272,9 +273,10 @@ bk_status bk_cmd_eval(int argc, char **argv)
         printf("%s\n", txt);
         free(txt);
     } else {
-        printf("model       %s%s\n", model_dir, bk_model_is_quantized(m) ? " (quantized)" : "");
-        printf("tokens      %s: %lld sequences x %lld tokens\n", input, (long long)S,
-               (long long)T);
+        printf("model       %s%s\n", cli_esc(model_dir, esc, sizeof esc),
+               bk_model_is_quantized(m) ? " (quantized)" : "");
+        printf("tokens      %s: %lld sequences x %lld tokens\n", cli_esc(input, esc, sizeof esc),
+               (long long)S, (long long)T);
         printf("perplexity  %.4f\n", ppl);
         printf("mean NLL    %.6f nats/token over %lld predicted tokens\n", nll,
                (long long)count);
@@ -286,10 +288,10 @@ bk_status bk_cmd_eval(int argc, char **argv)
     /* a bakron output folder: the perplexity goes into its model card */
     int rec = st == BK_OK ? cli_card_record_eval(model_dir, input, S, T, ppl, nll) : 0;
     if (rec > 0 && !json)
-        printf("recorded    in %s/README.md\n", model_dir);
+        printf("recorded    in %s/README.md\n", cli_esc(model_dir, esc, sizeof esc));
     else if (rec < 0)
         fprintf(stderr, "bakron eval: note: the perplexity was not recorded in %s/README.md: %s\n",
-                model_dir, bk_last_error());
+                cli_esc(model_dir, esc, sizeof esc), bk_last_error());
 done:
     cJSON_Delete(j);
     bk_backend_destroy(be);

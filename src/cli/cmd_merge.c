@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "bakron/pipeline.h"
 #include "cli.h"
 
@@ -14,6 +16,8 @@ static const char *merge_usage =
     "into the checkpoint one full run writes, byte for byte (report.json: the parts' modules\n"
     "and times merged). The parts must cover every layer exactly once and be made with the\n"
     "same settings, model and activations; otherwise nothing is written (exit 2).\n"
+    "SIGINT, SIGTERM and SIGHUP stop it (exit 3; its work folder removed, an existing\n"
+    "OUT_DIR left as it was); under nohup the hangup is ignored.\n"
     "docs/DISTRIBUTED.md.\n"
     "\n"
     "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
@@ -25,22 +29,28 @@ static void on_event(void *user, const bk_event *ev)
 {
     int json = *(int *)user;
     const char *msg = ev->message ? ev->message : "";
-    if (json) {
-        fputs(ev->kind == BK_EV_DONE ? "{\"event\":\"done\",\"out\":\"" : "{\"event\":\"note\",\"message\":\"", stdout);
-        for (const char *p = msg; *p; p++) {
-            if (*p == '"' || *p == '\\')
-                fputc('\\', stdout);
-            if ((unsigned char)*p >= 0x20)
-                fputc(*p, stdout);
+    if (json) { /* (cJSON escapes the strings) */
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "event", ev->kind == BK_EV_DONE ? "done" : "note");
+        cJSON_AddStringToObject(j, ev->kind == BK_EV_DONE ? "out" : "message", msg);
+        cJSON_AddNumberToObject(j, "elapsed_s", ev->elapsed_s);
+        char *s = cJSON_PrintUnformatted(j);
+        if (s) {
+            fputs(s, stdout);
+            fputc('\n', stdout);
+            fflush(stdout);
+            free(s);
         }
-        printf("\",\"elapsed_s\":%.3f}\n", ev->elapsed_s);
-        fflush(stdout);
+        cJSON_Delete(j);
         return;
     }
+    /* the output folder, notes naming paths: escaped (cli_esc) */
+    static char esc[CLI_ESC_CAP];
     if (ev->kind == BK_EV_DONE)
-        fprintf(stderr, "bakron: merged into %s in %.1fs\n", msg, ev->elapsed_s);
+        fprintf(stderr, "bakron: merged into %s in %.1fs\n", cli_esc(msg, esc, sizeof esc),
+                ev->elapsed_s);
     else
-        fprintf(stderr, "bakron: %s\n", msg);
+        fprintf(stderr, "bakron: %s\n", cli_esc(msg, esc, sizeof esc));
 }
 
 bk_status bk_cmd_merge(int argc, char **argv)
@@ -96,6 +106,7 @@ bk_status bk_cmd_merge(int argc, char **argv)
     o.n_parts = n;
     o.on_event = on_event;
     o.user = &json;
+    cli_install_signals();
     st = bk_merge(&o);
 done:
     free(parts);

@@ -2,7 +2,6 @@
 #include <dirent.h>
 #include <getopt.h>
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -789,8 +788,11 @@ static void on_event(void *user, const bk_event *ev)
     else
         snprintf(et, sizeof et, "?");
     const int k = ev->layer - begin + 1; /* among the selected layers */
+    /* (the messages name the model, the output, the work folder: escaped) */
+    static char msg[CLI_ESC_CAP];
+    cli_esc(ev->message, msg, sizeof msg);
     switch (ev->kind) {
-    case BK_EV_START: fprintf(stderr, "bakron: %s\n", ev->message); break;
+    case BK_EV_START: fprintf(stderr, "bakron: %s\n", msg); break;
     case BK_EV_LAYER_BEGIN: break;
     case BK_EV_MODULE_DONE:
         fprintf(stderr, "  layer %d (%d/%d) %-18s [%lld x %lld]  loss %.4g  (gptq loss %.4g)  %s\n",
@@ -799,7 +801,7 @@ static void on_event(void *user, const bk_event *ev)
         break;
     case BK_EV_LAYER_DONE:
         if (ev->module == NULL && ev->message)
-            fprintf(stderr, "  layer %d %s  elapsed %s\n", ev->layer, ev->message, el);
+            fprintf(stderr, "  layer %d %s  elapsed %s\n", ev->layer, msg, el);
         else
             fprintf(stderr,
                     "layer %d done (%d/%d)  elapsed %s  ETA %s  (forward %.1fs, hessian %.1fs, "
@@ -808,41 +810,17 @@ static void on_event(void *user, const bk_event *ev)
                     ev->t_solve, ev->t_io);
         break;
     case BK_EV_WRITE:
-    case BK_EV_NOTE: fprintf(stderr, "bakron: %s\n", ev->message); break;
-    case BK_EV_BACKWARD: fprintf(stderr, "  %s  elapsed %s  ETA %s\n", ev->message, el, et); break;
+    case BK_EV_NOTE: fprintf(stderr, "bakron: %s\n", msg); break;
+    case BK_EV_BACKWARD: fprintf(stderr, "  %s  elapsed %s  ETA %s\n", msg, el, et); break;
     case BK_EV_BACKWARD_PROGRESS:
         fprintf(stderr, "  backward pass %d of %d: %lld/%lld sequences  elapsed %s  ETA %s\n",
                 ev->pass, ev->passes, (long long)ev->pass_seqs_done, (long long)ev->pass_seqs, el,
                 et);
         break;
     case BK_EV_DONE:
-        fprintf(stderr, "bakron: wrote %s in %s\n", ev->message ? ev->message : "", el);
+        fprintf(stderr, "bakron: wrote %s in %s\n", msg, el);
         break;
     }
-}
-
-static void on_signal(int sig)
-{
-    (void)sig;
-    bk_request_stop();
-}
-
-/* SIGINT, SIGTERM and SIGHUP stop the run at the next check (SIGINT and
- * SIGTERM even when the parent ignored them: a script's `bakron ... &`
- * starts with SIGINT ignored, and `kill -INT` is how the scripts and tests
- * here stop one). A SIGHUP the parent ignored stays ignored: that is what
- * `nohup bakron quantize ...` asks for, and the run must survive the
- * hangup. */
-static void install_signals(void)
-{
-    struct sigaction sa, cur;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    if (sigaction(SIGHUP, NULL, &cur) != 0 || cur.sa_handler != SIG_IGN)
-        sigaction(SIGHUP, &sa, NULL);
 }
 
 /* --config NAME: a path to a JSON file, or the name of an installed preset
@@ -965,21 +943,24 @@ static void print_plan(const qargs *q, const bk_quantize_plan *p)
         cJSON_Delete(j);
         return;
     }
+    static char e1[CLI_ESC_CAP];
     printf("bakron quantize: dry run (checks passed; nothing computed or written)\n");
-    printf("  model         %s: %s %s, %d layers, %s of tensors\n", o->model_dir,
+    printf("  model         %s: %s %s, %d layers, %s of tensors\n",
+           cli_esc(o->model_dir, e1, sizeof e1),
            p->cfg.model_type, p->model_dtype ? p->model_dtype : "?", p->layers_total, inb);
     printf("  layers        %d..%d (%d of %d; numbered from 0 as in model.layers.N)\n",
            p->layer_begin, p->layer_end - 1, p->layer_end - p->layer_begin, p->layers_total);
     if (o->calib_path)
-        printf("  calibration   %s: %lld sequences x %lld tokens\n", o->calib_path,
+        printf("  calibration   %s: %lld sequences x %lld tokens\n",
+               cli_esc(o->calib_path, e1, sizeof e1),
                (long long)p->S, (long long)p->T);
     else if (o->calib_text)
         printf("  calibration   text %s (tokenizer.json of the model): %lld windows x %lld "
                "tokens\n",
-               o->calib_text, (long long)p->S, (long long)p->T);
+               cli_esc(o->calib_text, e1, sizeof e1), (long long)p->S, (long long)p->T);
     else if (o->activations_dir)
         printf("  calibration   activations %s: %lld sequences x %lld tokens\n",
-               o->activations_dir, (long long)p->S, (long long)p->T);
+               cli_esc(o->activations_dir, e1, sizeof e1), (long long)p->S, (long long)p->T);
     else
         printf("  calibration   none (rtn)\n");
     printf("  hessian       %s, algorithm %s\n", bk_hessian_name(o->hessian),
@@ -989,7 +970,8 @@ static void print_plan(const qargs *q, const bk_quantize_plan *p)
                bk_bwd_precision_name(p->bwd_precision), p->bwd_precision_auto ? " (auto)" : "",
                p->bwd_gpu ? "" : " (the CPU's flow: fp64)");
     printf("  quantizer     %s\n", qd);
-    printf("  export        %s -> %s\n", bk_export_name(o->export_format), o->out_dir);
+    printf("  export        %s -> %s\n", bk_export_name(o->export_format),
+           cli_esc(o->out_dir, e1, sizeof e1));
     printf("  modules of each layer:\n");
     for (int m = 0; m < BK_MOD_COUNT; m++)
         printf("    %-18s [%lld x %lld]  %s\n", bk_module_name((bk_module)m),
@@ -1134,7 +1116,7 @@ bk_status bk_cmd_quantize(int argc, char **argv)
     q.o.dist = dist;
     if (dist && q.dist_timeout > 0)
         bk_dist_set_timeout(dist, q.dist_timeout);
-    install_signals();
+    cli_install_signals();
     ran = 1;
     st = bk_quantize(&q.o);
     if (st != BK_OK && q.json && !cli_quiet_errors)
@@ -1282,7 +1264,7 @@ bk_status bk_cmd_dump(int argc, char **argv)
     progress_init(&prog, json, 30, NULL);
     o.on_event = on_event;
     o.user = &prog;
-    install_signals();
+    cli_install_signals();
     st = bk_dump_activations(&o);
     if (st != BK_OK) {
         if (json)
@@ -1314,7 +1296,9 @@ bk_status bk_cmd_dump(int argc, char **argv)
     } else {
         char bb[32];
         fmt_bytes(bytes, bb, sizeof bb);
-        fprintf(stderr, "bakron: dumped %s: %ld files, %s (%s%s) in %.1fs\n", o.out_dir, files,
+        static char eo[CLI_ESC_CAP];
+        fprintf(stderr, "bakron: dumped %s: %ld files, %s (%s%s) in %.1fs\n",
+                cli_esc(o.out_dir, eo, sizeof eo), files,
                 bb, bk_dtype_name(o.dtype), o.zstd ? ", zstd" : "", secs);
     }
     return BK_OK;

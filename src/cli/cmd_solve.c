@@ -341,8 +341,9 @@ static bk_status print_summary(const summary *s, int json)
 {
     const bk_solve_result *r = s->r;
     if (!json) {
-        printf("solved %s [%lld x %lld] -> %s\n", s->weight, (long long)r->m, (long long)r->n,
-               s->out);
+        static char ew[CLI_ESC_CAP], eo[CLI_ESC_CAP];
+        printf("solved %s [%lld x %lld] -> %s\n", cli_esc(s->weight, ew, sizeof ew),
+               (long long)r->m, (long long)r->n, cli_esc(s->out, eo, sizeof eo));
         printf("  algorithm       %s (%s, backend %s: %s)\n", s->algorithm, s->precision,
                s->backend, s->device);
         printf("  quantizer       %s, %lld group%s per row\n", s->quant, (long long)r->groups,
