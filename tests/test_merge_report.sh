@@ -47,6 +47,19 @@ cp -r r1 bad1 && echo '{}' >bad1/report.json
 "$B" merge bad1 r2 --out out >/dev/null 2>err; rc=$?
 [ $rc -eq 2 ] && grep -q "bad1/report\.json: " err || die "first part's {}: exit $rc: $(cat err)"
 rm -rf out
+# --json: the refusal is also one `error` event on stdout (as quantize's), the
+# stderr line unchanged
+"$B" merge r1 bad1 --out out --json >out.json 2>err; rc=$?
+[ $rc -eq 2 ] || die "--json: exit $rc, expected 2"
+python3 -c '
+import json, sys
+lines = open("out.json").read().splitlines()
+assert len(lines) == 1, lines
+e = json.loads(lines[0])
+assert e["event"] == "error" and e["exit_code"] == 2 and e["layer"] is None, e
+assert "bad1/report.json" in e["message"], e' || die "--json: the error event: $(cat out.json)"
+grep -q "bad1/report\.json: " err || die "--json: the stderr line: $(cat err)"
+rm -rf out
 # the good parts still merge
 "$B" merge r1 r2 --out out 2>err || die "merge of the good parts: $(cat err)"
 [ $fail -eq 0 ] && echo "all merge report.json checks passed"

@@ -23,7 +23,7 @@ cd "$W" || exit 1
 # the pause was not reached within 10 s
 paused_merge() {
     rm -f err
-    BK_FAULT_PAUSE_AT=merge-write "$@" "$B" merge r1 r2 --out m --overwrite >/dev/null 2>err &
+    BK_FAULT_PAUSE_AT=merge-write "$@" "$B" merge r1 r2 --out m --overwrite --json >out.json 2>err &
     pid=$!
     for _ in $(seq 500); do
         grep -q "paused at merge-write" err 2>/dev/null && return 0
@@ -52,6 +52,12 @@ for sig in INT TERM HUP; do
     (cd m && sha256sum -c --quiet ../m.sums) >/dev/null 2>&1 ||
         bad "SIG$sig: the existing output m was changed"
     [ "$(ls m | wc -l)" -eq "$(wc -l <m.sums)" ] || bad "SIG$sig: files added to m"
+    # --json: the last event on stdout says so
+    tail -1 out.json | python3 -c '
+import json, sys
+e = json.loads(sys.stdin.read())
+assert e["event"] == "interrupted" and e["exit_code"] == 3, e' ||
+        bad "SIG$sig: no interrupted event on stdout: $(tail -1 out.json)"
     [ $ok -eq 1 ] && echo "ok: SIG$sig: exit $rc, $msg"
 done
 

@@ -50,6 +50,10 @@ void cli_install_signals(void);
  * any path: 4 bytes per input byte at most); returns buf. Not for JSON: cJSON
  * escapes the strings it prints itself. */
 #define CLI_ESC_CAP (4 * 4096 + 16)
+/* --json: the one `error` (or, for BK_ERR_INTERRUPTED, `interrupted`) event
+ * of a failed command on stdout: code, exit_code, message, layer and module
+ * (where the run was; layer < 0 / module NULL: null) */
+void cli_json_error_event(bk_status st, const char *msg, int layer, const char *module);
 const char *cli_esc(const char *s, char *buf, size_t cap);
 
 /* Usage error with a message (exit 1). */

@@ -8,6 +8,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <cjson/cJSON.h>
+
 #include "cli.h"
 #include "outdir.h"
 #include "util.h"
@@ -371,4 +373,31 @@ const char *cli_opt_name(const struct option *opts, int val)
         if (!p->flag && p->val == val)
             return p->name;
     return NULL;
+}
+
+void cli_json_error_event(bk_status st, const char *msg, int layer, const char *module)
+{
+    cJSON *j = cJSON_CreateObject();
+    if (!j)
+        return;
+    cJSON_AddStringToObject(j, "event", st == BK_ERR_INTERRUPTED ? "interrupted" : "error");
+    cJSON_AddStringToObject(j, "code", bk_status_name(st));
+    cJSON_AddNumberToObject(j, "exit_code", bk_status_exit_code(st));
+    cJSON_AddStringToObject(j, "message", msg ? msg : "");
+    if (layer >= 0)
+        cJSON_AddNumberToObject(j, "layer", layer);
+    else
+        cJSON_AddNullToObject(j, "layer");
+    if (module)
+        cJSON_AddStringToObject(j, "module", module);
+    else
+        cJSON_AddNullToObject(j, "module");
+    char *s = cJSON_PrintUnformatted(j);
+    if (s) {
+        fputs(s, stdout);
+        fputc('\n', stdout);
+        fflush(stdout);
+        free(s);
+    }
+    cJSON_Delete(j);
 }

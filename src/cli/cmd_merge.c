@@ -23,7 +23,8 @@ static const char *merge_usage =
     "  --out DIR             output folder (built under DIR.tmp-PID, renamed when complete)\n"
     "  --max-shard-size B    bytes per safetensors shard (default 5e9; give the parts' value)\n"
     "  --overwrite           replace a non-empty output folder\n"
-    "  --json                one JSON object per event on stdout\n";
+    "  --json                one JSON object per event on stdout (a failure: an `error` or\n"
+    "                        `interrupted` event, as quantize's)\n";
 
 static void on_event(void *user, const bk_event *ev)
 {
@@ -109,6 +110,8 @@ bk_status bk_cmd_merge(int argc, char **argv)
     cli_install_signals();
     st = bk_merge(&o);
 done:
+    if (st != BK_OK && json) /* (as quantize: the error line goes to stderr too) */
+        cli_json_error_event(st, bk_last_error(), -1, NULL);
     free(parts);
     return st;
 }

@@ -678,27 +678,11 @@ static double progress_eta(progress *p, const bk_event *ev)
 
 static void json_error_event(const progress *p, bk_status st, const char *msg)
 {
-    cJSON *j = cJSON_CreateObject();
-    cJSON_AddStringToObject(j, "event", st == BK_ERR_INTERRUPTED ? "interrupted" : "error");
-    cJSON_AddStringToObject(j, "code", bk_status_name(st));
-    cJSON_AddNumberToObject(j, "exit_code", bk_status_exit_code(st));
-    cJSON_AddStringToObject(j, "message", msg);
-    if (p && p->cur_layer >= 0)
-        cJSON_AddNumberToObject(j, "layer", p->cur_layer);
-    else
-        cJSON_AddNullToObject(j, "layer");
-    if (p && p->cur_layer >= 0 && p->cur_module >= 0 && p->cur_module < BK_MOD_COUNT)
-        cJSON_AddStringToObject(j, "module", bk_module_name((bk_module)p->cur_module));
-    else
-        cJSON_AddNullToObject(j, "module");
-    char *s = cJSON_PrintUnformatted(j);
-    if (s) {
-        fputs(s, stdout);
-        fputc('\n', stdout);
-        fflush(stdout);
-        free(s);
-    }
-    cJSON_Delete(j);
+    const int at = p && p->cur_layer >= 0;
+    cli_json_error_event(st, msg, at ? p->cur_layer : -1,
+                         at && p->cur_module >= 0 && p->cur_module < BK_MOD_COUNT
+                             ? bk_module_name((bk_module)p->cur_module)
+                             : NULL);
 }
 
 static void on_event(void *user, const bk_event *ev)
