@@ -130,7 +130,7 @@ case "$call" in
         protocol q4-$call /tmp/p/q4 gptq,backprop-kfac -- --bits 4 --group 128
     fi
     for L in 0 05; do
-        [ "$(ls /tmp/p/floor$L/eval-*.json 2>/dev/null | wc -l)" -ge 10 ] && continue
+        [ "$(ls /tmp/p/floor$L/eval-*-backprop-shampoo.json 2>/dev/null | wc -l)" -ge 10 ] && continue
         P_BK=/tmp/shfloor/b/bakron p512 floor$L-$call /tmp/p/floor$L backprop-shampoo -- --levels 3 \
             --setting bwd_input=cpu --shampoo-floor "$([ $L = 0 ] && echo 0 || echo 0.5)"
     done
