@@ -54,6 +54,9 @@ void cli_install_signals(void);
  * of a failed command on stdout: code, exit_code, message, layer and module
  * (where the run was; layer < 0 / module NULL: null) */
 void cli_json_error_event(bk_status st, const char *msg, int layer, const char *module);
+/* --json: one event object as one line on stdout (flushed); deletes it */
+struct cJSON;
+void cli_json_line(struct cJSON *j);
 const char *cli_esc(const char *s, char *buf, size_t cap);
 
 /* Usage error with a message (exit 1). */

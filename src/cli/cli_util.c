@@ -392,7 +392,12 @@ void cli_json_error_event(bk_status st, const char *msg, int layer, const char *
         cJSON_AddStringToObject(j, "module", module);
     else
         cJSON_AddNullToObject(j, "module");
-    char *s = cJSON_PrintUnformatted(j);
+    cli_json_line(j);
+}
+
+void cli_json_line(cJSON *j)
+{
+    char *s = j ? cJSON_PrintUnformatted(j) : NULL;
     if (s) {
         fputs(s, stdout);
         fputc('\n', stdout);

@@ -35,14 +35,7 @@ static void on_event(void *user, const bk_event *ev)
         cJSON_AddStringToObject(j, "event", ev->kind == BK_EV_DONE ? "done" : "note");
         cJSON_AddStringToObject(j, ev->kind == BK_EV_DONE ? "out" : "message", msg);
         cJSON_AddNumberToObject(j, "elapsed_s", ev->elapsed_s);
-        char *s = cJSON_PrintUnformatted(j);
-        if (s) {
-            fputs(s, stdout);
-            fputc('\n', stdout);
-            fflush(stdout);
-            free(s);
-        }
-        cJSON_Delete(j);
+        cli_json_line(j);
         return;
     }
     /* the output folder, notes naming paths: escaped (cli_esc) */

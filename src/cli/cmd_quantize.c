@@ -755,14 +755,7 @@ static void on_event(void *user, const bk_event *ev)
         cJSON_AddNumberToObject(t, "io", ev->t_io);
         if (ev->message)
             cJSON_AddStringToObject(j, "message", ev->message);
-        char *s = cJSON_PrintUnformatted(j);
-        if (s) {
-            fputs(s, stdout);
-            fputc('\n', stdout);
-            fflush(stdout);
-            free(s);
-        }
-        cJSON_Delete(j);
+        cli_json_line(j);
         return;
     }
     char el[32], et[32];
